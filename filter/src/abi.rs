@@ -1,0 +1,201 @@
+//! proxy-wasm ABI v0.2.1: raw host imports and safe wrappers. Nothing here knows about caching.
+
+use crate::headermap::deserialize_map;
+use crate::store::SharedData;
+
+pub use crate::headermap::serialize_map;
+
+pub const STATUS_OK: u32 = 0;
+
+#[derive(Clone, Copy)]
+#[repr(u32)]
+pub enum LogLevel {
+    Info = 2,
+    Warn = 3,
+    Error = 4,
+}
+
+#[derive(Clone, Copy)]
+#[repr(u32)]
+pub enum Buffer {
+    RequestBody = 0,
+    ResponseBody = 1,
+    PluginConfiguration = 7,
+}
+
+#[derive(Clone, Copy)]
+#[repr(u32)]
+pub enum Map {
+    RequestHeaders = 0,
+    ResponseHeaders = 2,
+    ResponseTrailers = 3,
+}
+
+#[derive(Clone, Copy)]
+#[repr(u32)]
+pub enum MetricKind {
+    Counter = 0,
+    Gauge = 1,
+}
+
+extern "C" {
+    fn proxy_log(level: u32, ptr: *const u8, len: usize) -> u32;
+    fn proxy_get_current_time_nanoseconds(out: *mut u64) -> u32;
+    fn proxy_get_buffer_bytes(kind: u32, start: usize, max: usize, out_ptr: *mut *mut u8, out_len: *mut usize) -> u32;
+    fn proxy_get_header_map_pairs(map: u32, out_ptr: *mut *mut u8, out_len: *mut usize) -> u32;
+    fn proxy_get_header_map_value(map: u32, k: *const u8, kl: usize, out_ptr: *mut *mut u8, out_len: *mut usize) -> u32;
+    fn proxy_replace_header_map_value(map: u32, k: *const u8, kl: usize, v: *const u8, vl: usize) -> u32;
+    fn proxy_remove_header_map_value(map: u32, k: *const u8, kl: usize) -> u32;
+    fn proxy_send_local_response(
+        status: u32, details: *const u8, details_len: usize, body: *const u8, body_len: usize,
+        headers: *const u8, headers_len: usize, grpc_status: i32,
+    ) -> u32;
+    fn proxy_get_shared_data(k: *const u8, kl: usize, out_ptr: *mut *mut u8, out_len: *mut usize, cas: *mut u32) -> u32;
+    fn proxy_set_shared_data(k: *const u8, kl: usize, v: *const u8, vl: usize, cas: u32) -> u32;
+    fn proxy_get_property(path: *const u8, path_len: usize, out_ptr: *mut *mut u8, out_len: *mut usize) -> u32;
+    fn proxy_define_metric(kind: u32, name: *const u8, name_len: usize, out_id: *mut u32) -> u32;
+    fn proxy_increment_metric(id: u32, delta: i64) -> u32;
+    fn proxy_record_metric(id: u32, value: u64) -> u32;
+}
+
+/// The host allocates returned data through this export; we own it afterwards.
+#[no_mangle]
+pub extern "C" fn proxy_on_memory_allocate(size: usize) -> *mut u8 {
+    let mut v: Vec<u8> = Vec::with_capacity(size);
+    let p = v.as_mut_ptr();
+    std::mem::forget(v);
+    p
+}
+
+#[no_mangle]
+pub extern "C" fn proxy_abi_version_0_2_1() {}
+
+/// Takes ownership of a host-returned buffer allocated by `proxy_on_memory_allocate`.
+unsafe fn owned(ptr: *mut u8, len: usize) -> Vec<u8> {
+    if ptr.is_null() || len == 0 {
+        if !ptr.is_null() {
+            drop(Vec::from_raw_parts(ptr, 0, 0));
+        }
+        return Vec::new();
+    }
+    Vec::from_raw_parts(ptr, len, len)
+}
+
+pub fn log(level: LogLevel, msg: &str) {
+    unsafe {
+        proxy_log(level as u32, msg.as_ptr(), msg.len());
+    }
+}
+
+pub fn now_ms() -> u64 {
+    let mut t: u64 = 0;
+    unsafe {
+        proxy_get_current_time_nanoseconds(&mut t);
+    }
+    t / 1_000_000
+}
+
+pub fn buffer(kind: Buffer, start: usize, max: usize) -> Option<Vec<u8>> {
+    let mut p: *mut u8 = std::ptr::null_mut();
+    let mut l: usize = 0;
+    let rc = unsafe { proxy_get_buffer_bytes(kind as u32, start, max, &mut p, &mut l) };
+    if rc != STATUS_OK {
+        return None;
+    }
+    Some(unsafe { owned(p, l) })
+}
+
+pub fn headers(map: Map) -> Vec<(String, String)> {
+    let mut p: *mut u8 = std::ptr::null_mut();
+    let mut l: usize = 0;
+    let rc = unsafe { proxy_get_header_map_pairs(map as u32, &mut p, &mut l) };
+    if rc != STATUS_OK {
+        return Vec::new();
+    }
+    deserialize_map(&unsafe { owned(p, l) })
+}
+
+pub fn header(map: Map, name: &str) -> Option<String> {
+    let mut p: *mut u8 = std::ptr::null_mut();
+    let mut l: usize = 0;
+    let rc = unsafe { proxy_get_header_map_value(map as u32, name.as_ptr(), name.len(), &mut p, &mut l) };
+    if rc != STATUS_OK {
+        return None;
+    }
+    String::from_utf8(unsafe { owned(p, l) }).ok()
+}
+
+pub fn set_header(map: Map, name: &str, value: &str) {
+    unsafe {
+        proxy_replace_header_map_value(map as u32, name.as_ptr(), name.len(), value.as_ptr(), value.len());
+    }
+}
+
+pub fn remove_header(map: Map, name: &str) {
+    unsafe {
+        proxy_remove_header_map_value(map as u32, name.as_ptr(), name.len());
+    }
+}
+
+/// `grpc_status` -1 leaves the reply as plain HTTP.
+pub fn send_local_response(status: u32, details: &str, body: &[u8], headers: &[(&str, &str)], grpc_status: i32) -> bool {
+    let h = serialize_map(headers);
+    let rc = unsafe {
+        proxy_send_local_response(status, details.as_ptr(), details.len(), body.as_ptr(), body.len(), h.as_ptr(), h.len(), grpc_status)
+    };
+    rc == STATUS_OK
+}
+
+pub fn property(path: &[&str]) -> Option<Vec<u8>> {
+    let joined = path.join("\0");
+    let mut p: *mut u8 = std::ptr::null_mut();
+    let mut l: usize = 0;
+    let rc = unsafe { proxy_get_property(joined.as_ptr(), joined.len(), &mut p, &mut l) };
+    if rc != STATUS_OK {
+        return None;
+    }
+    Some(unsafe { owned(p, l) })
+}
+
+pub fn define_metric(kind: MetricKind, name: &str) -> Option<u32> {
+    let mut id: u32 = 0;
+    let rc = unsafe { proxy_define_metric(kind as u32, name.as_ptr(), name.len(), &mut id) };
+    if rc == STATUS_OK {
+        Some(id)
+    } else {
+        None
+    }
+}
+
+pub fn increment_metric(id: u32, delta: i64) {
+    unsafe {
+        proxy_increment_metric(id, delta);
+    }
+}
+
+pub fn record_metric(id: u32, value: u64) {
+    unsafe {
+        proxy_record_metric(id, value);
+    }
+}
+
+/// Envoy's process-wide shared data for this vm_id.
+pub struct HostShared;
+
+impl SharedData for HostShared {
+    fn get(&self, key: &str) -> Option<(Vec<u8>, u32)> {
+        let mut p: *mut u8 = std::ptr::null_mut();
+        let mut l: usize = 0;
+        let mut cas: u32 = 0;
+        let rc = unsafe { proxy_get_shared_data(key.as_ptr(), key.len(), &mut p, &mut l, &mut cas) };
+        if rc != STATUS_OK {
+            return None;
+        }
+        Some((unsafe { owned(p, l) }, cas))
+    }
+
+    fn set(&self, key: &str, value: &[u8], cas: u32) -> bool {
+        let rc = unsafe { proxy_set_shared_data(key.as_ptr(), key.len(), value.as_ptr(), value.len(), cas) };
+        rc == STATUS_OK
+    }
+}

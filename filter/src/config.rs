@@ -1,0 +1,324 @@
+//! Plugin configuration: the JSON the control plane pushes, parsed and validated.
+//!
+//! Validation names the offending field so the one log line Envoy shows is actionable.
+//! Unknown fields are ignored so newer control planes can add fields safely.
+
+use serde_json::{Map, Value};
+use std::fmt;
+
+pub const DEFAULT_MAX_ENTRY_BYTES: u64 = 1_048_576;
+pub const DEFAULT_MAX_TOTAL_BYTES: u64 = 67_108_864;
+pub const DEFAULT_MAX_ENTRIES: u64 = 16_384;
+/// Hard ceilings so a bad push cannot ask Envoy for unbounded memory.
+pub const LIMIT_MAX_ENTRY_BYTES: u64 = 64 * 1_048_576;
+pub const LIMIT_MAX_TOTAL_BYTES: u64 = 16 * 1_073_741_824;
+pub const LIMIT_MAX_ENTRIES: u64 = 1_048_576;
+pub const LIMIT_POLICIES: usize = 4096;
+pub const LIMIT_PREFIX_LEN: usize = 256;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Scope {
+    Shared,
+    Principal,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct Policy {
+    pub model_prefix: String,
+    pub ttl_s: u64,
+    pub max_ttl_s: u64,
+    pub generation: u64,
+    /// Lowercase, sorted, deduplicated: the response hash walks them in ascending order.
+    pub hash_headers: Vec<String>,
+    /// Lowercase, in configured order.
+    pub vary_headers: Vec<String>,
+    pub scope: Scope,
+    pub enabled: bool,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct Limits {
+    pub max_entry_bytes: u64,
+    pub max_total_bytes: u64,
+    pub max_entries: u32,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct Config {
+    pub version: String,
+    pub color: String,
+    pub limits: Limits,
+    /// Sorted by descending prefix length so the first match is the longest.
+    pub policies: Vec<Policy>,
+}
+
+/// What a root context is configured to be.
+#[derive(Clone, Debug, PartialEq)]
+pub enum PluginConfig {
+    /// The cache filter in the request path.
+    Cache(Config),
+    /// The responder behind the internal listener that serves gRPC hits.
+    Stub,
+}
+
+#[derive(Debug, PartialEq)]
+pub struct ConfigError {
+    pub field: String,
+    pub reason: String,
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        write!(f, "invalid plugin configuration: {}: {}", self.field, self.reason)
+    }
+}
+
+fn err(field: &str, reason: &str) -> ConfigError {
+    ConfigError { field: field.to_string(), reason: reason.to_string() }
+}
+
+impl Config {
+    pub fn empty() -> Config {
+        Config {
+            version: String::new(),
+            color: String::new(),
+            limits: Limits {
+                max_entry_bytes: DEFAULT_MAX_ENTRY_BYTES,
+                max_total_bytes: DEFAULT_MAX_TOTAL_BYTES,
+                max_entries: DEFAULT_MAX_ENTRIES as u32,
+            },
+            policies: Vec::new(),
+        }
+    }
+
+    /// The enabled policy with the longest prefix matching `model`.
+    pub fn policy_for(&self, model: &str) -> Option<&Policy> {
+        self.policies.iter().find(|p| model.starts_with(p.model_prefix.as_str())).filter(|p| p.enabled)
+    }
+}
+
+pub fn parse_plugin_config(bytes: &[u8]) -> Result<PluginConfig, ConfigError> {
+    if bytes.iter().all(|b| b.is_ascii_whitespace()) {
+        return Ok(PluginConfig::Cache(Config::empty()));
+    }
+    let value: Value = serde_json::from_slice(bytes).map_err(|e| err("(document)", &format!("not valid JSON: {}", e)))?;
+    let obj = value.as_object().ok_or_else(|| err("(document)", "must be a JSON object"))?;
+    if let Some(role) = obj.get("role") {
+        match role.as_str() {
+            Some("stub") => return Ok(PluginConfig::Stub),
+            Some("cache") => {}
+            _ => return Err(err("role", "must be \"cache\" or \"stub\"")),
+        }
+    }
+    parse_config(obj).map(PluginConfig::Cache)
+}
+
+fn parse_config(obj: &Map<String, Value>) -> Result<Config, ConfigError> {
+    let version = opt_string(obj, "version", "version")?.unwrap_or_default();
+    let color = opt_string(obj, "color", "color")?.unwrap_or_default();
+    let max_entry_bytes = opt_uint(obj, "max_entry_bytes", "max_entry_bytes")?.unwrap_or(DEFAULT_MAX_ENTRY_BYTES);
+    let max_total_bytes = opt_uint(obj, "max_total_bytes", "max_total_bytes")?.unwrap_or(DEFAULT_MAX_TOTAL_BYTES);
+    let max_entries = opt_uint(obj, "max_entries", "max_entries")?.unwrap_or(DEFAULT_MAX_ENTRIES);
+    if max_entry_bytes == 0 || max_entry_bytes > LIMIT_MAX_ENTRY_BYTES {
+        return Err(err("max_entry_bytes", &format!("must be between 1 and {}", LIMIT_MAX_ENTRY_BYTES)));
+    }
+    if max_total_bytes < max_entry_bytes || max_total_bytes > LIMIT_MAX_TOTAL_BYTES {
+        return Err(err("max_total_bytes", &format!("must be between max_entry_bytes and {}", LIMIT_MAX_TOTAL_BYTES)));
+    }
+    if max_entries == 0 || max_entries > LIMIT_MAX_ENTRIES {
+        return Err(err("max_entries", &format!("must be between 1 and {}", LIMIT_MAX_ENTRIES)));
+    }
+    let mut policies = Vec::new();
+    match obj.get("policies") {
+        None | Some(Value::Null) => {}
+        Some(Value::Array(items)) => {
+            if items.len() > LIMIT_POLICIES {
+                return Err(err("policies", &format!("at most {} policies", LIMIT_POLICIES)));
+            }
+            for (i, item) in items.iter().enumerate() {
+                let field = format!("policies[{}]", i);
+                let p = item.as_object().ok_or_else(|| err(&field, "must be an object"))?;
+                let policy = parse_policy(p, &field)?;
+                if policies.iter().any(|q: &Policy| q.model_prefix == policy.model_prefix) {
+                    return Err(err(&format!("{}.model_prefix", field), "duplicate prefix"));
+                }
+                policies.push(policy);
+            }
+        }
+        Some(_) => return Err(err("policies", "must be an array")),
+    }
+    policies.sort_by(|a, b| b.model_prefix.len().cmp(&a.model_prefix.len()).then(a.model_prefix.cmp(&b.model_prefix)));
+    Ok(Config {
+        version,
+        color,
+        limits: Limits { max_entry_bytes, max_total_bytes, max_entries: max_entries as u32 },
+        policies,
+    })
+}
+
+fn parse_policy(p: &Map<String, Value>, field: &str) -> Result<Policy, ConfigError> {
+    let f = |name: &str| format!("{}.{}", field, name);
+    let model_prefix = opt_string(p, "model_prefix", &f("model_prefix"))?
+        .ok_or_else(|| err(&f("model_prefix"), "is required"))?;
+    if model_prefix.is_empty() {
+        return Err(err(&f("model_prefix"), "must not be empty"));
+    }
+    if model_prefix.len() > LIMIT_PREFIX_LEN {
+        return Err(err(&f("model_prefix"), &format!("longer than {} bytes", LIMIT_PREFIX_LEN)));
+    }
+    let ttl_s = opt_uint(p, "ttl_s", &f("ttl_s"))?.ok_or_else(|| err(&f("ttl_s"), "is required"))?;
+    let max_ttl_s = opt_uint(p, "max_ttl_s", &f("max_ttl_s"))?.unwrap_or(ttl_s);
+    if max_ttl_s < ttl_s {
+        return Err(err(&f("max_ttl_s"), "must be at least ttl_s"));
+    }
+    let generation = opt_uint(p, "generation", &f("generation"))?.unwrap_or(0);
+    let mut hash_headers = opt_header_list(p, "hash_headers", &f("hash_headers"))?
+        .unwrap_or_else(|| vec!["content-type".to_string(), "x-model-id".to_string()]);
+    hash_headers.sort();
+    hash_headers.dedup();
+    let vary_headers = opt_header_list(p, "vary_headers", &f("vary_headers"))?.unwrap_or_default();
+    let scope = match opt_string(p, "scope", &f("scope"))?.as_deref() {
+        None | Some("shared") => Scope::Shared,
+        Some("principal") => Scope::Principal,
+        Some(other) => return Err(err(&f("scope"), &format!("unknown scope {:?} (expected \"shared\" or \"principal\")", other))),
+    };
+    let enabled = match p.get("enabled") {
+        None | Some(Value::Null) => true,
+        Some(Value::Bool(b)) => *b,
+        Some(_) => return Err(err(&f("enabled"), "must be a boolean")),
+    };
+    Ok(Policy { model_prefix, ttl_s, max_ttl_s, generation, hash_headers, vary_headers, scope, enabled })
+}
+
+fn opt_string(obj: &Map<String, Value>, key: &str, field: &str) -> Result<Option<String>, ConfigError> {
+    match obj.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) => Ok(Some(s.clone())),
+        Some(_) => Err(err(field, "must be a string")),
+    }
+}
+
+fn opt_uint(obj: &Map<String, Value>, key: &str, field: &str) -> Result<Option<u64>, ConfigError> {
+    match obj.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::Number(n)) => match n.as_u64() {
+            Some(v) => Ok(Some(v)),
+            None => Err(err(field, "must be a non-negative integer")),
+        },
+        Some(_) => Err(err(field, "must be a non-negative integer")),
+    }
+}
+
+fn opt_header_list(obj: &Map<String, Value>, key: &str, field: &str) -> Result<Option<Vec<String>>, ConfigError> {
+    match obj.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::Array(items)) => {
+            let mut out = Vec::with_capacity(items.len());
+            for (i, item) in items.iter().enumerate() {
+                let name = item.as_str().ok_or_else(|| err(&format!("{}[{}]", field, i), "must be a string"))?;
+                if name.is_empty() || !name.bytes().all(is_header_name_byte) {
+                    return Err(err(&format!("{}[{}]", field, i), "must be a header name token"));
+                }
+                out.push(name.to_ascii_lowercase());
+            }
+            Ok(Some(out))
+        }
+        Some(_) => Err(err(field, "must be an array of header names")),
+    }
+}
+
+fn is_header_name_byte(b: u8) -> bool {
+    b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cache(json: &str) -> Config {
+        match parse_plugin_config(json.as_bytes()).unwrap() {
+            PluginConfig::Cache(c) => c,
+            PluginConfig::Stub => panic!("stub"),
+        }
+    }
+
+    fn error(json: &str) -> ConfigError {
+        parse_plugin_config(json.as_bytes()).unwrap_err()
+    }
+
+    #[test]
+    fn full_example_parses() {
+        let c = cache(r#"{"version": "7", "color": "", "max_entry_bytes": 1048576, "max_total_bytes": 67108864,
+            "max_entries": 16384, "policies": [{"model_prefix": "llama3-70b", "ttl_s": 300, "max_ttl_s": 1800,
+            "generation": 0, "hash_headers": ["content-type", "x-model-id"], "vary_headers": [],
+            "scope": "shared", "enabled": true}]}"#);
+        assert_eq!(c.version, "7");
+        assert_eq!(c.limits.max_entries, 16384);
+        let p = &c.policies[0];
+        assert_eq!((p.ttl_s, p.max_ttl_s, p.scope), (300, 1800, Scope::Shared));
+    }
+
+    #[test]
+    fn defaults_apply() {
+        let c = cache(r#"{"policies": [{"model_prefix": "m", "ttl_s": 5}]}"#);
+        let p = &c.policies[0];
+        assert_eq!(p.max_ttl_s, 5);
+        assert_eq!(p.generation, 0);
+        assert_eq!(p.hash_headers, vec!["content-type", "x-model-id"]);
+        assert!(p.vary_headers.is_empty());
+        assert_eq!(p.scope, Scope::Shared);
+        assert!(p.enabled);
+        assert_eq!(c.limits, Config::empty().limits);
+        assert_eq!(c.color, "");
+    }
+
+    #[test]
+    fn longest_prefix_wins_and_disabled_means_none() {
+        let c = cache(r#"{"policies": [{"model_prefix": "llama", "ttl_s": 1},
+            {"model_prefix": "llama3-70b", "ttl_s": 2}, {"model_prefix": "off", "ttl_s": 3, "enabled": false}]}"#);
+        assert_eq!(c.policy_for("llama3-70b-chat").unwrap().ttl_s, 2);
+        assert_eq!(c.policy_for("llama2").unwrap().ttl_s, 1);
+        assert!(c.policy_for("mistral").is_none());
+        assert!(c.policy_for("off-model").is_none());
+    }
+
+    #[test]
+    fn hash_headers_are_normalised() {
+        let c = cache(r#"{"policies": [{"model_prefix": "m", "ttl_s": 1, "hash_headers": ["X-B", "a", "x-b"]}]}"#);
+        assert_eq!(c.policies[0].hash_headers, vec!["a", "x-b"]);
+    }
+
+    #[test]
+    fn errors_name_the_field() {
+        let cases = [
+            (r#"{"policies": [{"model_prefix": "m", "ttl_s": -1}]}"#, "policies[0].ttl_s"),
+            (r#"{"policies": [{"model_prefix": "m", "ttl_s": "5"}]}"#, "policies[0].ttl_s"),
+            (r#"{"policies": [{"model_prefix": "m", "ttl_s": 10, "max_ttl_s": 5}]}"#, "policies[0].max_ttl_s"),
+            (r#"{"policies": [{"model_prefix": "", "ttl_s": 1}]}"#, "policies[0].model_prefix"),
+            (r#"{"policies": [{"model_prefix": "m", "ttl_s": 1, "scope": "global"}]}"#, "policies[0].scope"),
+            (r#"{"policies": [{"model_prefix": "m", "ttl_s": 1, "enabled": "yes"}]}"#, "policies[0].enabled"),
+            (r#"{"policies": [{"model_prefix": "m", "ttl_s": 1, "vary_headers": ["bad header"]}]}"#, "policies[0].vary_headers[0]"),
+            (r#"{"policies": [{"model_prefix": "m", "ttl_s": 1}, {"model_prefix": "m", "ttl_s": 2}]}"#, "policies[1].model_prefix"),
+            (r#"{"version": 7}"#, "version"),
+            (r#"{"max_entries": 0}"#, "max_entries"),
+            (r#"{"max_entry_bytes": 10, "max_total_bytes": 5}"#, "max_total_bytes"),
+            (r#"{"policies": {}}"#, "policies"),
+            (r#"[1]"#, "(document)"),
+            (r#"{"#, "(document)"),
+        ];
+        for (json, field) in cases.iter() {
+            let e = error(json);
+            assert_eq!(&e.field, field, "{}", json);
+            assert!(e.to_string().contains(field));
+        }
+    }
+
+    #[test]
+    fn unknown_fields_ignored_and_roles() {
+        let c = cache(r#"{"surprise": 1, "policies": [{"model_prefix": "m", "ttl_s": 1, "extra": [1]}]}"#);
+        assert_eq!(c.policies.len(), 1);
+        assert_eq!(parse_plugin_config(br#"{"role": "stub"}"#).unwrap(), PluginConfig::Stub);
+        assert_eq!(parse_plugin_config(b"").unwrap(), PluginConfig::Cache(Config::empty()));
+        assert_eq!(error(r#"{"role": "x"}"#).field, "role");
+    }
+}

@@ -1,0 +1,145 @@
+//! A cached response and its compact binary encoding in shared data.
+
+use crate::hashing::KeyDigest;
+
+const MAGIC: &[u8; 3] = b"MC1";
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct Entry {
+    pub key: KeyDigest,
+    pub stored_at_ms: u64,
+    pub expires_at_ms: u64,
+    pub status: u16,
+    /// A gRPC entry's body is the response message without its 5-byte frame header.
+    pub grpc: bool,
+    pub response_hash: String,
+    /// Response headers replayed on a hit (hop-by-hop and per-response headers removed).
+    pub headers: Vec<(String, String)>,
+    pub body: Vec<u8>,
+}
+
+impl Entry {
+    pub fn encode(&self) -> Vec<u8> {
+        let header_bytes: usize = self.headers.iter().map(|(n, v)| 6 + n.len() + v.len()).sum();
+        let mut out = Vec::with_capacity(64 + self.response_hash.len() + header_bytes + self.body.len());
+        out.extend_from_slice(MAGIC);
+        out.extend_from_slice(&self.key);
+        out.extend_from_slice(&self.stored_at_ms.to_be_bytes());
+        out.extend_from_slice(&self.expires_at_ms.to_be_bytes());
+        out.extend_from_slice(&self.status.to_be_bytes());
+        out.push(self.grpc as u8);
+        out.push(self.response_hash.len() as u8);
+        out.extend_from_slice(self.response_hash.as_bytes());
+        out.extend_from_slice(&(self.headers.len() as u16).to_be_bytes());
+        for (name, value) in &self.headers {
+            out.extend_from_slice(&(name.len() as u16).to_be_bytes());
+            out.extend_from_slice(name.as_bytes());
+            out.extend_from_slice(&(value.len() as u32).to_be_bytes());
+            out.extend_from_slice(value.as_bytes());
+        }
+        out.extend_from_slice(&(self.body.len() as u32).to_be_bytes());
+        out.extend_from_slice(&self.body);
+        out
+    }
+
+    pub fn decode(buf: &[u8]) -> Option<Entry> {
+        let mut r = Reader { buf };
+        if r.take(3)? != MAGIC {
+            return None;
+        }
+        let mut key = [0u8; 32];
+        key.copy_from_slice(r.take(32)?);
+        let stored_at_ms = r.u64()?;
+        let expires_at_ms = r.u64()?;
+        let status = r.u16()?;
+        let grpc = r.take(1)?[0] != 0;
+        let hash_len = r.take(1)?[0] as usize;
+        let response_hash = r.string(hash_len)?;
+        let n = r.u16()? as usize;
+        let mut headers = Vec::with_capacity(n);
+        for _ in 0..n {
+            let nl = r.u16()? as usize;
+            let name = r.string(nl)?;
+            let vl = r.u32()? as usize;
+            headers.push((name, r.string(vl)?));
+        }
+        let bl = r.u32()? as usize;
+        let body = r.take(bl)?.to_vec();
+        if !r.buf.is_empty() {
+            return None;
+        }
+        Some(Entry { key, stored_at_ms, expires_at_ms, status, grpc, response_hash, headers, body })
+    }
+
+    /// The key digest without decoding the rest: a slot is checked before it is unpacked.
+    pub fn peek_key(buf: &[u8]) -> Option<&[u8]> {
+        if buf.len() < 35 || &buf[..3] != MAGIC {
+            return None;
+        }
+        Some(&buf[3..35])
+    }
+}
+
+struct Reader<'a> {
+    buf: &'a [u8],
+}
+
+impl<'a> Reader<'a> {
+    fn take(&mut self, n: usize) -> Option<&'a [u8]> {
+        if self.buf.len() < n {
+            return None;
+        }
+        let (head, tail) = self.buf.split_at(n);
+        self.buf = tail;
+        Some(head)
+    }
+    fn u16(&mut self) -> Option<u16> {
+        let b = self.take(2)?;
+        Some(u16::from_be_bytes([b[0], b[1]]))
+    }
+    fn u32(&mut self) -> Option<u32> {
+        let b = self.take(4)?;
+        Some(u32::from_be_bytes([b[0], b[1], b[2], b[3]]))
+    }
+    fn u64(&mut self) -> Option<u64> {
+        let mut a = [0u8; 8];
+        a.copy_from_slice(self.take(8)?);
+        Some(u64::from_be_bytes(a))
+    }
+    fn string(&mut self, n: usize) -> Option<String> {
+        String::from_utf8(self.take(n)?.to_vec()).ok()
+    }
+}
+
+#[cfg(test)]
+pub fn sample(key_byte: u8, body: &[u8], expires_at_ms: u64) -> Entry {
+    Entry {
+        key: [key_byte; 32],
+        stored_at_ms: 1000,
+        expires_at_ms,
+        status: 200,
+        grpc: false,
+        response_hash: "ab".repeat(32),
+        headers: vec![("content-type".into(), "application/json".into())],
+        body: body.to_vec(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn roundtrip_and_rejects_garbage() {
+        let e = sample(7, b"{\"x\":1}", 5000);
+        let buf = e.encode();
+        assert_eq!(Entry::decode(&buf), Some(e.clone()));
+        assert_eq!(Entry::peek_key(&buf), Some(&[7u8; 32][..]));
+        assert_eq!(Entry::decode(&buf[..buf.len() - 1]), None);
+        let mut longer = buf.clone();
+        longer.push(0);
+        assert_eq!(Entry::decode(&longer), None);
+        assert_eq!(Entry::decode(b"garbage"), None);
+        assert_eq!(Entry::peek_key(b""), None);
+    }
+}

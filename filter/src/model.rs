@@ -1,0 +1,130 @@
+//! Which model a request is for: KServe v2 REST path, `x-model-id`, OpenAI-style JSON body,
+//! or the KServe v2 gRPC ModelInferRequest.
+
+pub const GRPC_MODEL_INFER_PATH: &str = "/inference.GRPCInferenceService/ModelInfer";
+const OPENAI_PATHS: [&str; 3] = ["/v1/chat/completions", "/v1/completions", "/v1/embeddings"];
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ModelRef {
+    pub name: String,
+    pub version: String,
+}
+
+/// Where the model name will come from, decided from the request headers alone.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ModelSource {
+    Known(ModelRef),
+    JsonBody,
+    GrpcBody,
+}
+
+fn strip_query(path: &str) -> &str {
+    path.split('?').next().unwrap_or(path)
+}
+
+pub fn is_grpc(content_type: Option<&str>) -> bool {
+    content_type.map_or(false, |ct| ct.starts_with("application/grpc"))
+}
+
+/// Classifies a POST from its headers; None means "not an inference request we know".
+pub fn source_from_headers(path: &str, content_type: Option<&str>, model_header: Option<&str>) -> Option<ModelSource> {
+    let path = strip_query(path);
+    if is_grpc(content_type) {
+        return if path == GRPC_MODEL_INFER_PATH { Some(ModelSource::GrpcBody) } else { None };
+    }
+    if let Some(m) = kserve_rest_model(path) {
+        return Some(ModelSource::Known(m));
+    }
+    if let Some(name) = model_header.filter(|m| !m.is_empty()) {
+        return Some(ModelSource::Known(ModelRef { name: name.to_string(), version: String::new() }));
+    }
+    if OPENAI_PATHS.contains(&path) {
+        return Some(ModelSource::JsonBody);
+    }
+    None
+}
+
+/// `/v2/models/{model}[/versions/{v}]/infer`
+pub fn kserve_rest_model(path: &str) -> Option<ModelRef> {
+    let rest = path.strip_prefix("/v2/models/")?;
+    let parts: Vec<&str> = rest.split('/').collect();
+    match parts.as_slice() {
+        [name, "infer"] if !name.is_empty() => Some(ModelRef { name: name.to_string(), version: String::new() }),
+        [name, "versions", v, "infer"] if !name.is_empty() && !v.is_empty() => {
+            Some(ModelRef { name: name.to_string(), version: v.to_string() })
+        }
+        _ => None,
+    }
+}
+
+/// The top-level `"model"` string of a JSON object body.
+pub fn model_from_json_body(body: &[u8]) -> Option<ModelRef> {
+    let value: serde_json::Value = serde_json::from_slice(body).ok()?;
+    let name = value.as_object()?.get("model")?.as_str()?;
+    if name.is_empty() {
+        return None;
+    }
+    Some(ModelRef { name: name.to_string(), version: String::new() })
+}
+
+/// `model_name` (field 1) and `model_version` (field 2) of a gRPC-framed ModelInferRequest.
+pub fn model_from_grpc_body(body: &[u8]) -> Option<ModelRef> {
+    let message = crate::grpc::unframe(body)?;
+    let mut name = None;
+    let mut version = String::new();
+    for field in crate::grpc::Fields::new(message) {
+        match field {
+            Ok((1, crate::grpc::Value::Bytes(b))) => name = Some(std::str::from_utf8(b).ok()?.to_string()),
+            Ok((2, crate::grpc::Value::Bytes(b))) => version = std::str::from_utf8(b).ok()?.to_string(),
+            Ok(_) => {}
+            Err(()) => return None,
+        }
+    }
+    name.filter(|n| !n.is_empty()).map(|name| ModelRef { name, version })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn m(name: &str, version: &str) -> ModelRef {
+        ModelRef { name: name.into(), version: version.into() }
+    }
+
+    #[test]
+    fn kserve_paths() {
+        assert_eq!(kserve_rest_model("/v2/models/resnet/infer"), Some(m("resnet", "")));
+        assert_eq!(kserve_rest_model("/v2/models/resnet/versions/3/infer"), Some(m("resnet", "3")));
+        assert_eq!(kserve_rest_model("/v2/models/resnet"), None);
+        assert_eq!(kserve_rest_model("/v2/models//infer"), None);
+        assert_eq!(kserve_rest_model("/v2/models/a/versions//infer"), None);
+    }
+
+    #[test]
+    fn sources() {
+        assert_eq!(source_from_headers("/v2/models/a/infer?x=1", Some("application/json"), None), Some(ModelSource::Known(m("a", ""))));
+        assert_eq!(source_from_headers("/v1/infer", None, Some("mlp")), Some(ModelSource::Known(m("mlp", ""))));
+        assert_eq!(source_from_headers("/v1/chat/completions", Some("application/json"), None), Some(ModelSource::JsonBody));
+        assert_eq!(source_from_headers(GRPC_MODEL_INFER_PATH, Some("application/grpc"), None), Some(ModelSource::GrpcBody));
+        assert_eq!(source_from_headers("/inference.GRPCInferenceService/ServerLive", Some("application/grpc"), None), None);
+        assert_eq!(source_from_headers("/upload", None, None), None);
+    }
+
+    #[test]
+    fn json_body_model() {
+        assert_eq!(model_from_json_body(br#"{"model": "gpt-x", "messages": []}"#), Some(m("gpt-x", "")));
+        assert_eq!(model_from_json_body(br#"{"messages": []}"#), None);
+        assert_eq!(model_from_json_body(br#"{"model": 3}"#), None);
+        assert_eq!(model_from_json_body(b"not json"), None);
+    }
+
+    #[test]
+    fn grpc_body_model() {
+        // field 1 "resnet", field 2 "2", field 3 "id" (ignored), then a framed message.
+        let msg = [&[0x0a, 6][..], b"resnet", &[0x12, 1], b"2", &[0x1a, 2], b"id"].concat();
+        let framed = [&[0u8, 0, 0, 0, msg.len() as u8][..], &msg].concat();
+        assert_eq!(model_from_grpc_body(&framed), Some(m("resnet", "2")));
+        assert_eq!(model_from_grpc_body(&framed[..framed.len() - 1]), None);
+        assert_eq!(model_from_grpc_body(b""), None);
+    }
+}

@@ -1,0 +1,392 @@
+//! The bounded cache over Envoy shared data (process-wide, shared by all worker threads).
+//!
+//! Layout: `max_entries` fixed slots (`meshcache:slot:<i>`, direct-mapped by key digest) and one
+//! accounting record (`meshcache:meta`). The number of keys is bounded by construction; bytes are
+//! bounded by reserving space in the accounting record (compare-and-swap) *before* writing a
+//! slot, evicting with a clock hand when full. Every slot change is paired with exactly one
+//! accounting change by the same writer, and reservations happen first, so the accounted total
+//! is never below what is actually stored.
+
+use crate::config::Limits;
+use crate::entry::Entry;
+use crate::hashing::KeyDigest;
+
+/// Envoy's per-key overhead (map node, key string, cas) approximated into each entry's size.
+pub const SLOT_OVERHEAD: u64 = 64;
+const META_KEY: &str = "meshcache:meta";
+const MAX_CAS_RETRIES: usize = 32;
+const MAX_EVICTIONS_PER_INSERT: usize = 64;
+
+/// Host shared-data operations (Envoy in the filter, a map in tests).
+pub trait SharedData {
+    /// The value and its compare-and-swap token, or None if the key was never set.
+    fn get(&self, key: &str) -> Option<(Vec<u8>, u32)>;
+    /// Sets the value if `cas` is 0 or still current; false on mismatch or failure.
+    fn set(&self, key: &str, value: &[u8], cas: u32) -> bool;
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Meta {
+    pub total_bytes: u64,
+    pub entries: u32,
+    pub hand: u32,
+    /// The slot count the stored entries were placed with.
+    pub slots: u32,
+}
+
+impl Meta {
+    fn encode(&self) -> [u8; 20] {
+        let mut out = [0u8; 20];
+        out[..8].copy_from_slice(&self.total_bytes.to_be_bytes());
+        out[8..12].copy_from_slice(&self.entries.to_be_bytes());
+        out[12..16].copy_from_slice(&self.hand.to_be_bytes());
+        out[16..20].copy_from_slice(&self.slots.to_be_bytes());
+        out
+    }
+
+    fn decode(b: &[u8]) -> Option<Meta> {
+        if b.len() != 20 {
+            return None;
+        }
+        let mut t = [0u8; 8];
+        t.copy_from_slice(&b[..8]);
+        let u = |i: usize| u32::from_be_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
+        Some(Meta { total_bytes: u64::from_be_bytes(t), entries: u(8), hand: u(12), slots: u(16) })
+    }
+}
+
+#[derive(Debug, PartialEq)]
+pub enum Lookup {
+    Hit(Entry),
+    Miss,
+}
+
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Outcome {
+    pub evicted: u32,
+    /// Slots whose content could not be decoded (counted as errors, then cleared).
+    pub corrupt: u32,
+}
+
+#[derive(Debug, PartialEq, Eq)]
+pub enum StoreError {
+    /// Larger than the whole cache, or space could not be reserved in bounded steps.
+    NoSpace,
+    /// Another writer changed the slot or the accounting meanwhile; nothing was stored.
+    Contended,
+}
+
+pub fn slot_key(i: u32) -> String {
+    format!("meshcache:slot:{}", i)
+}
+
+pub fn slot_of(key: &KeyDigest, slots: u32) -> u32 {
+    u32::from_be_bytes([key[0], key[1], key[2], key[3]]) % slots.max(1)
+}
+
+fn stored_size(value_len: usize) -> u64 {
+    if value_len == 0 {
+        0
+    } else {
+        value_len as u64 + SLOT_OVERHEAD
+    }
+}
+
+pub struct Cache<'a, S: SharedData> {
+    pub data: &'a S,
+    pub limits: &'a Limits,
+}
+
+impl<'a, S: SharedData> Cache<'a, S> {
+    pub fn meta(&self) -> (Meta, u32) {
+        match self.data.get(META_KEY) {
+            Some((v, cas)) => (Meta::decode(&v).unwrap_or_default(), cas),
+            None => (Meta::default(), 0),
+        }
+    }
+
+    /// Applies `change` to the accounting record with compare-and-swap; bounded retries.
+    fn update_meta<F: Fn(&mut Meta)>(&self, change: F) -> bool {
+        for _ in 0..MAX_CAS_RETRIES {
+            let (mut m, cas) = self.meta();
+            change(&mut m);
+            if self.data.set(META_KEY, &m.encode(), cas) {
+                return true;
+            }
+        }
+        false
+    }
+
+    /// Empties slot `i` if it still holds exactly `value` (by cas), releasing its bytes.
+    fn clear_slot(&self, i: u32, value_len: usize, cas: u32) -> bool {
+        if value_len == 0 || !self.data.set(&slot_key(i), b"", cas) {
+            return false;
+        }
+        let size = stored_size(value_len);
+        self.update_meta(|m| {
+            m.total_bytes = m.total_bytes.saturating_sub(size);
+            m.entries = m.entries.saturating_sub(1);
+        });
+        true
+    }
+
+    pub fn lookup(&self, key: &KeyDigest, now_ms: u64, out: &mut Outcome) -> Lookup {
+        let i = slot_of(key, self.limits.max_entries);
+        let (value, cas) = match self.data.get(&slot_key(i)) {
+            Some(v) if !v.0.is_empty() => v,
+            _ => return Lookup::Miss,
+        };
+        match Entry::peek_key(&value) {
+            Some(k) if k == &key[..] => {}
+            Some(_) => return Lookup::Miss,
+            None => {
+                out.corrupt += 1;
+                self.clear_slot(i, value.len(), cas);
+                return Lookup::Miss;
+            }
+        }
+        match Entry::decode(&value) {
+            Some(e) if e.expires_at_ms > now_ms => Lookup::Hit(e),
+            Some(_) => {
+                // Expired entries are never served; free the space right away.
+                if self.clear_slot(i, value.len(), cas) {
+                    out.evicted += 1;
+                }
+                Lookup::Miss
+            }
+            None => {
+                out.corrupt += 1;
+                self.clear_slot(i, value.len(), cas);
+                Lookup::Miss
+            }
+        }
+    }
+
+    pub fn insert(&self, entry: &Entry, out: &mut Outcome) -> Result<(), StoreError> {
+        let value = entry.encode();
+        let size = stored_size(value.len());
+        if size > self.limits.max_total_bytes {
+            return Err(StoreError::NoSpace);
+        }
+        let slots = self.limits.max_entries;
+        let i = slot_of(&entry.key, slots);
+        let (old_len, slot_cas) = self.data.get(&slot_key(i)).map_or((0, 0), |(v, c)| (v.len(), c));
+        let old_size = stored_size(old_len);
+        let was_empty = old_len == 0;
+
+        let mut reserved = false;
+        let mut steps = 0;
+        while !reserved && steps < MAX_EVICTIONS_PER_INSERT + MAX_CAS_RETRIES {
+            steps += 1;
+            let (mut m, meta_cas) = self.meta();
+            let new_total = m.total_bytes.saturating_sub(old_size) + size;
+            if new_total <= self.limits.max_total_bytes {
+                m.total_bytes = new_total;
+                m.entries += was_empty as u32;
+                reserved = self.data.set(META_KEY, &m.encode(), meta_cas);
+                continue;
+            }
+            // Full: evict the slot under the clock hand (never our own target slot).
+            let victim = m.hand % slots;
+            m.hand = (victim + 1) % slots;
+            if !self.data.set(META_KEY, &m.encode(), meta_cas) || victim == i {
+                continue;
+            }
+            if let Some((v, c)) = self.data.get(&slot_key(victim)) {
+                if self.clear_slot(victim, v.len(), c) {
+                    out.evicted += 1;
+                }
+            }
+        }
+        if !reserved {
+            return Err(StoreError::NoSpace);
+        }
+        if self.data.set(&slot_key(i), &value, slot_cas) {
+            if !was_empty {
+                out.evicted += 1;
+            }
+            return Ok(());
+        }
+        // Someone else wrote the slot since we read it: give the reservation back.
+        self.update_meta(|m| {
+            m.total_bytes = m.total_bytes.saturating_sub(size) + old_size;
+            m.entries = m.entries.saturating_sub(was_empty as u32);
+        });
+        Err(StoreError::Contended)
+    }
+
+    /// Brings stored data within the current limits after a configuration change: a new slot
+    /// count empties the old slots (their placement no longer matches), a smaller byte budget
+    /// evicts until it fits. Cheap when nothing changed.
+    pub fn reconcile(&self, out: &mut Outcome) {
+        let (m, _) = self.meta();
+        let slots = self.limits.max_entries;
+        if m.slots != slots {
+            for i in 0..m.slots {
+                if let Some((v, c)) = self.data.get(&slot_key(i)) {
+                    if self.clear_slot(i, v.len(), c) {
+                        out.evicted += 1;
+                    }
+                }
+            }
+            self.update_meta(|m| {
+                m.slots = slots;
+                m.hand = 0;
+            });
+        }
+        let mut steps = 0;
+        while self.meta().0.total_bytes > self.limits.max_total_bytes && steps < slots {
+            steps += 1;
+            let victim = steps - 1;
+            if let Some((v, c)) = self.data.get(&slot_key(victim)) {
+                if self.clear_slot(victim, v.len(), c) {
+                    out.evicted += 1;
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+pub mod tests {
+    use super::*;
+    use crate::entry::sample;
+    use std::cell::RefCell;
+    use std::collections::HashMap;
+
+    /// Same semantics as Envoy's shared data: cas 0 = unconditional, a fresh cas per write.
+    #[derive(Default)]
+    pub struct MemShared {
+        map: RefCell<HashMap<String, (Vec<u8>, u32)>>,
+        next: RefCell<u32>,
+    }
+
+    impl SharedData for MemShared {
+        fn get(&self, key: &str) -> Option<(Vec<u8>, u32)> {
+            self.map.borrow().get(key).cloned()
+        }
+        fn set(&self, key: &str, value: &[u8], cas: u32) -> bool {
+            let mut map = self.map.borrow_mut();
+            if let Some((_, current)) = map.get(key) {
+                if cas != 0 && cas != *current {
+                    return false;
+                }
+            }
+            *self.next.borrow_mut() += 1;
+            let c = *self.next.borrow();
+            map.insert(key.to_string(), (value.to_vec(), c));
+            true
+        }
+    }
+
+    impl MemShared {
+        pub fn stored_bytes(&self) -> u64 {
+            self.map.borrow().iter().filter(|(k, _)| k.starts_with("meshcache:slot:")).map(|(_, (v, _))| stored_size(v.len())).sum()
+        }
+        pub fn keys(&self) -> usize {
+            self.map.borrow().len()
+        }
+    }
+
+    fn limits(total: u64, entries: u32) -> Limits {
+        Limits { max_entry_bytes: total, max_total_bytes: total, max_entries: entries }
+    }
+
+    fn key(n: u32) -> KeyDigest {
+        let mut k = [0u8; 32];
+        k[..4].copy_from_slice(&n.to_be_bytes());
+        k[31] = 1;
+        k
+    }
+
+    fn entry(n: u32, body: &[u8], expires: u64) -> Entry {
+        Entry { key: key(n), ..sample(0, body, expires) }
+    }
+
+    #[test]
+    fn insert_then_hit_then_expire() {
+        let shared = MemShared::default();
+        let l = limits(1 << 20, 16);
+        let cache = Cache { data: &shared, limits: &l };
+        let mut out = Outcome::default();
+        cache.reconcile(&mut out);
+        let e = entry(3, b"hello", 2000);
+        cache.insert(&e, &mut out).unwrap();
+        assert_eq!(cache.lookup(&key(3), 1999, &mut out), Lookup::Hit(e));
+        assert_eq!(cache.lookup(&key(4), 1999, &mut out), Lookup::Miss);
+        // Same slot (3 % 16 == 19 % 16), different key: miss, not a wrong answer.
+        assert_eq!(cache.lookup(&key(19), 1999, &mut out), Lookup::Miss);
+        assert_eq!(cache.lookup(&key(3), 2000, &mut out), Lookup::Miss, "expired entries are never served");
+        assert_eq!(cache.meta().0.entries, 0);
+        assert_eq!(cache.meta().0.total_bytes, 0);
+        assert_eq!(out.evicted, 1);
+    }
+
+    #[test]
+    fn memory_bound_holds_when_filled_past_the_limit() {
+        let shared = MemShared::default();
+        let l = limits(20_000, 64);
+        let cache = Cache { data: &shared, limits: &l };
+        let mut out = Outcome::default();
+        cache.reconcile(&mut out);
+        for n in 0..1000u32 {
+            let body = vec![n as u8; 500 + (n as usize * 37) % 2000];
+            let r = cache.insert(&entry(n, &body, u64::MAX), &mut out);
+            assert!(r.is_ok(), "insert {} failed: {:?}", n, r);
+            let (m, _) = cache.meta();
+            assert!(m.total_bytes <= l.max_total_bytes);
+            assert_eq!(m.total_bytes, shared.stored_bytes(), "accounting matches what is stored");
+            assert!(shared.keys() <= 64 + 1);
+        }
+        assert!(out.evicted > 900);
+        // The most recent entry is always retrievable.
+        assert!(matches!(cache.lookup(&key(999), 0, &mut out), Lookup::Hit(_)));
+    }
+
+    #[test]
+    fn oversized_and_contended() {
+        let shared = MemShared::default();
+        let l = limits(1000, 8);
+        let cache = Cache { data: &shared, limits: &l };
+        let mut out = Outcome::default();
+        assert_eq!(cache.insert(&entry(1, &[0u8; 2000], 10), &mut out), Err(StoreError::NoSpace));
+        assert_eq!(cache.meta().0.total_bytes, 0);
+    }
+
+    #[test]
+    fn reconcile_after_shrinking_limits() {
+        let shared = MemShared::default();
+        let big = limits(1 << 20, 32);
+        let mut out = Outcome::default();
+        {
+            let cache = Cache { data: &shared, limits: &big };
+            cache.reconcile(&mut out);
+            for n in 0..32 {
+                cache.insert(&entry(n, &[1u8; 1000], u64::MAX), &mut out).unwrap();
+            }
+            assert_eq!(cache.meta().0.entries, 32);
+        }
+        let fewer_bytes = limits(5000, 32);
+        let cache = Cache { data: &shared, limits: &fewer_bytes };
+        cache.reconcile(&mut out);
+        assert!(cache.meta().0.total_bytes <= 5000);
+        assert_eq!(cache.meta().0.total_bytes, shared.stored_bytes());
+        let fewer_slots = limits(5000, 4);
+        let cache = Cache { data: &shared, limits: &fewer_slots };
+        cache.reconcile(&mut out);
+        assert_eq!(cache.meta().0, Meta { total_bytes: 0, entries: 0, hand: 0, slots: 4 });
+        assert_eq!(shared.stored_bytes(), 0);
+    }
+
+    #[test]
+    fn corrupt_slot_is_a_counted_miss() {
+        let shared = MemShared::default();
+        let l = limits(1 << 20, 4);
+        let cache = Cache { data: &shared, limits: &l };
+        let k = key(2);
+        shared.set(&slot_key(slot_of(&k, 4)), b"junk-junk-junk-junk-junk-junk-junk-junk", 0);
+        let mut out = Outcome::default();
+        assert_eq!(cache.lookup(&k, 0, &mut out), Lookup::Miss);
+        assert_eq!(out.corrupt, 1);
+    }
+}

@@ -1,0 +1,244 @@
+"""Envoy bootstraps with the meshcache filter, rendered from one definition.
+
+The cache proxy's shape (see docs in envoy/README.md):
+- listener `ingress`: header_mutation (drops client copies of the internal hit header even if
+  the VM is down) -> meshcache wasm -> grpc_http1_reverse_bridge (enabled on the hit route only)
+  -> router. gRPC requests go to the gRPC upstream, everything else to the HTTP upstream.
+- gRPC hits: the filter marks the request with `x-meshcache-hit`; the route for that header
+  sends it to cluster `cache_stub`, an internal listener running the same module (same vm_id,
+  so it sees the shared cache) which answers with the stored message; the bridge frames it and
+  adds `grpc-status: 0`. A local reply cannot carry a gRPC body (Envoy makes it trailers-only).
+- With `ecds_port`, the cache filter comes from the control plane over ECDS, with the static
+  plugin config as `default_config` so traffic flows before the control plane is reachable.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from meshcache.wasm_filter import FILTER_NAME, STUB_ROLE_CONFIG, WASM_TYPE_URL, wasm_filter_config
+
+HIT_HEADER = "x-meshcache-hit"
+STUB_LISTENER = "cache_stub_listener"
+BUFFER_LIMIT_BYTES = 16 * 1024 * 1024  # above the filter's max entry/request sizes it buffers
+BRIDGE = "envoy.filters.http.grpc_http1_reverse_bridge"
+BRIDGE_PER_ROUTE = "type.googleapis.com/envoy.extensions.filters.http.grpc_http1_reverse_bridge.v3.FilterConfigPerRoute"
+
+
+@dataclass
+class CacheProxy:
+    listen_port: int
+    admin_port: int
+    http_upstream_port: int
+    grpc_upstream_port: int | None = None
+    wasm_path: Path = Path("/etc/meshcache/meshcache_filter.wasm")
+    plugin_config: dict[str, Any] = field(default_factory=dict)
+    ecds_port: int | None = None
+    node_id: str = "meshcache-sidecar"
+    cluster: str = "meshcache"
+    with_filter: bool = True
+    address: str = "127.0.0.1"
+
+
+def _socket(address: str, port: int) -> dict[str, Any]:
+    return {"socket_address": {"address": address, "port_value": port}}
+
+
+def _cluster(name: str, port: int, http2: bool) -> dict[str, Any]:
+    c: dict[str, Any] = {
+        "name": name,
+        "type": "STATIC",
+        "connect_timeout": "1s",
+        "per_connection_buffer_limit_bytes": BUFFER_LIMIT_BYTES,
+        "load_assignment": {
+            "cluster_name": name,
+            "endpoints": [{"lb_endpoints": [{"endpoint": {"address": _socket("127.0.0.1", port)}}]}],
+        },
+    }
+    if http2:
+        c["typed_extension_protocol_options"] = {
+            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+                "explicit_http_config": {"http2_protocol_options": {}},
+            }
+        }
+    return c
+
+
+def _wasm_http_filter(p: CacheProxy) -> dict[str, Any]:
+    static = {"@type": WASM_TYPE_URL, **wasm_filter_config(p.wasm_path, p.plugin_config)}
+    if p.ecds_port is None:
+        return {"name": FILTER_NAME, "typed_config": static}
+    return {
+        "name": FILTER_NAME,
+        "config_discovery": {
+            "config_source": {
+                "resource_api_version": "V3",
+                "api_config_source": {
+                    "api_type": "GRPC",
+                    "transport_api_version": "V3",
+                    "grpc_services": [{"envoy_grpc": {"cluster_name": "xds_cluster"}}],
+                },
+            },
+            "default_config": static,
+            "apply_default_config_without_warming": True,
+            "type_urls": [WASM_TYPE_URL],
+        },
+    }
+
+
+def _bridge_route(disabled: bool) -> dict[str, Any]:
+    return {BRIDGE: {"@type": BRIDGE_PER_ROUTE, "disabled": disabled}}
+
+
+def _routes(p: CacheProxy) -> list[dict[str, Any]]:
+    routes: list[dict[str, Any]] = []
+    if p.with_filter:
+        routes.append({
+            "name": "meshcache_grpc_hit",
+            "match": {"prefix": "/", "headers": [{"name": HIT_HEADER, "present_match": True}]},
+            "route": {"cluster": "cache_stub", "timeout": "5s"},
+            "typed_per_filter_config": _bridge_route(False),
+        })
+    if p.grpc_upstream_port is not None:
+        routes.append({
+            "name": "grpc",
+            "match": {"prefix": "/", "grpc": {}},
+            "route": {"cluster": "grpc_upstream", "timeout": "60s"},
+            **({"typed_per_filter_config": _bridge_route(True)} if p.with_filter else {}),
+        })
+    routes.append({
+        "name": "http",
+        "match": {"prefix": "/"},
+        "route": {"cluster": "http_upstream", "timeout": "60s"},
+        **({"typed_per_filter_config": _bridge_route(True)} if p.with_filter else {}),
+    })
+    return routes
+
+
+def _hcm(stat_prefix: str, routes: list[dict[str, Any]], http_filters: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "name": "envoy.filters.network.http_connection_manager",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+            "stat_prefix": stat_prefix,
+            "codec_type": "AUTO",
+            "route_config": {"name": stat_prefix, "virtual_hosts": [{"name": stat_prefix, "domains": ["*"], "routes": routes}]},
+            "http_filters": [*http_filters, {
+                "name": "envoy.filters.http.router",
+                "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"},
+            }],
+        },
+    }
+
+
+def render(p: CacheProxy) -> dict[str, Any]:
+    """The bootstrap as a dict (dump with yaml.safe_dump)."""
+    filters: list[dict[str, Any]] = []
+    if p.with_filter:
+        filters = [
+            {
+                "name": "envoy.filters.http.header_mutation",
+                "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.filters.http.header_mutation.v3.HeaderMutation",
+                    "mutations": {"request_mutations": [{"remove": HIT_HEADER}]},
+                },
+            },
+            _wasm_http_filter(p),
+            {
+                "name": BRIDGE,
+                "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.filters.http.grpc_http1_reverse_bridge.v3.FilterConfig",
+                    "content_type": "application/x-protobuf",
+                    "withhold_grpc_frames": True,
+                },
+            },
+        ]
+    listeners: list[dict[str, Any]] = [{
+        "name": "ingress",
+        "address": _socket(p.address, p.listen_port),
+        "per_connection_buffer_limit_bytes": BUFFER_LIMIT_BYTES,
+        "filter_chains": [{"filters": [_hcm("ingress", _routes(p), filters)]}],
+    }]
+    clusters = [_cluster("http_upstream", p.http_upstream_port, http2=False)]
+    if p.grpc_upstream_port is not None:
+        clusters.append(_cluster("grpc_upstream", p.grpc_upstream_port, http2=True))
+    if p.ecds_port is not None:
+        clusters.append(_cluster("xds_cluster", p.ecds_port, http2=True))
+    bootstrap: dict[str, Any] = {
+        "node": {"id": p.node_id, "cluster": p.cluster},
+        "admin": {"address": _socket("127.0.0.1", p.admin_port)},
+        "static_resources": {"listeners": listeners, "clusters": clusters},
+    }
+    if p.with_filter:
+        stub_wasm = {
+            "name": "meshcache_stub",
+            "typed_config": {"@type": WASM_TYPE_URL, **wasm_filter_config(p.wasm_path, STUB_ROLE_CONFIG)},
+        }
+        stub_route = {"match": {"prefix": "/"}, "direct_response": {"status": 503}}
+        listeners.append({
+            "name": STUB_LISTENER,
+            "internal_listener": {},
+            "filter_chains": [{"filters": [_hcm("meshcache_stub", [stub_route], [stub_wasm])]}],
+        })
+        clusters.append({
+            "name": "cache_stub",
+            "connect_timeout": "1s",
+            "load_assignment": {
+                "cluster_name": "cache_stub",
+                "endpoints": [{"lb_endpoints": [{"endpoint": {"address": {
+                    "envoy_internal_address": {"server_listener_name": STUB_LISTENER}}}}]}],
+            },
+        })
+        bootstrap["bootstrap_extensions"] = [{
+            "name": "envoy.bootstrap.internal_listener",
+            "typed_config": {"@type": "type.googleapis.com/envoy.extensions.bootstrap.internal_listener.v3.InternalListener"},
+        }]
+    return bootstrap
+
+
+def write(p: CacheProxy, path: Path) -> Path:
+    path.write_text(yaml.safe_dump(render(p), sort_keys=False))
+    return path
+
+
+EXAMPLE_POLICY = {
+    "version": "1",
+    "color": "",
+    "policies": [{"model_prefix": "", "ttl_s": 60}],
+}
+
+
+def examples(out_dir: Path) -> list[Path]:
+    """The committed reference configs in envoy/ (fixed ports, module under /etc/meshcache)."""
+    demo_config = {
+        "version": "1",
+        "policies": [
+            {"model_prefix": "mlp-classifier", "ttl_s": 300, "max_ttl_s": 1800},
+            {"model_prefix": "resnet-mini", "ttl_s": 300, "max_ttl_s": 1800},
+            {"model_prefix": "text-embedder", "ttl_s": 600, "max_ttl_s": 3600},
+        ],
+    }
+    base = CacheProxy(listen_port=15006, admin_port=15000, http_upstream_port=8000, grpc_upstream_port=8001,
+                      plugin_config=demo_config, address="0.0.0.0")
+    out = [write(base, out_dir / "cache-proxy.yaml")]
+    ecds = CacheProxy(**{**base.__dict__, "ecds_port": 18000})
+    out.append(write(ecds, out_dir / "cache-proxy-ecds.yaml"))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Render the reference Envoy configs into a directory")
+    parser.add_argument("out_dir", type=Path)
+    args = parser.parse_args()
+    for p in examples(args.out_dir):
+        print(p)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,117 @@
+"""A real origin server for the filter tests: HTTP/1.1 and gRPC on loopback, counting calls.
+
+HTTP `POST` answers are deterministic in the request (JSON with a digest of the body) and can
+be shaped by request headers: `x-origin-status`, `x-origin-cache-control`, `x-origin-size`
+(body length), `x-origin-etag`. `GET /calls` returns how many POSTs were served.
+gRPC: `/inference.GRPCInferenceService/ModelInfer` answers with a protobuf message carrying the
+request's model name (field 1) and a digest of the request (field 5 bytes); metadata
+`x-origin-grpc-fail` makes it fail with INVALID_ARGUMENT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import threading
+from concurrent import futures
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import grpc
+
+CALLS = {"http": 0, "grpc": 0}
+LOCK = threading.Lock()
+
+
+def _count(kind: str) -> None:
+    with LOCK:
+        CALLS[kind] += 1
+
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - stdlib signature
+        pass
+
+    def _send(self, status: int, body: bytes, headers: dict[str, str]) -> None:
+        self.send_response(status)
+        for k, v in headers.items():
+            self.send_header(k, v)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self) -> None:
+        if self.path == "/calls":
+            with LOCK:
+                body = json.dumps(CALLS).encode()
+            self._send(200, body, {"Content-Type": "application/json"})
+        else:
+            self._send(404, b"not found", {"Content-Type": "text/plain"})
+
+    def do_POST(self) -> None:
+        length = int(self.headers.get("Content-Length", "0"))
+        data = self.rfile.read(length)
+        _count("http")
+        digest = hashlib.sha256(data).hexdigest()
+        size = self.headers.get("x-origin-size")
+        if size is not None:
+            body = (digest * (int(size) // 64 + 1)).encode()[: int(size)]
+        else:
+            body = json.dumps({"path": self.path, "digest": digest, "model": self.headers.get("x-model-id", "")}).encode()
+        headers = {"Content-Type": "application/json"}
+        if cc := self.headers.get("x-origin-cache-control"):
+            headers["Cache-Control"] = cc
+        if etag := self.headers.get("x-origin-etag"):
+            headers["ETag"] = etag
+        self._send(int(self.headers.get("x-origin-status", "200")), body, headers)
+
+
+def _model_infer(request: bytes, context: grpc.ServicerContext) -> bytes:
+    _count("grpc")
+    if dict(context.invocation_metadata()).get("x-origin-grpc-fail"):
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, "origin asked to fail")
+    # Echo the model_name field (1) and attach a digest (field 5): a deterministic answer.
+    name = b""
+    if len(request) > 2 and request[0] == 0x0A:
+        name = request[2 : 2 + request[1]]
+    digest = hashlib.sha256(request).digest()
+    size = int(dict(context.invocation_metadata()).get("x-origin-size", "0"))
+    payload = digest * (size // 32 + 1) if size else digest
+    payload = payload[: max(size, 32)]
+    return b"\x0a" + bytes([len(name)]) + name + b"\x2a" + _varint(len(payload)) + payload
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        b = n & 0x7F
+        n >>= 7
+        if n:
+            out.append(b | 0x80)
+        else:
+            out.append(b)
+            return bytes(out)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--http-port", type=int, required=True)
+    parser.add_argument("--grpc-port", type=int, required=True)
+    args = parser.parse_args()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+    handler = grpc.method_handlers_generic_handler(
+        "inference.GRPCInferenceService",
+        {"ModelInfer": grpc.unary_unary_rpc_method_handler(_model_infer)},
+    )
+    server.add_generic_rpc_handlers((handler,))
+    server.add_insecure_port(f"127.0.0.1:{args.grpc_port}")
+    server.start()
+    httpd = ThreadingHTTPServer(("127.0.0.1", args.http_port), Handler)
+    httpd.daemon_threads = True
+    httpd.serve_forever()
+
+
+if __name__ == "__main__":
+    main()
