@@ -21,8 +21,10 @@ from typing import Any
 
 import yaml
 
+from meshcache.pki import Identity
 from meshcache.wasm_filter import FILTER_NAME, STUB_ROLE_CONFIG, WASM_TYPE_URL, wasm_filter_config
 
+_ENVOY = "type.googleapis.com/envoy."
 HIT_HEADER = "x-meshcache-hit"
 STUB_LISTENER = "cache_stub_listener"
 BUFFER_LIMIT_BYTES = 16 * 1024 * 1024  # above the filter's max entry/request sizes it buffers
@@ -43,6 +45,10 @@ class CacheProxy:
     cluster: str = "meshcache"
     with_filter: bool = True
     address: str = "127.0.0.1"
+    # Strict mTLS on the listener: TLS 1.3 only, client certificate required, and (when set)
+    # the peer's URI SAN must be one of `allowed_peers`.
+    downstream_tls: Identity | None = None
+    allowed_peers: list[str] = field(default_factory=list)
 
 
 def _socket(address: str, port: int) -> dict[str, Any]:
@@ -63,11 +69,58 @@ def _cluster(name: str, port: int, http2: bool) -> dict[str, Any]:
     if http2:
         c["typed_extension_protocol_options"] = {
             "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-                "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+                "@type": _ENVOY + "extensions.upstreams.http.v3.HttpProtocolOptions",
                 "explicit_http_config": {"http2_protocol_options": {}},
             }
         }
     return c
+
+
+def _tls_params() -> dict[str, Any]:
+    return {"tls_minimum_protocol_version": "TLSv1_3", "tls_maximum_protocol_version": "TLSv1_3"}
+
+
+def _validation(identity: Identity, allowed_peers: list[str]) -> dict[str, Any]:
+    v: dict[str, Any] = {"trusted_ca": {"filename": str(identity.ca)}}
+    if allowed_peers:
+        v["match_typed_subject_alt_names"] = [{"san_type": "URI", "matcher": {"exact": p}} for p in allowed_peers]
+    return v
+
+
+def _certificates(identity: Identity) -> list[dict[str, Any]]:
+    return [{"certificate_chain": {"filename": str(identity.cert)}, "private_key": {"filename": str(identity.key)}}]
+
+
+def downstream_mtls(identity: Identity, allowed_peers: list[str]) -> dict[str, Any]:
+    return {
+        "name": "envoy.transport_sockets.tls",
+        "typed_config": {
+            "@type": _ENVOY + "extensions.transport_sockets.tls.v3.DownstreamTlsContext",
+            "require_client_certificate": True,
+            "common_tls_context": {
+                "tls_params": _tls_params(),
+                "alpn_protocols": ["h2", "http/1.1"],
+                "tls_certificates": _certificates(identity),
+                "validation_context": _validation(identity, allowed_peers),
+            },
+        },
+    }
+
+
+def upstream_mtls(identity: Identity, allowed_peers: list[str], sni: str = "") -> dict[str, Any]:
+    return {
+        "name": "envoy.transport_sockets.tls",
+        "typed_config": {
+            "@type": _ENVOY + "extensions.transport_sockets.tls.v3.UpstreamTlsContext",
+            "sni": sni,
+            "common_tls_context": {
+                "tls_params": _tls_params(),
+                "alpn_protocols": ["h2"],
+                "tls_certificates": _certificates(identity),
+                "validation_context": _validation(identity, allowed_peers),
+            },
+        },
+    }
 
 
 def _wasm_http_filter(p: CacheProxy) -> dict[str, Any]:
@@ -125,13 +178,16 @@ def _hcm(stat_prefix: str, routes: list[dict[str, Any]], http_filters: list[dict
     return {
         "name": "envoy.filters.network.http_connection_manager",
         "typed_config": {
-            "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+            "@type": _ENVOY + "extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
             "stat_prefix": stat_prefix,
             "codec_type": "AUTO",
-            "route_config": {"name": stat_prefix, "virtual_hosts": [{"name": stat_prefix, "domains": ["*"], "routes": routes}]},
+            "route_config": {
+                "name": stat_prefix,
+                "virtual_hosts": [{"name": stat_prefix, "domains": ["*"], "routes": routes}],
+            },
             "http_filters": [*http_filters, {
                 "name": "envoy.filters.http.router",
-                "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"},
+                "typed_config": {"@type": _ENVOY + "extensions.filters.http.router.v3.Router"},
             }],
         },
     }
@@ -145,7 +201,7 @@ def render(p: CacheProxy) -> dict[str, Any]:
             {
                 "name": "envoy.filters.http.header_mutation",
                 "typed_config": {
-                    "@type": "type.googleapis.com/envoy.extensions.filters.http.header_mutation.v3.HeaderMutation",
+                    "@type": _ENVOY + "extensions.filters.http.header_mutation.v3.HeaderMutation",
                     "mutations": {"request_mutations": [{"remove": HIT_HEADER}]},
                 },
             },
@@ -153,17 +209,20 @@ def render(p: CacheProxy) -> dict[str, Any]:
             {
                 "name": BRIDGE,
                 "typed_config": {
-                    "@type": "type.googleapis.com/envoy.extensions.filters.http.grpc_http1_reverse_bridge.v3.FilterConfig",
+                    "@type": _ENVOY + "extensions.filters.http.grpc_http1_reverse_bridge.v3.FilterConfig",
                     "content_type": "application/x-protobuf",
                     "withhold_grpc_frames": True,
                 },
             },
         ]
+    chain: dict[str, Any] = {"filters": [_hcm("ingress", _routes(p), filters)]}
+    if p.downstream_tls is not None:
+        chain["transport_socket"] = downstream_mtls(p.downstream_tls, p.allowed_peers)
     listeners: list[dict[str, Any]] = [{
         "name": "ingress",
         "address": _socket(p.address, p.listen_port),
         "per_connection_buffer_limit_bytes": BUFFER_LIMIT_BYTES,
-        "filter_chains": [{"filters": [_hcm("ingress", _routes(p), filters)]}],
+        "filter_chains": [chain],
     }]
     clusters = [_cluster("http_upstream", p.http_upstream_port, http2=False)]
     if p.grpc_upstream_port is not None:
@@ -197,7 +256,7 @@ def render(p: CacheProxy) -> dict[str, Any]:
         })
         bootstrap["bootstrap_extensions"] = [{
             "name": "envoy.bootstrap.internal_listener",
-            "typed_config": {"@type": "type.googleapis.com/envoy.extensions.bootstrap.internal_listener.v3.InternalListener"},
+            "typed_config": {"@type": _ENVOY + "extensions.bootstrap.internal_listener.v3.InternalListener"},
         }]
     return bootstrap
 

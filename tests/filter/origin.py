@@ -59,7 +59,8 @@ class Handler(BaseHTTPRequestHandler):
         if size is not None:
             body = (digest * (int(size) // 64 + 1)).encode()[: int(size)]
         else:
-            body = json.dumps({"path": self.path, "digest": digest, "model": self.headers.get("x-model-id", "")}).encode()
+            answer = {"path": self.path, "digest": digest, "model": self.headers.get("x-model-id", "")}
+            body = json.dumps(answer).encode()
         headers = {"Content-Type": "application/json"}
         if cc := self.headers.get("x-origin-cache-control"):
             headers["Cache-Control"] = cc

@@ -1,0 +1,97 @@
+"""A real Envoy running the built filter in front of the real test origin, for one test."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import httpx
+
+from meshcache import procs, services
+from meshcache.envoy_config import CacheProxy, write
+from meshcache.paths import FILTER_WASM
+from meshcache.pki import Identity
+
+MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"
+DEFAULT_HASH_HEADERS = ("content-type", "x-model-id")
+
+
+@dataclass
+class Stack:
+    listen_port: int
+    admin_port: int
+    http_port: int
+    grpc_port: int
+    log_dir: Path
+
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.listen_port}{path}"
+
+    def origin_calls(self) -> dict[str, int]:
+        return httpx.get(f"http://127.0.0.1:{self.http_port}/calls", timeout=5).json()
+
+    def stats(self) -> dict[str, int]:
+        """The filter's own metrics, without Envoy's `wasmcustom.` prefix."""
+        raw = services.envoy_stats(self.admin_port, "wasmcustom.meshcache")
+        return {k.removeprefix("wasmcustom."): v for k, v in raw.items()}
+
+    def grpc_infer(self, request: bytes, metadata: tuple[tuple[str, str], ...] = ()) -> tuple[bytes, grpc.Call]:
+        with grpc.insecure_channel(f"127.0.0.1:{self.listen_port}") as channel:
+            call = channel.unary_unary(MODEL_INFER)  # raw bytes in and out: an unmodified grpcio client
+            response, c = call.with_call(request, metadata=metadata, timeout=10)
+            return response, c
+
+
+@contextlib.contextmanager
+def filter_stack(tmp: Path, config: dict[str, Any], concurrency: int = 1,
+                 tls: Identity | None = None, allowed_peers: list[str] | None = None) -> Iterator[Stack]:
+    http_port, grpc_port, listen_port, admin_port = (procs.free_port() for _ in range(4))
+    started: list[procs.Proc] = []
+    with procs.supervised(started):
+        origin = procs.start("origin", [sys.executable, "-m", "tests.filter.origin",
+                                        "--http-port", str(http_port), "--grpc-port", str(grpc_port)], tmp)
+        started.append(origin)
+        procs.wait_until(origin, procs.tcp_open(http_port))
+        procs.wait_until(origin, procs.tcp_open(grpc_port))
+        proxy = CacheProxy(listen_port=listen_port, admin_port=admin_port, http_upstream_port=http_port,
+                           grpc_upstream_port=grpc_port, wasm_path=FILTER_WASM, plugin_config=config,
+                           downstream_tls=tls, allowed_peers=allowed_peers or [])
+        config_path = write(proxy, tmp / "envoy.yaml")
+        started.append(services.start_envoy(config_path, admin_port, tmp, concurrency=concurrency))
+        yield Stack(listen_port, admin_port, http_port, grpc_port, tmp)
+
+
+def expected_hash(
+    body: bytes, headers: httpx.Headers | dict[str, str], names: tuple[str, ...] = DEFAULT_HASH_HEADERS
+) -> str:
+    """The response hash computed independently of the filter, from its definition."""
+    h = hashlib.sha256(len(body).to_bytes(8, "big") + body)
+    lower = {k.lower(): v for k, v in headers.items()}
+    for name in sorted(names):
+        if name in lower:
+            h.update(f"{name}:{lower[name]}\n".encode())
+    return h.hexdigest()
+
+
+def policy(prefix: str = "m", **fields: Any) -> dict[str, Any]:
+    return {"model_prefix": prefix, "ttl_s": 60, **fields}
+
+
+def config(*policies: dict[str, Any], **fields: Any) -> dict[str, Any]:
+    return {"version": "1", "policies": list(policies) or [policy()], **fields}
+
+
+def infer_request(model: str, version: str = "", extra: bytes = b"") -> bytes:
+    """A KServe v2 ModelInferRequest: model_name (1), model_version (2), id (3)."""
+    msg = b"\x0a" + bytes([len(model)]) + model.encode()
+    if version:
+        msg += b"\x12" + bytes([len(version)]) + version.encode()
+    if extra:
+        msg += b"\x1a" + bytes([len(extra)]) + extra
+    return msg

@@ -1,0 +1,230 @@
+"""The filter in a real Envoy, HTTP inference traffic: what is cached, keyed, served and stored."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.filter.stack import config, expected_hash, filter_stack, policy
+
+INFER = "/v2/models/m/infer"
+NOT_STORED = "meshcache; fwd=miss; detail="
+BODY = b'{"inputs": [{"name": "x", "shape": [1, 2], "datatype": "FP32", "data": [1, 2]}]}'
+
+
+def test_second_identical_request_is_a_hit_and_origin_is_not_called(tmp_path: Path) -> None:
+    with filter_stack(tmp_path, config()) as s, httpx.Client() as c:
+        first = c.post(s.url(INFER), content=BODY, headers={"content-type": "application/json"})
+        assert first.status_code == 200
+        assert first.headers["cache-status"] == "meshcache; fwd=miss; stored"
+        h = expected_hash(first.content, {"content-type": "application/json"})
+        assert first.headers["x-response-hash"] == h
+        assert first.headers["etag"] == f'"{h}"'
+
+        second = c.post(s.url(INFER), content=BODY, headers={"content-type": "application/json"})
+        assert second.status_code == 200
+        assert second.content == first.content
+        assert second.headers["cache-status"] == "meshcache; hit; ttl=60"
+        assert second.headers["x-response-hash"] == h
+        assert second.headers["content-type"] == "application/json"
+        assert int(second.headers["age"]) >= 0
+        assert s.origin_calls()["http"] == 1
+        stats = s.stats()
+        assert stats["meshcache.hits"] == 1
+        assert stats["meshcache.misses"] == 1
+        assert stats["meshcache.stores"] == 1
+        assert stats["meshcache.policy.m.hits"] == 1
+        assert stats["meshcache.policy.m.misses"] == 1
+        assert stats["meshcache.entries"] == 1
+        assert stats["meshcache.bytes"] > len(first.content)
+
+
+def test_model_sources_header_and_openai_body(tmp_path: Path) -> None:
+    cfg = config(policy("m"), policy("gpt", ttl_s=30))
+    with filter_stack(tmp_path, cfg) as s, httpx.Client() as c:
+        for _ in range(2):
+            r = c.post(s.url("/v1/infer"), content=b'{"input": [1], "shape": [1]}', headers={"x-model-id": "m-small"})
+        assert r.headers["cache-status"] == "meshcache; hit; ttl=60"
+        chat = b'{"model": "gpt-mini", "messages": [{"role": "user", "content": "hi"}]}'
+        for _ in range(2):
+            r = c.post(s.url("/v1/chat/completions"), content=chat, headers={"content-type": "application/json"})
+        assert r.headers["cache-status"] == "meshcache; hit; ttl=30"
+        no_model = c.post(s.url("/v1/chat/completions"), content=b'{"messages": []}')
+        assert no_model.headers["cache-status"] == "meshcache; fwd=bypass"
+        assert s.origin_calls()["http"] == 3
+
+
+def test_what_shapes_the_answer_gets_its_own_entry(tmp_path: Path) -> None:
+    cfg = config(policy("m", vary_headers=["x-tenant"]), color="inference-2026")
+    with filter_stack(tmp_path, cfg) as s, httpx.Client() as c:
+        variants = [
+            ("/v2/models/m/infer", BODY, {}),
+            ("/v2/models/m/infer", BODY + b" ", {}),
+            ("/v2/models/m2/infer", BODY, {}),
+            ("/v2/models/m/versions/2/infer", BODY, {}),
+            ("/v2/models/m/infer", BODY, {"x-traffic-color": "blue"}),
+            ("/v2/models/m/infer", BODY, {"x-tenant": "a"}),
+            ("/v2/models/m/infer", BODY, {"x-tenant": "b"}),
+        ]
+        for path, body, headers in variants:
+            r = c.post(s.url(path), content=body, headers=headers)
+            assert r.headers["cache-status"] == "meshcache; fwd=miss; stored", (path, headers)
+        for path, body, headers in variants:
+            r = c.post(s.url(path), content=body, headers=headers)
+            assert r.headers["cache-status"].startswith("meshcache; hit"), (path, headers)
+        # The config's colour is the default when the request names none.
+        r = c.post(s.url(INFER), content=BODY, headers={"x-traffic-color": "inference-2026"})
+        assert r.headers["cache-status"].startswith("meshcache; hit")
+        # A header that is not a vary header does not split entries.
+        r = c.post(s.url(INFER), content=BODY, headers={"x-unrelated": "1"})
+        assert r.headers["cache-status"].startswith("meshcache; hit")
+        assert s.origin_calls()["http"] == len(variants)
+
+
+def test_ttl_expiry_and_origin_cache_control(tmp_path: Path) -> None:
+    cfg = config(policy("short", ttl_s=1), policy("m", ttl_s=60, max_ttl_s=120))
+    with filter_stack(tmp_path, cfg) as s, httpx.Client() as c:
+        url = s.url("/v2/models/short/infer")
+        assert c.post(url, content=BODY).headers["cache-status"] == "meshcache; fwd=miss; stored"
+        assert c.post(url, content=BODY).headers["cache-status"] == "meshcache; hit; ttl=1"
+        time.sleep(1.2)
+        expired = c.post(url, content=BODY)
+        assert expired.headers["cache-status"] == "meshcache; fwd=miss; stored", "expired entries are never served"
+        assert s.origin_calls()["http"] == 2
+
+        # Origin max-age beyond max_ttl_s is clamped; s-maxage wins over max-age.
+        for cc, ttl in (("max-age=100000", 120), ("max-age=5, s-maxage=7", 7)):
+            headers = {"x-origin-cache-control": cc}
+            c.post(s.url(INFER), content=cc.encode(), headers=headers)
+            r = c.post(s.url(INFER), content=cc.encode(), headers=headers)
+            assert r.headers["cache-status"] == f"meshcache; hit; ttl={ttl}"
+
+
+@pytest.mark.parametrize(
+    ("request_headers", "first_status", "then_status"),
+    [
+        ({"cache-control": "no-store"}, "meshcache; fwd=bypass", "meshcache; fwd=bypass"),
+        ({"x-origin-cache-control": "no-store"}, NOT_STORED + "no-store", NOT_STORED + "no-store"),
+        ({"x-origin-cache-control": "private, max-age=60"}, NOT_STORED + "private", NOT_STORED + "private"),
+        ({"x-origin-status": "500"}, "meshcache; fwd=miss; detail=status", "meshcache; fwd=miss; detail=status"),
+        ({"x-origin-status": "404"}, "meshcache; fwd=miss; detail=status", "meshcache; fwd=miss; detail=status"),
+        ({"authorization": "Bearer t"}, "meshcache; fwd=bypass", "meshcache; fwd=bypass"),
+    ],
+)
+def test_not_cached(tmp_path: Path, request_headers: dict[str, str], first_status: str, then_status: str) -> None:
+    with filter_stack(tmp_path, config()) as s, httpx.Client() as c:
+        first = c.post(s.url(INFER), content=BODY, headers=request_headers)
+        second = c.post(s.url(INFER), content=BODY, headers=request_headers)
+        assert first.headers["cache-status"] == first_status
+        assert second.headers["cache-status"] == then_status
+        assert "x-response-hash" not in second.headers
+        assert second.status_code == int(request_headers.get("x-origin-status", "200"))
+        assert s.origin_calls()["http"] == 2
+
+
+def test_client_no_cache_refreshes_the_entry(tmp_path: Path) -> None:
+    with filter_stack(tmp_path, config()) as s, httpx.Client() as c:
+        assert c.post(s.url(INFER), content=BODY).headers["cache-status"] == "meshcache; fwd=miss; stored"
+        r = c.post(s.url(INFER), content=BODY, headers={"cache-control": "no-cache"})
+        assert r.headers["cache-status"] == "meshcache; fwd=request; stored"
+        assert c.post(s.url(INFER), content=BODY).headers["cache-status"].startswith("meshcache; hit")
+        assert s.origin_calls()["http"] == 2
+
+
+def test_model_without_policy_and_non_inference_requests(tmp_path: Path) -> None:
+    cfg = config(policy("m"), policy("off", enabled=False))
+    with filter_stack(tmp_path, cfg) as s, httpx.Client() as c:
+        for path in ("/v2/models/other/infer", "/v2/models/off/infer"):
+            for _ in range(2):
+                r = c.post(s.url(path), content=BODY)
+                assert r.headers["cache-status"] == "meshcache; fwd=bypass"
+        assert s.origin_calls()["http"] == 4
+        get = c.get(s.url("/calls"))
+        assert "cache-status" not in get.headers
+        plain_post = c.post(s.url("/upload"), content=b"data")
+        assert "cache-status" not in plain_post.headers
+        assert s.stats()["meshcache.bypasses"] == 4
+
+
+def test_oversized_answers_pass_through_unstored(tmp_path: Path) -> None:
+    with filter_stack(tmp_path, config(max_entry_bytes=1000)) as s, httpx.Client() as c:
+        for _ in range(2):
+            r = c.post(s.url(INFER), content=BODY, headers={"x-origin-size": "5000"})
+            assert r.status_code == 200
+            assert len(r.content) == 5000
+            assert r.headers["cache-status"] == "meshcache; fwd=miss; detail=too-big"
+        small = c.post(s.url(INFER), content=BODY, headers={"x-origin-size": "900"})
+        assert small.headers["cache-status"] == "meshcache; fwd=miss; stored"
+        assert s.origin_calls()["http"] == 3
+
+
+def test_if_none_match_gets_304(tmp_path: Path) -> None:
+    with filter_stack(tmp_path, config()) as s, httpx.Client() as c:
+        etag = c.post(s.url(INFER), content=BODY).headers["etag"]
+        r = c.post(s.url(INFER), content=BODY, headers={"if-none-match": etag})
+        assert r.status_code == 304
+        assert r.content == b""
+        assert r.headers["etag"] == etag
+        assert r.headers["cache-status"].startswith("meshcache; hit")
+        other = c.post(s.url(INFER), content=BODY, headers={"if-none-match": '"something-else"'})
+        assert other.status_code == 200
+        # An origin ETag is kept and is what If-None-Match compares with.
+        c.post(s.url(INFER), content=b"2", headers={"x-origin-etag": '"v7"'})
+        r = c.post(s.url(INFER), content=b"2", headers={"x-origin-etag": '"v7"', "if-none-match": 'W/"v7"'})
+        assert r.status_code == 304
+        assert r.headers["etag"] == '"v7"'
+
+
+def test_client_cannot_forge_the_internal_hit_header(tmp_path: Path) -> None:
+    with filter_stack(tmp_path, config()) as s, httpx.Client() as c:
+        first = c.post(s.url(INFER), content=BODY)
+        forged = {"x-meshcache-hit": "00" * 32}
+        r = c.post(s.url("/v2/models/nopolicy/infer"), content=BODY, headers=forged)
+        assert r.status_code == 200, "went to the origin, not to the stub"
+        assert r.headers["cache-status"] == "meshcache; fwd=bypass"
+        r = c.post(s.url("/upload"), content=BODY, headers=forged)
+        assert r.status_code == 200
+        assert s.origin_calls()["http"] == 3
+        assert first.status_code == 200
+
+
+def test_all_workers_share_one_cache(tmp_path: Path) -> None:
+    with filter_stack(tmp_path, config(), concurrency=2) as s:
+        assert httpx.post(s.url(INFER), content=BODY).headers["cache-status"] == "meshcache; fwd=miss; stored"
+        statuses = set()
+        for _ in range(12):
+            with httpx.Client() as fresh_connection:
+                statuses.add(fresh_connection.post(s.url(INFER), content=BODY).headers["cache-status"])
+        assert all(st.startswith("meshcache; hit; ttl=") for st in statuses), statuses
+        assert s.origin_calls()["http"] == 1
+
+
+def test_memory_bound_holds_after_filling_past_the_limit(tmp_path: Path) -> None:
+    cfg = config(max_entries=8, max_total_bytes=16384, max_entry_bytes=4096)
+    with filter_stack(tmp_path, cfg) as s, httpx.Client() as c:
+        for i in range(40):
+            r = c.post(s.url(INFER), content=f"request {i}".encode(), headers={"x-origin-size": "1500"})
+            assert r.headers["cache-status"] == "meshcache; fwd=miss; stored"
+            stats = s.stats()
+            assert stats["meshcache.bytes"] <= 16384
+            assert stats["meshcache.entries"] <= 8
+        stats = s.stats()
+        assert stats["meshcache.evictions"] >= 30
+        assert stats["meshcache.stores"] == 40
+        # The newest entry is served.
+        r = c.post(s.url(INFER), content=b"request 39", headers={"x-origin-size": "1500"})
+        assert r.headers["cache-status"].startswith("meshcache; hit")
+
+
+def test_invalid_configuration_is_rejected_with_the_field_named(tmp_path: Path) -> None:
+    from meshcache.procs import StartError
+
+    bad = config(policy("m", ttl_s=10, max_ttl_s=5))
+    with pytest.raises(StartError) as err, filter_stack(tmp_path, bad):
+        pass
+    assert "invalid plugin configuration: policies[0].max_ttl_s: must be at least ttl_s" in str(err.value) or (
+        "policies[0].max_ttl_s" in (tmp_path / "envoy.log").read_text()
+    )
