@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import shutil
+import sys
+from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
 import httpx
 
 from meshcache import procs
 from meshcache.paths import envoy_binary
+from meshcache.protos import grpc_predict_v2_pb2_grpc as pb_grpc
 
 
 def start_redis(data_dir: Path, port: int | None = None, name: str = "redis") -> tuple[procs.Proc, int]:
@@ -58,3 +62,64 @@ def envoy_stats(admin_port: int, prefix: str = "") -> dict[str, int]:
         if sep and value.strip().lstrip("-").isdigit():
             out[name] = int(value)
     return out
+
+
+ENGINE_BIN = str(Path(sys.executable).parent / "meshcache-engine")
+
+
+
+@dataclass
+class Engine:
+    """A running meshcache-engine child process and its ports."""
+
+    proc: procs.Proc
+    http_port: int
+    grpc_port: int
+    metrics_port: int
+
+    @property
+    def http_url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    @property
+    def grpc_target(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.metrics_port}/metrics"
+
+    def stub(self) -> pb_grpc.GRPCInferenceServiceStub:
+        return pb_grpc.GRPCInferenceServiceStub(grpc.insecure_channel(self.grpc_target))
+
+
+def start_engine(
+    repo: Path,
+    log_dir: Path,
+    name: str = "engine",
+    extra: list[str] | None = None,
+    env: dict[str, str] | None = None,
+) -> Engine:
+    http_port, grpc_port, metrics_port = procs.free_port(), procs.free_port(), procs.free_port()
+    argv = [
+        ENGINE_BIN,
+        "--model-repository",
+        str(repo),
+        "--host",
+        "127.0.0.1",
+        "--http-port",
+        str(http_port),
+        "--grpc-port",
+        str(grpc_port),
+        "--metrics-port",
+        str(metrics_port),
+        *(extra or []),
+    ]
+    proc = procs.start(name, argv, log_dir, env=env)
+    try:
+        procs.wait_until(proc, procs.http_ok(f"http://127.0.0.1:{http_port}/v2/health/ready"), timeout=60)
+        procs.wait_until(proc, procs.tcp_open(grpc_port), timeout=10, what="serving gRPC")
+    except BaseException:
+        proc.stop()
+        raise
+    return Engine(proc, http_port, grpc_port, metrics_port)

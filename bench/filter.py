@@ -1,0 +1,217 @@
+"""Filter throughput, side by side in one run (`python -m bench.filter`).
+
+For 1 KiB and 64 KiB answers: Envoy proxying to a trivial origin without the filter, the same
+Envoy config with the filter on misses, filter hits, and nginx `proxy_cache` POST hits as the
+outside anchor. HTTP/1.1 with wrk, gRPC with h2load. The trivial origin is nginx answering every
+POST with a static file (for gRPC: a framed message with a `grpc-status: 0` trailer), so the
+proxy, not the origin, is what is measured. Envoy runs with one worker and nginx with one worker
+process, the load generator with one thread: one core each on this 2-core machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from bench.loadgen import LoadResult, h2load, wrk
+from bench.report import table, write_section
+from meshcache import procs, services
+from meshcache.envoy_config import CacheProxy, write
+from meshcache.paths import require_filter_wasm
+
+MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"
+REQUEST_JSON = json.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 32], "data": list(range(32))}]})
+
+FIXED_LUA = """wrk.method = "POST"
+wrk.body = [[{body}]]
+wrk.headers["Content-Type"] = "application/json"
+"""
+# Every request differs, so every request is a miss (and is stored: the full miss path).
+UNIQUE_LUA = """local n = 0
+request = function()
+  n = n + 1
+  return wrk.format("POST", nil, {{["Content-Type"] = "application/json"}}, '{{"id": ' .. n .. ', "x": [[{body}]]}}')
+end
+"""
+
+NGINX_CONF = """worker_processes 1;
+user root;
+daemon off;
+pid {dir}/nginx.pid;
+error_log {dir}/nginx-error.log warn;
+events {{ worker_connections 1024; }}
+http {{
+  access_log off;
+  keepalive_requests 1000000;
+  client_body_buffer_size 128k;
+  proxy_cache_path {dir}/cache levels=1:2 keys_zone=bench:16m max_size=512m inactive=60m use_temp_path=off;
+  server {{
+    listen 127.0.0.1:{http_port};
+    location / {{ error_page 405 =200 /static/reply.json; return 405; }}
+    location /static/ {{ internal; root {dir}; default_type application/json; }}
+  }}
+  server {{
+    listen 127.0.0.1:{grpc_port} http2;
+    http2_max_requests 1000000;
+    location / {{ error_page 405 =200 /static/reply.grpc; return 405; }}
+    location /static/ {{ internal; root {dir}; default_type application/grpc; add_trailer grpc-status 0 always; }}
+  }}
+  server {{
+    listen 127.0.0.1:{cache_port};
+    location / {{
+      proxy_pass http://127.0.0.1:{http_port};
+      proxy_http_version 1.1;
+      proxy_set_header Connection "";
+      proxy_cache bench;
+      proxy_cache_methods POST;
+      proxy_cache_key "$request_uri|$request_body";
+      proxy_cache_valid 200 60m;
+      add_header X-Cache $upstream_cache_status;
+    }}
+  }}
+}}
+"""
+
+
+def grpc_reply(size: int) -> bytes:
+    """A framed protobuf message (field 5, bytes) whose frame is `size` bytes in all."""
+    payload_len = size - 5 - 1 - 3
+    message = b"\x2a" + bytes([0x80 | (payload_len & 0x7F), 0x80 | ((payload_len >> 7) & 0x7F), payload_len >> 14])
+    message += bytes(i % 251 for i in range(payload_len))
+    return b"\x00" + len(message).to_bytes(4, "big") + message
+
+
+def infer_request(model: str) -> bytes:
+    message = b"\x0a" + bytes([len(model)]) + model.encode() + b"\x1a\x05bench"
+    return b"\x00" + len(message).to_bytes(4, "big") + message
+
+
+@dataclass
+class Row:
+    protocol: str
+    size: str
+    mode: str
+    result: LoadResult
+    check: str
+
+
+def run_size(size: int, seconds: int, workdir: Path) -> list[Row]:
+    label = f"{size // 1024} KiB"
+    d = workdir / f"s{size}"
+    (d / "static").mkdir(parents=True)
+    body = json.dumps({"outputs": "x" * size})[:size - 2] + '"}'
+    (d / "static" / "reply.json").write_text(body)
+    (d / "static" / "reply.grpc").write_bytes(grpc_reply(size))
+    ports = {k: procs.free_port() for k in ("http_port", "grpc_port", "cache_port")}
+    (d / "nginx.conf").write_text(NGINX_CONF.format(dir=d, **ports))
+    (d / "fixed.lua").write_text(FIXED_LUA.format(body=REQUEST_JSON))
+    (d / "unique.lua").write_text(UNIQUE_LUA.format(body=REQUEST_JSON))
+    (d / "grpc-request.bin").write_bytes(infer_request("bench-model"))
+    policy = {"version": "bench", "policies": [{"model_prefix": "bench", "ttl_s": 3600}]}
+    rows: list[Row] = []
+    started: list[procs.Proc] = []
+    with procs.supervised(started):
+        nginx = procs.start("nginx", [shutil.which("nginx") or "nginx", "-p", str(d), "-c", str(d / "nginx.conf")], d)
+        started.append(nginx)
+        procs.wait_until(nginx, procs.tcp_open(ports["cache_port"]))
+        envoys = {}
+        for name, with_filter in (("plain", False), ("filter", True)):
+            listen, admin = procs.free_port(), procs.free_port()
+            cfg = CacheProxy(listen_port=listen, admin_port=admin, http_upstream_port=ports["http_port"],
+                             grpc_upstream_port=ports["grpc_port"], wasm_path=require_filter_wasm(),
+                             plugin_config=policy, with_filter=with_filter)
+            started.append(services.start_envoy(write(cfg, d / f"envoy-{name}.yaml"), admin, d, name=f"envoy-{name}"))
+            envoys[name] = (listen, admin)
+
+        def stats() -> dict[str, int]:
+            return services.envoy_stats(envoys["filter"][1], "wasmcustom.meshcache")
+
+        def http_url(name: str) -> str:
+            return f"http://127.0.0.1:{envoys[name][0]}/v2/models/bench-model/infer"
+
+        def measure(protocol: str, mode: str, run: object) -> None:
+            before = stats()
+            result: LoadResult = run()  # type: ignore[operator]
+            after = stats()
+            delta = {k.rsplit(".", 1)[-1]: after.get(k, 0) - before.get(k, 0)
+                     for k in ("wasmcustom.meshcache.hits", "wasmcustom.meshcache.misses",
+                               "wasmcustom.meshcache.stores")}
+            check = f"hits {delta['hits']}, misses {delta['misses']}, stores {delta['stores']}"
+            rows.append(Row(protocol, label, mode, result, check if mode.startswith("filter") else "-"))
+
+        fixed, unique = d / "fixed.lua", d / "unique.lua"
+        measure("HTTP/1.1", "no filter", lambda: wrk(http_url("plain"), unique, seconds))
+        measure("HTTP/1.1", "filter, misses", lambda: wrk(http_url("filter"), unique, seconds))
+        warm = httpx.post(http_url("filter"), content=REQUEST_JSON, headers={"content-type": "application/json"})
+        assert warm.status_code == 200, warm.text
+        measure("HTTP/1.1", "filter, hits", lambda: wrk(http_url("filter"), fixed, seconds))
+        cache_url = f"http://127.0.0.1:{ports['cache_port']}/v2/models/bench-model/infer"
+        httpx.post(cache_url, content=REQUEST_JSON)
+        assert httpx.post(cache_url, content=REQUEST_JSON).headers.get("x-cache") == "HIT"
+        measure("HTTP/1.1", "nginx proxy_cache, hits", lambda: wrk(cache_url, fixed, seconds))
+
+        grpc_headers = ["content-type: application/grpc", "te: trailers"]
+        req = d / "grpc-request.bin"
+
+        def grpc_url(name: str) -> str:
+            return f"http://127.0.0.1:{envoys[name][0]}{MODEL_INFER}"
+
+        measure("gRPC", "no filter", lambda: h2load(grpc_url("plain"), req, grpc_headers, seconds))
+        # h2load repeats one request body: `no-cache` makes each one skip the lookup and store
+        # the answer again, which is the miss path's full cost (buffer, hash, store).
+        measure("gRPC", "filter, misses (no-cache)",
+                lambda: h2load(grpc_url("filter"), req, [*grpc_headers, "cache-control: no-cache"], seconds))
+        measure("gRPC", "filter, hits", lambda: h2load(grpc_url("filter"), req, grpc_headers, seconds))
+    return rows
+
+
+def render(rows: list[Row], seconds: int) -> str:
+    def fmt(v: float | None) -> str:
+        return "-" if v is None else f"{v:.2f}"
+
+    base = {(r.protocol, r.size): r.result.rps for r in rows if r.mode == "no filter"}
+    nginx = {r.size: r.result.rps for r in rows if r.mode.startswith("nginx")}
+    lines = []
+    for r in rows:
+        ratio = r.result.rps / base[(r.protocol, r.size)]
+        lines.append([r.protocol, r.size, r.mode, f"{r.result.rps:,.0f}", fmt(r.result.p50_ms), fmt(r.result.p99_ms),
+                      fmt(r.result.mean_ms), f"{ratio:.2f}x", r.result.errors, r.check])
+    summary = []
+    for (protocol, size), rps in base.items():
+        hit = next(r.result.rps for r in rows if (r.protocol, r.size) == (protocol, size) and r.mode == "filter, hits")
+        miss = next(r.result.rps for r in rows if (r.protocol, r.size) == (protocol, size)
+                    and r.mode.startswith("filter, misses"))
+        vs_nginx = f"{hit / nginx[size]:.2f}x" if protocol == "HTTP/1.1" else "n/a (nginx cannot cache gRPC)"
+        summary.append([protocol, size, f"{hit / rps:.2f}x", "≥ 1.30x", f"{miss / rps:.2f}x", "≥ 0.85x", vs_nginx])
+    return (
+        f"Each run: {seconds} s, 16 connections, one load-generator thread; Envoy `--concurrency 1`; nginx 1 worker.\n"
+        "Request body ~300 B JSON (HTTP) or a small ModelInferRequest (gRPC); answers of the size shown.\n\n"
+        + table(["protocol", "answer", "mode", "req/s", "p50 ms", "p99 ms", "mean ms", "vs no filter", "errors",
+                 "filter counters during run"], lines)
+        + "\n\nRatios (targets from the filter issue):\n\n"
+        + table(["protocol", "answer", "hits / no filter", "target", "misses / no filter", "target",
+                 "meshcache hits / nginx hits"], summary)
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=int, default=5)
+    parser.add_argument("--no-write", action="store_true", help="print only; do not update docs/benchmarks.md")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="meshcache-bench-") as tmp:
+        rows = [row for size in (1024, 65536) for row in run_size(size, args.seconds, Path(tmp))]
+    text = render(rows, args.seconds)
+    print(text)
+    if not args.no_write:
+        write_section("filter", "Filter: proxy throughput with and without the cache (`python -m bench.filter`)", text)
+
+
+if __name__ == "__main__":
+    main()

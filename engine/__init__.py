@@ -1,0 +1,1 @@
+"""meshcache engine: KServe v2 inference server on onnxruntime with dynamic batching."""

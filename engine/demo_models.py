@@ -1,0 +1,180 @@
+"""The demo model repository: small ONNX models built from fixed seeds, identical on every machine.
+
+Each model is written as DIR/<model>/<version>/model.onnx plus DIR/<model>/config.json. Weights come
+from numpy's PCG64 generator with fixed seeds and the graphs from the `onnx` helper API, so no
+downloads are needed and two machines produce byte-identical files.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+# Pinned so the files do not change when the onnx package is upgraded; onnxruntime 1.x reads it.
+OPSET = 17
+IR_VERSION = 8
+
+
+class _GraphBuilder:
+    """Accumulates nodes and seeded initializers; names are generated so graphs stay readable."""
+
+    def __init__(self, seed: int) -> None:
+        self.rng = np.random.Generator(np.random.PCG64(seed))
+        self.nodes: list[onnx.NodeProto] = []
+        self.initializers: list[onnx.TensorProto] = []
+        self._count = 0
+
+    def _name(self, prefix: str) -> str:
+        self._count += 1
+        return f"{prefix}_{self._count}"
+
+    def weight(self, shape: tuple[int, ...], scale: float) -> str:
+        name = self._name("w")
+        values = (self.rng.standard_normal(shape) * scale).astype(np.float32)
+        self.initializers.append(numpy_helper.from_array(values, name))
+        return name
+
+    def const(self, values: np.ndarray) -> str:
+        name = self._name("c")
+        self.initializers.append(numpy_helper.from_array(values, name))
+        return name
+
+    def op(self, op_type: str, inputs: list[str], **attrs: Any) -> str:
+        out = self._name(op_type.lower())
+        self.nodes.append(helper.make_node(op_type, inputs, [out], **attrs))
+        return out
+
+    def dense(self, x: str, n_in: int, n_out: int) -> str:
+        w = self.weight((n_in, n_out), scale=(2.0 / n_in) ** 0.5)
+        b = self.weight((n_out,), scale=0.1)
+        return self.op("Add", [self.op("MatMul", [x, w]), b])
+
+    def conv(self, x: str, c_in: int, c_out: int, kernel: int, stride: int = 1) -> str:
+        w = self.weight((c_out, c_in, kernel, kernel), scale=(2.0 / (c_in * kernel * kernel)) ** 0.5)
+        b = self.weight((c_out,), scale=0.05)
+        pad = kernel // 2
+        return self.op("Conv", [x, w, b], strides=[stride, stride], pads=[pad, pad, pad, pad])
+
+    def model(
+        self, name: str, inputs: list[onnx.ValueInfoProto], outputs: list[tuple[str, str, list[Any]]]
+    ) -> onnx.ModelProto:
+        # The last op outputs get renamed to the public output names via Identity nodes.
+        out_infos = []
+        for src, public, shape in outputs:
+            self.nodes.append(helper.make_node("Identity", [src], [public]))
+            out_infos.append(helper.make_tensor_value_info(public, TensorProto.FLOAT, shape))
+        graph = helper.make_graph(self.nodes, name, inputs, out_infos, initializer=self.initializers)
+        model = helper.make_model(
+            graph, opset_imports=[helper.make_opsetid("", OPSET)], producer_name="meshcache"
+        )
+        model.ir_version = IR_VERSION
+        onnx.checker.check_model(model)
+        return model
+
+
+def mlp_classifier(seed: int) -> onnx.ModelProto:
+    """16 features -> 64 -> 32 -> 4 class probabilities."""
+    g = _GraphBuilder(seed)
+    h = g.op("Relu", [g.dense("input", 16, 64)])
+    h = g.op("Relu", [g.dense(h, 64, 32)])
+    probs = g.op("Softmax", [g.dense(h, 32, 4)], axis=-1)
+    x = helper.make_tensor_value_info("input", TensorProto.FLOAT, ["batch", 16])
+    return g.model("mlp-classifier", [x], [(probs, "probabilities", ["batch", 4])])
+
+
+def resnet_mini(seed: int) -> onnx.ModelProto:
+    """A tiny ResNet for 3x32x32 NCHW images: stem, two residual stages, pooled 10-way logits."""
+    g = _GraphBuilder(seed)
+    h = g.op("Relu", [g.conv("image", 3, 16, 3)])
+
+    def block(x: str, c_in: int, c_out: int, stride: int) -> str:
+        y = g.op("Relu", [g.conv(x, c_in, c_out, 3, stride)])
+        y = g.conv(y, c_out, c_out, 3)
+        shortcut = x if (c_in == c_out and stride == 1) else g.conv(x, c_in, c_out, 1, stride)
+        return g.op("Relu", [g.op("Add", [y, shortcut])])
+
+    h = block(h, 16, 16, 2)
+    h = block(h, 16, 32, 2)
+    pooled = g.op("Flatten", [g.op("GlobalAveragePool", [h])], axis=1)
+    logits = g.dense(pooled, 32, 10)
+    x = helper.make_tensor_value_info("image", TensorProto.FLOAT, ["batch", 3, 32, 32])
+    return g.model("resnet-mini", [x], [(logits, "logits", ["batch", 10])])
+
+
+def text_embedder(seed: int, vocab: int = 1000, dim: int = 32) -> onnx.ModelProto:
+    """Token ids [batch, seq] -> mean-pooled embedding -> projection -> L2-normalised [batch, 32]."""
+    g = _GraphBuilder(seed)
+    table = g.weight((vocab, dim), scale=1.0)
+    # Ids outside the vocabulary would make Gather fail; Mod keeps every int64 id in range.
+    ids = g.op("Mod", ["token_ids", g.const(np.array(vocab, dtype=np.int64))], fmod=0)
+    ids = g.op("Abs", [ids])
+    emb = g.op("Gather", [table, ids], axis=0)
+    # Pooling and the norm are MatMuls, not ReduceMean/ReduceSum: onnxruntime's reductions pick a
+    # different summation order for batch 1 than for batch N, which would make batched answers
+    # differ in the last bits from unbatched ones. A batched MatMul computes each row alike.
+    seq = g.op("Slice", [g.op("Shape", ["token_ids"]), g.const(np.array([1], dtype=np.int64)),
+                         g.const(np.array([2], dtype=np.int64))])
+    ones = g.op("ConstantOfShape", [g.op("Concat", [g.const(np.array([1], dtype=np.int64)), seq], axis=0)],
+                value=helper.make_tensor("one", TensorProto.FLOAT, [1], [1.0]))
+    summed = g.op("Squeeze", [g.op("MatMul", [ones, emb]), g.const(np.array([1], dtype=np.int64))])
+    pooled = g.op("Div", [summed, g.op("Cast", [seq], to=TensorProto.FLOAT)])
+    h = g.op("Tanh", [g.dense(pooled, dim, dim)])
+    sq_norm = g.op("MatMul", [g.op("Mul", [h, h]), g.const(np.ones((dim, 1), dtype=np.float32))])
+    norm = g.op("Sqrt", [g.op("Add", [sq_norm, g.const(np.array(1e-12, dtype=np.float32))])])
+    out = g.op("Div", [h, norm])
+    x = helper.make_tensor_value_info("token_ids", TensorProto.INT64, ["batch", "seq"])
+    return g.model("text-embedder", [x], [(out, "embedding", ["batch", dim])])
+
+
+def _batching(max_queue_delay_us: int, preferred: list[int]) -> dict[str, Any]:
+    return {
+        "max_queue_delay_us": max_queue_delay_us, "preferred_batch_sizes": preferred, "max_queue_size": 256,
+    }
+
+
+# name -> (builder per version seed, config.json). Shapes in configs exclude the batch dimension,
+# as in Triton's model configuration when max_batch_size > 0.
+DEMO_MODELS: dict[str, tuple[Callable[[int], onnx.ModelProto], dict[int, int], dict[str, Any]]] = {
+    "mlp-classifier": (mlp_classifier, {1: 101, 2: 102}, {
+        "platform": "onnxruntime_onnx",
+        "max_batch_size": 32,
+        "inputs": [{"name": "input", "datatype": "FP32", "shape": [16]}],
+        "outputs": [{"name": "probabilities", "datatype": "FP32", "shape": [4]}],
+        "dynamic_batching": _batching(500, [8, 16, 32]),
+        "default_version": "2",
+    }),
+    "resnet-mini": (resnet_mini, {1: 201}, {
+        "platform": "onnxruntime_onnx",
+        "max_batch_size": 16,
+        "inputs": [{"name": "image", "datatype": "FP32", "shape": [3, 32, 32]}],
+        "outputs": [{"name": "logits", "datatype": "FP32", "shape": [10]}],
+        "dynamic_batching": _batching(1000, [4, 8, 16]),
+        "default_version": "1",
+    }),
+    "text-embedder": (text_embedder, {1: 301}, {
+        "platform": "onnxruntime_onnx",
+        "max_batch_size": 16,
+        "inputs": [{"name": "token_ids", "datatype": "INT64", "shape": [-1]}],
+        "outputs": [{"name": "embedding", "datatype": "FP32", "shape": [32]}],
+        "dynamic_batching": _batching(500, [8, 16]),
+        "default_version": "1",
+    }),
+}
+
+
+def write_demo_models(directory: Path) -> list[str]:
+    """Write every demo model into `directory` (overwriting); returns the model names."""
+    for name, (build, versions, config) in DEMO_MODELS.items():
+        model_dir = directory / name
+        for version, seed in versions.items():
+            path = model_dir / str(version) / "model.onnx"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(build(seed).SerializeToString(deterministic=True))
+        (model_dir / "config.json").write_text(json.dumps({"name": name, **config}, indent=2) + "\n")
+    return list(DEMO_MODELS)

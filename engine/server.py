@@ -1,0 +1,87 @@
+"""Runs the engine: loads the repository, serves gRPC, REST and metrics, drains on SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import uvicorn
+
+from engine.grpc_server import create_server
+from engine.http_server import HttpApp
+from engine.metrics import EngineMetrics
+from engine.models import ModelRepository
+from engine.service import InferenceService
+
+
+@dataclass(frozen=True)
+class Settings:
+    model_repository: Path
+    host: str = "0.0.0.0"
+    http_port: int = 8000
+    grpc_port: int = 8001
+    metrics_port: int = 8002  # 0 disables the metrics endpoint
+    intra_op_threads: int = 1
+    max_request_bytes: int = 16 * 2**20
+    shutdown_grace_seconds: float = 30.0
+
+
+class _UvicornServer(uvicorn.Server):
+    """uvicorn without its own signal handling: the engine decides when HTTP stops."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def log(message: str) -> None:
+    print(f"meshcache-engine: {message}", file=sys.stderr, flush=True)
+
+
+async def serve(settings: Settings) -> None:
+    repository = ModelRepository.load(settings.model_repository, settings.intra_op_threads)
+    metrics = EngineMetrics()
+    service = InferenceService(repository, metrics)
+    service.start()
+
+    grpc_server = create_server(service, settings.host, settings.grpc_port, settings.max_request_bytes)
+    await grpc_server.start()
+    http_server = _UvicornServer(uvicorn.Config(
+        HttpApp(service, settings.max_request_bytes), host=settings.host, port=settings.http_port,
+        lifespan="off", access_log=False, log_level="warning", server_header=False, date_header=True,
+        timeout_graceful_shutdown=5, limit_concurrency=1024,
+    ))
+    http_task = asyncio.create_task(http_server.serve())
+    if settings.metrics_port:
+        metrics.serve(settings.metrics_port, settings.host)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    while not http_server.started and not http_task.done():
+        await asyncio.sleep(0.01)
+    if http_task.done():
+        await http_task  # re-raises the bind error
+        raise OSError(f"HTTP server on {settings.host}:{settings.http_port} stopped at startup")
+    models = ", ".join(f"{n}@{e.default_version}" for n, e in repository.models.items())
+    log(f"serving {models}; http {settings.http_port}, grpc {settings.grpc_port}, "
+        f"metrics {settings.metrics_port or 'off'}")
+
+    await stop.wait()
+    # Refuse new requests at once, let the in-flight ones finish, then close the listeners.
+    log("draining")
+    service.begin_drain()
+    if not await service.wait_idle(settings.shutdown_grace_seconds):
+        log(f"{service.in_flight} requests still running after {settings.shutdown_grace_seconds}s")
+    await grpc_server.stop(grace=1.0)
+    http_server.should_exit = True
+    await http_task
+    await service.stop()
+    metrics.stop()
+    log("stopped")

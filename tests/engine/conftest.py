@@ -1,0 +1,51 @@
+"""Engine fixtures: the demo repository and one shared engine per test worker."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+from tests.engine.helpers import Engine, init_demo_models, running_engine
+
+# Inputs per demo model: (input name, one-row example shape, dtype).
+DEMO_INPUTS: dict[str, tuple[str, tuple[int, ...], type]] = {
+    "mlp-classifier": ("input", (16,), np.float32),
+    "resnet-mini": ("image", (3, 32, 32), np.float32),
+    "text-embedder": ("token_ids", (12,), np.int64),
+}
+DEMO_OUTPUTS = {"mlp-classifier": "probabilities", "resnet-mini": "logits", "text-embedder": "embedding"}
+
+
+def demo_batch(model: str, rows: int, seed: int = 0) -> np.ndarray:
+    _, shape, dtype = DEMO_INPUTS[model]
+    rng = np.random.default_rng(seed)
+    if dtype is np.int64:
+        return rng.integers(0, 5000, size=(rows, *shape), dtype=np.int64)
+    return rng.standard_normal((rows, *shape)).astype(np.float32)
+
+
+@pytest.fixture(scope="session")
+def demo_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return init_demo_models(tmp_path_factory.mktemp("models"))
+
+
+@pytest.fixture(scope="session")
+def engine(demo_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
+    with running_engine(demo_repo, tmp_path_factory.mktemp("engine-logs")) as e:
+        yield e
+
+
+@pytest.fixture(scope="session")
+def reference_sessions(demo_repo: Path) -> dict[str, ort.InferenceSession]:
+    """onnxruntime sessions on the same files, to compare the engine against the model run alone."""
+    sessions = {}
+    for model in DEMO_INPUTS:
+        version = "2" if model == "mlp-classifier" else "1"
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = 1
+        sessions[model] = ort.InferenceSession(str(demo_repo / model / version / "model.onnx"), options)
+    return sessions

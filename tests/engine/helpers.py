@@ -1,0 +1,145 @@
+"""Starting real meshcache-engine processes on free ports, and building test-only models."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from meshcache import procs
+from meshcache.protos import grpc_predict_v2_pb2 as pb
+from meshcache.services import ENGINE_BIN, Engine, start_engine
+
+
+@contextmanager
+def running_engine(repo: Path, log_dir: Path, **kwargs: Any) -> Iterator[Engine]:
+    engine = start_engine(repo, log_dir, **kwargs)
+    with procs.supervised([engine.proc]):
+        yield engine
+
+
+def init_demo_models(directory: Path) -> Path:
+    """The demo repository, written by the real CLI."""
+    subprocess.run([ENGINE_BIN, "init-models", str(directory)], check=True, capture_output=True, timeout=120)
+    return directory
+
+
+def copy_model(src_repo: Path, dst_repo: Path, name: str, **config_changes: Any) -> None:
+    shutil.copytree(src_repo / name, dst_repo / name)
+    config_path = dst_repo / name / "config.json"
+    config = json.loads(config_path.read_text())
+    for key, value in config_changes.items():
+        if isinstance(value, dict) and isinstance(config.get(key), dict):
+            config[key].update(value)
+        else:
+            config[key] = value
+    config_path.write_text(json.dumps(config))
+
+
+def write_slow_model(repo: Path, layers: int = 160, max_queue_size: int = 8) -> None:
+    """`slow`: ~0.1 s per request on one core, unbatched, so tests can fill its queue on purpose."""
+    rng = np.random.Generator(np.random.PCG64(7))
+    inits = [
+        numpy_helper.from_array((rng.standard_normal((16, 512)) * 0.1).astype(np.float32), "w0"),
+        numpy_helper.from_array((rng.standard_normal((512, 512)) / 512**0.5).astype(np.float32), "w"),
+        numpy_helper.from_array(np.array([64, 1], dtype=np.int64), "reps"),
+    ]
+    nodes = [
+        helper.make_node("MatMul", ["x", "w0"], ["h0"]),
+        helper.make_node("Tile", ["h0", "reps"], ["t0"]),
+    ]
+    prev = "t0"
+    for i in range(layers):  # one shared weight: slow to run, small on disk
+        nodes += [
+            helper.make_node("MatMul", [prev, "w"], [f"m{i}"]),
+            helper.make_node("Tanh", [f"m{i}"], [f"a{i}"]),
+        ]
+        prev = f"a{i}"
+    nodes.append(helper.make_node("ReduceMean", [prev], ["y"], axes=[1], keepdims=0))
+    graph = helper.make_graph(
+        nodes,
+        "slow",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 16])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [64])],
+        initializer=inits,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    (repo / "slow" / "1").mkdir(parents=True)
+    onnx.save(model, repo / "slow" / "1" / "model.onnx")
+    (repo / "slow" / "config.json").write_text(
+        json.dumps(
+            {
+                "name": "slow",
+                "max_batch_size": 0,
+                "inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 16]}],
+                "outputs": [{"name": "y", "datatype": "FP32", "shape": [64]}],
+                "dynamic_batching": {"max_queue_delay_us": 0, "max_queue_size": max_queue_size},
+            }
+        )
+    )
+
+
+def metric_value(text: str, name: str, **labels: str) -> float:
+    """One sample from Prometheus text output (0 when absent)."""
+    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    for line in text.splitlines():
+        if line.startswith("#"):
+            continue
+        series, _, value = line.rpartition(" ")
+        metric, _, label_text = series.partition("{")
+        got = ",".join(sorted(label_text.rstrip("}").split(","))) if label_text else ""
+        if metric == name and got == want:
+            return float(value)
+    return 0.0
+
+
+def grpc_infer_request(
+    model: str,
+    inputs: dict[str, np.ndarray],
+    version: str = "",
+    raw: bool = True,
+    priority: int | None = None,
+) -> pb.ModelInferRequest:
+    from engine.tensors import CONTENTS_FIELD, DATATYPE_OF
+
+    request = pb.ModelInferRequest(model_name=model, model_version=version)
+    if priority is not None:
+        request.parameters["priority"].int64_param = priority
+    for name, array in inputs.items():
+        datatype = DATATYPE_OF[array.dtype]
+        tensor = request.inputs.add(name=name, datatype=datatype, shape=array.shape)
+        if raw:
+            request.raw_input_contents.append(array.tobytes())
+        else:
+            getattr(tensor.contents, CONTENTS_FIELD[datatype]).extend(array.reshape(-1).tolist())
+    return request
+
+
+def grpc_outputs(response: pb.ModelInferResponse) -> dict[str, np.ndarray]:
+    from engine.tensors import CONTENTS_FIELD, DTYPES
+
+    out = {}
+    for i, tensor in enumerate(response.outputs):
+        dtype = DTYPES[tensor.datatype]
+        if response.raw_output_contents:
+            array = np.frombuffer(response.raw_output_contents[i], dtype=dtype)
+        else:
+            array = np.array(getattr(tensor.contents, CONTENTS_FIELD[tensor.datatype]), dtype=dtype)
+        out[tensor.name] = array.reshape(tuple(tensor.shape))
+    return out
+
+
+def http_get_json(url: str) -> Any:
+    response = httpx.get(url, timeout=10)
+    response.raise_for_status()
+    return response.json()

@@ -1,0 +1,101 @@
+"""Priorities, bounded queues and graceful shutdown, on a deliberately slow unbatched model."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from pathlib import Path
+
+import grpc
+import httpx
+import numpy as np
+import pytest
+
+from meshcache.protos import grpc_predict_v2_pb2_grpc as pb_grpc
+from tests.engine.helpers import grpc_infer_request, running_engine, write_slow_model
+
+X = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 16], "data": [0.5] * 16}]}
+
+
+@pytest.fixture
+def slow_repo(tmp_path: Path) -> Path:
+    repo = tmp_path / "models"
+    write_slow_model(repo, max_queue_size=3)
+    return repo
+
+
+async def _post(client: httpx.AsyncClient, url: str, priority: int, done: list[int], tag: int) -> int:
+    r = await client.post(url, json=X, headers={"x-priority": str(priority)})
+    done.append(tag)
+    return r.status_code
+
+
+def test_higher_priority_runs_first(slow_repo: Path, tmp_path: Path) -> None:
+    async def scenario(url: str) -> list[int]:
+        done: list[int] = []
+        async with httpx.AsyncClient(timeout=30) as client:
+            busy = asyncio.create_task(_post(client, url, 0, done, 0))
+            await asyncio.sleep(0.03)  # request 0 is running; the next ones wait in the queue
+            low1 = asyncio.create_task(_post(client, url, 1, done, 1))
+            await asyncio.sleep(0.01)
+            low2 = asyncio.create_task(_post(client, url, 1, done, 2))
+            await asyncio.sleep(0.01)
+            high = asyncio.create_task(_post(client, url, 9, done, 3))
+            codes = await asyncio.gather(busy, low1, low2, high)
+        assert codes == [200] * 4
+        return done
+
+    with running_engine(slow_repo, tmp_path) as engine:
+        order = asyncio.run(scenario(f"{engine.http_url}/v2/models/slow/infer"))
+    assert order == [0, 3, 1, 2]
+
+
+def test_full_queue_is_refused_at_once_then_recovers(slow_repo: Path, tmp_path: Path) -> None:
+    async def scenario(url: str, grpc_target: str) -> None:
+        async with httpx.AsyncClient(timeout=30) as client:
+            busy = [asyncio.create_task(client.post(url, json=X))]
+            await asyncio.sleep(0.03)
+            busy += [asyncio.create_task(client.post(url, json=X)) for _ in range(3)]  # fills the queue
+            await asyncio.sleep(0.03)
+            started = time.perf_counter()
+            refused = await client.post(url, json=X)
+            refused_after = time.perf_counter() - started
+            async with grpc.aio.insecure_channel(grpc_target) as channel:
+                stub = pb_grpc.GRPCInferenceServiceStub(channel)
+
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await stub.ModelInfer(
+                        grpc_infer_request("slow", {"x": np.full((1, 16), 0.5, np.float32)})
+                    )
+                assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert "queue is full" in (err.value.details() or "")
+            assert refused.status_code == 503 and "queue is full" in refused.json()["error"]
+            assert refused_after < 0.05  # answered at once, not after the queue drained
+            assert [r.status_code for r in await asyncio.gather(*busy)] == [200] * 4
+            assert (await client.post(url, json=X)).status_code == 200
+
+    with running_engine(slow_repo, tmp_path) as engine:
+        asyncio.run(scenario(f"{engine.http_url}/v2/models/slow/infer", engine.grpc_target))
+
+
+def test_sigterm_finishes_in_flight_and_refuses_new(slow_repo: Path, tmp_path: Path) -> None:
+    async def scenario(url: str, proc_signal: object) -> tuple[int, int]:
+        async with httpx.AsyncClient(timeout=30) as client:
+            in_flight = asyncio.create_task(client.post(url, json=X))
+            queued = asyncio.create_task(client.post(url, json=X))
+            await asyncio.sleep(0.03)
+            proc_signal(signal.SIGTERM)  # type: ignore[operator]
+            await asyncio.sleep(0.01)
+            late = await client.post(url, json=X)
+            first, second = await asyncio.gather(in_flight, queued)
+        assert late.status_code == 503 and "shutting down" in late.json()["error"]
+        return first.status_code, second.status_code
+
+    with running_engine(slow_repo, tmp_path) as engine:
+        codes = asyncio.run(
+            scenario(f"{engine.http_url}/v2/models/slow/infer", engine.proc.popen.send_signal)
+        )
+        assert codes == (200, 200)
+        assert engine.proc.popen.wait(timeout=15) == 0
+        assert "stopped" in engine.proc.log_tail()
