@@ -14,6 +14,7 @@ import argparse
 import json
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -130,6 +131,7 @@ def run_size(size: int, seconds: int, workdir: Path) -> list[Row]:
             envoys[name] = (listen, admin)
 
         def stats() -> dict[str, int]:
+            time.sleep(0.45)  # the filter flushes its counters every 200 ms
             return services.envoy_stats(envoys["filter"][1], "wasmcustom.meshcache")
 
         def http_url(name: str) -> str:

@@ -1,9 +1,11 @@
 """Envoy bootstraps with the meshcache filter, rendered from one definition.
 
 The cache proxy's shape (see docs in envoy/README.md):
-- listener `ingress`: header_mutation (drops client copies of the internal hit header even if
-  the VM is down) -> meshcache wasm -> grpc_http1_reverse_bridge (enabled on the hit route only)
+- listener `ingress`: meshcache wasm -> grpc_http1_reverse_bridge (enabled on the hit route only)
   -> router. gRPC requests go to the gRPC upstream, everything else to the HTTP upstream.
+  The filter removes any client copy of the internal hit header (which also makes Envoy
+  recompute the route). Should the VM be down, a forged header reaches the stub listener whose
+  VM is down as well, and its route answers 503: cached data is never exposed.
 - gRPC hits: the filter marks the request with `x-meshcache-hit`; the route for that header
   sends it to cluster `cache_stub`, an internal listener running the same module (same vm_id,
   so it sees the shared cache) which answers with the stored message; the bridge frames it and
@@ -198,13 +200,6 @@ def render(p: CacheProxy) -> dict[str, Any]:
     filters: list[dict[str, Any]] = []
     if p.with_filter:
         filters = [
-            {
-                "name": "envoy.filters.http.header_mutation",
-                "typed_config": {
-                    "@type": _ENVOY + "extensions.filters.http.header_mutation.v3.HeaderMutation",
-                    "mutations": {"request_mutations": [{"remove": HIT_HEADER}]},
-                },
-            },
             _wasm_http_filter(p),
             {
                 "name": BRIDGE,
@@ -264,13 +259,6 @@ def render(p: CacheProxy) -> dict[str, Any]:
 def write(p: CacheProxy, path: Path) -> Path:
     path.write_text(yaml.safe_dump(render(p), sort_keys=False))
     return path
-
-
-EXAMPLE_POLICY = {
-    "version": "1",
-    "color": "",
-    "policies": [{"model_prefix": "", "ttl_s": 60}],
-}
 
 
 def examples(out_dir: Path) -> list[Path]:

@@ -56,6 +56,7 @@ extern "C" {
     fn proxy_define_metric(kind: u32, name: *const u8, name_len: usize, out_id: *mut u32) -> u32;
     fn proxy_increment_metric(id: u32, delta: i64) -> u32;
     fn proxy_record_metric(id: u32, value: u64) -> u32;
+    fn proxy_set_tick_period_milliseconds(period: u32) -> u32;
 }
 
 /// The host allocates returned data through this export; we own it afterwards.
@@ -176,6 +177,12 @@ pub fn increment_metric(id: u32, delta: i64) {
 pub fn record_metric(id: u32, value: u64) {
     unsafe {
         proxy_record_metric(id, value);
+    }
+}
+
+pub fn set_tick_period_ms(period: u32) {
+    unsafe {
+        proxy_set_tick_period_milliseconds(period);
     }
 }
 

@@ -6,7 +6,6 @@ use crate::cache_control::{response_ttl, NotStored};
 use crate::config::{parse_plugin_config, Config, Limits, PluginConfig, Scope};
 use crate::decide::{self, BodyDecision, Cacheable, HeadDecision, RequestHead};
 use crate::grpc;
-use crate::hashing::{hex, unhex, KeyDigest};
 use crate::model::ModelSource;
 use crate::store::{Cache, Lookup, Meta, Outcome, StoreError};
 use std::cell::RefCell;
@@ -24,6 +23,15 @@ thread_local! {
 }
 
 // ---------------------------------------------------------------- metrics
+//
+// Every host call crosses the VM boundary, which costs more than the cache logic itself, so
+// counters are summed in the VM and handed to Envoy once per tick (METRICS_FLUSH_MS).
+
+const METRICS_FLUSH_MS: u32 = 200;
+
+thread_local! {
+    static PENDING: RefCell<HashMap<String, u64>> = RefCell::new(HashMap::new());
+}
 
 fn metric(kind: MetricKind, name: &str) -> Option<u32> {
     if let Some(id) = METRIC_IDS.with(|m| m.borrow().get(name).copied()) {
@@ -35,11 +43,18 @@ fn metric(kind: MetricKind, name: &str) -> Option<u32> {
 }
 
 fn count(name: &str, n: u64) {
-    if n > 0 {
-        if let Some(id) = metric(MetricKind::Counter, name) {
-            abi::increment_metric(id, n as i64);
-        }
+    if n == 0 {
+        return;
     }
+    PENDING.with(|p| {
+        let mut p = p.borrow_mut();
+        match p.get_mut(name) {
+            Some(v) => *v += n,
+            None => {
+                p.insert(name.to_string(), n);
+            }
+        }
+    });
 }
 
 /// Per-policy counters; the prefix is reduced to characters safe in a stat name.
@@ -62,9 +77,29 @@ fn record_gauges(meta: &Meta) {
     }
 }
 
+fn flush_metrics() {
+    let pending: Vec<(String, u64)> = PENDING.with(|p| p.borrow_mut().drain().filter(|(_, v)| *v > 0).collect());
+    for (name, n) in pending {
+        if let Some(id) = metric(MetricKind::Counter, &name) {
+            abi::increment_metric(id, n as i64);
+        }
+    }
+}
+
 fn error(msg: &str) {
     count("meshcache.errors", 1);
     abi::log(LogLevel::Warn, msg);
+}
+
+#[no_mangle]
+pub extern "C" fn proxy_on_tick(root: u32) {
+    flush_metrics();
+    let is_cache = ROOTS.with(|r| matches!(r.borrow().get(&root), Some(Some(p)) if matches!(**p, PluginConfig::Cache(_))));
+    if is_cache {
+        // Gauges come from the shared accounting record: every worker reports the same value.
+        let limits = Limits { max_entry_bytes: 0, max_total_bytes: 0, max_entries: 1 };
+        record_gauges(&Cache { data: &abi::HostShared, limits: &limits }.meta().0);
+    }
 }
 
 // ---------------------------------------------------------------- root context
@@ -94,13 +129,13 @@ pub extern "C" fn proxy_on_configure(root: u32, size: usize) -> u32 {
                 let mut out = Outcome::default();
                 cache.reconcile(&mut out);
                 record_outcome(&out);
-                record_gauges(&cache.meta().0);
                 abi::log(
                     LogLevel::Info,
                     &format!("configuration version {:?} with {} policies", cfg.version, cfg.policies.len()),
                 );
             }
             ROOTS.with(|r| r.borrow_mut().insert(root, Some(Rc::new(plugin))));
+            abi::set_tick_period_ms(METRICS_FLUSH_MS);
             1
         }
         Err(e) => {
@@ -111,13 +146,8 @@ pub extern "C" fn proxy_on_configure(root: u32, size: usize) -> u32 {
     }
 }
 
-#[no_mangle]
-pub extern "C" fn proxy_on_done(_id: u32) -> u32 {
-    1
-}
-
-#[no_mangle]
-pub extern "C" fn proxy_on_log(_id: u32) {}
+// proxy_on_done and proxy_on_log are deliberately not exported: the host skips callbacks a
+// module does not export, which saves two VM crossings per request.
 
 #[no_mangle]
 pub extern "C" fn proxy_on_delete(id: u32) {
@@ -191,11 +221,6 @@ pub extern "C" fn proxy_on_response_trailers(id: u32, _n: usize) -> u32 {
     with_stream(id, |s| s.on_response_trailers())
 }
 
-fn config_limits_from_meta() -> Limits {
-    let (meta, _) = Cache { data: &abi::HostShared, limits: &Limits { max_entry_bytes: 0, max_total_bytes: 0, max_entries: 1 } }.meta();
-    Limits { max_entry_bytes: 0, max_total_bytes: 0, max_entries: meta.slots.max(1) }
-}
-
 impl Stream {
     fn config(&self) -> Option<Rc<PluginConfig>> {
         self.plugin.clone()
@@ -216,9 +241,12 @@ impl Stream {
             }
             PluginConfig::Cache(cfg) => cfg,
         };
+        let mut headers = abi::headers(Map::RequestHeaders);
         // The internal hit marker is ours alone: drop any client-supplied copy first.
-        abi::remove_header(Map::RequestHeaders, decide::HIT_HEADER);
-        let headers = abi::headers(Map::RequestHeaders);
+        if decide::header(&headers, decide::HIT_HEADER).is_some() {
+            abi::remove_header(Map::RequestHeaders, decide::HIT_HEADER);
+            headers.retain(|(n, _)| !n.eq_ignore_ascii_case(decide::HIT_HEADER));
+        }
         let method = decide::header(&headers, ":method").unwrap_or("");
         let path = decide::header(&headers, ":path").unwrap_or("");
         let head = RequestHead { method, path, headers: &headers };
@@ -325,7 +353,8 @@ impl Stream {
         let extra = decide::hit_headers(&entry, now);
         if c.grpc {
             // gRPC hits are answered by the stub listener (a local reply cannot carry a gRPC body).
-            abi::set_header(Map::RequestHeaders, decide::HIT_HEADER, &hex(&c.key));
+            let slot = crate::store::slot_of(&c.key, cfg.limits.max_entries);
+            abi::set_header(Map::RequestHeaders, decide::HIT_HEADER, &decide::hit_marker(slot, &c.key));
             self.phase = Phase::GrpcHit { headers: extra };
             return CONTINUE;
         }
@@ -371,7 +400,7 @@ impl Stream {
     fn limits(&self) -> Limits {
         match self.config().as_deref() {
             Some(PluginConfig::Cache(cfg)) => cfg.limits.clone(),
-            _ => config_limits_from_meta(),
+            _ => crate::config::Config::empty().limits,
         }
     }
 
@@ -479,7 +508,6 @@ impl Stream {
         match result {
             Ok(()) => {
                 count("meshcache.stores", 1);
-                record_gauges(&cache.meta().0);
                 abi::set_header(Map::ResponseHeaders, decide::HASH_HEADER, &stored.entry.response_hash);
                 if let Some(etag) = &stored.added_etag {
                     abi::set_header(Map::ResponseHeaders, "etag", etag);
@@ -501,18 +529,11 @@ impl Stream {
             Phase::StubPending { key } => key,
             _ => None,
         };
-        let key: Option<KeyDigest> = key_hex.as_deref().and_then(unhex).and_then(|v| {
-            let mut k = [0u8; 32];
-            if v.len() != 32 {
-                return None;
-            }
-            k.copy_from_slice(&v);
-            Some(k)
-        });
-        let entry = key.and_then(|k| {
-            let limits = config_limits_from_meta();
+        let entry = key_hex.as_deref().and_then(decide::parse_hit_marker).and_then(|(slot, key)| {
+            // Only lookup_at is used, which needs no limits: the slot comes with the marker.
+            let limits = Limits { max_entry_bytes: 0, max_total_bytes: 0, max_entries: 1 };
             let cache = Cache { data: &abi::HostShared, limits: &limits };
-            match cache.lookup(&k, abi::now_ms(), &mut Outcome::default()) {
+            match cache.lookup_at(slot, &key, abi::now_ms(), &mut Outcome::default()) {
                 Lookup::Hit(e) => Some(e),
                 Lookup::Miss => None,
             }

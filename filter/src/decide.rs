@@ -124,6 +124,22 @@ pub fn on_body(
     BodyDecision::Cacheable(Cacheable { key, policy: policy.clone(), grpc, refresh })
 }
 
+/// The hit marker's value: the slot the entry is in and its key, so the stub needs no config.
+pub fn hit_marker(slot: u32, key: &KeyDigest) -> String {
+    format!("{}:{}", slot, crate::hashing::hex(key))
+}
+
+pub fn parse_hit_marker(value: &str) -> Option<(u32, KeyDigest)> {
+    let (slot, key_hex) = value.split_once(':')?;
+    let bytes = crate::hashing::unhex(key_hex)?;
+    if bytes.len() != 32 {
+        return None;
+    }
+    let mut key = [0u8; 32];
+    key.copy_from_slice(&bytes);
+    Some((slot.parse().ok()?, key))
+}
+
 pub fn cache_status_hit(ttl_left_s: u64) -> String {
     format!("meshcache; hit; ttl={}", ttl_left_s)
 }
@@ -291,6 +307,15 @@ mod tests {
         assert_ne!(a, b);
         let purged = config(r#"{"color": "green", "policies": [{"model_prefix": "m", "ttl_s": 5, "generation": 1, "vary_headers": ["x-tenant"]}]}"#);
         assert_ne!(base, key(decide(&purged, "/v2/models/m/infer", &[], b"{}", None)), "purge = new generation = new keys");
+    }
+
+    #[test]
+    fn hit_marker_roundtrip() {
+        let key = [7u8; 32];
+        assert_eq!(parse_hit_marker(&hit_marker(42, &key)), Some((42, key)));
+        assert_eq!(parse_hit_marker("42"), None);
+        assert_eq!(parse_hit_marker("x:00"), None);
+        assert_eq!(parse_hit_marker(&format!("1:{}", "ab".repeat(31))), None);
     }
 
     #[test]

@@ -131,7 +131,11 @@ impl<'a, S: SharedData> Cache<'a, S> {
     }
 
     pub fn lookup(&self, key: &KeyDigest, now_ms: u64, out: &mut Outcome) -> Lookup {
-        let i = slot_of(key, self.limits.max_entries);
+        self.lookup_at(slot_of(key, self.limits.max_entries), key, now_ms, out)
+    }
+
+    /// Looks in slot `i` (where the key's owner placed it) for a fresh entry with this key.
+    pub fn lookup_at(&self, i: u32, key: &KeyDigest, now_ms: u64, out: &mut Outcome) -> Lookup {
         let (value, cas) = match self.data.get(&slot_key(i)) {
             Some(v) if !v.0.is_empty() => v,
             _ => return Lookup::Miss,

@@ -1,0 +1,49 @@
+"""Wiring: one ControlPlane = store + snapshot cache + Redis sync + xDS server + HTTP app."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from .auth import TokenTable
+from .metrics import Metrics
+from .service import PolicyService
+from .settings import Settings
+from .snapshots import SnapshotCache
+from .store import Store, StoreUnavailable
+from .sync import RedisSync
+from .xds_server import EcdsRenderer, XdsServer
+
+log = logging.getLogger("control_plane")
+
+
+class ControlPlane:
+    def __init__(self, settings: Settings, tokens: TokenTable | None = None) -> None:
+        self.settings = settings
+        self.tokens = tokens if tokens is not None else TokenTable.from_settings(settings)
+        self.metrics = Metrics()
+        self.cache = SnapshotCache()
+        self.store = Store(settings)
+        self.service = PolicyService(self.store, self.cache, self.metrics)
+        self.sync = RedisSync(self.store, self.cache, self.metrics, settings)
+        self.xds = XdsServer(self.cache, self.metrics, max_streams=settings.max_xds_streams)
+        self.xds.add_renderer(EcdsRenderer(settings.wasm_path))
+        self._sync_task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        """Load the current snapshot if Redis is up (else start empty and keep retrying in the
+        background: Envoys keep their default_config meanwhile), then serve xDS."""
+        with contextlib.suppress(StoreUnavailable):
+            await self.sync.resync()
+        self._sync_task = asyncio.create_task(self.sync.run(), name="redis-sync")
+        port = await self.xds.start(self.settings.host, self.settings.xds_port)
+        log.info("xDS on %s:%d, snapshot version %d", self.settings.host, port, self.cache.current.version)
+
+    async def stop(self) -> None:
+        await self.xds.stop(grace=0.5)
+        if self._sync_task is not None:
+            self._sync_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sync_task
+        await self.store.close()

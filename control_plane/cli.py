@@ -1,0 +1,69 @@
+"""`meshcache-control-plane`: HTTP API (uvicorn) and xDS (grpcio aio) in one event loop."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import uvicorn
+from pydantic import ValidationError
+
+from .api import create_app
+from .app import ControlPlane
+from .auth import TokenConfigError, TokenTable
+from .settings import Settings
+
+
+def parse_args(argv: Sequence[str] | None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(
+        prog="meshcache-control-plane",
+        description="Policy API + xDS (ECDS/ADS) for the meshcache filter. "
+                    "Every flag can also be set as MESHCACHE_CP_<FLAG> (e.g. MESHCACHE_CP_REDIS_URL).")
+    p.add_argument("--redis-url")
+    p.add_argument("--host")
+    p.add_argument("--http-port", type=int)
+    p.add_argument("--xds-port", type=int)
+    p.add_argument("--wasm-path", help="filter module path as Envoy sees it (must match default_config)")
+    p.add_argument("--tokens-file", help="file of `read|write:name:token` lines")
+    p.add_argument("--key-prefix")
+    p.add_argument("--instance-id")
+    p.add_argument("--log-level", default="info")
+    args = vars(p.parse_args(argv))
+    return {k: v for k, v in args.items() if v is not None}
+
+
+async def serve(settings: Settings, tokens: TokenTable, log_level: str) -> None:
+    cp = ControlPlane(settings, tokens)
+    await cp.start()
+    config = uvicorn.Config(create_app(cp), host=settings.host, port=settings.http_port,
+                            log_level=log_level, access_log=False, lifespan="off")
+    try:
+        await uvicorn.Server(config).serve()  # returns on SIGINT/SIGTERM
+    finally:
+        await cp.stop()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    log_level = str(args.pop("log_level")).lower()
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        settings = Settings(**args)
+        tokens = TokenTable.from_settings(settings)
+    except (ValidationError, TokenConfigError, OSError) as exc:
+        print(f"meshcache-control-plane: bad configuration: {exc}", file=sys.stderr)
+        return 2
+    if len(tokens) == 0:
+        print("meshcache-control-plane: no API tokens configured "
+              "(--tokens-file or MESHCACHE_CP_TOKENS, entries `read|write:name:token`)", file=sys.stderr)
+        return 2
+    asyncio.run(serve(settings, tokens, log_level))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,28 @@
+"""Prometheus metrics of one control-plane instance (own registry: several can share a process)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.snapshot_version = Gauge("meshcache_cp_snapshot_version", "Current snapshot version", registry=r)
+        self.writes = Counter(
+            "meshcache_cp_writes", "Policy writes by outcome", ["outcome"], registry=r
+        )
+        self.redis_up = Gauge("meshcache_cp_redis_up", "1 when the last Redis operation worked", registry=r)
+        self.streams = Gauge("meshcache_cp_xds_streams", "Open xDS streams", ["transport"], registry=r)
+        self.pushes = Counter("meshcache_cp_xds_pushes", "xDS responses sent", ["type_url"], registry=r)
+        self.acks = Counter("meshcache_cp_xds_acks", "xDS ACKs received", registry=r)
+        self.nacks = Counter("meshcache_cp_xds_nacks", "xDS NACKs received", registry=r)
+        self.ack_latency = Histogram(
+            "meshcache_cp_push_to_ack_seconds", "From a snapshot reaching this replica to the ACK",
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
+            registry=r,
+        )
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

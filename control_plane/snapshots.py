@@ -1,0 +1,191 @@
+"""Immutable versioned snapshots, the pure changes that derive one from another, and the
+in-memory cache that pushes the newest snapshot to watchers (go-control-plane's shape).
+
+Generation rule (so a purge is never undone): a policy's generation is a snapshot version,
+assigned when the prefix is created (absent from the current snapshot) or purged, and kept on
+every other change, including rollbacks. Versions only grow, so the generation of a prefix only
+grows, and entries cached under an older generation are never served again.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from meshcache.wasm_filter import plugin_config_json
+
+from .models import Limits, Policy, PolicySpec
+
+
+class ChangeError(Exception):
+    """A change that cannot be applied to the current snapshot (mapped to 4xx by the API)."""
+
+    status = 400
+
+
+class NotFound(ChangeError):
+    status = 404
+
+
+class TooMany(ChangeError):
+    status = 409
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    version: int
+    policies: tuple[Policy, ...] = ()
+    limits: Limits = field(default_factory=Limits)
+    created_at: float = 0.0
+    author: str = ""
+    action: str = ""
+
+    def __post_init__(self) -> None:
+        # Sorted by prefix: equal contents render to identical bytes.
+        object.__setattr__(self, "policies", tuple(sorted(self.policies, key=lambda p: p.model_prefix)))
+        object.__setattr__(self, "_json", plugin_config_json(self.plugin_config()))
+
+    def plugin_config(self) -> dict[str, Any]:
+        """The filter's plugin configuration (see the filter's config.rs for the schema)."""
+        return {
+            "version": str(self.version),
+            "color": "",
+            **self.limits.model_dump(),
+            "policies": [p.model_dump(mode="json") for p in self.policies],
+        }
+
+    @property
+    def plugin_config_json(self) -> str:
+        return self._json  # type: ignore[attr-defined,no-any-return]
+
+    def policy(self, model_prefix: str) -> Policy | None:
+        for p in self.policies:
+            if p.model_prefix == model_prefix:
+                return p
+        return None
+
+    def same_content(self, other: Snapshot) -> bool:
+        return self.policies == other.policies and self.limits == other.limits
+
+    def to_record(self) -> str:
+        return json.dumps(
+            {
+                "version": self.version,
+                "created_at": self.created_at,
+                "author": self.author,
+                "action": self.action,
+                "limits": self.limits.model_dump(),
+                "policies": [p.model_dump(mode="json") for p in self.policies],
+            },
+            sort_keys=True,
+            separators=(",", ":"),
+        )
+
+    @classmethod
+    def from_record(cls, text: str | bytes) -> Snapshot:
+        d = json.loads(text)
+        return cls(
+            version=int(d["version"]),
+            created_at=float(d.get("created_at", 0.0)),
+            author=str(d.get("author", "")),
+            action=str(d.get("action", "")),
+            limits=Limits.model_validate(d.get("limits", {})),
+            policies=tuple(Policy.model_validate(p) for p in d.get("policies", [])),
+        )
+
+
+EMPTY = Snapshot(version=0, action="empty")
+
+
+# ---- Pure changes: (current snapshot, new version) -> new snapshot content -------------------
+
+
+def _derive(cur: Snapshot, version: int, author: str, action: str, policies: tuple[Policy, ...],
+            limits: Limits | None = None) -> Snapshot:
+    return Snapshot(
+        version=version, policies=policies, limits=limits if limits is not None else cur.limits,
+        created_at=time.time(), author=author, action=action,
+    )
+
+
+def put_policy(cur: Snapshot, version: int, author: str, prefix: str, spec: PolicySpec,
+               max_policies: int) -> Snapshot:
+    old = cur.policy(prefix)
+    if old is None and len(cur.policies) >= max_policies:
+        raise TooMany(f"policy limit reached ({max_policies}); delete one first")
+    generation = old.generation if old is not None else version
+    new = Policy.from_spec(prefix, spec, generation)
+    rest = tuple(p for p in cur.policies if p.model_prefix != prefix)
+    return _derive(cur, version, author, f"put {prefix}", (*rest, new))
+
+
+def delete_policy(cur: Snapshot, version: int, author: str, prefix: str) -> Snapshot:
+    if cur.policy(prefix) is None:
+        raise NotFound(f"no policy for model_prefix {prefix!r}")
+    rest = tuple(p for p in cur.policies if p.model_prefix != prefix)
+    return _derive(cur, version, author, f"delete {prefix}", rest)
+
+
+def purge(cur: Snapshot, version: int, author: str, prefix: str) -> Snapshot:
+    old = cur.policy(prefix)
+    if old is None:
+        raise NotFound(f"no policy for model_prefix {prefix!r}")
+    bumped = old.model_copy(update={"generation": version})
+    rest = tuple(p for p in cur.policies if p.model_prefix != prefix)
+    return _derive(cur, version, author, f"purge {prefix}", (*rest, bumped))
+
+
+def set_limits(cur: Snapshot, version: int, author: str, limits: Limits) -> Snapshot:
+    return _derive(cur, version, author, "limits", cur.policies, limits)
+
+
+def rollback(cur: Snapshot, target: Snapshot, version: int, author: str) -> Snapshot:
+    """A new snapshot with target's policies and limits; generations never go backwards."""
+    policies = []
+    for p in target.policies:
+        now = cur.policy(p.model_prefix)
+        generation = now.generation if now is not None else version
+        policies.append(p.model_copy(update={"generation": generation}))
+    return _derive(cur, version, author, f"rollback to {target.version}", tuple(policies), target.limits)
+
+
+# ---- The cache: newest snapshot in memory, watchers notified on change ---------------------
+
+
+class SnapshotCache:
+    """Holds the newest snapshot; versions only move forward. Used by the API (reads keep
+    working from memory when Redis is down) and by every xDS stream (watchers)."""
+
+    def __init__(self, initial: Snapshot = EMPTY) -> None:
+        self._current = initial
+        self._watchers: dict[int, Callable[[Snapshot], None]] = {}
+        self._next_id = 0
+        self.updated_at = time.time()
+
+    @property
+    def current(self) -> Snapshot:
+        return self._current
+
+    def set(self, snapshot: Snapshot, force: bool = False) -> bool:
+        """Install `snapshot` if it is newer (or `force`, for tests injecting raw configs)."""
+        if snapshot.version <= self._current.version and not force:
+            return False
+        self._current = snapshot
+        self.updated_at = time.time()
+        for notify in list(self._watchers.values()):
+            notify(snapshot)
+        return True
+
+    def watch(self, notify: Callable[[Snapshot], None]) -> int:
+        self._next_id += 1
+        self._watchers[self._next_id] = notify
+        return self._next_id
+
+    def unwatch(self, watch_id: int) -> None:
+        self._watchers.pop(watch_id, None)
+
+    def watcher_count(self) -> int:
+        return len(self._watchers)

@@ -1,0 +1,311 @@
+"""xDS server: ECDS and ADS (state of the world) on grpcio aio, with ACK/NACK per stream.
+
+Resources are produced per type URL by pluggable renderers, so another protocol served over the
+same ADS stream (e.g. MCP-over-xDS serving `extensions.istio.io/v1alpha1/WasmPlugin` to istiod)
+is one more `Renderer` registered with `XdsServer.add_renderer`.
+
+Flow control follows go-control-plane: a request opens a watch for its type; a response is sent
+only while a watch is open and the snapshot differs from what this stream was last sent, then
+the watch closes until the next request (the ACK or NACK). A NACK therefore never triggers a
+resend of the same rejected version: Envoy keeps its last good config until a newer snapshot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import grpc
+from envoy.config.core.v3 import extension_pb2
+from envoy.extensions.filters.http.wasm.v3 import wasm_pb2
+from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
+from envoy.service.extension.v3 import config_discovery_pb2_grpc
+from google.protobuf import any_pb2, json_format
+
+from meshcache.wasm_filter import FILTER_NAME, wasm_filter_config
+
+from .metrics import Metrics
+from .snapshots import Snapshot, SnapshotCache
+
+log = logging.getLogger("control_plane.xds")
+
+ECDS_TYPE_URL = "type.googleapis.com/envoy.config.core.v3.TypedExtensionConfig"
+INBOX_SIZE = 64  # per-stream bound on unprocessed requests (backpressure on the reader)
+
+
+class Renderer(Protocol):
+    """Turns a snapshot into the named resources of one type URL."""
+
+    type_url: str
+
+    def resources(self, snapshot: Snapshot) -> dict[str, any_pb2.Any]: ...
+
+
+class EcdsRenderer:
+    """The meshcache HTTP filter as an ECDS `TypedExtensionConfig` (the Wasm filter config whose
+    plugin configuration is the snapshot JSON; VM config identical to the static default)."""
+
+    type_url = ECDS_TYPE_URL
+
+    def __init__(self, wasm_path: Path, resource_name: str = FILTER_NAME) -> None:
+        self.wasm_path = wasm_path
+        self.resource_name = resource_name
+        self._memo: tuple[Snapshot, dict[str, any_pb2.Any]] | None = None
+
+    def typed_extension_config(self, snapshot: Snapshot) -> extension_pb2.TypedExtensionConfig:
+        wasm = json_format.ParseDict(wasm_filter_config(self.wasm_path, snapshot.plugin_config()),
+                                     wasm_pb2.Wasm())
+        typed = any_pb2.Any()
+        typed.Pack(wasm)
+        return extension_pb2.TypedExtensionConfig(name=self.resource_name, typed_config=typed)
+
+    def resources(self, snapshot: Snapshot) -> dict[str, any_pb2.Any]:
+        # Rendered once per snapshot, shared by every stream.
+        if self._memo is not None and self._memo[0] is snapshot:
+            return self._memo[1]
+        packed = any_pb2.Any()
+        packed.Pack(self.typed_extension_config(snapshot))
+        out = {self.resource_name: packed}
+        self._memo = (snapshot, out)
+        return out
+
+
+@dataclass
+class Nack:
+    version: str
+    error: str
+    at: float
+
+
+@dataclass
+class Connection:
+    """One xDS stream and what its Envoy has acknowledged."""
+
+    stream_id: int
+    transport: str
+    peer: str
+    connected_since: float = field(default_factory=time.time)
+    node_id: str = ""
+    cluster: str = ""
+    acked: dict[str, tuple[str, float | None]] = field(default_factory=dict)  # type_url -> (version, at)
+    last_nack: Nack | None = None
+
+    def acked_version(self, type_url: str = ECDS_TYPE_URL) -> tuple[str, float | None]:
+        if type_url in self.acked:
+            return self.acked[type_url]
+        return next(iter(self.acked.values()), ("", None))
+
+
+class ProxyRegistry:
+    def __init__(self) -> None:
+        self._ids = itertools.count(1)
+        self.connections: dict[int, Connection] = {}
+
+    def open(self, transport: str, peer: str) -> Connection:
+        conn = Connection(stream_id=next(self._ids), transport=transport, peer=peer)
+        self.connections[conn.stream_id] = conn
+        return conn
+
+    def close(self, conn: Connection) -> None:
+        self.connections.pop(conn.stream_id, None)
+
+    def __len__(self) -> int:
+        return len(self.connections)
+
+
+@dataclass
+class _TypeState:
+    names: tuple[str, ...] = ()
+    watch_open: bool = False
+    force: bool = False  # respond even if the version did not change (first request, new names)
+    sent_version: str | None = None
+    sent_nonce: str | None = None
+    sent_at: float = 0.0
+
+
+_CLOSED = object()
+
+
+class XdsServer:
+    def __init__(self, cache: SnapshotCache, metrics: Metrics, max_streams: int = 5000) -> None:
+        self.cache = cache
+        self.metrics = metrics
+        self.max_streams = max_streams
+        self.registry = ProxyRegistry()
+        self.renderers: dict[str, Renderer] = {}
+        self._server: grpc.aio.Server | None = None
+        self.port = 0
+
+    def add_renderer(self, renderer: Renderer) -> None:
+        self.renderers[renderer.type_url] = renderer
+
+    # ---- gRPC plumbing ----------------------------------------------------------------------
+
+    async def start(self, host: str, port: int) -> int:
+        server = grpc.aio.server(options=[
+            ("grpc.keepalive_time_ms", 30_000),
+            ("grpc.keepalive_timeout_ms", 10_000),
+            ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.max_concurrent_streams", 10_000),
+        ])
+        config_discovery_pb2_grpc.add_ExtensionConfigDiscoveryServiceServicer_to_server(
+            _EcdsServicer(self), server)
+        ads_pb2_grpc.add_AggregatedDiscoveryServiceServicer_to_server(_AdsServicer(self), server)
+        self.port = server.add_insecure_port(f"{host}:{port}")
+        if self.port == 0:
+            raise OSError(f"cannot bind xDS port {host}:{port}")
+        await server.start()
+        self._server = server
+        return self.port
+
+    async def stop(self, grace: float = 1.0) -> None:
+        if self._server is not None:
+            await self._server.stop(grace)
+            self._server = None
+
+    # ---- the stream -------------------------------------------------------------------------
+
+    async def stream(self, requests: AsyncIterator[discovery_pb2.DiscoveryRequest],
+                     context: grpc.aio.ServicerContext, transport: str
+                     ) -> AsyncIterator[discovery_pb2.DiscoveryResponse]:
+        if len(self.registry) >= self.max_streams:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many xDS streams")
+        conn = self.registry.open(transport, context.peer() or "")
+        self.metrics.streams.labels(transport).inc()
+        wake = asyncio.Event()
+        inbox: asyncio.Queue[Any] = asyncio.Queue(maxsize=INBOX_SIZE)
+        states: dict[str, _TypeState] = {}
+        nonces = itertools.count(1)
+
+        async def read() -> None:
+            try:
+                async for req in requests:
+                    await inbox.put(req)
+                    wake.set()
+            finally:
+                # Stream ended or broke: let the loop finish (put_nowait: never blocks here).
+                with contextlib.suppress(asyncio.QueueFull):
+                    inbox.put_nowait(_CLOSED)
+                wake.set()
+
+        watch_id = self.cache.watch(lambda _snap: wake.set())
+        reader = asyncio.create_task(read())
+        try:
+            closed = False
+            while not closed:
+                await wake.wait()
+                wake.clear()
+                while not inbox.empty():
+                    item = inbox.get_nowait()
+                    if item is _CLOSED:
+                        closed = True
+                        break
+                    self._on_request(conn, states, item)
+                if closed or reader.done() and inbox.empty():
+                    break
+                snap = self.cache.current
+                if snap.version == 0:
+                    continue  # never configured: Envoy keeps its default_config
+                for type_url, st in states.items():
+                    resp = self._maybe_respond(snap, type_url, st, nonces)
+                    if resp is not None:
+                        yield resp
+        finally:
+            self.cache.unwatch(watch_id)
+            reader.cancel()
+            self.registry.close(conn)
+            self.metrics.streams.labels(transport).dec()
+
+    def _on_request(self, conn: Connection, states: dict[str, _TypeState],
+                    req: discovery_pb2.DiscoveryRequest) -> None:
+        if req.HasField("node") and req.node.id:
+            conn.node_id, conn.cluster = req.node.id, req.node.cluster
+        type_url = req.type_url or ECDS_TYPE_URL
+        if type_url not in self.renderers:
+            log.debug("stream %d: ignoring unserved type %s", conn.stream_id, type_url)
+            return
+        st = states.setdefault(type_url, _TypeState())
+        names = tuple(sorted(req.resource_names))
+        if req.response_nonce:
+            if req.response_nonce != st.sent_nonce:
+                return  # stale: answers a response superseded since
+            if req.HasField("error_detail") and (req.error_detail.code or req.error_detail.message):
+                conn.last_nack = Nack(version=st.sent_version or "", error=req.error_detail.message,
+                                      at=time.time())
+                self.metrics.nacks.inc()
+                log.warning("NACK from %s for version %s: %s", conn.node_id, st.sent_version,
+                            req.error_detail.message)
+            else:
+                conn.acked[type_url] = (req.version_info, time.time())
+                self.metrics.acks.inc()
+                self.metrics.ack_latency.observe(time.monotonic() - st.sent_at)
+        else:
+            # First request of this type on the stream: Envoy reports the version it already has
+            # (after a reconnect) and always gets an answer.
+            st.force = True
+            if req.version_info:
+                conn.acked[type_url] = (req.version_info, None)
+        if names != st.names:
+            st.names, st.force = names, True
+        st.watch_open = True
+
+    def _maybe_respond(self, snap: Snapshot, type_url: str, st: _TypeState,
+                       nonces: itertools.count[int]) -> discovery_pb2.DiscoveryResponse | None:
+        version = str(snap.version)
+        if not st.watch_open or (version == st.sent_version and not st.force):
+            return None
+        available = self.renderers[type_url].resources(snap)
+        chosen = [available[n] for n in st.names if n in available] if st.names else list(available.values())
+        if not chosen:
+            return None  # nothing this stream asked for exists (yet): keep the watch open
+        st.watch_open = st.force = False
+        st.sent_version, st.sent_nonce, st.sent_at = version, str(next(nonces)), time.monotonic()
+        self.metrics.pushes.labels(type_url).inc()
+        return discovery_pb2.DiscoveryResponse(
+            version_info=version, resources=chosen, type_url=type_url, nonce=st.sent_nonce)
+
+    def fetch(self, req: discovery_pb2.DiscoveryRequest) -> discovery_pb2.DiscoveryResponse:
+        type_url = req.type_url or ECDS_TYPE_URL
+        snap = self.cache.current
+        renderer = self.renderers.get(type_url)
+        if renderer is None or snap.version == 0:
+            return discovery_pb2.DiscoveryResponse(type_url=type_url)
+        available = renderer.resources(snap)
+        names = list(req.resource_names) or list(available)
+        return discovery_pb2.DiscoveryResponse(
+            version_info=str(snap.version), type_url=type_url,
+            resources=[available[n] for n in names if n in available])
+
+
+class _EcdsServicer(config_discovery_pb2_grpc.ExtensionConfigDiscoveryServiceServicer):
+    def __init__(self, xds: XdsServer) -> None:
+        self.xds = xds
+
+    async def StreamExtensionConfigs(self, request_iterator: AsyncIterator[discovery_pb2.DiscoveryRequest],  # noqa: N802
+                                     context: grpc.aio.ServicerContext
+                                     ) -> AsyncIterator[discovery_pb2.DiscoveryResponse]:
+        async for resp in self.xds.stream(request_iterator, context, "ecds"):
+            yield resp
+
+    async def FetchExtensionConfigs(self, request: discovery_pb2.DiscoveryRequest,  # noqa: N802
+                                    context: grpc.aio.ServicerContext) -> discovery_pb2.DiscoveryResponse:
+        return self.xds.fetch(request)
+
+
+class _AdsServicer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
+    def __init__(self, xds: XdsServer) -> None:
+        self.xds = xds
+
+    async def StreamAggregatedResources(self, request_iterator: AsyncIterator[discovery_pb2.DiscoveryRequest],  # noqa: N802
+                                        context: grpc.aio.ServicerContext
+                                        ) -> AsyncIterator[discovery_pb2.DiscoveryResponse]:
+        async for resp in self.xds.stream(request_iterator, context, "ads"):
+            yield resp

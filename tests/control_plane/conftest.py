@@ -1,0 +1,43 @@
+"""Control-plane fixtures: a real redis-server and real control-plane processes per test."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from meshcache import procs, services
+from tests.control_plane.helpers import ControlPlaneProc, start_control_plane
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[tuple[procs.Proc, int]]:
+    proc, port = services.start_redis(tmp_path / "redis")
+    try:
+        yield proc, port
+    finally:
+        proc.stop()
+
+
+@pytest.fixture
+def start_cp(tmp_path: Path, redis_server: tuple[procs.Proc, int]
+             ) -> Iterator[Callable[..., ControlPlaneProc]]:
+    """Factory: start a control-plane replica on the test's Redis; all are stopped at the end."""
+    started: list[ControlPlaneProc] = []
+
+    def start(name: str = "control-plane", **kwargs: object) -> ControlPlaneProc:
+        cp = start_control_plane(tmp_path / "logs", redis_server[1], name=name, **kwargs)  # type: ignore[arg-type]
+        started.append(cp)
+        return cp
+
+    try:
+        yield start
+    finally:
+        for cp in reversed(started):
+            cp.proc.stop()
+
+
+@pytest.fixture
+def cp(start_cp: Callable[..., ControlPlaneProc]) -> ControlPlaneProc:
+    return start_cp()

@@ -1,0 +1,101 @@
+"""Test helpers: a real control-plane process on free ports, API clients, and the xDS client."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import httpx
+
+from meshcache import procs
+
+WRITE_TOKEN = "write-token-0123456789abcdef"
+READ_TOKEN = "read-token-0123456789abcdef"
+TOKENS = f"write:admin:{WRITE_TOKEN},read:viewer:{READ_TOKEN}"
+T = TypeVar("T")
+
+
+@dataclass
+class ControlPlaneProc:
+    proc: procs.Proc
+    http_port: int
+    xds_port: int
+    argv: list[str]
+    env: dict[str, str]
+    log_dir: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    def client(self, token: str | None = WRITE_TOKEN) -> httpx.Client:
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        return httpx.Client(base_url=self.url, headers=headers, timeout=10)
+
+    def restart(self) -> None:
+        """Start again on the same ports (after stop() or kill())."""
+        self.proc.stop()
+        self.proc = _launch(self.proc.name, self.argv, self.env, self.log_dir, self.http_port, self.xds_port)
+
+
+def _launch(name: str, argv: list[str], env: dict[str, str], log_dir: Path, http_port: int,
+            xds_port: int) -> procs.Proc:
+    proc = procs.start(name, argv, log_dir, env=env)
+    procs.wait_until(proc, procs.http_ok(f"http://127.0.0.1:{http_port}/healthz"), timeout=30)
+    procs.wait_until(proc, procs.tcp_open(xds_port), timeout=10, what="serving xDS")
+    return proc
+
+
+def start_control_plane(log_dir: Path, redis_port: int, name: str = "control-plane",
+                        extra_env: dict[str, str] | None = None, wasm_path: Path | None = None
+                        ) -> ControlPlaneProc:
+    http_port, xds_port = procs.free_port(), procs.free_port()
+    script = Path(sys.executable).parent / "meshcache-control-plane"
+    argv = [str(script)] if script.exists() else [sys.executable, "-m", "control_plane.cli"]
+    argv += ["--redis-url", f"redis://127.0.0.1:{redis_port}/0", "--http-port", str(http_port),
+             "--xds-port", str(xds_port)]
+    if wasm_path is not None:
+        argv += ["--wasm-path", str(wasm_path)]
+    env = {"MESHCACHE_CP_TOKENS": TOKENS, "MESHCACHE_CP_REDIS_TIMEOUT_S": "0.5",
+           "MESHCACHE_CP_RESYNC_INTERVAL_S": "0.5", **(extra_env or {})}
+    proc = _launch(name, argv, env, log_dir, http_port, xds_port)
+    return ControlPlaneProc(proc, http_port, xds_port, argv, env, log_dir)
+
+
+def eventually(check: Callable[[], T], timeout: float = 5.0, interval: float = 0.02) -> T:
+    """Poll `check` until it returns a truthy value (returned) or raise its last failure."""
+    deadline = time.monotonic() + timeout
+    last: BaseException | None = None
+    while time.monotonic() < deadline:
+        try:
+            value = check()
+            if value:
+                return value
+        except (AssertionError, httpx.HTTPError) as exc:
+            last = exc
+        time.sleep(interval)
+    raise AssertionError(f"condition not met within {timeout}s: {last!r}")
+
+
+def run(coro: Coroutine[Any, Any, T]) -> T:
+    return asyncio.run(coro)
+
+
+async def aeventually(check: Callable[[], T], timeout: float = 5.0, interval: float = 0.02) -> T:
+    """`eventually` for async tests: the (blocking) check runs in a thread so the loop keeps going."""
+    deadline = time.monotonic() + timeout
+    last: BaseException | None = None
+    while time.monotonic() < deadline:
+        try:
+            value = await asyncio.to_thread(check)
+            if value:
+                return value
+        except (AssertionError, httpx.HTTPError) as exc:
+            last = exc
+        await asyncio.sleep(interval)
+    raise AssertionError(f"condition not met within {timeout}s: {last!r}")

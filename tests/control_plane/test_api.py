@@ -1,0 +1,250 @@
+"""HTTP API against a real control-plane process and a real redis-server."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from meshcache import services
+from meshcache.wasm_filter import plugin_config_json
+from tests.control_plane.helpers import READ_TOKEN, ControlPlaneProc, start_control_plane
+
+
+@pytest.fixture(scope="module")
+def shared_cp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlaneProc]:
+    """One replica for the tests that only add their own prefixes (validation, auth)."""
+    d = tmp_path_factory.mktemp("shared-cp")
+    redis, port = services.start_redis(d / "redis")
+    try:
+        cp = start_control_plane(d / "logs", port, extra_env={"MESHCACHE_CP_MAX_POLICIES": "50"})
+        try:
+            yield cp
+        finally:
+            cp.proc.stop()
+    finally:
+        redis.stop()
+
+
+def test_put_get_list_delete(cp: ControlPlaneProc) -> None:
+    c = cp.client()
+    r = c.put("/v1/policies/llama3-70b", json={"ttl_s": 300, "max_ttl_s": 1800})
+    assert r.status_code == 200, r.text
+    assert r.json()["version"] == 1 and r.json()["changed"] is True
+    assert r.headers["ETag"] == '"1"'
+    policy = c.get("/v1/policies/llama3-70b").json()["policy"]
+    assert policy == {"model_prefix": "llama3-70b", "ttl_s": 300, "max_ttl_s": 1800, "generation": 1,
+                      "hash_headers": ["content-type", "x-model-id"], "vary_headers": [],
+                      "scope": "shared", "enabled": True}
+    # An identical PUT is not a change: no new snapshot.
+    again = c.put("/v1/policies/llama3-70b", json={"ttl_s": 300, "max_ttl_s": 1800}).json()
+    assert (again["version"], again["changed"]) == (1, False)
+    r = c.put("/v1/policies/mistral", json={"ttl_s": 5, "scope": "principal", "vary_headers": ["accept"],
+                                            "model_prefix": "mistral", "enabled": False})
+    assert r.json()["version"] == 2
+    listed = c.get("/v1/policies").json()
+    assert listed["version"] == 2
+    assert [p["model_prefix"] for p in listed["policies"]] == ["llama3-70b", "mistral"]
+    assert listed["policies"][1]["max_ttl_s"] == 5  # defaults to ttl_s
+    r = c.delete("/v1/policies/llama3-70b")
+    assert r.status_code == 200 and r.json()["version"] == 3
+    assert c.get("/v1/policies/llama3-70b").status_code == 404
+    assert c.delete("/v1/policies/llama3-70b").status_code == 404
+    assert c.get("/v1/snapshot").json()["version"] == 3
+
+
+def test_snapshot_renders_the_filter_config(cp: ControlPlaneProc) -> None:
+    c = cp.client()
+    c.put("/v1/policies/llama3-70b", json={"ttl_s": 300, "max_ttl_s": 1800})
+    c.put("/v1/limits", json={"max_entry_bytes": 2048, "max_total_bytes": 1 << 20, "max_entries": 100})
+    snap = c.get("/v1/snapshot").json()
+    expected = {
+        "version": "2", "color": "", "max_entry_bytes": 2048, "max_total_bytes": 1 << 20, "max_entries": 100,
+        "policies": [{"model_prefix": "llama3-70b", "ttl_s": 300, "max_ttl_s": 1800, "generation": 1,
+                      "hash_headers": ["content-type", "x-model-id"], "vary_headers": [],
+                      "scope": "shared", "enabled": True}],
+    }
+    assert snap["plugin_config"] == plugin_config_json(expected)
+    assert (snap["author"], snap["action"]) == ("admin", "limits")
+    assert c.get("/v1/limits").json() == {"max_entry_bytes": 2048, "max_total_bytes": 1 << 20,
+                                           "max_entries": 100}
+    # Older snapshots stay readable, unchanged.
+    first = c.get("/v1/snapshots/1").json()
+    assert json.loads(first["plugin_config"])["max_entries"] == 16384
+    assert c.get("/v1/snapshots/99").status_code == 404
+
+
+def test_if_match(cp: ControlPlaneProc) -> None:
+    c = cp.client()
+    assert c.put("/v1/policies/a", json={"ttl_s": 1}, headers={"If-Match": "0"}).status_code == 200
+    r = c.put("/v1/policies/a", json={"ttl_s": 2}, headers={"If-Match": "0"})
+    assert r.status_code == 412 and "current version is 1" in r.json()["detail"]
+    assert r.headers["ETag"] == '"1"'
+    assert c.get("/v1/policies/a").json()["policy"]["ttl_s"] == 1  # nothing written
+    assert c.put("/v1/policies/a", json={"ttl_s": 2}, headers={"If-Match": '"1"'}).json()["version"] == 2
+    assert c.delete("/v1/policies/a", headers={"If-Match": "1"}).status_code == 412
+    r = c.put("/v1/policies/a", json={"ttl_s": 3}, headers={"If-Match": "yesterday"})
+    assert r.status_code == 422 and r.json()["errors"][0]["field"] == "If-Match"
+    assert c.delete("/v1/policies/a", headers={"If-Match": "2"}).json()["version"] == 3
+
+
+def test_purge_bumps_generation_and_rollback_never_lowers_it(cp: ControlPlaneProc) -> None:
+    c = cp.client()
+    c.put("/v1/policies/bert", json={"ttl_s": 60})                      # v1, generation 1
+    r = c.post("/v1/purge", json={"model_prefix": "bert"})              # v2
+    assert r.status_code == 200 and r.json()["policy"]["generation"] == 2
+    c.put("/v1/policies/bert", json={"ttl_s": 30})                      # v3, keeps generation 2
+    assert c.get("/v1/policies/bert").json()["policy"]["generation"] == 2
+    r = c.post("/v1/rollback", json={"version": 1})                     # v4 = v1's content...
+    assert r.status_code == 200 and r.json()["version"] == 4
+    p = c.get("/v1/policies/bert").json()["policy"]
+    assert p["ttl_s"] == 60 and p["generation"] == 2                    # ...but the purge stands
+    c.delete("/v1/policies/bert")                                       # v5
+    c.put("/v1/policies/bert", json={"ttl_s": 60})                      # v6: recreated, fresh generation
+    assert c.get("/v1/policies/bert").json()["policy"]["generation"] == 6
+    assert c.post("/v1/purge", json={"model_prefix": "nope"}).status_code == 404
+
+
+def test_rollback(cp: ControlPlaneProc) -> None:
+    c = cp.client()
+    c.put("/v1/policies/a", json={"ttl_s": 10})   # v1
+    c.put("/v1/policies/b", json={"ttl_s": 20})   # v2
+    c.put("/v1/limits", json={"max_entries": 7})  # v3
+    r = c.post("/v1/rollback", json={"version": 1})
+    assert r.json() == {"version": 4, "changed": True, "policy": None}
+    snap = c.get("/v1/snapshot").json()
+    assert [p["model_prefix"] for p in snap["policies"]] == ["a"]
+    assert snap["limits"]["max_entries"] == 16384 and snap["action"] == "rollback to 1"
+    assert c.post("/v1/rollback", json={"version": 4}).json()["changed"] is False  # equal content
+    assert c.post("/v1/rollback", json={"version": 77}).status_code == 404
+    assert c.post("/v1/rollback", json={"version": 0}).status_code == 422
+
+
+def test_audit_records_who_changed_what(cp: ControlPlaneProc) -> None:
+    c = cp.client()
+    c.put("/v1/policies/a", json={"ttl_s": 10})
+    c.post("/v1/purge", json={"model_prefix": "a"})
+    entries = cp.client(READ_TOKEN).get("/v1/audit", params={"count": 10}).json()["entries"]
+    assert [(e["version"], e["actor"], e["action"]) for e in entries] == [
+        (2, "admin", "purge a"), (1, "admin", "put a")]
+    assert json.loads(entries[1]["detail"])["ttl_s"] == 10
+
+
+def test_auth(shared_cp: ControlPlaneProc) -> None:
+    anon, reader, writer = shared_cp.client(None), shared_cp.client(READ_TOKEN), shared_cp.client()
+    r = anon.get("/v1/policies")
+    assert r.status_code == 401 and r.headers["WWW-Authenticate"] == "Bearer"
+    assert shared_cp.client("not-a-real-token-at-all").get("/v1/policies").status_code == 401
+    assert anon.put("/v1/policies/auth-x", json={"ttl_s": 1}).status_code == 401
+    r = reader.put("/v1/policies/auth-x", json={"ttl_s": 1})
+    assert r.status_code == 403 and "write needed" in r.json()["detail"]
+    assert reader.post("/v1/purge", json={"model_prefix": "auth-x"}).status_code == 403
+    assert reader.post("/v1/rollback", json={"version": 1}).status_code == 403
+    assert reader.get("/v1/policies").status_code == 200
+    assert reader.get("/v1/proxies").status_code == 200
+    assert writer.put("/v1/policies/auth-x", json={"ttl_s": 1}).status_code == 200
+    for path in ("/healthz", "/readyz", "/metrics", "/openapi.json"):
+        assert anon.get(path).status_code == 200, path
+
+
+BAD_POLICIES: list[tuple[dict[str, Any], str, str]] = [
+    ({"ttl_s": 10, "max_ttl_s": 5}, "max_ttl_s", "at least ttl_s"),
+    ({"ttl_s": -1}, "ttl_s", "greater than or equal to 0"),
+    ({"ttl_s": 1, "max_ttl_s": -5}, "max_ttl_s", "greater than or equal to 0"),
+    ({"ttl_s": 10**9}, "ttl_s", "less than or equal"),
+    ({"ttl_s": "10"}, "ttl_s", "integer"),
+    ({"ttl_s": 1.5}, "ttl_s", "integer"),
+    ({}, "ttl_s", "required"),
+    ({"ttl_s": 1, "hash_headers": ["Content-Type"]}, "hash_headers.0", "pattern"),
+    ({"ttl_s": 1, "vary_headers": ["x y"]}, "vary_headers.0", "pattern"),
+    ({"ttl_s": 1, "vary_headers": [""]}, "vary_headers.0", "at least 1"),
+    ({"ttl_s": 1, "hash_headers": ["a", "a"]}, "hash_headers", "must not repeat"),
+    ({"ttl_s": 1, "hash_headers": [f"h{i}" for i in range(40)]}, "hash_headers", "at most"),
+    ({"ttl_s": 1, "scope": "global"}, "scope", "'shared' or 'principal'"),
+    ({"ttl_s": 1, "enabled": "yes"}, "enabled", "boolean"),
+    ({"ttl_s": 1, "generation": 3}, "generation", "managed by the control plane"),
+    ({"ttl_s": 1, "colour": "red"}, "colour", "unknown field"),
+    ({"ttl_s": 1, "model_prefix": "other"}, "model_prefix", "must equal the path"),
+]
+
+
+@pytest.mark.parametrize(("body", "field", "reason"), BAD_POLICIES,
+                         ids=[b[1] + "-" + b[2] for b in BAD_POLICIES])
+def test_invalid_policy_is_422_naming_the_field(shared_cp: ControlPlaneProc, body: dict[str, Any],
+                                                field: str, reason: str) -> None:
+    c = shared_cp.client()
+    before = c.get("/v1/snapshot").json()["version"]
+    r = c.put("/v1/policies/valid-prefix", json=body)
+    assert r.status_code == 422, r.text
+    errors = {e["field"]: e["reason"] for e in r.json()["errors"]}
+    assert field in errors and reason in errors[field], r.json()
+    assert field in r.json()["detail"]
+    assert c.get("/v1/snapshot").json()["version"] == before  # no partial write
+    assert c.get("/v1/policies/valid-prefix").status_code == 404
+
+
+@pytest.mark.parametrize(("path", "reason"), [
+    ("/v1/policies/" + "m" * 257, "at most 256"),
+    ("/v1/policies/", "at least 1"),
+    ("/v1/policies/has%20space", "pattern"),
+    ("/v1/policies/a/b", "pattern"),
+])
+def test_invalid_prefix_is_422(shared_cp: ControlPlaneProc, path: str, reason: str) -> None:
+    r = shared_cp.client().put(path, json={"ttl_s": 1})
+    assert r.status_code == 422, r.text
+    assert any(e["field"] == "model_prefix" and reason in e["reason"] for e in r.json()["errors"]), r.json()
+
+
+@pytest.mark.parametrize(("path", "body", "field"), [
+    ("/v1/limits", {"max_entry_bytes": 0}, "max_entry_bytes"),
+    ("/v1/limits", {"max_entry_bytes": 65 * 2**20, "max_total_bytes": 2**30}, "max_entry_bytes"),
+    ("/v1/limits", {"max_entries": 0}, "max_entries"),
+    ("/v1/limits", {"max_entries": 2**21}, "max_entries"),
+    ("/v1/limits", {"max_total_bytes": 17 * 2**30}, "max_total_bytes"),
+    ("/v1/limits", {"max_entry_bytes": 4096, "max_total_bytes": 1024}, "max_total_bytes"),
+    ("/v1/purge", {"model_prefix": ""}, "model_prefix"),
+    ("/v1/purge", {}, "model_prefix"),
+    ("/v1/rollback", {"version": -1}, "version"),
+    ("/v1/rollback", {"version": "1"}, "version"),
+])
+def test_invalid_limits_purge_rollback_are_422(shared_cp: ControlPlaneProc, path: str,
+                                               body: dict[str, Any], field: str) -> None:
+    c = shared_cp.client()
+    r = c.put(path, json=body) if path == "/v1/limits" else c.post(path, json=body)
+    assert r.status_code == 422, r.text
+    assert field in [e["field"] for e in r.json()["errors"]], r.json()
+
+
+def test_malformed_and_oversized_bodies(shared_cp: ControlPlaneProc) -> None:
+    c = shared_cp.client()
+    r = c.put("/v1/policies/x", content=b"{not json", headers={"Content-Type": "application/json"})
+    assert r.status_code == 422
+    r = c.put("/v1/policies/x", content=b"[1]", headers={"Content-Type": "application/json"})
+    assert r.status_code == 422
+    big = json.dumps({"ttl_s": 1, "vary_headers": ["a" * 100] * 1000}).encode()
+    r = c.put("/v1/policies/x", content=big, headers={"Content-Type": "application/json"})
+    assert r.status_code == 413 and "larger than" in r.json()["detail"]
+
+
+def test_number_of_policies_is_bounded(start_cp: Any) -> None:
+    cp = start_cp(extra_env={"MESHCACHE_CP_MAX_POLICIES": "3"})
+    c = cp.client()
+    for name in ("a", "b", "c"):
+        assert c.put(f"/v1/policies/{name}", json={"ttl_s": 1}).status_code == 200
+    r = c.put("/v1/policies/d", json={"ttl_s": 1})
+    assert r.status_code == 409 and "policy limit reached (3)" in r.json()["detail"]
+    assert c.put("/v1/policies/a", json={"ttl_s": 2}).status_code == 200  # updates still fine
+
+
+def test_health_ready_metrics(cp: ControlPlaneProc) -> None:
+    c = cp.client(None)
+    assert c.get("/healthz").json() == {"status": "ok"}
+    assert c.get("/readyz").json()["status"] == "ready"
+    cp.client().put("/v1/policies/m", json={"ttl_s": 1})
+    text = c.get("/metrics").text
+    assert "meshcache_cp_snapshot_version 1.0" in text
+    assert 'meshcache_cp_writes_total{outcome="changed"} 1.0' in text
+    spec = c.get("/openapi.json").json()
+    assert "/v1/policies/{model_prefix}" in spec["paths"]

@@ -1,0 +1,42 @@
+"""The console script: settings from env vars, tokens from a file, refusing bad configuration."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+
+from meshcache import procs
+
+SCRIPT = str(Path(sys.executable).parent / "meshcache-control-plane")
+
+
+def test_env_settings_and_tokens_file(tmp_path: Path, redis_server: tuple[procs.Proc, int]) -> None:
+    tokens = tmp_path / "tokens"
+    tokens.write_text("# role:name:token\nwrite:ops:file-token-0123456789abcdef\n")
+    http_port, xds_port = procs.free_port(), procs.free_port()
+    env = {"MESHCACHE_CP_REDIS_URL": f"redis://127.0.0.1:{redis_server[1]}/0",
+           "MESHCACHE_CP_HTTP_PORT": str(http_port), "MESHCACHE_CP_XDS_PORT": str(xds_port)}
+    proc = procs.start("cp-env", [SCRIPT, "--tokens-file", str(tokens)], tmp_path, env=env)
+    try:
+        procs.wait_until(proc, procs.http_ok(f"http://127.0.0.1:{http_port}/readyz"))
+        procs.wait_until(proc, procs.tcp_open(xds_port))
+        r = httpx.put(f"http://127.0.0.1:{http_port}/v1/policies/m", json={"ttl_s": 1},
+                      headers={"Authorization": "Bearer file-token-0123456789abcdef"})
+        assert r.status_code == 200 and r.json()["version"] == 1
+    finally:
+        proc.stop()
+
+
+def test_refuses_to_start_without_tokens_or_with_bad_ones(tmp_path: Path) -> None:
+    env = {"MESHCACHE_CP_TOKENS": "", "PATH": "/usr/bin:/bin"}
+    r = subprocess.run([SCRIPT], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "no API tokens configured" in r.stderr
+    r = subprocess.run([SCRIPT], env={**env, "MESHCACHE_CP_TOKENS": "admin:short"}, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 2 and "read|write:name:token" in r.stderr
+    r = subprocess.run([SCRIPT, "--http-port", "70000"], env={**env, "MESHCACHE_CP_TOKENS": "x"},
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "http_port" in r.stderr
