@@ -145,10 +145,14 @@ def run_size(size: int, seconds: int, workdir: Path) -> list[Row]:
                      for k in ("wasmcustom.meshcache.hits", "wasmcustom.meshcache.misses",
                                "wasmcustom.meshcache.stores")}
             check = f"hits {delta['hits']}, misses {delta['misses']}, stores {delta['stores']}"
-            rows.append(Row(protocol, label, mode, result, check if mode.startswith("filter") else "-"))
+            rows.append(Row(protocol, label, mode, result, check if mode.startswith("filter,") else "-"))
 
         fixed, unique = d / "fixed.lua", d / "unique.lua"
         measure("HTTP/1.1", "no filter", lambda: wrk(http_url("plain"), unique, seconds))
+        # The floor: the filter loaded but the request not an inference request (only the
+        # per-request VM callbacks Envoy always makes).
+        other = http_url("filter").replace("/v2/models/bench-model/infer", "/other")
+        measure("HTTP/1.1", "filter loaded, request ignored", lambda: wrk(other, unique, seconds))
         measure("HTTP/1.1", "filter, misses", lambda: wrk(http_url("filter"), unique, seconds))
         warm = httpx.post(http_url("filter"), content=REQUEST_JSON, headers={"content-type": "application/json"})
         assert warm.status_code == 200, warm.text

@@ -12,6 +12,13 @@ The cache proxy's shape (see docs in envoy/README.md):
   adds `grpc-status: 0`. A local reply cannot carry a gRPC body (Envoy makes it trailers-only).
 - With `ecds_port`, the cache filter comes from the control plane over ECDS, with the static
   plugin config as `default_config` so traffic flows before the control plane is reachable.
+- `color_routes`: requests whose `x-traffic-color` equals a key go to that colour's upstream
+  (e.g. `blue` to a canary engine); everything else to the default upstream. The filter puts the
+  colour in the cache key, so colours never share entries.
+
+The client-side sidecar (`ClientSidecar`) is the app's local proxy: a plaintext listener (gRPC
+and HTTP/1.1), `x-traffic-color` added unless the app set one, and HTTP/2 over strict mTLS
+(TLS 1.3, the server sidecar's SPIFFE ID checked) to the server-side sidecar.
 """
 
 from __future__ import annotations
@@ -34,6 +41,17 @@ BRIDGE = "envoy.filters.http.grpc_http1_reverse_bridge"
 BRIDGE_PER_ROUTE = "type.googleapis.com/envoy.extensions.filters.http.grpc_http1_reverse_bridge.v3.FilterConfigPerRoute"
 
 
+COLOR_HEADER = "x-traffic-color"
+
+
+@dataclass(frozen=True)
+class Upstream:
+    """An upstream serving HTTP (and optionally gRPC) on loopback ports."""
+
+    http_port: int
+    grpc_port: int | None = None
+
+
 @dataclass
 class CacheProxy:
     listen_port: int
@@ -51,6 +69,8 @@ class CacheProxy:
     # the peer's URI SAN must be one of `allowed_peers`.
     downstream_tls: Identity | None = None
     allowed_peers: list[str] = field(default_factory=list)
+    # x-traffic-color value -> the upstream that colour is routed to (default upstream otherwise).
+    color_routes: dict[str, Upstream] = field(default_factory=dict)
 
 
 def _socket(address: str, port: int) -> dict[str, Any]:
@@ -69,13 +89,17 @@ def _cluster(name: str, port: int, http2: bool) -> dict[str, Any]:
         },
     }
     if http2:
-        c["typed_extension_protocol_options"] = {
-            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-                "@type": _ENVOY + "extensions.upstreams.http.v3.HttpProtocolOptions",
-                "explicit_http_config": {"http2_protocol_options": {}},
-            }
-        }
+        c["typed_extension_protocol_options"] = _http2_options()
     return c
+
+
+def _http2_options() -> dict[str, Any]:
+    return {
+        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+            "@type": _ENVOY + "extensions.upstreams.http.v3.HttpProtocolOptions",
+            "explicit_http_config": {"http2_protocol_options": {}},
+        }
+    }
 
 
 def _tls_params() -> dict[str, Any]:
@@ -147,6 +171,13 @@ def _wasm_http_filter(p: CacheProxy) -> dict[str, Any]:
     }
 
 
+def _color_suffix(color: str) -> str:
+    """A colour as it appears in route and cluster names (Envoy stat names avoid odd characters)."""
+    if not color or not all(c.isascii() and (c.isalnum() or c in "-_") for c in color):
+        raise ValueError(f"traffic colour {color!r}: use letters, digits, '-' and '_'")
+    return color.lower().replace("-", "_")
+
+
 def _bridge_route(disabled: bool) -> dict[str, Any]:
     return {BRIDGE: {"@type": BRIDGE_PER_ROUTE, "disabled": disabled}}
 
@@ -159,6 +190,22 @@ def _routes(p: CacheProxy) -> list[dict[str, Any]]:
             "match": {"prefix": "/", "headers": [{"name": HIT_HEADER, "present_match": True}]},
             "route": {"cluster": "cache_stub", "timeout": "5s"},
             "typed_per_filter_config": _bridge_route(False),
+        })
+    bridge_off = {"typed_per_filter_config": _bridge_route(True)} if p.with_filter else {}
+    for color, upstream in p.color_routes.items():
+        header = {"name": COLOR_HEADER, "string_match": {"exact": color}}
+        if upstream.grpc_port is not None:
+            routes.append({
+                "name": f"grpc_{_color_suffix(color)}",
+                "match": {"prefix": "/", "grpc": {}, "headers": [header]},
+                "route": {"cluster": f"grpc_upstream_{_color_suffix(color)}", "timeout": "60s"},
+                **bridge_off,
+            })
+        routes.append({
+            "name": f"http_{_color_suffix(color)}",
+            "match": {"prefix": "/", "headers": [header]},
+            "route": {"cluster": f"http_upstream_{_color_suffix(color)}", "timeout": "60s"},
+            **bridge_off,
         })
     if p.grpc_upstream_port is not None:
         routes.append({
@@ -222,6 +269,10 @@ def render(p: CacheProxy) -> dict[str, Any]:
     clusters = [_cluster("http_upstream", p.http_upstream_port, http2=False)]
     if p.grpc_upstream_port is not None:
         clusters.append(_cluster("grpc_upstream", p.grpc_upstream_port, http2=True))
+    for color, upstream in p.color_routes.items():
+        clusters.append(_cluster(f"http_upstream_{_color_suffix(color)}", upstream.http_port, http2=False))
+        if upstream.grpc_port is not None:
+            clusters.append(_cluster(f"grpc_upstream_{_color_suffix(color)}", upstream.grpc_port, http2=True))
     if p.ecds_port is not None:
         clusters.append(_cluster("xds_cluster", p.ecds_port, http2=True))
     bootstrap: dict[str, Any] = {
@@ -243,6 +294,9 @@ def render(p: CacheProxy) -> dict[str, Any]:
         clusters.append({
             "name": "cache_stub",
             "connect_timeout": "1s",
+            # HTTP/2: the stub answers at request headers; over h2 that ends one stream, not the
+            # (internal) connection.
+            "typed_extension_protocol_options": _http2_options(),
             "load_assignment": {
                 "cluster_name": "cache_stub",
                 "endpoints": [{"lb_endpoints": [{"endpoint": {"address": {
@@ -256,8 +310,49 @@ def render(p: CacheProxy) -> dict[str, Any]:
     return bootstrap
 
 
-def write(p: CacheProxy, path: Path) -> Path:
-    path.write_text(yaml.safe_dump(render(p), sort_keys=False))
+@dataclass
+class ClientSidecar:
+    """The app-side proxy of the local mesh: plaintext in from the app, mTLS out to the server sidecar."""
+
+    listen_port: int
+    admin_port: int
+    server_port: int  # the server-side sidecar's mTLS listener
+    identity: Identity  # this sidecar's workload certificate (and the CA it trusts)
+    server_identities: list[str]  # SPIFFE IDs the server sidecar may present
+    color: str = "inference-2026"
+    node_id: str = "meshcache-client-sidecar"
+    cluster: str = "meshcache-client"
+    address: str = "127.0.0.1"
+
+
+def render_client(c: ClientSidecar) -> dict[str, Any]:
+    route = {
+        "name": "outbound",
+        "match": {"prefix": "/"},
+        "route": {"cluster": "mesh_upstream", "timeout": "60s"},
+        # The app may choose a colour itself; otherwise this sidecar's colour applies.
+        "request_headers_to_add": [{"header": {"key": COLOR_HEADER, "value": c.color},
+                                    "append_action": "ADD_IF_ABSENT"}],
+    }
+    listener = {
+        "name": "outbound",
+        "address": _socket(c.address, c.listen_port),
+        "per_connection_buffer_limit_bytes": BUFFER_LIMIT_BYTES,
+        "filter_chains": [{"filters": [_hcm("outbound", [route], [])]}],
+    }
+    # HTTP/2 upstream: gRPC needs it, and Envoy carries HTTP/1.1 app requests over it as well.
+    upstream = _cluster("mesh_upstream", c.server_port, http2=True)
+    upstream["transport_socket"] = upstream_mtls(c.identity, c.server_identities)
+    return {
+        "node": {"id": c.node_id, "cluster": c.cluster},
+        "admin": {"address": _socket("127.0.0.1", c.admin_port)},
+        "static_resources": {"listeners": [listener], "clusters": [upstream]},
+    }
+
+
+def write(p: CacheProxy | ClientSidecar, path: Path) -> Path:
+    doc = render_client(p) if isinstance(p, ClientSidecar) else render(p)
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
     return path
 
 
@@ -276,6 +371,23 @@ def examples(out_dir: Path) -> list[Path]:
     out = [write(base, out_dir / "cache-proxy.yaml")]
     ecds = CacheProxy(**{**base.__dict__, "ecds_port": 18000})
     out.append(write(ecds, out_dir / "cache-proxy-ecds.yaml"))
+    # The local mesh (`meshcache up`, default ports): server sidecar with strict mTLS and a
+    # colour route, and the client sidecar in front of the app.
+    certs = Path("/etc/meshcache/certs")
+    client_id = "spiffe://cluster.local/ns/default/sa/inference-client"
+    server_id = "spiffe://cluster.local/ns/default/sa/inference-server"
+    server = CacheProxy(listen_port=15006, admin_port=15100, http_upstream_port=18100, grpc_upstream_port=18101,
+                        plugin_config={"version": "default", "policies": []}, ecds_port=18000,
+                        node_id="meshcache-server-sidecar",
+                        downstream_tls=Identity(certs / "server-sidecar.crt", certs / "server-sidecar.key",
+                                                certs / "ca.crt"),
+                        allowed_peers=[client_id], color_routes={"blue": Upstream(18110, 18111)})
+    out.append(write(server, out_dir / "mesh-server-sidecar.yaml"))
+    client = ClientSidecar(listen_port=15001, admin_port=15000, server_port=15006,
+                           identity=Identity(certs / "client-sidecar.crt", certs / "client-sidecar.key",
+                                             certs / "ca.crt"),
+                           server_identities=[server_id])
+    out.append(write(client, out_dir / "mesh-client-sidecar.yaml"))
     return out
 
 

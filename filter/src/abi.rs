@@ -43,6 +43,7 @@ extern "C" {
     fn proxy_get_current_time_nanoseconds(out: *mut u64) -> u32;
     fn proxy_get_buffer_bytes(kind: u32, start: usize, max: usize, out_ptr: *mut *mut u8, out_len: *mut usize) -> u32;
     fn proxy_get_header_map_pairs(map: u32, out_ptr: *mut *mut u8, out_len: *mut usize) -> u32;
+    fn proxy_set_header_map_pairs(map: u32, ptr: *const u8, len: usize) -> u32;
     fn proxy_get_header_map_value(map: u32, k: *const u8, kl: usize, out_ptr: *mut *mut u8, out_len: *mut usize) -> u32;
     fn proxy_replace_header_map_value(map: u32, k: *const u8, kl: usize, v: *const u8, vl: usize) -> u32;
     fn proxy_remove_header_map_value(map: u32, k: *const u8, kl: usize) -> u32;
@@ -130,6 +131,12 @@ pub fn set_header(map: Map, name: &str, value: &str) {
     unsafe {
         proxy_replace_header_map_value(map as u32, name.as_ptr(), name.len(), value.as_ptr(), value.len());
     }
+}
+
+/// Replaces the whole map in one host call (cheaper than one call per changed header).
+pub fn set_headers(map: Map, pairs: &[(&str, &str)]) -> bool {
+    let b = serialize_map(pairs);
+    unsafe { proxy_set_header_map_pairs(map as u32, b.as_ptr(), b.len()) == STATUS_OK }
 }
 
 pub fn remove_header(map: Map, name: &str) {

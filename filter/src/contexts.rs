@@ -168,7 +168,6 @@ enum Phase {
     GrpcHit { headers: Vec<(String, String)> },
     Miss(Cacheable),
     Collect { c: Cacheable, ttl: u64, status: u16, headers: Vec<(String, String)>, body: Vec<u8> },
-    StubPending { key: Option<String> },
     Done,
 }
 
@@ -235,10 +234,8 @@ impl Stream {
             }
         };
         let cfg = match &*plugin {
-            PluginConfig::Stub => {
-                self.phase = Phase::StubPending { key: abi::header(Map::RequestHeaders, decide::HIT_HEADER) };
-                return if eos { self.stub_answer() } else { PAUSE };
-            }
+            // The marker says everything; the (bridged) request body is not needed.
+            PluginConfig::Stub => return self.stub_answer(abi::header(Map::RequestHeaders, decide::HIT_HEADER)),
             PluginConfig::Cache(cfg) => cfg,
         };
         let mut headers = abi::headers(Map::RequestHeaders);
@@ -269,7 +266,6 @@ impl Stream {
 
     fn on_request_body(&mut self, size: usize, eos: bool) -> u32 {
         match &self.phase {
-            Phase::StubPending { .. } => return if eos { self.stub_answer() } else { PAUSE },
             Phase::Buffering { .. } => {}
             _ => return CONTINUE,
         }
@@ -320,7 +316,7 @@ impl Stream {
         } else {
             None
         };
-        let c = match decide::on_body(cfg, &head, source, refresh, body, principal.as_deref()) {
+        let mut c = match decide::on_body(cfg, &head, source, refresh, body, principal.as_deref()) {
             BodyDecision::Bypass => {
                 self.phase = Phase::Bypass;
                 count("meshcache.bypasses", 1);
@@ -328,20 +324,22 @@ impl Stream {
             }
             BodyDecision::Cacheable(c) => c,
         };
+        let now = abi::now_ms();
+        c.request_ms = now;
         if c.refresh {
             count("meshcache.misses", 1);
             count_policy(&c.policy.model_prefix, "misses");
             self.phase = Phase::Miss(c);
             return CONTINUE;
         }
-        let now = abi::now_ms();
         let cache = Cache { data: &abi::HostShared, limits: &cfg.limits };
         let mut out = Outcome::default();
         let found = cache.lookup(&c.key, now, &mut out);
         record_outcome(&out);
         let entry = match found {
             Lookup::Hit(e) => e,
-            Lookup::Miss => {
+            Lookup::Miss(seen) => {
+                c.seen = seen;
                 count("meshcache.misses", 1);
                 count_policy(&c.policy.model_prefix, "misses");
                 self.phase = Phase::Miss(c);
@@ -500,20 +498,29 @@ impl Stream {
             return self.not_stored(c.refresh, NotStored::TooBig);
         }
         let refresh = c.refresh;
-        let stored = decide::build_entry(&c, &headers, status, message, ttl, abi::now_ms());
+        let stored = decide::build_entry(&c, &headers, status, message, ttl);
         let cache = Cache { data: &abi::HostShared, limits: &limits };
         let mut out = Outcome::default();
-        let result = cache.insert(&stored.entry, &mut out);
+        let result = cache.insert(&stored.entry, c.seen, &mut out);
         record_outcome(&out);
         match result {
             Ok(()) => {
                 count("meshcache.stores", 1);
-                abi::set_header(Map::ResponseHeaders, decide::HASH_HEADER, &stored.entry.response_hash);
-                if let Some(etag) = &stored.added_etag {
-                    abi::set_header(Map::ResponseHeaders, "etag", etag);
-                }
                 let cs = if refresh { decide::CACHE_STATUS_REFRESHED } else { decide::CACHE_STATUS_STORED };
-                abi::set_header(Map::ResponseHeaders, decide::CACHE_STATUS, cs);
+                // The response headers are paused and unchanged since we read them: write them
+                // back with ours added in a single host call.
+                let ours: [(&str, &str); 3] = [
+                    (decide::HASH_HEADER, &stored.entry.response_hash),
+                    (decide::CACHE_STATUS, cs),
+                    ("etag", stored.added_etag.as_deref().unwrap_or("")),
+                ];
+                let mut all: Vec<(&str, &str)> = headers
+                    .iter()
+                    .filter(|(n, _)| !ours.iter().any(|(o, v)| !v.is_empty() && n.eq_ignore_ascii_case(o)))
+                    .map(|(n, v)| (n.as_str(), v.as_str()))
+                    .collect();
+                all.extend(ours.iter().filter(|(_, v)| !v.is_empty()));
+                abi::set_headers(Map::ResponseHeaders, &all);
                 self.phase = Phase::Done;
                 CONTINUE
             }
@@ -523,19 +530,15 @@ impl Stream {
     }
 
     /// Stub side: answer a routed gRPC hit with the stored message; the reverse bridge frames it.
-    fn stub_answer(&mut self) -> u32 {
-        let phase = std::mem::replace(&mut self.phase, Phase::Done);
-        let key_hex = match phase {
-            Phase::StubPending { key } => key,
-            _ => None,
-        };
+    fn stub_answer(&mut self, key_hex: Option<String>) -> u32 {
+        self.phase = Phase::Done;
         let entry = key_hex.as_deref().and_then(decide::parse_hit_marker).and_then(|(slot, key)| {
             // Only lookup_at is used, which needs no limits: the slot comes with the marker.
             let limits = Limits { max_entry_bytes: 0, max_total_bytes: 0, max_entries: 1 };
             let cache = Cache { data: &abi::HostShared, limits: &limits };
             match cache.lookup_at(slot, &key, abi::now_ms(), &mut Outcome::default()) {
                 Lookup::Hit(e) => Some(e),
-                Lookup::Miss => None,
+                Lookup::Miss(_) => None,
             }
         });
         let sent = match entry {

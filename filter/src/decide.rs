@@ -64,6 +64,10 @@ pub struct Cacheable {
     pub policy: Policy,
     pub grpc: bool,
     pub refresh: bool,
+    /// The slot as the lookup saw it (None until looked up, or when unknown).
+    pub seen: Option<crate::store::SlotSeen>,
+    /// Request time: an answer's age counts from it (RFC 9111 corrected initial age).
+    pub request_ms: u64,
 }
 
 #[derive(Debug, PartialEq)]
@@ -121,7 +125,7 @@ pub fn on_body(
         principal,
         body,
     });
-    BodyDecision::Cacheable(Cacheable { key, policy: policy.clone(), grpc, refresh })
+    BodyDecision::Cacheable(Cacheable { key, policy: policy.clone(), grpc, refresh, seen: None, request_ms: 0 })
 }
 
 /// The hit marker's value: the slot the entry is in and its key, so the stub needs no config.
@@ -206,8 +210,8 @@ pub fn build_entry(
     status: u16,
     body: Vec<u8>,
     ttl_s: u64,
-    now_ms: u64,
 ) -> Stored {
+    let now_ms = c.request_ms;
     let hash = response_hash(&body, response_headers, &c.policy.hash_headers);
     let mut headers: Vec<(String, String)> = response_headers
         .iter()
@@ -326,7 +330,8 @@ mod tests {
             _ => unreachable!(),
         };
         let resp = hs(&[(":status", "200"), ("content-type", "application/json"), ("date", "x"), ("content-length", "2"), ("x-custom", "1")]);
-        let s = build_entry(&c, &resp, 200, b"{}".to_vec(), 5, 10_000);
+        let c = Cacheable { request_ms: 10_000, ..c };
+        let s = build_entry(&c, &resp, 200, b"{}".to_vec(), 5);
         assert_eq!(s.entry.expires_at_ms, 15_000);
         let names: Vec<&str> = s.entry.headers.iter().map(|(n, _)| n.as_str()).collect();
         assert_eq!(names, vec!["content-type", "x-custom", "etag"]);
@@ -337,7 +342,7 @@ mod tests {
         assert!(!not_modified(None, &s.entry));
         assert_eq!(freshness(&s.entry, 12_500), (3, 2));
         let with_etag = hs(&[("etag", "\"v1\"")]);
-        let s2 = build_entry(&c, &with_etag, 200, b"{}".to_vec(), 5, 0);
+        let s2 = build_entry(&c, &with_etag, 200, b"{}".to_vec(), 5);
         assert_eq!(s2.added_etag, None);
         assert!(not_modified(Some("W/\"v1\""), &s2.entry));
     }

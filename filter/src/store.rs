@@ -58,7 +58,15 @@ impl Meta {
 #[derive(Debug, PartialEq)]
 pub enum Lookup {
     Hit(Entry),
-    Miss,
+    /// What the slot held when looked at, when known: storing the answer later can then
+    /// compare-and-swap against it without reading the slot again (one VM crossing less).
+    Miss(Option<SlotSeen>),
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SlotSeen {
+    pub len: usize,
+    pub cas: u32,
 }
 
 #[derive(Debug, Default, PartialEq, Eq)]
@@ -137,16 +145,20 @@ impl<'a, S: SharedData> Cache<'a, S> {
     /// Looks in slot `i` (where the key's owner placed it) for a fresh entry with this key.
     pub fn lookup_at(&self, i: u32, key: &KeyDigest, now_ms: u64, out: &mut Outcome) -> Lookup {
         let (value, cas) = match self.data.get(&slot_key(i)) {
-            Some(v) if !v.0.is_empty() => v,
-            _ => return Lookup::Miss,
+            Some(v) => v,
+            None => return Lookup::Miss(Some(SlotSeen { len: 0, cas: 0 })),
         };
+        let seen = Some(SlotSeen { len: value.len(), cas });
+        if value.is_empty() {
+            return Lookup::Miss(seen);
+        }
         match Entry::peek_key(&value) {
             Some(k) if k == &key[..] => {}
-            Some(_) => return Lookup::Miss,
+            Some(_) => return Lookup::Miss(seen),
             None => {
                 out.corrupt += 1;
                 self.clear_slot(i, value.len(), cas);
-                return Lookup::Miss;
+                return Lookup::Miss(None);
             }
         }
         match Entry::decode(&value) {
@@ -156,17 +168,18 @@ impl<'a, S: SharedData> Cache<'a, S> {
                 if self.clear_slot(i, value.len(), cas) {
                     out.evicted += 1;
                 }
-                Lookup::Miss
+                Lookup::Miss(None)
             }
             None => {
                 out.corrupt += 1;
                 self.clear_slot(i, value.len(), cas);
-                Lookup::Miss
+                Lookup::Miss(None)
             }
         }
     }
 
-    pub fn insert(&self, entry: &Entry, out: &mut Outcome) -> Result<(), StoreError> {
+    /// Stores `entry` in its slot. `seen`: the slot as a lookup saw it, if known.
+    pub fn insert(&self, entry: &Entry, seen: Option<SlotSeen>, out: &mut Outcome) -> Result<(), StoreError> {
         let value = entry.encode();
         let size = stored_size(value.len());
         if size > self.limits.max_total_bytes {
@@ -174,7 +187,10 @@ impl<'a, S: SharedData> Cache<'a, S> {
         }
         let slots = self.limits.max_entries;
         let i = slot_of(&entry.key, slots);
-        let (old_len, slot_cas) = self.data.get(&slot_key(i)).map_or((0, 0), |(v, c)| (v.len(), c));
+        let (old_len, slot_cas) = match seen {
+            Some(s) => (s.len, s.cas),
+            None => self.data.get(&slot_key(i)).map_or((0, 0), |(v, c)| (v.len(), c)),
+        };
         let old_size = stored_size(old_len);
         let was_empty = old_len == 0;
 
@@ -315,12 +331,12 @@ pub mod tests {
         let mut out = Outcome::default();
         cache.reconcile(&mut out);
         let e = entry(3, b"hello", 2000);
-        cache.insert(&e, &mut out).unwrap();
+        cache.insert(&e, None, &mut out).unwrap();
         assert_eq!(cache.lookup(&key(3), 1999, &mut out), Lookup::Hit(e));
-        assert_eq!(cache.lookup(&key(4), 1999, &mut out), Lookup::Miss);
+        assert!(matches!(cache.lookup(&key(4), 1999, &mut out), Lookup::Miss(_)));
         // Same slot (3 % 16 == 19 % 16), different key: miss, not a wrong answer.
-        assert_eq!(cache.lookup(&key(19), 1999, &mut out), Lookup::Miss);
-        assert_eq!(cache.lookup(&key(3), 2000, &mut out), Lookup::Miss, "expired entries are never served");
+        assert!(matches!(cache.lookup(&key(19), 1999, &mut out), Lookup::Miss(_)));
+        assert!(matches!(cache.lookup(&key(3), 2000, &mut out), Lookup::Miss(_)), "expired entries are never served");
         assert_eq!(cache.meta().0.entries, 0);
         assert_eq!(cache.meta().0.total_bytes, 0);
         assert_eq!(out.evicted, 1);
@@ -335,7 +351,7 @@ pub mod tests {
         cache.reconcile(&mut out);
         for n in 0..1000u32 {
             let body = vec![n as u8; 500 + (n as usize * 37) % 2000];
-            let r = cache.insert(&entry(n, &body, u64::MAX), &mut out);
+            let r = cache.insert(&entry(n, &body, u64::MAX), None, &mut out);
             assert!(r.is_ok(), "insert {} failed: {:?}", n, r);
             let (m, _) = cache.meta();
             assert!(m.total_bytes <= l.max_total_bytes);
@@ -348,12 +364,35 @@ pub mod tests {
     }
 
     #[test]
+    fn insert_reuses_what_the_lookup_saw_and_detects_changes_since() {
+        let shared = MemShared::default();
+        let l = limits(1 << 20, 4);
+        let cache = Cache { data: &shared, limits: &l };
+        let mut out = Outcome::default();
+        let seen = match cache.lookup(&key(1), 0, &mut out) {
+            Lookup::Miss(seen) => seen,
+            other => panic!("{:?}", other),
+        };
+        assert_eq!(seen, Some(SlotSeen { len: 0, cas: 0 }));
+        cache.insert(&entry(1, b"a", 10), seen, &mut out).unwrap();
+        let seen = match cache.lookup(&key(5), 0, &mut out) {
+            Lookup::Miss(seen) => seen,
+            other => panic!("{:?}", other),
+        };
+        // Another writer replaces the slot between our lookup and our store.
+        cache.insert(&entry(9, b"other", 10), None, &mut out).unwrap();
+        assert_eq!(cache.insert(&entry(5, b"late", 10), seen, &mut out), Err(StoreError::Contended));
+        assert!(matches!(cache.lookup(&key(9), 0, &mut out), Lookup::Hit(_)));
+        assert_eq!(cache.meta().0.total_bytes, shared.stored_bytes(), "the failed store gave its reservation back");
+    }
+
+    #[test]
     fn oversized_and_contended() {
         let shared = MemShared::default();
         let l = limits(1000, 8);
         let cache = Cache { data: &shared, limits: &l };
         let mut out = Outcome::default();
-        assert_eq!(cache.insert(&entry(1, &[0u8; 2000], 10), &mut out), Err(StoreError::NoSpace));
+        assert_eq!(cache.insert(&entry(1, &[0u8; 2000], 10), None, &mut out), Err(StoreError::NoSpace));
         assert_eq!(cache.meta().0.total_bytes, 0);
     }
 
@@ -366,7 +405,7 @@ pub mod tests {
             let cache = Cache { data: &shared, limits: &big };
             cache.reconcile(&mut out);
             for n in 0..32 {
-                cache.insert(&entry(n, &[1u8; 1000], u64::MAX), &mut out).unwrap();
+                cache.insert(&entry(n, &[1u8; 1000], u64::MAX), None, &mut out).unwrap();
             }
             assert_eq!(cache.meta().0.entries, 32);
         }
@@ -390,7 +429,7 @@ pub mod tests {
         let k = key(2);
         shared.set(&slot_key(slot_of(&k, 4)), b"junk-junk-junk-junk-junk-junk-junk-junk", 0);
         let mut out = Outcome::default();
-        assert_eq!(cache.lookup(&k, 0, &mut out), Lookup::Miss);
+        assert!(matches!(cache.lookup(&k, 0, &mut out), Lookup::Miss(_)));
         assert_eq!(out.corrupt, 1);
     }
 }
