@@ -42,6 +42,7 @@ extern "C" {
     fn proxy_log(level: u32, ptr: *const u8, len: usize) -> u32;
     fn proxy_get_current_time_nanoseconds(out: *mut u64) -> u32;
     fn proxy_get_buffer_bytes(kind: u32, start: usize, max: usize, out_ptr: *mut *mut u8, out_len: *mut usize) -> u32;
+    fn proxy_get_buffer_status(kind: u32, out_len: *mut usize, out_flags: *mut u32) -> u32;
     fn proxy_get_header_map_pairs(map: u32, out_ptr: *mut *mut u8, out_len: *mut usize) -> u32;
     fn proxy_set_header_map_pairs(map: u32, ptr: *const u8, len: usize) -> u32;
     fn proxy_get_header_map_value(map: u32, k: *const u8, kl: usize, out_ptr: *mut *mut u8, out_len: *mut usize) -> u32;
@@ -105,6 +106,17 @@ pub fn buffer(kind: Buffer, start: usize, max: usize) -> Option<Vec<u8>> {
         return None;
     }
     Some(unsafe { owned(p, l) })
+}
+
+pub fn buffer_size(kind: Buffer) -> Option<usize> {
+    let mut len: usize = 0;
+    let mut flags: u32 = 0;
+    let rc = unsafe { proxy_get_buffer_status(kind as u32, &mut len, &mut flags) };
+    if rc == STATUS_OK {
+        Some(len)
+    } else {
+        None
+    }
 }
 
 pub fn headers(map: Map) -> Vec<(String, String)> {

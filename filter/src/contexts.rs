@@ -202,7 +202,9 @@ pub extern "C" fn proxy_on_request_body(id: u32, size: usize, eos: u32) -> u32 {
 
 #[no_mangle]
 pub extern "C" fn proxy_on_request_trailers(id: u32, _n: usize) -> u32 {
-    with_stream(id, |s| s.on_request_body(decide::MAX_REQUEST_BYTES, true))
+    // Trailers end the request: decide on whatever body was buffered.
+    let size = abi::buffer_size(Buffer::RequestBody).unwrap_or(0);
+    with_stream(id, |s| s.on_request_body(size, true))
 }
 
 #[no_mangle]

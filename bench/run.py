@@ -1,0 +1,43 @@
+"""`make bench`: every benchmark, one after another (each writes its section of docs/benchmarks.md).
+
+They run sequentially on purpose: on a 2-core machine, two benchmarks at once measure each other.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import time
+
+BENCHMARKS = ("bench.filter", "bench.engine", "bench.propagation", "bench.mesh")
+
+
+def main() -> int:
+    failed = []
+    for name in BENCHMARKS:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name == name:
+                print(f"== {name}: not present, skipped")
+                continue
+            raise
+        print(f"== {name}", flush=True)
+        started = time.monotonic()
+        saved_argv = sys.argv
+        sys.argv = [name]
+        try:
+            module.main()
+        except Exception as exc:  # noqa: BLE001 - report and go on with the others
+            failed.append(name)
+            print(f"== {name} failed: {exc!r}", flush=True)
+        finally:
+            sys.argv = saved_argv
+        print(f"== {name}: {time.monotonic() - started:.0f} s", flush=True)
+    if failed:
+        print("failed: " + ", ".join(failed))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
