@@ -7,6 +7,7 @@ import contextlib
 import logging
 
 from .auth import TokenTable
+from .mcp import WasmPluginMcpRenderer, mcp_fallback
 from .metrics import Metrics
 from .service import PolicyService
 from .settings import Settings
@@ -29,6 +30,9 @@ class ControlPlane:
         self.sync = RedisSync(self.store, self.cache, self.metrics, settings)
         self.xds = XdsServer(self.cache, self.metrics, max_streams=settings.max_xds_streams)
         self.xds.add_renderer(EcdsRenderer(settings.wasm_path))
+        # MCP-over-xDS for istiod on the same ADS port (control_plane/mcp.py).
+        self.xds.add_renderer(WasmPluginMcpRenderer.from_settings(settings))
+        self.xds.add_fallback(mcp_fallback)
         self._sync_task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:

@@ -37,3 +37,12 @@ class Settings(BaseSettings):
     # Pub/sub is lossy across reconnects; a cheap periodic version check closes the gap.
     resync_interval_s: float = Field(1.0, gt=0, le=60)
     max_xds_streams: int = Field(5000, ge=1, le=100_000)
+    # MCP-over-xDS for istiod (control_plane/mcp.py): the WasmPlugin `<istio_namespace>/meshcache`.
+    istio_namespace: str = Field("meshcache", pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", max_length=63)
+    istio_color: str = ""  # pluginConfig.color and selector label `color`; empty: every colour
+    istio_wasm_url: str = ""  # e.g. oci://registry/meshcache/filter@sha256:<digest>; empty: no WasmPlugin
+    # For oci:// the image manifest digest (what Istio verifies), else the module's sha256. Empty:
+    # computed from istio_module_path.
+    istio_wasm_sha256: str = Field("", pattern=r"^([a-f0-9]{64})?$")
+    istio_module_path: Path = FILTER_WASM
+    istio_revision: str = ""  # adds the `istio.io/rev` label (istiod only takes its own revision)

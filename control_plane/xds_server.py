@@ -17,7 +17,7 @@ import contextlib
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -38,10 +38,17 @@ log = logging.getLogger("control_plane.xds")
 
 ECDS_TYPE_URL = "type.googleapis.com/envoy.config.core.v3.TypedExtensionConfig"
 INBOX_SIZE = 64  # per-stream bound on unprocessed requests (backpressure on the reader)
+MAX_TYPES_PER_STREAM = 256  # fallback renderers are per type URL the client names: bound them
 
 
 class Renderer(Protocol):
-    """Turns a snapshot into the named resources of one type URL."""
+    """Turns a snapshot into the named resources of one type URL.
+
+    An optional `always_respond = True` makes the server answer even with no resources and before
+    the first snapshot (version 0): MCP sinks (istiod) wait for an answer to every type they
+    subscribe to. Envoy-facing renderers leave it unset, so Envoy keeps its default_config.
+    An optional `version_of(snapshot) -> str` replaces the snapshot version as `version_info`
+    (a renderer whose output never changes keeps one version: no re-send on every snapshot)."""
 
     type_url: str
 
@@ -122,6 +129,7 @@ class ProxyRegistry:
 
 @dataclass
 class _TypeState:
+    renderer: Renderer
     names: tuple[str, ...] = ()
     watch_open: bool = False
     force: bool = False  # respond even if the version did not change (first request, new names)
@@ -140,11 +148,25 @@ class XdsServer:
         self.max_streams = max_streams
         self.registry = ProxyRegistry()
         self.renderers: dict[str, Renderer] = {}
+        self.fallbacks: list[Callable[[str], Renderer | None]] = []
         self._server: grpc.aio.Server | None = None
         self.port = 0
 
     def add_renderer(self, renderer: Renderer) -> None:
         self.renderers[renderer.type_url] = renderer
+
+    def add_fallback(self, factory: Callable[[str], Renderer | None]) -> None:
+        """For type URLs without a renderer: `factory(type_url)` may supply one (per stream)."""
+        self.fallbacks.append(factory)
+
+    def renderer_for(self, type_url: str) -> Renderer | None:
+        if type_url in self.renderers:
+            return self.renderers[type_url]
+        for factory in self.fallbacks:
+            found = factory(type_url)
+            if found is not None:
+                return found
+        return None
 
     # ---- gRPC plumbing ----------------------------------------------------------------------
 
@@ -212,9 +234,9 @@ class XdsServer:
                 if closed or reader.done() and inbox.empty():
                     break
                 snap = self.cache.current
-                if snap.version == 0:
-                    continue  # never configured: Envoy keeps its default_config
                 for type_url, st in states.items():
+                    if snap.version == 0 and not getattr(st.renderer, "always_respond", False):
+                        continue  # never configured: Envoy keeps its default_config
                     resp = self._maybe_respond(snap, type_url, st, nonces)
                     if resp is not None:
                         yield resp
@@ -229,12 +251,17 @@ class XdsServer:
         if req.HasField("node") and req.node.id:
             conn.node_id, conn.cluster = req.node.id, req.node.cluster
         type_url = req.type_url or ECDS_TYPE_URL
-        if type_url not in self.renderers:
-            log.debug("stream %d: ignoring unserved type %s", conn.stream_id, type_url)
-            return
-        st = states.setdefault(type_url, _TypeState())
+        st = states.get(type_url)
+        if st is None:
+            renderer = self.renderer_for(type_url)
+            if renderer is None or len(states) >= MAX_TYPES_PER_STREAM:
+                log.debug("stream %d: ignoring unserved type %s", conn.stream_id, type_url)
+                return
+            st = states[type_url] = _TypeState(renderer)
         names = tuple(sorted(req.resource_names))
-        if req.response_nonce:
+        # A nonce only means ACK/NACK once this stream was sent something of the type: istiod's
+        # first requests carry a timestamp nonce, and a client may reconnect with an old one.
+        if req.response_nonce and st.sent_nonce is not None:
             if req.response_nonce != st.sent_nonce:
                 return  # stale: answers a response superseded since
             if req.HasField("error_detail") and (req.error_detail.code or req.error_detail.message):
@@ -259,12 +286,13 @@ class XdsServer:
 
     def _maybe_respond(self, snap: Snapshot, type_url: str, st: _TypeState,
                        nonces: itertools.count[int]) -> discovery_pb2.DiscoveryResponse | None:
-        version = str(snap.version)
+        version_of = getattr(st.renderer, "version_of", None)
+        version = version_of(snap) if version_of is not None else str(snap.version)
         if not st.watch_open or (version == st.sent_version and not st.force):
             return None
-        available = self.renderers[type_url].resources(snap)
+        available = st.renderer.resources(snap)
         chosen = [available[n] for n in st.names if n in available] if st.names else list(available.values())
-        if not chosen:
+        if not chosen and not getattr(st.renderer, "always_respond", False):
             return None  # nothing this stream asked for exists (yet): keep the watch open
         st.watch_open = st.force = False
         st.sent_version, st.sent_nonce, st.sent_at = version, str(next(nonces)), time.monotonic()
@@ -275,13 +303,14 @@ class XdsServer:
     def fetch(self, req: discovery_pb2.DiscoveryRequest) -> discovery_pb2.DiscoveryResponse:
         type_url = req.type_url or ECDS_TYPE_URL
         snap = self.cache.current
-        renderer = self.renderers.get(type_url)
-        if renderer is None or snap.version == 0:
+        renderer = self.renderer_for(type_url)
+        if renderer is None or (snap.version == 0 and not getattr(renderer, "always_respond", False)):
             return discovery_pb2.DiscoveryResponse(type_url=type_url)
         available = renderer.resources(snap)
         names = list(req.resource_names) or list(available)
+        version_of = getattr(renderer, "version_of", None)
         return discovery_pb2.DiscoveryResponse(
-            version_info=str(snap.version), type_url=type_url,
+            version_info=version_of(snap) if version_of is not None else str(snap.version), type_url=type_url,
             resources=[available[n] for n in names if n in available])
 
 

@@ -64,6 +64,8 @@ class CacheProxy:
     node_id: str = "meshcache-sidecar"
     cluster: str = "meshcache"
     with_filter: bool = True
+    # False renders the Wasm filter as Istio's WasmPlugin does (see wasm_filter_config).
+    allow_on_headers_stop_iteration: bool = True
     address: str = "127.0.0.1"
     # Strict mTLS on the listener: TLS 1.3 only, client certificate required, and (when set)
     # the peer's URI SAN must be one of `allowed_peers`.
@@ -150,7 +152,8 @@ def upstream_mtls(identity: Identity, allowed_peers: list[str], sni: str = "") -
 
 
 def _wasm_http_filter(p: CacheProxy) -> dict[str, Any]:
-    static = {"@type": WASM_TYPE_URL, **wasm_filter_config(p.wasm_path, p.plugin_config)}
+    static = {"@type": WASM_TYPE_URL,
+              **wasm_filter_config(p.wasm_path, p.plugin_config, p.allow_on_headers_stop_iteration)}
     if p.ecds_port is None:
         return {"name": FILTER_NAME, "typed_config": static}
     return {

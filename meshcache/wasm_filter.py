@@ -23,8 +23,14 @@ def plugin_config_json(config: dict[str, Any]) -> str:
     return json.dumps(config, sort_keys=True, separators=(",", ":"))
 
 
-def wasm_filter_config(wasm_path: Path, plugin_config: dict[str, Any]) -> dict[str, Any]:
-    """`envoy.extensions.filters.http.wasm.v3.Wasm` as proto-JSON (without the @type)."""
+def wasm_filter_config(
+    wasm_path: Path, plugin_config: dict[str, Any], allow_on_headers_stop_iteration: bool = True
+) -> dict[str, Any]:
+    """`envoy.extensions.filters.http.wasm.v3.Wasm` as proto-JSON (without the @type).
+
+    Without `allow_on_headers_stop_iteration` (as under Istio's WasmPlugin) the plugin
+    configuration must say `"hold_headers": false`, or requests with a body would wait forever.
+    """
     return {
         "config": {
             "name": FILTER_NAME,
@@ -40,7 +46,7 @@ def wasm_filter_config(wasm_path: Path, plugin_config: dict[str, Any]) -> dict[s
             },
             # Fail open: if the VM cannot run, traffic flows without the cache.
             "failure_policy": "FAIL_OPEN",
-            # Needed so the filter can pause at request headers and decide at end of body.
-            "allow_on_headers_stop_iteration": True,
+            # Lets the filter hold request headers and decide at end of body (before routing).
+            "allow_on_headers_stop_iteration": allow_on_headers_stop_iteration,
         },
     }

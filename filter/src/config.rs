@@ -47,6 +47,11 @@ pub struct Limits {
 pub struct Config {
     pub version: String,
     pub color: String,
+    /// Hold request headers until the body is read (the key needs the body). Needs Envoy's
+    /// `allow_on_headers_stop_iteration`; hosts that cannot set it (Istio's WasmPlugin) set
+    /// this false: headers then continue at once, HTTP hits are still answered at end of body,
+    /// gRPC requests bypass (a gRPC hit needs routing, which is decided by then).
+    pub hold_headers: bool,
     pub limits: Limits,
     /// Sorted by descending prefix length so the first match is the longest.
     pub policies: Vec<Policy>,
@@ -82,6 +87,7 @@ impl Config {
         Config {
             version: String::new(),
             color: String::new(),
+            hold_headers: true,
             limits: Limits {
                 max_entry_bytes: DEFAULT_MAX_ENTRY_BYTES,
                 max_total_bytes: DEFAULT_MAX_TOTAL_BYTES,
@@ -116,6 +122,11 @@ pub fn parse_plugin_config(bytes: &[u8]) -> Result<PluginConfig, ConfigError> {
 fn parse_config(obj: &Map<String, Value>) -> Result<Config, ConfigError> {
     let version = opt_string(obj, "version", "version")?.unwrap_or_default();
     let color = opt_string(obj, "color", "color")?.unwrap_or_default();
+    let hold_headers = match obj.get("hold_headers") {
+        None | Some(Value::Null) => true,
+        Some(Value::Bool(b)) => *b,
+        Some(_) => return Err(err("hold_headers", "must be a boolean")),
+    };
     let max_entry_bytes = opt_uint(obj, "max_entry_bytes", "max_entry_bytes")?.unwrap_or(DEFAULT_MAX_ENTRY_BYTES);
     let max_total_bytes = opt_uint(obj, "max_total_bytes", "max_total_bytes")?.unwrap_or(DEFAULT_MAX_TOTAL_BYTES);
     let max_entries = opt_uint(obj, "max_entries", "max_entries")?.unwrap_or(DEFAULT_MAX_ENTRIES);
@@ -151,6 +162,7 @@ fn parse_config(obj: &Map<String, Value>) -> Result<Config, ConfigError> {
     Ok(Config {
         version,
         color,
+        hold_headers,
         limits: Limits { max_entry_bytes, max_total_bytes, max_entries: max_entries as u32 },
         policies,
     })
@@ -270,6 +282,8 @@ mod tests {
         assert!(p.enabled);
         assert_eq!(c.limits, Config::empty().limits);
         assert_eq!(c.color, "");
+        assert!(c.hold_headers);
+        assert!(!cache(r#"{"hold_headers": false}"#).hold_headers);
     }
 
     #[test]
@@ -300,6 +314,7 @@ mod tests {
             (r#"{"policies": [{"model_prefix": "m", "ttl_s": 1, "vary_headers": ["bad header"]}]}"#, "policies[0].vary_headers[0]"),
             (r#"{"policies": [{"model_prefix": "m", "ttl_s": 1}, {"model_prefix": "m", "ttl_s": 2}]}"#, "policies[1].model_prefix"),
             (r#"{"version": 7}"#, "version"),
+            (r#"{"hold_headers": "no"}"#, "hold_headers"),
             (r#"{"max_entries": 0}"#, "max_entries"),
             (r#"{"max_entry_bytes": 10, "max_total_bytes": 5}"#, "max_total_bytes"),
             (r#"{"policies": {}}"#, "policies"),

@@ -260,8 +260,19 @@ impl Stream {
                 if eos {
                     return self.decide_request(cfg, &headers, &source, refresh, &[]);
                 }
+                if source == ModelSource::GrpcBody && !cfg.hold_headers {
+                    // Without held headers a gRPC hit cannot be routed to the stub: stay out.
+                    self.phase = Phase::Bypass;
+                    count("meshcache.bypasses", 1);
+                    return CONTINUE;
+                }
                 self.phase = Phase::Buffering { source, refresh, headers };
-                PAUSE
+                // Held headers: routing waits for the decision. Otherwise the body alone waits.
+                if cfg.hold_headers {
+                    PAUSE
+                } else {
+                    CONTINUE
+                }
             }
         }
     }
@@ -404,8 +415,20 @@ impl Stream {
         }
     }
 
-    fn not_stored(&mut self, refresh: bool, why: NotStored) -> u32 {
-        abi::set_header(Map::ResponseHeaders, decide::CACHE_STATUS, &decide::cache_status_not_stored(refresh, why));
+    /// Whether response headers wait for our decision (see `Config::hold_headers`).
+    fn holds_headers(&self) -> bool {
+        match self.config().as_deref() {
+            Some(PluginConfig::Cache(cfg)) => cfg.hold_headers,
+            _ => true,
+        }
+    }
+
+    /// `headers_open`: the response headers can still be changed (we are in their callback, or
+    /// they are held until the body is complete).
+    fn not_stored(&mut self, refresh: bool, why: NotStored, headers_open: bool) -> u32 {
+        if headers_open {
+            abi::set_header(Map::ResponseHeaders, decide::CACHE_STATUS, &decide::cache_status_not_stored(refresh, why));
+        }
         self.phase = Phase::Done;
         CONTINUE
     }
@@ -414,26 +437,34 @@ impl Stream {
         let headers = abi::headers(Map::ResponseHeaders);
         let status: u16 = decide::header(&headers, ":status").and_then(|s| s.parse().ok()).unwrap_or(0);
         if status != 200 {
-            return self.not_stored(c.refresh, NotStored::Status);
+            return self.not_stored(c.refresh, NotStored::Status, true);
         }
         if c.grpc && (eos || decide::header(&headers, "grpc-status").is_some()) {
             // Trailers-only gRPC responses are errors (or empty): nothing to store.
-            return self.not_stored(c.refresh, NotStored::GrpcStatus);
+            return self.not_stored(c.refresh, NotStored::GrpcStatus, true);
         }
         let ttl = match response_ttl(&c.policy, decide::header(&headers, "cache-control")) {
             Ok(t) => t,
-            Err(why) => return self.not_stored(c.refresh, why),
+            Err(why) => return self.not_stored(c.refresh, why, true),
         };
         let limit = self.limits().max_entry_bytes as usize + if c.grpc { 5 } else { 0 };
         let declared: Option<usize> = decide::header(&headers, "content-length").and_then(|v| v.parse().ok());
         if declared.map_or(false, |n| n > limit) {
-            return self.not_stored(c.refresh, NotStored::TooBig);
+            return self.not_stored(c.refresh, NotStored::TooBig, true);
         }
         if eos {
-            return self.finish_store(c, ttl, status, headers, Vec::new());
+            return self.finish_store(c, ttl, status, headers, Vec::new(), true);
         }
+        let refresh = c.refresh;
         self.phase = Phase::Collect { c, ttl, status, headers, body: Vec::new() };
-        PAUSE
+        if self.holds_headers() {
+            return PAUSE;
+        }
+        // Headers cannot wait for the body here: say what is known now; the body is still
+        // collected and stored at its end.
+        let cs = if refresh { "meshcache; fwd=request" } else { "meshcache; fwd=miss" };
+        abi::set_header(Map::ResponseHeaders, decide::CACHE_STATUS, cs);
+        CONTINUE
     }
 
     fn on_response_body(&mut self, size: usize, eos: bool) -> u32 {
@@ -446,8 +477,9 @@ impl Stream {
                 return CONTINUE;
             }
         };
+        let open = self.holds_headers();
         if size > limit + if c.grpc { 5 } else { 0 } {
-            return self.not_stored(c.refresh, NotStored::TooBig);
+            return self.not_stored(c.refresh, NotStored::TooBig, open);
         }
         // While paused the host keeps buffering: `size` is everything so far; read the new part.
         if size > body.len() {
@@ -455,7 +487,7 @@ impl Stream {
                 Some(chunk) => body.extend_from_slice(&chunk),
                 None => {
                     error("response body unreadable; not storing");
-                    return self.not_stored(c.refresh, NotStored::Error);
+                    return self.not_stored(c.refresh, NotStored::Error, open);
                 }
             }
         }
@@ -465,19 +497,20 @@ impl Stream {
         }
         if c.grpc {
             // A gRPC answer without trailers has no grpc-status: not a success we can store.
-            return self.not_stored(c.refresh, NotStored::GrpcStatus);
+            return self.not_stored(c.refresh, NotStored::GrpcStatus, open);
         }
-        self.finish_store(c, ttl, status, headers, body)
+        self.finish_store(c, ttl, status, headers, body, open)
     }
 
     fn on_response_trailers(&mut self) -> u32 {
         let phase = std::mem::replace(&mut self.phase, Phase::Done);
         match phase {
             Phase::Collect { c, ttl, status, headers, body } => {
+                let open = self.holds_headers();
                 if c.grpc && abi::header(Map::ResponseTrailers, "grpc-status").as_deref() != Some("0") {
-                    return self.not_stored(c.refresh, NotStored::GrpcStatus);
+                    return self.not_stored(c.refresh, NotStored::GrpcStatus, open);
                 }
-                self.finish_store(c, ttl, status, headers, body)
+                self.finish_store(c, ttl, status, headers, body, open)
             }
             other => {
                 self.phase = other;
@@ -486,18 +519,26 @@ impl Stream {
         }
     }
 
-    fn finish_store(&mut self, c: Cacheable, ttl: u64, status: u16, headers: Vec<(String, String)>, body: Vec<u8>) -> u32 {
+    fn finish_store(
+        &mut self,
+        c: Cacheable,
+        ttl: u64,
+        status: u16,
+        headers: Vec<(String, String)>,
+        body: Vec<u8>,
+        headers_open: bool,
+    ) -> u32 {
         let limits = self.limits();
         let message = if c.grpc {
             match grpc::unframe(&body) {
                 Some(m) => m.to_vec(),
-                None => return self.not_stored(c.refresh, NotStored::Error),
+                None => return self.not_stored(c.refresh, NotStored::Error, headers_open),
             }
         } else {
             body
         };
         if message.len() as u64 > limits.max_entry_bytes {
-            return self.not_stored(c.refresh, NotStored::TooBig);
+            return self.not_stored(c.refresh, NotStored::TooBig, headers_open);
         }
         let refresh = c.refresh;
         let stored = decide::build_entry(&c, &headers, status, message, ttl);
@@ -508,6 +549,10 @@ impl Stream {
         match result {
             Ok(()) => {
                 count("meshcache.stores", 1);
+                self.phase = Phase::Done;
+                if !headers_open {
+                    return CONTINUE;
+                }
                 let cs = if refresh { decide::CACHE_STATUS_REFRESHED } else { decide::CACHE_STATUS_STORED };
                 // The response headers are paused and unchanged since we read them: write them
                 // back with ours added in a single host call.
@@ -526,8 +571,8 @@ impl Stream {
                 self.phase = Phase::Done;
                 CONTINUE
             }
-            Err(StoreError::NoSpace) => self.not_stored(refresh, NotStored::StoreFull),
-            Err(StoreError::Contended) => self.not_stored(refresh, NotStored::Contended),
+            Err(StoreError::NoSpace) => self.not_stored(refresh, NotStored::StoreFull, headers_open),
+            Err(StoreError::Contended) => self.not_stored(refresh, NotStored::Contended, headers_open),
         }
     }
 

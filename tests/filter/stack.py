@@ -56,7 +56,8 @@ class Stack:
 
 @contextlib.contextmanager
 def filter_stack(tmp: Path, config: dict[str, Any], concurrency: int = 1,
-                 tls: Identity | None = None, allowed_peers: list[str] | None = None) -> Iterator[Stack]:
+                 tls: Identity | None = None, allowed_peers: list[str] | None = None,
+                 allow_on_headers_stop_iteration: bool = True) -> Iterator[Stack]:
     http_port, grpc_port, listen_port, admin_port = (procs.free_port() for _ in range(4))
     started: list[procs.Proc] = []
     with procs.supervised(started):
@@ -67,7 +68,8 @@ def filter_stack(tmp: Path, config: dict[str, Any], concurrency: int = 1,
         procs.wait_until(origin, procs.tcp_open(grpc_port))
         proxy = CacheProxy(listen_port=listen_port, admin_port=admin_port, http_upstream_port=http_port,
                            grpc_upstream_port=grpc_port, wasm_path=FILTER_WASM, plugin_config=config,
-                           downstream_tls=tls, allowed_peers=allowed_peers or [])
+                           downstream_tls=tls, allowed_peers=allowed_peers or [],
+                           allow_on_headers_stop_iteration=allow_on_headers_stop_iteration)
         config_path = write(proxy, tmp / "envoy.yaml")
         started.append(services.start_envoy(config_path, admin_port, tmp, concurrency=concurrency))
         yield Stack(listen_port, admin_port, http_port, grpc_port, tmp)

@@ -1,0 +1,1 @@
+"""Istio integration: manifests (istio/), offline validation, rendering and the OCI image."""

@@ -1,0 +1,104 @@
+"""`meshcache istio ...`: render the manifests, write the module's OCI image, validate offline."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from meshcache.paths import FILTER_WASM
+
+from . import crossref, kustomize, oci, render, validate
+
+
+def register(subparsers: Any) -> None:
+    istio = subparsers.add_parser("istio", help="Istio manifests, the filter's OCI image, offline validation")
+    sub = istio.add_subparsers(dest="istio_command", required=True)
+
+    r = sub.add_parser("render", help="write the Istio manifests for a namespace and colour",
+                       description="Builds istio/ (or an overlay) with the current policy snapshot and the "
+                                   "built module's image digest. Policies come from --control-plane, "
+                                   "--snapshot, or else the demo policies.")
+    r.add_argument("--namespace", default=render.BASE_NAMESPACE)
+    r.add_argument("--color", default=render.BASE_COLOR, help="colour of this rollout (default route)")
+    r.add_argument("--also-color", action="append", default=[], metavar="COLOR",
+                   help="a colour already live: keep its subset and header route (repeatable)")
+    r.add_argument("--overlay", type=Path, default=render.BASE_DIR,
+                   help="kustomization directory (default istio/base; e.g. istio/overlays/ecds)")
+    r.add_argument("--image-digest", help="manifest digest of the pushed filter image (64 hex); default: "
+                                          "the digest of `meshcache istio oci-layout` for the built module")
+    r.add_argument("--filter-repository", default=render.FILTER_REPOSITORY, help="registry/repository of the image")
+    r.add_argument("--module", type=Path, default=FILTER_WASM, help="the built filter module")
+    src = r.add_mutually_exclusive_group()
+    src.add_argument("--control-plane", metavar="URL", help="read the current snapshot from this API")
+    src.add_argument("--snapshot", type=Path, metavar="FILE", help="a `GET /v1/snapshot` body or snapshot record")
+    r.add_argument("--token", default=os.environ.get("MESHCACHE_TOKEN", ""),
+                   help="API token for --control-plane (default $MESHCACHE_TOKEN)")
+    r.add_argument("--out", type=Path, help="directory for meshcache-istio.yaml and istio-operator.yaml "
+                                            "(default: the manifests on stdout)")
+    r.add_argument("--update-base", action="store_true",
+                   help="instead: re-pin the committed istio/base to the built module")
+    r.set_defaults(func=_render)
+
+    o = sub.add_parser("oci-layout", help="write the filter module as an OCI image layout (for oras/skopeo)")
+    o.add_argument("--module", type=Path, default=FILTER_WASM)
+    o.add_argument("--out", type=Path, required=True)
+    o.add_argument("--tag", default="latest")
+    o.set_defaults(func=_oci_layout)
+
+    v = sub.add_parser("validate", help="validate manifest files against Istio's CRDs and Kubernetes schemas")
+    v.add_argument("files", type=Path, nargs="+")
+    v.add_argument("--module", type=Path, default=FILTER_WASM, help="also check the pins against this module")
+    v.set_defaults(func=_validate)
+
+
+def _render(args: argparse.Namespace) -> int:
+    if args.update_base:
+        for path in render.update_base(args.module):
+            print(f"updated {path}")
+        return 0
+    if args.control_plane:
+        if not args.token:
+            print("meshcache istio render: --control-plane needs --token or $MESHCACHE_TOKEN", file=sys.stderr)
+            return 2
+        plugin_config = render.plugin_config_from_api(args.control_plane, args.token)
+    elif args.snapshot:
+        plugin_config = render.plugin_config_from_file(args.snapshot)
+    else:
+        plugin_config = render.demo_plugin_config()
+    opts = render.RenderOptions(
+        namespace=args.namespace, color=args.color, also_colors=tuple(args.also_color),
+        plugin_config=plugin_config, module_path=args.module, image_digest=args.image_digest,
+        filter_repository=args.filter_repository, source=args.overlay)
+    try:
+        objects = render.render(opts)
+    except (ValueError, FileNotFoundError, kustomize.KustomizeError) as exc:
+        print(f"meshcache istio render: {exc}", file=sys.stderr)
+        return 2
+    if args.out is None:
+        sys.stdout.write(kustomize.dump(objects))
+        return 0
+    for path in render.write(objects, render.render_operator(opts), args.out):
+        print(f"wrote {path}")
+    return 0
+
+
+def _oci_layout(args: argparse.Namespace) -> int:
+    image = oci.image_for(args.module)
+    oci.write_layout(image, args.out, args.tag)
+    print(f"wrote {args.out}: sha256:{image.digest} (module sha256 {image.module_sha256})")
+    return 0
+
+
+def _validate(args: argparse.Namespace) -> int:
+    objects = [o for f in args.files for o in validate.load_yaml_objects(f)]
+    errors = validate.validate_all(objects).errors
+    if args.module.exists():
+        image = oci.image_for(args.module)
+        errors += crossref.check_all(objects, image.digest, image.module_sha256)
+    for e in errors:
+        print(e, file=sys.stderr)
+    print(f"{len(objects)} objects, {len(errors)} errors")
+    return 1 if errors else 0

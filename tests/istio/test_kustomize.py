@@ -1,0 +1,101 @@
+"""The kustomize subset (meshcache/istio/kustomize.py): every overlay builds, and each supported
+feature does what kustomize does."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from meshcache.istio import kustomize
+from tests.istio.conftest import KUSTOMIZATIONS, OVERLAYS
+
+
+def _ids(objs: list[dict]) -> set[tuple[str, str]]:
+    return {(o["kind"], o["metadata"]["name"]) for o in objs}
+
+
+@pytest.mark.parametrize("directory", KUSTOMIZATIONS, ids=lambda p: p.name)
+def test_each_kustomization_builds(directory: Path) -> None:
+    objs = kustomize.build(directory)
+    assert len(objs) >= 15
+    assert len(_ids(objs)) == len(objs), "duplicate kind/name after build"
+    for o in objs:
+        assert o["metadata"]["labels"]["app.kubernetes.io/part-of"] == "meshcache"
+        if o["kind"] != "Namespace":
+            assert o["metadata"]["namespace"] == "meshcache"
+        else:
+            assert "namespace" not in o["metadata"]
+
+
+def test_overlays_change_what_they_say() -> None:
+    assert {p.name for p in OVERLAYS} == {"ecds", "external-redis", "revision"}
+    by_name = {p.name: kustomize.build(p) for p in OVERLAYS}
+    ns = next(o for o in by_name["revision"] if o["kind"] == "Namespace")
+    labels = ns["metadata"]["labels"]
+    assert labels.get("istio.io/rev") == "1-30-3" and "istio-injection" not in labels
+    ext = by_name["external-redis"]
+    assert ("StatefulSet", "meshcache-redis") not in _ids(ext)
+    assert ("ServiceEntry", "meshcache-external-redis") in _ids(ext)
+    cp = next(o for o in ext if o["metadata"]["name"] == "meshcache-control-plane" and o["kind"] == "Deployment")
+    env = {e["name"]: e for e in cp["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["MESHCACHE_CP_REDIS_URL"] == {"name": "MESHCACHE_CP_REDIS_URL", "valueFrom": {
+        "secretKeyRef": {"name": "meshcache-redis-url", "key": "url"}}}
+    assert len(env) == len(cp["spec"]["template"]["spec"]["containers"][0]["env"]), "env merged by name"
+    ecds = by_name["ecds"]
+    assert not [o for o in ecds if o["kind"] == "WasmPlugin"]
+    hit = next(o for o in ecds if o["metadata"]["name"] == "meshcache-grpc-hit")
+    listener = hit["spec"]["configPatches"][1]["patch"]["value"]
+    wasm = listener["filter_chains"][0]["filters"][0]["typed_config"]["http_filters"][0]["typed_config"]
+    assert wasm["config"]["vm_config"]["vm_id"] == "meshcache"
+
+
+def _write(tmp: Path, files: dict[str, object]) -> Path:
+    for name, body in files.items():
+        (tmp / name).write_text(body if isinstance(body, str) else yaml.safe_dump_all(body))
+    return tmp
+
+
+def _cm(name: str, **data: str) -> dict:
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": name}, "data": data}
+
+
+def test_strategic_merge_and_json6902(tmp_path: Path) -> None:
+    dep = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "d", "labels": {"a": "1", "b": "2"}},
+           "spec": {"template": {"spec": {"containers": [
+               {"name": "c1", "image": "x", "env": [{"name": "A", "value": "1"}]}, {"name": "c2", "image": "y"}]}}}}
+    _write(tmp_path, {"res.yaml": [dep, _cm("keep"), _cm("gone")], "kustomization.yaml": yaml.safe_dump({
+        "resources": ["res.yaml"], "namespace": "ns1",
+        "patches": [
+            {"patch": yaml.safe_dump({"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {
+                "name": "d", "labels": {"b": None, "c": "3"}}, "spec": {"template": {"spec": {"containers": [
+                    {"name": "c1", "env": [{"name": "B", "value": "2"}]}, {"name": "c3", "image": "z"}]}}}})},
+            {"patch": yaml.safe_dump({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "gone"},
+                                      "$patch": "delete"})},
+            {"target": {"kind": "ConfigMap", "name": "keep"},
+             "patch": yaml.safe_dump([{"op": "add", "path": "/data/k~1x", "value": "v"},
+                                      {"op": "replace", "path": "/metadata/name", "value": "kept"}])},
+        ]})})
+    objs = kustomize.build(tmp_path)
+    assert _ids(objs) == {("Deployment", "d"), ("ConfigMap", "kept")}
+    d = objs[0]
+    assert d["metadata"]["labels"] == {"a": "1", "c": "3"} and d["metadata"]["namespace"] == "ns1"
+    containers = d["spec"]["template"]["spec"]["containers"]
+    assert [c["name"] for c in containers] == ["c1", "c2", "c3"]
+    assert containers[0]["env"] == [{"name": "A", "value": "1"}, {"name": "B", "value": "2"}]
+    assert objs[1]["data"] == {"k/x": "v"}
+
+
+@pytest.mark.parametrize("kustomization, error", [
+    ({"resources": ["res.yaml"], "commonLabels": {"a": "b"}}, "unsupported fields"),
+    ({"resources": ["res.yaml"], "patches": [{"patch": "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: nope}\n"}]},
+     "matches no object"),
+    ({"resources": ["res.yaml"], "patches": [{"target": {"kind": "ConfigMap"},
+                                              "patch": "- {op: test, path: /data/a, value: wrong}"}]}, "test failed"),
+    ({"resources": ["res.yaml"], "patches": [{"patch": "- {op: add, path: /x, value: 1}"}]}, "needs a target"),
+])
+def test_unsupported_or_failing_kustomizations_are_errors(tmp_path: Path, kustomization: dict, error: str) -> None:
+    _write(tmp_path, {"res.yaml": [_cm("cm", a="1")], "kustomization.yaml": yaml.safe_dump(kustomization)})
+    with pytest.raises(kustomize.KustomizeError, match=error):
+        kustomize.build(tmp_path)
