@@ -140,7 +140,8 @@ def test_renderer_output() -> None:
     assert res.metadata.create_time.seconds == 1_700_000_000 and res.metadata.labels["istio.io/rev"] == "1-30"
     plugin = wasm_pb2.WasmPlugin()
     assert res.body.Unpack(plugin)
-    assert json_format.MessageToDict(plugin.plugin_config) == {**_snapshot().plugin_config(), "color": "blue", "hold_headers": False}
+    expected = {**_snapshot().plugin_config(), "color": "blue", "hold_headers": False}
+    assert json_format.MessageToDict(plugin.plugin_config) == expected
     # The same spec as the rendered manifests.
     spec = json_format.MessageToDict(plugin)
     rendered = render.wasm_plugin_spec(url=URL, sha256=DIGEST, selector={"app": "meshcache-engine", "color": "blue"},
