@@ -24,7 +24,7 @@ test-python: setup filter
 test: test-filter lint test-python
 
 demo: setup filter
-	$(PY) -m meshcache.demo
+	$(PY) -m meshcache.cli demo
 
 bench: setup filter
 	$(PY) -m bench.run

@@ -48,9 +48,13 @@ def wrk(url: str, script: Path, seconds: int = 5, connections: int = 16) -> Load
 
 
 def h2load(url: str, data: Path, headers: list[str], seconds: int = 5, connections: int = 16,
-           streams: int = 1) -> LoadResult:
+           streams: int = 1, log_file: Path | None = None) -> LoadResult:
+    """With `log_file`, p50/p99 come from h2load's per-request log (it prints no percentiles)."""
     argv = [require("h2load"), "-c", str(connections), "-m", str(streams), "-t", "1", "-D", str(seconds),
             "-d", str(data)]
+    if log_file is not None:
+        log_file.unlink(missing_ok=True)  # h2load appends to an existing log
+        argv.append(f"--log-file={log_file}")
     for h in headers:
         argv += ["-H", h]
     out = subprocess.run(argv + [url], capture_output=True, text=True, timeout=seconds + 60, check=True).stdout
@@ -60,4 +64,10 @@ def h2load(url: str, data: Path, headers: list[str], seconds: int = 5, connectio
     status = re.search(r"status codes: (\d+) 2xx, (\d+) 3xx, (\d+) 4xx, (\d+) 5xx", out)
     bad = int(status.group(3)) + int(status.group(4)) if status else 0
     mean = re.search(r"time for request:\s+\S+\s+\S+\s+([\d.]+)(us|ms|s)", out)
-    return LoadResult(rps, None, None, _ms(*mean.groups()) if mean else None, (total - ok) + bad, total)
+    p50 = p99 = None
+    if log_file is not None:
+        done = sorted(int(cols[2]) / 1000 for line in log_file.read_text().splitlines()
+                      if len(cols := line.split("\t")) >= 3 and cols[1] != "-1")
+        if done:
+            p50, p99 = done[len(done) // 2], done[min(len(done) - 1, int(0.99 * len(done)))]
+    return LoadResult(rps, p50, p99, _ms(*mean.groups()) if mean else None, (total - ok) + bad, total)

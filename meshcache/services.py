@@ -28,7 +28,11 @@ def start_redis(data_dir: Path, port: int | None = None, name: str = "redis") ->
         "--daemonize", "no", "--protected-mode", "yes", "--maxmemory", "256mb",
     ]
     proc = procs.start(name, argv, data_dir)
-    procs.wait_until(proc, procs.tcp_open(port), timeout=15, what="accepting connections")
+    try:
+        procs.wait_until(proc, procs.tcp_open(port), timeout=15, what="accepting connections")
+    except BaseException:
+        proc.stop()  # a timed-out start must not leave the process behind
+        raise
     return proc, port
 
 
@@ -47,7 +51,11 @@ def start_envoy(
         r = httpx.get(f"http://127.0.0.1:{admin_port}/ready", timeout=1.0)
         return r.status_code == 200 and r.text.strip() == "LIVE"
 
-    procs.wait_until(proc, live, timeout=30, what="LIVE")
+    try:
+        procs.wait_until(proc, live, timeout=30, what="LIVE")
+    except BaseException:
+        proc.stop()
+        raise
     return proc
 
 
@@ -99,8 +107,10 @@ def start_engine(
     name: str = "engine",
     extra: list[str] | None = None,
     env: dict[str, str] | None = None,
+    ports: tuple[int, int, int] | None = None,
 ) -> Engine:
-    http_port, grpc_port, metrics_port = procs.free_port(), procs.free_port(), procs.free_port()
+    """`ports` = (http, grpc, metrics); free ports when not given."""
+    http_port, grpc_port, metrics_port = ports or (procs.free_port(), procs.free_port(), procs.free_port())
     argv = [
         ENGINE_BIN,
         "--model-repository",

@@ -1,0 +1,258 @@
+"""`meshcache up|down|status|demo|policy`: the local mesh's command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from meshcache.mesh import state
+from meshcache.mesh.api import ApiError, PolicyApi
+from meshcache.mesh.config import MeshConfig, default_state_dir
+from meshcache.mesh.errors import MeshError
+
+
+def _err(message: str) -> int:
+    print(f"meshcache: {message}", file=sys.stderr)
+    return 1
+
+
+def _state_dir(args: argparse.Namespace) -> Path:
+    return Path(args.state_dir) if args.state_dir else default_state_dir()
+
+
+def _add_state_dir(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--state-dir", help="where the mesh keeps its data, certificates and logs "
+                                       "(default $MESHCACHE_STATE_DIR or ~/.local/state/meshcache)")
+
+
+# ---- up / down / status ----------------------------------------------------------------------
+
+def format_endpoints(endpoints: dict[str, Any]) -> str:
+    e = endpoints
+    lines = [
+        f"  app (gRPC + HTTP, plaintext):  {e['app']}   traffic colour {e['app_color']!r}",
+        f"  control-plane API:             {e['control_plane_api']}   (write token in {e['token_file']})",
+        f"  Envoy admin:                   client {e['client_sidecar_admin']}   server {e['server_sidecar_admin']}",
+        f"  server sidecar (mTLS only):    {e['server_sidecar_mtls']}   identity {e['server_identity']}",
+        f"  engine:                        {e['engine_http']}   gRPC {e['engine_grpc']}   "
+        f"metrics {e['engine_metrics']}",
+    ]
+    if "canary_color" in e:
+        lines.append(f"  canary engine (colour {e['canary_color']!r}): metrics {e['canary_engine_metrics']}")
+    return "\n".join(lines)
+
+
+
+def _load_config(args: argparse.Namespace) -> MeshConfig:
+    overrides: dict[str, Any] = {"state_dir": _state_dir(args)} if args.state_dir or not args.config else {}
+    config = MeshConfig.from_file(Path(args.config), **overrides) if args.config else MeshConfig(**overrides)
+    return config.with_free_ports() if args.free_ports else config
+
+
+def _interrupt(signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from meshcache.mesh import supervisor
+    from meshcache.mesh.topology import check_prerequisites
+
+    try:
+        config = _load_config(args)
+    except (OSError, ValueError, TypeError) as exc:
+        return _err(f"bad configuration: {exc}")
+    if args.supervise:  # internal: the background process started below
+        return supervisor.supervise(config)
+    current = state.read_state(config.state_dir)
+    if state.running(current):
+        assert current is not None
+        return _err(f"a mesh is already running from {config.state_dir} (pid {current['pid']}); "
+                    f"`meshcache down --state-dir {config.state_dir}` stops it")
+    if current is not None:
+        state.stop_mesh(config.state_dir, timeout=5)  # a stale record: stop any leftovers
+    try:
+        check_prerequisites(config)  # port in use / missing binary: say so at once
+        config.log_dir.mkdir(parents=True, exist_ok=True)
+        # Ctrl-C/SIGTERM/SIGHUP while starting: an orderly stop (follow() takes over once up). SIGINT
+        # explicitly too: a shell starts background jobs with it ignored.
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, _interrupt)
+        follower = supervisor.LogFollower(config.log_dir / supervisor.SUPERVISOR_LOG, sys.stdout)
+        proc = supervisor.spawn(config)
+        try:
+            ready = supervisor.wait_ready(proc, config, follower)
+        except KeyboardInterrupt:
+            print("interrupted: stopping what was started ...", flush=True)
+            supervisor.stop_supervisor(proc, config)
+            return 130
+    except MeshError as exc:
+        return _err(f"{exc}\n(all logs: {config.log_dir})")
+    print(f"\nmeshcache mesh is up (state dir {config.state_dir}, supervisor pid {ready['pid']}):")
+    print(format_endpoints(ready["endpoints"]), flush=True)
+    if args.detach:
+        print(f"\nrunning in the background; stop it with: meshcache down --state-dir {config.state_dir}")
+        return 0
+    print("\nCtrl-C stops the mesh.", flush=True)
+    return supervisor.follow(proc, config, follower)
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    state_dir = _state_dir(args)
+    current = state.read_state(state_dir)
+    if current is None:
+        print(f"no mesh running from {state_dir}")
+        return 0
+    forced = state.stop_mesh(state_dir, timeout=args.timeout)
+    left = state.leftover_children(current)
+    if left:
+        return _err(f"could not stop: {', '.join(c['name'] for c in left)}")
+    print("mesh stopped" + (f" (had to kill: {', '.join(forced)})" if forced else ""))
+    return 0
+
+
+def _health(endpoints: dict[str, Any]) -> dict[str, bool]:
+    checks = {
+        "app path (client sidecar -> mTLS -> server sidecar -> engine)":
+            f"http://{endpoints['app']}/v2/health/ready",
+        "control plane": f"{endpoints['control_plane_api']}/readyz",
+        "client sidecar": f"{endpoints['client_sidecar_admin']}/ready",
+        "server sidecar": f"{endpoints['server_sidecar_admin']}/ready",
+    }
+    out = {}
+    for name, url in checks.items():
+        try:
+            out[name] = httpx.get(url, timeout=2).status_code == 200
+        except httpx.HTTPError:
+            out[name] = False
+    return out
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    state_dir = _state_dir(args)
+    current = state.read_state(state_dir)
+    if not state.running(current):
+        print(f"no mesh running from {state_dir}")
+        return 1
+    assert current is not None
+    children = {c["name"]: state.pid_alive(int(c["pid"]), c.get("start_time")) for c in current["children"]}
+    health = _health(current["endpoints"]) if current["status"] == "ready" else {}
+    healthy = current["status"] == "ready" and all(children.values()) and all(health.values())
+    if args.json:
+        print(json.dumps({"status": current["status"], "healthy": healthy, "pid": current["pid"],
+                          "processes": children, "health": health, "endpoints": current.get("endpoints")}))
+        return 0 if healthy else 1
+    print(f"mesh {current['status']} (supervisor pid {current['pid']}, state dir {state_dir})")
+    for c in current["children"]:
+        print(f"  {c['name']:<16} pid {c['pid']:<8} {'running' if children[c['name']] else 'EXITED'}")
+    for name, ok in health.items():
+        print(f"  {'ok  ' if ok else 'FAIL'} {name}")
+    if current.get("endpoints"):
+        print(format_endpoints(current["endpoints"]))
+    return 0 if healthy else 1
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from meshcache.mesh import demo
+
+    try:
+        return demo.run(_state_dir(args))
+    except (MeshError, ApiError) as exc:
+        return _err(str(exc))
+
+
+# ---- policy ----------------------------------------------------------------------------------
+
+def _api(args: argparse.Namespace) -> PolicyApi:
+    url, token = args.url, args.token
+    if not url or not token:
+        current = state.read_state(_state_dir(args))
+        if not current or not current.get("endpoints"):
+            raise ApiError(f"no running mesh in {_state_dir(args)}: pass --url and --token")
+        url = url or current["endpoints"]["control_plane_api"]
+        token = token or Path(current["endpoints"]["token_file"]).read_text().strip()
+    return PolicyApi(url, token)
+
+
+def cmd_policy(args: argparse.Namespace) -> int:
+    try:
+        with _api(args) as api:
+            if args.action == "list":
+                data = api.policies()
+                if args.json:
+                    print(json.dumps(data, indent=2))
+                    return 0
+                print(f"policy version {data['version']}")
+                print(f"{'model_prefix':<24} {'ttl_s':>7} {'max_ttl_s':>9} {'gen':>5} {'scope':<9} enabled")
+                for p in data["policies"]:
+                    print(f"{p['model_prefix']:<24} {p['ttl_s']:>7} {p['max_ttl_s']:>9} {p['generation']:>5} "
+                          f"{p['scope']:<9} {p['enabled']}")
+                return 0
+            if args.action == "set":
+                spec: dict[str, Any] = {"ttl_s": args.ttl, "scope": args.scope, "enabled": not args.disabled}
+                if args.max_ttl is not None:
+                    spec["max_ttl_s"] = args.max_ttl
+                if args.hash_header:
+                    spec["hash_headers"] = args.hash_header
+                if args.vary_header:
+                    spec["vary_headers"] = args.vary_header
+                result = api.put(args.model_prefix, spec)
+            elif args.action == "delete":
+                result = api.delete(args.model_prefix)
+            else:
+                result = api.purge(args.model_prefix)
+            print(json.dumps(result) if args.json else
+                  f"{args.action} {args.model_prefix}: version {result['version']}"
+                  + ("" if result["changed"] else " (no change)"))
+            return 0
+    except (ApiError, OSError) as exc:
+        return _err(str(exc))
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    up = subparsers.add_parser("up", help="start the local mesh (redis, control plane, engines, sidecars)")
+    _add_state_dir(up)
+    up.add_argument("--detach", action="store_true", help="run in the background; `meshcache down` stops it")
+    up.add_argument("--config", help="JSON file of MeshConfig settings (ports, colours, identities, ...)")
+    up.add_argument("--free-ports", action="store_true", help="pick free ports instead of the defaults")
+    up.add_argument("--supervise", action="store_true", help=argparse.SUPPRESS)
+    up.set_defaults(func=cmd_up)
+
+    down = subparsers.add_parser("down", help="stop a mesh started with `meshcache up --detach`")
+    _add_state_dir(down)
+    down.add_argument("--timeout", type=float, default=60.0, help="seconds before processes are killed")
+    down.set_defaults(func=cmd_down)
+
+    status = subparsers.add_parser("status", help="is the mesh running and healthy (exit 0 if so)")
+    _add_state_dir(status)
+    status.add_argument("--json", action="store_true")
+    status.set_defaults(func=cmd_status)
+
+    demo = subparsers.add_parser("demo", help="inference through the mesh: hits, misses, TTL change, purge")
+    _add_state_dir(demo)
+    demo.set_defaults(func=cmd_demo)
+
+    policy = subparsers.add_parser("policy", help="cache policies (a client of the control-plane API)")
+    actions = policy.add_subparsers(dest="action", required=True)
+    for name, helptext in (("list", "list the policies"), ("set", "create or change a policy"),
+                           ("delete", "delete a policy"), ("purge", "drop a model's cached entries")):
+        a = actions.add_parser(name, help=helptext)
+        _add_state_dir(a)
+        a.add_argument("--url", help="control-plane API (default: the running mesh's)")
+        a.add_argument("--token", help="bearer token (default: the running mesh's write token)")
+        a.add_argument("--json", action="store_true", help="print the API's JSON answer")
+        if name != "list":
+            a.add_argument("model_prefix")
+        if name == "set":
+            a.add_argument("--ttl", type=int, required=True, help="seconds an entry is served")
+            a.add_argument("--max-ttl", type=int, help="upper bound for per-response TTLs")
+            a.add_argument("--scope", choices=("shared", "principal"), default="shared")
+            a.add_argument("--disabled", action="store_true", help="keep the policy but bypass the cache")
+            a.add_argument("--hash-header", action="append", help="header hashed into responses (repeat)")
+            a.add_argument("--vary-header", action="append", help="header that splits cache entries (repeat)")
+        a.set_defaults(func=cmd_policy)

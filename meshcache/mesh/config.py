@@ -1,0 +1,130 @@
+"""Typed settings of the local mesh: ports, state directory, identities, traffic colours.
+
+Defaults are fixed, documented ports so `meshcache up` prints the same endpoints every time;
+`with_free_ports()` gives tests (and `meshcache up --free-ports`) ports nobody else holds.
+A JSON file (`meshcache up --config FILE`) may override any field, ports included.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from meshcache.pki import spiffe_id
+
+
+@dataclass(frozen=True)
+class Ports:
+    # Istio's numbers where there is one: 15000 admin, 15001 outbound, 15006 inbound.
+    app: int = 15001  # client sidecar: plaintext gRPC + HTTP for the local app
+    client_admin: int = 15000
+    server_inbound: int = 15006  # server sidecar: strict mTLS only
+    server_admin: int = 15100
+    cp_http: int = 18080
+    cp_xds: int = 18000
+    redis: int = 16379
+    engine_http: int = 18100
+    engine_grpc: int = 18101
+    engine_metrics: int = 18102
+    canary_http: int = 18110
+    canary_grpc: int = 18111
+    canary_metrics: int = 18112
+
+    # What listens on each port, for error messages ("port 15001 (client sidecar app listener)").
+    @staticmethod
+    def describe(name: str) -> str:
+        return {
+            "app": "client sidecar app listener", "client_admin": "client sidecar admin",
+            "server_inbound": "server sidecar mTLS listener", "server_admin": "server sidecar admin",
+            "cp_http": "control-plane API", "cp_xds": "control-plane xDS", "redis": "redis-server",
+            "engine_http": "engine HTTP", "engine_grpc": "engine gRPC", "engine_metrics": "engine metrics",
+            "canary_http": "canary engine HTTP", "canary_grpc": "canary engine gRPC",
+            "canary_metrics": "canary engine metrics",
+        }[name]
+
+    @classmethod
+    def free(cls) -> Ports:
+        """Free ports, all different: the sockets stay bound until every port is picked."""
+        names = [f.name for f in dataclasses.fields(cls)]
+        with contextlib.ExitStack() as stack:
+            sockets = [stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) for _ in names]
+            for s in sockets:
+                s.bind(("127.0.0.1", 0))
+            return cls(**{name: int(s.getsockname()[1]) for name, s in zip(names, sockets, strict=True)})
+
+
+def default_state_dir() -> Path:
+    if env := os.environ.get("MESHCACHE_STATE_DIR"):
+        return Path(env)
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "meshcache"
+
+
+# Seeded into the control plane on a fresh state dir (policy version 0); kept across restarts.
+DEFAULT_POLICIES: dict[str, dict[str, Any]] = {
+    "resnet-mini": {"ttl_s": 300, "max_ttl_s": 1800},
+    "mlp-classifier": {"ttl_s": 300, "max_ttl_s": 1800},
+    "text-embedder": {"ttl_s": 600, "max_ttl_s": 3600},
+}
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    state_dir: Path = field(default_factory=default_state_dir)
+    ports: Ports = field(default_factory=Ports)
+    trust_domain: str = "cluster.local"
+    namespace: str = "default"
+    client_service_account: str = "inference-client"
+    server_service_account: str = "inference-server"
+    # The client sidecar's colour (the seed's traffic.color), sent unless the app sets its own.
+    color: str = "inference-2026"
+    # Traffic of this colour goes to a second (canary) engine; "" runs no canary.
+    canary_color: str = "blue"
+    # The canary engine serves the same models, but mlp-classifier defaults to version 1
+    # (the default engine serves version 2), so routing is visible in the answers.
+    canary_defaults: dict[str, str] = field(default_factory=lambda: {"mlp-classifier": "1"})
+    cert_hours: float = 24.0  # workload certificates are short-lived ...
+    renew_before_hours: float = 8.0  # ... and re-issued by `up` when less than this is left
+    envoy_concurrency: int = 1
+    policies: dict[str, dict[str, Any]] = field(default_factory=lambda: dict(DEFAULT_POLICIES))
+
+    @property
+    def client_id(self) -> str:
+        return spiffe_id(self.namespace, self.client_service_account, self.trust_domain)
+
+    @property
+    def server_id(self) -> str:
+        return spiffe_id(self.namespace, self.server_service_account, self.trust_domain)
+
+    @property
+    def log_dir(self) -> Path:
+        return self.state_dir / "logs"
+
+    def with_free_ports(self) -> MeshConfig:
+        return dataclasses.replace(self, ports=Ports.free())
+
+    @classmethod
+    def from_file(cls, path: Path, **overrides: Any) -> MeshConfig:
+        """Fields from a JSON object (`ports` as an object of port names); unknown keys are errors."""
+        raw = json.loads(path.read_text())
+        if not isinstance(raw, dict):
+            raise ValueError(f"{path}: expected a JSON object")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(raw) - known
+        if unknown:
+            raise ValueError(f"{path}: unknown settings {sorted(unknown)}; known: {sorted(known)}")
+        if "ports" in raw:
+            port_names = {f.name for f in dataclasses.fields(Ports)}
+            if bad := set(raw["ports"]) - port_names:
+                raise ValueError(f"{path}: unknown ports {sorted(bad)}; known: {sorted(port_names)}")
+            raw["ports"] = Ports(**raw["ports"])
+        if "state_dir" in raw:
+            raw["state_dir"] = Path(raw["state_dir"])
+        raw.update(overrides)
+        return cls(**raw)

@@ -1,0 +1,206 @@
+"""`meshcache up`: a supervisor process owns the mesh; the command in the terminal follows it.
+
+The supervisor runs in its own session (so a terminal's Ctrl-C reaches only `meshcache up`,
+which then asks the supervisor to stop the children in reverse order), writes mesh.json, and
+reports components that exit. Foreground and `--detach` run the very same supervisor: in the
+foreground the command waits for it and forwards SIGINT/SIGTERM; detached it returns once the
+mesh is ready and `meshcache down` stops it later.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+from types import FrameType
+from typing import Any, TextIO
+
+from meshcache.mesh import state
+from meshcache.mesh.config import MeshConfig
+from meshcache.mesh.errors import MeshError
+from meshcache.mesh.topology import Mesh
+
+CONFIG_FILE = "mesh-config.json"
+SUPERVISOR_LOG = "supervisor.log"
+READY_TIMEOUT_S = 120.0
+STOP_TIMEOUT_S = 60.0
+
+
+class _Stop(Exception):
+    """Raised from the signal handler so a start in progress unwinds and stops what it started."""
+
+
+def _raise_stop(signum: int, _frame: FrameType | None) -> None:
+    raise _Stop(signal.Signals(signum).name)
+
+
+def config_to_json(config: MeshConfig) -> dict[str, Any]:
+    raw = dataclasses.asdict(config)
+    raw["state_dir"] = str(config.state_dir)
+    return raw
+
+
+def supervise(config: MeshConfig) -> int:
+    """The supervisor's main: start the mesh, record it, watch it, stop it on SIGTERM/SIGINT."""
+    signal.signal(signal.SIGTERM, _raise_stop)
+    signal.signal(signal.SIGINT, _raise_stop)
+    me = {"pid": os.getpid(), "pid_start_time": state.process_start_time(os.getpid()),
+          "state_dir": str(config.state_dir)}
+    mesh: Mesh | None = None
+
+    def record(status: str, **extra: Any) -> None:
+        children = mesh.children() if mesh else []
+        state.write_state(config.state_dir, {**me, "status": status, "children": children, **extra})
+
+    def log(message: str) -> None:
+        print(f"{time.strftime('%H:%M:%S')} {message}", flush=True)
+        # Each progress line follows a child's start: keep the pids on disk, so `down` finds
+        # them even if this process is killed mid-start.
+        record("starting")
+
+    record("starting")
+    mesh = Mesh(config, log=log)
+    try:
+        mesh.start()
+    except _Stop as exc:
+        _quiet_stop(mesh, config.state_dir, f"stopped during start ({exc})")
+        return 0
+    except Exception as exc:  # MeshError says what failed; anything else is a bug, reported as such
+        message = str(exc) if isinstance(exc, MeshError) else f"{type(exc).__name__}: {exc}"
+        if not isinstance(exc, MeshError):
+            traceback.print_exc()
+        print(f"mesh failed to start: {message}", flush=True)
+        mesh.stop()
+        record("failed", error=message)
+        return 1
+    record("ready", endpoints=mesh.endpoints(), started_at=time.time())
+    print(f"{time.strftime('%H:%M:%S')} mesh is up", flush=True)
+    reported: set[str] = set()
+    try:
+        while True:
+            time.sleep(0.5)
+            for p in mesh.procs:
+                if p.name not in reported and not p.alive():
+                    reported.add(p.name)
+                    print(f"{time.strftime('%H:%M:%S')} {p.name} exited with code {p.popen.returncode}; "
+                          f"the rest keeps running. Last log lines:\n{p.log_tail(15)}", flush=True)
+    except _Stop as exc:
+        _quiet_stop(mesh, config.state_dir, f"stopping ({exc})")
+    return 0
+
+
+def _quiet_stop(mesh: Mesh, state_dir: Path, message: str) -> None:
+    # A second Ctrl-C must not interrupt the orderly stop half way.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    print(f"{time.strftime('%H:%M:%S')} {message}: stopping all components", flush=True)
+    mesh.stop()
+    state.clear_state(state_dir)
+    print(f"{time.strftime('%H:%M:%S')} stopped", flush=True)
+
+
+def spawn(config: MeshConfig) -> subprocess.Popen[bytes]:
+    """Start the supervisor as a new session; its output goes to logs/supervisor.log."""
+    config.log_dir.mkdir(parents=True, exist_ok=True)
+    config_path = config.state_dir / CONFIG_FILE
+    config_path.write_text(json.dumps(config_to_json(config), indent=2) + "\n")
+    with open(config.log_dir / SUPERVISOR_LOG, "ab") as log:
+        return subprocess.Popen(
+            [sys.executable, "-m", "meshcache.cli", "up", "--supervise", "--config", str(config_path),
+             "--state-dir", str(config.state_dir)],
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+        )
+
+
+class LogFollower:
+    """Prints what the supervisor appends to its log (progress, exits) to this terminal."""
+
+    def __init__(self, path: Path, out: TextIO) -> None:
+        self.path, self.out = path, out
+        self.offset = path.stat().st_size if path.exists() else 0
+
+    def pump(self) -> None:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except OSError:
+            return
+        if data:
+            self.offset += len(data)
+            self.out.write(data.decode(errors="replace"))
+            self.out.flush()
+
+
+def wait_ready(proc: subprocess.Popen[bytes], config: MeshConfig, follower: LogFollower,
+               timeout: float = READY_TIMEOUT_S) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        follower.pump()
+        exited = proc.poll() is not None  # before reading the state: a failure is recorded before exit
+        current = state.read_state(config.state_dir)
+        if current and current.get("pid") == proc.pid:
+            if current.get("status") == "ready":
+                return current
+            if current.get("status") == "failed":
+                proc.wait(timeout=10)
+                state.clear_state(config.state_dir)
+                raise MeshError(str(current.get("error")))
+        if exited:
+            follower.pump()
+            state.stop_mesh(config.state_dir, timeout=5)
+            raise MeshError(f"the mesh supervisor exited with {proc.returncode} before the mesh was ready "
+                            f"(log: {config.log_dir / SUPERVISOR_LOG})")
+        time.sleep(0.1)
+    stop_supervisor(proc, config)
+    raise MeshError(f"the mesh was not ready after {timeout:.0f}s; stopped it (log: {config.log_dir / SUPERVISOR_LOG})")
+
+
+def stop_supervisor(proc: subprocess.Popen[bytes], config: MeshConfig) -> list[str]:
+    """SIGTERM the supervisor (it stops the children), bounded; then stop whatever it left behind."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=5)
+    # Anything the supervisor could not stop (it was killed, or stuck) is stopped here.
+    return state.stop_mesh(config.state_dir, timeout=5)
+
+
+def follow(proc: subprocess.Popen[bytes], config: MeshConfig, follower: LogFollower) -> int:
+    """Foreground `up`: until Ctrl-C/SIGTERM (then stop the mesh) or until the supervisor ends."""
+    stop: list[str] = []
+
+    def request_stop(signum: int, _frame: FrameType | None) -> None:
+        stop.append(signal.Signals(signum).name)
+
+    # SIGHUP too: a closed terminal stops the mesh rather than orphaning it.
+    old = {s: signal.signal(s, request_stop) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    try:
+        while proc.poll() is None and not stop:
+            follower.pump()
+            time.sleep(0.2)
+        if stop:
+            forced = stop_supervisor(proc, config)
+            follower.pump()
+            if forced:
+                print(f"had to kill: {', '.join(forced)}", file=sys.stderr)
+            return 0
+        # The supervisor ended on its own (`meshcache down`, or it died): leave nothing behind.
+        forced = state.stop_mesh(config.state_dir, timeout=5)
+        follower.pump()
+        if forced:
+            print(f"the supervisor exited with {proc.returncode}; killed what it left: {', '.join(forced)}",
+                  file=sys.stderr)
+        return 0 if proc.returncode == 0 else 1
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)

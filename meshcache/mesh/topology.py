@@ -1,0 +1,289 @@
+"""The local mesh as real child processes: start in dependency order, check health, stop in reverse.
+
+    redis-server -> control plane -> engine (+ canary engine) -> server sidecar -> client sidecar
+
+The app talks plaintext to the client sidecar, which adds its traffic colour and forwards over
+HTTP/2 + strict mTLS to the server sidecar; that one runs the meshcache filter (config from the
+control plane over ECDS), serves hits itself and routes misses by colour to an engine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import importlib.util
+import json
+import os
+import secrets
+import shutil
+import socket
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from meshcache import procs, services
+from meshcache.envoy_config import CacheProxy, ClientSidecar, Upstream, write
+from meshcache.mesh.api import ApiError, PolicyApi
+from meshcache.mesh.certs import MeshCertificates, ensure_certificates
+from meshcache.mesh.config import MeshConfig, Ports
+from meshcache.mesh.errors import MeshError
+from meshcache.mesh.state import process_start_time
+from meshcache.paths import FILTER_WASM, envoy_binary
+
+SERVER_NODE = "meshcache-server-sidecar"
+CLIENT_NODE = "meshcache-client-sidecar"
+# The server sidecar caches nothing until the control plane's policies arrive over ECDS.
+DEFAULT_PLUGIN_CONFIG: dict[str, Any] = {"version": "default", "policies": []}
+
+
+def _check_port_free(port: int, what: str) -> None:
+    # SO_REUSEADDR like the servers themselves: only a real listener (not TIME_WAIT) counts as taken.
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError as exc:
+            reason = "already in use" if exc.errno == errno.EADDRINUSE else str(exc)
+            raise MeshError(f"port {port} ({what}) is {reason}: stop what holds it, or choose other "
+                            f"ports (meshcache up --free-ports, or --config FILE)") from exc
+
+
+def check_prerequisites(config: MeshConfig) -> None:
+    """Binaries, the built filter and every port, before anything starts."""
+    try:
+        envoy_binary()
+    except FileNotFoundError as exc:
+        raise MeshError(str(exc)) from exc
+    if not shutil.which("redis-server"):
+        raise MeshError("redis-server not found on PATH: install the Debian package redis-server (make setup)")
+    if not Path(services.ENGINE_BIN).exists():
+        raise MeshError(f"{services.ENGINE_BIN} not found: install this package (make setup)")
+    if not FILTER_WASM.exists():
+        raise MeshError(f"{FILTER_WASM} is missing: build the filter (make filter)")
+    ports = config.ports
+    for name in vars(ports):
+        if name.startswith("canary_") and not config.canary_color:
+            continue
+        _check_port_free(getattr(ports, name), Ports.describe(name))
+
+
+def load_or_create_token(state_dir: Path) -> str:
+    """The control plane's write token, kept 0600 in the state dir for `meshcache policy`."""
+    path = state_dir / "token"
+    if path.exists():
+        return path.read_text().strip()
+    token = secrets.token_urlsafe(24)
+    state_dir.mkdir(parents=True, exist_ok=True)
+    with open(path, "x", opener=lambda p, f: os.open(p, f, 0o600)) as f:
+        f.write(token + "\n")
+    return token
+
+
+def _model_repos(config: MeshConfig) -> tuple[Path, Path | None]:
+    """The default engine's repository, and the canary's (same models, other default versions)."""
+    models = config.state_dir / "models"
+    default = models / "default"
+    # Written once per version of the generator (deterministic, but ~1 s with the onnx import).
+    spec = importlib.util.find_spec("engine.demo_models")
+    assert spec is not None and spec.origin is not None
+    stamp = hashlib.sha256(Path(spec.origin).read_bytes()).hexdigest()
+    stamp_path = models / "demo-models.sha256"
+    if not stamp_path.exists() or stamp_path.read_text().strip() != stamp:
+        from engine.demo_models import write_demo_models
+
+        shutil.rmtree(default, ignore_errors=True)
+        write_demo_models(default)
+        stamp_path.write_text(stamp + "\n")
+    if not config.canary_color:
+        return default, None
+    canary = models / "canary"
+    shutil.rmtree(canary, ignore_errors=True)
+    shutil.copytree(default, canary)
+    for model, version in config.canary_defaults.items():
+        path = canary / model / "config.json"
+        if not path.exists():
+            continue  # a repository without that model: nothing to switch
+        doc = json.loads(path.read_text())
+        doc["default_version"] = version
+        path.write_text(json.dumps(doc, indent=2) + "\n")
+    return default, canary
+
+
+class Mesh:
+    """One running local mesh; `start()` then `stop()` (or use it as a context manager)."""
+
+    def __init__(self, config: MeshConfig, log: Callable[[str], None] = print) -> None:
+        self.config = config
+        self.log = log
+        self.procs: list[procs.Proc] = []
+        self.engine: services.Engine | None = None
+        self.canary: services.Engine | None = None
+        self.certs: MeshCertificates | None = None
+        self.token = ""
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+
+    def __enter__(self) -> Mesh:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        cfg, ports = self.config, self.config.ports
+        check_prerequisites(cfg)
+        cfg.state_dir.mkdir(parents=True, exist_ok=True)
+        self.certs = ensure_certificates(cfg)
+        if self.certs.issued:
+            self.log(f"issued certificates: {', '.join(self.certs.issued)} (valid {cfg.cert_hours:g} h)")
+        self.token = load_or_create_token(cfg.state_dir)
+        try:
+            self._start_all(ports)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start_all(self, ports: Ports) -> None:
+        cfg, certs = self.config, self.certs
+        assert certs is not None
+        default_repo, canary_repo = _model_repos(cfg)
+        try:
+            self.log("starting redis-server ...")
+            redis, _ = services.start_redis(cfg.state_dir / "redis", port=ports.redis)
+            self.procs.append(redis)
+            self.log("starting the control plane ...")
+            self.procs.append(self._start_control_plane())
+            self.log("starting the engine ...")
+            self.engine = services.start_engine(default_repo, cfg.log_dir, name="engine",
+                                                ports=(ports.engine_http, ports.engine_grpc, ports.engine_metrics))
+            self.procs.append(self.engine.proc)
+            color_routes: dict[str, Upstream] = {}
+            if canary_repo is not None:
+                self.log(f"starting the canary engine (traffic colour {cfg.canary_color!r}) ...")
+                self.canary = services.start_engine(
+                    canary_repo, cfg.log_dir, name="engine-canary",
+                    ports=(ports.canary_http, ports.canary_grpc, ports.canary_metrics))
+                self.procs.append(self.canary.proc)
+                color_routes[cfg.canary_color] = Upstream(ports.canary_http, ports.canary_grpc)
+            self.log("starting the server sidecar (mTLS, meshcache filter over ECDS) ...")
+            server = CacheProxy(
+                listen_port=ports.server_inbound, admin_port=ports.server_admin,
+                http_upstream_port=ports.engine_http, grpc_upstream_port=ports.engine_grpc,
+                wasm_path=FILTER_WASM, plugin_config=DEFAULT_PLUGIN_CONFIG, ecds_port=ports.cp_xds,
+                node_id=SERVER_NODE, cluster="meshcache-server", downstream_tls=certs.server,
+                allowed_peers=[cfg.client_id], color_routes=color_routes)
+            self.procs.append(self._start_envoy("server-sidecar", server, ports.server_admin))
+            self.log("starting the client sidecar ...")
+            client = ClientSidecar(listen_port=ports.app, admin_port=ports.client_admin,
+                                   server_port=ports.server_inbound, identity=certs.client,
+                                   server_identities=[cfg.server_id], color=cfg.color, node_id=CLIENT_NODE)
+            self.procs.append(self._start_envoy("client-sidecar", client, ports.client_admin))
+            self._apply_policies()
+            self._wait_end_to_end()
+        except procs.StartError as exc:
+            raise MeshError(str(exc)) from exc
+        except ApiError as exc:
+            raise MeshError(f"control plane: {exc}\n{self._tail('control-plane')}") from exc
+
+    def _start_control_plane(self) -> procs.Proc:
+        ports = self.config.ports
+        script = Path(sys.executable).parent / "meshcache-control-plane"
+        argv = [str(script)] if script.exists() else [sys.executable, "-m", "control_plane.cli"]
+        argv += ["--redis-url", f"redis://127.0.0.1:{ports.redis}/0", "--host", "127.0.0.1",
+                 "--http-port", str(ports.cp_http), "--xds-port", str(ports.cp_xds),
+                 "--wasm-path", str(FILTER_WASM), "--instance-id", "meshcache-up"]
+        env = {"MESHCACHE_CP_TOKENS": f"write:mesh:{self.token}"}
+        proc = procs.start("control-plane", argv, self.config.log_dir, env=env)
+        try:
+            procs.wait_until(proc, procs.http_ok(f"http://127.0.0.1:{ports.cp_http}/readyz"), timeout=30)
+            procs.wait_until(proc, procs.tcp_open(ports.cp_xds), timeout=10, what="serving xDS")
+        except BaseException:
+            proc.stop()
+            raise
+        return proc
+
+    def _start_envoy(self, name: str, proxy: CacheProxy | ClientSidecar, admin_port: int) -> procs.Proc:
+        directory = self.config.state_dir / "envoy"
+        directory.mkdir(parents=True, exist_ok=True)
+        path = write(proxy, directory / f"{name}.yaml")
+        return services.start_envoy(path, admin_port, self.config.log_dir, name=name,
+                                    concurrency=self.config.envoy_concurrency)
+
+    def _apply_policies(self) -> None:
+        """Seed the default policies into a fresh control plane; wait until the server sidecar has them."""
+        with self.api() as api:
+            version = api.version()
+            if version == 0:
+                for prefix, spec in self.config.policies.items():
+                    version = api.put(prefix, spec)["version"]
+                self.log(f"seeded {len(self.config.policies)} cache policies (version {version})")
+            if version > 0:
+                api.wait_acked(SERVER_NODE, version, timeout=15)
+
+    def _wait_end_to_end(self, timeout: float = 15.0) -> None:
+        """The app port answers through both sidecars and mTLS (the engine's readiness endpoint)."""
+        url = f"http://127.0.0.1:{self.config.ports.app}/v2/health/ready"
+        deadline = time.monotonic() + timeout
+        last = ""
+        while time.monotonic() < deadline:
+            with contextlib.suppress(httpx.HTTPError):
+                r = httpx.get(url, timeout=2)
+                if r.status_code == 200:
+                    return
+                last = f"{r.status_code} {r.text[:200]}"
+            time.sleep(0.1)
+        raise MeshError(f"app port {self.config.ports.app} does not reach the engine through the sidecars "
+                        f"({last or 'no answer'}):\n{self._tail('client-sidecar')}\n{self._tail('server-sidecar')}")
+
+    def stop(self) -> None:
+        """Reverse start order: sidecars first, so no request reaches a stopped engine or Redis."""
+        while self.procs:
+            p = self.procs.pop()
+            with contextlib.suppress(Exception):
+                p.stop()
+
+    # ---- inspection --------------------------------------------------------------------------
+
+    def api(self) -> PolicyApi:
+        return PolicyApi(f"http://127.0.0.1:{self.config.ports.cp_http}", self.token)
+
+    def proc(self, name: str) -> procs.Proc:
+        return next(p for p in self.procs if p.name == name)
+
+    def _tail(self, name: str) -> str:
+        found = [p for p in self.procs if p.name == name]
+        return f"--- {name} log ---\n{found[0].log_tail()}" if found else ""
+
+    def children(self) -> list[dict[str, Any]]:
+        return [{"name": p.name, "pid": p.popen.pid, "start_time": process_start_time(p.popen.pid),
+                 "log": str(p.log_path)} for p in self.procs]
+
+    def endpoints(self) -> dict[str, Any]:
+        cfg, ports = self.config, self.config.ports
+        out: dict[str, Any] = {
+            "app": f"127.0.0.1:{ports.app}",
+            "app_color": cfg.color,
+            "control_plane_api": f"http://127.0.0.1:{ports.cp_http}",
+            "control_plane_xds": f"127.0.0.1:{ports.cp_xds}",
+            "token_file": str(cfg.state_dir / "token"),
+            "client_sidecar_admin": f"http://127.0.0.1:{ports.client_admin}",
+            "server_sidecar_admin": f"http://127.0.0.1:{ports.server_admin}",
+            "server_sidecar_mtls": f"127.0.0.1:{ports.server_inbound}",
+            "engine_http": f"http://127.0.0.1:{ports.engine_http}",
+            "engine_grpc": f"127.0.0.1:{ports.engine_grpc}",
+            "engine_metrics": f"http://127.0.0.1:{ports.engine_metrics}/metrics",
+            "redis": f"127.0.0.1:{ports.redis}",
+            "client_identity": cfg.client_id,
+            "server_identity": cfg.server_id,
+            "ca": str(self.certs.ca_cert) if self.certs else "",
+        }
+        if cfg.canary_color:
+            out["canary_color"] = cfg.canary_color
+            out["canary_engine_metrics"] = f"http://127.0.0.1:{ports.canary_metrics}/metrics"
+        return out

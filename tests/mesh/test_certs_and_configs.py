@@ -1,0 +1,93 @@
+"""Mesh certificates (issue, keep, re-issue near expiry, 0600 keys) and the rendered sidecar configs."""
+
+from __future__ import annotations
+
+import dataclasses
+import stat
+import subprocess
+from pathlib import Path
+
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives.asymmetric import ec
+
+from meshcache.envoy_config import ClientSidecar, render_client, write
+from meshcache.mesh.certs import ensure_certificates
+from meshcache.mesh.config import MeshConfig
+from meshcache.paths import envoy_binary
+
+
+def _uris(path: Path) -> list[str]:
+    cert = x509.load_pem_x509_certificate(path.read_bytes())
+    return cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(
+        x509.UniformResourceIdentifier)
+
+
+def test_issue_keep_and_reissue(tmp_path: Path) -> None:
+    config = MeshConfig(state_dir=tmp_path, namespace="ml")
+    first = ensure_certificates(config)
+    assert first.issued == ("ca.crt", "client-sidecar.crt", "server-sidecar.crt")
+    assert _uris(first.client.cert) == ["spiffe://cluster.local/ns/ml/sa/inference-client"]
+    assert _uris(first.server.cert) == ["spiffe://cluster.local/ns/ml/sa/inference-server"]
+    for key in (first.client.key, first.server.key, tmp_path / "pki" / "ca.key"):
+        assert stat.S_IMODE(key.stat().st_mode) == 0o600
+    leaf = x509.load_pem_x509_certificate(first.client.cert.read_bytes())
+    assert isinstance(leaf.public_key(), ec.EllipticCurvePublicKey) and leaf.public_key().curve.name == "secp256r1"
+    lifetime = leaf.not_valid_after_utc - leaf.not_valid_before_utc
+    assert lifetime.total_seconds() <= (config.cert_hours * 3600) + 600  # short-lived
+
+    # Still good: kept as they are.
+    before = first.client.cert.read_bytes()
+    assert ensure_certificates(config).issued == ()
+    assert first.client.cert.read_bytes() == before
+
+    # Near expiry (less than renew_before_hours left): re-issued by the same CA.
+    near = dataclasses.replace(config, renew_before_hours=config.cert_hours + 1)
+    again = ensure_certificates(near)
+    assert again.issued == ("client-sidecar.crt", "server-sidecar.crt")
+    assert again.client.cert.read_bytes() != before
+    ca = x509.load_pem_x509_certificate((tmp_path / "pki" / "ca.crt").read_bytes())
+    x509.load_pem_x509_certificate(again.client.cert.read_bytes()).verify_directly_issued_by(ca)
+
+    # Another identity (namespace changed): re-issued for the new SPIFFE ID.
+    moved = ensure_certificates(dataclasses.replace(config, namespace="prod"))
+    assert moved.issued == ("client-sidecar.crt", "server-sidecar.crt")
+    assert _uris(moved.client.cert) == ["spiffe://cluster.local/ns/prod/sa/inference-client"]
+
+
+def test_client_sidecar_config(tmp_path: Path) -> None:
+    certs = ensure_certificates(MeshConfig(state_dir=tmp_path))
+    sidecar = ClientSidecar(listen_port=15001, admin_port=15000, server_port=15006, identity=certs.client,
+                            server_identities=["spiffe://cluster.local/ns/default/sa/inference-server"],
+                            color="green")
+    doc = render_client(sidecar)
+    route = doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"][
+        "route_config"]["virtual_hosts"][0]["routes"][0]
+    assert route["request_headers_to_add"] == [
+        {"header": {"key": "x-traffic-color", "value": "green"}, "append_action": "ADD_IF_ABSENT"}]
+    tls = doc["static_resources"]["clusters"][0]["transport_socket"]["typed_config"]["common_tls_context"]
+    assert tls["tls_params"] == {"tls_minimum_protocol_version": "TLSv1_3",
+                                 "tls_maximum_protocol_version": "TLSv1_3"}
+    assert tls["validation_context"]["match_typed_subject_alt_names"] == [
+        {"san_type": "URI", "matcher": {"exact": "spiffe://cluster.local/ns/default/sa/inference-server"}}]
+    # Envoy itself accepts it.
+    path = write(sidecar, tmp_path / "client.yaml")
+    out = subprocess.run([envoy_binary(), "--mode", "validate", "-c", str(path)], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+
+
+def test_mesh_config_file(tmp_path: Path) -> None:
+    path = tmp_path / "mesh.json"
+    path.write_text('{"ports": {"app": 25001}, "color": "green", "state_dir": "/somewhere"}')
+    config = MeshConfig.from_file(path, state_dir=tmp_path / "state")
+    assert config.ports.app == 25001 and config.ports.server_inbound == 15006  # others keep their defaults
+    assert config.color == "green" and config.state_dir == tmp_path / "state"
+    path.write_text('{"colour": "green"}')
+    with pytest.raises(ValueError, match="unknown settings"):
+        MeshConfig.from_file(path)
+    path.write_text('{"ports": {"ap": 1}}')
+    with pytest.raises(ValueError, match="unknown ports"):
+        MeshConfig.from_file(path)
+    free = MeshConfig(state_dir=tmp_path).with_free_ports().ports
+    assert len(set(vars(free).values())) == len(vars(free))  # every component its own port

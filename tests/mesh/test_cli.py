@@ -1,0 +1,180 @@
+"""The `meshcache` console script: up (foreground and detached), status, policy, down, and clear errors.
+
+Each test starts its own mesh through the CLI on free ports and checks that no process is left.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from meshcache.mesh import state
+from tests.mesh.helpers import mlp_json, rest_infer
+
+CLI = [str(Path(sys.executable).parent / "meshcache")]
+
+
+def run(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+
+
+def _pids(state_dir: Path) -> list[tuple[int, int | None]]:
+    current = state.read_state(state_dir)
+    assert current is not None
+    return [(current["pid"], current["pid_start_time"])] + [(c["pid"], c["start_time"]) for c in current["children"]]
+
+
+def _all_gone(pids: list[tuple[int, int | None]], timeout: float = 10) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not any(state.pid_alive(pid, start) for pid, start in pids):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def _cleanup(state_dir: Path) -> None:
+    state.stop_mesh(state_dir, timeout=10)
+
+
+def test_up_detached_status_policy_down(tmp_path: Path) -> None:
+    state_dir = tmp_path / "state"
+    try:
+        up = run("up", "--detach", "--free-ports", "--state-dir", str(state_dir))
+        assert up.returncode == 0, up.stdout + up.stderr
+        assert "meshcache mesh is up" in up.stdout and "app (gRPC + HTTP, plaintext)" in up.stdout
+        pids = _pids(state_dir)
+        assert len(pids) == 7  # supervisor, redis, control plane, 2 engines, 2 sidecars
+        assert (state_dir / "pki" / "client-sidecar.key").stat().st_mode & 0o777 == 0o600
+
+        status = run("status", "--json", "--state-dir", str(state_dir))
+        assert status.returncode == 0, status.stdout + status.stderr
+        report = json.loads(status.stdout)
+        assert report["healthy"] and all(report["processes"].values()) and all(report["health"].values())
+
+        assert run("up", "--detach", "--free-ports", "--state-dir", str(state_dir)).returncode == 1  # already up
+
+        listed = json.loads(run("policy", "list", "--json", "--state-dir", str(state_dir)).stdout)
+        assert {p["model_prefix"] for p in listed["policies"]} == {"resnet-mini", "mlp-classifier", "text-embedder"}
+        changed = run("policy", "set", "mlp-classifier", "--ttl", "17", "--state-dir", str(state_dir))
+        assert changed.returncode == 0 and "version" in changed.stdout, changed.stderr
+        app = report["endpoints"]["app"]
+        body = mlp_json(seed=5001)
+        deadline = time.monotonic() + 10  # until the sidecar has the new policy
+        while time.monotonic() < deadline:
+            rest_infer(app, "mlp-classifier", body)
+            if rest_infer(app, "mlp-classifier", body).headers["cache-status"] == "meshcache; hit; ttl=17":
+                break
+            body = mlp_json(seed=int(time.monotonic() * 1000))
+        else:
+            pytest.fail("the TTL set with `meshcache policy set` never showed up in the mesh")
+        bad = run("policy", "set", "mlp-classifier", "--ttl", "-1", "--state-dir", str(state_dir))
+        assert bad.returncode == 1 and "422" in bad.stderr
+
+        down = run("down", "--state-dir", str(state_dir), timeout=90)
+        assert down.returncode == 0 and "mesh stopped" in down.stdout, down.stdout + down.stderr
+        assert "had to kill" not in down.stdout
+        assert _all_gone(pids)
+        assert state.read_state(state_dir) is None
+        assert run("status", "--state-dir", str(state_dir)).returncode == 1
+
+        # Up again on the same state dir: policies survived in Redis (AOF), certificates are reused.
+        again = run("up", "--detach", "--free-ports", "--state-dir", str(state_dir))
+        assert again.returncode == 0, again.stdout + again.stderr
+        assert "issued certificates" not in again.stdout and "seeded" not in again.stdout
+        listed = json.loads(run("policy", "list", "--json", "--state-dir", str(state_dir)).stdout)
+        assert {p["model_prefix"]: p["ttl_s"] for p in listed["policies"]}["mlp-classifier"] == 17
+        pids = _pids(state_dir)
+        assert run("down", "--state-dir", str(state_dir), timeout=90).returncode == 0
+        assert _all_gone(pids)
+    finally:
+        _cleanup(state_dir)
+
+
+def test_up_foreground_stops_everything_on_ctrl_c(tmp_path: Path) -> None:
+    state_dir = tmp_path / "state"
+    proc = subprocess.Popen([*CLI, "up", "--free-ports", "--state-dir", str(state_dir)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()  # type: ignore[union-attr]
+    seen = []
+    try:
+        deadline = time.monotonic() + 90
+        while not any("Ctrl-C stops the mesh" in line for line in seen):
+            assert time.monotonic() < deadline and proc.poll() is None, "".join(seen)
+            try:
+                seen.append(lines.get(timeout=1))
+            except queue.Empty:
+                pass
+        pids = _pids(state_dir)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
+        assert _all_gone(pids)
+        assert state.read_state(state_dir) is None
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+        _cleanup(state_dir)
+
+
+def test_port_in_use_is_named(tmp_path: Path) -> None:
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        port = busy.getsockname()[1]
+        config = tmp_path / "mesh.json"
+        config.write_text(json.dumps({"ports": {"app": port}}))
+        t0 = time.monotonic()
+        # Fixed defaults for the other ports may be taken on a shared machine: then that port is
+        # named instead, which is just as correct; so take free ports for all but `app`.
+        from meshcache.mesh.config import Ports
+        free = {k: v for k, v in vars(Ports.free()).items() if k != "app"}
+        config.write_text(json.dumps({"ports": {**free, "app": port}}))
+        out = run("up", "--config", str(config), "--state-dir", str(tmp_path / "state"))
+    assert out.returncode == 1
+    assert f"port {port} (client sidecar app listener) is already in use" in out.stderr
+    assert time.monotonic() - t0 < 20
+    assert state.read_state(tmp_path / "state") is None
+
+
+def test_missing_redis_binary_is_named(tmp_path: Path) -> None:
+    out = run("up", "--free-ports", "--state-dir", str(tmp_path / "state"), env={"PATH": "/nonexistent"})
+    assert out.returncode == 1
+    assert "redis-server not found" in out.stderr
+
+
+def test_a_failing_component_reports_its_log_and_leaves_nothing(tmp_path: Path) -> None:
+    state_dir = tmp_path / "state"
+    # A setting the control plane refuses: it exits at once, after redis-server has started.
+    out = run("up", "--free-ports", "--state-dir", str(state_dir), env={"MESHCACHE_CP_MAX_POLICIES": "0"})
+    assert out.returncode == 1
+    assert "control-plane exited with 2 before ready" in out.stderr, out.stderr
+    assert "bad configuration" in out.stderr and "max_policies" in out.stderr  # its log tail
+    assert state.read_state(state_dir) is None
+    # redis-server (started before the control plane) was stopped again.
+    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    assert str(state_dir) not in ps
+
+
+def test_demo_starts_its_own_mesh_shows_hits_and_stops_it(tmp_path: Path) -> None:
+    out = run("demo", "--state-dir", str(tmp_path / "no-mesh-here"), timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    rows = [line for line in out.stdout.splitlines() if "meshcache; " in line]
+    assert sum("; hit; ttl=" in r for r in rows) >= 8 and sum("fwd=miss" in r for r in rows) >= 8
+    assert any("gRPC" in r for r in rows) and any("REST" in r for r in rows)
+    assert any(r.split()[2] == "blue" and "; hit" in r for r in rows)
+    assert "hit; ttl=30" in out.stdout  # the TTL change showed
+    assert "hit ratio:" in out.stdout and "mean latency: hit" in out.stdout
+    assert "stopped the mesh." in out.stdout
+    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    assert "meshcache-demo-" not in ps  # nothing of its temporary mesh is left

@@ -1,0 +1,180 @@
+"""Strict mTLS between the sidecars, checked with real TLS clients against the server sidecar.
+
+Only TLS 1.3 with a client certificate from the mesh CA that names the client sidecar's SPIFFE
+identity gets an HTTP answer; plaintext, TLS 1.2, no certificate, another CA and another identity
+get none. The client sidecar, in turn, refuses a server presenting the wrong identity.
+"""
+
+from __future__ import annotations
+
+import socket
+import ssl
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from meshcache import procs, services
+from meshcache.envoy_config import ClientSidecar, write
+from meshcache.mesh.certs import pki_dir
+from meshcache.mesh.topology import Mesh
+from meshcache.pki import CertificateAuthority, Identity, spiffe_id
+from tests.mesh.helpers import eventually
+
+REQUEST = b"GET /v2/health/ready HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n"
+
+
+def _context(ca: Path, identity: Identity | None, max_version: ssl.TLSVersion | None = None) -> ssl.SSLContext:
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.load_verify_locations(ca)
+    ctx.set_alpn_protocols(["http/1.1"])
+    if identity is not None:
+        ctx.load_cert_chain(identity.cert, identity.key)
+    if max_version is not None:
+        ctx.maximum_version = max_version
+    return ctx
+
+
+def _exchange(port: int, ctx: ssl.SSLContext) -> bytes:
+    """Handshake, send one request, return what came back (b"" when the server hung up)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as raw, \
+            ctx.wrap_socket(raw, server_hostname="localhost") as tls:
+        tls.sendall(REQUEST)
+        data = b""
+        while chunk := tls.recv(4096):
+            data += chunk
+        return data
+
+
+def _ssl_stat(mesh: Mesh, name: str) -> int:
+    port = mesh.config.ports.server_inbound
+    key = f"listener.127.0.0.1_{port}.ssl.{name}"
+    return services.envoy_stats(mesh.config.ports.server_admin, key).get(key, 0)
+
+
+def _refused(mesh: Mesh, ctx: ssl.SSLContext, reason: str) -> None:
+    """No HTTP answer, and the server sidecar counted the refusal under `reason` (its ssl stat)."""
+    before = _ssl_stat(mesh, reason)
+    try:
+        data = _exchange(mesh.config.ports.server_inbound, ctx)
+    except (ssl.SSLError, ConnectionResetError, BrokenPipeError):
+        data = b""
+    assert not data.startswith(b"HTTP/"), data[:200]
+    eventually(lambda: _ssl_stat(mesh, reason) > before, timeout=5)
+
+
+@pytest.fixture(scope="module")
+def ca(mesh: Mesh) -> CertificateAuthority:
+    directory = pki_dir(mesh.config)
+    return CertificateAuthority.load(directory / "ca.crt", directory / "ca.key")
+
+
+def _port(mesh: Mesh) -> int:
+    return mesh.config.ports.server_inbound
+
+
+def test_the_client_identity_gets_an_answer_over_tls13(mesh: Mesh) -> None:
+    assert mesh.certs is not None
+    ctx = _context(mesh.certs.ca_cert, mesh.certs.client)
+    with socket.create_connection(("127.0.0.1", _port(mesh)), timeout=5) as raw, \
+            ctx.wrap_socket(raw, server_hostname="localhost") as tls:
+        assert tls.version() == "TLSv1.3"
+        sans = dict(tls.getpeercert()["subjectAltName"])  # type: ignore[index]
+        assert sans["URI"] == mesh.config.server_id
+    assert _exchange(_port(mesh), ctx).startswith(b"HTTP/1.1 200")
+
+
+def test_plaintext_is_refused(mesh: Mesh) -> None:
+    before = _ssl_stat(mesh, "connection_error")
+    with socket.create_connection(("127.0.0.1", _port(mesh)), timeout=5) as s:
+        s.sendall(REQUEST)
+        try:
+            data = s.recv(4096)
+        except ConnectionResetError:
+            data = b""
+    assert not data.startswith(b"HTTP/")
+    eventually(lambda: _ssl_stat(mesh, "connection_error") > before, timeout=5)
+
+
+def test_tls12_is_refused(mesh: Mesh) -> None:
+    assert mesh.certs is not None
+    ctx = _context(mesh.certs.ca_cert, mesh.certs.client, max_version=ssl.TLSVersion.TLSv1_2)
+    before = _ssl_stat(mesh, "connection_error")
+    with pytest.raises(ssl.SSLError, match="(?i)protocol.version|unsupported.protocol"):
+        _exchange(_port(mesh), ctx)
+    eventually(lambda: _ssl_stat(mesh, "connection_error") > before, timeout=5)
+
+
+def test_no_client_certificate_is_refused(mesh: Mesh) -> None:
+    assert mesh.certs is not None
+    _refused(mesh, _context(mesh.certs.ca_cert, None), "fail_verify_no_cert")
+
+
+def test_a_certificate_from_another_ca_is_refused(mesh: Mesh, tmp_path: Path) -> None:
+    assert mesh.certs is not None
+    stranger = CertificateAuthority.create("someone else's CA").issue(mesh.config.client_id, tmp_path, "forged")
+    _refused(mesh, _context(mesh.certs.ca_cert, stranger), "fail_verify_error")
+
+
+def test_the_right_ca_with_a_wrong_identity_is_refused(mesh: Mesh, ca: CertificateAuthority, tmp_path: Path) -> None:
+    assert mesh.certs is not None
+    intruder = ca.issue(spiffe_id(mesh.config.namespace, "intruder"), tmp_path, "intruder")
+    _refused(mesh, _context(mesh.certs.ca_cert, intruder), "fail_verify_san")
+    # Same service account, other namespace: also not the allowed identity.
+    other_ns = ca.issue(spiffe_id("other", mesh.config.client_service_account), tmp_path, "other-ns")
+    _refused(mesh, _context(mesh.certs.ca_cert, other_ns), "fail_verify_san")
+    # The server sidecar's own identity is not a client identity either.
+    _refused(mesh, _context(mesh.certs.ca_cert, mesh.certs.server), "fail_verify_san")
+
+
+@pytest.fixture
+def impostor_server(ca: CertificateAuthority, tmp_path: Path) -> Iterator[tuple[int, list[bytes]]]:
+    """A TLS 1.3 server with a mesh-CA certificate naming the wrong service account."""
+    ident = ca.issue(spiffe_id("default", "impostor"), tmp_path, "impostor")
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(ident.cert, ident.key)
+    ctx.set_alpn_protocols(["h2"])
+    received: list[bytes] = []
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(0.2)
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                continue
+            try:
+                with ctx.wrap_socket(conn, server_side=True) as tls:
+                    tls.settimeout(2)
+                    received.append(tls.recv(1024))
+            except (ssl.SSLError, OSError):
+                pass
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield listener.getsockname()[1], received
+    finally:
+        stop.set()
+        thread.join(timeout=5)
+        listener.close()
+
+
+def test_the_client_sidecar_refuses_a_server_with_the_wrong_identity(
+        mesh: Mesh, impostor_server: tuple[int, list[bytes]], tmp_path: Path) -> None:
+    assert mesh.certs is not None
+    port, received = impostor_server
+    listen, admin = procs.free_port(), procs.free_port()
+    sidecar = ClientSidecar(listen_port=listen, admin_port=admin, server_port=port, identity=mesh.certs.client,
+                            server_identities=[mesh.config.server_id])
+    envoy = services.start_envoy(write(sidecar, tmp_path / "client.yaml"), admin, tmp_path)
+    with procs.supervised([envoy]):
+        r = httpx.get(f"http://127.0.0.1:{listen}/v2/health/ready", timeout=10)
+        assert r.status_code == 503
+        stats = services.envoy_stats(admin, "cluster.mesh_upstream.ssl")
+        assert stats.get("cluster.mesh_upstream.ssl.fail_verify_san", 0) >= 1, stats
+    assert not any(data for data in received), received  # no request bytes went to the impostor
