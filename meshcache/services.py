@@ -133,3 +133,24 @@ def start_engine(
         proc.stop()
         raise
     return Engine(proc, http_port, grpc_port, metrics_port)
+
+
+def control_plane_argv(redis_port: int, http_port: int, xds_port: int, *extra: str) -> list[str]:
+    """The `meshcache-control-plane` command line for a local Redis and the given ports."""
+    script = Path(sys.executable).parent / "meshcache-control-plane"
+    argv = [str(script)] if script.exists() else [sys.executable, "-m", "control_plane.cli"]
+    return [*argv, "--redis-url", f"redis://127.0.0.1:{redis_port}/0", "--http-port", str(http_port),
+            "--xds-port", str(xds_port), *extra]
+
+
+def start_control_plane(argv: list[str], env: dict[str, str], log_dir: Path, http_port: int, xds_port: int,
+                        name: str = "control-plane", ready_path: str = "/healthz") -> procs.Proc:
+    """A control plane child process, ready once `ready_path` answers 200 and xDS accepts."""
+    proc = procs.start(name, argv, log_dir, env=env)
+    try:
+        procs.wait_until(proc, procs.http_ok(f"http://127.0.0.1:{http_port}{ready_path}"), timeout=30)
+        procs.wait_until(proc, procs.tcp_open(xds_port), timeout=10, what="serving xDS")
+    except BaseException:
+        proc.stop()
+        raise
+    return proc

@@ -18,7 +18,6 @@ import os
 import secrets
 import shutil
 import socket
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -193,20 +192,11 @@ class Mesh:
 
     def _start_control_plane(self) -> procs.Proc:
         ports = self.config.ports
-        script = Path(sys.executable).parent / "meshcache-control-plane"
-        argv = [str(script)] if script.exists() else [sys.executable, "-m", "control_plane.cli"]
-        argv += ["--redis-url", f"redis://127.0.0.1:{ports.redis}/0", "--host", "127.0.0.1",
-                 "--http-port", str(ports.cp_http), "--xds-port", str(ports.cp_xds),
-                 "--wasm-path", str(FILTER_WASM), "--instance-id", "meshcache-up"]
+        argv = services.control_plane_argv(ports.redis, ports.cp_http, ports.cp_xds, "--host", "127.0.0.1",
+                                           "--wasm-path", str(FILTER_WASM), "--instance-id", "meshcache-up")
         env = {"MESHCACHE_CP_TOKENS": f"write:mesh:{self.token}"}
-        proc = procs.start("control-plane", argv, self.config.log_dir, env=env)
-        try:
-            procs.wait_until(proc, procs.http_ok(f"http://127.0.0.1:{ports.cp_http}/readyz"), timeout=30)
-            procs.wait_until(proc, procs.tcp_open(ports.cp_xds), timeout=10, what="serving xDS")
-        except BaseException:
-            proc.stop()
-            raise
-        return proc
+        return services.start_control_plane(argv, env, self.config.log_dir, ports.cp_http, ports.cp_xds,
+                                            ready_path="/readyz")
 
     def _start_envoy(self, name: str, proxy: CacheProxy | ClientSidecar, admin_port: int) -> procs.Proc:
         directory = self.config.state_dir / "envoy"

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import sys
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
@@ -12,7 +11,7 @@ from typing import Any, TypeVar
 
 import httpx
 
-from meshcache import procs
+from meshcache import procs, services
 
 WRITE_TOKEN = "write-token-0123456789abcdef"
 READ_TOKEN = "read-token-0123456789abcdef"
@@ -45,22 +44,16 @@ class ControlPlaneProc:
 
 def _launch(name: str, argv: list[str], env: dict[str, str], log_dir: Path, http_port: int,
             xds_port: int) -> procs.Proc:
-    proc = procs.start(name, argv, log_dir, env=env)
-    procs.wait_until(proc, procs.http_ok(f"http://127.0.0.1:{http_port}/healthz"), timeout=30)
-    procs.wait_until(proc, procs.tcp_open(xds_port), timeout=10, what="serving xDS")
-    return proc
+    # /healthz, not /readyz: some tests start it while Redis is down on purpose.
+    return services.start_control_plane(argv, env, log_dir, http_port, xds_port, name=name)
 
 
 def start_control_plane(log_dir: Path, redis_port: int, name: str = "control-plane",
                         extra_env: dict[str, str] | None = None, wasm_path: Path | None = None
                         ) -> ControlPlaneProc:
     http_port, xds_port = procs.free_port(), procs.free_port()
-    script = Path(sys.executable).parent / "meshcache-control-plane"
-    argv = [str(script)] if script.exists() else [sys.executable, "-m", "control_plane.cli"]
-    argv += ["--redis-url", f"redis://127.0.0.1:{redis_port}/0", "--http-port", str(http_port),
-             "--xds-port", str(xds_port)]
-    if wasm_path is not None:
-        argv += ["--wasm-path", str(wasm_path)]
+    argv = services.control_plane_argv(redis_port, http_port, xds_port,
+                                       *(["--wasm-path", str(wasm_path)] if wasm_path is not None else []))
     env = {"MESHCACHE_CP_TOKENS": TOKENS, "MESHCACHE_CP_REDIS_TIMEOUT_S": "0.5",
            "MESHCACHE_CP_RESYNC_INTERVAL_S": "0.5", **(extra_env or {})}
     proc = _launch(name, argv, env, log_dir, http_port, xds_port)
