@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+from prometheus_client import Counter, Histogram
 
 from engine.batcher import Batcher, Tensors
 from engine.errors import EngineError, InvalidInput, Unavailable
@@ -45,6 +46,9 @@ class InferenceService:
         # One thread per model version: each runs at most one batch at a time.
         self.executor = ThreadPoolExecutor(max_workers=len(models), thread_name_prefix="ort")
         self.batchers = {id(m): Batcher(m, self.executor, metrics) for m in models}
+        # (model label, protocol) -> bound request counter and latency histogram. prometheus_client's
+        # labels() takes a lock and builds a key on every call; binding once saves that per request.
+        self._request_metrics: dict[tuple[str, str], tuple[Counter, Histogram]] = {}
         self.draining = False
         self.in_flight = 0
         self._idle = asyncio.Event()
@@ -77,7 +81,12 @@ class InferenceService:
     async def request(self, model_label: str, protocol: str) -> AsyncIterator[None]:
         """Accounts one request: refused while draining, counted in metrics and in-flight."""
         label = model_label if model_label in self.repository.models else "_unknown"
-        self.metrics.requests.labels(label, protocol).inc()
+        bound = self._request_metrics.get((label, protocol))
+        if bound is None:
+            bound = (self.metrics.requests.labels(label, protocol), self.metrics.latency.labels(label, protocol))
+            self._request_metrics[(label, protocol)] = bound
+        requests, latency = bound
+        requests.inc()
         started = time.perf_counter()
         if self.draining:
             self.metrics.failures.labels(label, protocol, Unavailable.reason).inc()
@@ -96,7 +105,7 @@ class InferenceService:
             self.in_flight -= 1
             if self.in_flight == 0:
                 self._idle.set()
-            self.metrics.latency.labels(label, protocol).observe(time.perf_counter() - started)
+            latency.observe(time.perf_counter() - started)
 
     def validate(self, model: LoadedModel, inputs: Tensors, requested: list[str] | None) -> list[str]:
         """Checks names, datatypes and shapes against the config; returns the outputs to send."""
