@@ -16,7 +16,8 @@ from meshcache.protos import grpc_predict_v2_pb2_grpc as pb_grpc
 
 
 def start_redis(data_dir: Path, port: int | None = None, name: str = "redis") -> tuple[procs.Proc, int]:
-    """A redis-server on 127.0.0.1 with AOF on (acknowledged writes survive a restart)."""
+    """A redis-server on 127.0.0.1 with AOF on, fsynced before each reply, so acknowledged writes
+    survive even a SIGKILL (policy writes are rare; durability matters more than write speed)."""
     binary = shutil.which("redis-server")
     if not binary:
         raise procs.StartError("redis-server not found: install the Debian package (make setup)")
@@ -24,7 +25,7 @@ def start_redis(data_dir: Path, port: int | None = None, name: str = "redis") ->
     data_dir.mkdir(parents=True, exist_ok=True)
     argv = [
         binary, "--bind", "127.0.0.1", "--port", str(port), "--dir", str(data_dir),
-        "--appendonly", "yes", "--appendfsync", "everysec", "--save", "",
+        "--appendonly", "yes", "--appendfsync", "always", "--save", "",
         "--daemonize", "no", "--protected-mode", "yes", "--maxmemory", "256mb",
     ]
     proc = procs.start(name, argv, data_dir)
