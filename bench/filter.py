@@ -197,7 +197,10 @@ def render(rows: list[Row], seconds: int) -> str:
         summary.append([protocol, size, f"{hit / rps:.2f}x", "≥ 1.30x", f"{miss / rps:.2f}x", "≥ 0.85x", vs_nginx])
     return (
         f"Each run: {seconds} s, 16 connections, one load-generator thread; Envoy `--concurrency 1`; nginx 1 worker.\n"
-        "Request body ~300 B JSON (HTTP) or a small ModelInferRequest (gRPC); answers of the size shown.\n\n"
+        "Request body ~300 B JSON (HTTP) or a small ModelInferRequest (gRPC); answers of the size shown. "
+        "On this VM, absolute numbers of two runs of the same build differ by up to ~20%: read the ratios "
+        "within one run. The row 'filter loaded, request ignored' is the floor any Wasm filter costs "
+        "here (Envoy's per-request VM callbacks).\n\n"
         + table(["protocol", "answer", "mode", "req/s", "p50 ms", "p99 ms", "mean ms", "vs no filter", "errors",
                  "filter counters during run"], lines)
         + "\n\nRatios (targets from the filter issue):\n\n"
