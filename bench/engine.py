@@ -28,11 +28,10 @@ import onnxruntime as ort
 
 from bench.report import table, write_section
 from engine.demo_models import DEMO_MODELS, write_demo_models
-from meshcache import procs
+from meshcache import procs, services
 from meshcache.protos import grpc_predict_v2_pb2 as pb
 
 MODEL = "resnet-mini"
-ENGINE_BIN = str(Path(sys.executable).parent / "meshcache-engine")
 INFER = "/inference.GRPCInferenceService/ModelInfer"
 LIVE = "/inference.GRPCInferenceService/ServerLive"
 
@@ -148,25 +147,9 @@ def _run_engine(
     repo: Path, log_dir: Path, name: str, levels: list[int], warmup: float, duration: float
 ) -> tuple[dict[int, Result], Result]:
     """Load results per concurrency level, and bare ServerLive round trips against the same engine."""
-    grpc_port, http_port = procs.free_port(), procs.free_port()
-    argv = [
-        ENGINE_BIN,
-        "--model-repository",
-        str(repo),
-        "--host",
-        "127.0.0.1",
-        "--http-port",
-        str(http_port),
-        "--grpc-port",
-        str(grpc_port),
-        "--metrics-port",
-        "0",
-    ]
-    proc = procs.start(name, argv, log_dir)
-    with procs.supervised([proc]):
-        procs.wait_until(proc, procs.http_ok(f"http://127.0.0.1:{http_port}/v2/health/ready"), timeout=60)
-        procs.wait_until(proc, procs.tcp_open(grpc_port), timeout=10)
-        target = f"127.0.0.1:{grpc_port}"
+    engine = services.start_engine(repo, log_dir, name=name)
+    with procs.supervised([engine.proc]):
+        target = f"127.0.0.1:{engine.grpc_port}"
         by_level = {c: asyncio.run(_load(target, c, warmup, duration)) for c in levels}
         live = asyncio.run(_round_trips(target, LIVE, pb.ServerLiveRequest().SerializeToString(), 3.0))
         return by_level, live
