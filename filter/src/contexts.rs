@@ -3,7 +3,7 @@
 
 use crate::abi::{self, Buffer, LogLevel, Map, MetricKind};
 use crate::cache_control::{response_ttl, NotStored};
-use crate::config::{parse_plugin_config, Config, Limits, PluginConfig, Scope};
+use crate::config::{parse_plugin_config, Config, Limits, PluginConfig};
 use crate::decide::{self, BodyDecision, Cacheable, HeadDecision, RequestHead};
 use crate::grpc;
 use crate::model::ModelSource;
@@ -97,8 +97,7 @@ pub extern "C" fn proxy_on_tick(root: u32) {
     let is_cache = ROOTS.with(|r| matches!(r.borrow().get(&root), Some(Some(p)) if matches!(**p, PluginConfig::Cache(_))));
     if is_cache {
         // Gauges come from the shared accounting record: every worker reports the same value.
-        let limits = Limits { max_entry_bytes: 0, max_total_bytes: 0, max_entries: 1 };
-        record_gauges(&Cache { data: &abi::HostShared, limits: &limits }.meta().0);
+        record_gauges(&Cache::read_only(&abi::HostShared).meta().0);
     }
 }
 
@@ -162,8 +161,6 @@ enum Phase {
     Pass,
     Bypass,
     Buffering { source: ModelSource, refresh: bool, headers: Vec<(String, String)> },
-    /// An HTTP hit was answered with a local reply.
-    Answered,
     /// A gRPC hit routed to the stub (which also writes the hit headers).
     GrpcHit,
     Miss(Cacheable),
@@ -323,13 +320,8 @@ impl Stream {
         let method = decide::header(headers, ":method").unwrap_or("");
         let path = decide::header(headers, ":path").unwrap_or("");
         let head = RequestHead { method, path, headers };
-        // The peer identity costs a host call: fetch it only when some policy scopes by it.
-        let principal = if cfg.policies.iter().any(|p| p.scope == Scope::Principal) {
-            abi::property(&PEER_SAN).and_then(|b| String::from_utf8(b).ok())
-        } else {
-            None
-        };
-        let mut c = match decide::on_body(cfg, &head, source, refresh, body, principal.as_deref()) {
+        let principal = || abi::property(&PEER_SAN).and_then(|b| String::from_utf8(b).ok());
+        let mut c = match decide::on_body(cfg, &head, source, refresh, body, principal) {
             BodyDecision::Bypass => {
                 self.phase = Phase::Bypass;
                 count("meshcache.bypasses", 1);
@@ -383,7 +375,7 @@ impl Stream {
             self.phase = Phase::Done;
             return CONTINUE;
         }
-        self.phase = Phase::Answered;
+        self.phase = Phase::Done;
         PAUSE
     }
 
@@ -563,7 +555,6 @@ impl Stream {
                     .collect();
                 all.extend(ours.iter().filter(|(_, v)| !v.is_empty()));
                 abi::set_headers(Map::ResponseHeaders, &all);
-                self.phase = Phase::Done;
                 CONTINUE
             }
             Err(StoreError::NoSpace) => self.not_stored(refresh, NotStored::StoreFull, headers_open),
@@ -574,11 +565,10 @@ impl Stream {
     /// Stub side: answer a routed gRPC hit with the stored message; the reverse bridge frames it.
     fn stub_answer(&mut self, key_hex: Option<String>) -> u32 {
         self.phase = Phase::Done;
+        let now = abi::now_ms();
+        // The slot comes with the marker, so no configuration is needed to find the entry.
         let entry = key_hex.as_deref().and_then(decide::parse_hit_marker).and_then(|(slot, key)| {
-            // Only lookup_at is used, which needs no limits: the slot comes with the marker.
-            let limits = Limits { max_entry_bytes: 0, max_total_bytes: 0, max_entries: 1 };
-            let cache = Cache { data: &abi::HostShared, limits: &limits };
-            match cache.lookup_at(slot, &key, abi::now_ms(), &mut Outcome::default()) {
+            match Cache::read_only(&abi::HostShared).lookup_at(slot, &key, now, &mut Outcome::default()) {
                 Lookup::Hit(e) => Some(e),
                 Lookup::Miss(_) => None,
             }
@@ -587,7 +577,7 @@ impl Stream {
             Some(e) => {
                 // The hit headers ride on the stub's reply through the bridge to the client, so the
                 // cache filter in front need not touch the response (fewer VM crossings).
-                let extra = decide::hit_headers(&e, abi::now_ms());
+                let extra = decide::hit_headers(&e, now);
                 let mut h: Vec<(&str, &str)> = vec![("content-type", "application/x-protobuf")];
                 h.extend(extra.iter().map(|(n, v)| (n.as_str(), v.as_str())));
                 abi::send_local_response(200, "meshcache_stub_hit", &e.body, &h, -1)

@@ -82,7 +82,8 @@ pub fn on_body(
     source: &ModelSource,
     refresh: bool,
     body: &[u8],
-    principal: Option<&str>,
+    // The peer identity costs a host call: asked for only when the matched policy scopes by it.
+    principal: impl FnOnce() -> Option<String>,
 ) -> BodyDecision {
     let grpc = *source == ModelSource::GrpcBody;
     let model: Option<ModelRef> = match source {
@@ -100,7 +101,7 @@ pub fn on_body(
     };
     let principal = match policy.scope {
         // Without a peer identity there is nothing to scope by: stay out.
-        Scope::Principal => match principal.filter(|p| !p.is_empty()) {
+        Scope::Principal => match principal().filter(|p| !p.is_empty()) {
             Some(p) => Some(p),
             None => return BodyDecision::Bypass,
         },
@@ -122,7 +123,7 @@ pub fn on_body(
         generation: policy.generation,
         color,
         vary: &vary,
-        principal,
+        principal: principal.as_deref(),
         body,
     });
     BodyDecision::Cacheable(Cacheable { key, policy: policy.clone(), grpc, refresh, seen: None, request_ms: 0 })
@@ -258,7 +259,9 @@ mod tests {
         let h = hs(headers);
         let head = RequestHead { method: "POST", path, headers: &h };
         match on_head(&head) {
-            HeadDecision::Buffer { source, refresh } => on_body(cfg, &head, &source, refresh, body, principal),
+            HeadDecision::Buffer { source, refresh } => {
+                on_body(cfg, &head, &source, refresh, body, || principal.map(str::to_string))
+            }
             other => panic!("{:?}", other),
         }
     }
@@ -293,6 +296,23 @@ mod tests {
         assert!(matches!(decide(&cfg, "/v2/models/p/infer", &[("authorization", "Bearer x")], b"{}", Some("spiffe://a")), BodyDecision::Cacheable(_)));
         assert_eq!(decide(&cfg, "/v1/chat/completions", &[], br#"{"messages": []}"#, None), BodyDecision::Bypass);
         assert!(matches!(decide(&cfg, "/v1/chat/completions", &[], br#"{"model": "m1"}"#, None), BodyDecision::Cacheable(_)));
+    }
+
+    #[test]
+    fn peer_identity_is_asked_for_only_by_principal_policies() {
+        let cfg = config(r#"{"policies": [{"model_prefix": "m", "ttl_s": 5}, {"model_prefix": "p", "ttl_s": 5, "scope": "principal"}]}"#);
+        let h = hs(&[]);
+        let asked = std::cell::Cell::new(0);
+        let ask = || {
+            asked.set(asked.get() + 1);
+            Some("spiffe://cluster.local/ns/a/sa/x".to_string())
+        };
+        let shared = RequestHead { method: "POST", path: "/v2/models/m/infer", headers: &h };
+        assert!(matches!(on_body(&cfg, &shared, &ModelSource::Known(crate::model::kserve_rest_model(shared.path).unwrap()), false, b"{}", ask), BodyDecision::Cacheable(_)));
+        assert_eq!(asked.get(), 0);
+        let scoped = RequestHead { method: "POST", path: "/v2/models/p/infer", headers: &h };
+        assert!(matches!(on_body(&cfg, &scoped, &ModelSource::Known(crate::model::kserve_rest_model(scoped.path).unwrap()), false, b"{}", ask), BodyDecision::Cacheable(_)));
+        assert_eq!(asked.get(), 1);
     }
 
     #[test]

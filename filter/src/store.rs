@@ -105,7 +105,16 @@ pub struct Cache<'a, S: SharedData> {
     pub limits: &'a Limits,
 }
 
+/// Limits of a view that only reads the accounting record or a known slot (`meta`,
+/// `lookup_at`): those never consult the limits.
+static READ_ONLY: Limits = Limits { max_entry_bytes: 0, max_total_bytes: 0, max_entries: 1 };
+
 impl<'a, S: SharedData> Cache<'a, S> {
+    /// A view for `meta` and `lookup_at` only (the gRPC stub, the metrics tick).
+    pub fn read_only(data: &'a S) -> Self {
+        Cache { data, limits: &READ_ONLY }
+    }
+
     pub fn meta(&self) -> (Meta, u32) {
         match self.data.get(META_KEY) {
             Some((v, cas)) => (Meta::decode(&v).unwrap_or_default(), cas),
