@@ -43,13 +43,10 @@ def start_stack(tmp: Path) -> tuple[list[procs.Proc], str, int]:
     """redis-server + the control plane; returns (processes, API URL, xDS port)."""
     redis, redis_port = services.start_redis(tmp / "redis")
     http_port, xds_port = procs.free_port(), procs.free_port()
-    cp = procs.start("control-plane", [
-        str(Path(sys.executable).parent / "meshcache-control-plane"), "--redis-url",
-        f"redis://127.0.0.1:{redis_port}/0", "--http-port", str(http_port), "--xds-port", str(xds_port),
-        "--wasm-path", str(FILTER_WASM), "--log-level", "warning",
-    ], tmp, env={"MESHCACHE_CP_TOKENS": f"write:bench:{WRITE_TOKEN}", "MESHCACHE_CP_MAX_XDS_STREAMS": "2000"})
-    procs.wait_until(cp, procs.http_ok(f"http://127.0.0.1:{http_port}/healthz"))
-    procs.wait_until(cp, procs.tcp_open(xds_port))
+    argv = services.control_plane_argv(redis_port, http_port, xds_port, "--wasm-path", str(FILTER_WASM),
+                                       "--log-level", "warning")
+    env = {"MESHCACHE_CP_TOKENS": f"write:bench:{WRITE_TOKEN}", "MESHCACHE_CP_MAX_XDS_STREAMS": "2000"}
+    cp = services.start_control_plane(argv, env, tmp, http_port, xds_port)
     return [redis, cp], f"http://127.0.0.1:{http_port}", xds_port
 
 

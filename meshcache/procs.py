@@ -114,6 +114,25 @@ def wait_until(
     raise StartError(f"{proc.name} not {what} after {timeout:.0f}s:\n{proc.log_tail()}")
 
 
+def start_ready(
+    name: str,
+    argv: Sequence[str],
+    log_dir: Path,
+    checks: Sequence[tuple[Callable[[], bool], float, str]],
+    env: dict[str, str] | None = None,
+) -> Proc:
+    """Start a child and wait for each (check, timeout, what) in turn; a child that never gets
+    ready is stopped before the error propagates, so a failed start leaves nothing behind."""
+    proc = start(name, argv, log_dir, env=env)
+    try:
+        for check, timeout, what in checks:
+            wait_until(proc, check, timeout=timeout, what=what)
+    except BaseException:
+        proc.stop()
+        raise
+    return proc
+
+
 def http_ok(url: str) -> Callable[[], bool]:
     def check() -> bool:
         return httpx.get(url, timeout=1.0).status_code == 200

@@ -1,4 +1,5 @@
-"""Start the real third-party services meshcache runs with: redis-server and Envoy."""
+"""Start the processes meshcache runs with (redis-server, Envoy, the engine, the control plane)
+as supervised children that are ready when these return."""
 
 from __future__ import annotations
 
@@ -28,12 +29,7 @@ def start_redis(data_dir: Path, port: int | None = None, name: str = "redis") ->
         "--appendonly", "yes", "--appendfsync", "always", "--save", "",
         "--daemonize", "no", "--protected-mode", "yes", "--maxmemory", "256mb",
     ]
-    proc = procs.start(name, argv, data_dir)
-    try:
-        procs.wait_until(proc, procs.tcp_open(port), timeout=15, what="accepting connections")
-    except BaseException:
-        proc.stop()  # a timed-out start must not leave the process behind
-        raise
+    proc = procs.start_ready(name, argv, data_dir, [(procs.tcp_open(port), 15, "accepting connections")])
     return proc, port
 
 
@@ -46,18 +42,12 @@ def start_envoy(
         envoy_binary(), "-c", str(config_path), "--disable-hot-restart",
         "--concurrency", str(concurrency), "--log-level", "info", *(extra_args or []),
     ]
-    proc = procs.start(name, argv, log_dir)
 
     def live() -> bool:
         r = httpx.get(f"http://127.0.0.1:{admin_port}/ready", timeout=1.0)
         return r.status_code == 200 and r.text.strip() == "LIVE"
 
-    try:
-        procs.wait_until(proc, live, timeout=30, what="LIVE")
-    except BaseException:
-        proc.stop()
-        raise
-    return proc
+    return procs.start_ready(name, argv, log_dir, [(live, 30, "LIVE")])
 
 
 def envoy_stats(admin_port: int, prefix: str = "") -> dict[str, int]:
@@ -126,13 +116,10 @@ def start_engine(
         str(metrics_port),
         *(extra or []),
     ]
-    proc = procs.start(name, argv, log_dir, env=env)
-    try:
-        procs.wait_until(proc, procs.http_ok(f"http://127.0.0.1:{http_port}/v2/health/ready"), timeout=60)
-        procs.wait_until(proc, procs.tcp_open(grpc_port), timeout=10, what="serving gRPC")
-    except BaseException:
-        proc.stop()
-        raise
+    proc = procs.start_ready(name, argv, log_dir, [
+        (procs.http_ok(f"http://127.0.0.1:{http_port}/v2/health/ready"), 60, "ready"),
+        (procs.tcp_open(grpc_port), 10, "serving gRPC"),
+    ], env=env)
     return Engine(proc, http_port, grpc_port, metrics_port)
 
 
@@ -147,11 +134,7 @@ def control_plane_argv(redis_port: int, http_port: int, xds_port: int, *extra: s
 def start_control_plane(argv: list[str], env: dict[str, str], log_dir: Path, http_port: int, xds_port: int,
                         name: str = "control-plane", ready_path: str = "/healthz") -> procs.Proc:
     """A control plane child process, ready once `ready_path` answers 200 and xDS accepts."""
-    proc = procs.start(name, argv, log_dir, env=env)
-    try:
-        procs.wait_until(proc, procs.http_ok(f"http://127.0.0.1:{http_port}{ready_path}"), timeout=30)
-        procs.wait_until(proc, procs.tcp_open(xds_port), timeout=10, what="serving xDS")
-    except BaseException:
-        proc.stop()
-        raise
-    return proc
+    return procs.start_ready(name, argv, log_dir, [
+        (procs.http_ok(f"http://127.0.0.1:{http_port}{ready_path}"), 30, "ready"),
+        (procs.tcp_open(xds_port), 10, "serving xDS"),
+    ], env=env)
