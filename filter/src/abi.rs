@@ -61,18 +61,6 @@ extern "C" {
     fn proxy_set_tick_period_milliseconds(period: u32) -> u32;
 }
 
-/// The host allocates returned data through this export; we own it afterwards.
-#[no_mangle]
-pub extern "C" fn proxy_on_memory_allocate(size: usize) -> *mut u8 {
-    let mut v: Vec<u8> = Vec::with_capacity(size);
-    let p = v.as_mut_ptr();
-    std::mem::forget(v);
-    p
-}
-
-#[no_mangle]
-pub extern "C" fn proxy_abi_version_0_2_1() {}
-
 /// Takes ownership of a host-returned buffer allocated by `proxy_on_memory_allocate`.
 unsafe fn owned(ptr: *mut u8, len: usize) -> Vec<u8> {
     if ptr.is_null() || len == 0 {

@@ -1,17 +1,13 @@
 //! Per-request decisions in plain Rust: which requests are cacheable, their key, how a hit is
 //! answered and what a miss stores. The proxy-wasm glue only gathers inputs and applies these.
 
-use crate::cache_control::{self, NotStored};
+use crate::cache_control;
 use crate::config::{Config, Policy, Scope};
 use crate::entry::Entry;
 use crate::hashing::{cache_key, response_hash, KeyDigest, KeyInput};
 use crate::model::{self, ModelRef, ModelSource};
+use crate::names::{COLOR_HEADER, MODEL_HEADER};
 
-/// Header that routes a gRPC hit to the internal stub listener; clients may never set it.
-pub const HIT_HEADER: &str = "x-meshcache-hit";
-pub const COLOR_HEADER: &str = "x-traffic-color";
-pub const HASH_HEADER: &str = "x-response-hash";
-pub const CACHE_STATUS: &str = "cache-status";
 /// Request bodies larger than this are not buffered; the request passes through uncached.
 pub const MAX_REQUEST_BYTES: usize = 8 * 1_048_576;
 
@@ -46,7 +42,7 @@ pub fn on_head(head: &RequestHead) -> HeadDecision {
     if head.method != "POST" {
         return HeadDecision::Ignore;
     }
-    let source = match model::source_from_headers(head.path, head.header("content-type"), head.header("x-model-id")) {
+    let source = match model::source_from_headers(head.path, head.header("content-type"), head.header(MODEL_HEADER)) {
         Some(s) => s,
         None => return HeadDecision::Ignore,
     };
@@ -145,47 +141,6 @@ pub fn parse_hit_marker(value: &str) -> Option<(u32, KeyDigest)> {
     Some((slot.parse().ok()?, key))
 }
 
-pub fn cache_status_hit(ttl_left_s: u64) -> String {
-    format!("meshcache; hit; ttl={}", ttl_left_s)
-}
-pub const CACHE_STATUS_STORED: &str = "meshcache; fwd=miss; stored";
-pub const CACHE_STATUS_REFRESHED: &str = "meshcache; fwd=request; stored";
-pub const CACHE_STATUS_BYPASS: &str = "meshcache; fwd=bypass";
-
-pub fn cache_status_not_stored(refresh: bool, why: NotStored) -> String {
-    format!("meshcache; fwd={}; detail={}", if refresh { "request" } else { "miss" }, why.detail())
-}
-
-/// Seconds left and age of a fresh entry.
-pub fn freshness(entry: &Entry, now_ms: u64) -> (u64, u64) {
-    let left = entry.expires_at_ms.saturating_sub(now_ms);
-    ((left + 999) / 1000, now_ms.saturating_sub(entry.stored_at_ms) / 1000)
-}
-
-/// Headers a hit carries besides the stored ones.
-pub fn hit_headers(entry: &Entry, now_ms: u64) -> Vec<(String, String)> {
-    let (ttl, age) = freshness(entry, now_ms);
-    vec![
-        (CACHE_STATUS.to_string(), cache_status_hit(ttl)),
-        ("age".to_string(), age.to_string()),
-        (HASH_HEADER.to_string(), entry.response_hash.clone()),
-    ]
-}
-
-/// Does the request's If-None-Match name this entry (its ETag or its response hash)?
-pub fn not_modified(if_none_match: Option<&str>, entry: &Entry) -> bool {
-    let inm = match if_none_match {
-        Some(v) => v,
-        None => return false,
-    };
-    let etag = header(&entry.headers, "etag").map(strip_etag);
-    inm.split(',').map(str::trim).any(|t| t == "*" || strip_etag(t) == entry.response_hash || Some(strip_etag(t)) == etag)
-}
-
-fn strip_etag(t: &str) -> &str {
-    t.trim().trim_start_matches("W/").trim_matches('"')
-}
-
 /// Response headers that belong to one transmission, not to the cached answer.
 fn is_per_response(name: &str) -> bool {
     name.starts_with(':')
@@ -242,6 +197,7 @@ pub fn build_entry(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::answer::not_modified;
     use crate::config::{parse_plugin_config, PluginConfig};
 
     fn config(json: &str) -> Config {
@@ -357,10 +313,7 @@ mod tests {
         assert_eq!(names, vec!["content-type", "x-custom", "etag"]);
         assert_eq!(s.added_etag, Some(format!("\"{}\"", s.entry.response_hash)));
         assert!(not_modified(Some(&format!("\"{}\"", s.entry.response_hash)), &s.entry));
-        assert!(not_modified(Some("\"zzz\", *"), &s.entry));
-        assert!(!not_modified(Some("\"zzz\""), &s.entry));
-        assert!(!not_modified(None, &s.entry));
-        assert_eq!(freshness(&s.entry, 12_500), (3, 2));
+        assert_eq!(crate::answer::freshness(&s.entry, 12_500), (3, 2));
         let with_etag = hs(&[("etag", "\"v1\"")]);
         let s2 = build_entry(&c, &with_etag, 200, b"{}".to_vec(), 5);
         assert_eq!(s2.added_etag, None);

@@ -1,9 +1,11 @@
 //! meshcache: a proxy-wasm response cache for ML inference traffic.
 //!
 //! Plain-Rust logic (tested on the host with `cargo test`): `config`, `model`, `hashing`,
-//! `cache_control`, `entry`, `store`, `decide`, `grpc`, `headermap`. The proxy-wasm ABI glue
-//! (`abi`, `contexts`) is compiled for wasm32 only.
+//! `cache_control`, `entry`, `store`, `decide`, `answer`, `names`, `grpc`, `headermap`.
+//! The proxy-wasm glue is compiled for wasm32 only: `abi` (host imports), `exports` (the
+//! exported callbacks), `root` (root context), `stream` (stream context), `metrics`.
 
+pub mod answer;
 pub mod cache_control;
 pub mod config;
 pub mod decide;
@@ -12,9 +14,16 @@ pub mod grpc;
 pub mod hashing;
 pub mod headermap;
 pub mod model;
+pub mod names;
 pub mod store;
 
 #[cfg(target_arch = "wasm32")]
 mod abi;
 #[cfg(target_arch = "wasm32")]
-mod contexts;
+mod exports;
+#[cfg(target_arch = "wasm32")]
+mod metrics;
+#[cfg(target_arch = "wasm32")]
+mod root;
+#[cfg(target_arch = "wasm32")]
+mod stream;

@@ -1,0 +1,136 @@
+//! How a hit is answered: status, headers and body built from a stored entry and the request.
+//! Plain Rust so `cargo test` checks it; the stream context only sends what this returns.
+//!
+//! `hit_message` is the one place the answer's body is derived from the entry: a request-specific
+//! rewrite of the stored answer (such as echoing the caller's request id) belongs there.
+
+use crate::entry::Entry;
+use crate::names::{cache_status_hit, CACHE_STATUS, HASH_HEADER};
+use std::borrow::Cow;
+
+/// What the filter knows about the request it answers from the cache.
+pub struct HitRequest<'a> {
+    /// Request headers, lowercase names.
+    pub headers: &'a [(String, String)],
+    /// The whole request body (for gRPC the framed ModelInferRequest).
+    pub body: &'a [u8],
+}
+
+impl<'a> HitRequest<'a> {
+    fn header(&self, name: &str) -> Option<&'a str> {
+        crate::decide::header(self.headers, name)
+    }
+}
+
+#[derive(Debug, PartialEq)]
+pub struct HitAnswer {
+    pub status: u16,
+    pub headers: Vec<(String, String)>,
+    /// HTTP: the body. gRPC: the message, unframed (the caller frames it).
+    pub body: Vec<u8>,
+}
+
+/// Seconds left and age of a fresh entry.
+pub fn freshness(entry: &Entry, now_ms: u64) -> (u64, u64) {
+    let left = entry.expires_at_ms.saturating_sub(now_ms);
+    ((left + 999) / 1000, now_ms.saturating_sub(entry.stored_at_ms) / 1000)
+}
+
+/// Headers a hit carries besides the stored ones.
+pub fn hit_headers(entry: &Entry, now_ms: u64) -> Vec<(String, String)> {
+    let (ttl, age) = freshness(entry, now_ms);
+    vec![
+        (CACHE_STATUS.to_string(), cache_status_hit(ttl)),
+        ("age".to_string(), age.to_string()),
+        (HASH_HEADER.to_string(), entry.response_hash.clone()),
+    ]
+}
+
+/// The body (HTTP) or message (gRPC, unframed) a hit sends for this request.
+pub fn hit_message<'e>(entry: &'e Entry, _request: &HitRequest) -> Cow<'e, [u8]> {
+    Cow::Borrowed(&entry.body)
+}
+
+/// Does the request's If-None-Match name this entry (its ETag or its response hash)?
+pub fn not_modified(if_none_match: Option<&str>, entry: &Entry) -> bool {
+    let inm = match if_none_match {
+        Some(v) => v,
+        None => return false,
+    };
+    let etag = crate::decide::header(&entry.headers, "etag").map(strip_etag);
+    inm.split(',').map(str::trim).any(|t| t == "*" || strip_etag(t) == entry.response_hash || Some(strip_etag(t)) == etag)
+}
+
+fn strip_etag(t: &str) -> &str {
+    t.trim().trim_start_matches("W/").trim_matches('"')
+}
+
+/// An HTTP hit: the stored answer with the hit headers, or 304 when If-None-Match names it.
+pub fn http_hit(entry: &Entry, request: &HitRequest, now_ms: u64) -> HitAnswer {
+    let mut headers = hit_headers(entry, now_ms);
+    if not_modified(request.header("if-none-match"), entry) {
+        if let Some(etag) = crate::decide::header(&entry.headers, "etag") {
+            headers.push(("etag".to_string(), etag.to_string()));
+        }
+        return HitAnswer { status: 304, headers, body: Vec::new() };
+    }
+    let mut all = entry.headers.clone();
+    all.append(&mut headers);
+    HitAnswer { status: entry.status, headers: all, body: hit_message(entry, request).into_owned() }
+}
+
+/// A gRPC hit: the stored response headers and the hit headers, the message unframed.
+pub fn grpc_hit(entry: &Entry, request: &HitRequest, now_ms: u64) -> HitAnswer {
+    let mut all = entry.headers.clone();
+    all.extend(hit_headers(entry, now_ms));
+    HitAnswer { status: 200, headers: all, body: hit_message(entry, request).into_owned() }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::entry::sample;
+
+    fn request<'a>(headers: &'a [(String, String)]) -> HitRequest<'a> {
+        HitRequest { headers, body: b"" }
+    }
+
+    #[test]
+    fn http_hits_and_304() {
+        let mut e = sample(1, b"{}", 15_000);
+        e.stored_at_ms = 10_000;
+        e.headers.push(("etag".into(), "\"v1\"".into()));
+        let none: Vec<(String, String)> = vec![];
+        let a = http_hit(&e, &request(&none), 12_500);
+        assert_eq!(a.status, 200);
+        assert_eq!(a.body, b"{}");
+        assert!(a.headers.contains(&("cache-status".into(), "meshcache; hit; ttl=3".into())));
+        assert!(a.headers.contains(&("age".into(), "2".into())));
+        assert!(a.headers.contains(&("content-type".into(), "application/json".into())));
+        let inm = vec![("if-none-match".to_string(), "W/\"v1\"".to_string())];
+        let nm = http_hit(&e, &request(&inm), 12_500);
+        assert_eq!(nm.status, 304);
+        assert!(nm.body.is_empty());
+        assert!(nm.headers.contains(&("etag".into(), "\"v1\"".into())));
+        assert!(!nm.headers.iter().any(|(n, _)| n == "content-type"));
+    }
+
+    #[test]
+    fn conditional_matching() {
+        let e = sample(1, b"{}", 5);
+        assert!(not_modified(Some(&format!("\"{}\"", e.response_hash)), &e));
+        assert!(not_modified(Some("\"zzz\", *"), &e));
+        assert!(!not_modified(Some("\"zzz\""), &e));
+        assert!(!not_modified(None, &e));
+    }
+
+    #[test]
+    fn grpc_hit_carries_the_message_and_hit_headers() {
+        let mut e = sample(2, b"\x0a\x01m", 9_000);
+        e.grpc = true;
+        let none: Vec<(String, String)> = vec![];
+        let a = grpc_hit(&e, &request(&none), 1_000);
+        assert_eq!(a.body, b"\x0a\x01m");
+        assert!(a.headers.iter().any(|(n, v)| n == "x-response-hash" && v == &e.response_hash));
+    }
+}

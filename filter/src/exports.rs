@@ -1,0 +1,84 @@
+//! The proxy-wasm ABI 0.2.1 callbacks the module exports: thin dispatch to the root and stream
+//! contexts. `proxy_on_done` and `proxy_on_log` are deliberately not exported: the host skips
+//! callbacks a module does not export, which saves two VM crossings per request.
+
+use crate::abi::{self, Buffer};
+use crate::{root, stream};
+
+/// The host allocates returned data through this export; we own it afterwards.
+#[no_mangle]
+pub extern "C" fn proxy_on_memory_allocate(size: usize) -> *mut u8 {
+    let mut v: Vec<u8> = Vec::with_capacity(size);
+    let p = v.as_mut_ptr();
+    std::mem::forget(v);
+    p
+}
+
+#[no_mangle]
+pub extern "C" fn proxy_abi_version_0_2_1() {}
+
+#[no_mangle]
+pub extern "C" fn proxy_on_vm_start(_root: u32, _size: usize) -> u32 {
+    1
+}
+
+#[no_mangle]
+pub extern "C" fn proxy_on_context_create(id: u32, parent: u32) {
+    if parent == 0 {
+        root::create(id);
+    } else {
+        stream::create(id, root::config_of(parent));
+    }
+}
+
+#[no_mangle]
+pub extern "C" fn proxy_on_configure(root_id: u32, size: usize) -> u32 {
+    root::on_configure(root_id, size) as u32
+}
+
+#[no_mangle]
+pub extern "C" fn proxy_on_tick(root_id: u32) {
+    root::on_tick(root_id);
+}
+
+#[no_mangle]
+pub extern "C" fn proxy_on_delete(id: u32) {
+    if root::is_root(id) {
+        root::delete(id);
+    } else {
+        stream::delete(id);
+    }
+}
+
+#[no_mangle]
+pub extern "C" fn proxy_on_request_headers(id: u32, _n: usize, eos: u32) -> u32 {
+    stream::with(id, |s| s.on_request_headers(eos != 0))
+}
+
+#[no_mangle]
+pub extern "C" fn proxy_on_request_body(id: u32, size: usize, eos: u32) -> u32 {
+    stream::with(id, |s| s.on_request_body(size, eos != 0))
+}
+
+#[no_mangle]
+pub extern "C" fn proxy_on_request_trailers(id: u32, _n: usize) -> u32 {
+    // Trailers end the request: decide on whatever body was buffered.
+    let size = abi::buffer_size(Buffer::RequestBody).unwrap_or(0);
+    stream::with(id, |s| s.on_request_body(size, true))
+}
+
+#[no_mangle]
+pub extern "C" fn proxy_on_response_headers(id: u32, _n: usize, eos: u32) -> u32 {
+    stream::with(id, |s| s.on_response_headers(eos != 0))
+}
+
+#[no_mangle]
+pub extern "C" fn proxy_on_response_body(id: u32, size: usize, eos: u32) -> u32 {
+    stream::with(id, |s| s.on_response_body(size, eos != 0))
+}
+
+#[no_mangle]
+pub extern "C" fn proxy_on_response_trailers(id: u32, _n: usize) -> u32 {
+    stream::with(id, |s| s.on_response_trailers())
+}
+

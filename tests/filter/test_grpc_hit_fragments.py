@@ -1,0 +1,42 @@
+"""The single-pass gRPC-hit Envoy fragments (shared with the Istio renderer) validate in Envoy."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import yaml
+
+from meshcache import envoy_config as ec
+from meshcache.paths import FILTER_WASM, envoy_binary
+
+
+def _bootstrap_with_fragments(wasm: Path) -> dict:
+    proxy = ec.CacheProxy(listen_port=10000, admin_port=10001, http_upstream_port=10002,
+                          grpc_upstream_port=10003, wasm_path=wasm)
+    bootstrap = ec.render(proxy)
+    hcm = bootstrap["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    filters = hcm["http_filters"]
+    wasm_at = next(i for i, f in enumerate(filters) if f["name"] == "meshcache")
+    if not any(f["name"] == ec.GRPC_HIT_LUA_FILTER for f in filters):
+        filters.insert(wasm_at + 1, ec.grpc_hit_lua_filter())
+    routes = hcm["route_config"]["virtual_hosts"][0]["routes"]
+    if not any(r["name"] == ec.GRPC_HIT_ROUTE for r in routes):
+        routes[:0] = ec.grpc_hit_routes()
+    return bootstrap
+
+
+def test_fragments_validate_in_envoy(tmp_path: Path) -> None:
+    path = tmp_path / "envoy.yaml"
+    path.write_text(yaml.safe_dump(_bootstrap_with_fragments(FILTER_WASM), sort_keys=False))
+    result = subprocess.run([envoy_binary(), "--mode", "validate", "-c", str(path), "--log-level", "error"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_fragment_shapes() -> None:
+    assert ec.grpc_hit_lua_filter() == {"name": "meshcache.grpc_hit_body", "typed_config": {"@type": ec.LUA_TYPE}}
+    (route,) = ec.grpc_hit_routes()
+    assert route["match"]["grpc"] == {}
+    assert route["match"]["filter_state"] == [{"key": "wasm.meshcache_local", "string_match": {"exact": "1"}}]
+    assert route["typed_per_filter_config"]["meshcache.grpc_hit_body"] == ec.grpc_hit_lua_per_route()
