@@ -1,15 +1,13 @@
 """Envoy bootstraps with the meshcache filter, rendered from one definition.
 
-The cache proxy's shape (see docs in envoy/README.md):
-- listener `ingress`: meshcache wasm -> grpc_http1_reverse_bridge (enabled on the hit route only)
-  -> router. gRPC requests go to the gRPC upstream, everything else to the HTTP upstream.
-  The filter removes any client copy of the internal hit header (which also makes Envoy
-  recompute the route). Should the VM be down, a forged header reaches the stub listener whose
-  VM is down as well, and its route answers 503: cached data is never exposed.
-- gRPC hits: the filter marks the request with `x-meshcache-hit`; the route for that header
-  sends it to cluster `cache_stub`, an internal listener running the same module (same vm_id,
-  so it sees the shared cache) which answers with the stored message; the bridge frames it and
-  adds `grpc-status: 0`. A local reply cannot carry a gRPC body (Envoy makes it trailers-only).
+The cache proxy's shape (see docs/filter.md):
+- listener `ingress`: meshcache wasm -> Lua `meshcache.grpc_hit_body` (acts on the gRPC hit
+  route only) -> router. gRPC requests go to the gRPC upstream, everything else to the HTTP
+  upstream.
+- gRPC hits are answered in one pass: the filter marks the request with filter state
+  `wasm.meshcache_local` (clients cannot set it) and sends a local reply; that reply selects
+  the `meshcache_grpc_hit` route, whose Lua step gives it a body the filter fills with the
+  framed message and a `grpc-status: 0` trailer (fragments: `grpc_hit_*` below).
 - With `ecds_port`, the cache filter comes from the control plane over ECDS, with the static
   plugin config as `default_config` so traffic flows before the control plane is reachable.
 - `color_routes`: requests whose `x-traffic-color` equals a key go to that colour's upstream
@@ -31,12 +29,14 @@ from typing import Any
 import yaml
 
 from meshcache.pki import Identity
-from meshcache.wasm_filter import FILTER_NAME, STUB_ROLE_CONFIG, WASM_TYPE_URL, wasm_filter_config
+from meshcache.wasm_filter import FILTER_NAME, WASM_TYPE_URL, wasm_filter_config
 
 _ENVOY = "type.googleapis.com/envoy."
+BUFFER_LIMIT_BYTES = 16 * 1024 * 1024  # above the filter's max entry/request sizes it buffers
+# Legacy names of the internal-listener stub, used only by the Istio manifests until issue 11
+# moves them to the single-pass fragments below; nothing here renders them any more.
 HIT_HEADER = "x-meshcache-hit"
 STUB_LISTENER = "cache_stub_listener"
-BUFFER_LIMIT_BYTES = 16 * 1024 * 1024  # above the filter's max entry/request sizes it buffers
 BRIDGE = "envoy.filters.http.grpc_http1_reverse_bridge"
 BRIDGE_PER_ROUTE = "type.googleapis.com/envoy.extensions.filters.http.grpc_http1_reverse_bridge.v3.FilterConfigPerRoute"
 
@@ -117,18 +117,21 @@ class CacheProxy:
     allowed_peers: list[str] = field(default_factory=list)
     # x-traffic-color value -> the upstream that colour is routed to (default upstream otherwise).
     color_routes: dict[str, Upstream] = field(default_factory=dict)
+    # Per-connection buffer limit of the listener and upstreams; None = Envoy's default (1 MiB),
+    # what an Istio sidecar runs with. The filter works under either.
+    buffer_limit_bytes: int | None = BUFFER_LIMIT_BYTES
 
 
 def _socket(address: str, port: int) -> dict[str, Any]:
     return {"socket_address": {"address": address, "port_value": port}}
 
 
-def _cluster(name: str, port: int, http2: bool) -> dict[str, Any]:
+def _cluster(name: str, port: int, http2: bool, buffer_limit: int | None = BUFFER_LIMIT_BYTES) -> dict[str, Any]:
     c: dict[str, Any] = {
         "name": name,
         "type": "STATIC",
         "connect_timeout": "1s",
-        "per_connection_buffer_limit_bytes": BUFFER_LIMIT_BYTES,
+        **_buffer_limit(buffer_limit),
         "load_assignment": {
             "cluster_name": name,
             "endpoints": [{"lb_endpoints": [{"endpoint": {"address": _socket("127.0.0.1", port)}}]}],
@@ -137,6 +140,11 @@ def _cluster(name: str, port: int, http2: bool) -> dict[str, Any]:
     if http2:
         c["typed_extension_protocol_options"] = _http2_options()
     return c
+
+
+def _buffer_limit(limit: int | None) -> dict[str, Any]:
+    """None keeps Envoy's default (1 MiB), as an Istio sidecar has."""
+    return {} if limit is None else {"per_connection_buffer_limit_bytes": limit}
 
 
 def _http2_options() -> dict[str, Any]:
@@ -225,20 +233,8 @@ def _color_suffix(color: str) -> str:
     return color.lower().replace("-", "_")
 
 
-def _bridge_route(disabled: bool) -> dict[str, Any]:
-    return {BRIDGE: {"@type": BRIDGE_PER_ROUTE, "disabled": disabled}}
-
-
 def _routes(p: CacheProxy) -> list[dict[str, Any]]:
-    routes: list[dict[str, Any]] = []
-    if p.with_filter:
-        routes.append({
-            "name": "meshcache_grpc_hit",
-            "match": {"prefix": "/", "headers": [{"name": HIT_HEADER, "present_match": True}]},
-            "route": {"cluster": "cache_stub", "timeout": "5s"},
-            "typed_per_filter_config": _bridge_route(False),
-        })
-    bridge_off = {"typed_per_filter_config": _bridge_route(True)} if p.with_filter else {}
+    routes: list[dict[str, Any]] = grpc_hit_routes() if p.with_filter else []
     for color, upstream in p.color_routes.items():
         header = {"name": COLOR_HEADER, "string_match": {"exact": color}}
         if upstream.grpc_port is not None:
@@ -246,26 +242,22 @@ def _routes(p: CacheProxy) -> list[dict[str, Any]]:
                 "name": f"grpc_{_color_suffix(color)}",
                 "match": {"prefix": "/", "grpc": {}, "headers": [header]},
                 "route": {"cluster": f"grpc_upstream_{_color_suffix(color)}", "timeout": "60s"},
-                **bridge_off,
             })
         routes.append({
             "name": f"http_{_color_suffix(color)}",
             "match": {"prefix": "/", "headers": [header]},
             "route": {"cluster": f"http_upstream_{_color_suffix(color)}", "timeout": "60s"},
-            **bridge_off,
         })
     if p.grpc_upstream_port is not None:
         routes.append({
             "name": "grpc",
             "match": {"prefix": "/", "grpc": {}},
             "route": {"cluster": "grpc_upstream", "timeout": "60s"},
-            **({"typed_per_filter_config": _bridge_route(True)} if p.with_filter else {}),
         })
     routes.append({
         "name": "http",
         "match": {"prefix": "/"},
         "route": {"cluster": "http_upstream", "timeout": "60s"},
-        **({"typed_per_filter_config": _bridge_route(True)} if p.with_filter else {}),
     })
     return routes
 
@@ -293,33 +285,26 @@ def render(p: CacheProxy) -> dict[str, Any]:
     """The bootstrap as a dict (dump with yaml.safe_dump)."""
     filters: list[dict[str, Any]] = []
     if p.with_filter:
-        filters = [
-            _wasm_http_filter(p),
-            {
-                "name": BRIDGE,
-                "typed_config": {
-                    "@type": _ENVOY + "extensions.filters.http.grpc_http1_reverse_bridge.v3.FilterConfig",
-                    "content_type": "application/x-protobuf",
-                    "withhold_grpc_frames": True,
-                },
-            },
-        ]
+        filters = [_wasm_http_filter(p), grpc_hit_lua_filter()]
     chain: dict[str, Any] = {"filters": [_hcm("ingress", _routes(p), filters)]}
     if p.downstream_tls is not None:
         chain["transport_socket"] = downstream_mtls(p.downstream_tls, p.allowed_peers)
     listeners: list[dict[str, Any]] = [{
         "name": "ingress",
         "address": _socket(p.address, p.listen_port),
-        "per_connection_buffer_limit_bytes": BUFFER_LIMIT_BYTES,
+        **_buffer_limit(p.buffer_limit_bytes),
         "filter_chains": [chain],
     }]
-    clusters = [_cluster("http_upstream", p.http_upstream_port, http2=False)]
+    limit = p.buffer_limit_bytes
+    clusters = [_cluster("http_upstream", p.http_upstream_port, http2=False, buffer_limit=limit)]
     if p.grpc_upstream_port is not None:
-        clusters.append(_cluster("grpc_upstream", p.grpc_upstream_port, http2=True))
+        clusters.append(_cluster("grpc_upstream", p.grpc_upstream_port, http2=True, buffer_limit=limit))
     for color, upstream in p.color_routes.items():
-        clusters.append(_cluster(f"http_upstream_{_color_suffix(color)}", upstream.http_port, http2=False))
+        clusters.append(_cluster(f"http_upstream_{_color_suffix(color)}", upstream.http_port, http2=False,
+                                 buffer_limit=limit))
         if upstream.grpc_port is not None:
-            clusters.append(_cluster(f"grpc_upstream_{_color_suffix(color)}", upstream.grpc_port, http2=True))
+            clusters.append(_cluster(f"grpc_upstream_{_color_suffix(color)}", upstream.grpc_port, http2=True,
+                                     buffer_limit=limit))
     if p.ecds_port is not None:
         clusters.append(_cluster("xds_cluster", p.ecds_port, http2=True))
     bootstrap: dict[str, Any] = {
@@ -327,33 +312,6 @@ def render(p: CacheProxy) -> dict[str, Any]:
         "admin": {"address": _socket("127.0.0.1", p.admin_port)},
         "static_resources": {"listeners": listeners, "clusters": clusters},
     }
-    if p.with_filter:
-        stub_wasm = {
-            "name": "meshcache_stub",
-            "typed_config": {"@type": WASM_TYPE_URL, **wasm_filter_config(p.wasm_path, STUB_ROLE_CONFIG)},
-        }
-        stub_route = {"match": {"prefix": "/"}, "direct_response": {"status": 503}}
-        listeners.append({
-            "name": STUB_LISTENER,
-            "internal_listener": {},
-            "filter_chains": [{"filters": [_hcm("meshcache_stub", [stub_route], [stub_wasm])]}],
-        })
-        clusters.append({
-            "name": "cache_stub",
-            "connect_timeout": "1s",
-            # HTTP/2: the stub answers at request headers; over h2 that ends one stream, not the
-            # (internal) connection.
-            "typed_extension_protocol_options": _http2_options(),
-            "load_assignment": {
-                "cluster_name": "cache_stub",
-                "endpoints": [{"lb_endpoints": [{"endpoint": {"address": {
-                    "envoy_internal_address": {"server_listener_name": STUB_LISTENER}}}}]}],
-            },
-        })
-        bootstrap["bootstrap_extensions"] = [{
-            "name": "envoy.bootstrap.internal_listener",
-            "typed_config": {"@type": _ENVOY + "extensions.bootstrap.internal_listener.v3.InternalListener"},
-        }]
     return bootstrap
 
 

@@ -59,6 +59,12 @@ extern "C" {
     fn proxy_increment_metric(id: u32, delta: i64) -> u32;
     fn proxy_record_metric(id: u32, value: u64) -> u32;
     fn proxy_set_tick_period_milliseconds(period: u32) -> u32;
+    fn proxy_set_buffer_bytes(kind: u32, start: usize, len: usize, data: *const u8, data_len: usize) -> u32;
+    fn proxy_add_header_map_value(map: u32, k: *const u8, kl: usize, v: *const u8, vl: usize) -> u32;
+    fn proxy_set_property(path: *const u8, path_len: usize, value: *const u8, value_len: usize) -> u32;
+    fn proxy_call_foreign_function(
+        name: *const u8, name_len: usize, arg: *const u8, arg_len: usize, out_ptr: *mut *mut u8, out_len: *mut usize,
+    ) -> u32;
 }
 
 /// Takes ownership of a host-returned buffer allocated by `proxy_on_memory_allocate`.
@@ -139,6 +145,31 @@ pub fn set_headers(map: Map, pairs: &[(&str, &str)]) -> bool {
     unsafe { proxy_set_header_map_pairs(map as u32, b.as_ptr(), b.len()) == STATUS_OK }
 }
 
+pub fn add_header(map: Map, name: &str, value: &str) -> bool {
+    unsafe { proxy_add_header_map_value(map as u32, name.as_ptr(), name.len(), value.as_ptr(), value.len()) == STATUS_OK }
+}
+
+/// Replaces `len` bytes at `start` of a body buffer with `data` (0, size: the whole buffer).
+pub fn set_buffer(kind: Buffer, start: usize, len: usize, data: &[u8]) -> bool {
+    unsafe { proxy_set_buffer_bytes(kind as u32, start, len, data.as_ptr(), data.len()) == STATUS_OK }
+}
+
+/// Sets a property of this stream; Envoy keeps it as filter state `wasm.<name>`, which route
+/// matching can read and which a client cannot set.
+pub fn set_property(name: &str, value: &[u8]) -> bool {
+    unsafe { proxy_set_property(name.as_ptr(), name.len(), value.as_ptr(), value.len()) == STATUS_OK }
+}
+
+/// Calls one of Envoy's foreign functions (e.g. `clear_route_cache`); its result is dropped.
+pub fn call_foreign(name: &str, arg: &[u8]) -> bool {
+    let mut p: *mut u8 = std::ptr::null_mut();
+    let mut l: usize = 0;
+    let rc = unsafe { proxy_call_foreign_function(name.as_ptr(), name.len(), arg.as_ptr(), arg.len(), &mut p, &mut l) };
+    drop(unsafe { owned(p, l) });
+    rc == STATUS_OK
+}
+
+#[allow(dead_code)]
 pub fn remove_header(map: Map, name: &str) {
     unsafe {
         proxy_remove_header_map_value(map as u32, name.as_ptr(), name.len());

@@ -82,6 +82,9 @@ pub fn http_hit(entry: &Entry, request: &HitRequest, now_ms: u64) -> HitAnswer {
 /// A gRPC hit: the stored response headers and the hit headers, the message unframed.
 pub fn grpc_hit(entry: &Entry, request: &HitRequest, now_ms: u64) -> HitAnswer {
     let mut all = entry.headers.clone();
+    if crate::decide::header(&all, "content-type").is_none() {
+        all.insert(0, ("content-type".to_string(), "application/grpc".to_string()));
+    }
     all.extend(hit_headers(entry, now_ms));
     HitAnswer { status: 200, headers: all, body: hit_message(entry, request).into_owned() }
 }

@@ -42,6 +42,10 @@ pub fn on_head(head: &RequestHead) -> HeadDecision {
     if head.method != "POST" {
         return HeadDecision::Ignore;
     }
+    if model::is_grpc_web(head.header("content-type")) && model::is_model_infer(head.path) {
+        // grpc-web hits would need their own framing and trailers-in-body: not cached (yet).
+        return HeadDecision::Bypass;
+    }
     let source = match model::source_from_headers(head.path, head.header("content-type"), head.header(MODEL_HEADER)) {
         Some(s) => s,
         None => return HeadDecision::Ignore,
@@ -123,22 +127,6 @@ pub fn on_body(
         body,
     });
     BodyDecision::Cacheable(Cacheable { key, policy: policy.clone(), grpc, refresh, seen: None, request_ms: 0 })
-}
-
-/// The hit marker's value: the slot the entry is in and its key, so the stub needs no config.
-pub fn hit_marker(slot: u32, key: &KeyDigest) -> String {
-    format!("{}:{}", slot, crate::hashing::hex(key))
-}
-
-pub fn parse_hit_marker(value: &str) -> Option<(u32, KeyDigest)> {
-    let (slot, key_hex) = value.split_once(':')?;
-    let bytes = crate::hashing::unhex(key_hex)?;
-    if bytes.len() != 32 {
-        return None;
-    }
-    let mut key = [0u8; 32];
-    key.copy_from_slice(&bytes);
-    Some((slot.parse().ok()?, key))
 }
 
 /// Response headers that belong to one transmission, not to the cached answer.
@@ -241,6 +229,14 @@ mod tests {
             on_head(&RequestHead { method: "POST", path: "/v2/models/m/infer", headers: &nc }),
             HeadDecision::Buffer { refresh: true, .. }
         ));
+        let web = hs(&[("content-type", "application/grpc-web+proto")]);
+        let infer = crate::model::GRPC_MODEL_INFER_PATH;
+        assert_eq!(on_head(&RequestHead { method: "POST", path: infer, headers: &web }), HeadDecision::Bypass);
+        let grpc = hs(&[("content-type", "application/grpc")]);
+        assert_eq!(
+            on_head(&RequestHead { method: "POST", path: infer, headers: &grpc }),
+            HeadDecision::Buffer { source: ModelSource::GrpcBody, refresh: false }
+        );
     }
 
     #[test]
@@ -287,15 +283,6 @@ mod tests {
         assert_ne!(a, b);
         let purged = config(r#"{"color": "green", "policies": [{"model_prefix": "m", "ttl_s": 5, "generation": 1, "vary_headers": ["x-tenant"]}]}"#);
         assert_ne!(base, key(decide(&purged, "/v2/models/m/infer", &[], b"{}", None)), "purge = new generation = new keys");
-    }
-
-    #[test]
-    fn hit_marker_roundtrip() {
-        let key = [7u8; 32];
-        assert_eq!(parse_hit_marker(&hit_marker(42, &key)), Some((42, key)));
-        assert_eq!(parse_hit_marker("42"), None);
-        assert_eq!(parse_hit_marker("x:00"), None);
-        assert_eq!(parse_hit_marker(&format!("1:{}", "ab".repeat(31))), None);
     }
 
     #[test]

@@ -69,11 +69,17 @@ pub extern "C" fn proxy_on_request_trailers(id: u32, _n: usize) -> u32 {
 
 #[no_mangle]
 pub extern "C" fn proxy_on_response_headers(id: u32, _n: usize, eos: u32) -> u32 {
+    if let Some(action) = stream::grpc_reply_headers(id, eos != 0) {
+        return action;
+    }
     stream::with(id, |s| s.on_response_headers(eos != 0))
 }
 
 #[no_mangle]
 pub extern "C" fn proxy_on_response_body(id: u32, size: usize, eos: u32) -> u32 {
+    if let Some(action) = stream::grpc_reply_body(id, size, eos != 0) {
+        return action;
+    }
     stream::with(id, |s| s.on_response_body(size, eos != 0))
 }
 

@@ -14,7 +14,6 @@ pub const BYPASSES: &str = "meshcache.bypasses";
 pub const STORES: &str = "meshcache.stores";
 pub const EVICTIONS: &str = "meshcache.evictions";
 pub const ERRORS: &str = "meshcache.errors";
-pub const STUB_MISSES: &str = "meshcache.stub_misses";
 
 thread_local! {
     static IDS: RefCell<HashMap<String, u32>> = RefCell::new(HashMap::new());

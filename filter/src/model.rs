@@ -22,8 +22,19 @@ fn strip_query(path: &str) -> &str {
     path.split('?').next().unwrap_or(path)
 }
 
+/// `application/grpc`, `application/grpc+proto`, ... but not grpc-web (a different protocol).
 pub fn is_grpc(content_type: Option<&str>) -> bool {
-    content_type.map_or(false, |ct| ct.starts_with("application/grpc"))
+    content_type.map_or(false, |ct| {
+        ct.strip_prefix("application/grpc").map_or(false, |rest| rest.is_empty() || rest.starts_with('+') || rest.starts_with(';'))
+    })
+}
+
+pub fn is_grpc_web(content_type: Option<&str>) -> bool {
+    content_type.map_or(false, |ct| ct.starts_with("application/grpc-web"))
+}
+
+pub fn is_model_infer(path: &str) -> bool {
+    strip_query(path) == GRPC_MODEL_INFER_PATH
 }
 
 /// Classifies a POST from its headers; None means "not an inference request we know".
@@ -108,6 +119,9 @@ mod tests {
         assert_eq!(source_from_headers(GRPC_MODEL_INFER_PATH, Some("application/grpc"), None), Some(ModelSource::GrpcBody));
         assert_eq!(source_from_headers("/inference.GRPCInferenceService/ServerLive", Some("application/grpc"), None), None);
         assert_eq!(source_from_headers("/upload", None, None), None);
+        assert!(is_grpc(Some("application/grpc+proto")) && is_grpc(Some("application/grpc")));
+        assert!(!is_grpc(Some("application/grpc-web")) && !is_grpc(Some("application/grpcx")));
+        assert!(is_grpc_web(Some("application/grpc-web-text")));
     }
 
     #[test]

@@ -7,8 +7,6 @@ pub const COLOR_HEADER: &str = "x-traffic-color";
 pub const MODEL_HEADER: &str = "x-model-id";
 pub const HASH_HEADER: &str = "x-response-hash";
 pub const CACHE_STATUS: &str = "cache-status";
-/// Internal request header that routes a gRPC hit to the stub listener; clients may never set it.
-pub const HIT_HEADER: &str = "x-meshcache-hit";
 
 pub const CACHE_STATUS_STORED: &str = "meshcache; fwd=miss; stored";
 pub const CACHE_STATUS_REFRESHED: &str = "meshcache; fwd=request; stored";

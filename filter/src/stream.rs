@@ -25,11 +25,70 @@ thread_local! {
 }
 
 pub fn create(id: u32, plugin: Option<Rc<PluginConfig>>) {
-    STREAMS.with(|s| s.borrow_mut().insert(id, Stream { plugin, phase: Phase::Pass }));
+    STREAMS.with(|s| s.borrow_mut().insert(id, Stream { id, plugin, phase: Phase::Pass }));
 }
 
 pub fn delete(id: u32) {
     STREAMS.with(|s| s.borrow_mut().remove(&id));
+    GRPC_REPLIES.with(|r| r.borrow_mut().remove(&id));
+}
+
+// ---------------------------------------------------------------- single-pass gRPC hits
+//
+// A local reply to a gRPC request is headers-only (trailers-only) in Envoy. The hit route's Lua
+// step (`meshcache.grpc_hit_body`, see docs/filter.md) gives it an empty body; the reply's
+// response callbacks, which may run while `send_local_response` is still on the stack (the
+// stream is then out of STREAMS), find the answer here, write the headers, the framed message
+// and a `grpc-status: 0` trailer.
+
+struct GrpcReply {
+    headers: Vec<(String, String)>,
+    framed: Vec<u8>,
+}
+
+thread_local! {
+    static GRPC_REPLIES: RefCell<HashMap<u32, GrpcReply>> = RefCell::new(HashMap::new());
+    /// Set when a hit reply arrived without the body the hit route's Lua step adds: this Envoy
+    /// lacks the route or the Lua filter, so gRPC requests bypass from then on (fail open).
+    static GRPC_HITS_BROKEN: std::cell::Cell<bool> = std::cell::Cell::new(false);
+}
+
+const LOCAL_MARKER: &str = "meshcache_local";
+
+/// Response headers of a stream's pending gRPC hit reply, if it has one.
+pub fn grpc_reply_headers(id: u32, eos: bool) -> Option<u32> {
+    let headers = GRPC_REPLIES.with(|r| r.borrow().get(&id).map(|g| g.headers.clone()))?;
+    if eos {
+        // No body will follow: the message cannot be delivered. Say so rather than answer OK
+        // without a message; gRPC clients retry UNAVAILABLE.
+        GRPC_REPLIES.with(|r| r.borrow_mut().remove(&id));
+        GRPC_HITS_BROKEN.with(|b| b.set(true));
+        error("gRPC hit reply without a body: the meshcache_grpc_hit route or the meshcache.grpc_hit_body Lua filter is missing; gRPC requests bypass the cache from now on");
+        abi::set_headers(
+            Map::ResponseHeaders,
+            &[(":status", "200"), ("content-type", "application/grpc"), ("grpc-status", "14"),
+              ("grpc-message", "meshcache: gRPC hit route missing; retry")],
+        );
+        return Some(CONTINUE);
+    }
+    let mut all: Vec<(&str, &str)> = vec![(":status", "200")];
+    all.extend(headers.iter().map(|(n, v)| (n.as_str(), v.as_str())));
+    abi::set_headers(Map::ResponseHeaders, &all);
+    Some(CONTINUE)
+}
+
+/// Body of a stream's pending gRPC hit reply: the framed message, then the trailer.
+pub fn grpc_reply_body(id: u32, size: usize, eos: bool) -> Option<u32> {
+    if !eos {
+        return GRPC_REPLIES.with(|r| r.borrow().contains_key(&id)).then(|| CONTINUE);
+    }
+    let reply = GRPC_REPLIES.with(|r| r.borrow_mut().remove(&id))?;
+    if !abi::set_buffer(Buffer::ResponseBody, 0, size, &reply.framed) {
+        error("gRPC hit: could not write the message");
+    }
+    // Adding to the (absent) trailers at end of stream makes Envoy create them.
+    abi::add_header(Map::ResponseTrailers, "grpc-status", "0");
+    Some(CONTINUE)
 }
 
 /// Runs a callback with the stream taken out of the map, so a host call that re-enters the
@@ -52,14 +111,13 @@ enum Phase {
     /// An inference request the cache stays out of; its answer says so.
     Bypass,
     Buffering { source: ModelSource, refresh: bool, headers: Vec<(String, String)> },
-    /// A gRPC hit routed to the stub (which also writes the hit headers).
-    GrpcHit,
     Miss(Cacheable),
     Collect { c: Cacheable, ttl: u64, status: u16, headers: Vec<(String, String)>, body: Vec<u8> },
     Done,
 }
 
 pub struct Stream {
+    id: u32,
     plugin: Option<Rc<PluginConfig>>,
     phase: Phase,
 }
@@ -85,16 +143,11 @@ impl Stream {
             }
         };
         let cfg = match &*plugin {
-            // The marker says everything; the (bridged) request body is not needed.
-            PluginConfig::Stub => return self.stub_answer(abi::header(Map::RequestHeaders, names::HIT_HEADER)),
+            // Obsolete role (the internal-listener stub): passes everything through.
+            PluginConfig::Stub => return CONTINUE,
             PluginConfig::Cache(cfg) => cfg,
         };
-        let mut headers = abi::headers(Map::RequestHeaders);
-        // The internal hit marker is ours alone: drop any client-supplied copy first.
-        if decide::header(&headers, names::HIT_HEADER).is_some() {
-            abi::remove_header(Map::RequestHeaders, names::HIT_HEADER);
-            headers.retain(|(n, _)| !n.eq_ignore_ascii_case(names::HIT_HEADER));
-        }
+        let headers = abi::headers(Map::RequestHeaders);
         let method = decide::header(&headers, ":method").unwrap_or("");
         let path = decide::header(&headers, ":path").unwrap_or("");
         let head = RequestHead { method, path, headers: &headers };
@@ -105,8 +158,7 @@ impl Stream {
                 if eos {
                     return self.decide_request(cfg, &headers, &source, refresh, &[]);
                 }
-                if source == ModelSource::GrpcBody && !cfg.hold_headers {
-                    // Without held headers a gRPC hit cannot be routed to the stub: stay out.
+                if source == ModelSource::GrpcBody && GRPC_HITS_BROKEN.with(|b| b.get()) {
                     return self.bypass();
                 }
                 self.phase = Phase::Buffering { source, refresh, headers };
@@ -187,18 +239,36 @@ impl Stream {
         };
         count(metrics::HITS, 1);
         count_policy(&c.policy.model_prefix, "hits");
+        self.phase = Phase::Done;
         if c.grpc {
-            // gRPC hits are answered by the stub listener (a local reply cannot carry a gRPC body).
-            let slot = crate::store::slot_of(&c.key, cfg.limits.max_entries);
-            abi::set_header(Map::RequestHeaders, names::HIT_HEADER, &decide::hit_marker(slot, &c.key));
-            self.phase = Phase::GrpcHit;
-            return CONTINUE;
+            return self.answer_grpc_hit(&entry, &HitRequest { headers, body }, now);
         }
         let reply = answer::http_hit(&entry, &HitRequest { headers, body }, now);
         let h: Vec<(&str, &str)> = reply.headers.iter().map(|(n, v)| (n.as_str(), v.as_str())).collect();
-        self.phase = Phase::Done;
         if !abi::send_local_response(reply.status as u32, "meshcache_hit", &reply.body, &h, -1) {
             error("local reply failed; passing through");
+            return CONTINUE;
+        }
+        PAUSE
+    }
+
+    /// Marks the request (filter state, so the local reply selects the hit route whose Lua step
+    /// gives it a body), then sends the empty local reply; `grpc_reply_*` fill it. The entry was
+    /// read whole at lookup, so eviction meanwhile cannot fail the answer.
+    fn answer_grpc_hit(&mut self, entry: &crate::entry::Entry, request: &HitRequest, now: u64) -> u32 {
+        let reply = answer::grpc_hit(entry, request, now);
+        if !abi::set_property(LOCAL_MARKER, b"1") || !abi::call_foreign("clear_route_cache", b"") {
+            error("gRPC hit: could not mark the request; forwarding it");
+            abi::set_property(LOCAL_MARKER, b"0");
+            return CONTINUE;
+        }
+        let framed = grpc::frame(&reply.body);
+        GRPC_REPLIES.with(|r| r.borrow_mut().insert(self.id, GrpcReply { headers: reply.headers, framed }));
+        if !abi::send_local_response(200, "meshcache_hit", b"", &[], 0) {
+            GRPC_REPLIES.with(|r| r.borrow_mut().remove(&self.id));
+            abi::set_property(LOCAL_MARKER, b"0");
+            abi::call_foreign("clear_route_cache", b"");
+            error("gRPC hit: local reply failed; forwarding the request");
             return CONTINUE;
         }
         PAUSE
@@ -219,7 +289,6 @@ impl Stream {
                 abi::set_header(Map::ResponseHeaders, names::CACHE_STATUS, names::CACHE_STATUS_BYPASS);
                 CONTINUE
             }
-            Phase::GrpcHit => CONTINUE,
             Phase::Miss(c) => self.start_collect(c, eos),
             other => {
                 self.phase = other;
@@ -391,37 +460,5 @@ impl Stream {
             Err(StoreError::NoSpace) => self.not_stored(refresh, NotStored::StoreFull, headers_open),
             Err(StoreError::Contended) => self.not_stored(refresh, NotStored::Contended, headers_open),
         }
-    }
-
-    /// Stub side: answer a routed gRPC hit with the stored message; the reverse bridge frames it.
-    fn stub_answer(&mut self, key_hex: Option<String>) -> u32 {
-        self.phase = Phase::Done;
-        let now = abi::now_ms();
-        // The slot comes with the marker, so no configuration is needed to find the entry.
-        let entry = key_hex.as_deref().and_then(decide::parse_hit_marker).and_then(|(slot, key)| {
-            match Cache::read_only(&abi::HostShared).lookup_at(slot, &key, now, &mut Outcome::default()) {
-                Lookup::Hit(e) => Some(e),
-                Lookup::Miss(_) => None,
-            }
-        });
-        let sent = match entry {
-            Some(e) => {
-                // The hit headers ride on the stub's reply through the bridge to the client, so the
-                // cache filter in front need not touch the response (fewer VM crossings).
-                let mut h: Vec<(&str, &str)> = vec![("content-type", "application/x-protobuf")];
-                let extra = answer::hit_headers(&e, now);
-                h.extend(extra.iter().map(|(n, v)| (n.as_str(), v.as_str())));
-                abi::send_local_response(200, "meshcache_stub_hit", &e.body, &h, -1)
-            }
-            None => {
-                count(metrics::STUB_MISSES, 1);
-                abi::send_local_response(503, "meshcache_stub_miss", b"meshcache: entry no longer cached", &[], -1)
-            }
-        };
-        if !sent {
-            error("stub reply failed");
-            return CONTINUE;
-        }
-        PAUSE
     }
 }

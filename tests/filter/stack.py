@@ -15,13 +15,16 @@ import grpc
 import httpx
 
 from meshcache import procs, services
-from meshcache.envoy_config import CacheProxy, write
+from meshcache.envoy_config import BUFFER_LIMIT_BYTES, CacheProxy, write
 from meshcache.paths import FILTER_WASM
 from meshcache.pki import Identity
 
 MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"
 DEFAULT_HASH_HEADERS = ("content-type", "x-model-id")
 METRICS_FLUSH_S = 0.45  # the filter flushes metrics every 200 ms; each worker on its own tick
+# Buffer limits the Envoy under test runs with: the project's configs (16 MiB) and Envoy's
+# default (1 MiB, as in an Istio sidecar). Tests of sizes and streaming run under both.
+LIMITS = {"project": BUFFER_LIMIT_BYTES, "envoy-default": None}
 
 
 @dataclass
@@ -57,7 +60,8 @@ class Stack:
 @contextlib.contextmanager
 def filter_stack(tmp: Path, config: dict[str, Any], concurrency: int = 1,
                  tls: Identity | None = None, allowed_peers: list[str] | None = None,
-                 allow_on_headers_stop_iteration: bool = True) -> Iterator[Stack]:
+                 allow_on_headers_stop_iteration: bool = True,
+                 buffer_limit_bytes: int | None = BUFFER_LIMIT_BYTES) -> Iterator[Stack]:
     http_port, grpc_port, listen_port, admin_port = (procs.free_port() for _ in range(4))
     started: list[procs.Proc] = []
     with procs.supervised(started):
@@ -69,7 +73,8 @@ def filter_stack(tmp: Path, config: dict[str, Any], concurrency: int = 1,
         proxy = CacheProxy(listen_port=listen_port, admin_port=admin_port, http_upstream_port=http_port,
                            grpc_upstream_port=grpc_port, wasm_path=FILTER_WASM, plugin_config=config,
                            downstream_tls=tls, allowed_peers=allowed_peers or [],
-                           allow_on_headers_stop_iteration=allow_on_headers_stop_iteration)
+                           allow_on_headers_stop_iteration=allow_on_headers_stop_iteration,
+                           buffer_limit_bytes=buffer_limit_bytes)
         config_path = write(proxy, tmp / "envoy.yaml")
         started.append(services.start_envoy(config_path, admin_port, tmp, concurrency=concurrency))
         yield Stack(listen_port, admin_port, http_port, grpc_port, tmp)

@@ -1,14 +1,17 @@
-"""gRPC ModelInfer through the filter with an unmodified grpcio client."""
+"""gRPC ModelInfer through the filter with an unmodified grpcio client: hits are answered in one
+pass through Envoy (no internal listener), under Envoy's default buffer limits and the project's."""
 
 from __future__ import annotations
 
 import hashlib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
+import httpx
 import pytest
 
-from tests.filter.stack import config, filter_stack, infer_request, policy
+from tests.filter.stack import LIMITS, Stack, config, filter_stack, infer_request, policy
 
 
 def _message_hash(message: bytes) -> str:
@@ -19,8 +22,13 @@ def _message_hash(message: bytes) -> str:
     return h.hexdigest()
 
 
-def test_grpc_hit_returns_full_message_without_calling_origin(tmp_path: Path) -> None:
-    with filter_stack(tmp_path, config(policy("resnet"))) as s:
+def _envoy_clusters(s: Stack) -> str:
+    return httpx.get(f"http://127.0.0.1:{s.admin_port}/clusters", timeout=5).text
+
+
+@pytest.mark.parametrize("limits", LIMITS)
+def test_grpc_hit_returns_full_message_without_calling_origin(tmp_path: Path, limits: str) -> None:
+    with filter_stack(tmp_path, config(policy("resnet")), buffer_limit_bytes=LIMITS[limits]) as s:
         request = infer_request("resnet-mini", extra=b"req-1")
         first, call1 = s.grpc_infer(request)
         md1 = dict(call1.initial_metadata())
@@ -34,16 +42,21 @@ def test_grpc_hit_returns_full_message_without_calling_origin(tmp_path: Path) ->
         assert second == first
         assert md2["cache-status"].startswith("meshcache; hit; ttl=")
         assert md2["x-response-hash"] == md1["x-response-hash"]
+        assert dict(call2.trailing_metadata()).get("grpc-status", "0") == "0"
         assert s.origin_calls()["grpc"] == 1
         assert s.stats()["meshcache.hits"] == 1
+        assert "cache_stub" not in _envoy_clusters(s), "single pass: no stub cluster"
 
 
-def test_grpc_large_message_hit(tmp_path: Path) -> None:
-    with filter_stack(tmp_path, config(policy("resnet"))) as s:
-        meta = (("x-origin-size", str(700_000)),)
-        first, _ = s.grpc_infer(infer_request("resnet-mini"), meta)
+@pytest.mark.parametrize("limits", LIMITS)
+@pytest.mark.parametrize("size", [0, 47, 700_000, 3_000_000])
+def test_grpc_hit_message_sizes_exact_bytes(tmp_path: Path, limits: str, size: int) -> None:
+    cfg = config(policy("resnet"), max_entry_bytes=4 * 1_048_576)
+    with filter_stack(tmp_path, cfg, buffer_limit_bytes=LIMITS[limits]) as s:
+        meta = (("x-origin-size", str(size)),)
+        first, call1 = s.grpc_infer(infer_request("resnet-mini"), meta)
+        assert len(first) >= max(size, 32)
         second, call = s.grpc_infer(infer_request("resnet-mini"), meta)
-        assert len(first) > 700_000
         assert second == first
         assert dict(call.initial_metadata())["cache-status"].startswith("meshcache; hit")
         assert s.origin_calls()["grpc"] == 1
@@ -72,10 +85,49 @@ def test_grpc_errors_are_not_stored(tmp_path: Path) -> None:
         assert s.stats().get("meshcache.stores", 0) == 0
 
 
-def test_grpc_model_without_policy_bypasses(tmp_path: Path) -> None:
+def test_grpc_model_without_policy_bypasses_and_markers_cannot_be_forged(tmp_path: Path) -> None:
     with filter_stack(tmp_path, config(policy("resnet"))) as s:
+        forged = (("x-meshcache-local", "1"), ("x-meshcache-hit", "0:" + "00" * 32))
         for _ in range(2):
-            response, call = s.grpc_infer(infer_request("text-embedder"))
+            response, call = s.grpc_infer(infer_request("text-embedder"), forged)
             assert dict(call.initial_metadata())["cache-status"] == "meshcache; fwd=bypass"
-            assert response
+            assert response.startswith(b"\x0a\x0dtext-embedder"), "the origin answered"
         assert s.origin_calls()["grpc"] == 2
+
+
+def test_grpc_hits_never_fail_under_eviction_churn(tmp_path: Path) -> None:
+    """Many concurrent calls over more distinct requests than the cache has slots: entries are
+    evicted between one call's lookup and another's, and every call still gets the right answer
+    (the internal-listener design failed 92 of 1,500 calls here with UNKNOWN)."""
+    cfg = config(policy("resnet"), max_entries=4, max_total_bytes=4 * 1200, max_entry_bytes=1200)
+    with filter_stack(tmp_path, cfg, concurrency=2) as s:
+        requests = [infer_request("resnet-mini", extra=f"r{i}".encode()) for i in range(24)]
+        expected = {}
+        with grpc.insecure_channel(f"127.0.0.1:{s.listen_port}") as channel:
+            call = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
+            for r in requests:
+                expected[r] = call(r, timeout=10)
+
+            def one(i: int) -> tuple[bool, str]:
+                r = requests[(i * 7) % len(requests)]
+                response, c = call.with_call(r, timeout=20)
+                return response == expected[r], dict(c.initial_metadata())["cache-status"]
+
+            with ThreadPoolExecutor(8) as pool:
+                results = list(pool.map(one, range(1500)))
+        assert all(ok for ok, _ in results), "every answer is the one computed for its request"
+        statuses = [st for _, st in results]
+        assert sum(st.startswith("meshcache; hit") for st in statuses) > 0
+        assert sum(not st.startswith("meshcache; hit") for st in statuses) > 0, "churn happened"
+
+
+def test_grpc_web_bypasses(tmp_path: Path) -> None:
+    with filter_stack(tmp_path, config(policy("resnet"))) as s:
+        message = infer_request("resnet-mini")
+        framed = b"\x00" + len(message).to_bytes(4, "big") + message
+        headers = {"content-type": "application/grpc-web+proto", "x-grpc-web": "1"}
+        for _ in range(2):
+            r = httpx.post(s.url("/inference.GRPCInferenceService/ModelInfer"), content=framed, headers=headers,
+                           timeout=10)
+            assert r.headers.get("cache-status") == "meshcache; fwd=bypass"
+        assert s.stats().get("meshcache.hits", 0) == 0
