@@ -45,6 +45,8 @@ pub enum NotStored {
     StoreFull,
     Contended,
     Error,
+    /// The answer's echoed request id could not be taken out (another id, repeated, bad JSON).
+    Unparsable,
 }
 
 impl NotStored {
@@ -58,6 +60,7 @@ impl NotStored {
             NotStored::ZeroTtl => "ttl-zero",
             NotStored::TooBig => "too-big",
             NotStored::StoreFull => "store-full",
+            NotStored::Unparsable => "unparsable",
             NotStored::Contended => "contended",
             NotStored::Error => "error",
         }
@@ -92,7 +95,7 @@ mod tests {
     fn policy(ttl: u64, max: u64) -> Policy {
         Policy {
             model_prefix: "m".into(), ttl_s: ttl, max_ttl_s: max, generation: 0, hash_headers: vec![],
-            vary_headers: vec![], scope: Scope::Shared, enabled: true,
+            vary_headers: vec![], scope: Scope::Shared, enabled: true, ignore_fields: vec![], deterministic_only: false,
         }
     }
 

@@ -15,6 +15,9 @@ pub const LIMIT_MAX_TOTAL_BYTES: u64 = 16 * 1_073_741_824;
 pub const LIMIT_MAX_ENTRIES: u64 = 1_048_576;
 pub const LIMIT_POLICIES: usize = 4096;
 pub const LIMIT_PREFIX_LEN: usize = 256;
+/// `ignore_fields`: at most this many names per policy, each at most `LIMIT_FIELD_LEN` bytes.
+pub const LIMIT_IGNORE_FIELDS: usize = 64;
+pub const LIMIT_FIELD_LEN: usize = 256;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Scope {
@@ -34,6 +37,10 @@ pub struct Policy {
     pub vary_headers: Vec<String>,
     pub scope: Scope,
     pub enabled: bool,
+    /// Top-level JSON body fields left out of the key (e.g. OpenAI's `user`, `metadata`).
+    pub ignore_fields: Vec<String>,
+    /// OpenAI-style bodies: bypass sampled answers (`temperature` > 0, or absent, without `seed`).
+    pub deterministic_only: bool,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -122,11 +129,7 @@ pub fn parse_plugin_config(bytes: &[u8]) -> Result<PluginConfig, ConfigError> {
 fn parse_config(obj: &Map<String, Value>) -> Result<Config, ConfigError> {
     let version = opt_string(obj, "version", "version")?.unwrap_or_default();
     let color = opt_string(obj, "color", "color")?.unwrap_or_default();
-    let hold_headers = match obj.get("hold_headers") {
-        None | Some(Value::Null) => true,
-        Some(Value::Bool(b)) => *b,
-        Some(_) => return Err(err("hold_headers", "must be a boolean")),
-    };
+    let hold_headers = opt_bool(obj, "hold_headers", "hold_headers")?.unwrap_or(true);
     let max_entry_bytes = opt_uint(obj, "max_entry_bytes", "max_entry_bytes")?.unwrap_or(DEFAULT_MAX_ENTRY_BYTES);
     let max_total_bytes = opt_uint(obj, "max_total_bytes", "max_total_bytes")?.unwrap_or(DEFAULT_MAX_TOTAL_BYTES);
     let max_entries = opt_uint(obj, "max_entries", "max_entries")?.unwrap_or(DEFAULT_MAX_ENTRIES);
@@ -194,12 +197,13 @@ fn parse_policy(p: &Map<String, Value>, field: &str) -> Result<Policy, ConfigErr
         Some("principal") => Scope::Principal,
         Some(other) => return Err(err(&f("scope"), &format!("unknown scope {:?} (expected \"shared\" or \"principal\")", other))),
     };
-    let enabled = match p.get("enabled") {
-        None | Some(Value::Null) => true,
-        Some(Value::Bool(b)) => *b,
-        Some(_) => return Err(err(&f("enabled"), "must be a boolean")),
-    };
-    Ok(Policy { model_prefix, ttl_s, max_ttl_s, generation, hash_headers, vary_headers, scope, enabled })
+    let enabled = opt_bool(p, "enabled", &f("enabled"))?.unwrap_or(true);
+    let ignore_fields = opt_field_list(p, "ignore_fields", &f("ignore_fields"))?;
+    let deterministic_only = opt_bool(p, "deterministic_only", &f("deterministic_only"))?.unwrap_or(false);
+    Ok(Policy {
+        model_prefix, ttl_s, max_ttl_s, generation, hash_headers, vary_headers, scope, enabled, ignore_fields,
+        deterministic_only,
+    })
 }
 
 fn opt_string(obj: &Map<String, Value>, key: &str, field: &str) -> Result<Option<String>, ConfigError> {
@@ -219,6 +223,38 @@ fn opt_uint(obj: &Map<String, Value>, key: &str, field: &str) -> Result<Option<u
         },
         Some(_) => Err(err(field, "must be a non-negative integer")),
     }
+}
+
+fn opt_bool(obj: &Map<String, Value>, key: &str, field: &str) -> Result<Option<bool>, ConfigError> {
+    match obj.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::Bool(b)) => Ok(Some(*b)),
+        Some(_) => Err(err(field, "must be a boolean")),
+    }
+}
+
+/// JSON field names: non-empty, bounded, unique (order kept; matching is exact and case-sensitive).
+fn opt_field_list(obj: &Map<String, Value>, key: &str, field: &str) -> Result<Vec<String>, ConfigError> {
+    let items = match obj.get(key) {
+        None | Some(Value::Null) => return Ok(Vec::new()),
+        Some(Value::Array(items)) => items,
+        Some(_) => return Err(err(field, "must be an array of field names")),
+    };
+    if items.len() > LIMIT_IGNORE_FIELDS {
+        return Err(err(field, &format!("at most {} fields", LIMIT_IGNORE_FIELDS)));
+    }
+    let mut out: Vec<String> = Vec::with_capacity(items.len());
+    for (i, item) in items.iter().enumerate() {
+        let name = item.as_str().ok_or_else(|| err(&format!("{}[{}]", field, i), "must be a string"))?;
+        if name.is_empty() || name.len() > LIMIT_FIELD_LEN {
+            return Err(err(&format!("{}[{}]", field, i), &format!("must be 1 to {} bytes", LIMIT_FIELD_LEN)));
+        }
+        if out.iter().any(|o| o == name) {
+            return Err(err(&format!("{}[{}]", field, i), "duplicate field"));
+        }
+        out.push(name.to_string());
+    }
+    Ok(out)
 }
 
 fn opt_header_list(obj: &Map<String, Value>, key: &str, field: &str) -> Result<Option<Vec<String>>, ConfigError> {
@@ -280,6 +316,8 @@ mod tests {
         assert!(p.vary_headers.is_empty());
         assert_eq!(p.scope, Scope::Shared);
         assert!(p.enabled);
+        assert!(p.ignore_fields.is_empty());
+        assert!(!p.deterministic_only);
         assert_eq!(c.limits, Config::empty().limits);
         assert_eq!(c.color, "");
         assert!(c.hold_headers);
@@ -294,6 +332,17 @@ mod tests {
         assert_eq!(c.policy_for("llama2").unwrap().ttl_s, 1);
         assert!(c.policy_for("mistral").is_none());
         assert!(c.policy_for("off-model").is_none());
+    }
+
+    #[test]
+    fn key_shaping_fields() {
+        let c = cache(r#"{"policies": [{"model_prefix": "m", "ttl_s": 1, "ignore_fields": ["user", "metadata"],
+            "deterministic_only": true}]}"#);
+        assert_eq!(c.policies[0].ignore_fields, vec!["user", "metadata"]);
+        assert!(c.policies[0].deterministic_only);
+        let many: Vec<String> = (0..=LIMIT_IGNORE_FIELDS).map(|i| format!("\"f{}\"", i)).collect();
+        let json = format!(r#"{{"policies": [{{"model_prefix": "m", "ttl_s": 1, "ignore_fields": [{}]}}]}}"#, many.join(","));
+        assert_eq!(error(&json).field, "policies[0].ignore_fields");
     }
 
     #[test]
@@ -313,6 +362,11 @@ mod tests {
             (r#"{"policies": [{"model_prefix": "m", "ttl_s": 1, "enabled": "yes"}]}"#, "policies[0].enabled"),
             (r#"{"policies": [{"model_prefix": "m", "ttl_s": 1, "vary_headers": ["bad header"]}]}"#, "policies[0].vary_headers[0]"),
             (r#"{"policies": [{"model_prefix": "m", "ttl_s": 1}, {"model_prefix": "m", "ttl_s": 2}]}"#, "policies[1].model_prefix"),
+            (r#"{"policies": [{"model_prefix": "m", "ttl_s": 1, "ignore_fields": "user"}]}"#, "policies[0].ignore_fields"),
+            (r#"{"policies": [{"model_prefix": "m", "ttl_s": 1, "ignore_fields": [""]}]}"#, "policies[0].ignore_fields[0]"),
+            (r#"{"policies": [{"model_prefix": "m", "ttl_s": 1, "ignore_fields": ["a", 1]}]}"#, "policies[0].ignore_fields[1]"),
+            (r#"{"policies": [{"model_prefix": "m", "ttl_s": 1, "ignore_fields": ["a", "a"]}]}"#, "policies[0].ignore_fields[1]"),
+            (r#"{"policies": [{"model_prefix": "m", "ttl_s": 1, "deterministic_only": 1}]}"#, "policies[0].deterministic_only"),
             (r#"{"version": 7}"#, "version"),
             (r#"{"hold_headers": "no"}"#, "hold_headers"),
             (r#"{"max_entries": 0}"#, "max_entries"),

@@ -5,6 +5,8 @@ use crate::cache_control;
 use crate::config::{Config, Policy, Scope};
 use crate::entry::Entry;
 use crate::hashing::{cache_key, response_hash, KeyDigest, KeyInput};
+use crate::json;
+use crate::keybody::{self, JsonRules, KeyBody, RequestId, Splice, Unkeyable};
 use crate::model::{self, ModelRef, ModelSource};
 use crate::names::{COLOR_HEADER, MODEL_HEADER};
 
@@ -68,12 +70,77 @@ pub struct Cacheable {
     pub seen: Option<crate::store::SlotSeen>,
     /// Request time: an answer's age counts from it (RFC 9111 corrected initial age).
     pub request_ms: u64,
+    /// The KServe request id: taken out of the stored answer, put back into hits.
+    pub request_id: RequestId,
 }
 
 #[derive(Debug, PartialEq)]
 pub enum BodyDecision {
     Bypass,
+    /// The body cannot be keyed: bypass, saying why (`Cache-Status: ...; detail=<why>`).
+    Unkeyable(Unkeyable),
     Cacheable(Cacheable),
+}
+
+/// A body read once for what the key needs: the model it names, and the JSON members.
+enum ReadBody<'a> {
+    /// Opaque bytes (x-model-id requests without key-shaping JSON rules).
+    Opaque,
+    /// A JSON object (with the binary extension: only the JSON part) and its top-level members.
+    Json { json_len: usize, binary: bool, members: Vec<json::Member> },
+    Grpc(keybody::GrpcRequest<'a>),
+}
+
+fn read_body<'a>(source: &ModelSource, head: &RequestHead, body: &'a [u8]) -> Result<(ModelRef, ReadBody<'a>), Unkeyable> {
+    match source {
+        ModelSource::GrpcBody => {
+            let message = crate::grpc::unframe(body).ok_or(Unkeyable::Unparsable)?;
+            let req = keybody::grpc_request(message)?;
+            if req.model_name.is_empty() {
+                return Err(Unkeyable::Unparsable);
+            }
+            let m = ModelRef { name: req.model_name.clone(), version: req.model_version.clone() };
+            Ok((m, ReadBody::Grpc(req)))
+        }
+        ModelSource::JsonBody => {
+            let members = json::object_members(body).ok_or(Unkeyable::Unparsable)?;
+            let m = model::model_from_members(body, &members).ok_or(Unkeyable::Unparsable)?;
+            Ok((m, ReadBody::Json { json_len: body.len(), binary: false, members }))
+        }
+        ModelSource::Known(m) => {
+            if model::kserve_rest_model(model::strip_query(head.path)).is_none() {
+                return Ok((m.clone(), ReadBody::Opaque));
+            }
+            // KServe v2 REST: the request id is in the JSON (part) of the body.
+            let (json_len, binary) = keybody::split_binary(body, head.header(keybody::BINARY_HEADER))?;
+            let members = json::object_members(&body[..json_len]).ok_or(Unkeyable::Unparsable)?;
+            Ok((m.clone(), ReadBody::Json { json_len, binary, members }))
+        }
+    }
+}
+
+/// The keyed form of the body under the matched policy.
+fn key_body<'a>(read: ReadBody<'a>, head: &RequestHead, body: &'a [u8], policy: &Policy) -> Result<KeyBody<'a>, Unkeyable> {
+    let path = model::strip_query(head.path);
+    match read {
+        ReadBody::Grpc(req) => Ok(req.key),
+        ReadBody::Opaque if policy.ignore_fields.is_empty() => Ok(KeyBody::whole(body)),
+        ReadBody::Opaque => {
+            // Fields to ignore only exist in a JSON body.
+            let members = json::object_members(body).ok_or(Unkeyable::Unparsable)?;
+            let rules = JsonRules { request_id: false, ignore_fields: &policy.ignore_fields, deterministic_only: false };
+            keybody::json_key_body(body, body.len(), false, &members, &rules)
+        }
+        ReadBody::Json { json_len, binary, members } => {
+            let rules = JsonRules {
+                request_id: model::kserve_rest_model(path).is_some(),
+                ignore_fields: &policy.ignore_fields,
+                // Sampling parameters belong to the OpenAI text-generation APIs.
+                deterministic_only: policy.deterministic_only && model::is_sampling_path(path),
+            };
+            keybody::json_key_body(body, json_len, binary, &members, &rules)
+        }
+    }
 }
 
 pub fn on_body(
@@ -86,14 +153,9 @@ pub fn on_body(
     principal: impl FnOnce() -> Option<String>,
 ) -> BodyDecision {
     let grpc = *source == ModelSource::GrpcBody;
-    let model: Option<ModelRef> = match source {
-        ModelSource::Known(m) => Some(m.clone()),
-        ModelSource::JsonBody => model::model_from_json_body(body),
-        ModelSource::GrpcBody => model::model_from_grpc_body(body),
-    };
-    let model = match model {
-        Some(m) => m,
-        None => return BodyDecision::Bypass,
+    let (model, read) = match read_body(source, head, body) {
+        Ok(x) => x,
+        Err(why) => return BodyDecision::Unkeyable(why),
     };
     let policy = match config.policy_for(&model.name) {
         Some(p) => p,
@@ -115,6 +177,10 @@ pub fn on_body(
     let color = head.header(COLOR_HEADER).unwrap_or(&config.color);
     let vary: Vec<(String, Option<String>)> =
         policy.vary_headers.iter().map(|n| (n.clone(), head.header(n).map(str::to_string))).collect();
+    let keyed = match key_body(read, head, body, policy) {
+        Ok(k) => k,
+        Err(why) => return BodyDecision::Unkeyable(why),
+    };
     let key = cache_key(&KeyInput {
         method: head.method,
         path: head.path,
@@ -124,9 +190,10 @@ pub fn on_body(
         color,
         vary: &vary,
         principal: principal.as_deref(),
-        body,
+        body: &keyed,
     });
-    BodyDecision::Cacheable(Cacheable { key, policy: policy.clone(), grpc, refresh, seen: None, request_ms: 0 })
+    let request_id = keyed.id;
+    BodyDecision::Cacheable(Cacheable { key, policy: policy.clone(), grpc, refresh, seen: None, request_ms: 0, request_id })
 }
 
 /// Response headers that belong to one transmission, not to the cached answer.
@@ -148,20 +215,39 @@ pub struct Stored {
     pub added_etag: Option<String>,
 }
 
+/// `body` is the answer as sent (a gRPC message without its frame). The echoed request id is
+/// taken out, and the hash covers the answer without it: the same for every caller.
 pub fn build_entry(
     c: &Cacheable,
     response_headers: &[(String, String)],
     status: u16,
     body: Vec<u8>,
     ttl_s: u64,
-) -> Stored {
+) -> Result<Stored, NotStored> {
     let now_ms = c.request_ms;
-    let hash = response_hash(&body, response_headers, &c.policy.hash_headers);
     let mut headers: Vec<(String, String)> = response_headers
         .iter()
         .filter(|(n, _)| !is_per_response(&n.to_ascii_lowercase()))
         .map(|(n, v)| (n.to_ascii_lowercase(), v.clone()))
         .collect();
+    let stripped = match &c.request_id {
+        RequestId::Spliced(id) if c.grpc => keybody::strip_proto_answer(body, id),
+        RequestId::Spliced(id) => keybody::strip_json_answer(body, header(&headers, keybody::BINARY_HEADER), id),
+        _ => Ok(keybody::Stripped { body, splice: None }),
+    };
+    let keybody::Stripped { body, splice } = stripped.map_err(|_| NotStored::Unparsable)?;
+    let hash = if let Some(Splice::Json { json_len_header: true, before, after, .. }) = &splice {
+        // The binary extension's JSON length is stored (and hashed) for the answer without its id.
+        let removed = before.len() + after.len() + c.request_id_len();
+        for (n, v) in headers.iter_mut() {
+            if n == keybody::BINARY_HEADER {
+                *v = v.parse::<usize>().ok().and_then(|x| x.checked_sub(removed)).ok_or(NotStored::Unparsable)?.to_string();
+            }
+        }
+        response_hash(&body, &headers, &c.policy.hash_headers)
+    } else {
+        response_hash(&body, response_headers, &c.policy.hash_headers)
+    };
     let added_etag = if header(&headers, "etag").is_none() {
         let etag = format!("\"{}\"", hash);
         headers.push(("etag".to_string(), etag.clone()));
@@ -178,8 +264,18 @@ pub fn build_entry(
         response_hash: hash,
         headers,
         body,
+        splice,
     };
-    Stored { entry, added_etag }
+    Ok(Stored { entry, added_etag })
+}
+
+impl Cacheable {
+    fn request_id_len(&self) -> usize {
+        match &self.request_id {
+            RequestId::Spliced(id) => id.len(),
+            _ => 0,
+        }
+    }
 }
 
 #[cfg(test)]
@@ -213,7 +309,7 @@ mod tests {
     fn key(d: BodyDecision) -> KeyDigest {
         match d {
             BodyDecision::Cacheable(c) => c.key,
-            BodyDecision::Bypass => panic!("bypass"),
+            other => panic!("{:?}", other),
         }
     }
 
@@ -246,7 +342,7 @@ mod tests {
         assert_eq!(decide(&cfg, "/v2/models/m/infer", &[("authorization", "Bearer x")], b"{}", None), BodyDecision::Bypass);
         assert_eq!(decide(&cfg, "/v2/models/p/infer", &[], b"{}", None), BodyDecision::Bypass);
         assert!(matches!(decide(&cfg, "/v2/models/p/infer", &[("authorization", "Bearer x")], b"{}", Some("spiffe://a")), BodyDecision::Cacheable(_)));
-        assert_eq!(decide(&cfg, "/v1/chat/completions", &[], br#"{"messages": []}"#, None), BodyDecision::Bypass);
+        assert_eq!(decide(&cfg, "/v1/chat/completions", &[], br#"{"messages": []}"#, None), BodyDecision::Unkeyable(Unkeyable::Unparsable));
         assert!(matches!(decide(&cfg, "/v1/chat/completions", &[], br#"{"model": "m1"}"#, None), BodyDecision::Cacheable(_)));
     }
 
@@ -294,7 +390,7 @@ mod tests {
         };
         let resp = hs(&[(":status", "200"), ("content-type", "application/json"), ("date", "x"), ("content-length", "2"), ("x-custom", "1")]);
         let c = Cacheable { request_ms: 10_000, ..c };
-        let s = build_entry(&c, &resp, 200, b"{}".to_vec(), 5);
+        let s = build_entry(&c, &resp, 200, b"{}".to_vec(), 5).unwrap();
         assert_eq!(s.entry.expires_at_ms, 15_000);
         let names: Vec<&str> = s.entry.headers.iter().map(|(n, _)| n.as_str()).collect();
         assert_eq!(names, vec!["content-type", "x-custom", "etag"]);
@@ -302,8 +398,109 @@ mod tests {
         assert!(not_modified(Some(&format!("\"{}\"", s.entry.response_hash)), &s.entry));
         assert_eq!(crate::answer::freshness(&s.entry, 12_500), (3, 2));
         let with_etag = hs(&[("etag", "\"v1\"")]);
-        let s2 = build_entry(&c, &with_etag, 200, b"{}".to_vec(), 5);
+        let s2 = build_entry(&c, &with_etag, 200, b"{}".to_vec(), 5).unwrap();
         assert_eq!(s2.added_etag, None);
         assert!(not_modified(Some("W/\"v1\""), &s2.entry));
+    }
+
+    fn cacheable(d: BodyDecision) -> Cacheable {
+        match d {
+            BodyDecision::Cacheable(c) => c,
+            other => panic!("{:?}", other),
+        }
+    }
+
+    #[test]
+    fn request_ids_leave_the_key_and_come_back_on_hits() {
+        let cfg = config(r#"{"policies": [{"model_prefix": "m", "ttl_s": 5}]}"#);
+        let body = |id: &str| format!(r#"{{"id":"{}","inputs":[{{"name":"x","data":[1]}}]}}"#, id);
+        let a = cacheable(decide(&cfg, "/v2/models/m/infer", &[], body("a-1").as_bytes(), None));
+        let b = cacheable(decide(&cfg, "/v2/models/m/infer", &[], body("b-2").as_bytes(), None));
+        assert_eq!(a.key, b.key);
+        let none = cacheable(decide(&cfg, "/v2/models/m/infer", &[], br#"{"inputs":[{"name":"x","data":[1]}]}"#, None));
+        assert_ne!(none.key, a.key, "an answer without an id never serves a request with one");
+        let answer = |id: &str| format!(r#"{{"model_name":"m","model_version":"1","id":"{}","outputs":[]}}"#, id).into_bytes();
+        let json = hs(&[("content-type", "application/json")]);
+        let stored = build_entry(&Cacheable { request_ms: 1000, ..a.clone() }, &json, 200, answer("a-1"), 5).unwrap();
+        assert_eq!(stored.entry.body, br#"{"model_name":"m","model_version":"1","outputs":[]}"#.to_vec());
+        let from_b = build_entry(&Cacheable { request_ms: 1000, ..b.clone() }, &json, 200, answer("b-2"), 5).unwrap();
+        assert_eq!(stored.entry.response_hash, from_b.entry.response_hash, "the hash is id-independent");
+        assert_eq!(stored.added_etag, from_b.added_etag);
+        let (hit, _) = hit_answer(&stored.entry, &b.request_id).unwrap();
+        assert_eq!(hit, answer("b-2"));
+        // An answer that echoes some other id is not stored.
+        let wrong = build_entry(&a, &json, 200, answer("zzz"), 5);
+        assert_eq!(wrong.err(), Some(NotStored::Unparsable));
+        // Malformed bodies on KServe paths bypass as unparsable.
+        for bad in [&b"not json"[..], br#"{"id":"a","id":"b"}"#, br#"{"id":"a""#, br#"{"id":5}"#] {
+            assert_eq!(decide(&cfg, "/v2/models/m/infer", &[], bad, None), BodyDecision::Unkeyable(Unkeyable::Unparsable));
+        }
+        // x-model-id requests without key-shaping rules stay opaque (any body).
+        assert!(matches!(decide(&cfg, "/v1/infer", &[("x-model-id", "m")], b"\xff raw", None), BodyDecision::Cacheable(_)));
+    }
+
+    #[test]
+    fn binary_extension_answers_keep_their_header_right() {
+        let cfg = config(r#"{"policies": [{"model_prefix": "m", "ttl_s": 5}]}"#);
+        let req_json = br#"{"id":"r1","inputs":[{"name":"x","parameters":{"binary_data_size":1}}]}"#;
+        let req = [&req_json[..], b"\x07"].concat();
+        let n = req_json.len().to_string();
+        let c = cacheable(decide(&cfg, "/v2/models/m/infer", &[("inference-header-content-length", &n)], &req, None));
+        let ans_json = br#"{"id":"r1","outputs":[{"name":"y","parameters":{"binary_data_size":1}}]}"#;
+        let ans = [&ans_json[..], b"\x09"].concat();
+        let h = hs(&[("content-type", "application/octet-stream"), ("inference-header-content-length", &ans_json.len().to_string())]);
+        let s = build_entry(&c, &h, 200, ans.clone(), 5).unwrap();
+        let stored_len = header(&s.entry.headers, "inference-header-content-length").unwrap();
+        assert_eq!(stored_len, (ans_json.len() - r#""id":"r1","#.len()).to_string());
+        let (body, headers) = hit_answer(&s.entry, &RequestId::Spliced(b"r1".to_vec())).unwrap();
+        assert_eq!(body, ans);
+        assert_eq!(header(&headers, "inference-header-content-length").unwrap(), ans_json.len().to_string());
+        let (body2, headers2) = hit_answer(&s.entry, &RequestId::Spliced(b"longer-id".to_vec())).unwrap();
+        let n2: usize = header(&headers2, "inference-header-content-length").unwrap().parse().unwrap();
+        assert_eq!(&body2[..n2], &br#"{"id":"longer-id","outputs":[{"name":"y","parameters":{"binary_data_size":1}}]}"#[..]);
+    }
+
+    #[test]
+    fn grpc_ids_leave_the_key() {
+        let cfg = config(r#"{"policies": [{"model_prefix": "m", "ttl_s": 5}]}"#);
+        let framed = |id: &[u8]| {
+            let mut msg = vec![0x0a, 1, b'm'];
+            if !id.is_empty() {
+                msg.extend_from_slice(&[0x1a, id.len() as u8]);
+                msg.extend_from_slice(id);
+            }
+            msg.extend_from_slice(&[0x2a, 3, 0x0a, 1, b'x']);
+            crate::grpc::frame(&msg)
+        };
+        let grpc = [("content-type", "application/grpc")];
+        let path = crate::model::GRPC_MODEL_INFER_PATH;
+        let a = cacheable(decide(&cfg, path, &grpc, &framed(b"one"), None));
+        let b = cacheable(decide(&cfg, path, &grpc, &framed(b"two"), None));
+        let none = cacheable(decide(&cfg, path, &grpc, &framed(b""), None));
+        assert_eq!(a.key, b.key);
+        assert_ne!(a.key, none.key);
+        assert_eq!(b.request_id, RequestId::Spliced(b"two".to_vec()));
+        assert_eq!(decide(&cfg, path, &grpc, b"\x00\x00\x00\x00\x02\x18\x01", None), BodyDecision::Unkeyable(Unkeyable::Unparsable));
+        assert_eq!(decide(&cfg, path, &grpc, b"\x01\x00\x00\x00\x00", None), BodyDecision::Unkeyable(Unkeyable::Unparsable));
+    }
+
+    #[test]
+    fn openai_policy_rules() {
+        let cfg = config(r#"{"policies": [{"model_prefix": "gpt", "ttl_s": 5, "ignore_fields": ["user", "metadata"],
+            "deterministic_only": true}, {"model_prefix": "emb", "ttl_s": 5, "deterministic_only": true}]}"#);
+        let chat = "/v1/chat/completions";
+        let k1 = key(decide(&cfg, chat, &[], br#"{"model":"gpt-4","messages":[],"temperature":0,"user":"alice"}"#, None));
+        let k2 = key(decide(&cfg, chat, &[], br#"{"model":"gpt-4","messages":[],"temperature":0,"user":"bob","metadata":{"x":1}}"#, None));
+        assert_eq!(k1, k2);
+        assert_ne!(k1, key(decide(&cfg, chat, &[], br#"{"model":"gpt-4","messages":[1],"temperature":0}"#, None)));
+        assert_eq!(decide(&cfg, chat, &[], br#"{"model":"gpt-4","messages":[],"temperature":0.8}"#, None), BodyDecision::Unkeyable(Unkeyable::Nondeterministic));
+        assert!(matches!(decide(&cfg, chat, &[], br#"{"model":"gpt-4","messages":[],"temperature":0.8,"seed":7}"#, None), BodyDecision::Cacheable(_)));
+        // Embeddings are not samples; the rule does not apply there.
+        assert!(matches!(decide(&cfg, "/v1/embeddings", &[], br#"{"model":"emb-1","input":"x"}"#, None), BodyDecision::Cacheable(_)));
+        // OpenAI bodies carry no KServe request id: "id" is ordinary data there.
+        assert_ne!(
+            key(decide(&cfg, chat, &[], br#"{"model":"gpt-4","id":"a","temperature":0}"#, None)),
+            key(decide(&cfg, chat, &[], br#"{"model":"gpt-4","id":"b","temperature":0}"#, None))
+        );
     }
 }

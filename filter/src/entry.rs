@@ -1,8 +1,11 @@
 //! A cached response and its compact binary encoding in shared data.
 
 use crate::hashing::KeyDigest;
+use crate::keybody::Splice;
 
-const MAGIC: &[u8; 3] = b"MC1";
+/// MC2 adds where the answer's request id goes back; MC1 entries (no id) still decode.
+const MAGIC: &[u8; 3] = b"MC2";
+const MAGIC_V1: &[u8; 3] = b"MC1";
 
 #[derive(Clone, Debug, PartialEq)]
 pub struct Entry {
@@ -15,13 +18,16 @@ pub struct Entry {
     pub response_hash: String,
     /// Response headers replayed on a hit (hop-by-hop and per-response headers removed).
     pub headers: Vec<(String, String)>,
+    /// The body without the request id it was answered with.
     pub body: Vec<u8>,
+    /// Where a hit puts the requester's id back (None: the answer carried no id).
+    pub splice: Option<Splice>,
 }
 
 impl Entry {
     pub fn encode(&self) -> Vec<u8> {
         let header_bytes: usize = self.headers.iter().map(|(n, v)| 6 + n.len() + v.len()).sum();
-        let mut out = Vec::with_capacity(64 + self.response_hash.len() + header_bytes + self.body.len());
+        let mut out = Vec::with_capacity(80 + self.response_hash.len() + header_bytes + self.body.len());
         out.extend_from_slice(MAGIC);
         out.extend_from_slice(&self.key);
         out.extend_from_slice(&self.stored_at_ms.to_be_bytes());
@@ -39,12 +45,30 @@ impl Entry {
         }
         out.extend_from_slice(&(self.body.len() as u32).to_be_bytes());
         out.extend_from_slice(&self.body);
+        match &self.splice {
+            None => out.push(0),
+            Some(Splice::Proto { at }) => {
+                out.push(1);
+                out.extend_from_slice(&at.to_be_bytes());
+            }
+            Some(Splice::Json { at, before, after, json_len_header }) => {
+                out.push(2);
+                out.extend_from_slice(&at.to_be_bytes());
+                out.push(*json_len_header as u8);
+                for part in [before, after] {
+                    out.extend_from_slice(&(part.len() as u16).to_be_bytes());
+                    out.extend_from_slice(part);
+                }
+            }
+        }
         out
     }
 
     pub fn decode(buf: &[u8]) -> Option<Entry> {
         let mut r = Reader { buf };
-        if r.take(3)? != MAGIC {
+        let magic = r.take(3)?;
+        let v1 = magic == MAGIC_V1;
+        if !v1 && magic != MAGIC {
             return None;
         }
         let mut key = [0u8; 32];
@@ -65,15 +89,33 @@ impl Entry {
         }
         let bl = r.u32()? as usize;
         let body = r.take(bl)?.to_vec();
+        let splice = if v1 {
+            None
+        } else {
+            match r.take(1)?[0] {
+                0 => None,
+                1 => Some(Splice::Proto { at: r.u32()? }),
+                2 => {
+                    let at = r.u32()?;
+                    let json_len_header = r.take(1)?[0] != 0;
+                    let bl = r.u16()? as usize;
+                    let before = r.take(bl)?.to_vec();
+                    let al = r.u16()? as usize;
+                    let after = r.take(al)?.to_vec();
+                    Some(Splice::Json { at, before, after, json_len_header })
+                }
+                _ => return None,
+            }
+        };
         if !r.buf.is_empty() {
             return None;
         }
-        Some(Entry { key, stored_at_ms, expires_at_ms, status, grpc, response_hash, headers, body })
+        Some(Entry { key, stored_at_ms, expires_at_ms, status, grpc, response_hash, headers, body, splice })
     }
 
     /// The key digest without decoding the rest: a slot is checked before it is unpacked.
     pub fn peek_key(buf: &[u8]) -> Option<&[u8]> {
-        if buf.len() < 35 || &buf[..3] != MAGIC {
+        if buf.len() < 35 || (&buf[..3] != MAGIC && &buf[..3] != MAGIC_V1) {
             return None;
         }
         Some(&buf[3..35])
@@ -122,6 +164,7 @@ pub fn sample(key_byte: u8, body: &[u8], expires_at_ms: u64) -> Entry {
         response_hash: "ab".repeat(32),
         headers: vec![("content-type".into(), "application/json".into())],
         body: body.to_vec(),
+        splice: None,
     }
 }
 
@@ -141,5 +184,28 @@ mod tests {
         assert_eq!(Entry::decode(&longer), None);
         assert_eq!(Entry::decode(b"garbage"), None);
         assert_eq!(Entry::peek_key(b""), None);
+    }
+
+    #[test]
+    fn splices_roundtrip_and_v1_entries_decode() {
+        let splices = [
+            Splice::Proto { at: 9 },
+            Splice::Json { at: 40, before: b"\"id\":\"".to_vec(), after: b"\",".to_vec(), json_len_header: true },
+        ];
+        for sp in splices.iter() {
+            let e = Entry { splice: Some(sp.clone()), ..sample(3, b"{}", 9) };
+            let buf = e.encode();
+            assert_eq!(Entry::decode(&buf), Some(e));
+            for n in 0..buf.len() {
+                assert_eq!(Entry::decode(&buf[..n]), None);
+            }
+        }
+        // An MC1 entry is the MC2 layout without the splice byte.
+        let e = sample(4, b"{}", 9);
+        let mut v1 = e.encode();
+        assert_eq!(v1.pop(), Some(0));
+        v1[..3].copy_from_slice(MAGIC_V1);
+        assert_eq!(Entry::decode(&v1), Some(e));
+        assert!(Entry::peek_key(&v1).is_some());
     }
 }

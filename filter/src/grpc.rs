@@ -21,6 +21,15 @@ pub fn frame(message: &[u8]) -> Vec<u8> {
     out
 }
 
+/// Appends `v` as a protobuf varint.
+pub fn put_varint(out: &mut Vec<u8>, mut v: u64) {
+    while v >= 0x80 {
+        out.push((v as u8 & 0x7f) | 0x80);
+        v >>= 7;
+    }
+    out.push(v as u8);
+}
+
 #[derive(Debug, PartialEq)]
 pub enum Value<'a> {
     Varint(u64),
@@ -38,6 +47,11 @@ pub struct Fields<'a> {
 impl<'a> Fields<'a> {
     pub fn new(buf: &'a [u8]) -> Self {
         Fields { buf, failed: false }
+    }
+
+    /// Bytes not yet read: the caller turns this into offsets of the fields it sees.
+    pub fn remaining(&self) -> usize {
+        self.buf.len()
     }
 
     fn varint(&mut self) -> Option<u64> {
@@ -75,8 +89,12 @@ impl<'a> Fields<'a> {
                 Value::Fixed64
             }
             2 => {
-                let len = self.varint()? as usize;
-                Value::Bytes(self.take(len)?)
+                // Compared as u64 first: on wasm32 `as usize` would wrap a huge length.
+                let len = self.varint()?;
+                if len > self.buf.len() as u64 {
+                    return None;
+                }
+                Value::Bytes(self.take(len as usize)?)
             }
             5 => {
                 self.take(4)?;
@@ -126,6 +144,9 @@ mod tests {
             got,
             vec![Ok((1, Value::Varint(150))), Ok((2, Value::Fixed64)), Ok((3, Value::Bytes(b"hi"))), Ok((4, Value::Fixed32))]
         );
+        let mut v = vec![];
+        put_varint(&mut v, 300);
+        assert_eq!(v, vec![0xac, 0x02]);
         let truncated: Vec<_> = Fields::new(&[0x1a, 5, b'x']).collect();
         assert_eq!(truncated, vec![Err(())]);
     }

@@ -1,5 +1,6 @@
 //! Cache keys and response hashes (sha256).
 
+use crate::keybody::KeyBody;
 use sha2::{Digest, Sha256};
 
 pub type KeyDigest = [u8; 32];
@@ -16,7 +17,8 @@ pub struct KeyInput<'a> {
     pub vary: &'a [(String, Option<String>)],
     /// The peer's URI SAN when the policy's scope is "principal".
     pub principal: Option<&'a str>,
-    pub body: &'a [u8],
+    /// The body as keyed: the request id and ignored fields left out.
+    pub body: &'a KeyBody<'a>,
 }
 
 fn field(h: &mut Sha256, bytes: &[u8]) {
@@ -27,7 +29,7 @@ fn field(h: &mut Sha256, bytes: &[u8]) {
 
 pub fn cache_key(k: &KeyInput) -> KeyDigest {
     let mut h = Sha256::new();
-    h.update(b"meshcache-key-v1");
+    h.update(b"meshcache-key-v2");
     field(&mut h, k.method.as_bytes());
     field(&mut h, k.path.as_bytes());
     field(&mut h, k.model.as_bytes());
@@ -52,7 +54,20 @@ pub fn cache_key(k: &KeyInput) -> KeyDigest {
         }
         None => h.update([0u8]),
     }
-    field(&mut h, k.body);
+    // The id form first: an answer stored without an id never serves a request with one.
+    h.update([k.body.form_tag()]);
+    let total: usize = k.body.parts.iter().map(|p| p.len()).sum();
+    h.update((total as u64).to_be_bytes());
+    for part in &k.body.parts {
+        h.update(part);
+    }
+    match k.body.json_len {
+        Some(n) => {
+            h.update([1u8]);
+            h.update(n.to_be_bytes());
+        }
+        None => h.update([0u8]),
+    }
     h.finalize().into()
 }
 
@@ -98,7 +113,7 @@ pub fn unhex(s: &str) -> Option<Vec<u8>> {
 mod tests {
     use super::*;
 
-    fn base<'a>(body: &'a [u8], vary: &'a [(String, Option<String>)]) -> KeyInput<'a> {
+    fn base<'a>(body: &'a KeyBody<'a>, vary: &'a [(String, Option<String>)]) -> KeyInput<'a> {
         KeyInput {
             method: "POST", path: "/v2/models/m/infer", model: "m", version: "", generation: 0, color: "",
             vary, principal: None, body,
@@ -106,25 +121,45 @@ mod tests {
     }
 
     #[test]
+    fn body_forms_are_separated() {
+        use crate::keybody::RequestId;
+        let none: Vec<(String, Option<String>)> = vec![];
+        let whole = KeyBody::whole(b"{\"a\":1}");
+        let split = KeyBody { parts: vec![b"{\"a\"", b":1}"], json_len: None, id: RequestId::None };
+        assert_eq!(cache_key(&base(&whole, &none)), cache_key(&base(&split, &none)), "parts hash as their concatenation");
+        let spliced = KeyBody { id: RequestId::Spliced(b"x".to_vec()), ..whole.clone() };
+        let other_id = KeyBody { id: RequestId::Spliced(b"y".to_vec()), ..whole.clone() };
+        let kept = KeyBody { id: RequestId::Kept, ..whole.clone() };
+        let binary = KeyBody { json_len: Some(7), ..whole.clone() };
+        let k = cache_key(&base(&whole, &none));
+        assert_eq!(cache_key(&base(&spliced, &none)), cache_key(&base(&other_id, &none)), "the id itself is not keyed");
+        for v in [&spliced, &kept, &binary] {
+            assert_ne!(cache_key(&base(v, &none)), k);
+        }
+        assert_ne!(cache_key(&base(&spliced, &none)), cache_key(&base(&kept, &none)));
+    }
+
+    #[test]
     fn every_component_changes_the_key() {
         let none: Vec<(String, Option<String>)> = vec![];
-        let k0 = cache_key(&base(b"x", &none));
-        assert_eq!(k0, cache_key(&base(b"x", &none)));
+        let (x, y) = (KeyBody::whole(b"x"), KeyBody::whole(b"y"));
+        let k0 = cache_key(&base(&x, &none));
+        assert_eq!(k0, cache_key(&base(&x, &none)));
         let mut variants = vec![];
-        variants.push(cache_key(&base(b"y", &none)));
-        variants.push(cache_key(&KeyInput { method: "PUT", ..base(b"x", &none) }));
-        variants.push(cache_key(&KeyInput { path: "/v1/infer", ..base(b"x", &none) }));
-        variants.push(cache_key(&KeyInput { model: "n", ..base(b"x", &none) }));
-        variants.push(cache_key(&KeyInput { version: "2", ..base(b"x", &none) }));
-        variants.push(cache_key(&KeyInput { generation: 1, ..base(b"x", &none) }));
-        variants.push(cache_key(&KeyInput { color: "blue", ..base(b"x", &none) }));
-        variants.push(cache_key(&KeyInput { principal: Some("spiffe://a"), ..base(b"x", &none) }));
+        variants.push(cache_key(&base(&y, &none)));
+        variants.push(cache_key(&KeyInput { method: "PUT", ..base(&x, &none) }));
+        variants.push(cache_key(&KeyInput { path: "/v1/infer", ..base(&x, &none) }));
+        variants.push(cache_key(&KeyInput { model: "n", ..base(&x, &none) }));
+        variants.push(cache_key(&KeyInput { version: "2", ..base(&x, &none) }));
+        variants.push(cache_key(&KeyInput { generation: 1, ..base(&x, &none) }));
+        variants.push(cache_key(&KeyInput { color: "blue", ..base(&x, &none) }));
+        variants.push(cache_key(&KeyInput { principal: Some("spiffe://a"), ..base(&x, &none) }));
         let vary_a = vec![("x-tenant".to_string(), Some("a".to_string()))];
         let vary_absent = vec![("x-tenant".to_string(), None)];
         let vary_empty = vec![("x-tenant".to_string(), Some(String::new()))];
-        variants.push(cache_key(&base(b"x", &vary_a)));
-        variants.push(cache_key(&base(b"x", &vary_absent)));
-        variants.push(cache_key(&base(b"x", &vary_empty)));
+        variants.push(cache_key(&base(&x, &vary_a)));
+        variants.push(cache_key(&base(&x, &vary_absent)));
+        variants.push(cache_key(&base(&x, &vary_empty)));
         for (i, v) in variants.iter().enumerate() {
             assert_ne!(*v, k0, "variant {}", i);
             for w in &variants[i + 1..] {
@@ -136,8 +171,9 @@ mod tests {
     #[test]
     fn field_boundaries_are_unambiguous() {
         let none: Vec<(String, Option<String>)> = vec![];
-        let a = cache_key(&KeyInput { model: "ab", version: "c", ..base(b"", &none) });
-        let b = cache_key(&KeyInput { model: "a", version: "bc", ..base(b"", &none) });
+        let empty = KeyBody::whole(b"");
+        let a = cache_key(&KeyInput { model: "ab", version: "c", ..base(&empty, &none) });
+        let b = cache_key(&KeyInput { model: "a", version: "bc", ..base(&empty, &none) });
         assert_ne!(a, b);
     }
 

@@ -13,6 +13,8 @@ pub mod entry;
 pub mod grpc;
 pub mod hashing;
 pub mod headermap;
+pub mod json;
+pub mod keybody;
 pub mod model;
 pub mod names;
 pub mod store;

@@ -3,6 +3,12 @@
 
 pub const GRPC_MODEL_INFER_PATH: &str = "/inference.GRPCInferenceService/ModelInfer";
 const OPENAI_PATHS: [&str; 3] = ["/v1/chat/completions", "/v1/completions", "/v1/embeddings"];
+/// The OpenAI APIs whose answers are samples unless `temperature` is 0 or a `seed` is set.
+const SAMPLING_PATHS: [&str; 2] = ["/v1/chat/completions", "/v1/completions"];
+
+pub fn is_sampling_path(path: &str) -> bool {
+    SAMPLING_PATHS.contains(&strip_query(path))
+}
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ModelRef {
@@ -18,7 +24,7 @@ pub enum ModelSource {
     GrpcBody,
 }
 
-fn strip_query(path: &str) -> &str {
+pub fn strip_query(path: &str) -> &str {
     path.split('?').next().unwrap_or(path)
 }
 
@@ -68,30 +74,20 @@ pub fn kserve_rest_model(path: &str) -> Option<ModelRef> {
     }
 }
 
-/// The top-level `"model"` string of a JSON object body.
-pub fn model_from_json_body(body: &[u8]) -> Option<ModelRef> {
-    let value: serde_json::Value = serde_json::from_slice(body).ok()?;
-    let name = value.as_object()?.get("model")?.as_str()?;
-    if name.is_empty() {
-        return None;
-    }
-    Some(ModelRef { name: name.to_string(), version: String::new() })
-}
-
-/// `model_name` (field 1) and `model_version` (field 2) of a gRPC-framed ModelInferRequest.
-pub fn model_from_grpc_body(body: &[u8]) -> Option<ModelRef> {
-    let message = crate::grpc::unframe(body)?;
-    let mut name = None;
-    let mut version = String::new();
-    for field in crate::grpc::Fields::new(message) {
-        match field {
-            Ok((1, crate::grpc::Value::Bytes(b))) => name = Some(std::str::from_utf8(b).ok()?.to_string()),
-            Ok((2, crate::grpc::Value::Bytes(b))) => version = std::str::from_utf8(b).ok()?.to_string(),
-            Ok(_) => {}
-            Err(()) => return None,
+/// The top-level `"model"` string of a scanned JSON object (one, non-empty).
+pub fn model_from_members(body: &[u8], members: &[crate::json::Member]) -> Option<ModelRef> {
+    let mut found = None;
+    for m in members.iter().filter(|m| m.key_is(body, "model")) {
+        if found.is_some() {
+            return None; // parsers disagree on which duplicate wins
         }
+        let raw = m.value_raw(body);
+        if raw.first() != Some(&b'"') {
+            return None;
+        }
+        found = Some(crate::json::decode_string(raw)?);
     }
-    name.filter(|n| !n.is_empty()).map(|name| ModelRef { name, version })
+    found.filter(|n| !n.is_empty()).map(|name| ModelRef { name, version: String::new() })
 }
 
 #[cfg(test)]
@@ -124,21 +120,25 @@ mod tests {
         assert!(is_grpc_web(Some("application/grpc-web-text")));
     }
 
-    #[test]
-    fn json_body_model() {
-        assert_eq!(model_from_json_body(br#"{"model": "gpt-x", "messages": []}"#), Some(m("gpt-x", "")));
-        assert_eq!(model_from_json_body(br#"{"messages": []}"#), None);
-        assert_eq!(model_from_json_body(br#"{"model": 3}"#), None);
-        assert_eq!(model_from_json_body(b"not json"), None);
+    fn json_model(body: &[u8]) -> Option<ModelRef> {
+        model_from_members(body, &crate::json::object_members(body)?)
     }
 
     #[test]
-    fn grpc_body_model() {
-        // field 1 "resnet", field 2 "2", field 3 "id" (ignored), then a framed message.
-        let msg = [&[0x0a, 6][..], b"resnet", &[0x12, 1], b"2", &[0x1a, 2], b"id"].concat();
-        let framed = [&[0u8, 0, 0, 0, msg.len() as u8][..], &msg].concat();
-        assert_eq!(model_from_grpc_body(&framed), Some(m("resnet", "2")));
-        assert_eq!(model_from_grpc_body(&framed[..framed.len() - 1]), None);
-        assert_eq!(model_from_grpc_body(b""), None);
+    fn json_body_model() {
+        assert_eq!(json_model(br#"{"model": "gpt-x", "messages": []}"#), Some(m("gpt-x", "")));
+        assert_eq!(json_model(br#"{"m\u006fdel": "gpt-\u0078"}"#), Some(m("gpt-x", "")));
+        assert_eq!(json_model(br#"{"messages": [{"model": "x"}]}"#), None);
+        assert_eq!(json_model(br#"{"model": 3}"#), None);
+        assert_eq!(json_model(br#"{"model": ""}"#), None);
+        assert_eq!(json_model(br#"{"model": "a", "model": "b"}"#), None);
+        assert_eq!(json_model(b"not json"), None);
+    }
+
+    #[test]
+    fn sampling_paths() {
+        assert!(is_sampling_path("/v1/chat/completions?x=1"));
+        assert!(is_sampling_path("/v1/completions"));
+        assert!(!is_sampling_path("/v1/embeddings"));
     }
 }
