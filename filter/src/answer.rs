@@ -5,8 +5,8 @@
 //! rewrite of the stored answer (such as echoing the caller's request id) belongs there.
 
 use crate::entry::Entry;
-use crate::names::{cache_status_hit, CACHE_STATUS, HASH_HEADER};
-use std::borrow::Cow;
+use crate::keybody::{self, RequestId, Splice};
+use crate::names::{cache_status_hit, CACHE_STATUS, HASH_HEADER, KSERVE_BINARY_HEADER};
 
 /// What the filter knows about the request it answers from the cache.
 pub struct HitRequest<'a> {
@@ -14,6 +14,8 @@ pub struct HitRequest<'a> {
     pub headers: &'a [(String, String)],
     /// The whole request body (for gRPC the framed ModelInferRequest).
     pub body: &'a [u8],
+    /// The request's KServe id, as the key read it: the answer carries it.
+    pub id: &'a RequestId,
 }
 
 impl<'a> HitRequest<'a> {
@@ -46,9 +48,27 @@ pub fn hit_headers(entry: &Entry, now_ms: u64) -> Vec<(String, String)> {
     ]
 }
 
-/// The body (HTTP) or message (gRPC, unframed) a hit sends for this request.
-pub fn hit_message<'e>(entry: &'e Entry, _request: &HitRequest) -> Cow<'e, [u8]> {
-    Cow::Borrowed(&entry.body)
+/// The body (HTTP) or message (gRPC, unframed) a hit sends for this request: the stored answer
+/// with the requester's id put back where the server wrote it, and by how many bytes that grew
+/// the JSON part (for the binary extension's length header).
+pub fn hit_message(entry: &Entry, request: &HitRequest) -> (Vec<u8>, usize) {
+    // The splice point was checked against the body when the entry was decoded.
+    keybody::answer_body(&entry.body, entry.splice.as_ref(), request.id).unwrap_or_else(|| (entry.body.clone(), 0))
+}
+
+/// The stored headers for this hit: the binary extension's JSON length grows with the id.
+fn stored_headers(entry: &Entry, grown: usize) -> Vec<(String, String)> {
+    let mut headers = entry.headers.clone();
+    if let (true, Some(Splice::Json { json_len_header: true, .. })) = (grown > 0, &entry.splice) {
+        for (n, v) in headers.iter_mut() {
+            if n == KSERVE_BINARY_HEADER {
+                if let Ok(len) = v.parse::<usize>() {
+                    *v = (len + grown).to_string();
+                }
+            }
+        }
+    }
+    headers
 }
 
 /// Does the request's If-None-Match name this entry (its ETag or its response hash)?
@@ -74,19 +94,21 @@ pub fn http_hit(entry: &Entry, request: &HitRequest, now_ms: u64) -> HitAnswer {
         }
         return HitAnswer { status: 304, headers, body: Vec::new() };
     }
-    let mut all = entry.headers.clone();
+    let (body, grown) = hit_message(entry, request);
+    let mut all = stored_headers(entry, grown);
     all.append(&mut headers);
-    HitAnswer { status: entry.status, headers: all, body: hit_message(entry, request).into_owned() }
+    HitAnswer { status: entry.status, headers: all, body }
 }
 
 /// A gRPC hit: the stored response headers and the hit headers, the message unframed.
 pub fn grpc_hit(entry: &Entry, request: &HitRequest, now_ms: u64) -> HitAnswer {
-    let mut all = entry.headers.clone();
+    let (body, grown) = hit_message(entry, request);
+    let mut all = stored_headers(entry, grown);
     if crate::decide::header(&all, "content-type").is_none() {
         all.insert(0, ("content-type".to_string(), "application/grpc".to_string()));
     }
     all.extend(hit_headers(entry, now_ms));
-    HitAnswer { status: 200, headers: all, body: hit_message(entry, request).into_owned() }
+    HitAnswer { status: 200, headers: all, body }
 }
 
 #[cfg(test)]
@@ -95,7 +117,7 @@ mod tests {
     use crate::entry::sample;
 
     fn request<'a>(headers: &'a [(String, String)]) -> HitRequest<'a> {
-        HitRequest { headers, body: b"" }
+        HitRequest { headers, body: b"", id: &RequestId::None }
     }
 
     #[test]
@@ -134,6 +156,10 @@ mod tests {
         let none: Vec<(String, String)> = vec![];
         let a = grpc_hit(&e, &request(&none), 1_000);
         assert_eq!(a.body, b"\x0a\x01m");
+        e.splice = Some(Splice::Proto { at: 3 });
+        let id = RequestId::Spliced(b"r-9".to_vec());
+        let with_id = grpc_hit(&e, &HitRequest { headers: &none, body: b"", id: &id }, 1_000);
+        assert_eq!(with_id.body, b"\x0a\x01m\x1a\x03r-9");
         assert!(a.headers.iter().any(|(n, v)| n == "x-response-hash" && v == &e.response_hash));
     }
 }

@@ -1,14 +1,14 @@
 //! Per-request decisions in plain Rust: which requests are cacheable, their key, how a hit is
 //! answered and what a miss stores. The proxy-wasm glue only gathers inputs and applies these.
 
-use crate::cache_control;
+use crate::cache_control::{self, NotStored};
 use crate::config::{Config, Policy, Scope};
 use crate::entry::Entry;
 use crate::hashing::{cache_key, response_hash, KeyDigest, KeyInput};
 use crate::json;
 use crate::keybody::{self, JsonRules, KeyBody, RequestId, Splice, Unkeyable};
 use crate::model::{self, ModelRef, ModelSource};
-use crate::names::{COLOR_HEADER, MODEL_HEADER};
+use crate::names::{COLOR_HEADER, KSERVE_BINARY_HEADER, MODEL_HEADER};
 
 /// Request bodies larger than this are not buffered; the request passes through uncached.
 pub const MAX_REQUEST_BYTES: usize = 8 * 1_048_576;
@@ -91,30 +91,29 @@ enum ReadBody<'a> {
     Grpc(keybody::GrpcRequest<'a>),
 }
 
-fn read_body<'a>(source: &ModelSource, head: &RequestHead, body: &'a [u8]) -> Result<(ModelRef, ReadBody<'a>), Unkeyable> {
+/// The model is None when a well-formed body names none (a plain bypass: no policy can apply).
+fn read_body<'a>(source: &ModelSource, head: &RequestHead, body: &'a [u8]) -> Result<(Option<ModelRef>, ReadBody<'a>), Unkeyable> {
     match source {
         ModelSource::GrpcBody => {
             let message = crate::grpc::unframe(body).ok_or(Unkeyable::Unparsable)?;
             let req = keybody::grpc_request(message)?;
-            if req.model_name.is_empty() {
-                return Err(Unkeyable::Unparsable);
-            }
-            let m = ModelRef { name: req.model_name.clone(), version: req.model_version.clone() };
+            let m = Some(ModelRef { name: req.model_name.clone(), version: req.model_version.clone() })
+                .filter(|m| !m.name.is_empty());
             Ok((m, ReadBody::Grpc(req)))
         }
         ModelSource::JsonBody => {
             let members = json::object_members(body).ok_or(Unkeyable::Unparsable)?;
-            let m = model::model_from_members(body, &members).ok_or(Unkeyable::Unparsable)?;
+            let m = model::model_from_members(body, &members);
             Ok((m, ReadBody::Json { json_len: body.len(), binary: false, members }))
         }
         ModelSource::Known(m) => {
             if model::kserve_rest_model(model::strip_query(head.path)).is_none() {
-                return Ok((m.clone(), ReadBody::Opaque));
+                return Ok((Some(m.clone()), ReadBody::Opaque));
             }
             // KServe v2 REST: the request id is in the JSON (part) of the body.
-            let (json_len, binary) = keybody::split_binary(body, head.header(keybody::BINARY_HEADER))?;
+            let (json_len, binary) = keybody::split_binary(body, head.header(KSERVE_BINARY_HEADER))?;
             let members = json::object_members(&body[..json_len]).ok_or(Unkeyable::Unparsable)?;
-            Ok((m.clone(), ReadBody::Json { json_len, binary, members }))
+            Ok((Some(m.clone()), ReadBody::Json { json_len, binary, members }))
         }
     }
 }
@@ -154,7 +153,8 @@ pub fn on_body(
 ) -> BodyDecision {
     let grpc = *source == ModelSource::GrpcBody;
     let (model, read) = match read_body(source, head, body) {
-        Ok(x) => x,
+        Ok((Some(m), read)) => (m, read),
+        Ok((None, _)) => return BodyDecision::Bypass,
         Err(why) => return BodyDecision::Unkeyable(why),
     };
     let policy = match config.policy_for(&model.name) {
@@ -232,7 +232,7 @@ pub fn build_entry(
         .collect();
     let stripped = match &c.request_id {
         RequestId::Spliced(id) if c.grpc => keybody::strip_proto_answer(body, id),
-        RequestId::Spliced(id) => keybody::strip_json_answer(body, header(&headers, keybody::BINARY_HEADER), id),
+        RequestId::Spliced(id) => keybody::strip_json_answer(body, header(&headers, KSERVE_BINARY_HEADER), id),
         _ => Ok(keybody::Stripped { body, splice: None }),
     };
     let keybody::Stripped { body, splice } = stripped.map_err(|_| NotStored::Unparsable)?;
@@ -240,7 +240,7 @@ pub fn build_entry(
         // The binary extension's JSON length is stored (and hashed) for the answer without its id.
         let removed = before.len() + after.len() + c.request_id_len();
         for (n, v) in headers.iter_mut() {
-            if n == keybody::BINARY_HEADER {
+            if n == KSERVE_BINARY_HEADER {
                 *v = v.parse::<usize>().ok().and_then(|x| x.checked_sub(removed)).ok_or(NotStored::Unparsable)?.to_string();
             }
         }
@@ -342,7 +342,8 @@ mod tests {
         assert_eq!(decide(&cfg, "/v2/models/m/infer", &[("authorization", "Bearer x")], b"{}", None), BodyDecision::Bypass);
         assert_eq!(decide(&cfg, "/v2/models/p/infer", &[], b"{}", None), BodyDecision::Bypass);
         assert!(matches!(decide(&cfg, "/v2/models/p/infer", &[("authorization", "Bearer x")], b"{}", Some("spiffe://a")), BodyDecision::Cacheable(_)));
-        assert_eq!(decide(&cfg, "/v1/chat/completions", &[], br#"{"messages": []}"#, None), BodyDecision::Unkeyable(Unkeyable::Unparsable));
+        assert_eq!(decide(&cfg, "/v1/chat/completions", &[], br#"{"messages": []}"#, None), BodyDecision::Bypass);
+        assert_eq!(decide(&cfg, "/v1/chat/completions", &[], br#"{"model": "m1""#, None), BodyDecision::Unkeyable(Unkeyable::Unparsable));
         assert!(matches!(decide(&cfg, "/v1/chat/completions", &[], br#"{"model": "m1"}"#, None), BodyDecision::Cacheable(_)));
     }
 
@@ -426,8 +427,9 @@ mod tests {
         let from_b = build_entry(&Cacheable { request_ms: 1000, ..b.clone() }, &json, 200, answer("b-2"), 5).unwrap();
         assert_eq!(stored.entry.response_hash, from_b.entry.response_hash, "the hash is id-independent");
         assert_eq!(stored.added_etag, from_b.added_etag);
-        let (hit, _) = hit_answer(&stored.entry, &b.request_id).unwrap();
-        assert_eq!(hit, answer("b-2"));
+        let none_h: Vec<(String, String)> = vec![];
+        let hit = crate::answer::http_hit(&stored.entry, &crate::answer::HitRequest { headers: &none_h, body: b"", id: &b.request_id }, 1000);
+        assert_eq!(hit.body, answer("b-2"));
         // An answer that echoes some other id is not stored.
         let wrong = build_entry(&a, &json, 200, answer("zzz"), 5);
         assert_eq!(wrong.err(), Some(NotStored::Unparsable));
@@ -452,10 +454,16 @@ mod tests {
         let s = build_entry(&c, &h, 200, ans.clone(), 5).unwrap();
         let stored_len = header(&s.entry.headers, "inference-header-content-length").unwrap();
         assert_eq!(stored_len, (ans_json.len() - r#""id":"r1","#.len()).to_string());
-        let (body, headers) = hit_answer(&s.entry, &RequestId::Spliced(b"r1".to_vec())).unwrap();
+        let none_h: Vec<(String, String)> = vec![];
+        let hit = |id: &[u8]| {
+            let id = RequestId::Spliced(id.to_vec());
+            let a = crate::answer::http_hit(&s.entry, &crate::answer::HitRequest { headers: &none_h, body: b"", id: &id }, 1000);
+            (a.body, a.headers)
+        };
+        let (body, headers) = hit(b"r1");
         assert_eq!(body, ans);
         assert_eq!(header(&headers, "inference-header-content-length").unwrap(), ans_json.len().to_string());
-        let (body2, headers2) = hit_answer(&s.entry, &RequestId::Spliced(b"longer-id".to_vec())).unwrap();
+        let (body2, headers2) = hit(b"longer-id");
         let n2: usize = header(&headers2, "inference-header-content-length").unwrap().parse().unwrap();
         assert_eq!(&body2[..n2], &br#"{"id":"longer-id","outputs":[{"name":"y","parameters":{"binary_data_size":1}}]}"#[..]);
     }

@@ -107,7 +107,11 @@ impl Entry {
                 _ => return None,
             }
         };
-        if !r.buf.is_empty() {
+        let at = match &splice {
+            Some(Splice::Proto { at }) | Some(Splice::Json { at, .. }) => *at as usize,
+            None => 0,
+        };
+        if !r.buf.is_empty() || at > body.len() {
             return None;
         }
         Some(Entry { key, stored_at_ms, expires_at_ms, status, grpc, response_hash, headers, body, splice })
@@ -193,7 +197,7 @@ mod tests {
             Splice::Json { at: 40, before: b"\"id\":\"".to_vec(), after: b"\",".to_vec(), json_len_header: true },
         ];
         for sp in splices.iter() {
-            let e = Entry { splice: Some(sp.clone()), ..sample(3, b"{}", 9) };
+            let e = Entry { splice: Some(sp.clone()), ..sample(3, &[b' '; 64], 9) };
             let buf = e.encode();
             assert_eq!(Entry::decode(&buf), Some(e));
             for n in 0..buf.len() {
@@ -207,5 +211,8 @@ mod tests {
         v1[..3].copy_from_slice(MAGIC_V1);
         assert_eq!(Entry::decode(&v1), Some(e));
         assert!(Entry::peek_key(&v1).is_some());
+        // A splice point past the body is a corrupt entry.
+        let bad = Entry { splice: Some(Splice::Proto { at: 3 }), ..sample(5, b"{}", 9) };
+        assert_eq!(Entry::decode(&bad.encode()), None);
     }
 }

@@ -15,8 +15,6 @@ use crate::json::{self, Member};
 
 /// Longer ids stay in the key (and a gRPC hit's marker stays small).
 pub const MAX_SPLICED_ID_BYTES: usize = 256;
-/// The KServe binary tensor extension's header: the JSON part's length in the body.
-pub const BINARY_HEADER: &str = "inference-header-content-length";
 
 /// Why a body cannot be keyed: the request bypasses with this as `Cache-Status` detail.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -7,6 +7,8 @@ pub const COLOR_HEADER: &str = "x-traffic-color";
 pub const MODEL_HEADER: &str = "x-model-id";
 pub const HASH_HEADER: &str = "x-response-hash";
 pub const CACHE_STATUS: &str = "cache-status";
+/// KServe's binary tensor extension: the length of a body's JSON part (requests and answers).
+pub const KSERVE_BINARY_HEADER: &str = "inference-header-content-length";
 
 pub const CACHE_STATUS_STORED: &str = "meshcache; fwd=miss; stored";
 pub const CACHE_STATUS_REFRESHED: &str = "meshcache; fwd=request; stored";
@@ -17,6 +19,11 @@ pub const CACHE_STATUS_REFRESH: &str = "meshcache; fwd=request";
 
 pub fn cache_status_hit(ttl_left_s: u64) -> String {
     format!("meshcache; hit; ttl={}", ttl_left_s)
+}
+
+/// A bypass whose reason is worth saying: `unparsable`, `nondeterministic`.
+pub fn cache_status_bypass(detail: &str) -> String {
+    format!("{}; detail={}", CACHE_STATUS_BYPASS, detail)
 }
 
 pub fn cache_status_not_stored(refresh: bool, why: NotStored) -> String {
@@ -50,6 +57,7 @@ mod tests {
         assert_eq!(cache_status_not_stored(false, NotStored::TooBig), "meshcache; fwd=miss; detail=too-big");
         assert_eq!(cache_status_not_stored(true, NotStored::Status), "meshcache; fwd=request; detail=status");
         assert_eq!(cache_status_forwarded(false), "meshcache; fwd=miss");
+        assert_eq!(cache_status_bypass("unparsable"), "meshcache; fwd=bypass; detail=unparsable");
         assert_eq!(cache_status_stored(true), "meshcache; fwd=request; stored");
     }
 }

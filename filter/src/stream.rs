@@ -108,8 +108,8 @@ pub fn with<F: FnOnce(&mut Stream) -> u32>(id: u32, f: F) -> u32 {
 enum Phase {
     /// Not ours (or failed open): untouched.
     Pass,
-    /// An inference request the cache stays out of; its answer says so.
-    Bypass,
+    /// An inference request the cache stays out of; its answer says so (and why, if known).
+    Bypass(Option<&'static str>),
     Buffering { source: ModelSource, refresh: bool, headers: Vec<(String, String)> },
     Miss(Cacheable),
     Collect { c: Cacheable, ttl: u64, status: u16, headers: Vec<(String, String)>, body: Vec<u8> },
@@ -129,7 +129,11 @@ impl Stream {
 
     /// The cache stays out of this request: counted, and its answer says `fwd=bypass`.
     fn bypass(&mut self) -> u32 {
-        self.phase = Phase::Bypass;
+        self.bypass_because(None)
+    }
+
+    fn bypass_because(&mut self, detail: Option<&'static str>) -> u32 {
+        self.phase = Phase::Bypass(detail);
         count(metrics::BYPASSES, 1);
         CONTINUE
     }
@@ -219,6 +223,7 @@ impl Stream {
         let principal = || abi::property(&PEER_SAN).and_then(|b| String::from_utf8(b).ok());
         let mut c = match decide::on_body(cfg, &head, source, refresh, body, principal) {
             BodyDecision::Bypass => return self.bypass(),
+            BodyDecision::Unkeyable(why) => return self.bypass_because(Some(why.detail())),
             BodyDecision::Cacheable(c) => c,
         };
         let now = abi::now_ms();
@@ -241,9 +246,9 @@ impl Stream {
         count_policy(&c.policy.model_prefix, "hits");
         self.phase = Phase::Done;
         if c.grpc {
-            return self.answer_grpc_hit(&entry, &HitRequest { headers, body }, now);
+            return self.answer_grpc_hit(&entry, &HitRequest { headers, body, id: &c.request_id }, now);
         }
-        let reply = answer::http_hit(&entry, &HitRequest { headers, body }, now);
+        let reply = answer::http_hit(&entry, &HitRequest { headers, body, id: &c.request_id }, now);
         let h: Vec<(&str, &str)> = reply.headers.iter().map(|(n, v)| (n.as_str(), v.as_str())).collect();
         if !abi::send_local_response(reply.status as u32, "meshcache_hit", &reply.body, &h, -1) {
             error("local reply failed; passing through");
@@ -285,8 +290,12 @@ impl Stream {
     pub fn on_response_headers(&mut self, eos: bool) -> u32 {
         let phase = std::mem::replace(&mut self.phase, Phase::Done);
         match phase {
-            Phase::Bypass => {
+            Phase::Bypass(None) => {
                 abi::set_header(Map::ResponseHeaders, names::CACHE_STATUS, names::CACHE_STATUS_BYPASS);
+                CONTINUE
+            }
+            Phase::Bypass(Some(detail)) => {
+                abi::set_header(Map::ResponseHeaders, names::CACHE_STATUS, &names::cache_status_bypass(detail));
                 CONTINUE
             }
             Phase::Miss(c) => self.start_collect(c, eos),
@@ -429,7 +438,10 @@ impl Stream {
             return self.not_stored(c.refresh, NotStored::TooBig, headers_open);
         }
         let refresh = c.refresh;
-        let stored = decide::build_entry(&c, &headers, status, message, ttl);
+        let stored = match decide::build_entry(&c, &headers, status, message, ttl) {
+            Ok(s) => s,
+            Err(why) => return self.not_stored(refresh, why, headers_open),
+        };
         let cache = Cache { data: &abi::HostShared, limits: &limits };
         let mut out = Outcome::default();
         let result = cache.insert(&stored.entry, c.seen, &mut out);

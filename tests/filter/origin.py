@@ -6,6 +6,11 @@ be shaped by request headers: `x-origin-status`, `x-origin-cache-control`, `x-or
 gRPC: `/inference.GRPCInferenceService/ModelInfer` answers with a protobuf message carrying the
 request's model name (field 1) and a digest of the request (field 5 bytes); metadata
 `x-origin-grpc-fail` makes it fail with INVALID_ARGUMENT.
+
+Like a KServe v2 server, both echo a request id (REST top-level `"id"` string, gRPC field 3) in
+the answer, and the rest of the answer does not depend on it (the digest leaves the id out). The
+REST answer puts the id first with Python's default `", "`/`": "` separators, a different layout
+from the engine's, so tests see the filter learn where the server writes the id.
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ from concurrent import futures
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import grpc
+
+from meshcache.protos import grpc_predict_v2_pb2 as pb
 
 CALLS = {"http": 0, "grpc": 0}
 LOCK = threading.Lock()
@@ -54,12 +61,15 @@ class Handler(BaseHTTPRequestHandler):
         length = int(self.headers.get("Content-Length", "0"))
         data = self.rfile.read(length)
         _count("http")
-        digest = hashlib.sha256(data).hexdigest()
+        request_id, without_id = _split_rest_id(data)
+        digest = hashlib.sha256(without_id).hexdigest()
         size = self.headers.get("x-origin-size")
         if size is not None:
             body = (digest * (int(size) // 64 + 1)).encode()[: int(size)]
         else:
             answer = {"path": self.path, "digest": digest, "model": self.headers.get("x-model-id", "")}
+            if request_id is not None:
+                answer = {"id": request_id, **answer}
             body = json.dumps(answer).encode()
         headers = {"Content-Type": "application/json"}
         if cc := self.headers.get("x-origin-cache-control"):
@@ -69,19 +79,35 @@ class Handler(BaseHTTPRequestHandler):
         self._send(int(self.headers.get("x-origin-status", "200")), body, headers)
 
 
+def _split_rest_id(data: bytes) -> tuple[str | None, bytes]:
+    """The request's top-level string "id" (as a KServe server reads it) and the body without it."""
+    try:
+        request = json.loads(data)
+    except ValueError:
+        return None, data
+    if not isinstance(request, dict) or not isinstance(request.get("id"), str):
+        return None, data
+    request_id = request.pop("id")
+    return request_id, json.dumps(request, sort_keys=True).encode()
+
+
 def _model_infer(request: bytes, context: grpc.ServicerContext) -> bytes:
     _count("grpc")
     if dict(context.invocation_metadata()).get("x-origin-grpc-fail"):
         context.abort(grpc.StatusCode.INVALID_ARGUMENT, "origin asked to fail")
-    # Echo the model_name field (1) and attach a digest (field 5): a deterministic answer.
-    name = b""
-    if len(request) > 2 and request[0] == 0x0A:
-        name = request[2 : 2 + request[1]]
+    parsed = pb.ModelInferRequest.FromString(request)
+    request_id = parsed.id.encode()
+    if request_id:
+        parsed.id = ""
+        request = parsed.SerializeToString(deterministic=True)
+    # Echo the model_name field (1) and the id (3), attach a digest (field 5): a deterministic answer.
+    name = parsed.model_name.encode()
     digest = hashlib.sha256(request).digest()
     size = int(dict(context.invocation_metadata()).get("x-origin-size", "0"))
     payload = digest * (size // 32 + 1) if size else digest
     payload = payload[: max(size, 32)]
-    return b"\x0a" + bytes([len(name)]) + name + b"\x2a" + _varint(len(payload)) + payload
+    echoed = b"\x1a" + _varint(len(request_id)) + request_id if request_id else b""
+    return b"\x0a" + bytes([len(name)]) + name + echoed + b"\x2a" + _varint(len(payload)) + payload
 
 
 def _varint(n: int) -> bytes:

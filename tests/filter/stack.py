@@ -61,15 +61,22 @@ class Stack:
 def filter_stack(tmp: Path, config: dict[str, Any], concurrency: int = 1,
                  tls: Identity | None = None, allowed_peers: list[str] | None = None,
                  allow_on_headers_stop_iteration: bool = True,
-                 buffer_limit_bytes: int | None = BUFFER_LIMIT_BYTES) -> Iterator[Stack]:
-    http_port, grpc_port, listen_port, admin_port = (procs.free_port() for _ in range(4))
+                 buffer_limit_bytes: int | None = BUFFER_LIMIT_BYTES,
+                 upstream: tuple[int, int] | None = None) -> Iterator[Stack]:
+    """`upstream`: (HTTP, gRPC) ports of a server the caller runs (the engine) instead of the
+    test origin."""
+    listen_port, admin_port = procs.free_port(), procs.free_port()
     started: list[procs.Proc] = []
     with procs.supervised(started):
-        origin = procs.start("origin", [sys.executable, "-m", "tests.filter.origin",
-                                        "--http-port", str(http_port), "--grpc-port", str(grpc_port)], tmp)
-        started.append(origin)
-        procs.wait_until(origin, procs.tcp_open(http_port))
-        procs.wait_until(origin, procs.tcp_open(grpc_port))
+        if upstream is None:
+            http_port, grpc_port = procs.free_port(), procs.free_port()
+            origin = procs.start("origin", [sys.executable, "-m", "tests.filter.origin",
+                                            "--http-port", str(http_port), "--grpc-port", str(grpc_port)], tmp)
+            started.append(origin)
+            procs.wait_until(origin, procs.tcp_open(http_port))
+            procs.wait_until(origin, procs.tcp_open(grpc_port))
+        else:
+            http_port, grpc_port = upstream
         proxy = CacheProxy(listen_port=listen_port, admin_port=admin_port, http_upstream_port=http_port,
                            grpc_upstream_port=grpc_port, wasm_path=FILTER_WASM, plugin_config=config,
                            downstream_tls=tls, allowed_peers=allowed_peers or [],
@@ -100,11 +107,12 @@ def config(*policies: dict[str, Any], **fields: Any) -> dict[str, Any]:
     return {"version": "1", "policies": list(policies) or [policy()], **fields}
 
 
-def infer_request(model: str, version: str = "", extra: bytes = b"") -> bytes:
-    """A KServe v2 ModelInferRequest: model_name (1), model_version (2), id (3)."""
+def infer_request(model: str, version: str = "", request_id: bytes = b"", extra: bytes = b"") -> bytes:
+    """A KServe v2 ModelInferRequest: model_name (1), model_version (2), id (3), then `extra`
+    (more fields, e.g. parameters (4), that shape the answer)."""
     msg = b"\x0a" + bytes([len(model)]) + model.encode()
     if version:
         msg += b"\x12" + bytes([len(version)]) + version.encode()
-    if extra:
-        msg += b"\x1a" + bytes([len(extra)]) + extra
-    return msg
+    if request_id:
+        msg += b"\x1a" + bytes([len(request_id)]) + request_id
+    return msg + extra

@@ -29,7 +29,7 @@ def _envoy_clusters(s: Stack) -> str:
 @pytest.mark.parametrize("limits", LIMITS)
 def test_grpc_hit_returns_full_message_without_calling_origin(tmp_path: Path, limits: str) -> None:
     with filter_stack(tmp_path, config(policy("resnet")), buffer_limit_bytes=LIMITS[limits]) as s:
-        request = infer_request("resnet-mini", extra=b"req-1")
+        request = infer_request("resnet-mini")
         first, call1 = s.grpc_infer(request)
         md1 = dict(call1.initial_metadata())
         assert call1.code() == grpc.StatusCode.OK
@@ -101,7 +101,7 @@ def test_grpc_hits_never_fail_under_eviction_churn(tmp_path: Path) -> None:
     (the internal-listener design failed 92 of 1,500 calls here with UNKNOWN)."""
     cfg = config(policy("resnet"), max_entries=4, max_total_bytes=4 * 1200, max_entry_bytes=1200)
     with filter_stack(tmp_path, cfg, concurrency=2) as s:
-        requests = [infer_request("resnet-mini", extra=f"r{i}".encode()) for i in range(24)]
+        requests = [infer_request("resnet-mini", version=f"r{i}") for i in range(24)]
         expected = {}
         with grpc.insecure_channel(f"127.0.0.1:{s.listen_port}") as channel:
             call = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -98,8 +99,8 @@ def test_ttl_expiry_and_origin_cache_control(tmp_path: Path) -> None:
         # Origin max-age beyond max_ttl_s is clamped; s-maxage wins over max-age.
         for cc, ttl in (("max-age=100000", 120), ("max-age=5, s-maxage=7", 7)):
             headers = {"x-origin-cache-control": cc}
-            c.post(s.url(INFER), content=cc.encode(), headers=headers)
-            r = c.post(s.url(INFER), content=cc.encode(), headers=headers)
+            c.post(s.url(INFER), content=json.dumps({"cc": cc}).encode(), headers=headers)
+            r = c.post(s.url(INFER), content=json.dumps({"cc": cc}).encode(), headers=headers)
             assert r.headers["cache-status"] == f"meshcache; hit; ttl={ttl}"
 
 
@@ -172,8 +173,8 @@ def test_if_none_match_gets_304(tmp_path: Path) -> None:
         other = c.post(s.url(INFER), content=BODY, headers={"if-none-match": '"something-else"'})
         assert other.status_code == 200
         # An origin ETag is kept and is what If-None-Match compares with.
-        c.post(s.url(INFER), content=b"2", headers={"x-origin-etag": '"v7"'})
-        r = c.post(s.url(INFER), content=b"2", headers={"x-origin-etag": '"v7"', "if-none-match": 'W/"v7"'})
+        c.post(s.url(INFER), content=b'{"n": 2}', headers={"x-origin-etag": '"v7"'})
+        r = c.post(s.url(INFER), content=b'{"n": 2}', headers={"x-origin-etag": '"v7"', "if-none-match": 'W/"v7"'})
         assert r.status_code == 304
         assert r.headers["etag"] == '"v7"'
 
@@ -206,7 +207,7 @@ def test_memory_bound_holds_after_filling_past_the_limit(tmp_path: Path) -> None
     cfg = config(max_entries=8, max_total_bytes=16384, max_entry_bytes=4096)
     with filter_stack(tmp_path, cfg) as s, httpx.Client() as c:
         for i in range(40):
-            r = c.post(s.url(INFER), content=f"request {i}".encode(), headers={"x-origin-size": "1500"})
+            r = c.post(s.url(INFER), content=f'{{"request": {i}}}'.encode(), headers={"x-origin-size": "1500"})
             assert r.headers["cache-status"] == "meshcache; fwd=miss; stored"
             stats = s.stats()
             assert stats["meshcache.bytes"] <= 16384
@@ -215,7 +216,7 @@ def test_memory_bound_holds_after_filling_past_the_limit(tmp_path: Path) -> None
         assert stats["meshcache.evictions"] >= 30
         assert stats["meshcache.stores"] == 40
         # The newest entry is served.
-        r = c.post(s.url(INFER), content=b"request 39", headers={"x-origin-size": "1500"})
+        r = c.post(s.url(INFER), content=b'{"request": 39}', headers={"x-origin-size": "1500"})
         assert r.headers["cache-status"].startswith("meshcache; hit")
 
 
