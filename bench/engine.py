@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
 import sys
@@ -27,7 +26,8 @@ import numpy as np
 import onnxruntime as ort
 
 from bench.report import table, write_section
-from engine.demo_models import DEMO_MODELS, write_demo_models
+from engine.demo_models import DEMO_MODELS, demo_config, write_demo_models
+from engine.model_config import CONFIG_FILE, to_text
 from meshcache import procs, services
 from meshcache.protos import grpc_predict_v2_pb2 as pb
 
@@ -53,7 +53,7 @@ class Result:
 
 def _image_shape() -> list[int]:
     """One request's input shape, [1, C, H, W], from the demo model's config."""
-    return [1, *DEMO_MODELS[MODEL][2]["inputs"][0]["shape"]]
+    return [1, *DEMO_MODELS[MODEL][2]["input"][0]["dims"]]
 
 
 def _images(rows: int, seed: int) -> np.ndarray:
@@ -135,11 +135,8 @@ def _repositories(root: Path) -> dict[str, Path]:
     write_demo_models(batching)
     write_demo_models(single)
     # Only resnet-mini is measured; the baseline engine never batches it.
-    config_path = single / MODEL / "config.json"
-    config = json.loads(config_path.read_text())
-    config["max_batch_size"] = 1
-    config["dynamic_batching"] = {"max_queue_delay_us": 0, "preferred_batch_sizes": [], "max_queue_size": 256}
-    config_path.write_text(json.dumps(config))
+    (single / MODEL / CONFIG_FILE).write_text(to_text(demo_config(
+        MODEL, max_batch_size=1, dynamic_batching={"default_queue_policy": {"max_queue_size": 256}})))
     return {"dynamic batching": batching, "max_batch_size 1": single}
 
 
@@ -162,8 +159,9 @@ def _ms(seconds: float) -> str:
 def _describe_config() -> str:
     config = DEMO_MODELS[MODEL][2]
     db = config["dynamic_batching"]
-    preferred = "/".join(str(n) for n in db["preferred_batch_sizes"])
-    return (f"max_batch_size {config['max_batch_size']}, max_queue_delay_us {db['max_queue_delay_us']}, "
+    preferred = "/".join(str(n) for n in db["preferred_batch_size"])
+    return (f"max_batch_size {config['max_batch_size']}, max_queue_delay_microseconds "
+            f"{db['max_queue_delay_microseconds']}, "
             f"preferred {preferred}")
 
 

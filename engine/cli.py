@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from engine.demo_models import write_demo_models
-from engine.models import ConfigError
+from engine.model_config import ConfigError
 from engine.server import Settings, log, serve
 
 ENV_PREFIX = "MESHCACHE_ENGINE_"
@@ -29,7 +29,7 @@ def _serve_parser() -> argparse.ArgumentParser:
     )
     repo = _env("MODEL_REPOSITORY", None)
     p.add_argument("--model-repository", type=Path, default=repo, required=repo is None,
-                   help="directory laid out <model>/config.json and <model>/<version>/model.onnx")
+                   help="Triton-style repository: <model>/config.pbtxt (optional) and <model>/<version>/model.onnx")
     p.add_argument("--host", default=_env("HOST", "0.0.0.0"), help="address to listen on")
     p.add_argument("--http-port", type=int, default=_env("HTTP_PORT", 8000))
     p.add_argument("--grpc-port", type=int, default=_env("GRPC_PORT", 8001))
@@ -39,7 +39,10 @@ def _serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-request-bytes", type=int, default=_env("MAX_REQUEST_BYTES", 16 * 2**20),
                    help="largest accepted HTTP body or gRPC message")
     p.add_argument("--shutdown-grace-seconds", type=float, default=_env("SHUTDOWN_GRACE_SECONDS", 30.0),
-                   help="how long SIGTERM waits for in-flight requests")
+                   help="how long SIGTERM (or a model unload) waits for in-flight requests")
+    p.add_argument("--model-control-mode", choices=["explicit", "none"], default=_env("MODEL_CONTROL_MODE", "explicit"),
+                   help="explicit: every model is loaded at startup and the repository API may load, reload "
+                        "and unload models; none: the repository API refuses load/unload")
     return p
 
 
@@ -48,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "init-models":
         p = argparse.ArgumentParser(
             prog="meshcache-engine init-models",
-            description="Write the demo model repository (deterministic, no downloads).",
+            description="Write the demo model repository in Triton's layout (config.pbtxt, <version>/model.onnx; "
+                        "deterministic, no downloads).",
         )
         p.add_argument("directory", type=Path)
         args = p.parse_args(argv[1:])
@@ -60,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         model_repository=args.model_repository, host=args.host, http_port=args.http_port,
         grpc_port=args.grpc_port, metrics_port=args.metrics_port, intra_op_threads=args.intra_op_threads,
         max_request_bytes=args.max_request_bytes, shutdown_grace_seconds=args.shutdown_grace_seconds,
+        model_control_mode=args.model_control_mode,
     )
     try:
         asyncio.run(serve(settings))

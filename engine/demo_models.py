@@ -1,20 +1,24 @@
 """The demo model repository: small ONNX models built from fixed seeds, identical on every machine.
 
-Each model is written as DIR/<model>/<version>/model.onnx plus DIR/<model>/config.json. Weights come
+Each model is written in Triton's repository layout: DIR/<model>/<version>/model.onnx plus
+DIR/<model>/config.pbtxt (Triton's model configuration in protobuf text format). Weights come
 from numpy's PCG64 generator with fixed seeds and the graphs from the `onnx` helper API, so no
 downloads are needed and two machines produce byte-identical files.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import onnx
+from google.protobuf import json_format
 from onnx import TensorProto, helper, numpy_helper
+
+from engine.model_config import CONFIG_FILE, to_text
+from meshcache.protos import model_config_pb2 as mc
 
 # Pinned so the files do not change when the onnx package is upgraded; onnxruntime 1.x reads it.
 OPSET = 17
@@ -149,47 +153,59 @@ def text_embedder(seed: int, vocab: int = 1000, dim: int = 32) -> onnx.ModelProt
 
 def _batching(max_queue_delay_us: int, preferred: list[int]) -> dict[str, Any]:
     return {
-        "max_queue_delay_us": max_queue_delay_us, "preferred_batch_sizes": preferred, "max_queue_size": 256,
+        "max_queue_delay_microseconds": max_queue_delay_us, "preferred_batch_size": preferred,
+        "default_queue_policy": {"max_queue_size": 256},
     }
 
 
-# name -> (builder per version seed, config.json). Shapes in configs exclude the batch dimension,
-# as in Triton's model configuration when max_batch_size > 0.
+def _tensor(name: str, data_type: str, dims: list[int]) -> dict[str, Any]:
+    return {"name": name, "data_type": data_type, "dims": dims}
+
+
+# name -> (builder per version seed, Triton ModelConfig in its JSON form, written as config.pbtxt).
+# Dims exclude the batch dimension, as Triton's do when max_batch_size > 0. Requests without a
+# version get the highest version served.
 DEMO_MODELS: dict[str, tuple[Callable[[int], onnx.ModelProto], dict[int, int], dict[str, Any]]] = {
     "mlp-classifier": (mlp_classifier, {1: 101, 2: 102}, {
         "platform": "onnxruntime_onnx",
         "max_batch_size": 32,
-        "inputs": [{"name": "input", "datatype": "FP32", "shape": [16]}],
-        "outputs": [{"name": "probabilities", "datatype": "FP32", "shape": [4]}],
+        "version_policy": {"all": {}},
+        "input": [_tensor("input", "TYPE_FP32", [16])],
+        "output": [_tensor("probabilities", "TYPE_FP32", [4])],
         "dynamic_batching": _batching(500, [8, 16, 32]),
-        "default_version": "2",
+        "instance_group": [{"count": 1, "kind": "KIND_CPU"}],
     }),
     "resnet-mini": (resnet_mini, {1: 201}, {
         "platform": "onnxruntime_onnx",
         "max_batch_size": 16,
-        "inputs": [{"name": "image", "datatype": "FP32", "shape": [3, 32, 32]}],
-        "outputs": [{"name": "logits", "datatype": "FP32", "shape": [10]}],
+        "input": [_tensor("image", "TYPE_FP32", [3, 32, 32])],
+        "output": [_tensor("logits", "TYPE_FP32", [10])],
         "dynamic_batching": _batching(1000, [4, 8, 16]),
-        "default_version": "1",
+        "instance_group": [{"count": 1, "kind": "KIND_CPU"}],
     }),
     "text-embedder": (text_embedder, {1: 301}, {
         "platform": "onnxruntime_onnx",
         "max_batch_size": 16,
-        "inputs": [{"name": "token_ids", "datatype": "INT64", "shape": [-1]}],
-        "outputs": [{"name": "embedding", "datatype": "FP32", "shape": [32]}],
+        "input": [_tensor("token_ids", "TYPE_INT64", [-1])],
+        "output": [_tensor("embedding", "TYPE_FP32", [32])],
         "dynamic_batching": _batching(500, [8, 16]),
-        "default_version": "1",
+        "instance_group": [{"count": 1, "kind": "KIND_CPU"}],
     }),
 }
 
 
+def demo_config(name: str, **changes: Any) -> mc.ModelConfig:
+    """A demo model's Triton config (with top-level fields replaced by `changes`)."""
+    return json_format.ParseDict({"name": name, **DEMO_MODELS[name][2], **changes}, mc.ModelConfig())
+
+
 def write_demo_models(directory: Path) -> list[str]:
     """Write every demo model into `directory` (overwriting); returns the model names."""
-    for name, (build, versions, config) in DEMO_MODELS.items():
+    for name, (build, versions, _) in DEMO_MODELS.items():
         model_dir = directory / name
         for version, seed in versions.items():
             path = model_dir / str(version) / "model.onnx"
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_bytes(build(seed).SerializeToString(deterministic=True))
-        (model_dir / "config.json").write_text(json.dumps({"name": name, **config}, indent=2) + "\n")
+        (model_dir / CONFIG_FILE).write_text(to_text(demo_config(name)))
     return list(DEMO_MODELS)

@@ -44,3 +44,11 @@ class Unavailable(EngineError):
     http_status = 503
     grpc_code = grpc.StatusCode.UNAVAILABLE
     reason = "unavailable"
+
+
+class QueueTimeout(EngineError):
+    """A request waited in its model's queue past its timeout (Triton's queue policy, REJECT)."""
+
+    http_status = 503
+    grpc_code = grpc.StatusCode.UNAVAILABLE
+    reason = "queue_timeout"

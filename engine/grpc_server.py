@@ -1,4 +1,6 @@
-"""The KServe v2 gRPC transport (inference.GRPCInferenceService) on grpc.aio.
+"""The KServe v2 gRPC transport (inference.GRPCInferenceService) on grpc.aio, with Triton's
+extensions: ModelStreamInfer, ModelConfig, ModelStatistics, RepositoryIndex and
+RepositoryModelLoad/Unload.
 
 Requests arrive as raw bytes and are parsed here, so a malformed protobuf is answered with
 INVALID_ARGUMENT instead of grpcio's generic deserialization error.
@@ -6,7 +8,8 @@ INVALID_ARGUMENT instead of grpcio's generic deserialization error.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -15,10 +18,20 @@ from google.protobuf.message import DecodeError, Message
 from engine import tensors
 from engine.errors import EngineError, InvalidInput
 from engine.models import LoadedModel
-from engine.service import EXTENSIONS, SERVER_NAME, SERVER_VERSION, InferenceService, parse_priority
+from engine.service import (
+    EXTENSIONS,
+    SERVER_NAME,
+    SERVER_VERSION,
+    InferenceService,
+    parse_priority,
+    parse_timeout,
+)
 from meshcache.protos import grpc_predict_v2_pb2 as pb
 
 SERVICE = "inference.GRPCInferenceService"
+# Requests of one ModelStreamInfer stream served at the same time; the stream reads no further
+# requests while that many are in flight (HTTP/2 flow control then holds the client).
+STREAM_IN_FLIGHT = 256
 
 
 def _param_value(param: pb.InferParameter) -> object:
@@ -57,10 +70,11 @@ class GrpcInferenceServicer:
         )
 
     async def model_infer(self, request: pb.ModelInferRequest) -> pb.ModelInferResponse:
-        async with self.service.request(request.model_name, "grpc"):
-            model = self.service.repository.get(request.model_name, request.model_version)
-            priority = parse_priority(_param_value(request.parameters["priority"])
-                                      if "priority" in request.parameters else None)
+        async with self.service.request(request.model_name, "grpc") as call:
+            model = call.resolve(request.model_version)
+            params = request.parameters
+            priority = parse_priority(_param_value(params["priority"]) if "priority" in params else None)
+            timeout = parse_timeout(_param_value(params["timeout"]) if "timeout" in params else None)
             raw = request.raw_input_contents
             if raw and len(raw) != len(request.inputs):
                 raise InvalidInput(f"raw_input_contents has {len(raw)} entries, "
@@ -78,8 +92,80 @@ class GrpcInferenceServicer:
                 else:
                     inputs[name] = tensors.from_contents(name, datatype, shape, tensor.contents)
             requested = [o.name for o in request.outputs] or None
-            outputs = await self.service.infer(model, inputs, requested, priority)
+            outputs = await self.service.infer(call, model, inputs, requested, priority, timeout)
             return self._response(request, model, outputs, as_raw=bool(raw))
+
+    async def model_config(self, request: pb.ModelConfigRequest) -> pb.ModelConfigResponse:
+        return pb.ModelConfigResponse(config=self.service.config_of(request.name, request.version))
+
+    async def model_statistics(self, request: pb.ModelStatisticsRequest) -> pb.ModelStatisticsResponse:
+        return pb.ModelStatisticsResponse(model_stats=self.service.statistics(request.name, request.version))
+
+    async def repository_index(self, request: pb.RepositoryIndexRequest) -> pb.RepositoryIndexResponse:
+        return pb.RepositoryIndexResponse(models=self.service.index(request.ready))
+
+    async def repository_model_load(self, request: pb.RepositoryModelLoadRequest) -> pb.RepositoryModelLoadResponse:
+        config = None
+        for key, param in request.parameters.items():
+            if key != "config":
+                raise InvalidInput(f"load parameter {key!r} is not supported; supported: 'config' (JSON ModelConfig)")
+            if param.WhichOneof("parameter_choice") != "string_param":
+                raise InvalidInput("load parameter 'config' must be a string (JSON ModelConfig)")
+            config = param.string_param
+        await self.service.load(request.model_name, config, request.repository_name)
+        return pb.RepositoryModelLoadResponse()
+
+    async def repository_model_unload(
+        self, request: pb.RepositoryModelUnloadRequest
+    ) -> pb.RepositoryModelUnloadResponse:
+        for key, param in request.parameters.items():
+            # The engine has no ensembles, so there are never dependents to unload.
+            if key != "unload_dependents" or param.WhichOneof("parameter_choice") != "bool_param":
+                raise InvalidInput(f"unload parameter {key!r} is not supported; supported: 'unload_dependents' "
+                                   f"(bool)")
+        await self.service.unload(request.model_name, request.repository_name)
+        return pb.RepositoryModelUnloadResponse()
+
+    async def model_stream_infer(
+        self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext
+    ) -> None:
+        """Each request is served as it arrives and answered when done (in completion order, each
+        answer carrying its request's id); a failed one answers with error_message and the stream
+        goes on, as in Triton."""
+        slots = asyncio.Semaphore(STREAM_IN_FLIGHT)
+        write_lock = asyncio.Lock()
+        tasks: set[asyncio.Task[None]] = set()
+
+        async def serve(request_bytes: bytes) -> None:
+            try:
+                try:
+                    request = pb.ModelInferRequest.FromString(request_bytes)
+                except DecodeError as exc:
+                    answer = pb.ModelStreamInferResponse(error_message=f"malformed ModelInferRequest: {exc}")
+                else:
+                    try:
+                        answer = pb.ModelStreamInferResponse(infer_response=await self.model_infer(request))
+                    except EngineError as exc:
+                        answer = pb.ModelStreamInferResponse(
+                            error_message=str(exc), infer_response=pb.ModelInferResponse(
+                                model_name=request.model_name, model_version=request.model_version,
+                                id=request.id))
+                async with write_lock:
+                    await context.write(answer.SerializeToString(deterministic=True))
+            finally:
+                slots.release()
+
+        try:
+            async for request_bytes in requests:
+                await slots.acquire()
+                task = asyncio.create_task(serve(request_bytes))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+            if tasks:
+                await asyncio.gather(*tasks)
+        finally:
+            for task in tasks:
+                task.cancel()
 
     @staticmethod
     def _response(
@@ -124,6 +210,12 @@ def generic_handler(service: InferenceService) -> grpc.GenericRpcHandler:
         "ServerMetadata": _unary(s.server_metadata, pb.ServerMetadataRequest),
         "ModelMetadata": _unary(s.model_metadata, pb.ModelMetadataRequest),
         "ModelInfer": _unary(s.model_infer, pb.ModelInferRequest),
+        "ModelStreamInfer": grpc.stream_stream_rpc_method_handler(s.model_stream_infer),
+        "ModelConfig": _unary(s.model_config, pb.ModelConfigRequest),
+        "ModelStatistics": _unary(s.model_statistics, pb.ModelStatisticsRequest),
+        "RepositoryIndex": _unary(s.repository_index, pb.RepositoryIndexRequest),
+        "RepositoryModelLoad": _unary(s.repository_model_load, pb.RepositoryModelLoadRequest),
+        "RepositoryModelUnload": _unary(s.repository_model_unload, pb.RepositoryModelUnloadRequest),
     })
 
 

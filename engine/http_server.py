@@ -1,4 +1,6 @@
-"""The KServe v2 REST transport (plus the seed's `POST /v1/infer`) as a plain ASGI app.
+"""The KServe v2 REST transport (plus the seed's `POST /v1/infer`) as a plain ASGI app, with
+Triton's extensions: model configuration (`GET .../config`), statistics (`GET /v2/models/stats`,
+`.../stats`) and the model repository (`POST /v2/repository/index`, `.../models/{m}/load|unload`).
 
 Plain ASGI rather than FastAPI: every route needs hand-built v2 error bodies (400, not FastAPI's
 422), the binary tensor extension reads the raw body, and fewer layers means less per-request
@@ -17,16 +19,26 @@ import numpy as np
 
 from engine import tensors
 from engine.errors import EngineError, InvalidInput, NotFound, TooLarge
+from engine.model_config import to_json
 from engine.models import LoadedModel, TensorSpec
-from engine.service import EXTENSIONS, SERVER_NAME, SERVER_VERSION, InferenceService, parse_priority
+from engine.service import (
+    EXTENSIONS,
+    SERVER_NAME,
+    SERVER_VERSION,
+    InferenceService,
+    parse_priority,
+    parse_timeout,
+)
+from meshcache.protos import grpc_predict_v2_pb2 as pb
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
 _MODEL_PATH = re.compile(
-    r"^/v2/models/(?P<model>[^/]+)(?:/versions/(?P<version>[^/]+))?(?P<action>/ready|/infer)?$"
+    r"^/v2/models/(?P<model>[^/]+)(?:/versions/(?P<version>[^/]+))?(?P<action>/ready|/infer|/config|/stats)?$"
 )
+_REPOSITORY_PATH = re.compile(r"^/v2/repository/models/(?P<model>[^/]+)/(?P<action>load|unload)$")
 BINARY_HEADER = "inference-header-content-length"
 
 
@@ -96,6 +108,18 @@ class HttpApp:
             if method != "POST":
                 return _method_not_allowed()
             return await self._v1_infer(headers, await self._read_body(scope, receive))
+        if path == "/v2/models/stats":
+            return self._only_get(method) or self._stats("", "")
+        if path == "/v2/repository/index":
+            if method != "POST":
+                return _method_not_allowed()
+            return self._index(await self._read_body(scope, receive))
+        repo_match = _REPOSITORY_PATH.match(path)
+        if repo_match is not None:
+            if method != "POST":
+                return _method_not_allowed()
+            body = await self._read_body(scope, receive)
+            return await self._model_control(repo_match["model"], repo_match["action"], body)
         match = _MODEL_PATH.match(path)
         if match is None:
             raise NotFound(f"no route for {path}")
@@ -105,13 +129,49 @@ class HttpApp:
                 return _method_not_allowed()
             body = await self._read_body(scope, receive)
             return await self._v2_infer(name, version, headers, body)
-        if method != "GET":
+        if method not in ("GET", "HEAD"):
             return _method_not_allowed()
+        if action == "/stats":
+            return self._stats(name, version)
         model = self.service.repository.get(name, version)
+        if action == "/config":
+            return json_response(to_json(model.config.proto))
         if action == "/ready":
             ready = self.service.ready
             return json_response({"name": name, "ready": ready}, 200 if ready else 503)
         return json_response(self._metadata(model, version))
+
+    def _stats(self, name: str, version: str) -> Response:
+        return json_response(to_json(pb.ModelStatisticsResponse(model_stats=self.service.statistics(name, version))))
+
+    def _index(self, body: bytes) -> Response:
+        request = _parse_json(body) if body.strip() else {}
+        ready = request.get("ready", False)
+        if not isinstance(ready, bool):
+            raise InvalidInput("'ready' must be a boolean")
+        return json_response([to_json(m) for m in self.service.index(ready)])
+
+    async def _model_control(self, name: str, action: str, body: bytes) -> Response:
+        request = _parse_json(body) if body.strip() else {}
+        params = request.get("parameters") or {}
+        if not isinstance(params, dict):
+            raise InvalidInput("'parameters' must be a JSON object")
+        if action == "load":
+            for key in params:
+                if key != "config":
+                    raise InvalidInput(f"load parameter {key!r} is not supported; supported: 'config' "
+                                       f"(JSON ModelConfig)")
+            config = params.get("config")
+            if config is not None and not isinstance(config, str):
+                raise InvalidInput("load parameter 'config' must be a string holding a JSON ModelConfig")
+            await self.service.load(name, config)
+        else:
+            for key, value in params.items():
+                if key != "unload_dependents" or not isinstance(value, bool):
+                    raise InvalidInput(f"unload parameter {key!r} is not supported; supported: "
+                                       f"'unload_dependents' (bool)")
+            await self.service.unload(name)
+        return Response(200, b"")
 
     @staticmethod
     def _only_get(method: str) -> Response | None:
@@ -133,24 +193,25 @@ class HttpApp:
         }
 
     async def _v2_infer(self, name: str, version: str, headers: dict[str, str], body: bytes) -> Response:
-        async with self.service.request(name, "http"):
-            model = self.service.repository.get(name, version)
+        async with self.service.request(name, "http") as call:
+            model = call.resolve(version)
             request, binary = _split_binary(headers, body)
             inputs = _decode_inputs(request, binary)
             raw_params = request.get("parameters") or {}
             if not isinstance(raw_params, dict):
                 raise InvalidInput("'parameters' must be a JSON object")
             priority = parse_priority(headers.get("x-priority", raw_params.get("priority")))
+            timeout = parse_timeout(raw_params.get("timeout"))
             requested, binary_outputs = _requested_outputs(request, raw_params)
-            outputs = await self.service.infer(model, inputs, requested, priority)
+            outputs = await self.service.infer(call, model, inputs, requested, priority, timeout)
             return _encode_v2_response(request, model, outputs, binary_outputs)
 
     async def _v1_infer(self, headers: dict[str, str], body: bytes) -> Response:
         name = headers.get("x-model-id", "")
-        async with self.service.request(name, "http"):
+        async with self.service.request(name, "http") as call:
             if not name:
                 raise InvalidInput("header x-model-id is required")
-            model = self.service.repository.get(name, headers.get("x-model-version", ""))
+            model = call.resolve(headers.get("x-model-version", ""))
             priority = parse_priority(headers.get("x-priority"))
             request = _parse_json(body)
             if "input" not in request or "shape" not in request:
@@ -160,7 +221,7 @@ class HttpApp:
                 raise InvalidInput(f"model {name!r} takes several inputs; use /v2/models/{name}/infer")
             shape = tensors.check_shape(spec.name, request["shape"])
             array = tensors.from_json(spec.name, spec.datatype, shape, request["input"])
-            outputs = await self.service.infer(model, {spec.name: array}, [out_spec.name], priority)
+            outputs = await self.service.infer(call, model, {spec.name: array}, [out_spec.name], priority)
             out = outputs[out_spec.name]
             return json_response({"output": tensors.to_json_data(out), "shape": list(out.shape)})
 

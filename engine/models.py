@@ -1,144 +1,48 @@
-"""The model repository: DIR/<model>/config.json plus DIR/<model>/<version>/model.onnx, loaded into
-onnxruntime sessions."""
+"""The model repository, laid out as Triton's: DIR/<model>/config.pbtxt (optional: auto-completed
+from the ONNX model when absent) plus DIR/<model>/<version>/model.onnx, loaded into onnxruntime
+sessions. Models can be (re)loaded and unloaded while the engine runs (engine/service.py)."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import onnxruntime as ort
 
+from engine import model_config
 from engine.errors import NotFound
-from engine.tensors import DTYPES
+from engine.model_config import CONFIG_FILE, ConfigError, ModelConfig, TensorSpec
+from engine.statistics import ModelStats
+from meshcache.protos import model_config_pb2 as mc
 
-# onnxruntime's element type names for each v2 datatype, to check configs against the ONNX graphs.
-_ORT_TYPES = {
-    "BOOL": "tensor(bool)", "UINT8": "tensor(uint8)", "UINT16": "tensor(uint16)",
-    "UINT32": "tensor(uint32)", "UINT64": "tensor(uint64)", "INT8": "tensor(int8)",
-    "INT16": "tensor(int16)", "INT32": "tensor(int32)", "INT64": "tensor(int64)",
-    "FP16": "tensor(float16)", "FP32": "tensor(float)", "FP64": "tensor(double)",
-}
+__all__ = ["ConfigError", "LoadedModel", "ModelConfig", "ModelEntry", "ModelRepository", "TensorSpec"]
 
 
-class ConfigError(ValueError):
-    """A model directory that cannot be served; raised at startup, never per request."""
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    name: str
-    datatype: str
-    # Excludes the batch dimension when the model batches; -1 is any size.
-    shape: tuple[int, ...]
-
-    @property
-    def dtype(self) -> np.dtype[Any]:
-        return DTYPES[self.datatype]
-
-
-@dataclass(frozen=True)
-class BatchingConfig:
-    max_queue_delay_us: int = 0
-    preferred_batch_sizes: tuple[int, ...] = ()
-    # Requests waiting per model version; beyond it requests are refused at once.
-    max_queue_size: int = 256
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    name: str
-    platform: str
-    max_batch_size: int
-    inputs: tuple[TensorSpec, ...]
-    outputs: tuple[TensorSpec, ...]
-    batching: BatchingConfig
-    default_version: str | None
-
-    def full_shape(self, spec: TensorSpec) -> list[int]:
-        """Shape as clients see it: a leading -1 batch dimension when the model batches."""
-        return ([-1] if self.max_batch_size > 0 else []) + list(spec.shape)
-
-
-def _tensor_specs(raw: Any, what: str, model: str) -> tuple[TensorSpec, ...]:
-    if not isinstance(raw, list) or not raw:
-        raise ConfigError(f"{model}: config '{what}' must be a non-empty list")
-    specs = []
-    for item in raw:
-        try:
-            name, datatype, shape = item["name"], item["datatype"], item["shape"]
-        except (KeyError, TypeError):
-            raise ConfigError(f"{model}: each of '{what}' needs name, datatype and shape") from None
-        if datatype not in DTYPES:
-            raise ConfigError(f"{model}: {what} {name!r} has unsupported datatype {datatype!r}")
-        if not isinstance(shape, list) or not all(isinstance(d, int) and d >= -1 for d in shape):
-            raise ConfigError(f"{model}: {what} {name!r} has an invalid shape {shape!r}")
-        specs.append(TensorSpec(str(name), datatype, tuple(shape)))
-    return tuple(specs)
-
-
-def parse_config(raw: dict[str, Any], model_name: str) -> ModelConfig:
-    if raw.get("name", model_name) != model_name:
-        raise ConfigError(f"{model_name}: config name {raw.get('name')!r} differs from its directory")
-    max_batch_size = raw.get("max_batch_size", 0)
-    if not isinstance(max_batch_size, int) or max_batch_size < 0:
-        raise ConfigError(f"{model_name}: max_batch_size must be a non-negative integer")
-    db = raw.get("dynamic_batching") or {}
-    batching = BatchingConfig(
-        max_queue_delay_us=int(db.get("max_queue_delay_us", 0)),
-        preferred_batch_sizes=tuple(sorted(int(s) for s in db.get("preferred_batch_sizes", []))),
-        max_queue_size=int(db.get("max_queue_size", 256)),
-    )
-    if batching.max_queue_delay_us < 0 or batching.max_queue_size < 1:
-        raise ConfigError(f"{model_name}: max_queue_delay_us must be >= 0 and max_queue_size >= 1")
-    if any(s < 1 or s > max(max_batch_size, 1) for s in batching.preferred_batch_sizes):
-        raise ConfigError(f"{model_name}: preferred_batch_sizes must lie in 1..max_batch_size")
-    default = raw.get("default_version")
-    return ModelConfig(
-        name=model_name,
-        platform=str(raw.get("platform", "onnxruntime_onnx")),
-        max_batch_size=max_batch_size,
-        inputs=_tensor_specs(raw.get("inputs"), "inputs", model_name),
-        outputs=_tensor_specs(raw.get("outputs"), "outputs", model_name),
-        batching=batching,
-        default_version=None if default is None else str(default),
-    )
+def new_session(path: Path, intra_op_threads: int) -> ort.InferenceSession:
+    options = ort.SessionOptions()
+    # One thread per session by default: the answers stay byte-identical whatever the batch
+    # size (tests check it), and the other core serves the network side.
+    options.intra_op_num_threads = intra_op_threads
+    options.inter_op_num_threads = 1
+    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.log_severity_level = 3
+    try:
+        return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    except Exception as exc:  # onnxruntime raises its own exception types for unreadable models
+        raise ConfigError(f"{path}: onnxruntime cannot load it: {exc}") from None
 
 
 class LoadedModel:
-    """One version of one model, with its onnxruntime session."""
+    """One version of one model, with its onnxruntime session and its Triton statistics."""
 
-    def __init__(self, config: ModelConfig, version: str, path: Path, intra_op_threads: int) -> None:
+    def __init__(self, config: ModelConfig, version: str, session: ort.InferenceSession) -> None:
         self.config = config
         self.version = version
-        options = ort.SessionOptions()
-        # One thread per session by default: the answers stay byte-identical whatever the batch
-        # size (tests check it), and the other core serves the network side.
-        options.intra_op_num_threads = intra_op_threads
-        options.inter_op_num_threads = 1
-        options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        options.log_severity_level = 3
-        self.session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-        self._check_against_graph(path)
+        self.session = session
         self.output_names = [o.name for o in config.outputs]
-
-    def _check_against_graph(self, path: Path) -> None:
-        graph_inputs = {i.name: i.type for i in self.session.get_inputs()}
-        graph_outputs = {o.name: o.type for o in self.session.get_outputs()}
-        for spec, graph, what in [(s, graph_inputs, "input") for s in self.config.inputs] + [
-            (s, graph_outputs, "output") for s in self.config.outputs
-        ]:
-            if spec.name not in graph:
-                raise ConfigError(f"{path}: config {what} {spec.name!r} is not in the ONNX graph")
-            if graph[spec.name] != _ORT_TYPES[spec.datatype]:
-                raise ConfigError(
-                    f"{path}: {what} {spec.name!r} is {graph[spec.name]}, config says {spec.datatype}"
-                )
-        if set(graph_inputs) != {s.name for s in self.config.inputs}:
-            raise ConfigError(f"{path}: config inputs {sorted(graph_inputs)} must all be listed")
+        self.stats = ModelStats()
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         return dict(zip(self.output_names, self.session.run(self.output_names, feeds), strict=True))
@@ -148,54 +52,91 @@ class LoadedModel:
 class ModelEntry:
     config: ModelConfig
     versions: dict[str, LoadedModel]
+    # Requests without a version get the highest one served (as Triton does).
     default_version: str
 
     def sorted_versions(self) -> list[str]:
-        return sorted(self.versions, key=lambda v: (not v.isdigit(), int(v) if v.isdigit() else 0, v))
+        return sorted(self.versions, key=int)
+
+
+def read_model(directory: Path, name: str, intra_op_threads: int,
+               override: mc.ModelConfig | None = None) -> ModelEntry:
+    """Parse, check and load one model directory (blocking: builds onnxruntime sessions)."""
+    model_dir = directory / name
+    if not model_dir.is_dir():
+        raise NotFound(f"model {name!r} is not in the repository {directory}")
+    config_path = model_dir / CONFIG_FILE
+    if override is not None:
+        source, config = f"{name}: load 'config'", override
+    elif config_path.exists():
+        source = str(config_path)
+        try:
+            text = config_path.read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"{config_path}: cannot read it: {exc}") from None
+        config = model_config.parse_text(text, source)
+    elif (model_dir / "config.json").exists():
+        raise ConfigError(f"{model_dir}: config.json is not read; write the configuration as {CONFIG_FILE} "
+                          f"(Triton's model configuration, protobuf text format) or leave it out to "
+                          f"auto-complete it from the ONNX model")
+    else:
+        source, config = f"{model_dir} (no {CONFIG_FILE}: auto-completed)", mc.ModelConfig()
+    model_config.validate(config, name, source)
+    filename = config.default_model_filename or model_config.DEFAULT_MODEL_FILENAME
+    available = [int(v.name) for v in model_dir.iterdir()
+                 if v.is_dir() and v.name.isdigit() and int(v.name) > 0 and (v / filename).is_file()]
+    versions = model_config.select_versions(config, available, source)
+    threads = config.parameters.get("intra_op_thread_count")
+    intra = int(threads.string_value) if threads is not None and int(threads.string_value) else intra_op_threads
+    sessions = {str(v): new_session(model_dir / str(v) / filename, intra) for v in versions}
+    latest = sessions[str(versions[-1])]
+    completed = model_config.complete(config, name, model_config.graph_tensors(latest.get_inputs()),
+                                      model_config.graph_tensors(latest.get_outputs()))
+    for version, session in sessions.items():
+        model_config.check_against_graph(
+            completed, model_config.graph_tensors(session.get_inputs()),
+            model_config.graph_tensors(session.get_outputs()), f"{source} (version {version})")
+    engine_config = model_config.to_engine_config(completed)
+    loaded = {v: LoadedModel(engine_config, v, s) for v, s in sessions.items()}
+    return ModelEntry(engine_config, loaded, default_version=str(versions[-1]))
 
 
 class ModelRepository:
-    """Every model in the repository directory, loaded at startup."""
+    """The models being served, and why the others in the directory are not."""
 
-    def __init__(self, models: dict[str, ModelEntry]) -> None:
+    def __init__(self, directory: Path, intra_op_threads: int, models: dict[str, ModelEntry]) -> None:
+        self.directory = directory
+        self.intra_op_threads = intra_op_threads
         self.models = models
+        # Model name -> why it is not served (failed load, unloaded).
+        self.unavailable: dict[str, str] = {}
 
     @classmethod
     def load(cls, directory: Path, intra_op_threads: int = 1) -> ModelRepository:
+        """Every model in the directory, at startup: any error stops the engine."""
         if not directory.is_dir():
             raise ConfigError(f"model repository {directory} is not a directory")
-        models: dict[str, ModelEntry] = {}
-        for model_dir in sorted(p for p in directory.iterdir() if p.is_dir()):
-            config_path = model_dir / "config.json"
-            if not config_path.exists():
-                raise ConfigError(f"{model_dir}: config.json is missing")
-            try:
-                raw = json.loads(config_path.read_text())
-            except json.JSONDecodeError as exc:
-                raise ConfigError(f"{config_path}: not valid JSON: {exc}") from None
-            config = parse_config(raw, model_dir.name)
-            versions = {
-                v.name: LoadedModel(config, v.name, v / "model.onnx", intra_op_threads)
-                for v in sorted(model_dir.iterdir())
-                if v.is_dir() and (v / "model.onnx").exists()
-            }
-            if not versions:
-                raise ConfigError(f"{model_dir}: no <version>/model.onnx found")
-            entry = ModelEntry(config, versions, default_version="")
-            default = config.default_version or entry.sorted_versions()[-1]
-            if default not in versions:
-                raise ConfigError(f"{model_dir}: default_version {default!r} has no model.onnx")
-            entry.default_version = default
-            models[model_dir.name] = entry
+        models = {name: read_model(directory, name, intra_op_threads) for name in cls.names_on_disk(directory)}
         if not models:
             raise ConfigError(f"model repository {directory} has no models")
-        return cls(models)
+        return cls(directory, intra_op_threads, models)
+
+    @staticmethod
+    def names_on_disk(directory: Path) -> list[str]:
+        return sorted(p.name for p in directory.iterdir() if p.is_dir() and not p.name.startswith("."))
+
+    def read(self, name: str, override: mc.ModelConfig | None = None) -> ModelEntry:
+        if not name or name.startswith(".") or "/" in name or name != Path(name).name:
+            raise NotFound(f"model name {name!r} is not a directory name")
+        return read_model(self.directory, name, self.intra_op_threads, override)
 
     def entry(self, name: str) -> ModelEntry:
         try:
             return self.models[name]
         except KeyError:
-            raise NotFound(f"unknown model {name!r}") from None
+            reason = self.unavailable.get(name)
+            raise NotFound(f"unknown model {name!r}" if reason is None
+                           else f"model {name!r} is not available: {reason}") from None
 
     def get(self, name: str, version: str = "") -> LoadedModel:
         entry = self.entry(name)

@@ -29,6 +29,8 @@ class Settings:
     intra_op_threads: int = 1
     max_request_bytes: int = 16 * 2**20
     shutdown_grace_seconds: float = 30.0
+    # "explicit": the model repository API may load and unload models; "none": it refuses to.
+    model_control_mode: str = "explicit"
 
 
 class _UvicornServer(uvicorn.Server):
@@ -46,7 +48,8 @@ def log(message: str) -> None:
 async def serve(settings: Settings) -> None:
     repository = ModelRepository.load(settings.model_repository, settings.intra_op_threads)
     metrics = EngineMetrics()
-    service = InferenceService(repository, metrics)
+    service = InferenceService(repository, metrics, allow_model_control=settings.model_control_mode == "explicit",
+                               unload_grace_seconds=settings.shutdown_grace_seconds)
     service.start()
 
     grpc_server = create_server(service, settings.host, settings.grpc_port, settings.max_request_bytes)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Regenerates meshcache/protos/grpc_predict_v2_pb2{,_grpc}.py from proto/grpc_predict_v2.proto
+# Regenerates meshcache/protos/grpc_predict_v2_pb2{,_grpc}.py and model_config_pb2.py from proto/
 # with the venv's grpcio-tools. The outputs are committed; rerun after editing the .proto.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -7,17 +7,27 @@ PY="${PYTHON:-$ROOT/.venv/bin/python}"
 OUT="$ROOT/meshcache/protos"
 mkdir -p "$OUT"
 "$PY" -m grpc_tools.protoc -I "$ROOT/proto" --python_out="$OUT" --pyi_out="$OUT" \
-  --grpc_python_out="$OUT" "$ROOT/proto/grpc_predict_v2.proto"
-# protoc emits `import grpc_predict_v2_pb2`, which only works with the output dir on sys.path.
-sed -i 's/^import grpc_predict_v2_pb2 as /from . import grpc_predict_v2_pb2 as /' \
-  "$OUT/grpc_predict_v2_pb2_grpc.py"
-# tritonclient (and other KServe v2 stubs) register the same `inference.*` names in protobuf's
-# default pool, and a second registration fails at import. A private pool lets both live in one
-# process; the wire format is unchanged.
-sed -i 's/^DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(/_POOL = _descriptor_pool.DescriptorPool()\nDESCRIPTOR = _POOL.AddSerializedFile(/' \
-  "$OUT/grpc_predict_v2_pb2.py"
-grep -q '^DESCRIPTOR = _POOL' "$OUT/grpc_predict_v2_pb2.py" || { echo "private-pool rewrite failed" >&2; exit 1; }
+  --grpc_python_out="$OUT" "$ROOT/proto/grpc_predict_v2.proto" "$ROOT/proto/model_config.proto"
+rm -f "$OUT/model_config_pb2_grpc.py"  # no services in it
+# protoc emits `import x_pb2`, which only works with the output dir on sys.path.
+sed -i -E 's/^import (grpc_predict_v2_pb2|model_config_pb2) as /from . import \1 as /' \
+  "$OUT/grpc_predict_v2_pb2_grpc.py" "$OUT/grpc_predict_v2_pb2.py" "$OUT/grpc_predict_v2_pb2.pyi"
+# tritonclient (and other KServe v2 / Triton stubs) register the same `inference.*` names in
+# protobuf's default pool, and a second registration fails at import. A private pool, shared by
+# the two files (one imports the other), lets both live in one process; the wire format is unchanged.
+cat > "$OUT/_inference_pool.py" <<'PY'
+"""The private protobuf descriptor pool of the `inference.*` modules (scripts/gen_protos.sh)."""
+
+from google.protobuf import descriptor_pool
+
+POOL = descriptor_pool.DescriptorPool()
+PY
+for f in grpc_predict_v2_pb2.py model_config_pb2.py; do
+  sed -i 's/^DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(/from ._inference_pool import POOL as _POOL\nDESCRIPTOR = _POOL.AddSerializedFile(/' "$OUT/$f"
+  grep -q '^DESCRIPTOR = _POOL' "$OUT/$f" || { echo "private-pool rewrite failed in $f" >&2; exit 1; }
+done
 grep -q '^from \. import grpc_predict_v2_pb2' "$OUT/grpc_predict_v2_pb2_grpc.py" || { echo "import rewrite failed" >&2; exit 1; }
+grep -q '^from \. import model_config_pb2' "$OUT/grpc_predict_v2_pb2.py" || { echo "import rewrite failed" >&2; exit 1; }
 [ -f "$OUT/__init__.py" ] || echo '"""Generated protobuf modules (scripts/gen_protos.sh)."""' > "$OUT/__init__.py"
 
 # Istio subset (proto/istio/..., written for meshcache with Istio's field numbers) for MCP-over-xDS.
@@ -33,6 +43,6 @@ for f in "$OUT"/istio/*/*/*_pb2.py "$OUT"/istio/*/*/*_pb2.pyi; do
 done
 ! grep -rq '^from istio\.' "$OUT/istio" || { echo "istio import rewrite failed" >&2; exit 1; }
 for d in "$OUT/istio" "$OUT"/istio/* "$OUT"/istio/*/*; do
-  [ -f "$d/__init__.py" ] || : > "$d/__init__.py"
+  [ ! -d "$d" ] || [ -f "$d/__init__.py" ] || : > "$d/__init__.py"
 done
 echo "generated into $OUT"

@@ -9,6 +9,8 @@ APT_PACKAGES=(
   rustc cargo libstd-rust-dev-wasm32 lld-14 librust-sha2-dev librust-serde-json-dev
   # Real services and load tools for tests and benchmarks.
   redis-server wrk nghttp2-client nginx-light
+  # Triton's perf_analyzer (shipped as a binary in the tritonclient wheel) links libb64.
+  libb64-0d
 )
 
 missing=()
@@ -37,4 +39,11 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   .venv/bin/pip install -q --upgrade pip
   .venv/bin/pip install -q -e '.[dev]'
   touch "$stamp"
+fi
+# perf_analyzer comes with tritonclient (dev extra) and needs libcudart.so.12 (PyPI
+# nvidia-cuda-runtime-cu12, same extra) on LD_LIBRARY_PATH even on CPU-only machines;
+# engine/perf_analyzer.py sets that up. Check it runs, so a broken install shows here.
+if ! .venv/bin/python -m engine.perf_analyzer --check >/dev/null; then
+  echo "setup: perf_analyzer does not run: .venv/bin/python -m engine.perf_analyzer --check" >&2
+  exit 1
 fi

@@ -13,7 +13,6 @@ import contextlib
 import errno
 import hashlib
 import importlib.util
-import json
 import os
 import secrets
 import shutil
@@ -100,16 +99,19 @@ def _model_repos(config: MeshConfig) -> tuple[Path, Path | None]:
         stamp_path.write_text(stamp + "\n")
     if not config.canary_color:
         return default, None
+    from engine.model_config import CONFIG_FILE, parse_text, to_text
+
     canary = models / "canary"
     shutil.rmtree(canary, ignore_errors=True)
     shutil.copytree(default, canary)
     for model, version in config.canary_defaults.items():
-        path = canary / model / "config.json"
+        path = canary / model / CONFIG_FILE
         if not path.exists():
             continue  # a repository without that model: nothing to switch
-        doc = json.loads(path.read_text())
-        doc["default_version"] = version
-        path.write_text(json.dumps(doc, indent=2) + "\n")
+        # Triton serves the highest loaded version by default: the canary loads only this one.
+        doc = parse_text(path.read_text(), str(path))
+        doc.version_policy.specific.versions[:] = [int(version)]
+        path.write_text(to_text(doc))
     return default, canary
 
 

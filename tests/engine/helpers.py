@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import json
+import asyncio
 import shutil
 import subprocess
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -13,8 +14,10 @@ from typing import Any
 import httpx
 import numpy as np
 import onnx
+from google.protobuf import json_format
 from onnx import TensorProto, helper, numpy_helper
 
+from engine.model_config import CONFIG_FILE, parse_text, to_text
 from meshcache import procs
 from meshcache.protos import grpc_predict_v2_pb2 as pb
 from meshcache.services import ENGINE_BIN, Engine, start_engine
@@ -34,15 +37,15 @@ def init_demo_models(directory: Path) -> Path:
 
 
 def copy_model(src_repo: Path, dst_repo: Path, name: str, **config_changes: Any) -> None:
+    """Copies a model directory; `config_changes` replace top-level fields of its config.pbtxt
+    (values in Triton's JSON form, e.g. dynamic_batching={"max_queue_delay_microseconds": 5})."""
     shutil.copytree(src_repo / name, dst_repo / name)
-    config_path = dst_repo / name / "config.json"
-    config = json.loads(config_path.read_text())
+    config_path = dst_repo / name / CONFIG_FILE
+    config = parse_text(config_path.read_text(), str(config_path))
     for key, value in config_changes.items():
-        if isinstance(value, dict) and isinstance(config.get(key), dict):
-            config[key].update(value)
-        else:
-            config[key] = value
-    config_path.write_text(json.dumps(config))
+        config.ClearField(key)
+        json_format.ParseDict({key: value}, config)
+    config_path.write_text(to_text(config))
 
 
 def write_slow_model(repo: Path, layers: int = 160, max_queue_size: int = 8) -> None:
@@ -76,17 +79,26 @@ def write_slow_model(repo: Path, layers: int = 160, max_queue_size: int = 8) -> 
     model.ir_version = 8
     (repo / "slow" / "1").mkdir(parents=True)
     onnx.save(model, repo / "slow" / "1" / "model.onnx")
-    (repo / "slow" / "config.json").write_text(
-        json.dumps(
-            {
-                "name": "slow",
-                "max_batch_size": 0,
-                "inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 16]}],
-                "outputs": [{"name": "y", "datatype": "FP32", "shape": [64]}],
-                "dynamic_batching": {"max_queue_delay_us": 0, "max_queue_size": max_queue_size},
-            }
-        )
-    )
+    (repo / "slow" / CONFIG_FILE).write_text(f"""
+name: "slow"
+backend: "onnxruntime"
+max_batch_size: 0
+input [ {{ name: "x", data_type: TYPE_FP32, dims: [ 1, 16 ] }} ]
+output [ {{ name: "y", data_type: TYPE_FP32, dims: [ 64 ] }} ]
+dynamic_batching {{
+  priority_levels: 10
+  default_priority_level: 5
+  default_queue_policy {{ max_queue_size: {max_queue_size} }}
+}}
+""")
+
+
+async def until_running(client: httpx.AsyncClient, metrics_url: str, runs: int, model: str = "slow") -> None:
+    """Waits until `runs` onnxruntime runs of `model` have started (a fixed sleep is flaky on a busy machine)."""
+    deadline = time.perf_counter() + 10
+    while metric_value((await client.get(metrics_url)).text, "meshcache_engine_batch_size_count", model=model) < runs:
+        assert time.perf_counter() < deadline, f"run {runs} of {model} never started"
+        await asyncio.sleep(0.005)
 
 
 def metric_value(text: str, name: str, **labels: str) -> float:

@@ -13,7 +13,7 @@ import onnxruntime as ort
 import pytest
 
 from engine.demo_models import DEMO_MODELS, write_demo_models
-from engine.models import LoadedModel, parse_config
+from engine.models import read_model
 from meshcache.protos import grpc_predict_v2_pb2_grpc as pb_grpc
 from tests.engine.conftest import DEMO_INPUTS, DEMO_OUTPUTS, demo_batch
 from tests.engine.helpers import copy_model, grpc_infer_request, grpc_outputs, metric_value, running_engine
@@ -28,7 +28,7 @@ def batching_repo(demo_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> 
             demo_repo,
             repo,
             model,
-            dynamic_batching={"max_queue_delay_us": 300_000, "preferred_batch_sizes": []},
+            dynamic_batching={"max_queue_delay_microseconds": 300_000},
         )
     return repo
 
@@ -71,10 +71,9 @@ def test_batch_composition_never_changes_output_bytes(tmp_path: Path) -> None:
     write_demo_models(tmp_path)
     for model, (_, versions, config) in DEMO_MODELS.items():
         name, max_batch = DEMO_INPUTS[model][0], config["max_batch_size"]
+        entry = read_model(tmp_path, model, 1)
         for version in versions:
-            session = LoadedModel(
-                parse_config(config, model), str(version), tmp_path / model / str(version) / "model.onnx", 1
-            )
+            session = entry.versions[str(version)]
             x = demo_batch(model, max_batch, seed=version)
             out_name = DEMO_OUTPUTS[model]
             single = [session.run({name: x[i : i + 1]})[out_name].tobytes() for i in range(max_batch)]

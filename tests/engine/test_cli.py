@@ -26,12 +26,12 @@ def test_init_models_is_deterministic_and_complete(demo_repo: Path, tmp_path: Pa
     again = init_demo_models(tmp_path / "again")
     assert _digests(again) == _digests(demo_repo)
     assert set(_digests(demo_repo)) == {
-        "mlp-classifier/config.json",
+        "mlp-classifier/config.pbtxt",
         "mlp-classifier/1/model.onnx",
         "mlp-classifier/2/model.onnx",
-        "resnet-mini/config.json",
+        "resnet-mini/config.pbtxt",
         "resnet-mini/1/model.onnx",
-        "text-embedder/config.json",
+        "text-embedder/config.pbtxt",
         "text-embedder/1/model.onnx",
     }
     resnet = onnx.load(demo_repo / "resnet-mini" / "1" / "model.onnx")
@@ -62,11 +62,11 @@ def test_settings_from_environment(demo_repo: Path, tmp_path: Path) -> None:
 
 def test_bad_repository_fails_with_a_message(tmp_path: Path) -> None:
     (tmp_path / "broken").mkdir()
-    (tmp_path / "broken" / "config.json").write_text("{not json")
+    (tmp_path / "broken" / "config.pbtxt").write_text("max_batch_size: {")
     result = subprocess.run(
         [ENGINE_BIN, "--model-repository", str(tmp_path)], capture_output=True, text=True, timeout=60
     )
-    assert result.returncode == 2 and "config.json" in result.stderr and "not valid JSON" in result.stderr
+    assert result.returncode == 2 and "broken/config.pbtxt:1:" in result.stderr
     missing = subprocess.run(
         [ENGINE_BIN, "--model-repository", str(tmp_path / "nope")], capture_output=True, text=True, timeout=60
     )

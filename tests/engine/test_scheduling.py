@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from meshcache.protos import grpc_predict_v2_pb2_grpc as pb_grpc
-from tests.engine.helpers import grpc_infer_request, metric_value, running_engine, write_slow_model
+from tests.engine.helpers import grpc_infer_request, running_engine, until_running, write_slow_model
 
 X = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 16], "data": [0.5] * 16}]}
 
@@ -31,25 +31,18 @@ async def _post(client: httpx.AsyncClient, url: str, priority: int, done: list[i
     return r.status_code
 
 
-async def _until_running(client: httpx.AsyncClient, metrics_url: str, runs: int) -> None:
-    """Waits until `runs` onnxruntime runs of `slow` have started (a fixed sleep is flaky on a busy machine)."""
-    deadline = time.perf_counter() + 10
-    while metric_value((await client.get(metrics_url)).text, "meshcache_engine_batch_size_count", model="slow") < runs:
-        assert time.perf_counter() < deadline, "the first request never started running"
-        await asyncio.sleep(0.005)
-
-
 def test_higher_priority_runs_first(slow_repo: Path, tmp_path: Path) -> None:
     async def scenario(url: str, metrics_url: str) -> list[int]:
         done: list[int] = []
         async with httpx.AsyncClient(timeout=30) as client:
             busy = asyncio.create_task(_post(client, url, 0, done, 0))
-            await _until_running(client, metrics_url, 1)  # request 0 runs; the next ones wait in the queue
-            low1 = asyncio.create_task(_post(client, url, 1, done, 1))
+            await until_running(client, metrics_url, 1)  # request 0 runs; the next ones wait in the queue
+            # Triton's levels: 1 is the highest of priority_levels 10; 0 means the default level (5).
+            low1 = asyncio.create_task(_post(client, url, 9, done, 1))
             await asyncio.sleep(0.01)
-            low2 = asyncio.create_task(_post(client, url, 1, done, 2))
+            low2 = asyncio.create_task(_post(client, url, 9, done, 2))
             await asyncio.sleep(0.01)
-            high = asyncio.create_task(_post(client, url, 9, done, 3))
+            high = asyncio.create_task(_post(client, url, 1, done, 3))
             codes = await asyncio.gather(busy, low1, low2, high)
         assert codes == [200] * 4
         return done
@@ -63,7 +56,7 @@ def test_full_queue_is_refused_at_once_then_recovers(slow_repo: Path, tmp_path: 
     async def scenario(url: str, grpc_target: str, metrics_url: str) -> None:
         async with httpx.AsyncClient(timeout=30) as client:
             busy = [asyncio.create_task(client.post(url, json=X))]
-            await _until_running(client, metrics_url, 1)
+            await until_running(client, metrics_url, 1)
             busy += [asyncio.create_task(client.post(url, json=X)) for _ in range(3)]  # fills the queue
             await asyncio.sleep(0.03)
             started = time.perf_counter()
