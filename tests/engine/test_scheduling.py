@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from meshcache.protos import grpc_predict_v2_pb2_grpc as pb_grpc
-from tests.engine.helpers import grpc_infer_request, running_engine, until_running, write_slow_model
+from tests.engine.helpers import grpc_infer_request, metric_value, running_engine, until_running, write_slow_model
 
 X = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 16], "data": [0.5] * 16}]}
 
@@ -82,11 +82,16 @@ def test_full_queue_is_refused_at_once_then_recovers(slow_repo: Path, tmp_path: 
 
 
 def test_sigterm_finishes_in_flight_and_refuses_new(slow_repo: Path, tmp_path: Path) -> None:
-    async def scenario(url: str, proc_signal: object) -> tuple[int, int]:
+    async def scenario(url: str, metrics_url: str, proc_signal: object) -> tuple[int, int]:
         async with httpx.AsyncClient(timeout=30) as client:
             in_flight = asyncio.create_task(client.post(url, json=X))
             queued = asyncio.create_task(client.post(url, json=X))
-            await asyncio.sleep(0.03)
+            # Both requests reached the engine (a fixed sleep is flaky on a busy machine).
+            deadline = time.perf_counter() + 10
+            while metric_value((await client.get(metrics_url)).text, "meshcache_engine_requests_total",
+                               model="slow", protocol="http") < 2:
+                assert time.perf_counter() < deadline
+                await asyncio.sleep(0.005)
             proc_signal(signal.SIGTERM)  # type: ignore[operator]
             await asyncio.sleep(0.01)
             late = await client.post(url, json=X)
@@ -96,7 +101,7 @@ def test_sigterm_finishes_in_flight_and_refuses_new(slow_repo: Path, tmp_path: P
 
     with running_engine(slow_repo, tmp_path) as engine:
         codes = asyncio.run(
-            scenario(f"{engine.http_url}/v2/models/slow/infer", engine.proc.popen.send_signal)
+            scenario(f"{engine.http_url}/v2/models/slow/infer", engine.metrics_url, engine.proc.popen.send_signal)
         )
         assert codes == (200, 200)
         assert engine.proc.popen.wait(timeout=15) == 0
