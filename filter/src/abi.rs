@@ -1,6 +1,6 @@
 //! proxy-wasm ABI v0.2.1: raw host imports and safe wrappers. Nothing here knows about caching.
 
-use crate::headermap::deserialize_map;
+use crate::headermap::{decode_headers, Headers};
 use crate::store::SharedData;
 
 pub use crate::headermap::serialize_map;
@@ -113,14 +113,14 @@ pub fn buffer_size(kind: Buffer) -> Option<usize> {
     }
 }
 
-pub fn headers(map: Map) -> Vec<(String, String)> {
+pub fn headers(map: Map) -> Headers {
     let mut p: *mut u8 = std::ptr::null_mut();
     let mut l: usize = 0;
     let rc = unsafe { proxy_get_header_map_pairs(map as u32, &mut p, &mut l) };
     if rc != STATUS_OK {
-        return Vec::new();
+        return Headers::default();
     }
-    deserialize_map(&unsafe { owned(p, l) })
+    decode_headers(&unsafe { owned(p, l) })
 }
 
 pub fn header(map: Map, name: &str) -> Option<String> {

@@ -9,6 +9,26 @@ pub struct CacheControl {
     pub private: bool,
     pub max_age: Option<u64>,
     pub s_maxage: Option<u64>,
+    /// A max-age or s-maxage without a valid delta-seconds, or given twice with different
+    /// values: RFC 9111 §4.2.1 / §1.2.2 say to treat the answer as stale.
+    pub invalid: bool,
+}
+
+/// delta-seconds: digits only; values past u64 saturate (RFC 9111 §1.2.2 allows capping).
+fn delta_seconds(arg: Option<&str>) -> Option<u64> {
+    let a = arg?;
+    if a.is_empty() || !a.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    Some(a.parse::<u64>().unwrap_or(u64::MAX))
+}
+
+fn set_once(slot: &mut Option<u64>, value: Option<u64>, invalid: &mut bool) {
+    match (value, *slot) {
+        (None, _) => *invalid = true,
+        (Some(v), Some(old)) if old != v => *invalid = true,
+        (Some(v), _) => *slot = Some(v),
+    }
 }
 
 pub fn parse(value: &str) -> CacheControl {
@@ -19,13 +39,13 @@ pub fn parse(value: &str) -> CacheControl {
             Some(i) => (&directive[..i], Some(directive[i + 1..].trim().trim_matches('"'))),
             None => (directive, None),
         };
-        let seconds = arg.and_then(|a| a.parse::<u64>().ok());
+        let seconds = delta_seconds(arg);
         match name.trim().to_ascii_lowercase().as_str() {
             "no-store" => cc.no_store = true,
             "no-cache" => cc.no_cache = true,
             "private" => cc.private = true,
-            "max-age" => cc.max_age = seconds.or(cc.max_age),
-            "s-maxage" => cc.s_maxage = seconds.or(cc.s_maxage),
+            "max-age" => set_once(&mut cc.max_age, seconds, &mut cc.invalid),
+            "s-maxage" => set_once(&mut cc.s_maxage, seconds, &mut cc.invalid),
             _ => {}
         }
     }
@@ -47,6 +67,14 @@ pub enum NotStored {
     Error,
     /// The answer's echoed request id could not be taken out (another id, repeated, bad JSON).
     Unparsable,
+    /// Expired on arrival (`Expires` not after `Date`, an invalid `Expires` or max-age).
+    Stale,
+    /// The origin's `Vary` names request headers the key does not include (or is `*`).
+    Vary,
+    /// The answer sets a cookie: it belongs to one client.
+    SetCookie,
+    /// A header that is not valid UTF-8 could not be stored byte for byte.
+    HeaderBytes,
 }
 
 impl NotStored {
@@ -63,13 +91,27 @@ impl NotStored {
             NotStored::Unparsable => "unparsable",
             NotStored::Contended => "contended",
             NotStored::Error => "error",
+            NotStored::Stale => "stale",
+            NotStored::Vary => "vary",
+            NotStored::SetCookie => "set-cookie",
+            NotStored::HeaderBytes => "header-bytes",
         }
     }
 }
 
-/// TTL for an upstream answer: the policy's, or the origin's s-maxage/max-age clamped to max_ttl_s.
-pub fn response_ttl(policy: &Policy, cache_control: Option<&str>) -> Result<u64, NotStored> {
-    let cc = cache_control.map(parse).unwrap_or_default();
+/// What the origin said about freshness: all `Cache-Control` lines joined, every `Expires`
+/// line, and `Date`.
+#[derive(Default)]
+pub struct Freshness<'a> {
+    pub cache_control: Option<&'a str>,
+    pub expires: &'a [&'a str],
+    pub date: Option<&'a str>,
+}
+
+/// TTL for an upstream answer: the origin's s-maxage, else max-age, else `Expires` - `Date`
+/// (RFC 9111 §4.2.1), else the policy's; clamped to `max_ttl_s`. `now_s`: when `Date` is absent.
+pub fn response_ttl(policy: &Policy, f: &Freshness, now_s: u64) -> Result<u64, NotStored> {
+    let cc = f.cache_control.map(parse).unwrap_or_default();
     if cc.no_store {
         return Err(NotStored::NoStore);
     }
@@ -80,11 +122,62 @@ pub fn response_ttl(policy: &Policy, cache_control: Option<&str>) -> Result<u64,
         // A shared cache must revalidate every use; we don't revalidate, so don't store.
         return Err(NotStored::NoCache);
     }
-    let ttl = cc.s_maxage.or(cc.max_age).unwrap_or(policy.ttl_s).min(policy.max_ttl_s);
+    if cc.invalid {
+        return Err(NotStored::Stale);
+    }
+    let origin = match cc.s_maxage.or(cc.max_age) {
+        Some(s) => Some(s),
+        None => match f.expires {
+            [] => None,
+            // Invalid dates (e.g. "0") and repeated Expires lines mean "already expired".
+            [one] => {
+                let expires = http_date(one).ok_or(NotStored::Stale)?;
+                let base = f.date.and_then(http_date).unwrap_or(now_s);
+                if expires <= base {
+                    return Err(NotStored::Stale);
+                }
+                Some(expires - base)
+            }
+            _ => return Err(NotStored::Stale),
+        },
+    };
+    let ttl = origin.unwrap_or(policy.ttl_s).min(policy.max_ttl_s);
     if ttl == 0 {
         return Err(NotStored::ZeroTtl);
     }
     Ok(ttl)
+}
+
+/// Seconds since the epoch of an IMF-fixdate (`Sun, 06 Nov 1994 08:49:37 GMT`), the form
+/// RFC 9110 §5.6.7 requires senders to use. The obsolete forms read as invalid (= stale).
+pub fn http_date(s: &str) -> Option<u64> {
+    let b = s.trim().as_bytes();
+    if b.len() != 29 || &b[3..5] != b", " || &b[25..] != b" GMT" || b[7] != b' ' || b[11] != b' ' || b[16] != b' ' {
+        return None;
+    }
+    let num = |r: std::ops::Range<usize>| -> Option<u64> {
+        let part = b.get(r)?;
+        if !part.iter().all(|c| c.is_ascii_digit()) {
+            return None;
+        }
+        std::str::from_utf8(part).ok()?.parse().ok()
+    };
+    const MONTHS: [&[u8]; 12] = [b"Jan", b"Feb", b"Mar", b"Apr", b"May", b"Jun", b"Jul", b"Aug", b"Sep", b"Oct", b"Nov", b"Dec"];
+    let month = MONTHS.iter().position(|m| *m == &b[8..11])? as u64 + 1;
+    let (day, year) = (num(5..7)?, num(12..16)?);
+    let (h, m, sec) = (num(17..19)?, num(20..22)?, num(23..25)?);
+    if b[19] != b':' || b[22] != b':' || day == 0 || day > 31 || h > 23 || m > 59 || sec > 60 || year < 1970 {
+        return None;
+    }
+    // Days from the civil date (proleptic Gregorian), after H. Hinnant's algorithm.
+    let (y, mo) = if month <= 2 { (year - 1, month + 9) } else { (year, month - 3) };
+    let era = y / 400;
+    let yoe = y - era * 400;
+    let doy = (153 * mo + 2) / 5 + day - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    let days = era * 146_097 + doe;
+    let days_since_epoch = days.checked_sub(719_468)?;
+    Some(days_since_epoch * 86_400 + h * 3600 + m * 60 + sec)
 }
 
 #[cfg(test)]
@@ -106,16 +199,49 @@ mod tests {
         assert_eq!(parse("max-age=abc").max_age, None);
     }
 
+    fn ttl(p: &Policy, cc: Option<&str>) -> Result<u64, NotStored> {
+        response_ttl(p, &Freshness { cache_control: cc, ..Default::default() }, 0)
+    }
+
     #[test]
     fn ttl_rules() {
         let p = policy(300, 1800);
-        assert_eq!(response_ttl(&p, None), Ok(300));
-        assert_eq!(response_ttl(&p, Some("max-age=60")), Ok(60));
-        assert_eq!(response_ttl(&p, Some("max-age=60, s-maxage=90")), Ok(90));
-        assert_eq!(response_ttl(&p, Some("max-age=99999")), Ok(1800));
-        assert_eq!(response_ttl(&p, Some("no-store")), Err(NotStored::NoStore));
-        assert_eq!(response_ttl(&p, Some("private, max-age=5")), Err(NotStored::Private));
-        assert_eq!(response_ttl(&p, Some("max-age=0")), Err(NotStored::ZeroTtl));
-        assert_eq!(response_ttl(&policy(0, 0), None), Err(NotStored::ZeroTtl));
+        assert_eq!(ttl(&p, None), Ok(300));
+        assert_eq!(ttl(&p, Some("max-age=60")), Ok(60));
+        assert_eq!(ttl(&p, Some("max-age=60, s-maxage=90")), Ok(90));
+        assert_eq!(ttl(&p, Some("max-age=99999")), Ok(1800));
+        assert_eq!(ttl(&p, Some("max-age=99999999999999999999999")), Ok(1800));
+        assert_eq!(ttl(&p, Some("no-store")), Err(NotStored::NoStore));
+        assert_eq!(ttl(&p, Some("private, max-age=5")), Err(NotStored::Private));
+        assert_eq!(ttl(&p, Some("max-age=0")), Err(NotStored::ZeroTtl));
+        assert_eq!(ttl(&policy(0, 0), None), Err(NotStored::ZeroTtl));
+    }
+
+    #[test]
+    fn invalid_max_age_is_stale() {
+        let p = policy(300, 1800);
+        for bad in ["max-age=abc", "max-age=-1", "max-age", "max-age=", "max-age=5, max-age=6", "s-maxage=1x"] {
+            assert_eq!(ttl(&p, Some(bad)), Err(NotStored::Stale), "{}", bad);
+        }
+        assert_eq!(ttl(&p, Some("max-age=5, max-age=5")), Ok(5));
+    }
+
+    #[test]
+    fn expires_and_date() {
+        let p = policy(300, 1800);
+        let date = "Sun, 06 Nov 1994 08:49:37 GMT";
+        assert_eq!(http_date(date), Some(784_111_777));
+        assert_eq!(http_date("Thu, 01 Jan 1970 00:00:00 GMT"), Some(0));
+        assert_eq!(http_date("0"), None);
+        assert_eq!(http_date("Sunday, 06-Nov-94 08:49:37 GMT"), None);
+        let f = |expires: &'static [&'static str], date: Option<&'static str>, cc: Option<&'static str>| {
+            response_ttl(&p, &Freshness { cache_control: cc, expires, date }, 784_111_777)
+        };
+        assert_eq!(f(&["Sun, 06 Nov 1994 08:49:00 GMT"], Some(date), None), Err(NotStored::Stale), "in the past");
+        assert_eq!(f(&["Sun, 06 Nov 1994 08:49:37 GMT"], None, None), Err(NotStored::Stale), "now = expired");
+        assert_eq!(f(&["0"], Some(date), None), Err(NotStored::Stale), "invalid = in the past");
+        assert_eq!(f(&["Sun, 06 Nov 1994 08:50:37 GMT"], Some(date), None), Ok(60));
+        assert_eq!(f(&["Sun, 06 Nov 1994 08:50:37 GMT", "Sun, 06 Nov 1994 08:51:37 GMT"], Some(date), None), Err(NotStored::Stale));
+        assert_eq!(f(&["Sun, 06 Nov 1994 08:49:00 GMT"], Some(date), Some("max-age=30")), Ok(30), "max-age wins over Expires");
     }
 }

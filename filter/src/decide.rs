@@ -1,7 +1,7 @@
 //! Per-request decisions in plain Rust: which requests are cacheable, their key, how a hit is
 //! answered and what a miss stores. The proxy-wasm glue only gathers inputs and applies these.
 
-use crate::cache_control::{self, NotStored};
+use crate::cache_control::{self, Freshness, NotStored};
 use crate::config::{Config, Policy, Scope};
 use crate::entry::Entry;
 use crate::hashing::{cache_key, response_hash, KeyDigest, KeyInput};
@@ -13,21 +13,59 @@ use crate::names::{COLOR_HEADER, KSERVE_BINARY_HEADER, MODEL_HEADER};
 /// Request bodies larger than this are not buffered; the request passes through uncached.
 pub const MAX_REQUEST_BYTES: usize = 8 * 1_048_576;
 
+/// Request headers that make a shared answer someone's own: with any of them, a request
+/// bypasses unless its policy scopes entries by principal.
+pub const CREDENTIAL_HEADERS: [&str; 3] = ["authorization", "proxy-authorization", "cookie"];
+
 /// Request headers as the filter sees them (lowercase names).
 pub struct RequestHead<'a> {
     pub method: &'a str,
     pub path: &'a str,
     pub headers: &'a [(String, String)],
+    /// Names whose value was not UTF-8 (`headermap::Headers::not_utf8`).
+    pub not_utf8: &'a [String],
 }
 
 impl<'a> RequestHead<'a> {
     pub fn header(&self, name: &str) -> Option<&'a str> {
         header(self.headers, name)
     }
+
+    /// Every value of `name`, or None when a value is not UTF-8 (its text is not its bytes).
+    fn exact_values(&self, name: &str) -> Option<Vec<&'a str>> {
+        if self.not_utf8.iter().any(|n| n.eq_ignore_ascii_case(name)) {
+            return None;
+        }
+        Some(values(self.headers, name))
+    }
 }
 
 pub fn header<'h>(headers: &'h [(String, String)], name: &str) -> Option<&'h str> {
     headers.iter().find(|(n, _)| n.eq_ignore_ascii_case(name)).map(|(_, v)| v.as_str())
+}
+
+/// Every value of a header, in order (a repeated header is several lines).
+pub fn values<'h>(headers: &'h [(String, String)], name: &str) -> Vec<&'h str> {
+    headers.iter().filter(|(n, _)| n.eq_ignore_ascii_case(name)).map(|(_, v)| v.as_str()).collect()
+}
+
+/// All lines of a list-valued header joined with "," (RFC 9110 §5.3), None when absent.
+pub fn joined(headers: &[(String, String)], name: &str) -> Option<String> {
+    let v = values(headers, name);
+    if v.is_empty() {
+        None
+    } else {
+        Some(v.join(","))
+    }
+}
+
+/// At most one value, as bytes-exact text: Ok(None) absent, Err(()) repeated or not UTF-8.
+fn single<'a>(head: &RequestHead<'a>, name: &str) -> Result<Option<&'a str>, ()> {
+    match head.exact_values(name).ok_or(())?.as_slice() {
+        [] => Ok(None),
+        [one] => Ok(Some(*one)),
+        _ => Err(()),
+    }
 }
 
 #[derive(Debug, PartialEq)]
@@ -52,7 +90,12 @@ pub fn on_head(head: &RequestHead) -> HeadDecision {
         Some(s) => s,
         None => return HeadDecision::Ignore,
     };
-    let cc = head.header("cache-control").map(cache_control::parse).unwrap_or_default();
+    // Headers that are part of the key must be unambiguous: Envoy's route matcher sees a
+    // repeated header as its lines joined, the key would see something else.
+    if single(head, COLOR_HEADER).is_err() || single(head, MODEL_HEADER).is_err() {
+        return HeadDecision::Bypass;
+    }
+    let cc = joined(head.headers, "cache-control").map(|v| cache_control::parse(&v)).unwrap_or_default();
     if cc.no_store {
         return HeadDecision::Bypass;
     }
@@ -106,10 +149,8 @@ fn read_body<'a>(source: &ModelSource, head: &RequestHead, body: &'a [u8]) -> Re
             let m = model::model_from_members(body, &members);
             Ok((m, ReadBody::Json { json_len: body.len(), binary: false, members }))
         }
-        ModelSource::Known(m) => {
-            if model::kserve_rest_model(model::strip_query(head.path)).is_none() {
-                return Ok((Some(m.clone()), ReadBody::Opaque));
-            }
+        ModelSource::Header(m) => Ok((Some(m.clone()), ReadBody::Opaque)),
+        ModelSource::Path(m) => {
             // KServe v2 REST: the request id is in the JSON (part) of the body.
             let (json_len, binary) = keybody::split_binary(body, head.header(KSERVE_BINARY_HEADER))?;
             let members = json::object_members(&body[..json_len]).ok_or(Unkeyable::Unparsable)?;
@@ -152,11 +193,29 @@ pub fn on_body(
     principal: impl FnOnce() -> Option<String>,
 ) -> BodyDecision {
     let grpc = *source == ModelSource::GrpcBody;
+    let named = match single(head, MODEL_HEADER) {
+        Ok(h) => h.filter(|m| !m.is_empty()),
+        Err(()) => return BodyDecision::Bypass,
+    };
     let (model, read) = match read_body(source, head, body) {
-        Ok((Some(m), read)) => (m, read),
-        Ok((None, _)) => return BodyDecision::Bypass,
+        Ok((m, read)) => {
+            // A JSON body without a model falls back to the header (the least specific source).
+            let m = match (m, source) {
+                (None, ModelSource::JsonBody) => named.map(|n| ModelRef { name: n.to_string(), version: String::new() }),
+                (m, _) => m,
+            };
+            match m {
+                Some(m) => (m, read),
+                None => return BodyDecision::Bypass,
+            }
+        }
         Err(why) => return BodyDecision::Unkeyable(why),
     };
+    // The most specific source named the model; a header naming another one is a conflict
+    // (it could put one model's request under another model's policy): stay out.
+    if named.map_or(false, |n| n != model.name) {
+        return BodyDecision::Bypass;
+    }
     let policy = match config.policy_for(&model.name) {
         Some(p) => p,
         None => return BodyDecision::Bypass,
@@ -168,15 +227,24 @@ pub fn on_body(
             None => return BodyDecision::Bypass,
         },
         Scope::Shared => {
-            if head.header("authorization").is_some() {
+            if CREDENTIAL_HEADERS.iter().any(|c| head.header(c).is_some()) {
                 return BodyDecision::Bypass;
             }
             None
         }
     };
-    let color = head.header(COLOR_HEADER).unwrap_or(&config.color);
-    let vary: Vec<(String, Option<String>)> =
-        policy.vary_headers.iter().map(|n| (n.clone(), head.header(n).map(str::to_string))).collect();
+    let color = match single(head, COLOR_HEADER) {
+        Ok(c) => c.unwrap_or(&config.color),
+        Err(()) => return BodyDecision::Bypass,
+    };
+    // Vary headers are keyed on every line, byte-exact; a value that is not UTF-8 bypasses.
+    let mut vary: Vec<(String, Vec<String>)> = Vec::with_capacity(policy.vary_headers.len());
+    for n in &policy.vary_headers {
+        match head.exact_values(n) {
+            Some(v) => vary.push((n.clone(), v.into_iter().map(str::to_string).collect())),
+            None => return BodyDecision::Bypass,
+        }
+    }
     let keyed = match key_body(read, head, body, policy) {
         Ok(k) => k,
         Err(why) => return BodyDecision::Unkeyable(why),
@@ -194,6 +262,42 @@ pub fn on_body(
     });
     let request_id = keyed.id;
     BodyDecision::Cacheable(Cacheable { key, policy: policy.clone(), grpc, refresh, seen: None, request_ms: 0, request_id })
+}
+
+/// Request headers a stored answer may vary on without losing correctness: those the key has.
+fn keyed(policy: &Policy, name: &str) -> bool {
+    name == COLOR_HEADER || name == MODEL_HEADER || policy.vary_headers.iter().any(|v| v == name)
+}
+
+/// Whether an origin answer may be stored, and for how long (the status is checked before).
+/// `Vary` (RFC 9111 §4.1): `*` is never stored; other names are fine only when the key already
+/// includes them (policy `vary_headers`, the colour, the model header), since a stored answer
+/// is then only reused for requests that agree on them. Otherwise `detail=vary`.
+pub fn response_storable(
+    policy: &Policy,
+    headers: &[(String, String)],
+    not_utf8: &[String],
+    now_ms: u64,
+) -> Result<u64, NotStored> {
+    if header(headers, "set-cookie").is_some() {
+        return Err(NotStored::SetCookie);
+    }
+    let vary = joined(headers, "vary").unwrap_or_default();
+    for name in vary.split(',').map(str::trim).filter(|n| !n.is_empty()) {
+        if name == "*" || !keyed(policy, &name.to_ascii_lowercase()) {
+            return Err(NotStored::Vary);
+        }
+    }
+    let cc = joined(headers, "cache-control");
+    let expires = values(headers, "expires");
+    let freshness = Freshness { cache_control: cc.as_deref(), expires: &expires, date: header(headers, "date") };
+    let ttl = cache_control::response_ttl(policy, &freshness, now_ms / 1000)?;
+    // Checked last: a header the filter cannot replay byte for byte (checked after the
+    // origin's own reasons, which are more useful to report).
+    if !not_utf8.is_empty() {
+        return Err(NotStored::HeaderBytes);
+    }
+    Ok(ttl)
 }
 
 /// Response headers that belong to one transmission, not to the cached answer.
@@ -297,7 +401,7 @@ mod tests {
 
     fn decide(cfg: &Config, path: &str, headers: &[(&str, &str)], body: &[u8], principal: Option<&str>) -> BodyDecision {
         let h = hs(headers);
-        let head = RequestHead { method: "POST", path, headers: &h };
+        let head = RequestHead { method: "POST", path, headers: &h, not_utf8: &[] };
         match on_head(&head) {
             HeadDecision::Buffer { source, refresh } => {
                 on_body(cfg, &head, &source, refresh, body, || principal.map(str::to_string))
@@ -316,21 +420,21 @@ mod tests {
     #[test]
     fn head_decisions() {
         let h = hs(&[("content-type", "application/json")]);
-        assert_eq!(on_head(&RequestHead { method: "GET", path: "/v2/models/m/infer", headers: &h }), HeadDecision::Ignore);
-        assert_eq!(on_head(&RequestHead { method: "POST", path: "/other", headers: &h }), HeadDecision::Ignore);
+        assert_eq!(on_head(&RequestHead { method: "GET", path: "/v2/models/m/infer", headers: &h, not_utf8: &[] }), HeadDecision::Ignore);
+        assert_eq!(on_head(&RequestHead { method: "POST", path: "/other", headers: &h, not_utf8: &[] }), HeadDecision::Ignore);
         let ns = hs(&[("cache-control", "no-store")]);
-        assert_eq!(on_head(&RequestHead { method: "POST", path: "/v2/models/m/infer", headers: &ns }), HeadDecision::Bypass);
+        assert_eq!(on_head(&RequestHead { method: "POST", path: "/v2/models/m/infer", headers: &ns, not_utf8: &[] }), HeadDecision::Bypass);
         let nc = hs(&[("cache-control", "no-cache")]);
         assert!(matches!(
-            on_head(&RequestHead { method: "POST", path: "/v2/models/m/infer", headers: &nc }),
+            on_head(&RequestHead { method: "POST", path: "/v2/models/m/infer", headers: &nc, not_utf8: &[] }),
             HeadDecision::Buffer { refresh: true, .. }
         ));
         let web = hs(&[("content-type", "application/grpc-web+proto")]);
         let infer = crate::model::GRPC_MODEL_INFER_PATH;
-        assert_eq!(on_head(&RequestHead { method: "POST", path: infer, headers: &web }), HeadDecision::Bypass);
+        assert_eq!(on_head(&RequestHead { method: "POST", path: infer, headers: &web, not_utf8: &[] }), HeadDecision::Bypass);
         let grpc = hs(&[("content-type", "application/grpc")]);
         assert_eq!(
-            on_head(&RequestHead { method: "POST", path: infer, headers: &grpc }),
+            on_head(&RequestHead { method: "POST", path: infer, headers: &grpc, not_utf8: &[] }),
             HeadDecision::Buffer { source: ModelSource::GrpcBody, refresh: false }
         );
     }
@@ -356,11 +460,11 @@ mod tests {
             asked.set(asked.get() + 1);
             Some("spiffe://cluster.local/ns/a/sa/x".to_string())
         };
-        let shared = RequestHead { method: "POST", path: "/v2/models/m/infer", headers: &h };
-        assert!(matches!(on_body(&cfg, &shared, &ModelSource::Known(crate::model::kserve_rest_model(shared.path).unwrap()), false, b"{}", ask), BodyDecision::Cacheable(_)));
+        let shared = RequestHead { method: "POST", path: "/v2/models/m/infer", headers: &h, not_utf8: &[] };
+        assert!(matches!(on_body(&cfg, &shared, &ModelSource::Path(crate::model::kserve_rest_model(shared.path).unwrap()), false, b"{}", ask), BodyDecision::Cacheable(_)));
         assert_eq!(asked.get(), 0);
-        let scoped = RequestHead { method: "POST", path: "/v2/models/p/infer", headers: &h };
-        assert!(matches!(on_body(&cfg, &scoped, &ModelSource::Known(crate::model::kserve_rest_model(scoped.path).unwrap()), false, b"{}", ask), BodyDecision::Cacheable(_)));
+        let scoped = RequestHead { method: "POST", path: "/v2/models/p/infer", headers: &h, not_utf8: &[] };
+        assert!(matches!(on_body(&cfg, &scoped, &ModelSource::Path(crate::model::kserve_rest_model(scoped.path).unwrap()), false, b"{}", ask), BodyDecision::Cacheable(_)));
         assert_eq!(asked.get(), 1);
     }
 
@@ -380,6 +484,77 @@ mod tests {
         assert_ne!(a, b);
         let purged = config(r#"{"color": "green", "policies": [{"model_prefix": "m", "ttl_s": 5, "generation": 1, "vary_headers": ["x-tenant"]}]}"#);
         assert_ne!(base, key(decide(&purged, "/v2/models/m/infer", &[], b"{}", None)), "purge = new generation = new keys");
+    }
+
+    #[test]
+    fn repeated_keyed_headers_bypass_or_are_keyed_on_every_line() {
+        let cfg = config(r#"{"policies": [{"model_prefix": "m", "ttl_s": 5, "vary_headers": ["x-tenant"]}]}"#);
+        let infer = "/v2/models/m/infer";
+        for twice in [[("x-traffic-color", ""), ("x-traffic-color", "blue")], [("x-traffic-color", "green"), ("x-traffic-color", "blue")],
+                      [("x-model-id", "m"), ("x-model-id", "m")]] {
+            let h = hs(&twice);
+            assert_eq!(on_head(&RequestHead { method: "POST", path: infer, headers: &h, not_utf8: &[] }), HeadDecision::Bypass, "{:?}", twice);
+        }
+        let one = key(decide(&cfg, infer, &[("x-tenant", "a")], b"{}", None));
+        let two = key(decide(&cfg, infer, &[("x-tenant", "a"), ("x-tenant", "b")], b"{}", None));
+        let other = key(decide(&cfg, infer, &[("x-tenant", "b"), ("x-tenant", "a")], b"{}", None));
+        assert!(one != two && two != other && one != other);
+    }
+
+    #[test]
+    fn values_that_are_not_utf8_never_share_a_key() {
+        let cfg = config(r#"{"policies": [{"model_prefix": "m", "ttl_s": 5, "vary_headers": ["x-tenant"]}]}"#);
+        let h = hs(&[("x-tenant", "a\u{fffd}")]);
+        let flagged = vec!["x-tenant".to_string()];
+        let head = RequestHead { method: "POST", path: "/v2/models/m/infer", headers: &h, not_utf8: &flagged };
+        let source = ModelSource::Path(crate::model::kserve_rest_model(head.path).unwrap());
+        assert_eq!(on_body(&cfg, &head, &source, false, b"{}", || None), BodyDecision::Bypass);
+        // An unrelated header that is not UTF-8 does not matter to the key.
+        let other = vec!["user-agent".to_string()];
+        let head = RequestHead { not_utf8: &other, ..head };
+        assert!(matches!(on_body(&cfg, &head, &source, false, b"{}", || None), BodyDecision::Cacheable(_)));
+    }
+
+    #[test]
+    fn credentials_bypass_shared_policies() {
+        let cfg = config(r#"{"policies": [{"model_prefix": "m", "ttl_s": 5}, {"model_prefix": "p", "ttl_s": 5, "scope": "principal"}]}"#);
+        for cred in ["authorization", "proxy-authorization", "cookie", "Cookie"] {
+            assert_eq!(decide(&cfg, "/v2/models/m/infer", &[(cred, "x")], b"{}", None), BodyDecision::Bypass, "{}", cred);
+            assert!(matches!(decide(&cfg, "/v2/models/p/infer", &[(cred, "x")], b"{}", Some("spiffe://a")), BodyDecision::Cacheable(_)));
+        }
+    }
+
+    #[test]
+    fn model_sources_path_then_body_then_header_and_conflicts_bypass() {
+        let cfg = config(r#"{"policies": [{"model_prefix": "m", "ttl_s": 5}, {"model_prefix": "other", "ttl_s": 5}]}"#);
+        // Path vs header.
+        assert_eq!(decide(&cfg, "/v2/models/m/infer", &[("x-model-id", "other")], b"{}", None), BodyDecision::Bypass);
+        assert_eq!(key(decide(&cfg, "/v2/models/m/infer", &[("x-model-id", "m")], b"{}", None)),
+                   key(decide(&cfg, "/v2/models/m/infer", &[], b"{}", None)));
+        // Body vs header: the body names the model; a different header is a conflict.
+        let chat = br#"{"model": "m1", "messages": []}"#;
+        assert_eq!(decide(&cfg, "/v1/chat/completions", &[("x-model-id", "unpolicied")], chat, None), BodyDecision::Bypass);
+        assert!(matches!(decide(&cfg, "/v1/chat/completions", &[("x-model-id", "m1")], chat, None), BodyDecision::Cacheable(_)));
+        // A body without a model falls back to the header.
+        assert!(matches!(decide(&cfg, "/v1/chat/completions", &[("x-model-id", "m1")], br#"{"messages": []}"#, None), BodyDecision::Cacheable(_)));
+    }
+
+    #[test]
+    fn what_the_origin_says_decides_storing() {
+        let cfg = config(r#"{"policies": [{"model_prefix": "m", "ttl_s": 5, "vary_headers": ["x-tenant"]}]}"#);
+        let p = &cfg.policies[0];
+        let ok = |h: &[(&str, &str)]| response_storable(p, &hs(h), &[], 0);
+        assert_eq!(ok(&[]), Ok(5));
+        assert_eq!(ok(&[("set-cookie", "a=b")]), Err(NotStored::SetCookie));
+        assert_eq!(ok(&[("vary", "*")]), Err(NotStored::Vary));
+        assert_eq!(ok(&[("vary", "x-user")]), Err(NotStored::Vary));
+        assert_eq!(ok(&[("vary", "Accept-Encoding")]), Err(NotStored::Vary));
+        assert_eq!(ok(&[("vary", "X-Tenant, x-traffic-color"), ("vary", "x-model-id")]), Ok(5));
+        assert_eq!(ok(&[("vary", "x-tenant"), ("vary", "x-user")]), Err(NotStored::Vary), "every Vary line counts");
+        assert_eq!(ok(&[("cache-control", "max-age=60"), ("cache-control", "private")]), Err(NotStored::Private));
+        assert_eq!(ok(&[("expires", "0")]), Err(NotStored::Stale));
+        assert_eq!(ok(&[("cache-control", "max-age=abc")]), Err(NotStored::Stale));
+        assert_eq!(response_storable(p, &hs(&[("x-odd", "?")]), &["x-odd".to_string()], 0), Err(NotStored::HeaderBytes));
     }
 
     #[test]

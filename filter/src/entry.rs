@@ -25,9 +25,19 @@ pub struct Entry {
 }
 
 impl Entry {
-    pub fn encode(&self) -> Vec<u8> {
+    /// Bytes `encode` produces: what the entry costs in shared data (headers included).
+    pub fn encoded_len(&self) -> usize {
         let header_bytes: usize = self.headers.iter().map(|(n, v)| 6 + n.len() + v.len()).sum();
-        let mut out = Vec::with_capacity(80 + self.response_hash.len() + header_bytes + self.body.len());
+        let splice = match &self.splice {
+            None => 1,
+            Some(Splice::Proto { at }) => 1 + std::mem::size_of_val(at),
+            Some(Splice::Json { at, before, after, .. }) => 1 + std::mem::size_of_val(at) + 1 + 4 + before.len() + after.len(),
+        };
+        3 + 32 + 8 + 8 + 2 + 1 + 1 + self.response_hash.len() + 2 + header_bytes + 4 + self.body.len() + splice
+    }
+
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(self.encoded_len());
         out.extend_from_slice(MAGIC);
         out.extend_from_slice(&self.key);
         out.extend_from_slice(&self.stored_at_ms.to_be_bytes());
@@ -180,6 +190,7 @@ mod tests {
     fn roundtrip_and_rejects_garbage() {
         let e = sample(7, b"{\"x\":1}", 5000);
         let buf = e.encode();
+        assert_eq!(buf.len(), e.encoded_len());
         assert_eq!(Entry::decode(&buf), Some(e.clone()));
         assert_eq!(Entry::peek_key(&buf), Some(&[7u8; 32][..]));
         assert_eq!(Entry::decode(&buf[..buf.len() - 1]), None);
@@ -199,6 +210,7 @@ mod tests {
         for sp in splices.iter() {
             let e = Entry { splice: Some(sp.clone()), ..sample(3, &[b' '; 64], 9) };
             let buf = e.encode();
+            assert_eq!(buf.len(), e.encoded_len());
             assert_eq!(Entry::decode(&buf), Some(e));
             for n in 0..buf.len() {
                 assert_eq!(Entry::decode(&buf[..n]), None);

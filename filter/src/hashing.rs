@@ -13,8 +13,8 @@ pub struct KeyInput<'a> {
     pub version: &'a str,
     pub generation: u64,
     pub color: &'a str,
-    /// (lowercase header name, value if the request had it), in policy order.
-    pub vary: &'a [(String, Option<String>)],
+    /// (lowercase header name, every value the request had, in order), in policy order.
+    pub vary: &'a [(String, Vec<String>)],
     /// The peer's URI SAN when the policy's scope is "principal".
     pub principal: Option<&'a str>,
     /// The body as keyed: the request id and ignored fields left out.
@@ -37,14 +37,12 @@ pub fn cache_key(k: &KeyInput) -> KeyDigest {
     h.update(k.generation.to_be_bytes());
     field(&mut h, k.color.as_bytes());
     h.update((k.vary.len() as u64).to_be_bytes());
-    for (name, value) in k.vary {
+    for (name, values) in k.vary {
         field(&mut h, name.as_bytes());
-        match value {
-            Some(v) => {
-                h.update([1u8]);
-                field(&mut h, v.as_bytes());
-            }
-            None => h.update([0u8]),
+        // The count separates absent (0) from empty (1 value "") and from repeated lines.
+        h.update((values.len() as u64).to_be_bytes());
+        for v in values {
+            field(&mut h, v.as_bytes());
         }
     }
     match k.principal {
@@ -113,7 +111,7 @@ pub fn unhex(s: &str) -> Option<Vec<u8>> {
 mod tests {
     use super::*;
 
-    fn base<'a>(body: &'a KeyBody<'a>, vary: &'a [(String, Option<String>)]) -> KeyInput<'a> {
+    fn base<'a>(body: &'a KeyBody<'a>, vary: &'a [(String, Vec<String>)]) -> KeyInput<'a> {
         KeyInput {
             method: "POST", path: "/v2/models/m/infer", model: "m", version: "", generation: 0, color: "",
             vary, principal: None, body,
@@ -123,7 +121,7 @@ mod tests {
     #[test]
     fn body_forms_are_separated() {
         use crate::keybody::RequestId;
-        let none: Vec<(String, Option<String>)> = vec![];
+        let none: Vec<(String, Vec<String>)> = vec![];
         let whole = KeyBody::whole(b"{\"a\":1}");
         let split = KeyBody { parts: vec![b"{\"a\"", b":1}"], json_len: None, id: RequestId::None };
         assert_eq!(cache_key(&base(&whole, &none)), cache_key(&base(&split, &none)), "parts hash as their concatenation");
@@ -141,7 +139,7 @@ mod tests {
 
     #[test]
     fn every_component_changes_the_key() {
-        let none: Vec<(String, Option<String>)> = vec![];
+        let none: Vec<(String, Vec<String>)> = vec![];
         let (x, y) = (KeyBody::whole(b"x"), KeyBody::whole(b"y"));
         let k0 = cache_key(&base(&x, &none));
         assert_eq!(k0, cache_key(&base(&x, &none)));
@@ -154,12 +152,18 @@ mod tests {
         variants.push(cache_key(&KeyInput { generation: 1, ..base(&x, &none) }));
         variants.push(cache_key(&KeyInput { color: "blue", ..base(&x, &none) }));
         variants.push(cache_key(&KeyInput { principal: Some("spiffe://a"), ..base(&x, &none) }));
-        let vary_a = vec![("x-tenant".to_string(), Some("a".to_string()))];
-        let vary_absent = vec![("x-tenant".to_string(), None)];
-        let vary_empty = vec![("x-tenant".to_string(), Some(String::new()))];
+        let vary_a = vec![("x-tenant".to_string(), vec!["a".to_string()])];
+        let vary_absent = vec![("x-tenant".to_string(), vec![])];
+        let vary_empty = vec![("x-tenant".to_string(), vec![String::new()])];
+        let vary_twice = vec![("x-tenant".to_string(), vec!["a".to_string(), "b".to_string()])];
+        let vary_joined = vec![("x-tenant".to_string(), vec!["a,b".to_string()])];
+        let vary_other_first = vec![("x-tenant".to_string(), vec!["b".to_string(), "a".to_string()])];
         variants.push(cache_key(&base(&x, &vary_a)));
         variants.push(cache_key(&base(&x, &vary_absent)));
         variants.push(cache_key(&base(&x, &vary_empty)));
+        variants.push(cache_key(&base(&x, &vary_twice)));
+        variants.push(cache_key(&base(&x, &vary_joined)));
+        variants.push(cache_key(&base(&x, &vary_other_first)));
         for (i, v) in variants.iter().enumerate() {
             assert_ne!(*v, k0, "variant {}", i);
             for w in &variants[i + 1..] {
@@ -170,7 +174,7 @@ mod tests {
 
     #[test]
     fn field_boundaries_are_unambiguous() {
-        let none: Vec<(String, Option<String>)> = vec![];
+        let none: Vec<(String, Vec<String>)> = vec![];
         let empty = KeyBody::whole(b"");
         let a = cache_key(&KeyInput { model: "ab", version: "c", ..base(&empty, &none) });
         let b = cache_key(&KeyInput { model: "a", version: "bc", ..base(&empty, &none) });

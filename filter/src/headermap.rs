@@ -1,7 +1,28 @@
 //! The ABI's serialized header map format (little-endian lengths, NUL-separated bytes).
 
+/// A decoded header map. HTTP header values are bytes; the filter works with text, so values
+/// that are not UTF-8 are kept lossily converted and their names listed in `not_utf8`: anything
+/// that compares or replays those headers must not trust the text (keys bypass, answers with
+/// them are not stored), so two different byte strings never collapse into one.
+#[derive(Debug, Default, PartialEq)]
+pub struct Headers {
+    pub pairs: Vec<(String, String)>,
+    /// Lowercase names whose name or value was not valid UTF-8.
+    pub not_utf8: Vec<String>,
+}
+
+pub fn decode_headers(b: &[u8]) -> Headers {
+    let mut not_utf8 = Vec::new();
+    let pairs = deserialize_with(b, &mut |name: &str| not_utf8.push(name.to_ascii_lowercase()));
+    Headers { pairs, not_utf8 }
+}
+
 /// Decodes the ABI's serialized map: count, (key_len, value_len)*, then NUL-terminated bytes.
 pub fn deserialize_map(b: &[u8]) -> Vec<(String, String)> {
+    deserialize_with(b, &mut |_: &str| {})
+}
+
+fn deserialize_with(b: &[u8], lossy: &mut dyn FnMut(&str)) -> Vec<(String, String)> {
     let u32_at = |i: usize| -> Option<usize> {
         b.get(i..i + 4).map(|s| u32::from_le_bytes([s[0], s[1], s[2], s[3]]) as usize)
     };
@@ -16,12 +37,15 @@ pub fn deserialize_map(b: &[u8]) -> Vec<(String, String)> {
             (Some(k), Some(v)) => (k, v),
             _ => return out,
         };
-        let k = b.get(data..data + kl).map(|s| String::from_utf8_lossy(s).into_owned());
-        let v = b.get(data + kl + 1..data + kl + 1 + vl).map(|s| String::from_utf8_lossy(s).into_owned());
-        match (k, v) {
-            (Some(k), Some(v)) => out.push((k, v)),
+        let (kb, vb) = match (b.get(data..data + kl), b.get(data + kl + 1..data + kl + 1 + vl)) {
+            (Some(k), Some(v)) => (k, v),
             _ => return out,
+        };
+        let k = String::from_utf8_lossy(kb).into_owned();
+        if std::str::from_utf8(kb).is_err() || std::str::from_utf8(vb).is_err() {
+            lossy(&k);
         }
+        out.push((k, String::from_utf8_lossy(vb).into_owned()));
         data += kl + vl + 2;
     }
     out
@@ -56,5 +80,18 @@ mod tests {
         assert!(deserialize_map(&[]).is_empty());
         assert!(deserialize_map(&[0]).is_empty());
         assert_eq!(deserialize_map(&bytes[..bytes.len() - 3]).len(), 1, "truncated input keeps what is whole");
+    }
+
+    #[test]
+    fn non_utf8_values_are_flagged() {
+        let mut bytes = serialize_map(&[("X-Tenant", "a\u{e9}"), ("b", "ok")]);
+        // Replace the UTF-8 "é" (c3 a9) with Latin-1 0xe9 0x20: same length, not UTF-8.
+        let at = bytes.windows(2).position(|w| w == [0xc3, 0xa9]).unwrap();
+        bytes[at] = 0xe9;
+        bytes[at + 1] = b' ';
+        let h = decode_headers(&bytes);
+        assert_eq!(h.not_utf8, vec!["x-tenant".to_string()]);
+        assert_eq!(h.pairs.len(), 2);
+        assert!(decode_headers(&serialize_map(&[("a", "1")])).not_utf8.is_empty());
     }
 }

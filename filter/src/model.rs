@@ -16,12 +16,19 @@ pub struct ModelRef {
     pub version: String,
 }
 
-/// Where the model name will come from, decided from the request headers alone.
+/// Where the model name will come from, decided from the request headers alone. The most
+/// specific source wins: the path, then the body, then the `x-model-id` header; a request whose
+/// sources disagree bypasses (see `decide::on_body`).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum ModelSource {
-    Known(ModelRef),
+    /// KServe v2 REST path `/v2/models/{m}[/versions/{v}]/infer`.
+    Path(ModelRef),
+    /// OpenAI-style JSON body `"model"` (falls back to the header when the body has none).
     JsonBody,
+    /// KServe v2 gRPC ModelInferRequest fields 1 and 2.
     GrpcBody,
+    /// Only the `x-model-id` header names it.
+    Header(ModelRef),
 }
 
 pub fn strip_query(path: &str) -> &str {
@@ -50,13 +57,13 @@ pub fn source_from_headers(path: &str, content_type: Option<&str>, model_header:
         return if path == GRPC_MODEL_INFER_PATH { Some(ModelSource::GrpcBody) } else { None };
     }
     if let Some(m) = kserve_rest_model(path) {
-        return Some(ModelSource::Known(m));
-    }
-    if let Some(name) = model_header.filter(|m| !m.is_empty()) {
-        return Some(ModelSource::Known(ModelRef { name: name.to_string(), version: String::new() }));
+        return Some(ModelSource::Path(m));
     }
     if OPENAI_PATHS.contains(&path) {
         return Some(ModelSource::JsonBody);
+    }
+    if let Some(name) = model_header.filter(|m| !m.is_empty()) {
+        return Some(ModelSource::Header(ModelRef { name: name.to_string(), version: String::new() }));
     }
     None
 }
@@ -109,8 +116,10 @@ mod tests {
 
     #[test]
     fn sources() {
-        assert_eq!(source_from_headers("/v2/models/a/infer?x=1", Some("application/json"), None), Some(ModelSource::Known(m("a", ""))));
-        assert_eq!(source_from_headers("/v1/infer", None, Some("mlp")), Some(ModelSource::Known(m("mlp", ""))));
+        assert_eq!(source_from_headers("/v2/models/a/infer?x=1", Some("application/json"), None), Some(ModelSource::Path(m("a", ""))));
+        assert_eq!(source_from_headers("/v2/models/a/infer", None, Some("b")), Some(ModelSource::Path(m("a", ""))));
+        assert_eq!(source_from_headers("/v1/infer", None, Some("mlp")), Some(ModelSource::Header(m("mlp", ""))));
+        assert_eq!(source_from_headers("/v1/completions", None, Some("mlp")), Some(ModelSource::JsonBody));
         assert_eq!(source_from_headers("/v1/chat/completions", Some("application/json"), None), Some(ModelSource::JsonBody));
         assert_eq!(source_from_headers(GRPC_MODEL_INFER_PATH, Some("application/grpc"), None), Some(ModelSource::GrpcBody));
         assert_eq!(source_from_headers("/inference.GRPCInferenceService/ServerLive", Some("application/grpc"), None), None);

@@ -4,8 +4,12 @@
 //! accounting record (`meshcache:meta`). The number of keys is bounded by construction; bytes are
 //! bounded by reserving space in the accounting record (compare-and-swap) *before* writing a
 //! slot, evicting with a clock hand when full. Every slot change is paired with exactly one
-//! accounting change by the same writer, and reservations happen first, so the accounted total
-//! is never below what is actually stored.
+//! accounting change by the same writer, so the accounted total equals what is stored:
+//! - every slot key exists (created empty by the one root context that switches the layout),
+//!   because Envoy treats a compare-and-swap against a missing key as unconditional; a writer
+//!   finding a slot missing does not store;
+//! - a writer reserves only while the record's slot count is the one it places entries with,
+//!   and re-checks it after writing: a layout change meanwhile makes it take its entry back.
 
 use crate::config::Limits;
 use crate::entry::Entry;
@@ -155,7 +159,8 @@ impl<'a, S: SharedData> Cache<'a, S> {
     pub fn lookup_at(&self, i: u32, key: &KeyDigest, now_ms: u64, out: &mut Outcome) -> Lookup {
         let (value, cas) = match self.data.get(&slot_key(i)) {
             Some(v) => v,
-            None => return Lookup::Miss(Some(SlotSeen { len: 0, cas: 0 })),
+            // Not created yet (layout being set up): a store must read it again.
+            None => return Lookup::Miss(None),
         };
         let seen = Some(SlotSeen { len: value.len(), cas });
         if value.is_empty() {
@@ -197,8 +202,12 @@ impl<'a, S: SharedData> Cache<'a, S> {
         let slots = self.limits.max_entries;
         let i = slot_of(&entry.key, slots);
         let (old_len, slot_cas) = match seen {
-            Some(s) => (s.len, s.cas),
-            None => self.data.get(&slot_key(i)).map_or((0, 0), |(v, c)| (v.len(), c)),
+            Some(s) if s.cas != 0 => (s.len, s.cas),
+            _ => match self.data.get(&slot_key(i)) {
+                Some((v, c)) if c != 0 => (v.len(), c),
+                // A missing slot would make the write unconditional: never write one.
+                _ => return Err(StoreError::Contended),
+            },
         };
         let old_size = stored_size(old_len);
         let was_empty = old_len == 0;
@@ -208,6 +217,10 @@ impl<'a, S: SharedData> Cache<'a, S> {
         while !reserved && steps < MAX_EVICTIONS_PER_INSERT + MAX_CAS_RETRIES {
             steps += 1;
             let (mut m, meta_cas) = self.meta();
+            if m.slots != slots || meta_cas == 0 {
+                // The layout is not (or no longer) the one this writer places entries with.
+                return Err(StoreError::Contended);
+            }
             let new_total = m.total_bytes.saturating_sub(old_size) + size;
             if new_total <= self.limits.max_total_bytes {
                 m.total_bytes = new_total;
@@ -231,6 +244,16 @@ impl<'a, S: SharedData> Cache<'a, S> {
             return Err(StoreError::NoSpace);
         }
         if self.data.set(&slot_key(i), &value, slot_cas) {
+            if self.meta().0.slots != slots {
+                // The layout changed while we wrote: the reconciling context may already have
+                // passed this slot, so take our entry back ourselves (if it is still there).
+                if let Some((v, c)) = self.data.get(&slot_key(i)) {
+                    if v.len() == value.len() && Entry::peek_key(&v) == Some(&entry.key[..]) {
+                        self.clear_slot(i, v.len(), c);
+                    }
+                }
+                return Err(StoreError::Contended);
+            }
             if !was_empty {
                 out.evicted += 1;
             }
@@ -245,23 +268,44 @@ impl<'a, S: SharedData> Cache<'a, S> {
     }
 
     /// Brings stored data within the current limits after a configuration change: a new slot
-    /// count empties the old slots (their placement no longer matches), a smaller byte budget
-    /// evicts until it fits. Cheap when nothing changed.
+    /// count empties the old slots (their placement no longer matches) and creates the new
+    /// ones; a smaller byte budget evicts until it fits. Cheap when nothing changed.
     pub fn reconcile(&self, out: &mut Outcome) {
-        let (m, _) = self.meta();
         let slots = self.limits.max_entries;
-        if m.slots != slots {
-            for i in 0..m.slots {
-                if let Some((v, c)) = self.data.get(&slot_key(i)) {
-                    if self.clear_slot(i, v.len(), c) {
-                        out.evicted += 1;
+        if self.data.get(META_KEY).is_none() {
+            // First use of this VM's shared data: a record to compare-and-swap against.
+            self.data.set(META_KEY, &Meta::default().encode(), 0);
+        }
+        // Switch the layout with one compare-and-swap: exactly one context wins and sets up
+        // the slots; writers with another slot count stop reserving from this moment.
+        let mut old_slots = None;
+        for _ in 0..MAX_CAS_RETRIES {
+            let (m, cas) = self.meta();
+            if m.slots == slots {
+                break;
+            }
+            let switched = Meta { slots, hand: 0, ..m };
+            if cas != 0 && self.data.set(META_KEY, &switched.encode(), cas) {
+                old_slots = Some(m.slots);
+                break;
+            }
+        }
+        if let Some(old) = old_slots {
+            for i in 0..old.max(slots) {
+                match self.data.get(&slot_key(i)) {
+                    Some((v, c)) => {
+                        if self.clear_slot(i, v.len(), c) {
+                            out.evicted += 1;
+                        }
                     }
+                    None if i < slots => {
+                        // Only the switching context creates slots, and writers never write a
+                        // missing one, so this unconditional write overwrites nothing.
+                        self.data.set(&slot_key(i), b"", 0);
+                    }
+                    None => {}
                 }
             }
-            self.update_meta(|m| {
-                m.slots = slots;
-                m.hand = 0;
-            });
         }
         let mut steps = 0;
         while self.meta().0.total_bytes > self.limits.max_total_bytes && steps < slots {
@@ -378,11 +422,12 @@ pub mod tests {
         let l = limits(1 << 20, 4);
         let cache = Cache { data: &shared, limits: &l };
         let mut out = Outcome::default();
+        cache.reconcile(&mut out);
         let seen = match cache.lookup(&key(1), 0, &mut out) {
             Lookup::Miss(seen) => seen,
             other => panic!("{:?}", other),
         };
-        assert_eq!(seen, Some(SlotSeen { len: 0, cas: 0 }));
+        assert!(matches!(seen, Some(SlotSeen { len: 0, cas }) if cas != 0), "slots exist: a real CAS token");
         cache.insert(&entry(1, b"a", 10), seen, &mut out).unwrap();
         let seen = match cache.lookup(&key(5), 0, &mut out) {
             Lookup::Miss(seen) => seen,
@@ -401,6 +446,7 @@ pub mod tests {
         let l = limits(1000, 8);
         let cache = Cache { data: &shared, limits: &l };
         let mut out = Outcome::default();
+        cache.reconcile(&mut out);
         assert_eq!(cache.insert(&entry(1, &[0u8; 2000], 10), None, &mut out), Err(StoreError::NoSpace));
         assert_eq!(cache.meta().0.total_bytes, 0);
     }
@@ -430,11 +476,120 @@ pub mod tests {
         assert_eq!(shared.stored_bytes(), 0);
     }
 
+    fn slot_index_of_data(shared: &MemShared) -> Vec<u32> {
+        shared.map.borrow().iter()
+            .filter(|(k, (v, _))| k.starts_with("meshcache:slot:") && !v.is_empty())
+            .map(|(k, _)| k["meshcache:slot:".len()..].parse().unwrap())
+            .collect()
+    }
+
+    #[test]
+    fn concurrent_misses_into_an_empty_slot_store_once() {
+        let shared = MemShared::default();
+        let l = limits(1 << 20, 8);
+        let cache = Cache { data: &shared, limits: &l };
+        let mut out = Outcome::default();
+        cache.reconcile(&mut out);
+        // Three slow misses for the same key looked up before any of them stored.
+        let seen: Vec<Option<SlotSeen>> = (0..3)
+            .map(|_| match cache.lookup(&key(5), 0, &mut out) {
+                Lookup::Miss(s) => s,
+                other => panic!("{:?}", other),
+            })
+            .collect();
+        let results: Vec<_> = seen.iter().map(|s| cache.insert(&entry(5, b"answer", 10), *s, &mut out)).collect();
+        assert_eq!(results, vec![Ok(()), Err(StoreError::Contended), Err(StoreError::Contended)]);
+        assert_eq!(cache.meta().0.entries, 1);
+        assert_eq!(cache.meta().0.total_bytes, shared.stored_bytes());
+    }
+
+    #[test]
+    fn a_missing_slot_is_never_written() {
+        let shared = MemShared::default();
+        let l = limits(1 << 20, 8);
+        let cache = Cache { data: &shared, limits: &l };
+        // No reconcile yet: no layout, no slots.
+        assert_eq!(cache.insert(&entry(1, b"x", 10), None, &mut Outcome::default()), Err(StoreError::Contended));
+        assert_eq!(shared.stored_bytes(), 0);
+    }
+
+    #[test]
+    fn stores_of_an_old_slot_count_never_leak() {
+        let shared = MemShared::default();
+        let eight = limits(1 << 20, 8);
+        let four = limits(1 << 20, 4);
+        let mut out = Outcome::default();
+        let old = Cache { data: &shared, limits: &eight };
+        old.reconcile(&mut out);
+        // A miss looked up under 8 slots; the configuration changes to 4; then it stores.
+        let k = 7u32; // slot 7 of 8: out of range for 4
+        let seen = match old.lookup(&key(k), 0, &mut out) {
+            Lookup::Miss(s) => s,
+            other => panic!("{:?}", other),
+        };
+        Cache { data: &shared, limits: &four }.reconcile(&mut out);
+        assert_eq!(old.insert(&entry(k, b"late", 10), seen, &mut out), Err(StoreError::Contended));
+        assert!(slot_index_of_data(&shared).is_empty());
+        let new = Cache { data: &shared, limits: &four };
+        assert_eq!(new.meta().0.total_bytes, shared.stored_bytes());
+        // Later stores are not refused as store-full.
+        for n in 0..20 {
+            new.insert(&entry(n, &[1u8; 100], 10), None, &mut out).unwrap();
+        }
+        assert_eq!(new.meta().0.total_bytes, shared.stored_bytes());
+        assert!(slot_index_of_data(&shared).iter().all(|&i| i < 4));
+    }
+
+    /// Runs `hook` once, just before the first write to a slot key: a configuration change
+    /// landing between a writer's reservation and its slot write.
+    struct Interleave<'a> {
+        inner: &'a MemShared,
+        hook: RefCell<Option<Box<dyn FnOnce() + 'a>>>,
+    }
+
+    impl<'a> SharedData for Interleave<'a> {
+        fn get(&self, key: &str) -> Option<(Vec<u8>, u32)> {
+            self.inner.get(key)
+        }
+        fn set(&self, key: &str, value: &[u8], cas: u32) -> bool {
+            if key.starts_with("meshcache:slot:") && !value.is_empty() {
+                if let Some(h) = self.hook.borrow_mut().take() {
+                    h();
+                }
+            }
+            self.inner.set(key, value, cas)
+        }
+    }
+
+    #[test]
+    fn a_layout_change_between_reservation_and_write_is_undone_by_the_writer() {
+        let shared = MemShared::default();
+        let eight = limits(1 << 20, 8);
+        let two = limits(1 << 20, 2);
+        let mut out = Outcome::default();
+        Cache { data: &shared, limits: &eight }.reconcile(&mut out);
+        for (slots, k) in [(two.clone(), 7u32), (eight.clone(), 6u32)] {
+            let hooked = Interleave {
+                inner: &shared,
+                hook: RefCell::new(Some(Box::new(|| {
+                    Cache { data: &shared, limits: &slots }.reconcile(&mut Outcome::default())
+                }))),
+            };
+            let current = if slots.max_entries == 2 { &eight } else { &two };
+            let writer = Cache { data: &hooked, limits: current };
+            assert_eq!(writer.insert(&entry(k, b"in flight", 10), None, &mut out), Err(StoreError::Contended));
+            let m = Cache::read_only(&shared).meta().0;
+            assert_eq!(m.total_bytes, shared.stored_bytes(), "accounting equals what is stored");
+            assert_eq!(m.entries as usize, slot_index_of_data(&shared).len());
+        }
+    }
+
     #[test]
     fn corrupt_slot_is_a_counted_miss() {
         let shared = MemShared::default();
         let l = limits(1 << 20, 4);
         let cache = Cache { data: &shared, limits: &l };
+        cache.reconcile(&mut Outcome::default());
         let k = key(2);
         shared.set(&slot_key(slot_of(&k, 4)), b"junk-junk-junk-junk-junk-junk-junk-junk", 0);
         let mut out = Outcome::default();

@@ -4,10 +4,11 @@
 
 use crate::abi::{self, Buffer, Map};
 use crate::answer::{self, HitRequest};
-use crate::cache_control::{response_ttl, NotStored};
+use crate::cache_control::NotStored;
 use crate::config::{Config, Limits, PluginConfig};
 use crate::decide::{self, BodyDecision, Cacheable, HeadDecision, RequestHead};
 use crate::grpc;
+use crate::headermap::Headers;
 use crate::metrics::{self, count, count_policy, error};
 use crate::model::ModelSource;
 use crate::names;
@@ -110,7 +111,7 @@ enum Phase {
     Pass,
     /// An inference request the cache stays out of; its answer says so (and why, if known).
     Bypass(Option<&'static str>),
-    Buffering { source: ModelSource, refresh: bool, headers: Vec<(String, String)> },
+    Buffering { source: ModelSource, refresh: bool, headers: Headers },
     Miss(Cacheable),
     Collect { c: Cacheable, ttl: u64, status: u16, headers: Vec<(String, String)>, body: Vec<u8> },
     Done,
@@ -152,9 +153,9 @@ impl Stream {
             PluginConfig::Cache(cfg) => cfg,
         };
         let headers = abi::headers(Map::RequestHeaders);
-        let method = decide::header(&headers, ":method").unwrap_or("");
-        let path = decide::header(&headers, ":path").unwrap_or("");
-        let head = RequestHead { method, path, headers: &headers };
+        let method = decide::header(&headers.pairs, ":method").unwrap_or("");
+        let path = decide::header(&headers.pairs, ":path").unwrap_or("");
+        let head = RequestHead { method, path, headers: &headers.pairs, not_utf8: &headers.not_utf8 };
         match decide::on_head(&head) {
             HeadDecision::Ignore => CONTINUE,
             HeadDecision::Bypass => self.bypass(),
@@ -212,14 +213,15 @@ impl Stream {
     fn decide_request(
         &mut self,
         cfg: &Config,
-        headers: &[(String, String)],
+        request: &Headers,
         source: &ModelSource,
         refresh: bool,
         body: &[u8],
     ) -> u32 {
+        let headers = &request.pairs;
         let method = decide::header(headers, ":method").unwrap_or("");
         let path = decide::header(headers, ":path").unwrap_or("");
-        let head = RequestHead { method, path, headers };
+        let head = RequestHead { method, path, headers, not_utf8: &request.not_utf8 };
         let principal = || abi::property(&PEER_SAN).and_then(|b| String::from_utf8(b).ok());
         let mut c = match decide::on_body(cfg, &head, source, refresh, body, principal) {
             BodyDecision::Bypass => return self.bypass(),
@@ -332,7 +334,8 @@ impl Stream {
     }
 
     fn start_collect(&mut self, c: Cacheable, eos: bool) -> u32 {
-        let headers = abi::headers(Map::ResponseHeaders);
+        let response = abi::headers(Map::ResponseHeaders);
+        let headers = response.pairs;
         let status: u16 = decide::header(&headers, ":status").and_then(|s| s.parse().ok()).unwrap_or(0);
         if status != 200 {
             return self.not_stored(c.refresh, NotStored::Status, true);
@@ -341,7 +344,7 @@ impl Stream {
             // Trailers-only gRPC responses are errors (or empty): nothing to store.
             return self.not_stored(c.refresh, NotStored::GrpcStatus, true);
         }
-        let ttl = match response_ttl(&c.policy, decide::header(&headers, "cache-control")) {
+        let ttl = match decide::response_storable(&c.policy, &headers, &response.not_utf8, abi::now_ms()) {
             Ok(t) => t,
             Err(why) => return self.not_stored(c.refresh, why, true),
         };
@@ -442,6 +445,10 @@ impl Stream {
             Ok(s) => s,
             Err(why) => return self.not_stored(refresh, why, headers_open),
         };
+        if stored.entry.encoded_len() as u64 > limits.max_entry_bytes {
+            // The stored headers count too, not only the body.
+            return self.not_stored(refresh, NotStored::TooBig, headers_open);
+        }
         let cache = Cache { data: &abi::HostShared, limits: &limits };
         let mut out = Outcome::default();
         let result = cache.insert(&stored.entry, c.seen, &mut out);

@@ -2,7 +2,9 @@
 
 HTTP `POST` answers are deterministic in the request (JSON with a digest of the body) and can
 be shaped by request headers: `x-origin-status`, `x-origin-cache-control`, `x-origin-size`
-(body length), `x-origin-etag`. `GET /calls` returns how many POSTs were served.
+(body length), `x-origin-etag`, `x-origin-delay` (seconds before answering), `x-origin-header`
+(repeatable, `Name: value` added to the answer). The JSON answer echoes `x-user` and every
+`x-traffic-color` line, so an answer served to the wrong client shows. `GET /calls` returns how many POSTs were served.
 gRPC: `/inference.GRPCInferenceService/ModelInfer` answers with a protobuf message carrying the
 request's model name (field 1) and a digest of the request (field 5 bytes); metadata
 `x-origin-grpc-fail` makes it fail with INVALID_ARGUMENT.
@@ -19,6 +21,7 @@ import argparse
 import hashlib
 import json
 import threading
+import time
 from concurrent import futures
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -41,9 +44,12 @@ class Handler(BaseHTTPRequestHandler):
     def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - stdlib signature
         pass
 
-    def _send(self, status: int, body: bytes, headers: dict[str, str]) -> None:
+    def _send(self, status: int, body: bytes, headers: dict[str, str],
+              extra: list[tuple[str, ...]] | None = None) -> None:
         self.send_response(status)
         for k, v in headers.items():
+            self.send_header(k, v)
+        for k, v in extra or []:
             self.send_header(k, v)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
@@ -61,13 +67,17 @@ class Handler(BaseHTTPRequestHandler):
         length = int(self.headers.get("Content-Length", "0"))
         data = self.rfile.read(length)
         _count("http")
+        if delay := self.headers.get("x-origin-delay"):
+            time.sleep(float(delay))
         request_id, without_id = _split_rest_id(data)
         digest = hashlib.sha256(without_id).hexdigest()
         size = self.headers.get("x-origin-size")
         if size is not None:
             body = (digest * (int(size) // 64 + 1)).encode()[: int(size)]
         else:
-            answer = {"path": self.path, "digest": digest, "model": self.headers.get("x-model-id", "")}
+            answer = {"path": self.path, "digest": digest, "model": self.headers.get("x-model-id", ""),
+                      "user": self.headers.get("x-user", ""),
+                      "colors": self.headers.get_all("x-traffic-color") or []}
             if request_id is not None:
                 answer = {"id": request_id, **answer}
             body = json.dumps(answer).encode()
@@ -76,7 +86,8 @@ class Handler(BaseHTTPRequestHandler):
             headers["Cache-Control"] = cc
         if etag := self.headers.get("x-origin-etag"):
             headers["ETag"] = etag
-        self._send(int(self.headers.get("x-origin-status", "200")), body, headers)
+        extra = [tuple(h.split(": ", 1)) for h in self.headers.get_all("x-origin-header") or []]
+        self._send(int(self.headers.get("x-origin-status", "200")), body, headers, extra)
 
 
 def _split_rest_id(data: bytes) -> tuple[str | None, bytes]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -157,7 +158,7 @@ def test_oversized_answers_pass_through_unstored(tmp_path: Path) -> None:
             assert r.status_code == 200
             assert len(r.content) == 5000
             assert r.headers["cache-status"] == "meshcache; fwd=miss; detail=too-big"
-        small = c.post(s.url(INFER), content=BODY, headers={"x-origin-size": "900"})
+        small = c.post(s.url(INFER), content=BODY, headers={"x-origin-size": "700"})  # + ~230 entry bytes
         assert small.headers["cache-status"] == "meshcache; fwd=miss; stored"
         assert s.origin_calls()["http"] == 3
 
@@ -179,12 +180,12 @@ def test_if_none_match_gets_304(tmp_path: Path) -> None:
         assert r.headers["etag"] == '"v7"'
 
 
-def test_client_cannot_forge_the_internal_hit_header(tmp_path: Path) -> None:
+def test_client_cannot_forge_internal_markers(tmp_path: Path) -> None:
     with filter_stack(tmp_path, config()) as s, httpx.Client() as c:
         first = c.post(s.url(INFER), content=BODY)
-        forged = {"x-meshcache-hit": "00" * 32}
+        forged = {"x-meshcache-hit": "00" * 32, "x-meshcache-local": "1"}
         r = c.post(s.url("/v2/models/nopolicy/infer"), content=BODY, headers=forged)
-        assert r.status_code == 200, "went to the origin, not to the stub"
+        assert r.status_code == 200, "went to the origin"
         assert r.headers["cache-status"] == "meshcache; fwd=bypass"
         r = c.post(s.url("/upload"), content=BODY, headers=forged)
         assert r.status_code == 200
@@ -218,6 +219,24 @@ def test_memory_bound_holds_after_filling_past_the_limit(tmp_path: Path) -> None
         # The newest entry is served.
         r = c.post(s.url(INFER), content=b'{"request": 39}', headers={"x-origin-size": "1500"})
         assert r.headers["cache-status"].startswith("meshcache; hit")
+
+
+def test_concurrent_misses_for_one_key_store_once_and_account_exactly(tmp_path: Path) -> None:
+    with filter_stack(tmp_path, config()) as s:
+        shaping = {"x-origin-size": "500", "x-origin-delay": "0.6"}
+        with ThreadPoolExecutor(3) as pool:
+            statuses = sorted(pool.map(
+                lambda _: httpx.post(s.url(INFER), content=BODY, headers=shaping, timeout=10).headers["cache-status"],
+                range(3)))
+        assert statuses == ["meshcache; fwd=miss; detail=contended"] * 2 + ["meshcache; fwd=miss; stored"]
+        one = s.stats()
+        assert one["meshcache.entries"] == 1
+        # Another entry of the same size doubles the accounted bytes: nothing leaked.
+        r = httpx.post(s.url(INFER), content=BODY + b" ", headers={"x-origin-size": "500"}, timeout=10)
+        assert r.headers["cache-status"] == "meshcache; fwd=miss; stored"
+        two = s.stats()
+        assert two["meshcache.entries"] == 2
+        assert two["meshcache.bytes"] == 2 * one["meshcache.bytes"]
 
 
 def test_invalid_configuration_is_rejected_with_the_field_named(tmp_path: Path) -> None:
