@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import tritonclient.grpc as tgrpc
 import tritonclient.http as thttp
 
+from engine import perf_analyzer
 from meshcache.mesh.topology import Mesh
 from tests.mesh.helpers import default_engine_calls, grpc_call, mlp_request, rest_infer
 
@@ -69,3 +71,17 @@ def test_rest_hit_body_and_cache_status(mesh: Mesh) -> None:
     assert hit.content == miss.content
     assert hit.headers["content-type"] == miss.headers["content-type"]
     assert default_engine_calls(mesh, "resnet-mini") == before
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_perf_analyzer_through_the_app_port_gets_hits(mesh: Mesh, protocol: str) -> None:
+    """Triton's perf_analyzer repeats one input, so after the first answer the cache serves it. Its
+    model version is given (-x): with every request a hit the engine's statistics do not move, and
+    perf_analyzer finds no version that served them otherwise."""
+    before = default_engine_calls(mesh, "resnet-mini")
+    [result] = perf_analyzer.run("resnet-mini", mesh.endpoints()["app"], protocol, [2], measurement_ms=800,
+                                 extra=["-x", "1"])
+    misses = default_engine_calls(mesh, "resnet-mini") - before
+    assert result.throughput > 0
+    served = result.throughput * 0.8 * 3  # at least three measurement windows
+    assert 1 <= misses <= 2 and served > 50 * misses
