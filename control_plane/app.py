@@ -6,8 +6,10 @@ import asyncio
 import contextlib
 import logging
 
+import grpc
+
 from .auth import TokenTable
-from .mcp import WasmPluginMcpRenderer, mcp_fallback
+from .mcp import IstioMcpRenderer, mcp_fallback
 from .metrics import Metrics
 from .service import PolicyService
 from .settings import Settings
@@ -17,6 +19,15 @@ from .sync import RedisSync
 from .xds_server import EcdsRenderer, XdsServer
 
 log = logging.getLogger("control_plane")
+
+
+def xds_credentials(settings: Settings) -> grpc.ServerCredentials | None:
+    """TLS for the xDS port when configured; a client CA makes client certificates mandatory."""
+    if settings.xds_tls_cert is None or settings.xds_tls_key is None:
+        return None
+    ca = settings.xds_tls_client_ca.read_bytes() if settings.xds_tls_client_ca else None
+    return grpc.ssl_server_credentials([(settings.xds_tls_key.read_bytes(), settings.xds_tls_cert.read_bytes())],
+                                       root_certificates=ca, require_client_auth=ca is not None)
 
 
 class ControlPlane:
@@ -31,7 +42,9 @@ class ControlPlane:
         self.xds = XdsServer(self.cache, self.metrics, max_streams=settings.max_xds_streams)
         self.xds.add_renderer(EcdsRenderer(settings.wasm_path))
         # MCP-over-xDS for istiod on the same ADS port (control_plane/mcp.py).
-        self.xds.add_renderer(WasmPluginMcpRenderer.from_settings(settings))
+        istio = IstioMcpRenderer.from_settings(settings)
+        if istio is not None:
+            self.xds.add_renderer(istio)
         self.xds.add_fallback(mcp_fallback)
         self._sync_task: asyncio.Task[None] | None = None
 
@@ -41,7 +54,7 @@ class ControlPlane:
         with contextlib.suppress(StoreUnavailable):
             await self.sync.resync()
         self._sync_task = asyncio.create_task(self.sync.run(), name="redis-sync")
-        port = await self.xds.start(self.settings.host, self.settings.xds_port)
+        port = await self.xds.start(self.settings.host, self.settings.xds_port, xds_credentials(self.settings))
         log.info("xDS on %s:%d, snapshot version %d", self.settings.host, port, self.cache.current.version)
 
     async def stop(self) -> None:

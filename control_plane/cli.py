@@ -27,6 +27,11 @@ def parse_args(argv: Sequence[str] | None) -> dict[str, Any]:
     p.add_argument("--host")
     p.add_argument("--http-port", type=int)
     p.add_argument("--xds-port", type=int)
+    p.add_argument("--xds-tls-cert", help="PEM certificate for TLS on the xDS port (with --xds-tls-key)")
+    p.add_argument("--xds-tls-key", help="PEM private key for --xds-tls-cert")
+    p.add_argument("--xds-tls-client-ca", help="PEM CA: xDS clients must present a certificate it signed")
+    p.add_argument("--istio-mode", choices=["full", "basic"],
+                   help="what istiod gets over MCP: EnvoyFilters (full, gRPC cached) or TrafficExtensions")
     p.add_argument("--wasm-path", help="filter module path as Envoy sees it (must match default_config)")
     p.add_argument("--tokens-file", help="file of `read|write:name:token` lines")
     p.add_argument("--key-prefix")

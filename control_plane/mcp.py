@@ -1,43 +1,52 @@
 """MCP-over-xDS for istiod: the control plane as a `meshConfig.configSources` `xds://` source.
 
-istiod opens one ADS stream and subscribes to every Istio config type by its GVK type URL
-(`extensions.istio.io/v1alpha1/WasmPlugin`, `networking.istio.io/v1/VirtualService`, ...). Each
-resource is an Any of `istio.mcp.v1alpha1.Resource{metadata, body}`; every response is the full
-state of its type (absent = deleted). Two istiod behaviours shape this module:
-- istiod counts the source as synced only once *every* type it subscribed to got a response,
-  so the types meshcache does not serve are answered too, with no resources (`EmptyMcpRenderer`),
-  and the WasmPlugin type is answered even before the first snapshot (version 0: no plugin);
+istiod 1.30 (pkg/adsc) opens one ADS stream and subscribes to MeshConfig and every Istio config
+type by its GVK type URL (`networking.istio.io/v1alpha3/EnvoyFilter`, ...). Each resource is an
+Any of `istio.mcp.v1alpha1.Resource{metadata, body}`; every response is the full state of its
+type (absent = deleted). What shapes this module:
+- istiod counts the source as synced only once *every* type got a response, and serves neither
+  xDS nor its injection webhook before that: types meshcache does not serve are answered too,
+  with no resources (`EmptyMcpRenderer`), and before the first snapshot (version 0) as well;
+- istiod reads WasmPlugin only from Kubernetes (its translation into TrafficExtension is attached
+  to the Kubernetes store), so meshcache serves what the push context reads: TrafficExtension
+  (basic mode) or EnvoyFilter (full mode), built by meshcache/istio/extensions.py exactly as
+  `meshcache istio render` previews them, and re-sent in full on every snapshot;
 - its initial requests carry a (timestamp) nonce, handled by the server's first-request rule.
-
-The WasmPlugin (`<namespace>/meshcache`) carries the current snapshot as `pluginConfig` and is
-re-sent on every snapshot, with the same spec as the rendered manifests (meshcache/istio).
 """
 
 from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from google.protobuf import any_pb2, json_format, timestamp_pb2
+from google.protobuf import any_pb2, json_format, message, timestamp_pb2
 
+from meshcache.istio import extensions
 from meshcache.istio.oci import image_for, sha256_hex
-from meshcache.istio.wasmplugin import wasm_plugin_spec
-from meshcache.protos.istio.extensions.v1alpha1 import wasm_pb2
+from meshcache.protos.istio.extensions.v1alpha1 import traffic_extension_pb2
 from meshcache.protos.istio.mcp.v1alpha1 import metadata_pb2, resource_pb2
+from meshcache.protos.istio.networking.v1alpha3 import envoy_filter_pb2
 
 from .settings import Settings
 from .snapshots import Snapshot
 
 log = logging.getLogger("control_plane.mcp")
 
+ENVOY_FILTER_TYPE_URL = "networking.istio.io/v1alpha3/EnvoyFilter"
+TRAFFIC_EXTENSION_TYPE_URL = "extensions.istio.io/v1alpha1/TrafficExtension"
 WASM_PLUGIN_TYPE_URL = "extensions.istio.io/v1alpha1/WasmPlugin"
-RESOURCE_NAME = "meshcache"
-# `group/version/Kind` as istiod's GVK strings (core types are "core/v1/..."); anything with a
-# type.googleapis.com prefix is Envoy's xDS and handled by the other renderers.
+# `group/version/Kind` as istiod's GVK strings (core types are "core/v1alpha1/..."); anything with
+# a type.googleapis.com prefix is Envoy's xDS and handled by the other renderers.
 GVK_RE = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/v[0-9]+((alpha|beta)[0-9]+)?/[A-Z][A-Za-z0-9]*$")
 MANAGED_BY = {"app.kubernetes.io/managed-by": "meshcache-control-plane"}
+_BODIES: dict[str, type[message.Message]] = {
+    ENVOY_FILTER_TYPE_URL: envoy_filter_pb2.EnvoyFilter,
+    TRAFFIC_EXTENSION_TYPE_URL: traffic_extension_pb2.TrafficExtension,
+}
+MODE_TYPE_URL = {"full": ENVOY_FILTER_TYPE_URL, "basic": TRAFFIC_EXTENSION_TYPE_URL}
 
 
 class EmptyMcpRenderer:
@@ -61,7 +70,7 @@ def mcp_fallback(type_url: str) -> EmptyMcpRenderer | None:
 
 
 def default_sha256(url: str, module_path: Path) -> str:
-    """What Istio verifies: the image manifest digest for oci://, else the file's sha256."""
+    """What istio-agent verifies: the image manifest digest for oci://, else the file's sha256."""
     if not module_path.is_file():
         return ""
     if url.startswith("oci://"):
@@ -69,59 +78,61 @@ def default_sha256(url: str, module_path: Path) -> str:
     return sha256_hex(module_path.read_bytes())
 
 
-class WasmPluginMcpRenderer:
-    type_url = WASM_PLUGIN_TYPE_URL
+class IstioMcpRenderer:
+    """The objects of one kind (EnvoyFilter or TrafficExtension) for one snapshot, as MCP resources
+    `<namespace>/<name>`; rendered once per snapshot for every stream."""
+
     always_respond = True
 
-    def __init__(self, namespace: str, url: str, sha256: str, color: str = "", revision: str = "",
-                 selector: dict[str, str] | None = None) -> None:
-        self.namespace, self.url, self.sha256, self.color = namespace, url, sha256, color
-        self.revision = revision
-        self.selector = dict(selector if selector is not None else {"app": "meshcache-engine"})
-        if color:
-            self.selector["color"] = color
+    def __init__(self, type_url: str, build: Callable[[dict[str, Any]], list[dict[str, Any]]], namespace: str,
+                 revision: str = "") -> None:
+        self.type_url, self.build, self.namespace, self.revision = type_url, build, namespace, revision
+        self.body_type = _BODIES[type_url]
         self._memo: tuple[Snapshot, dict[str, any_pb2.Any]] | None = None
-        if not url:
-            log.warning("MESHCACHE_CP_ISTIO_WASM_URL is not set: istiod gets no meshcache WasmPlugin over MCP")
 
     @classmethod
-    def from_settings(cls, settings: Settings) -> WasmPluginMcpRenderer:
-        sha = settings.istio_wasm_sha256 or default_sha256(settings.istio_wasm_url, settings.istio_module_path)
-        return cls(settings.istio_namespace, settings.istio_wasm_url, sha, settings.istio_color,
-                   settings.istio_revision)
+    def from_settings(cls, settings: Settings) -> IstioMcpRenderer | None:
+        """None when no module URL is configured (istiod then gets empty answers only)."""
+        url = settings.istio_wasm_url
+        if not url:
+            log.warning("MESHCACHE_CP_ISTIO_WASM_URL is not set: istiod gets no meshcache filter over MCP")
+            return None
+        sha = settings.istio_wasm_sha256 or default_sha256(url, settings.istio_module_path)
+        colors = [c.strip() for c in settings.istio_color.split(",") if c.strip()] or [""]
+        mode = settings.istio_mode
 
-    @property
-    def resource_name(self) -> str:
-        return f"{self.namespace}/{RESOURCE_NAME}"
+        def build(plugin_config: dict[str, Any]) -> list[dict[str, Any]]:
+            return extensions.objects(mode, colors=colors, url=url, sha256=sha, plugin_config=plugin_config)
 
-    def wasm_plugin(self, snapshot: Snapshot) -> wasm_pb2.WasmPlugin:
-        config = {**snapshot.plugin_config(), "color": self.color}
-        spec = wasm_plugin_spec(url=self.url, sha256=self.sha256, plugin_config=config, selector=self.selector)
-        return json_format.ParseDict(spec, wasm_pb2.WasmPlugin())
+        build({})  # a bad pin or mode fails at startup, not on the first policy change
+        return cls(MODE_TYPE_URL[mode], build, settings.istio_namespace, settings.istio_revision)
 
-    def mcp_resource(self, snapshot: Snapshot) -> resource_pb2.Resource:
+    def mcp_resource(self, obj: dict[str, Any], snapshot: Snapshot) -> resource_pb2.Resource:
         created = timestamp_pb2.Timestamp()
         created.FromNanoseconds(int(snapshot.created_at * 1e9))
         labels = dict(MANAGED_BY)
         if self.revision:
             labels["istio.io/rev"] = self.revision
         body = any_pb2.Any()
-        body.Pack(self.wasm_plugin(snapshot))
+        body.Pack(json_format.ParseDict(obj["spec"], self.body_type()))
         return resource_pb2.Resource(
             metadata=metadata_pb2.Metadata(
-                name=self.resource_name, create_time=created, version=str(snapshot.version), labels=labels,
+                name=f"{self.namespace}/{obj['metadata']['name']}", create_time=created,
+                version=str(snapshot.version), labels=labels,
                 annotations={"meshcache.io/snapshot-version": str(snapshot.version)}),
             body=body)
 
-    def resources(self, snapshot: Snapshot) -> dict[str, Any]:
-        # Version 0 = no policies yet: full state is "no meshcache WasmPlugin" (the k8s one, if
-        # any, still applies). Rendered once per snapshot for all streams.
-        if snapshot.version == 0 or not self.url:
+    def resources(self, snapshot: Snapshot) -> dict[str, any_pb2.Any]:
+        # Version 0 = no policies yet: full state is "no meshcache filter" (traffic flows uncached).
+        if snapshot.version == 0:
             return {}
         if self._memo is not None and self._memo[0] is snapshot:
             return self._memo[1]
-        packed = any_pb2.Any()
-        packed.Pack(self.mcp_resource(snapshot))
-        out = {self.resource_name: packed}
+        out = {}
+        for obj in self.build(snapshot.plugin_config()):
+            res = self.mcp_resource(obj, snapshot)
+            packed = any_pb2.Any()
+            packed.Pack(res)
+            out[res.metadata.name] = packed
         self._memo = (snapshot, out)
         return out

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import socket
 from pathlib import Path
+from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from meshcache.paths import FILTER_WASM
@@ -37,12 +38,29 @@ class Settings(BaseSettings):
     # Pub/sub is lossy across reconnects; a cheap periodic version check closes the gap.
     resync_interval_s: float = Field(1.0, gt=0, le=60)
     max_xds_streams: int = Field(5000, ge=1, le=100_000)
-    # MCP-over-xDS for istiod (control_plane/mcp.py): the WasmPlugin `<istio_namespace>/meshcache`.
+    # TLS on the xDS port (PEM files). With a client CA, clients must present a certificate it
+    # signed (the local mesh: sidecars); istiod's configSources TLS (mode SIMPLE) has none.
+    xds_tls_cert: Path | None = None
+    xds_tls_key: Path | None = None
+    xds_tls_client_ca: Path | None = None
+    # MCP-over-xDS for istiod (control_plane/mcp.py): full = EnvoyFilters `<ns>/meshcache-<colour>`
+    # (exact Wasm config, gRPC cached), basic = TrafficExtensions (no held headers, gRPC bypasses).
+    istio_mode: Literal["full", "basic"] = "full"
     istio_namespace: str = Field("meshcache", pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", max_length=63)
-    istio_color: str = ""  # pluginConfig.color and selector label `color`; empty: every colour
-    istio_wasm_url: str = ""  # e.g. oci://registry/meshcache/filter@sha256:<digest>; empty: no WasmPlugin
+    # Comma-separated colours: one object per colour (pluginConfig.color, selector label `color`);
+    # empty: one object for every engine pod.
+    istio_color: str = Field("", pattern=r"^[a-z0-9,-]*$")
+    istio_wasm_url: str = ""  # e.g. oci://registry/meshcache/filter@sha256:<digest>; empty: nothing served
     # For oci:// the image manifest digest (what Istio verifies), else the module's sha256. Empty:
     # computed from istio_module_path.
     istio_wasm_sha256: str = Field("", pattern=r"^([a-f0-9]{64})?$")
     istio_module_path: Path = FILTER_WASM
     istio_revision: str = ""  # adds the `istio.io/rev` label (istiod only takes its own revision)
+
+    @model_validator(mode="after")
+    def _tls_pair(self) -> Settings:
+        if (self.xds_tls_cert is None) != (self.xds_tls_key is None):
+            raise ValueError("xds_tls_cert and xds_tls_key go together")
+        if self.xds_tls_client_ca is not None and self.xds_tls_cert is None:
+            raise ValueError("xds_tls_client_ca needs xds_tls_cert and xds_tls_key")
+        return self

@@ -24,12 +24,12 @@ from typing import Any, Protocol
 
 import grpc
 from envoy.config.core.v3 import extension_pb2
-from envoy.extensions.filters.http.wasm.v3 import wasm_pb2
+from envoy.extensions.filters.http.wasm.v3 import wasm_pb2  # noqa: F401 - registers the Wasm type for Any
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 from envoy.service.extension.v3 import config_discovery_pb2_grpc
 from google.protobuf import any_pb2, json_format
 
-from meshcache.wasm_filter import FILTER_NAME, wasm_filter_config
+from meshcache.wasm_filter import FILTER_NAME, extension_config, local_code
 
 from .metrics import Metrics
 from .snapshots import Snapshot, SnapshotCache
@@ -67,11 +67,10 @@ class EcdsRenderer:
         self._memo: tuple[Snapshot, dict[str, any_pb2.Any]] | None = None
 
     def typed_extension_config(self, snapshot: Snapshot) -> extension_pb2.TypedExtensionConfig:
-        wasm = json_format.ParseDict(wasm_filter_config(self.wasm_path, snapshot.plugin_config()),
-                                     wasm_pb2.Wasm())
-        typed = any_pb2.Any()
-        typed.Pack(wasm)
-        return extension_pb2.TypedExtensionConfig(name=self.resource_name, typed_config=typed)
+        # The same builder as the full-mode EnvoyFilter's EXTENSION_CONFIG (meshcache/istio), so a
+        # local sidecar runs what istiod would deliver, with the module as a local file.
+        config = extension_config(local_code(self.wasm_path), snapshot.plugin_config(), self.resource_name)
+        return json_format.ParseDict(config, extension_pb2.TypedExtensionConfig())
 
     def resources(self, snapshot: Snapshot) -> dict[str, any_pb2.Any]:
         # Rendered once per snapshot, shared by every stream.
@@ -170,7 +169,7 @@ class XdsServer:
 
     # ---- gRPC plumbing ----------------------------------------------------------------------
 
-    async def start(self, host: str, port: int) -> int:
+    async def start(self, host: str, port: int, credentials: grpc.ServerCredentials | None = None) -> int:
         server = grpc.aio.server(options=[
             ("grpc.keepalive_time_ms", 30_000),
             ("grpc.keepalive_timeout_ms", 10_000),
@@ -181,7 +180,9 @@ class XdsServer:
         config_discovery_pb2_grpc.add_ExtensionConfigDiscoveryServiceServicer_to_server(
             _EcdsServicer(self), server)
         ads_pb2_grpc.add_AggregatedDiscoveryServiceServicer_to_server(_AdsServicer(self), server)
-        self.port = server.add_insecure_port(f"{host}:{port}")
+        address = f"{host}:{port}"
+        self.port = (server.add_secure_port(address, credentials) if credentials is not None
+                     else server.add_insecure_port(address))
         if self.port == 0:
             raise OSError(f"cannot bind xDS port {host}:{port}")
         await server.start()

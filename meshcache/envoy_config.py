@@ -29,17 +29,10 @@ from typing import Any
 import yaml
 
 from meshcache.pki import Identity
-from meshcache.wasm_filter import FILTER_NAME, WASM_TYPE_URL, wasm_filter_config
+from meshcache.wasm_filter import FILTER_NAME, WASM_TYPE_URL, ecds_http_filter, wasm_filter_config
 
 _ENVOY = "type.googleapis.com/envoy."
 BUFFER_LIMIT_BYTES = 16 * 1024 * 1024  # above the filter's max entry/request sizes it buffers
-# Legacy names of the internal-listener stub, used only by the Istio manifests until issue 11
-# moves them to the single-pass fragments below; nothing here renders them any more.
-HIT_HEADER = "x-meshcache-hit"
-STUB_LISTENER = "cache_stub_listener"
-BRIDGE = "envoy.filters.http.grpc_http1_reverse_bridge"
-BRIDGE_PER_ROUTE = "type.googleapis.com/envoy.extensions.filters.http.grpc_http1_reverse_bridge.v3.FilterConfigPerRoute"
-
 
 COLOR_HEADER = "x-traffic-color"
 
@@ -208,22 +201,15 @@ def _wasm_http_filter(p: CacheProxy) -> dict[str, Any]:
               **wasm_filter_config(p.wasm_path, p.plugin_config, p.allow_on_headers_stop_iteration)}
     if p.ecds_port is None:
         return {"name": FILTER_NAME, "typed_config": static}
-    return {
-        "name": FILTER_NAME,
-        "config_discovery": {
-            "config_source": {
-                "resource_api_version": "V3",
-                "api_config_source": {
-                    "api_type": "GRPC",
-                    "transport_api_version": "V3",
-                    "grpc_services": [{"envoy_grpc": {"cluster_name": "xds_cluster"}}],
-                },
-            },
-            "default_config": static,
-            "apply_default_config_without_warming": True,
-            "type_urls": [WASM_TYPE_URL],
+    source = {
+        "resource_api_version": "V3",
+        "api_config_source": {
+            "api_type": "GRPC",
+            "transport_api_version": "V3",
+            "grpc_services": [{"envoy_grpc": {"cluster_name": "xds_cluster"}}],
         },
     }
+    return ecds_http_filter(source, default_config=static)
 
 
 def _color_suffix(color: str) -> str:

@@ -23,10 +23,25 @@ def plugin_config_json(config: dict[str, Any]) -> str:
     return json.dumps(config, sort_keys=True, separators=(",", ":"))
 
 
+def local_code(wasm_path: Path) -> dict[str, Any]:
+    """`vm_config.code` for a module file Envoy reads itself."""
+    return {"local": {"filename": str(wasm_path)}}
+
+
+def remote_code(url: str, sha256: str) -> dict[str, Any]:
+    """`vm_config.code` for a module istio-agent fetches: the agent downloads `url` (oci:// or
+    https://), checks `sha256` (for oci:// the image manifest digest) and rewrites this to a local
+    file before Envoy sees it (istio pkg/wasm convert.go). Shaped as istiod's own WasmPlugin code
+    (the cluster is a placeholder Envoy never uses)."""
+    return {"remote": {"http_uri": {"uri": url, "cluster": "_", "timeout": "30s"}, "sha256": sha256}}
+
+
 def wasm_filter_config(
-    wasm_path: Path, plugin_config: dict[str, Any], allow_on_headers_stop_iteration: bool = True
+    wasm_path: Path | dict[str, Any], plugin_config: dict[str, Any], allow_on_headers_stop_iteration: bool = True
 ) -> dict[str, Any]:
     """`envoy.extensions.filters.http.wasm.v3.Wasm` as proto-JSON (without the @type).
+
+    `wasm_path`: the module file, or a `vm_config.code` (`local_code`/`remote_code`).
 
     Without `allow_on_headers_stop_iteration` (as under Istio's WasmPlugin) the plugin
     configuration must say `"hold_headers": false`, or requests with a body would wait forever.
@@ -38,7 +53,7 @@ def wasm_filter_config(
             "vm_config": {
                 "vm_id": VM_ID,
                 "runtime": "envoy.wasm.runtime.v8",
-                "code": {"local": {"filename": str(wasm_path)}},
+                "code": wasm_path if isinstance(wasm_path, dict) else local_code(wasm_path),
             },
             "configuration": {
                 "@type": "type.googleapis.com/google.protobuf.StringValue",
@@ -50,3 +65,20 @@ def wasm_filter_config(
             "allow_on_headers_stop_iteration": allow_on_headers_stop_iteration,
         },
     }
+
+
+def extension_config(code: dict[str, Any], plugin_config: dict[str, Any], name: str = FILTER_NAME) -> dict[str, Any]:
+    """The filter as an ECDS resource (`envoy.config.core.v3.TypedExtensionConfig`, proto-JSON):
+    what the control plane pushes to the local mesh's sidecars and what the full-mode EnvoyFilter's
+    EXTENSION_CONFIG patch hands istiod. One builder, so both run the same Envoy config."""
+    return {"name": name, "typed_config": {"@type": WASM_TYPE_URL, **wasm_filter_config(code, plugin_config)}}
+
+
+def ecds_http_filter(config_source: dict[str, Any], default_config: dict[str, Any] | None = None,
+                     extra_type_urls: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The `http_filters` entry that takes the filter from ECDS (`extension_config` by name).
+    With a default config, traffic flows (uncached) before the first push arrives."""
+    discovery: dict[str, Any] = {"config_source": config_source, "type_urls": [WASM_TYPE_URL, *extra_type_urls]}
+    if default_config is not None:
+        discovery |= {"default_config": default_config, "apply_default_config_without_warming": True}
+    return {"name": FILTER_NAME, "config_discovery": discovery}

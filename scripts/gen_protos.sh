@@ -35,7 +35,8 @@ grep -q '^from \. import model_config_pb2' "$OUT/grpc_predict_v2_pb2.py" || { ec
 # and json_format work as usual). protoc emits absolute `from istio.x import y_pb2`: make them
 # package-relative to meshcache.protos.
 ISTIO_PROTOS=(istio/type/v1beta1/selector.proto istio/mcp/v1alpha1/metadata.proto
-  istio/mcp/v1alpha1/resource.proto istio/extensions/v1alpha1/wasm.proto)
+  istio/mcp/v1alpha1/resource.proto istio/extensions/v1alpha1/wasm.proto
+  istio/extensions/v1alpha1/traffic_extension.proto istio/networking/v1alpha3/envoy_filter.proto)
 "$PY" -m grpc_tools.protoc -I "$ROOT/proto" --python_out="$OUT" --pyi_out="$OUT" \
   "${ISTIO_PROTOS[@]/#/$ROOT/proto/}"
 for f in "$OUT"/istio/*/*/*_pb2.py "$OUT"/istio/*/*/*_pb2.pyi; do

@@ -1,4 +1,5 @@
-"""`meshcache istio ...`: render the manifests, write the module's OCI image, validate offline."""
+"""`meshcache istio ...`: render the manifests, write the module's OCI image, issue the xDS TLS
+certificates, validate offline."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any
 
 from meshcache.paths import FILTER_WASM
 
-from . import crossref, kustomize, oci, render, validate
+from . import crossref, kustomize, oci, render, validate, xds_tls
 
 
 def register(subparsers: Any) -> None:
@@ -18,15 +19,18 @@ def register(subparsers: Any) -> None:
     sub = istio.add_subparsers(dest="istio_command", required=True)
 
     r = sub.add_parser("render", help="write the Istio manifests for a namespace and colour",
-                       description="Builds istio/ (or an overlay) with the current policy snapshot and the "
-                                   "built module's image digest. Policies come from --control-plane, "
-                                   "--snapshot, or else the demo policies.")
+                       description="Builds istio/ (or an overlay) for a namespace and colours, pinned to the "
+                                   "built module's image digest; writes both IstioOperator steps and a preview "
+                                   "of what the control plane serves istiod for a policy snapshot (from "
+                                   "--control-plane, --snapshot, or else the demo policies).")
     r.add_argument("--namespace", default=render.BASE_NAMESPACE)
     r.add_argument("--color", default=render.BASE_COLOR, help="colour of this rollout (default route)")
     r.add_argument("--also-color", action="append", default=[], metavar="COLOR",
                    help="a colour already live: keep its subset and header route (repeatable)")
     r.add_argument("--overlay", type=Path, default=render.BASE_DIR,
-                   help="kustomization directory (default istio/base; e.g. istio/overlays/ecds)")
+                   help="kustomization directory (default istio/base; e.g. istio/overlays/basic)")
+    r.add_argument("--ingress-host", default=render.INGRESS_HOST,
+                   help="external host of the ingress Gateway and its VirtualService")
     r.add_argument("--image-digest", help="manifest digest of the pushed filter image (64 hex); default: "
                                           "the digest of `meshcache istio oci-layout` for the built module")
     r.add_argument("--filter-repository", default=render.FILTER_REPOSITORY, help="registry/repository of the image")
@@ -36,7 +40,8 @@ def register(subparsers: Any) -> None:
     src.add_argument("--snapshot", type=Path, metavar="FILE", help="a `GET /v1/snapshot` body or snapshot record")
     r.add_argument("--token", default=os.environ.get("MESHCACHE_TOKEN", ""),
                    help="API token for --control-plane (default $MESHCACHE_TOKEN)")
-    r.add_argument("--out", type=Path, help="directory for meshcache-istio.yaml and istio-operator.yaml "
+    r.add_argument("--out", type=Path, help="directory for meshcache-istio.yaml, istio-operator.yaml (step 1), "
+                                            "istio-operator-mcp.yaml (step 2) and mcp-preview.yaml "
                                             "(default: the manifests on stdout)")
     r.add_argument("--update-base", action="store_true",
                    help="instead: re-pin the committed istio/base to the built module")
@@ -47,6 +52,12 @@ def register(subparsers: Any) -> None:
     o.add_argument("--out", type=Path, required=True)
     o.add_argument("--tag", default="latest")
     o.set_defaults(func=_oci_layout)
+
+    c = sub.add_parser("xds-certs", help="a CA and the control plane's xDS server certificate (TLS for istiod)")
+    c.add_argument("--namespace", default=render.BASE_NAMESPACE)
+    c.add_argument("--out", type=Path, required=True)
+    c.add_argument("--days", type=int, default=365)
+    c.set_defaults(func=_xds_certs)
 
     v = sub.add_parser("validate", help="validate manifest files against Istio's CRDs and Kubernetes schemas")
     v.add_argument("files", type=Path, nargs="+")
@@ -71,17 +82,27 @@ def _render(args: argparse.Namespace) -> int:
     opts = render.RenderOptions(
         namespace=args.namespace, color=args.color, also_colors=tuple(args.also_color),
         plugin_config=plugin_config, module_path=args.module, image_digest=args.image_digest,
-        filter_repository=args.filter_repository, source=args.overlay)
+        filter_repository=args.filter_repository, source=args.overlay, ingress_host=args.ingress_host)
     try:
         objects = render.render(opts)
+        mcp = render.mcp_objects(objects, plugin_config)
     except (ValueError, FileNotFoundError, kustomize.KustomizeError) as exc:
         print(f"meshcache istio render: {exc}", file=sys.stderr)
         return 2
     if args.out is None:
         sys.stdout.write(kustomize.dump(objects))
         return 0
-    for path in render.write(objects, render.render_operator(opts), args.out):
+    for path in render.write(objects, render.render_operators(opts), mcp, args.out):
         print(f"wrote {path}")
+    print(render.install_steps(opts, args.out))
+    return 0
+
+
+def _xds_certs(args: argparse.Namespace) -> int:
+    written = xds_tls.issue(args.namespace, args.out, days=args.days)
+    for path in written:
+        print(f"wrote {path}")
+    print(xds_tls.kubectl_commands(args.namespace, args.out))
     return 0
 
 
@@ -97,7 +118,14 @@ def _validate(args: argparse.Namespace) -> int:
     errors = validate.validate_all(objects).errors
     if args.module.exists():
         image = oci.image_for(args.module)
-        errors += crossref.check_all(objects, image.digest, image.module_sha256)
+        manifests = [o for o in objects if o["kind"] != "IstioOperator"]
+        # Partial sets (an MCP preview alone) skip the startup rules, which need the control plane.
+        errors += crossref.check_all(manifests, image.digest,
+                                     startup=any(o["kind"] == "Deployment" for o in manifests))
+    operators = [o for o in objects if o["kind"] == "IstioOperator"]
+    if len(operators) == 2:
+        step1, step2 = sorted(operators, key=lambda o: len(o["spec"].get("meshConfig", {}).get("configSources", [])))
+        errors += crossref.check_operator_steps(step1, step2)
     for e in errors:
         print(e, file=sys.stderr)
     print(f"{len(objects)} objects, {len(errors)} errors")

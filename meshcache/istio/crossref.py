@@ -1,8 +1,8 @@
 """Cross-reference checks over a set of manifests: what schemas cannot see but a broken rollout
 would (a subset nobody matches, a policy selecting no pod, a digest that is not the module's).
 
-Each check returns human-readable errors; `check_all` runs them all. `Pins` (from render.py)
-carry the expected image digest and module sha256 for the built module.
+Each check returns human-readable errors; `check_all` runs them all, `check_operator_steps` checks
+the two IstioOperator install steps. The image digest is the built module's (render.Pins).
 """
 
 from __future__ import annotations
@@ -14,17 +14,18 @@ from typing import Any
 
 import yaml
 
-from meshcache.wasm_filter import ROOT_ID, STUB_ROLE_CONFIG
+from meshcache import envoy_config
+from meshcache.wasm_filter import FILTER_NAME, ROOT_ID
 
-from .envoyfilter import STUB_LISTENER
-from .oci import WASM_FILE_IN_IMAGE
 from .validate import validate_object
 
 Obj = dict[str, Any]
 WORKLOAD_KINDS = ("Deployment", "StatefulSet")
 PRINCIPAL_RE = re.compile(r"^cluster\.local/ns/([a-z0-9-]+)/sa/([a-z0-9-]+)$")
 # Secrets the operator creates (docs/istio.md); everything else must be in the manifests.
-EXTERNAL_SECRETS = {"meshcache-cp-tokens", "meshcache-redis-url"}
+EXTERNAL_SECRETS = {"meshcache-cp-tokens", "meshcache-redis-url", "meshcache-cp-xds-tls"}
+CONTROL_PLANE = "meshcache-control-plane"
+XDS_PORT = 18000
 
 
 def _name(o: Obj) -> str:
@@ -115,9 +116,18 @@ def check_traffic(objects: list[Obj], elsewhere: frozenset[str] = frozenset()) -
             labels = {**svc["spec"]["selector"], **s.get("labels", {})}
             if s["name"] not in elsewhere and not _selected(objects, labels):
                 errors.append(f"DestinationRule/{_name(dr)}: subset {s['name']!r} selects no workload")
+    gateways = {_name(g): g for g in _of(objects, "Gateway")}
     for vs in _of(objects, "VirtualService"):
+        bound = [g for g in vs["spec"].get("gateways", []) if g != "mesh"]
+        for g in bound:
+            if g not in gateways:
+                errors.append(f"VirtualService/{_name(vs)}: gateway {g!r} is no Gateway here")
+                continue
+            served = {h for server in gateways[g]["spec"]["servers"] for h in server["hosts"]}
+            errors += [f"VirtualService/{_name(vs)}: host {h!r} is not served by Gateway {g!r}"
+                       for h in vs["spec"]["hosts"] if h not in served and "*" not in served]
         for host in vs["spec"]["hosts"]:
-            if _service_for_host(objects, host) is None:
+            if not bound and _service_for_host(objects, host) is None:
                 errors.append(f"VirtualService/{_name(vs)}: host {host!r} is no Service here")
         for route in vs["spec"].get("http", []):
             for r in route.get("route", []):
@@ -126,6 +136,14 @@ def check_traffic(objects: list[Obj], elsewhere: frozenset[str] = frozenset()) -
                 if "subset" in d and d["subset"] not in subsets.get(short, set()):
                     errors.append(f"VirtualService/{_name(vs)}: route {route.get('name')!r} uses subset "
                                   f"{d['subset']!r} that no DestinationRule for {short!r} defines")
+                svc = _service_for_host(objects, d["host"])
+                if bound and svc is not None and len(svc["spec"]["ports"]) > 1 and "port" not in d:
+                    errors.append(f"VirtualService/{_name(vs)}: route {route.get('name')!r} needs a destination "
+                                  "port (a gateway's port is no port of a multi-port Service)")
+                if "port" in d and svc is not None and d["port"]["number"] not in {
+                        p["port"] for p in svc["spec"]["ports"]}:
+                    errors.append(f"VirtualService/{_name(vs)}: route {route.get('name')!r} port "
+                                  f"{d['port']['number']} is no port of Service {short!r}")
     return errors
 
 
@@ -161,14 +179,21 @@ def check_security(objects: list[Obj]) -> list[str]:
     return errors
 
 
-def _annotation_volumes(w: Obj) -> tuple[list[Obj], list[Obj]]:
+def injected(w: Obj) -> bool:
+    """Whether Istio injects a sidecar (the namespace is labelled for injection; the pod label
+    `sidecar.istio.io/inject: "false"` opts out, and also keeps the pod away from the webhook)."""
+    return _pod_labels(w).get("sidecar.istio.io/inject") != "false"
+
+
+def _annotation_volumes(w: Obj) -> tuple[Obj, Obj]:
     ann = w["spec"]["template"]["metadata"].get("annotations", {})
-    return (json.loads(ann.get("sidecar.istio.io/userVolume", "[]")),
-            json.loads(ann.get("sidecar.istio.io/userVolumeMount", "[]")))
+    return (json.loads(ann.get("sidecar.istio.io/userVolume", "{}")),
+            json.loads(ann.get("sidecar.istio.io/userVolumeMount", "{}")))
 
 
 def check_sidecar_annotations(objects: list[Obj]) -> list[str]:
-    """Annotations are opaque strings to the API server but must parse for the injector."""
+    """Annotations are opaque strings to the API server but must parse for the injector: Istio's
+    injection template reads userVolume(Mount) as JSON objects keyed by volume name."""
     errors = []
     for w in _workloads(objects):
         where = f"{w['kind']}/{_name(w)}"
@@ -180,87 +205,207 @@ def check_sidecar_annotations(objects: list[Obj]) -> list[str]:
             if "color" in labels and meta.get("MESHCACHE_TRAFFIC_COLOR") != labels["color"]:
                 errors.append(f"{where}: proxyMetadata colour {meta.get('MESHCACHE_TRAFFIC_COLOR')!r} "
                               f"!= pod label color {labels['color']!r}")
-        volumes, mounts = _annotation_volumes(w)
+        try:
+            volumes, mounts = _annotation_volumes(w)
+        except json.JSONDecodeError as exc:
+            errors.append(f"{where}: sidecar.istio.io/userVolume(Mount) is not JSON: {exc}")
+            continue
+        if not isinstance(volumes, dict) or not isinstance(mounts, dict):
+            errors.append(f"{where}: sidecar.istio.io/userVolume(Mount) must be JSON objects keyed by volume "
+                          "name (Istio's injection template), not arrays")
+            continue
         if volumes or mounts:
             pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "injected"}, "spec": {
-                "volumes": volumes,
-                "containers": [{"name": "istio-proxy", "image": "proxyv2", "volumeMounts": mounts}]}}
+                "volumes": [{"name": k, **v} for k, v in volumes.items()],
+                "containers": [{"name": "istio-proxy", "image": "proxyv2",
+                                "volumeMounts": [{"name": k, **v} for k, v in mounts.items()]}]}}
             errors += [f"{where}: sidecar.istio.io/userVolume(Mount): {e}" for e in validate_object(pod)]
-            if {m["name"] for m in mounts} - {v["name"] for v in volumes}:
-                errors.append(f"{where}: userVolumeMount names a volume userVolume does not define")
+            pod_volumes = {v["name"] for v in w["spec"]["template"]["spec"].get("volumes", [])}
+            if set(mounts) - set(volumes) - pod_volumes:
+                errors.append(f"{where}: userVolumeMount names a volume that is not defined")
     return errors
 
 
-def check_module(objects: list[Obj], image_digest: str, module_sha256: str) -> list[str]:
-    """The WasmPlugin, the image volume and the control plane all pin the built module."""
+def _env(w: Obj) -> dict[str, str]:
+    return {e["name"]: e.get("value") for c in w["spec"]["template"]["spec"]["containers"] for e in c.get("env", [])}
+
+
+def _control_planes(objects: list[Obj]) -> list[Obj]:
+    return [w for w in _workloads(objects) if _pod_labels(w).get("app") == CONTROL_PLANE]
+
+
+def check_module(objects: list[Obj], image_digest: str) -> list[str]:
+    """The control plane (and anything it serves istiod) pins the built module's image."""
     errors = []
-    for wp in _of(objects, "WasmPlugin"):
-        where = f"WasmPlugin/{_name(wp)}"
-        spec = wp["spec"]
-        if spec.get("sha256") != image_digest:
-            errors.append(f"{where}: sha256 {spec.get('sha256')!r} is not the built module's image digest "
+    for w in _control_planes(objects):
+        env, where = _env(w), f"{w['kind']}/{_name(w)}"
+        if env.get("MESHCACHE_CP_ISTIO_WASM_SHA256") != image_digest:
+            errors.append(f"{where}: MESHCACHE_CP_ISTIO_WASM_SHA256 is not the built module's image digest "
                           f"{image_digest} (run `meshcache istio render --update-base` after a filter build)")
-        if not spec["url"].startswith("oci://") or not spec["url"].endswith(f"@sha256:{image_digest}"):
-            errors.append(f"{where}: url {spec['url']!r} is not oci:// pinned to @sha256:{image_digest}")
-        if wp["metadata"].get("annotations", {}).get("meshcache.io/module-sha256") != module_sha256:
-            errors.append(f"{where}: module-sha256 annotation is not the built module's sha256 {module_sha256}")
-        if spec.get("pluginName") != ROOT_ID:
-            errors.append(f"{where}: pluginName must be the filter's root id {ROOT_ID!r}")
-        selected = _selected(objects, spec.get("selector", {}).get("matchLabels", {}))
-        if not selected:
-            errors.append(f"{where}: selector matches no workload")
-        ports = set().union(*(_container_ports(w) for w in selected)) if selected else set()
+        url = env.get("MESHCACHE_CP_ISTIO_WASM_URL") or ""
+        if not url.startswith("oci://") or not url.endswith(f"@sha256:{image_digest}"):
+            errors.append(f"{where}: MESHCACHE_CP_ISTIO_WASM_URL {url!r} is not oci:// pinned to "
+                          f"@sha256:{image_digest}")
+    for o in objects:
+        pins = [v for k, v in _walk(o.get("spec", {})) if k == "sha256"]
+        if o["kind"] in ("TrafficExtension", "EnvoyFilter", "WasmPlugin") and any(p != image_digest for p in pins):
+            errors.append(f"{o['kind']}/{_name(o)}: sha256 is not the built module's image digest {image_digest}")
+    return errors
+
+
+def _selected_ports(objects: list[Obj], sel: dict[str, str], where: str, errors: list[str]) -> set[int]:
+    selected = _selected(objects, sel)
+    if not selected:
+        errors.append(f"{where}: selector matches no workload")
+    elif not all(injected(w) for w in selected):
+        errors.append(f"{where}: selects pods without a sidecar")
+    return set().union(*(_container_ports(w) for w in selected)) if selected else set()
+
+
+def check_extensions(objects: list[Obj], elsewhere: frozenset[str] = frozenset()) -> list[str]:
+    """TrafficExtensions and EnvoyFilters (the MCP preview, or applied by hand): they select meshed
+    pods and their ports, keep `istioctl analyze` quiet, and the full mode's pieces fit together.
+    `elsewhere`: colours whose pods another render deployed (their objects are not checked)."""
+    errors = []
+    for te in _of(objects, "TrafficExtension"):
+        if te["spec"].get("selector", {}).get("matchLabels", {}).get("color") in elsewhere:
+            continue
+        where = f"TrafficExtension/{_name(te)}"
+        spec = te["spec"]
+        ports = _selected_ports(objects, spec.get("selector", {}).get("matchLabels", {}), where, errors)
         for m in spec.get("match", []):
             errors += [f"{where}: match port {p['number']} is no container port of the selected pods"
                        for p in m.get("ports", []) if p["number"] not in ports]
-        color = spec["pluginConfig"].get("color")
-        if any(_pod_labels(w).get("color") != color for w in selected):
-            errors.append(f"{where}: pluginConfig.color {color!r} differs from the selected pods' colour")
-    for w in _workloads(objects):
-        volumes, _ = _annotation_volumes(w)
-        for v in volumes:
-            ref = v.get("image", {}).get("reference")
-            if ref and not ref.endswith(f"@sha256:{image_digest}"):
-                errors.append(f"{w['kind']}/{_name(w)}: image volume {ref!r} is not the built module's image")
-        for c in w["spec"]["template"]["spec"]["containers"]:
-            env = {e["name"]: e.get("value") for e in c.get("env", [])}
-            if "MESHCACHE_CP_ISTIO_WASM_SHA256" in env and env["MESHCACHE_CP_ISTIO_WASM_SHA256"] != image_digest:
-                errors.append(f"{w['kind']}/{_name(w)}: MESHCACHE_CP_ISTIO_WASM_SHA256 is not {image_digest}")
-    return errors
-
-
-def check_envoy_filters(objects: list[Obj]) -> list[str]:
-    errors = []
+        if spec["wasm"].get("pluginName") != ROOT_ID:
+            errors.append(f"{where}: pluginName must be the filter's root id {ROOT_ID!r}")
+        if spec["wasm"].get("pluginConfig", {}).get("hold_headers") is not False:
+            errors.append(f"{where}: istiod cannot set allow_on_headers_stop_iteration: pluginConfig.hold_headers "
+                          "must be false")
     for ef in _of(objects, "EnvoyFilter"):
-        where = f"EnvoyFilter/{_name(ef)}"
-        selected = _selected(objects, ef["spec"].get("workloadSelector", {}).get("labels", {}))
-        if not selected:
-            errors.append(f"{where}: workloadSelector matches no workload")
-            continue
-        mounts = {m["mountPath"] for w in selected for m in _annotation_volumes(w)[1]}
-        ports = set().union(*(_container_ports(w) for w in selected))
-        clusters = {p["patch"]["value"]["name"] for p in ef["spec"]["configPatches"] if p["applyTo"] == "CLUSTER"}
-        for p in ef["spec"]["configPatches"]:
-            match, value = p.get("match", {}), p["patch"].get("value", {})
-            port = match.get("listener", match.get("routeConfiguration", {})).get("portNumber")
-            if port is not None and port not in ports:
-                errors.append(f"{where}: patch {p['applyTo']} matches port {port}, no container port of the pods")
-            for key, v in _walk(value):
-                if key == "filename" and str(v).rsplit("/", 1)[0] not in mounts:
-                    errors.append(f"{where}: module {v!r} is not under a mounted path {sorted(mounts)}")
-                if key == "filename" and not str(v).endswith(WASM_FILE_IN_IMAGE):
-                    errors.append(f"{where}: module {v!r} is not the image's {WASM_FILE_IN_IMAGE}")
-            if p["applyTo"] == "LISTENER" and value.get("name") == STUB_LISTENER:
-                cfgs = [v for k, v in _walk(value) if k == "configuration"]
-                if not cfgs or json.loads(cfgs[0]["value"]) != STUB_ROLE_CONFIG:
-                    errors.append(f"{where}: the stub listener's plugin configuration must be {STUB_ROLE_CONFIG}")
-            if p["applyTo"] == "HTTP_ROUTE" and value["route"]["cluster"] not in clusters:
-                errors.append(f"{where}: hit route targets cluster {value['route']['cluster']!r} not added here")
+        if ef["spec"].get("workloadSelector", {}).get("labels", {}).get("color") not in elsewhere:
+            errors += _envoy_filter_errors(objects, ef)
     return errors
 
 
-def check_all(objects: list[Obj], image_digest: str, module_sha256: str,
-              elsewhere: frozenset[str] = frozenset()) -> list[str]:
+def _envoy_filter_errors(objects: list[Obj], ef: Obj) -> list[str]:
+    where, spec, errors = f"EnvoyFilter/{_name(ef)}", ef["spec"], []
+    ports = _selected_ports(objects, spec.get("workloadSelector", {}).get("labels", {}), where, errors)
+    patches = spec["configPatches"]
+    if any(p["patch"]["operation"] in ("INSERT_BEFORE", "INSERT_AFTER", "REPLACE", "REMOVE") for p in patches) \
+            and not spec.get("priority"):
+        errors.append(f"{where}: relative patch operations need spec.priority (istioctl analyze IST0151)")
+    ecds_names = {p["patch"]["value"]["name"] for p in patches if p["applyTo"] == "EXTENSION_CONFIG"}
+    filters_by_port: dict[int, list[str]] = {}
+    for p in patches:
+        match, value = p.get("match", {}), p["patch"].get("value", {})
+        port = match.get("listener", match.get("routeConfiguration", {})).get("portNumber")
+        if port is not None and port not in ports:
+            errors.append(f"{where}: patch {p['applyTo']} matches port {port}, no container port of the pods")
+        if p["applyTo"] == "HTTP_FILTER":
+            filters_by_port.setdefault(port, []).append(value["name"])
+            if "config_discovery" in value and value["name"] not in ecds_names:
+                errors.append(f"{where}: filter {value['name']!r} takes its config by ECDS but no EXTENSION_CONFIG "
+                              "of that name is added")
+    for port, names in filters_by_port.items():
+        if envoy_config.GRPC_HIT_LUA_FILTER in names:
+            at = names.index(envoy_config.GRPC_HIT_LUA_FILTER)
+            if at == 0 or names[at - 1] != FILTER_NAME:
+                errors.append(f"{where}: on port {port} {envoy_config.GRPC_HIT_LUA_FILTER} must come right after "
+                              f"the {FILTER_NAME} filter")
+            hit_routes = [p for p in patches if p["applyTo"] == "HTTP_ROUTE"
+                          and p["match"]["routeConfiguration"].get("portNumber") == port
+                          and p["patch"]["value"].get("name") == envoy_config.GRPC_HIT_ROUTE]
+            if not hit_routes or hit_routes[0]["patch"]["operation"] != "INSERT_FIRST":
+                errors.append(f"{where}: port {port} has the Lua filter but no {envoy_config.GRPC_HIT_ROUTE} route "
+                              "inserted first")
+    return errors
+
+
+# ---- startup order: what istiod needs must not need istiod ----------------------------------
+
+
+def _proxy_config(w: Obj) -> Obj:
+    ann = w["spec"]["template"]["metadata"].get("annotations", {})
+    return yaml.safe_load(ann.get("proxy.istio.io/config", "")) or {}
+
+
+def check_startup(objects: list[Obj]) -> list[str]:
+    """istiod serves neither xDS nor its injection webhook (failurePolicy Fail) until every
+    configSources entry has synced. So the control plane it reads, and whatever the control plane
+    needs to answer, must start without istiod: no sidecar (or its xDS port excluded from capture
+    and no hold on the app), readiness that does not depend on meshed pods, xDS behind TLS and a
+    NetworkPolicy that admits istiod only."""
+    errors = []
+    cps = _control_planes(objects)
+    if not cps:
+        return ["no meshcache control plane Deployment"]
+    for w in cps:
+        where = f"{w['kind']}/{_name(w)}"
+        ann = w["spec"]["template"]["metadata"].get("annotations", {})
+        if injected(w):
+            excluded = {p.strip() for p in ann.get("traffic.sidecar.istio.io/excludeInboundPorts", "").split(",")}
+            if str(XDS_PORT) not in excluded:
+                errors.append(f"{where}: has a sidecar and its xDS port {XDS_PORT} goes through it: istiod could never "
+                              "sync (label the pod sidecar.istio.io/inject: \"false\")")
+            if _proxy_config(w).get("holdApplicationUntilProxyStarts"):
+                errors.append(f"{where}: holdApplicationUntilProxyStarts waits for a sidecar that waits for istiod")
+        env = _env(w)
+        if not env.get("MESHCACHE_CP_XDS_TLS_CERT") or not env.get("MESHCACHE_CP_XDS_TLS_KEY"):
+            errors.append(f"{where}: the xDS port must serve TLS (MESHCACHE_CP_XDS_TLS_CERT/KEY)")
+        for c in w["spec"]["template"]["spec"]["containers"]:
+            probe = c.get("readinessProbe", {})
+            if "httpGet" in probe and probe["httpGet"].get("path") == "/readyz":
+                errors.append(f"{where}: readiness on /readyz needs Redis; istiod reaches only ready pods")
+        redis = re.match(r"^rediss?://([^:/]+)", env.get("MESHCACHE_CP_REDIS_URL") or "")
+        svc = next((s for s in _of(objects, "Service") if redis and _name(s) == redis.group(1)), None)
+        if svc is not None and not injected(w):
+            for dep in _selected(objects, svc["spec"].get("selector", {})):
+                if injected(dep):
+                    errors.append(f"{dep['kind']}/{_name(dep)}: the control plane (no sidecar) reaches it, so it "
+                                  "must be outside the mesh too")
+    policies = [np for np in _of(objects, "NetworkPolicy")
+                if _selects(np["spec"]["podSelector"].get("matchLabels", {}), _pod_labels(cps[0]))]
+    xds_rules = [r for np in policies for r in np["spec"].get("ingress", [])
+                 if any(p.get("port") in (XDS_PORT, "xds") for p in r.get("ports", []))]
+    open_rules = [r for np in policies for r in np["spec"].get("ingress", []) if not r.get("ports")]
+    if not policies:
+        errors.append("no NetworkPolicy selects the control plane: its xDS port is open to every pod")
+    elif open_rules or not xds_rules:
+        errors.append("the control plane's NetworkPolicy must admit its xDS port from istiod only")
+    for rule in xds_rules:
+        for peer in rule.get("from", [{}]):
+            ns = peer.get("namespaceSelector", {}).get("matchLabels", {})
+            pods = peer.get("podSelector", {}).get("matchLabels", {})
+            if ns.get("kubernetes.io/metadata.name") != "istio-system" or pods.get("app") != "istiod":
+                errors.append(f"NetworkPolicy: xDS port {XDS_PORT} admits {peer} (only istiod may connect)")
+    return errors
+
+
+def check_operator_steps(step1: Obj, step2: Obj) -> list[str]:
+    """Step 1 installs Istio without the MCP source; step 2 adds it, over TLS, keeping Kubernetes."""
+    errors = []
+    sources1 = step1["spec"].get("meshConfig", {}).get("configSources", [])
+    if any(s["address"].startswith("xds://") for s in sources1):
+        errors.append("IstioOperator step 1: must not list the control plane (istiod would wait for it)")
+    sources2 = step2["spec"].get("meshConfig", {}).get("configSources", [])
+    if "k8s://" not in [s["address"] for s in sources2]:
+        errors.append("IstioOperator step 2: configSources replaces the defaults: list k8s:// too")
+    xds = [s for s in sources2 if s["address"].startswith("xds://")]
+    if not xds:
+        errors.append("IstioOperator step 2: no xds:// source")
+    for s in xds:
+        tls = s.get("tlsSettings", {})
+        if tls.get("mode") != "SIMPLE" or not (tls.get("credentialName") or tls.get("caCertificates")):
+            errors.append(f"IstioOperator step 2: {s['address']} needs tlsSettings mode SIMPLE with a CA "
+                          "(credentialName): other modes are plaintext")
+        host = s["address"].removeprefix("xds://").rsplit(":", 1)[0]
+        if not any(host.startswith(n) for n in tls.get("subjectAltNames", [])):
+            errors.append(f"IstioOperator step 2: {s['address']}: subjectAltNames must name the control plane")
+    return errors
+
+
+def check_all(objects: list[Obj], image_digest: str, elsewhere: frozenset[str] = frozenset(),
+              startup: bool = True) -> list[str]:
     return (check_workloads(objects) + check_traffic(objects, elsewhere) + check_security(objects)
-            + check_sidecar_annotations(objects) + check_module(objects, image_digest, module_sha256)
-            + check_envoy_filters(objects))
+            + check_sidecar_annotations(objects) + check_module(objects, image_digest)
+            + check_extensions(objects, elsewhere) + (check_startup(objects) if startup else []))

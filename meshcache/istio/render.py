@@ -1,5 +1,6 @@
-"""`meshcache istio render`: the kustomize build of istio/ customised for a namespace, a traffic
-colour, the current policy snapshot and the built filter module.
+"""`meshcache istio render`: the kustomize build of istio/ customised for a namespace, traffic
+colours and the built filter module; the two IstioOperator steps; and a preview of what the control
+plane serves istiod over MCP for a policy snapshot (the same builders, meshcache/istio/extensions.py).
 
 The committed base (namespace `meshcache`, colour `blue`, demo policies, the module built at
 commit time) is a fixed point of this function: rendering it with the defaults gives it back, so
@@ -22,17 +23,19 @@ from control_plane.models import Policy
 from control_plane.snapshots import Snapshot
 from meshcache.paths import FILTER_WASM, REPO_ROOT
 
-from . import kustomize, oci
-from .wasmplugin import oci_url, wasm_plugin_spec  # noqa: F401 - re-exported
+from . import extensions, kustomize, oci
+from .extensions import oci_url
 
 ISTIO_DIR = REPO_ROOT / "istio"
 BASE_DIR = ISTIO_DIR / "base"
-OPERATOR_FILE = ISTIO_DIR / "install" / "istio-operator.yaml"
+OPERATOR_FILE = ISTIO_DIR / "install" / "istio-operator.yaml"  # step 1: no MCP source
+OPERATOR_MCP_FILE = ISTIO_DIR / "install" / "istio-operator-mcp.yaml"  # step 2: with it
 BASE_NAMESPACE = "meshcache"
 BASE_COLOR = "blue"
 FILTER_REPOSITORY = "registry.example.com/meshcache/filter"
-ENGINE_APP = "meshcache-engine"
-MODULE_ANNOTATION = "meshcache.io/module-sha256"
+ENGINE_APP = extensions.ENGINE_APP
+CONTROL_PLANE = "meshcache-control-plane"
+INGRESS_HOST = "meshcache.example.com"
 COLOR_RE = re.compile(r"^[a-z0-9]([-a-z0-9]{0,30}[a-z0-9])?$")
 Obj = dict[str, Any]
 
@@ -74,6 +77,7 @@ class RenderOptions:
     image_digest: str | None = None  # manifest digest of the pushed image, if not ours
     filter_repository: str = FILTER_REPOSITORY
     source: Path = BASE_DIR  # the base or an overlay directory
+    ingress_host: str = INGRESS_HOST
 
     def colors(self) -> list[str]:
         return [self.color, *[c for c in dict.fromkeys(self.also_colors) if c != self.color]]
@@ -103,10 +107,36 @@ def render(opts: RenderOptions) -> list[Obj]:
     return objects
 
 
-def render_operator(opts: RenderOptions) -> Obj:
-    obj = kustomize._load(OPERATOR_FILE)[0]
-    _rename_namespace(obj, opts.namespace)
-    return obj
+def render_operators(opts: RenderOptions) -> tuple[Obj, Obj]:
+    """(step 1, step 2): Istio without, then with, the control plane as an MCP source."""
+    out = []
+    for path in (OPERATOR_FILE, OPERATOR_MCP_FILE):
+        obj = kustomize._load(path)[0]
+        _rename_namespace(obj, opts.namespace)
+        out.append(obj)
+    return out[0], out[1]
+
+
+def control_plane_env(objects: list[Obj]) -> dict[str, str]:
+    dep = next(o for o in objects if o["kind"] == "Deployment" and o["metadata"]["name"] == CONTROL_PLANE)
+    container = dep["spec"]["template"]["spec"]["containers"][0]
+    return {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}
+
+
+def mcp_objects(objects: list[Obj], plugin_config: dict[str, Any]) -> list[Obj]:
+    """What the rendered control plane serves istiod over MCP for this policy snapshot (its mode,
+    colours and module pin come from the Deployment's environment), with the namespace set."""
+    env = control_plane_env(objects)
+    namespace = next(o["metadata"]["name"] for o in objects if o["kind"] == "Namespace")
+    colors = [c for c in env.get("MESHCACHE_CP_ISTIO_COLOR", "").split(",") if c] or [""]
+    out = extensions.objects(env.get("MESHCACHE_CP_ISTIO_MODE", "full"), colors=colors,
+                             url=env["MESHCACHE_CP_ISTIO_WASM_URL"], sha256=env["MESHCACHE_CP_ISTIO_WASM_SHA256"],
+                             plugin_config=plugin_config)
+    for o in out:
+        o["metadata"]["namespace"] = namespace
+        if env.get("MESHCACHE_CP_ISTIO_REVISION"):
+            o["metadata"]["labels"] = {"istio.io/rev": env["MESHCACHE_CP_ISTIO_REVISION"]}
+    return out
 
 
 # ---- the customisations -----------------------------------------------------------------
@@ -117,15 +147,19 @@ def customize(objects: list[Obj], opts: RenderOptions, pins: Pins) -> None:
         _rename_namespace(obj, opts.namespace)
         kind, name = obj["kind"], obj["metadata"]["name"]
         if kind == "Deployment" and obj["metadata"].get("labels", {}).get("app") == ENGINE_APP:
-            _engine_deployment(obj, opts.color, pins)
-        elif kind == "Deployment" and name == "meshcache-control-plane":
-            _control_plane(obj, opts.color, pins)
-        elif kind == "WasmPlugin":
-            _wasm_plugin(obj, opts, pins)
+            _engine_deployment(obj, opts.color)
+        elif kind == "Deployment" and name == CONTROL_PLANE:
+            _control_plane(obj, opts.colors(), pins)
         elif kind == "DestinationRule" and obj["spec"]["host"] == ENGINE_APP:
             obj["spec"]["subsets"] = [{"name": c, "labels": {"color": c}} for c in opts.colors()]
+        elif kind == "VirtualService" and obj["spec"].get("gateways"):
+            obj["spec"]["hosts"] = [opts.ingress_host]
+            obj["spec"]["http"] = virtual_service_routes(opts.colors(), opts.color, gateway=True)
         elif kind == "VirtualService" and name == ENGINE_APP:
             obj["spec"]["http"] = virtual_service_routes(opts.colors(), opts.color)
+        elif kind == "Gateway":
+            for server in obj["spec"]["servers"]:
+                server["hosts"] = [opts.ingress_host]
 
 
 def _rename_namespace(obj: Obj, namespace: str) -> None:
@@ -135,7 +169,7 @@ def _rename_namespace(obj: Obj, namespace: str) -> None:
     meta = obj["metadata"]
     if obj["kind"] == "Namespace":
         meta["name"] = namespace
-    elif "namespace" in meta:
+    elif "namespace" in meta and meta["namespace"] == BASE_NAMESPACE:
         meta["namespace"] = namespace
 
     def fix(node: Any) -> Any:
@@ -154,7 +188,7 @@ def _rename_namespace(obj: Obj, namespace: str) -> None:
             obj[key] = fix(obj[key])
 
 
-def _engine_deployment(obj: Obj, color: str, pins: Pins) -> None:
+def _engine_deployment(obj: Obj, color: str) -> None:
     obj["metadata"]["name"] = f"{ENGINE_APP}-{color}"
     obj["metadata"]["labels"]["color"] = color
     obj["spec"]["selector"]["matchLabels"]["color"] = color
@@ -164,12 +198,6 @@ def _engine_deployment(obj: Obj, color: str, pins: Pins) -> None:
     proxy = yaml.safe_load(ann["proxy.istio.io/config"])
     proxy["proxyMetadata"] |= {"MESHCACHE_TRAFFIC_COLOR": color, "ISTIO_META_MESHCACHE_TRAFFIC_COLOR": color}
     ann["proxy.istio.io/config"] = yaml.safe_dump(proxy, sort_keys=False)
-    volumes = json.loads(ann["sidecar.istio.io/userVolume"])
-    for v in volumes:
-        if "image" in v:
-            v["image"]["reference"] = pins.url.removeprefix("oci://")
-    ann["sidecar.istio.io/userVolume"] = json.dumps(volumes, separators=(",", ":"))
-    ann[MODULE_ANNOTATION] = pins.module_sha256
 
 
 def _set_env(container: Obj, name: str, value: str) -> None:
@@ -178,65 +206,80 @@ def _set_env(container: Obj, name: str, value: str) -> None:
             e["value"] = value
 
 
-def _control_plane(obj: Obj, color: str, pins: Pins) -> None:
+def _control_plane(obj: Obj, colors: list[str], pins: Pins) -> None:
     for c in obj["spec"]["template"]["spec"]["containers"]:
-        _set_env(c, "MESHCACHE_CP_ISTIO_COLOR", color)
+        _set_env(c, "MESHCACHE_CP_ISTIO_COLOR", ",".join(colors))
         _set_env(c, "MESHCACHE_CP_ISTIO_WASM_URL", pins.url)
         _set_env(c, "MESHCACHE_CP_ISTIO_WASM_SHA256", pins.image_digest)
 
 
-def _wasm_plugin(obj: Obj, opts: RenderOptions, pins: Pins) -> None:
-    obj["metadata"]["name"] = f"meshcache-{opts.color}"
-    obj["metadata"].setdefault("annotations", {})[MODULE_ANNOTATION] = pins.module_sha256
-    selector = {**obj["spec"].get("selector", {}).get("matchLabels", {}), "color": opts.color}
-    obj["spec"] = wasm_plugin_spec(url=pins.url, sha256=pins.image_digest, selector=selector,
-                                   plugin_config={**opts.plugin_config, "color": opts.color},
-                                   pull_secret=obj["spec"].get("imagePullSecret", ""))
+def virtual_service_routes(colors: Iterable[str], default: str, gateway: bool = False) -> list[Obj]:
+    """Header routes per colour, then the default colour. Bound to a gateway, each also names the
+    port (the gateway's own port 80 is no port of the engine): gRPC to 8001, the rest to 8000."""
+    def dest(c: str, port: int | None = None) -> list[Obj]:
+        d: Obj = {"host": ENGINE_APP, "subset": c}
+        if port is not None:
+            d["port"] = {"number": port}
+        return [{"destination": d}]
 
-
-def virtual_service_routes(colors: Iterable[str], default: str) -> list[Obj]:
-    def dest(c: str) -> list[Obj]:
-        return [{"destination": {"host": ENGINE_APP, "subset": c}}]
-    routes = [{"name": f"color-{c}", "match": [{"headers": {"x-traffic-color": {"exact": c}}}], "route": dest(c)}
-              for c in colors]
-    return [*routes, {"name": "default", "route": dest(default)}]
+    routes: list[Obj] = []
+    for c in [*colors, None]:
+        color = {"x-traffic-color": {"exact": c}} if c else {}
+        name, target = (f"color-{c}", c) if c else ("default", default)
+        if gateway:
+            grpc = {**color, "content-type": {"prefix": "application/grpc"}}
+            routes.append({"name": f"{name}-grpc", "match": [{"headers": grpc}],
+                           "route": dest(target, extensions.GRPC_PORT)})
+            color = {"x-traffic-color": {"exact": c}} if c else {}  # no shared nodes in the YAML
+            route: Obj = {"name": name, "route": dest(target, extensions.HTTP_PORT)}
+        else:
+            route = {"name": name, "route": dest(target)}
+        if color:
+            route = {"name": name, "match": [{"headers": color}], "route": route["route"]}
+        routes.append(route)
+    return routes
 
 
 # ---- output -----------------------------------------------------------------------------
 
 
-def write(objects: list[Obj], operator: Obj, out_dir: Path) -> list[Path]:
+def write(objects: list[Obj], operators: tuple[Obj, Obj], mcp: list[Obj], out_dir: Path) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
-    manifests = out_dir / "meshcache-istio.yaml"
-    manifests.write_text(kustomize.dump(objects))
-    op = out_dir / "istio-operator.yaml"
-    op.write_text(yaml.safe_dump(operator, sort_keys=False))
-    return [manifests, op]
+    files = {
+        "meshcache-istio.yaml": kustomize.dump(objects),
+        "istio-operator.yaml": yaml.safe_dump(operators[0], sort_keys=False),
+        "istio-operator-mcp.yaml": yaml.safe_dump(operators[1], sort_keys=False),
+        "mcp-preview.yaml": MCP_PREVIEW_HEADER + kustomize.dump(mcp),
+    }
+    for name, text in files.items():
+        (out_dir / name).write_text(text)
+    return [out_dir / name for name in files]
 
 
-WASMPLUGIN_HEADER = """\
-# Generated by `meshcache istio render --update-base` (tests/istio check it is current).
-# phase STATS + priority -100: after Istio authn/authz (the cache must never answer a request the
-# AuthorizationPolicy denies) and after other STATS plugins; see meshcache/istio/wasmplugin.py.
-# sha256 is the OCI *image manifest* digest (what Istio verifies for oci:// URLs), pinned in the URL
-# too; the module's own sha256 is the annotation (and the image's only layer holds exactly it).
+MCP_PREVIEW_HEADER = """\
+# What the control plane serves istiod over MCP for the rendered policy snapshot (it re-sends the
+# current one on every change). For review and `meshcache istio validate`; do not also apply it
+# with kubectl next to the MCP source, or two cache filters run.
+"""
+
+
+def install_steps(opts: RenderOptions, out_dir: Path) -> str:
+    ns = opts.namespace
+    return f"""next steps (docs/istio.md):
+  1. istioctl install -f {out_dir}/istio-operator.yaml        # Istio without the MCP source
+  2. meshcache istio xds-certs --namespace {ns} --out certs/   # then the two kubectl commands it prints
+     kubectl -n {ns} create secret generic meshcache-cp-tokens --from-file=tokens=tokens.txt
+  3. kubectl apply -f {out_dir}/meshcache-istio.yaml
+     kubectl -n {ns} rollout status deploy/{CONTROL_PLANE}
+  4. istioctl install -f {out_dir}/istio-operator-mcp.yaml    # istiod now also reads the control plane
 """
 
 
 def update_base(module_path: Path = FILTER_WASM) -> list[Path]:
     """Re-pin the committed base to the built module (after the filter changed)."""
-    opts = RenderOptions(module_path=module_path)
-    pins = pins_for(opts)
-    plugin = kustomize._load(BASE_DIR / "wasmplugin.yaml")[0]
-    _wasm_plugin(plugin, opts, pins)
-    (BASE_DIR / "wasmplugin.yaml").write_text(WASMPLUGIN_HEADER + yaml.safe_dump(plugin, sort_keys=False, width=120))
-    changed = [BASE_DIR / "wasmplugin.yaml"]
-    for name in ("engine.yaml", "control-plane.yaml"):
-        path = BASE_DIR / name
-        text = re.sub(r"@sha256:[a-f0-9]{64}", f"@sha256:{pins.image_digest}", path.read_text())
-        text = re.sub(r"(MESHCACHE_CP_ISTIO_WASM_SHA256\n\s+value: )[a-f0-9]{64}", rf"\g<1>{pins.image_digest}", text)
-        text = re.sub(rf"({re.escape(MODULE_ANNOTATION)}: )[a-f0-9]{{64}}", rf"\g<1>{pins.module_sha256}", text)
-        path.write_text(text)
-        changed.append(path)
-    return changed
-
+    pins = pins_for(RenderOptions(module_path=module_path))
+    path = BASE_DIR / "control-plane.yaml"
+    text = re.sub(r"@sha256:[a-f0-9]{64}", f"@sha256:{pins.image_digest}", path.read_text())
+    text = re.sub(r"(MESHCACHE_CP_ISTIO_WASM_SHA256\n\s+value: )[a-f0-9]{64}", rf"\g<1>{pins.image_digest}", text)
+    path.write_text(text)
+    return [path]

@@ -192,7 +192,17 @@ _CONFIG_SOURCE = {
     "properties": {
         "address": {"type": "string", "pattern": r"^(k8s://|xds://|fs://)[^\s]*$"},
         "subscribedResources": {"type": "array", "items": {"enum": ["SERVICE_REGISTRY"]}},
-        "tlsSettings": {"type": "object"},
+        "tlsSettings": {
+            "type": "object", "additionalProperties": False,
+            "properties": {
+                "mode": {"enum": ["DISABLE", "SIMPLE", "MUTUAL", "ISTIO_MUTUAL"]},
+                "credentialName": {"type": "string"},
+                "caCertificates": {"type": "string"},
+                "sni": {"type": "string"},
+                "subjectAltNames": {"type": "array", "items": {"type": "string"}},
+                "insecureSkipVerify": {"type": "boolean"},
+            },
+        },
     },
 }
 ISTIO_OPERATOR_SCHEMA: dict[str, Any] = {

@@ -30,25 +30,29 @@ def test_each_kustomization_builds(directory: Path) -> None:
 
 
 def test_overlays_change_what_they_say() -> None:
-    assert {p.name for p in OVERLAYS} == {"ecds", "external-redis", "revision"}
+    assert {p.name for p in OVERLAYS} == {"basic", "external-redis", "revision"}
     by_name = {p.name: kustomize.build(p) for p in OVERLAYS}
     ns = next(o for o in by_name["revision"] if o["kind"] == "Namespace")
     labels = ns["metadata"]["labels"]
     assert labels.get("istio.io/rev") == "1-30-3" and "istio-injection" not in labels
+    assert _env(by_name["revision"])["MESHCACHE_CP_ISTIO_REVISION"] == {
+        "name": "MESHCACHE_CP_ISTIO_REVISION", "value": "1-30-3"}
     ext = by_name["external-redis"]
     assert ("StatefulSet", "meshcache-redis") not in _ids(ext)
-    assert ("ServiceEntry", "meshcache-external-redis") in _ids(ext)
-    cp = next(o for o in ext if o["metadata"]["name"] == "meshcache-control-plane" and o["kind"] == "Deployment")
-    env = {e["name"]: e for e in cp["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert ("NetworkPolicy", "meshcache-redis") not in _ids(ext)
+    env = _env(ext)
     assert env["MESHCACHE_CP_REDIS_URL"] == {"name": "MESHCACHE_CP_REDIS_URL", "valueFrom": {
         "secretKeyRef": {"name": "meshcache-redis-url", "key": "url"}}}
-    assert len(env) == len(cp["spec"]["template"]["spec"]["containers"][0]["env"]), "env merged by name"
-    ecds = by_name["ecds"]
-    assert not [o for o in ecds if o["kind"] == "WasmPlugin"]
-    hit = next(o for o in ecds if o["metadata"]["name"] == "meshcache-grpc-hit")
-    listener = hit["spec"]["configPatches"][1]["patch"]["value"]
-    wasm = listener["filter_chains"][0]["filters"][0]["typed_config"]["http_filters"][0]["typed_config"]
-    assert wasm["config"]["vm_config"]["vm_id"] == "meshcache"
+    assert _env(by_name["basic"])["MESHCACHE_CP_ISTIO_MODE"]["value"] == "basic"
+    assert _env(kustomize.build(OVERLAYS[0].parent.parent / "base"))["MESHCACHE_CP_ISTIO_MODE"]["value"] == "full"
+
+
+def _env(objs: list[dict]) -> dict[str, dict]:
+    cp = next(o for o in objs if o["metadata"]["name"] == "meshcache-control-plane" and o["kind"] == "Deployment")
+    env = cp["spec"]["template"]["spec"]["containers"][0]["env"]
+    by_name = {e["name"]: e for e in env}
+    assert len(by_name) == len(env), "env merged by name"
+    return by_name
 
 
 def _write(tmp: Path, files: dict[str, object]) -> Path:

@@ -1,5 +1,6 @@
 """Every object under istio/ validates against Istio's CRD schemas (unknown fields are errors) or
-Kubernetes' schemas, cross-references hold, the committed base pins the built module, and
+Kubernetes' schemas, cross-references and the startup-order (deadlock) rules hold for every build
+and for what the control plane serves istiod, the committed base pins the built module, and
 deliberately broken manifests are caught."""
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from meshcache.istio import crossref, envoyfilter, kustomize, render, validate
+from meshcache.istio import crossref, kustomize, render, validate
 from tests.istio.conftest import ISTIO_DIR, KUSTOMIZATIONS
 
 Obj = dict
@@ -31,8 +32,8 @@ def _resource_files() -> list[Path]:
 
 def test_resource_files_are_found() -> None:
     names = {p.relative_to(ISTIO_DIR).as_posix() for p in _resource_files()}
-    assert {"base/wasmplugin.yaml", "base/envoyfilter.yaml", "base/security.yaml", "base/traffic.yaml",
-            "install/istio-operator.yaml", "overlays/ecds/envoyfilter-ecds.yaml"} <= names
+    assert {"base/control-plane.yaml", "base/security.yaml", "base/traffic.yaml",
+            "install/istio-operator.yaml", "install/istio-operator-mcp.yaml"} <= names
     assert "overlays/external-redis/redis-url.yaml" not in names  # a patch
 
 
@@ -47,11 +48,29 @@ def test_every_file_validates(path: Path, crds: dict) -> None:
 def test_every_build_validates_and_cross_references_hold(directory: Path, crds: dict, pins: render.Pins) -> None:
     objects = kustomize.build(directory)
     kinds = {o["kind"] for o in objects}
-    assert {"PeerAuthentication", "DestinationRule", "AuthorizationPolicy", "VirtualService", "EnvoyFilter"} <= kinds
+    assert {"PeerAuthentication", "DestinationRule", "AuthorizationPolicy", "VirtualService", "Gateway",
+            "NetworkPolicy"} <= kinds
     report = validate.validate_all(objects)
     assert report.ok, "\n".join(report.errors)
-    errors = crossref.check_all(objects, pins.image_digest, pins.module_sha256)
+    # With what its control plane serves istiod for the demo policies (the MCP preview).
+    served = render.mcp_objects(objects, render.demo_plugin_config())
+    assert served and validate.validate_all(served).ok, validate.validate_all(served).errors
+    errors = crossref.check_all(objects + served, pins.image_digest)
     assert not errors, "\n".join(errors)
+
+
+@pytest.mark.parametrize("directory", KUSTOMIZATIONS, ids=lambda p: p.name)
+def test_startup_order_cannot_deadlock(directory: Path) -> None:
+    """The deadlock rules, statically: the control plane (and what it needs) starts without
+    istiod; its xDS port is TLS behind a NetworkPolicy for istiod only; Istio is installed in two
+    steps, the second adding the MCP source over TLS."""
+    objects = kustomize.build(directory)
+    assert crossref.check_startup(objects) == []
+    cp = next(o for o in objects if o["metadata"]["name"] == "meshcache-control-plane" and o["kind"] == "Deployment")
+    assert not crossref.injected(cp)
+    step1, step2 = (validate.load_yaml_objects(ISTIO_DIR / "install" / f)[0]
+                    for f in ("istio-operator.yaml", "istio-operator-mcp.yaml"))
+    assert crossref.check_operator_steps(step1, step2) == []
 
 
 def test_committed_base_is_the_render_of_the_defaults(filter_wasm: Path) -> None:
@@ -60,25 +79,28 @@ def test_committed_base_is_the_render_of_the_defaults(filter_wasm: Path) -> None
     assert render.render(render.RenderOptions(module_path=filter_wasm)) == kustomize.build(render.BASE_DIR)
 
 
-def test_committed_envoy_filters_are_the_generated_ones() -> None:
-    def load(rel: str) -> Obj:
-        return validate.load_yaml_objects(ISTIO_DIR / rel)[0]
-    assert load("base/envoyfilter.yaml") == envoyfilter.envoy_filter()
-    assert load("overlays/ecds/envoyfilter-ecds.yaml") == envoyfilter.ecds_envoy_filter()
-
-
-def test_wasm_plugin_contract(pins: render.Pins) -> None:
+def test_default_install_caches_grpc(pins: render.Pins) -> None:
+    """istio/base is the full mode: istiod gets EnvoyFilters with the gRPC-hit pieces, the filter
+    holds request headers (allow_on_headers_stop_iteration) and its module is the pinned image."""
     objs = kustomize.build(render.BASE_DIR)
-    wp = next(o for o in objs if o["kind"] == "WasmPlugin")["spec"]
-    assert wp["url"] == f"oci://{render.FILTER_REPOSITORY}@sha256:{pins.image_digest}"
-    assert (wp["sha256"], wp["failStrategy"], wp["phase"], wp["priority"]) == \
-        (pins.image_digest, "FAIL_OPEN", "STATS", -100)
-    assert wp["match"] == [{"mode": "SERVER", "ports": [{"number": 8000}, {"number": 8001}]}]
-    assert wp["pluginConfig"] == {**render.demo_plugin_config(), "color": "blue", "hold_headers": False}
-    op = validate.load_yaml_objects(ISTIO_DIR / "install" / "istio-operator.yaml")[0]["spec"]["meshConfig"]
+    env = render.control_plane_env(objs)
+    assert env["MESHCACHE_CP_ISTIO_MODE"] == "full"
+    assert env["MESHCACHE_CP_ISTIO_WASM_URL"] == f"oci://{render.FILTER_REPOSITORY}@sha256:{pins.image_digest}"
+    [ef] = render.mcp_objects(objs, render.demo_plugin_config())
+    assert ef["kind"] == "EnvoyFilter" and ef["spec"]["priority"] == 10
+    patches = ef["spec"]["configPatches"]
+    wasm = patches[0]["patch"]["value"]["typed_config"]["config"]
+    assert wasm["allow_on_headers_stop_iteration"] is True and wasm["vm_config"]["vm_id"] == "meshcache"
+    assert wasm["vm_config"]["code"]["remote"]["sha256"] == pins.image_digest
+    grpc_filters = [p["patch"]["value"]["name"] for p in patches
+                    if p["applyTo"] == "HTTP_FILTER" and p["match"]["listener"]["portNumber"] == 8001]
+    assert grpc_filters == ["meshcache", "meshcache.grpc_hit_body"]
+    assert [p["patch"]["value"]["name"] for p in patches if p["applyTo"] == "HTTP_ROUTE"] == ["meshcache_grpc_hit"]
+    op = validate.load_yaml_objects(ISTIO_DIR / "install" / "istio-operator-mcp.yaml")[0]["spec"]["meshConfig"]
     assert op["meshMTLS"]["minProtocolVersion"] == "TLSV1_3"
     assert [s["address"] for s in op["configSources"]] == [
         "k8s://", "xds://meshcache-control-plane.meshcache.svc.cluster.local:18000"]
+    assert op["configSources"][1]["tlsSettings"]["mode"] == "SIMPLE"
 
 
 # ---- deliberately broken manifests ----------------------------------------------------------
@@ -87,8 +109,8 @@ def _find(objs: list[Obj], kind: str, name: str | None = None) -> Obj:
     return next(o for o in objs if o["kind"] == kind and (name is None or o["metadata"]["name"] == name))
 
 
-def _set_unknown_wasm_field(o: list[Obj]) -> None:
-    _find(o, "WasmPlugin")["spec"]["failstrategy"] = "FAIL_OPEN"
+def _set_unknown_field(o: list[Obj]) -> None:
+    _find(o, "Gateway")["spec"]["servers"][0]["port"]["protocl"] = "HTTP"
 
 
 def _bad_enum(o: list[Obj]) -> None:
@@ -103,28 +125,31 @@ def _core_unknown_field(o: list[Obj]) -> None:
     _find(o, "Deployment", "meshcache-engine-blue")["spec"]["template"]["spec"]["containers"][0]["imagePull"] = "x"
 
 
-def _bad_sha_pattern(o: list[Obj]) -> None:
-    _find(o, "WasmPlugin")["spec"]["sha256"] = "sha256:abc"
+def _bad_patch_operation(o: list[Obj]) -> None:
+    _find(o, "EnvoyFilter")["spec"]["configPatches"][1]["patch"]["operation"] = "INSERT_BEHIND"
 
 
-def _duplicate_list_map_key(o: list[Obj]) -> None:
-    spec = _find(o, "WasmPlugin")["spec"]
-    spec["match"][0]["ports"].append({"number": 8000})
+def _unknown_envoy_filter_field(o: list[Obj]) -> None:
+    _find(o, "EnvoyFilter")["spec"]["configPatches"][1]["match"]["listner"] = {}
 
 
 SCHEMA_BREAKS: dict[str, tuple[Callable[[list[Obj]], None], str]] = {
-    "unknown field": (_set_unknown_wasm_field, "spec.failstrategy: unknown field"),
+    "unknown field": (_set_unknown_field, "port.protocl: unknown field"),
     "bad enum": (_bad_enum, "'STRICTEST' is not one of"),
     "nested unknown field": (_nested_unknown_field, "destination.subsets: unknown field"),
     "core unknown field": (_core_unknown_field, "'imagePull' was unexpected"),
-    "sha256 pattern": (_bad_sha_pattern, "does not match"),
-    "list-map duplicate": (_duplicate_list_map_key, "duplicate entries for list-map keys"),
+    "patch operation": (_bad_patch_operation, "'INSERT_BEHIND' is not one of"),
+    "envoy filter unknown field": (_unknown_envoy_filter_field, "match.listner: unknown field"),
 }
+
+
+def _with_mcp(objs: list[Obj]) -> list[Obj]:
+    return objs + render.mcp_objects(objs, render.demo_plugin_config())
 
 
 @pytest.mark.parametrize("name", SCHEMA_BREAKS)
 def test_broken_manifest_fails_schema_validation(name: str, crds: dict) -> None:
-    objs = kustomize.build(render.BASE_DIR)
+    objs = _with_mcp(kustomize.build(render.BASE_DIR))
     assert validate.validate_all(objs).ok
     breaker, expected = SCHEMA_BREAKS[name]
     broken = copy.deepcopy(objs)
@@ -142,7 +167,9 @@ def _selector_mismatch(o: list[Obj]) -> None:
 
 
 def _stale_digest(o: list[Obj]) -> None:
-    _find(o, "WasmPlugin")["spec"]["sha256"] = "0" * 64
+    for e in _find(o, "Deployment", "meshcache-control-plane")["spec"]["template"]["spec"]["containers"][0]["env"]:
+        if e["name"] == "MESHCACHE_CP_ISTIO_WASM_SHA256":
+            e["value"] = "0" * 64
 
 
 def _spiffe_principal(o: list[Obj]) -> None:
@@ -151,7 +178,7 @@ def _spiffe_principal(o: list[Obj]) -> None:
 
 
 def _unknown_service_account(o: list[Obj]) -> None:
-    rule = _find(o, "AuthorizationPolicy", "meshcache-redis")["spec"]["rules"][0]
+    rule = _find(o, "AuthorizationPolicy", "meshcache-engine")["spec"]["rules"][0]
     rule["from"][0]["source"]["principals"][0] = "cluster.local/ns/meshcache/sa/nobody"
 
 
@@ -161,18 +188,36 @@ def _colour_mismatch(o: list[Obj]) -> None:
                                                                         "MESHCACHE_TRAFFIC_COLOR: green", 1)
 
 
-def _unmounted_module(o: list[Obj]) -> None:
-    ann = _find(o, "Deployment", "meshcache-engine-blue")["spec"]["template"]["metadata"]["annotations"]
-    ann["sidecar.istio.io/userVolumeMount"] = ann["sidecar.istio.io/userVolumeMount"].replace("/etc/meshcache", "/opt")
-
-
 def _wrong_port(o: list[Obj]) -> None:
     _find(o, "AuthorizationPolicy", "meshcache-engine")["spec"]["rules"][0]["to"][0]["operation"]["ports"] = ["9000"]
 
 
-def _bad_image_volume(o: list[Obj]) -> None:
+def _volume_array(o: list[Obj]) -> None:
     ann = _find(o, "Deployment", "meshcache-engine-blue")["spec"]["template"]["metadata"]["annotations"]
-    ann["sidecar.istio.io/userVolume"] = ann["sidecar.istio.io/userVolume"].replace('"pullPolicy"', '"pullPolice"')
+    ann["sidecar.istio.io/userVolume"] = '[{"name":"extra","emptyDir":{}}]'
+
+
+def _bad_volume(o: list[Obj]) -> None:
+    ann = _find(o, "Deployment", "meshcache-engine-blue")["spec"]["template"]["metadata"]["annotations"]
+    ann["sidecar.istio.io/userVolume"] = '{"extra":{"emptyDirr":{}}}'
+    ann["sidecar.istio.io/userVolumeMount"] = '{"extra":{"mountPath":"/x"}}'
+
+
+def _no_priority(o: list[Obj]) -> None:
+    del _find(o, "EnvoyFilter")["spec"]["priority"]
+
+
+def _lua_before_wasm(o: list[Obj]) -> None:
+    patches = _find(o, "EnvoyFilter")["spec"]["configPatches"]
+    patches[2], patches[3] = patches[3], patches[2]
+
+
+def _gateway_route_without_port(o: list[Obj]) -> None:
+    del _find(o, "VirtualService", "meshcache-engine-ingress")["spec"]["http"][-1]["route"][0]["destination"]["port"]
+
+
+def _selects_control_plane(o: list[Obj]) -> None:
+    _find(o, "EnvoyFilter")["spec"]["workloadSelector"]["labels"] = {"app": "meshcache-control-plane"}
 
 
 CROSSREF_BREAKS: dict[str, tuple[Callable[[list[Obj]], None], str]] = {
@@ -182,19 +227,101 @@ CROSSREF_BREAKS: dict[str, tuple[Callable[[list[Obj]], None], str]] = {
     "spiffe principal": (_spiffe_principal, "is not cluster.local/ns/<ns>/sa/<sa>"),
     "unknown service account": (_unknown_service_account, "names no ServiceAccount"),
     "colour mismatch": (_colour_mismatch, "proxyMetadata colour 'green'"),
-    "unmounted module": (_unmounted_module, "is not under a mounted path"),
     "wrong port": (_wrong_port, "port 9000 is no container port"),
-    "bad image volume": (_bad_image_volume, "'pullPolice' was unexpected"),
+    "userVolume as an array": (_volume_array, "must be JSON objects keyed by volume name"),
+    "bad user volume": (_bad_volume, "'emptyDirr' was unexpected"),
+    "no EnvoyFilter priority": (_no_priority, "IST0151"),
+    "Lua before the wasm filter": (_lua_before_wasm, "must come right after the meshcache filter"),
+    "gateway route without port": (_gateway_route_without_port, "needs a destination port"),
+    "filter on a pod without sidecar": (_selects_control_plane, "selects pods without a sidecar"),
 }
 
 
 @pytest.mark.parametrize("name", CROSSREF_BREAKS)
 def test_broken_manifest_fails_cross_references(name: str, pins: render.Pins) -> None:
-    objs = kustomize.build(render.BASE_DIR)
+    objs = _with_mcp(kustomize.build(render.BASE_DIR))
+    assert not crossref.check_all(objs, pins.image_digest)
     breaker, expected = CROSSREF_BREAKS[name]
     breaker(objs)
-    errors = crossref.check_all(objs, pins.image_digest, pins.module_sha256)
+    errors = crossref.check_all(objs, pins.image_digest)
     assert any(expected in e for e in errors), errors
+
+
+def _cp(o: list[Obj]) -> Obj:
+    return _find(o, "Deployment", "meshcache-control-plane")
+
+
+def _injected_with_hold(o: list[Obj]) -> None:
+    tmpl = _cp(o)["spec"]["template"]["metadata"]
+    tmpl["labels"]["sidecar.istio.io/inject"] = "true"
+    tmpl["annotations"] = {"proxy.istio.io/config": "holdApplicationUntilProxyStarts: true\n"}
+
+
+def _injected_xds_captured(o: list[Obj]) -> None:
+    del _cp(o)["spec"]["template"]["metadata"]["labels"]["sidecar.istio.io/inject"]
+
+
+def _redis_in_mesh(o: list[Obj]) -> None:
+    _find(o, "StatefulSet")["spec"]["template"]["metadata"]["labels"]["sidecar.istio.io/inject"] = "true"
+
+
+def _readiness_on_redis(o: list[Obj]) -> None:
+    _cp(o)["spec"]["template"]["spec"]["containers"][0]["readinessProbe"] = {"httpGet": {"path": "/readyz",
+                                                                                         "port": "http"}}
+
+
+def _plaintext_xds(o: list[Obj]) -> None:
+    c = _cp(o)["spec"]["template"]["spec"]["containers"][0]
+    c["env"] = [e for e in c["env"] if not e["name"].startswith("MESHCACHE_CP_XDS_TLS")]
+
+
+def _xds_open_to_namespace(o: list[Obj]) -> None:
+    _find(o, "NetworkPolicy", "meshcache-control-plane")["spec"]["ingress"][0]["from"].append({"podSelector": {}})
+
+
+def _no_network_policy(o: list[Obj]) -> None:
+    o.remove(_find(o, "NetworkPolicy", "meshcache-control-plane"))
+
+
+STARTUP_BREAKS: dict[str, tuple[Callable[[list[Obj]], None], str]] = {
+    "injected, app held": (_injected_with_hold, "holdApplicationUntilProxyStarts waits"),
+    "injected, xDS through the sidecar": (_injected_xds_captured, "istiod could never sync"),
+    "Redis in the mesh": (_redis_in_mesh, "must be outside the mesh too"),
+    "readiness needs Redis": (_readiness_on_redis, "readiness on /readyz needs Redis"),
+    "plaintext xDS": (_plaintext_xds, "must serve TLS"),
+    "xDS open to the namespace": (_xds_open_to_namespace, "only istiod may connect"),
+    "no NetworkPolicy": (_no_network_policy, "open to every pod"),
+}
+
+
+@pytest.mark.parametrize("name", STARTUP_BREAKS)
+def test_deadlock_prone_manifests_are_caught(name: str) -> None:
+    objs = kustomize.build(render.BASE_DIR)
+    breaker, expected = STARTUP_BREAKS[name]
+    breaker(objs)
+    errors = crossref.check_startup(objs)
+    assert any(expected in e for e in errors), errors
+
+
+def test_injected_control_plane_with_xds_excluded_and_no_hold_is_allowed() -> None:
+    """The other form the rules allow: a sidecar whose capture skips the xDS port, no hold."""
+    objs = kustomize.build(render.BASE_DIR)
+    tmpl = _cp(objs)["spec"]["template"]["metadata"]
+    del tmpl["labels"]["sidecar.istio.io/inject"]
+    tmpl["annotations"] = {"traffic.sidecar.istio.io/excludeInboundPorts": "18000"}
+    assert crossref.check_startup(objs) == []
+
+
+def test_operator_steps_are_checked() -> None:
+    step1, step2 = (validate.load_yaml_objects(ISTIO_DIR / "install" / f)[0]
+                    for f in ("istio-operator.yaml", "istio-operator-mcp.yaml"))
+    assert any("step 1" in e for e in crossref.check_operator_steps(step2, step2))
+    plain = copy.deepcopy(step2)
+    del plain["spec"]["meshConfig"]["configSources"][1]["tlsSettings"]
+    assert any("mode SIMPLE" in e for e in crossref.check_operator_steps(step1, plain))
+    no_k8s = copy.deepcopy(step2)
+    no_k8s["spec"]["meshConfig"]["configSources"].pop(0)
+    assert any("k8s://" in e for e in crossref.check_operator_steps(step1, no_k8s))
 
 
 def test_broken_file_on_disk_is_caught_by_the_cli(tmp_path: Path, filter_wasm: Path) -> None:
@@ -209,12 +336,14 @@ def test_broken_file_on_disk_is_caught_by_the_cli(tmp_path: Path, filter_wasm: P
 
 
 def test_istio_operator_is_validated_strictly() -> None:
-    op = yaml.safe_load((ISTIO_DIR / "install" / "istio-operator.yaml").read_text())
+    op = yaml.safe_load((ISTIO_DIR / "install" / "istio-operator-mcp.yaml").read_text())
     assert validate.validate_object(op) == []
+    op["spec"]["meshConfig"]["configSources"][1]["tlsSettings"]["mode"] = "TLS"
     op["spec"]["meshConfig"]["meshMTLS"]["minProtocolVersion"] = "TLSV1_4"
     op["spec"]["meshConfig"]["configSources"].append({"address": "http://cp:18000"})
     errors = validate.validate_object(op)
     assert any("TLSV1_4" in e for e in errors) and any("http://cp:18000" in e for e in errors)
+    assert any("'TLS' is not one of" in e for e in errors)
 
 
 def test_missing_crd_file_fails_with_a_clear_message(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

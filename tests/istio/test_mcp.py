@@ -1,5 +1,7 @@
-"""MCP-over-xDS for istiod against a real control-plane process: full state per type, the
-WasmPlugin re-sent on every policy change, empty answers for other types, ACK and NACK."""
+"""MCP-over-xDS for istiod against a real control-plane process, read by a client that behaves as
+istiod 1.30 does: full state per type, the EnvoyFilters (full mode) or TrafficExtensions (basic)
+re-sent on every policy change, empty answers for every other type, ACK and NACK; and the wire
+format checked against Istio's field numbers (tests/istio/wire.py) rather than our own protos."""
 
 from __future__ import annotations
 
@@ -11,96 +13,137 @@ import grpc
 import pytest
 from google.protobuf import json_format
 
-from control_plane.mcp import WASM_PLUGIN_TYPE_URL, EmptyMcpRenderer, WasmPluginMcpRenderer, mcp_fallback
+from control_plane.mcp import (
+    ENVOY_FILTER_TYPE_URL,
+    TRAFFIC_EXTENSION_TYPE_URL,
+    WASM_PLUGIN_TYPE_URL,
+    EmptyMcpRenderer,
+    IstioMcpRenderer,
+    mcp_fallback,
+)
 from control_plane.models import Policy
+from control_plane.settings import Settings
 from control_plane.snapshots import EMPTY, Snapshot
-from meshcache.istio import render
-from meshcache.protos.istio.extensions.v1alpha1 import wasm_pb2
+from control_plane.xds_server import EcdsRenderer
+from meshcache.istio import extensions
+from meshcache.paths import FILTER_WASM
+from meshcache.protos.istio.extensions.v1alpha1 import traffic_extension_pb2
+from meshcache.protos.istio.networking.v1alpha3 import envoy_filter_pb2
+from meshcache.wasm_filter import local_code
 from tests.control_plane.helpers import ControlPlaneProc, aeventually, run
-from tests.istio.istiod_client import IstiodLikeClient
+from tests.istio import istiod_client, wire
+from tests.istio.istiod_client import ISTIOD_1_30_TYPES, IstiodLikeClient
 
 DIGEST = "c0ffee" + "0" * 58
 URL = f"oci://registry.example.com/meshcache/filter@sha256:{DIGEST}"
-OTHER_TYPES = ["networking.istio.io/v1/VirtualService", "security.istio.io/v1/PeerAuthentication",
-               "core/v1alpha1/MeshConfig"]
-TYPES = [WASM_PLUGIN_TYPE_URL, *OTHER_TYPES]
 
 
-def _env(url: str = URL) -> dict[str, str]:
-    return {"MESHCACHE_CP_ISTIO_WASM_URL": url, "MESHCACHE_CP_ISTIO_WASM_SHA256": DIGEST,
-            "MESHCACHE_CP_ISTIO_NAMESPACE": "ml", "MESHCACHE_CP_ISTIO_COLOR": "green"}
+def _env(mode: str = "full", colors: str = "green,blue") -> dict[str, str]:
+    return {"MESHCACHE_CP_ISTIO_WASM_URL": URL, "MESHCACHE_CP_ISTIO_WASM_SHA256": DIGEST,
+            "MESHCACHE_CP_ISTIO_NAMESPACE": "ml", "MESHCACHE_CP_ISTIO_COLOR": colors,
+            "MESHCACHE_CP_ISTIO_MODE": mode}
 
 
 def _proxies(cp: ControlPlaneProc) -> list[dict]:
     return cp.client().get("/v1/proxies").json()["proxies"]  # type: ignore[no-any-return]
 
 
-def test_istiod_syncs_then_gets_the_wasm_plugin_on_every_change(start_cp: Callable[..., ControlPlaneProc]) -> None:
+def _expected(kind_builder: Callable[..., dict], cp: ControlPlaneProc, color: str) -> dict:
+    snapshot = json.loads(cp.client().get("/v1/snapshot").json()["plugin_config"])
+    obj = kind_builder(color=color, url=URL, sha256=DIGEST, plugin_config=snapshot)
+    return obj["spec"]  # type: ignore[no-any-return]
+
+
+def test_istiod_syncs_then_gets_the_envoy_filters_on_every_change(start_cp: Callable[..., ControlPlaneProc]) -> None:
     cp = start_cp(extra_env=_env())
 
     async def scenario() -> None:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{cp.xds_port}") as ch:
-            istiod = IstiodLikeClient(ch, TYPES)
+            istiod = IstiodLikeClient(ch)
             await istiod.start()
             # Before any policy: every subscribed type is answered (istiod's HasSynced), empty.
-            first = {}
-            for _ in TYPES:
-                resp = await istiod.recv()
-                assert await istiod.handle(resp) is None
-                first[resp.type_url] = resp
-            assert set(first) == set(TYPES) and all(not r.resources for r in first.values())
+            await istiod.sync()
+            assert istiod.answered == set(ISTIOD_1_30_TYPES) and not istiod.effective() and not istiod.errors
 
             assert cp.client().put("/v1/policies/bert", json={"ttl_s": 42}).status_code == 200
             resp = await istiod.recv()
-            # Only the WasmPlugin changes; the other types are not re-sent.
-            assert (resp.type_url, resp.version_info, len(resp.resources)) == (WASM_PLUGIN_TYPE_URL, "1", 1)
+            # Only the EnvoyFilters change; no other type is re-sent.
+            assert (resp.type_url, resp.version_info, len(resp.resources)) == (ENVOY_FILTER_TYPE_URL, "1", 2)
             assert await istiod.handle(resp) is None
-            plugin = istiod.state[WASM_PLUGIN_TYPE_URL]["ml/meshcache"]
-            snapshot = json.loads(cp.client().get("/v1/snapshot").json()["plugin_config"])
-            assert plugin["spec"]["pluginConfig"] == {**snapshot, "color": "green", "hold_headers": False}
-            assert plugin["spec"]["selector"]["matchLabels"] == {"app": "meshcache-engine", "color": "green"}
-            assert (plugin["spec"]["url"], plugin["spec"]["sha256"]) == (URL, DIGEST)
-            assert (plugin["spec"]["failStrategy"], plugin["spec"]["phase"], plugin["spec"]["priority"]) == \
-                ("FAIL_OPEN", "STATS", -100)
-            assert plugin["spec"]["match"] == [{"mode": "SERVER", "ports": [{"number": 8000}, {"number": 8001}]}]
-            assert plugin["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "meshcache-control-plane"
-            await aeventually(lambda: any(WASM_PLUGIN_TYPE_URL in p["type_urls"] for p in _proxies(cp)))
+            objs = istiod.effective()
+            assert set(objs) == {"EnvoyFilter/ml/meshcache-green", "EnvoyFilter/ml/meshcache-blue"}
+            for color in ("green", "blue"):
+                got = objs[f"EnvoyFilter/ml/meshcache-{color}"]
+                assert got["spec"] == _expected(extensions.envoy_filter, cp, color)
+                assert got["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "meshcache-control-plane"
+                ecds = got["spec"]["configPatches"][0]["patch"]["value"]["typed_config"]["config"]
+                assert ecds["vm_config"]["vm_id"] == "meshcache" and ecds["allow_on_headers_stop_iteration"] is True
+                assert ecds["vm_config"]["code"]["remote"] == {
+                    "http_uri": {"uri": URL, "cluster": "_", "timeout": "30s"}, "sha256": DIGEST}
+                assert json.loads(ecds["configuration"]["value"])["policies"][0]["model_prefix"] == "bert"
+            await aeventually(lambda: any(ENVOY_FILTER_TYPE_URL in p["type_urls"] for p in _proxies(cp)))
 
-            # Every change re-sends the full state (one plugin, the new config).
+            # Every change re-sends the full state (both objects, the new config).
             assert cp.client().delete("/v1/policies/bert").status_code == 200
             resp = await istiod.recv()
-            assert (resp.type_url, resp.version_info, len(resp.resources)) == (WASM_PLUGIN_TYPE_URL, "2", 1)
+            assert (resp.type_url, resp.version_info, len(resp.resources)) == (ENVOY_FILTER_TYPE_URL, "2", 2)
             assert await istiod.handle(resp) is None
-            assert istiod.state[WASM_PLUGIN_TYPE_URL]["ml/meshcache"]["spec"]["pluginConfig"]["policies"] == []
+            config = istiod.effective()["EnvoyFilter/ml/meshcache-blue"]["spec"]["configPatches"][0]
+            assert json.loads(config["patch"]["value"]["typed_config"]["config"]["configuration"]["value"])[
+                "policies"] == []
             with pytest.raises(asyncio.TimeoutError):
                 await istiod.recv(timeout=0.5)  # ACKed: nothing more until the next change
             [p] = _proxies(cp)
             assert p["node_id"] == "istiod-0" and p["last_nack"] is None
+            assert not istiod.state[WASM_PLUGIN_TYPE_URL] and not istiod.state[TRAFFIC_EXTENSION_TYPE_URL]
             await istiod.close()
 
     run(scenario())
 
 
-def test_bad_plugin_is_nacked_and_not_resent(start_cp: Callable[..., ControlPlaneProc]) -> None:
-    cp = start_cp(extra_env=_env(url="ftp://example.com/filter.wasm"))
+def test_basic_mode_serves_traffic_extensions(start_cp: Callable[..., ControlPlaneProc]) -> None:
+    cp = start_cp(extra_env=_env(mode="basic", colors="blue"))
+
+    async def scenario() -> None:
+        assert cp.client().put("/v1/policies/bert", json={"ttl_s": 42}).status_code == 200
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{cp.xds_port}") as ch:
+            istiod = IstiodLikeClient(ch)
+            await istiod.start()
+            await istiod.sync()
+            [(name, obj)] = istiod.effective().items()
+            assert name == "TrafficExtension/ml/meshcache-blue" and not istiod.errors
+            assert obj["spec"] == _expected(extensions.traffic_extension, cp, "blue")
+            wasm = obj["spec"]["wasm"]
+            assert (wasm["url"], wasm["sha256"], wasm["failStrategy"]) == (URL, DIGEST, "FAIL_OPEN")
+            assert wasm["pluginConfig"]["hold_headers"] is False and wasm["pluginConfig"]["color"] == "blue"
+            assert (obj["spec"]["phase"], obj["spec"]["priority"]) == ("STATS", -1000)
+            assert not istiod.state[ENVOY_FILTER_TYPE_URL]
+            await istiod.close()
+
+    run(scenario())
+
+
+def test_undecodable_objects_are_nacked_and_not_resent(start_cp: Callable[..., ControlPlaneProc],
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    # An istiod that does not know the body type (as 1.30 would not know a WasmPlugin-shaped body
+    # under EnvoyFilter): with nack_invalid the server's NACK path runs.
+    monkeypatch.setattr(istiod_client, "BODIES", {})
+    cp = start_cp(extra_env=_env())
 
     async def scenario() -> None:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{cp.xds_port}") as ch:
-            istiod = IstiodLikeClient(ch, [WASM_PLUGIN_TYPE_URL])
+            istiod = IstiodLikeClient(ch, [ENVOY_FILTER_TYPE_URL], nack_invalid=True)
             await istiod.start()
             assert await istiod.handle(await istiod.recv()) is None  # version 0: empty, fine
             cp.client().put("/v1/policies/bert", json={"ttl_s": 42})
-            resp = await istiod.recv()
-            error = await istiod.handle(resp)
-            assert error is not None and "scheme" in error
-            assert WASM_PLUGIN_TYPE_URL not in istiod.state or not istiod.state[WASM_PLUGIN_TYPE_URL]
+            error = await istiod.handle(await istiod.recv())
+            assert error is not None and "no Istio kind" in error
             nack = await aeventually(lambda: _proxies(cp)[0]["last_nack"])
-            assert nack["version"] == "1" and "scheme" in nack["error"]
+            assert nack["version"] == "1" and "no Istio kind" in nack["error"]
             with pytest.raises(asyncio.TimeoutError):
                 await istiod.recv(timeout=0.5)  # the rejected version is not re-sent
             cp.client().put("/v1/policies/gpt", json={"ttl_s": 1})
-            resp = await istiod.recv()
-            assert resp.version_info == "2"  # the next snapshot is pushed as usual
+            assert (await istiod.recv()).version_info == "2"  # the next snapshot is pushed as usual
             await istiod.close()
 
     run(scenario())
@@ -114,44 +157,76 @@ def _snapshot() -> Snapshot:
 
 
 def test_field_numbers_on_the_wire_are_istios() -> None:
-    """Tags from the notes (istio/api wasm.proto): url 2, sha256 3, pluginName 8, phase 9,
-    priority 10, match 12, failStrategy 13; FAIL_OPEN = 1, STATS = 3, SERVER = 2."""
-    def wire(**fields: object) -> bytes:
-        return json_format.ParseDict(fields, wasm_pb2.WasmPlugin()).SerializeToString()
-    assert wire(url="u") == b"\x12\x01u"
-    assert wire(sha256="s") == b"\x1a\x01s"
-    assert wire(pluginName="p") == b"\x42\x01p"
-    assert wire(phase="STATS") == b"\x48\x03"
-    assert wire(priority=5) == b"\x52\x02\x08\x05"
-    assert wire(failStrategy="FAIL_OPEN") == b"\x68\x01"
-    assert wire(match=[{"mode": "SERVER"}]) == b"\x62\x02\x08\x02"
-    assert wire(selector={"matchLabels": {"a": "b"}}) == b"\x0a\x08\x0a\x06\x0a\x01a\x12\x01b"
+    """Tags from istio/api 1.30.3: TrafficExtension selector 1, phase 3, priority 4 (Int32Value),
+    match 5, wasm 6; WasmConfig url 1, sha256 2, plugin_config 6, plugin_name 7, fail_strategy 8,
+    type 10; EnvoyFilter workload_selector 3, config_patches 4, priority 5; FAIL_OPEN = 1,
+    STATS = 3, SERVER = 2, HTTP_FILTER = 4, INSERT_BEFORE = 4, EXTENSION_CONFIG = 9."""
+    def te(**fields: object) -> bytes:
+        return json_format.ParseDict(fields, traffic_extension_pb2.TrafficExtension()).SerializeToString()
+
+    def ef(**fields: object) -> bytes:
+        return json_format.ParseDict(fields, envoy_filter_pb2.EnvoyFilter()).SerializeToString()
+
+    assert te(selector={"matchLabels": {"a": "b"}}) == b"\x0a\x08\x0a\x06\x0a\x01a\x12\x01b"
+    assert te(phase="STATS") == b"\x18\x03"
+    assert te(priority=-1) == b"\x22\x0b\x08" + b"\xff" * 9 + b"\x01"
+    assert te(match=[{"mode": "SERVER", "ports": [{"number": 8001}]}]) == b"\x2a\x07\x08\x02\x12\x03\x08\xc1\x3e"
+    assert te(wasm={"url": "u"}) == b"\x32\x03\x0a\x01u"
+    assert te(wasm={"sha256": "s", "pluginName": "p", "failStrategy": "FAIL_OPEN", "type": "HTTP"}) == \
+        b"\x32\x0a\x12\x01s\x3a\x01p\x40\x01\x50\x01"
+    assert te(wasm={"pluginConfig": {}}) == b"\x32\x02\x32\x00"
+    assert ef(workloadSelector={"labels": {"a": "b"}}) == b"\x1a\x08\x0a\x06\x0a\x01a\x12\x01b"
+    assert ef(priority=10) == b"\x28\x0a"
+    assert ef(configPatches=[{"applyTo": "EXTENSION_CONFIG"}]) == b"\x22\x02\x08\x09"
+    assert ef(configPatches=[{"applyTo": "HTTP_FILTER", "match": {"context": "SIDECAR_INBOUND", "listener": {
+        "portNumber": 8001}}, "patch": {"operation": "INSERT_BEFORE"}}]) == \
+        b"\x22\x0f\x08\x04\x12\x07\x08\x01\x1a\x03\x08\xc1\x3e\x1a\x02\x08\x04"
 
 
-def test_renderer_output() -> None:
-    r = WasmPluginMcpRenderer("ml", URL, DIGEST, color="blue", revision="1-30")
-    assert r.resources(EMPTY) == {}
+@pytest.mark.parametrize("mode", extensions.MODES)
+def test_every_served_object_decodes_with_istios_numbers(mode: str) -> None:
+    """Whole objects: our protos' bytes, read back with the independent tables, give the spec."""
+    settings = Settings(istio_wasm_url=URL, istio_wasm_sha256=DIGEST, istio_color="blue", istio_mode=mode,
+                        istio_namespace="ml", istio_revision="1-30")
+    renderer = IstioMcpRenderer.from_settings(settings)
+    assert renderer is not None
     snap = _snapshot()
-    [(name, packed)] = r.resources(snap).items()
-    assert name == "ml/meshcache" and r.resources(snap) is r.resources(snap)  # rendered once per snapshot
-    assert packed.type_url == "type.googleapis.com/istio.mcp.v1alpha1.Resource"
-    res = r.mcp_resource(_snapshot())
-    assert (res.metadata.name, res.metadata.version) == ("ml/meshcache", "5")
-    assert res.metadata.create_time.seconds == 1_700_000_000 and res.metadata.labels["istio.io/rev"] == "1-30"
-    plugin = wasm_pb2.WasmPlugin()
-    assert res.body.Unpack(plugin)
-    expected = {**_snapshot().plugin_config(), "color": "blue", "hold_headers": False}
-    assert json_format.MessageToDict(plugin.plugin_config) == expected
-    # The same spec as the rendered manifests.
-    spec = json_format.MessageToDict(plugin)
-    rendered = render.wasm_plugin_spec(url=URL, sha256=DIGEST, selector={"app": "meshcache-engine", "color": "blue"},
-                                       plugin_config={**_snapshot().plugin_config(), "color": "blue"})
-    assert spec == rendered
-    assert WasmPluginMcpRenderer("ml", "", DIGEST).resources(_snapshot()) == {}
+    [(name, packed)] = renderer.resources(snap).items()
+    assert name == "ml/meshcache-blue" and renderer.resources(snap) is renderer.resources(snap)
+    res = wire.decode("Resource", packed.value)
+    meta = res["metadata"]
+    assert (meta["name"], meta["version"], meta["labels"]["istio.io/rev"]) == ("ml/meshcache-blue", "5", "1-30")
+    assert meta["createTime"]["seconds"] == 1_700_000_000
+    build = extensions.envoy_filter if mode == "full" else extensions.traffic_extension
+    expected = build(color="blue", url=URL, sha256=DIGEST, plugin_config=snap.plugin_config())["spec"]
+    schema, _ = istiod_client.BODIES[res["body"]["typeUrl"]]
+    assert wire.decode(schema, res["body"]["value"]) == expected
+    assert renderer.resources(EMPTY) == {}
+
+
+def test_bad_settings_fail_at_startup() -> None:
+    assert IstioMcpRenderer.from_settings(Settings()) is None  # no URL: nothing served
+    with pytest.raises(ValueError, match="sha256"):
+        IstioMcpRenderer.from_settings(Settings(istio_wasm_url="https://x/f.wasm", istio_wasm_sha256="",
+                                                istio_module_path="/nonexistent"))
+
+
+def test_local_mesh_ecds_is_the_envoy_filters_extension_config() -> None:
+    """The control plane's ECDS resource for local sidecars and the full-mode EXTENSION_CONFIG come
+    from one builder: after istio-agent's rewrite (remote code -> the fetched file) they are equal."""
+    snap = _snapshot()
+    module = FILTER_WASM
+    ef = extensions.envoy_filter(color="", url=URL, sha256=DIGEST, plugin_config=snap.plugin_config())
+    ext = ef["spec"]["configPatches"][0]["patch"]["value"]
+    ext["typed_config"]["config"]["vm_config"]["code"] = local_code(module)  # what the agent does
+    local = json_format.MessageToDict(EcdsRenderer(module).typed_extension_config(snap),
+                                      preserving_proto_field_name=True)
+    assert local == ext
 
 
 def test_fallback_answers_istio_types_only() -> None:
     assert isinstance(mcp_fallback("networking.istio.io/v1/VirtualService"), EmptyMcpRenderer)
     assert isinstance(mcp_fallback("core/v1alpha1/MeshConfig"), EmptyMcpRenderer)
+    assert isinstance(mcp_fallback(WASM_PLUGIN_TYPE_URL), EmptyMcpRenderer)
     assert mcp_fallback("type.googleapis.com/envoy.config.cluster.v3.Cluster") is None
     assert mcp_fallback("not a type") is None

@@ -1,5 +1,6 @@
-"""`meshcache istio render` and `oci-layout`: rendered output validates, pins the built module,
-and applies colour, namespace and the policy snapshot from each source."""
+"""`meshcache istio render`, `oci-layout` and `xds-certs`: rendered output validates, pins the
+built module, applies colour, namespace and the policy snapshot from each source, and gives both
+install steps."""
 
 from __future__ import annotations
 
@@ -15,12 +16,16 @@ from meshcache.istio import crossref, oci, render, validate
 from tests.control_plane.helpers import READ_TOKEN, ControlPlaneProc
 
 
-def _render(tmp_path: Path, *args: str) -> tuple[list[dict], dict]:
+def _render(tmp_path: Path, *args: str) -> tuple[list[dict], dict, list[dict]]:
+    """(manifests, step-2 IstioOperator, MCP preview)."""
     out = tmp_path / "out"
     assert main(["istio", "render", "--out", str(out), *args]) == 0
     objects = validate.load_yaml_objects(out / "meshcache-istio.yaml")
-    operator = validate.load_yaml_objects(out / "istio-operator.yaml")[0]
-    return objects, operator
+    step1 = validate.load_yaml_objects(out / "istio-operator.yaml")[0]
+    step2 = validate.load_yaml_objects(out / "istio-operator-mcp.yaml")[0]
+    assert crossref.check_operator_steps(step1, step2) == []
+    assert validate.validate_object(step1) == []
+    return objects, step2, validate.load_yaml_objects(out / "mcp-preview.yaml")
 
 
 def _one(objects: list[dict], kind: str) -> dict:
@@ -31,17 +36,19 @@ def _one(objects: list[dict], kind: str) -> dict:
 
 def test_render_applies_namespace_and_colour_and_validates(tmp_path: Path, pins: render.Pins,
                                                             filter_wasm: Path, crds: dict) -> None:
-    objects, operator = _render(tmp_path, "--namespace", "ml-prod", "--color", "green", "--also-color", "blue")
-    report = validate.validate_all([*objects, operator])
+    objects, operator, served = _render(tmp_path, "--namespace", "ml-prod", "--color", "green",
+                                        "--also-color", "blue", "--ingress-host", "infer.example.org")
+    report = validate.validate_all([*objects, operator, *served])
     assert report.ok, report.errors
-    errors = crossref.check_all(objects, pins.image_digest, pins.module_sha256, elsewhere=frozenset({"blue"}))
+    errors = crossref.check_all(objects + served, pins.image_digest, elsewhere=frozenset({"blue"}))
     assert not errors, errors
-    assert {o["metadata"].get("namespace") for o in objects if o["kind"] != "Namespace"} == {"ml-prod"}
+    assert {o["metadata"].get("namespace") for o in objects + served if o["kind"] != "Namespace"} == {"ml-prod"}
     assert _one(objects, "Namespace")["metadata"]["name"] == "ml-prod"
     text = json.dumps(objects)
     assert "/ns/meshcache/" not in text and ".meshcache.svc" not in text and "cluster.local/ns/ml-prod/sa/" in text
-    assert operator["spec"]["meshConfig"]["configSources"][1]["address"] == \
-        "xds://meshcache-control-plane.ml-prod.svc.cluster.local:18000"
+    source = operator["spec"]["meshConfig"]["configSources"][1]
+    assert source["address"] == "xds://meshcache-control-plane.ml-prod.svc.cluster.local:18000"
+    assert source["tlsSettings"]["subjectAltNames"] == ["meshcache-control-plane.ml-prod.svc"]
 
     engine = next(o for o in objects
                   if o["kind"] == "Deployment" and o["metadata"]["labels"]["app"] == "meshcache-engine")
@@ -49,25 +56,33 @@ def test_render_applies_namespace_and_colour_and_validates(tmp_path: Path, pins:
     assert engine["spec"]["template"]["metadata"]["labels"]["color"] == "green"
     proxy_config = engine["spec"]["template"]["metadata"]["annotations"]["proxy.istio.io/config"]
     assert "MESHCACHE_TRAFFIC_COLOR: green" in proxy_config
-    wp = _one(objects, "WasmPlugin")
-    assert wp["metadata"]["name"] == "meshcache-green"
-    assert wp["spec"]["selector"]["matchLabels"] == {"app": "meshcache-engine", "color": "green"}
-    assert wp["spec"]["pluginConfig"] == {**render.demo_plugin_config(), "color": "green", "hold_headers": False}
-    vs = _one(objects, "VirtualService")["spec"]["http"]
-    assert [(r["name"], r["route"][0]["destination"]["subset"]) for r in vs] == [
-        ("color-green", "green"), ("color-blue", "blue"), ("default", "green")]
+    env = render.control_plane_env(objects)
+    assert env["MESHCACHE_CP_ISTIO_COLOR"] == "green,blue"
+    assert [o["metadata"]["name"] for o in served] == ["meshcache-green", "meshcache-blue"]
+    assert served[0]["spec"]["workloadSelector"]["labels"] == {"app": "meshcache-engine", "color": "green"}
+    for name in ("meshcache-engine", "meshcache-engine-ingress"):
+        vs = next(o for o in objects if o["kind"] == "VirtualService" and o["metadata"]["name"] == name)
+        subsets = [(r["name"], r["route"][0]["destination"]["subset"]) for r in vs["spec"]["http"]]
+        assert subsets[0] == ("color-green" + ("-grpc" if "ingress" in name else ""), "green")
+        assert subsets[-1] == ("default", "green") and ("color-blue", "blue") in subsets
+    ingress = next(o for o in objects if o["metadata"]["name"] == "meshcache-engine-ingress")
+    assert ingress["spec"]["hosts"] == ["infer.example.org"] and ingress["spec"]["gateways"] == ["meshcache-ingress"]
     dr = next(o for o in objects if o["kind"] == "DestinationRule" and o["spec"]["host"] == "meshcache-engine")
     assert [s["name"] for s in dr["spec"]["subsets"]] == ["green", "blue"]
 
     # The pins are the built module's: the image's only layer holds exactly its bytes.
     module = filter_wasm.read_bytes()
     image = oci.build_image(module)
-    assert wp["spec"]["sha256"] == image.digest == pins.image_digest
-    assert wp["spec"]["url"].endswith(f"@sha256:{image.digest}")
-    assert wp["metadata"]["annotations"]["meshcache.io/module-sha256"] == hashlib.sha256(module).hexdigest()
+    assert env["MESHCACHE_CP_ISTIO_WASM_SHA256"] == image.digest == pins.image_digest
+    assert env["MESHCACHE_CP_ISTIO_WASM_URL"].endswith(f"@sha256:{image.digest}")
     assert oci.extract_module(image) == module
     manifest = json.loads(image.manifest)
     assert manifest["layers"][0]["digest"] == f"sha256:{hashlib.sha256(image.layer).hexdigest()}"
+
+
+def _served_config(served: list[dict]) -> dict:
+    ext = served[0]["spec"]["configPatches"][0]["patch"]["value"]
+    return json.loads(ext["typed_config"]["config"]["configuration"]["value"])  # type: ignore[no-any-return]
 
 
 def test_render_from_snapshot_files(tmp_path: Path) -> None:
@@ -78,9 +93,9 @@ def test_render_from_snapshot_files(tmp_path: Path) -> None:
     api_body = tmp_path / "api.json"
     api_body.write_text(json.dumps({"version": 7, "plugin_config": snap.plugin_config_json}))
     for source in (record, api_body):
-        objects, _ = _render(tmp_path, "--snapshot", str(source), "--color", "red")
-        config = _one(objects, "WasmPlugin")["spec"]["pluginConfig"]
-        assert config == {**snap.plugin_config(), "color": "red", "hold_headers": False}
+        _, _, served = _render(tmp_path, "--snapshot", str(source), "--color", "red")
+        config = _served_config(served)
+        assert config == {**snap.plugin_config(), "color": "red"}
         assert config["version"] == "7" and config["policies"][0]["model_prefix"] == "llama"
     (tmp_path / "bad.json").write_text(json.dumps({"version": 1, "policies": [{"model_prefix": "x"}]}))
     with pytest.raises(ValueError):
@@ -89,31 +104,47 @@ def test_render_from_snapshot_files(tmp_path: Path) -> None:
 
 def test_render_from_the_control_plane_api(tmp_path: Path, cp: ControlPlaneProc) -> None:
     assert cp.client().put("/v1/policies/bert", json={"ttl_s": 42}).status_code == 200
-    objects, _ = _render(tmp_path, "--control-plane", cp.url, "--token", READ_TOKEN)
+    _, _, served = _render(tmp_path, "--control-plane", cp.url, "--token", READ_TOKEN)
     expected = json.loads(cp.client().get("/v1/snapshot").json()["plugin_config"])
-    assert _one(objects, "WasmPlugin")["spec"]["pluginConfig"] == {**expected, "color": "blue", "hold_headers": False}
+    assert _served_config(served) == {**expected, "color": "blue"}
     assert main(["istio", "render", "--control-plane", cp.url, "--token", ""]) == 2
 
 
 def test_image_digest_override_and_bad_input(tmp_path: Path) -> None:
     digest = "ab" * 32
-    objects, _ = _render(tmp_path, "--image-digest", digest, "--filter-repository", "ghcr.io/acme/mc")
-    wp = _one(objects, "WasmPlugin")["spec"]
-    assert (wp["url"], wp["sha256"]) == (f"oci://ghcr.io/acme/mc@sha256:{digest}", digest)
+    objects, _, served = _render(tmp_path, "--image-digest", digest, "--filter-repository", "ghcr.io/acme/mc")
+    env = render.control_plane_env(objects)
+    assert (env["MESHCACHE_CP_ISTIO_WASM_URL"], env["MESHCACHE_CP_ISTIO_WASM_SHA256"]) == (
+        f"oci://ghcr.io/acme/mc@sha256:{digest}", digest)
+    code = served[0]["spec"]["configPatches"][0]["patch"]["value"]["typed_config"]["config"]["vm_config"]["code"]
+    assert code["remote"]["sha256"] == digest
     assert main(["istio", "render", "--image-digest", "sha256:" + digest]) == 2
     assert main(["istio", "render", "--color", "Not_A_Label"]) == 2
 
 
-def test_render_the_ecds_overlay_into_another_namespace(tmp_path: Path, pins: render.Pins, crds: dict) -> None:
-    objects, _ = _render(tmp_path, "--overlay", str(render.ISTIO_DIR / "overlays" / "ecds"), "--namespace", "ml")
-    assert validate.validate_all(objects).ok
-    assert not crossref.check_all(objects, pins.image_digest, pins.module_sha256)
-    assert not [o for o in objects if o["kind"] == "WasmPlugin"]
-    ecds = next(o for o in objects if o["metadata"]["name"] == "meshcache-ecds")
-    cluster = ecds["spec"]["configPatches"][0]["patch"]["value"]
-    address = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"]
-    assert address["address"] == "meshcache-control-plane.ml.svc.cluster.local"
-    assert "spiffe://cluster.local/ns/ml/sa/meshcache-control-plane" in json.dumps(cluster)
+def test_render_the_basic_overlay(tmp_path: Path, pins: render.Pins, crds: dict) -> None:
+    objects, _, served = _render(tmp_path, "--overlay", str(render.ISTIO_DIR / "overlays" / "basic"),
+                                 "--namespace", "ml")
+    assert validate.validate_all(objects + served).ok
+    assert not crossref.check_all(objects + served, pins.image_digest)
+    [te] = served
+    assert (te["kind"], te["metadata"]["namespace"]) == ("TrafficExtension", "ml")
+    assert te["spec"]["wasm"]["pluginConfig"]["hold_headers"] is False
+
+
+def test_xds_certs_verify_as_istiod_checks_them(tmp_path: Path) -> None:
+    """istiod (SIMPLE): the chain against the CA from the Secret, the DNS SAN against
+    subjectAltNames, the SNI it sends."""
+    from cryptography import x509
+
+    assert main(["istio", "xds-certs", "--namespace", "ml", "--out", str(tmp_path)]) == 0
+    ca = x509.load_pem_x509_certificate((tmp_path / "ca.crt").read_bytes())
+    cert = x509.load_pem_x509_certificate((tmp_path / "tls.crt").read_bytes())
+    cert.verify_directly_issued_by(ca)
+    names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(
+        x509.DNSName)
+    assert "meshcache-control-plane.ml.svc" in names
+    assert oct((tmp_path / "tls.key").stat().st_mode & 0o777) == "0o600"
 
 
 def test_oci_layout_is_content_addressed(tmp_path: Path, pins: render.Pins) -> None:

@@ -1,0 +1,152 @@
+"""What istiod 1.30 gets from meshcache, as Kubernetes objects (camelCase, as `kubectl` and
+`json_format.ParseDict` read them): one definition for the control plane's MCP resources and
+`meshcache istio render`, so what istiod gets over MCP is what the rendered preview shows.
+
+Two modes (istio-1.30-facts.md: what istiod's source does with each kind):
+- **full** (default): one EnvoyFilter per colour. `EXTENSION_CONFIG` ADD carries the exact Wasm
+  filter config (`vm_id`, `allow_on_headers_stop_iteration`, code fetched by istio-agent from
+  the OCI image pinned by digest), which istiod serves by ECDS over ADS; `HTTP_FILTER` patches put
+  the filter (`config_discovery` over ADS) and, on the gRPC port, the Lua filter
+  `meshcache.grpc_hit_body` right after it, just before the router; an `HTTP_ROUTE` patch puts the
+  single-pass gRPC-hit route first in the gRPC port's inbound route. gRPC is cached.
+- **basic**: one TrafficExtension per colour (what a WasmPlugin turns into inside istiod). istiod
+  never sets `vm_id` or `allow_on_headers_stop_iteration`, so the filter runs with
+  `"hold_headers": false` and gRPC requests bypass the cache; REST is cached.
+
+Placement, full mode: INSERT_BEFORE `envoy.filters.http.router` (the one filter every inbound HTTP
+chain has, always last), i.e. after Istio's authn, RBAC and `istio.stats`: the cache never answers
+a request the AuthorizationPolicy denies, principal-scoped entries see the authenticated peer, and
+hits are counted by Istio's telemetry (the local reply passes `istio.stats` on its way out).
+`spec.priority` 10: patch sets are applied in ascending priority (unset = 0), so filters other
+default-priority EnvoyFilters insert before the router end up ahead of ours, and the Lua filter
+stays right after the wasm filter. An explicit priority also keeps `istioctl analyze` quiet
+(IST0151 warns on INSERT_BEFORE/AFTER without one).
+
+Placement, basic mode: phase STATS (after authn/authz). Within a phase istiod orders by
+descending priority and an unset priority sorts lowest, so `priority: -1000` puts the cache after
+every STATS extension that sets a priority (they see hits too); ones without a priority still
+sort after it.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from typing import Any
+
+from meshcache import envoy_config
+from meshcache.wasm_filter import ROOT_ID, ecds_http_filter, extension_config, remote_code
+
+Obj = dict[str, Any]
+MODES = ("full", "basic")
+ENGINE_APP = "meshcache-engine"
+HTTP_PORT, GRPC_PORT = 8000, 8001  # the engine's REST and gRPC container ports; never metrics
+ENGINE_PORTS = (HTTP_PORT, GRPC_PORT)
+ENVOY_FILTER_PRIORITY = 10
+TRAFFIC_EXTENSION_PHASE = "STATS"
+TRAFFIC_EXTENSION_PRIORITY = -1000
+FAIL_STRATEGY = "FAIL_OPEN"  # a module that cannot load must not stop inference
+DIGEST_RE = re.compile(r"^[a-f0-9]{64}$")
+HCM = "envoy.filters.network.http_connection_manager"
+ROUTER = "envoy.filters.http.router"
+# istio-agent replaces a Wasm filter whose module it cannot fetch by an allow-all RBAC filter
+# (FAIL_OPEN), so the ECDS resource may also be that type.
+RBAC_TYPE_URL = "type.googleapis.com/envoy.extensions.filters.http.rbac.v3.RBAC"
+# As istiod configures ECDS for its own extensions: over ADS, and the listener waits for it.
+ADS_CONFIG_SOURCE = {"ads": {}, "resource_api_version": "V3", "initial_fetch_timeout": "0s"}
+
+
+def oci_url(repository: str, digest: str) -> str:
+    """`oci://REPO@sha256:DIGEST`: pinned by digest, so `IfNotPresent` can never serve stale code."""
+    return f"oci://{repository.removeprefix('oci://')}@sha256:{digest}"
+
+
+def object_name(color: str) -> str:
+    return f"meshcache-{color}" if color else "meshcache"
+
+
+def selector(color: str) -> dict[str, str]:
+    return {"app": ENGINE_APP, "color": color} if color else {"app": ENGINE_APP}
+
+
+def _check_pin(sha256: str) -> None:
+    if not DIGEST_RE.match(sha256):
+        raise ValueError(f"sha256 must be 64 lowercase hex characters, got {sha256!r}")
+
+
+# ---- full mode: the EnvoyFilter ---------------------------------------------------------------
+
+
+def _inbound_http_filter(port: int, value: Obj) -> Obj:
+    listener = {"portNumber": port, "filterChain": {"filter": {"name": HCM, "subFilter": {"name": ROUTER}}}}
+    return {"applyTo": "HTTP_FILTER", "match": {"context": "SIDECAR_INBOUND", "listener": listener},
+            "patch": {"operation": "INSERT_BEFORE", "value": value}}
+
+
+def envoy_filter(*, color: str, url: str, sha256: str, plugin_config: Obj,
+                 http_ports: Iterable[int] = (HTTP_PORT,), grpc_ports: Iterable[int] = (GRPC_PORT,)) -> Obj:
+    """The full mode's EnvoyFilter (no namespace: MCP names it `<ns>/<name>`, kustomize sets it)."""
+    _check_pin(sha256)
+    config = {**plugin_config, "color": color}
+    ecds = extension_config(remote_code(url, sha256), config)
+    cache_filter = ecds_http_filter(ADS_CONFIG_SOURCE, extra_type_urls=(RBAC_TYPE_URL,))
+    patches: list[Obj] = [{"applyTo": "EXTENSION_CONFIG", "patch": {"operation": "ADD", "value": ecds}}]
+    for port in http_ports:
+        patches.append(_inbound_http_filter(port, cache_filter))
+    for port in grpc_ports:
+        # Two INSERT_BEFORE router patches in this order: [..., meshcache, grpc_hit_body, router].
+        patches.append(_inbound_http_filter(port, cache_filter))
+        patches.append(_inbound_http_filter(port, envoy_config.grpc_hit_lua_filter()))
+        for route in envoy_config.grpc_hit_routes():
+            patches.append({"applyTo": "HTTP_ROUTE",
+                            "match": {"context": "SIDECAR_INBOUND", "routeConfiguration": {"portNumber": port}},
+                            "patch": {"operation": "INSERT_FIRST", "value": route}})
+    return {
+        "apiVersion": "networking.istio.io/v1alpha3",
+        "kind": "EnvoyFilter",
+        "metadata": {"name": object_name(color)},
+        "spec": {"workloadSelector": {"labels": selector(color)}, "configPatches": patches,
+                 "priority": ENVOY_FILTER_PRIORITY},
+    }
+
+
+# ---- basic mode: the TrafficExtension -------------------------------------------------------
+
+
+def traffic_extension(*, color: str, url: str, sha256: str, plugin_config: Obj,
+                      ports: Iterable[int] = ENGINE_PORTS, pull_secret: str = "") -> Obj:
+    _check_pin(sha256)
+    wasm: Obj = {
+        "url": url,
+        "sha256": sha256,
+        "imagePullPolicy": "IfNotPresent",
+        "pluginName": ROOT_ID,
+        "failStrategy": FAIL_STRATEGY,
+        "type": "HTTP",
+        # istiod cannot set allow_on_headers_stop_iteration: without this the filter would hold
+        # the headers of every request with a body forever (docs/filter.md, "hold_headers").
+        "pluginConfig": {**plugin_config, "color": color, "hold_headers": False},
+    }
+    if pull_secret:
+        wasm["imagePullSecret"] = pull_secret
+    return {
+        "apiVersion": "extensions.istio.io/v1alpha1",
+        "kind": "TrafficExtension",
+        "metadata": {"name": object_name(color)},
+        "spec": {
+            "selector": {"matchLabels": selector(color)},
+            "phase": TRAFFIC_EXTENSION_PHASE,
+            "priority": TRAFFIC_EXTENSION_PRIORITY,
+            "match": [{"mode": "SERVER", "ports": [{"number": p} for p in ports]}],
+            "wasm": wasm,
+        },
+    }
+
+
+def objects(mode: str, *, colors: Iterable[str], url: str, sha256: str, plugin_config: Obj) -> list[Obj]:
+    """Everything meshcache gives istiod for one policy snapshot, full state."""
+    if mode not in MODES:
+        raise ValueError(f"Istio mode {mode!r}: use one of {', '.join(MODES)}")
+    build = envoy_filter if mode == "full" else traffic_extension
+    return [build(color=c, url=url, sha256=sha256, plugin_config=plugin_config) for c in colors]
+
