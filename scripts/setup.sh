@@ -47,3 +47,15 @@ if ! .venv/bin/python -m engine.perf_analyzer --check >/dev/null; then
   echo "setup: perf_analyzer does not run: .venv/bin/python -m engine.perf_analyzer --check" >&2
   exit 1
 fi
+
+# KServe's Python SDK, for tests/mesh/test_request_ids.py: kserve pins protobuf < 7 and the
+# project's generated code needs protobuf 7, so the SDK gets a virtualenv of its own.
+kstamp=.venv-kserve/.meshcache-installed
+if [ ! -x .venv-kserve/bin/python ]; then
+  "$PYTHON" -m venv .venv-kserve
+fi
+if [ ! -f "$kstamp" ] || [ tests/mesh/kserve-requirements.txt -nt "$kstamp" ]; then
+  .venv-kserve/bin/pip install -q --upgrade pip
+  .venv-kserve/bin/pip install -q -r tests/mesh/kserve-requirements.txt
+  touch "$kstamp"
+fi
