@@ -6,6 +6,13 @@ outside anchor. HTTP/1.1 with wrk, gRPC with h2load. The trivial origin is nginx
 POST with a static file (for gRPC: a framed message with a `grpc-status: 0` trailer), so the
 proxy, not the origin, is what is measured. Envoy runs with one worker and nginx with one worker
 process, the load generator with one thread: one core each on this 2-core machine.
+
+Request-id rows (issue 17): KServe clients send a fresh `id` per call, which the key leaves out
+and hits put back. "misses, request ids": every request has new inputs and a new id (the answer
+is scanned for an echoed id before it is stored). "hits, request ids": the same inputs with a new
+id per request, served from an entry whose answer echoed the id (`"id":"warm"`), so every hit
+splices the caller's id in. gRPC: h2load repeats one body, so its id is fixed ("bench", which the
+origin echoes); the filter's work per request is the same for any id.
 """
 
 from __future__ import annotations
@@ -37,7 +44,22 @@ wrk.headers["Content-Type"] = "application/json"
 UNIQUE_LUA = """local n = 0
 request = function()
   n = n + 1
-  return wrk.format("POST", nil, {{["Content-Type"] = "application/json"}}, '{{"id": ' .. n .. ', "x": [[{body}]]}}')
+  return wrk.format("POST", nil, {{["Content-Type"] = "application/json"}}, '{{"n": ' .. n .. ', "x": [[{body}]]}}')
+end
+"""
+# New inputs and a new request id every time: misses that carry ids.
+UNIQUE_ID_LUA = """local n = 0
+request = function()
+  n = n + 1
+  return wrk.format("POST", nil, {{["Content-Type"] = "application/json"}},
+                    '{{"id": "req-' .. n .. '", "n": ' .. n .. ', "x": [[{body}]]}}')
+end
+"""
+# The same inputs with a new request id every time: hits whose answers get the caller's id.
+NEW_ID_LUA = """local n = 0
+request = function()
+  n = n + 1
+  return wrk.format("POST", nil, {{["Content-Type"] = "application/json"}}, '{{"id": "req-' .. n .. '", {rest}')
 end
 """
 
@@ -55,6 +77,8 @@ http {{
   server {{
     listen 127.0.0.1:{http_port};
     location / {{ error_page 405 =200 /static/reply.json; return 405; }}
+    # An answer that echoes the request id "warm", as a KServe server would for that request.
+    location /v2/models/bench-id/ {{ error_page 405 =200 /static/reply-id.json; return 405; }}
     location /static/ {{ internal; root {dir}; default_type application/json; }}
   }}
   server {{
@@ -80,16 +104,20 @@ http {{
 """
 
 
+GRPC_ID = b"\x1a\x05bench"  # ModelInferRequest/ModelInferResponse id (field 3) "bench"
+
+
 def grpc_reply(size: int) -> bytes:
-    """A framed protobuf message (field 5, bytes) whose frame is `size` bytes in all."""
-    payload_len = size - 5 - 1 - 3
-    message = b"\x2a" + bytes([0x80 | (payload_len & 0x7F), 0x80 | ((payload_len >> 7) & 0x7F), payload_len >> 14])
+    """A framed protobuf message (id "bench", field 5 bytes) whose frame is `size` bytes in all."""
+    payload_len = size - 5 - len(GRPC_ID) - 1 - 3
+    message = GRPC_ID + b"\x2a" + bytes([0x80 | (payload_len & 0x7F), 0x80 | ((payload_len >> 7) & 0x7F),
+                                        payload_len >> 14])
     message += bytes(i % 251 for i in range(payload_len))
     return b"\x00" + len(message).to_bytes(4, "big") + message
 
 
-def infer_request(model: str) -> bytes:
-    message = b"\x0a" + bytes([len(model)]) + model.encode() + b"\x1a\x05bench"
+def infer_request(model: str, with_id: bool = True) -> bytes:
+    message = b"\x0a" + bytes([len(model)]) + model.encode() + (GRPC_ID if with_id else b"")
     return b"\x00" + len(message).to_bytes(4, "big") + message
 
 
@@ -108,12 +136,16 @@ def run_size(size: int, seconds: int, workdir: Path) -> list[Row]:
     (d / "static").mkdir(parents=True)
     body = json.dumps({"outputs": "x" * size})[:size - 2] + '"}'
     (d / "static" / "reply.json").write_text(body)
+    (d / "static" / "reply-id.json").write_text('{"id":"warm",' + body[1:])
     (d / "static" / "reply.grpc").write_bytes(grpc_reply(size))
     ports = {k: procs.free_port() for k in ("http_port", "grpc_port", "cache_port")}
     (d / "nginx.conf").write_text(NGINX_CONF.format(dir=d, **ports))
     (d / "fixed.lua").write_text(FIXED_LUA.format(body=REQUEST_JSON))
     (d / "unique.lua").write_text(UNIQUE_LUA.format(body=REQUEST_JSON))
+    (d / "unique-id.lua").write_text(UNIQUE_ID_LUA.format(body=REQUEST_JSON))
+    (d / "new-id.lua").write_text(NEW_ID_LUA.format(rest=REQUEST_JSON[1:]))
     (d / "grpc-request.bin").write_bytes(infer_request("bench-model"))
+    (d / "grpc-request-no-id.bin").write_bytes(infer_request("bench-model", with_id=False))
     policy = {"version": "bench", "policies": [{"model_prefix": "bench", "ttl_s": 3600}]}
     rows: list[Row] = []
     started: list[procs.Proc] = []
@@ -157,6 +189,12 @@ def run_size(size: int, seconds: int, workdir: Path) -> list[Row]:
         warm = httpx.post(http_url("filter"), content=REQUEST_JSON, headers={"content-type": "application/json"})
         assert warm.status_code == 200, warm.text
         measure("HTTP/1.1", "filter, hits", lambda: wrk(http_url("filter"), fixed, seconds))
+        unique_id, new_id = d / "unique-id.lua", d / "new-id.lua"
+        measure("HTTP/1.1", "filter, misses, request ids", lambda: wrk(http_url("filter"), unique_id, seconds))
+        id_url = http_url("filter").replace("bench-model", "bench-id")
+        warm = httpx.post(id_url, content='{"id": "warm", ' + REQUEST_JSON[1:])
+        assert warm.headers.get("cache-status") == "meshcache; fwd=miss; stored", warm.headers
+        measure("HTTP/1.1", "filter, hits, request ids", lambda: wrk(id_url, new_id, seconds))
         cache_url = f"http://127.0.0.1:{ports['cache_port']}/v2/models/bench-model/infer"
         httpx.post(cache_url, content=REQUEST_JSON)
         assert httpx.post(cache_url, content=REQUEST_JSON).headers.get("x-cache") == "HIT"
@@ -174,6 +212,8 @@ def run_size(size: int, seconds: int, workdir: Path) -> list[Row]:
         measure("gRPC", "filter, misses (no-cache)",
                 lambda: h2load(grpc_url("filter"), req, [*grpc_headers, "cache-control: no-cache"], seconds))
         measure("gRPC", "filter, hits", lambda: h2load(grpc_url("filter"), req, grpc_headers, seconds))
+        no_id = d / "grpc-request-no-id.bin"
+        measure("gRPC", "filter, hits, no request id", lambda: h2load(grpc_url("filter"), no_id, grpc_headers, seconds))
     return rows
 
 
@@ -191,6 +231,7 @@ def render(rows: list[Row], seconds: int) -> str:
     summary = []
     for (protocol, size), rps in base.items():
         hit = next(r.result.rps for r in rows if (r.protocol, r.size) == (protocol, size) and r.mode == "filter, hits")
+        # (HTTP "filter, hits" has no id; gRPC "filter, hits" carries id "bench".)
         miss = next(r.result.rps for r in rows if (r.protocol, r.size) == (protocol, size)
                     and r.mode.startswith("filter, misses"))
         vs_nginx = f"{hit / nginx[size]:.2f}x" if protocol == "HTTP/1.1" else "n/a (nginx cannot cache gRPC)"
