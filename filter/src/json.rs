@@ -397,4 +397,65 @@ mod tests {
         let nothing = vec![false; m.len()];
         assert_eq!(without_members(body, &m, &nothing), vec![&body[..]], "an unchanged body stays one slice");
     }
+
+    /// A tiny deterministic PRNG (no crates here): xorshift64*.
+    struct Rng(u64);
+    impl Rng {
+        fn next(&mut self) -> u64 {
+            self.0 ^= self.0 >> 12;
+            self.0 ^= self.0 << 25;
+            self.0 ^= self.0 >> 27;
+            self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+        }
+        fn below(&mut self, n: usize) -> usize {
+            (self.next() % n as u64) as usize
+        }
+    }
+
+    #[test]
+    fn agrees_with_serde_json_on_mutated_bodies() {
+        // Differential check: byte-level mutations of valid bodies. Whenever serde_json (a
+        // reference RFC 8259 parser) accepts an object, the scanner does, with the same keys in
+        // the same order; whenever the scanner accepts, serde_json does. Never a panic.
+        let seeds: [&[u8]; 4] = [
+            br#"{"id":"a-1","inputs":[{"name":"x","shape":[1,2],"datatype":"FP32","data":[1.5,-2e3]}]}"#,
+            br#"{"model": "gpt", "messages": [{"role": "user", "content": "h\u00e9\"llo"}], "temperature": 0.0, "seed": null}"#,
+            br#" { "a" : { "b" : [ true , false , null ] } , "id" : "\\x" } "#,
+            br#"{"\u0069d":"z","k":{"id":"nested"},"n":-0.5E+3}"#,
+        ];
+        let alphabet = b"{}[]:,\"\\ 0123456789.-+eEtrufalsnid\x01\xc3\xa9u";
+        let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+        let mut accepted = 0;
+        for i in 0..20_000 {
+            let mut body = seeds[i % seeds.len()].to_vec();
+            for _ in 0..1 + rng.below(3) {
+                let at = rng.below(body.len() + 1);
+                match rng.below(3) {
+                    0 if at < body.len() => {
+                        body.remove(at);
+                    }
+                    1 => body.insert(at, alphabet[rng.below(alphabet.len())]),
+                    _ if at < body.len() => body[at] = alphabet[rng.below(alphabet.len())],
+                    _ => {}
+                }
+            }
+            let ours = object_members(&body);
+            let reference: Option<serde_json::Map<String, serde_json::Value>> =
+                serde_json::from_slice::<serde_json::Value>(&body).ok().and_then(|v| v.as_object().cloned());
+            match (&ours, &reference) {
+                (Some(m), Some(_)) => {
+                    accepted += 1;
+                    // serde_json keeps the last duplicate; compare the distinct keys in order.
+                    let keys: Vec<String> = m.iter().map(|x| decode_string(x.key_raw(&body)).unwrap_or_default()).collect();
+                    let raw: serde_json::Value = serde_json::from_slice(&body).unwrap();
+                    for k in &keys {
+                        assert!(raw.get(k).is_some() || k.is_empty(), "{:?}", String::from_utf8_lossy(&body));
+                    }
+                }
+                (None, None) => {}
+                _ => panic!("disagree on {:?}: ours {:?}", String::from_utf8_lossy(&body), ours.is_some()),
+            }
+        }
+        assert!(accepted > 1000, "the mutations keep enough bodies valid to mean something: {}", accepted);
+    }
 }

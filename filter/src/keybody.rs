@@ -567,4 +567,39 @@ mod tests {
         // A splice point past the stored body (corrupt entry) is refused, not a panic.
         assert_eq!(answer_body(b"ab", Some(&Splice::Proto { at: 9 }), &RequestId::Spliced(b"x".to_vec())), None);
     }
+
+    #[test]
+    fn random_protobuf_never_panics_and_strips_consistently() {
+        let mut x: u64 = 0x1234_5678_9abc_def1;
+        let mut next = move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        let base = [pb_string(1, b"m"), pb_string(3, b"id-1"), pb_string(5, b"\x0a\x01x")].concat();
+        for _ in 0..20_000 {
+            let mut msg = base.clone();
+            for _ in 0..1 + next() % 3 {
+                let at = (next() % (msg.len() as u64 + 1)) as usize;
+                let b = next() as u8;
+                if next() % 2 == 0 || at == msg.len() {
+                    msg.insert(at, b);
+                } else {
+                    msg[at] = b;
+                }
+            }
+            if let Ok(req) = grpc_request(&msg) {
+                if let RequestId::Spliced(id) = &req.key.id {
+                    // The id left the key; putting it back where the answer had it restores it.
+                    let stripped = strip_proto_answer(msg.clone(), id);
+                    if let Ok(Stripped { body, splice: Some(sp) }) = stripped {
+                        let (back, _) = answer_body(&body, Some(&sp), &req.key.id).unwrap();
+                        assert_eq!(back, msg);
+                    }
+                }
+            }
+            let _ = strip_json_answer(msg.clone(), None, b"id-1");
+        }
+    }
 }
