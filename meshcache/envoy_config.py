@@ -110,6 +110,10 @@ class CacheProxy:
     allowed_peers: list[str] = field(default_factory=list)
     # x-traffic-color value -> the upstream that colour is routed to (default upstream otherwise).
     color_routes: dict[str, Upstream] = field(default_factory=dict)
+    # mTLS to the control plane's xDS port (ECDS): this identity as the client certificate, and
+    # the control plane must present one of `xds_peers` (SPIFFE IDs).
+    xds_tls: Identity | None = None
+    xds_peers: list[str] = field(default_factory=list)
     # Per-connection buffer limit of the listener and upstreams; None = Envoy's default (1 MiB),
     # what an Istio sidecar runs with. The filter works under either.
     buffer_limit_bytes: int | None = BUFFER_LIMIT_BYTES
@@ -292,7 +296,10 @@ def render(p: CacheProxy) -> dict[str, Any]:
             clusters.append(_cluster(f"grpc_upstream_{_color_suffix(color)}", upstream.grpc_port, http2=True,
                                      buffer_limit=limit))
     if p.ecds_port is not None:
-        clusters.append(_cluster("xds_cluster", p.ecds_port, http2=True))
+        xds = _cluster("xds_cluster", p.ecds_port, http2=True)
+        if p.xds_tls is not None:
+            xds["transport_socket"] = upstream_mtls(p.xds_tls, p.xds_peers)
+        clusters.append(xds)
     bootstrap: dict[str, Any] = {
         "node": {"id": p.node_id, "cluster": p.cluster},
         "admin": {"address": _socket("127.0.0.1", p.admin_port)},
@@ -367,12 +374,13 @@ def examples(out_dir: Path) -> list[Path]:
     certs = Path("/etc/meshcache/certs")
     client_id = "spiffe://cluster.local/ns/default/sa/inference-client"
     server_id = "spiffe://cluster.local/ns/default/sa/inference-server"
+    server_identity = Identity(certs / "server-sidecar.crt", certs / "server-sidecar.key", certs / "ca.crt")
     server = CacheProxy(listen_port=15006, admin_port=15100, http_upstream_port=18100, grpc_upstream_port=18101,
                         plugin_config={"version": "default", "policies": []}, ecds_port=18000,
-                        node_id="meshcache-server-sidecar",
-                        downstream_tls=Identity(certs / "server-sidecar.crt", certs / "server-sidecar.key",
-                                                certs / "ca.crt"),
-                        allowed_peers=[client_id], color_routes={"blue": Upstream(18110, 18111)})
+                        node_id="meshcache-server-sidecar", downstream_tls=server_identity,
+                        allowed_peers=[client_id], color_routes={"blue": Upstream(18110, 18111)},
+                        xds_tls=server_identity,
+                        xds_peers=["spiffe://cluster.local/ns/default/sa/meshcache-control-plane"])
     out.append(write(server, out_dir / "mesh-server-sidecar.yaml"))
     client = ClientSidecar(listen_port=15001, admin_port=15000, server_port=15006,
                            identity=Identity(certs / "client-sidecar.crt", certs / "client-sidecar.key",

@@ -22,6 +22,7 @@ CA_DAYS = 365
 CA_RENEW_BEFORE = dt.timedelta(days=30)
 CLIENT_NAME = "client-sidecar"
 SERVER_NAME = "server-sidecar"
+CONTROL_PLANE_NAME = "control-plane"  # the xDS port's server certificate
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,7 @@ class MeshCertificates:
     ca_cert: Path
     client: Identity
     server: Identity
+    control_plane: Identity
     issued: tuple[str, ...]  # which files were (re-)issued by this call, for the log
 
 
@@ -71,11 +73,13 @@ def ensure_certificates(config: MeshConfig) -> MeshCertificates:
     issued = ["ca.crt"] if new_ca else []
     margin = dt.timedelta(hours=config.renew_before_hours)
     identities: dict[str, Identity] = {}
-    for name, spiffe in ((CLIENT_NAME, config.client_id), (SERVER_NAME, config.server_id)):
+    for name, spiffe in ((CLIENT_NAME, config.client_id), (SERVER_NAME, config.server_id),
+                         (CONTROL_PLANE_NAME, config.control_plane_id)):
         existing = Identity(directory / f"{name}.crt", directory / f"{name}.key", directory / "ca.crt")
         if not new_ca and existing.key.exists() and _still_good(existing.cert, ca, spiffe, margin):
             identities[name] = existing
             continue
         identities[name] = ca.issue(spiffe, directory, name, hours=config.cert_hours)
         issued.append(f"{name}.crt")
-    return MeshCertificates(directory / "ca.crt", identities[CLIENT_NAME], identities[SERVER_NAME], tuple(issued))
+    return MeshCertificates(directory / "ca.crt", identities[CLIENT_NAME], identities[SERVER_NAME],
+                            identities[CONTROL_PLANE_NAME], tuple(issued))

@@ -82,6 +82,7 @@ class MeshConfig:
     namespace: str = "default"
     client_service_account: str = "inference-client"
     server_service_account: str = "inference-server"
+    control_plane_service_account: str = "meshcache-control-plane"
     # The client sidecar's colour (the seed's traffic.color), sent unless the app sets its own.
     color: str = "inference-2026"
     # Traffic of this colour goes to a second (canary) engine; "" runs no canary.
@@ -101,6 +102,10 @@ class MeshConfig:
     @property
     def server_id(self) -> str:
         return spiffe_id(self.namespace, self.server_service_account, self.trust_domain)
+
+    @property
+    def control_plane_id(self) -> str:
+        return spiffe_id(self.namespace, self.control_plane_service_account, self.trust_domain)
 
     @property
     def log_dir(self) -> Path:

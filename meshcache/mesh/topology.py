@@ -178,7 +178,8 @@ class Mesh:
                 http_upstream_port=ports.engine_http, grpc_upstream_port=ports.engine_grpc,
                 wasm_path=FILTER_WASM, plugin_config=DEFAULT_PLUGIN_CONFIG, ecds_port=ports.cp_xds,
                 node_id=SERVER_NODE, cluster="meshcache-server", downstream_tls=certs.server,
-                allowed_peers=[cfg.client_id], color_routes=color_routes)
+                allowed_peers=[cfg.client_id], color_routes=color_routes,
+                xds_tls=certs.server, xds_peers=[cfg.control_plane_id])
             self.procs.append(self._start_envoy("server-sidecar", server, ports.server_admin))
             self.log("starting the client sidecar ...")
             client = ClientSidecar(listen_port=ports.app, admin_port=ports.client_admin,
@@ -194,8 +195,15 @@ class Mesh:
 
     def _start_control_plane(self) -> procs.Proc:
         ports = self.config.ports
+        certs = self.certs
+        assert certs is not None
+        # xDS only for holders of a mesh-CA certificate (the sidecars): no other local process
+        # can read the config, forge ACK/NACKs or use up the stream limit.
         argv = services.control_plane_argv(ports.redis, ports.cp_http, ports.cp_xds, "--host", "127.0.0.1",
-                                           "--wasm-path", str(FILTER_WASM), "--instance-id", "meshcache-up")
+                                           "--wasm-path", str(FILTER_WASM), "--instance-id", "meshcache-up",
+                                           "--xds-tls-cert", str(certs.control_plane.cert),
+                                           "--xds-tls-key", str(certs.control_plane.key),
+                                           "--xds-tls-client-ca", str(certs.ca_cert))
         env = {"MESHCACHE_CP_TOKENS": f"write:mesh:{self.token}"}
         return services.start_control_plane(argv, env, self.config.log_dir, ports.cp_http, ports.cp_xds,
                                             ready_path="/readyz")

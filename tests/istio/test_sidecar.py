@@ -192,3 +192,27 @@ def test_patched_sidecar_serves_a_grpc_hit_in_one_pass(tmp_path: Path, pins: ren
             assert calls["grpc"] == 1  # the origin saw the first call only
     finally:
         server.stop(0)
+
+
+def test_local_mesh_server_sidecar_runs_the_same_filter_chain(pins: render.Pins) -> None:
+    """`meshcache up`'s server sidecar mirrors the full mode: the same filter entries in the same
+    order before the router (ECDS-delivered cache filter, then the Lua body step) and the same hit
+    route first; only the ECDS config source differs (the control plane there, ADS here)."""
+    from meshcache.mesh.topology import DEFAULT_PLUGIN_CONFIG
+
+    local = envoy_config.render(envoy_config.CacheProxy(
+        listen_port=1, admin_port=2, http_upstream_port=3, grpc_upstream_port=4, plugin_config=DEFAULT_PLUGIN_CONFIG,
+        ecds_port=5))
+    hcm = local["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    [ef] = _envoy_filters(pins)
+    patches = ef["spec"]["configPatches"]
+    grpc_filters = [p["patch"]["value"] for p in patches
+                    if p["applyTo"] == "HTTP_FILTER" and p["match"]["listener"]["portNumber"] == GRPC]
+    assert [f["name"] for f in hcm["http_filters"]] == [*(f["name"] for f in grpc_filters),
+                                                        "envoy.filters.http.router"]
+    assert hcm["http_filters"][1] == grpc_filters[1]  # the Lua filter, identical
+    assert hcm["http_filters"][0]["config_discovery"]["type_urls"][0] == \
+        grpc_filters[0]["config_discovery"]["type_urls"][0]
+    routes = hcm["route_config"]["virtual_hosts"][0]["routes"]
+    hit = [p["patch"]["value"] for p in patches if p["applyTo"] == "HTTP_ROUTE"]
+    assert routes[:len(hit)] == hit

@@ -26,7 +26,8 @@ def _uris(path: Path) -> list[str]:
 def test_issue_keep_and_reissue(tmp_path: Path) -> None:
     config = MeshConfig(state_dir=tmp_path, namespace="ml")
     first = ensure_certificates(config)
-    assert first.issued == ("ca.crt", "client-sidecar.crt", "server-sidecar.crt")
+    assert first.issued == ("ca.crt", "client-sidecar.crt", "server-sidecar.crt", "control-plane.crt")
+    assert _uris(first.control_plane.cert) == ["spiffe://cluster.local/ns/ml/sa/meshcache-control-plane"]
     assert _uris(first.client.cert) == ["spiffe://cluster.local/ns/ml/sa/inference-client"]
     assert _uris(first.server.cert) == ["spiffe://cluster.local/ns/ml/sa/inference-server"]
     for key in (first.client.key, first.server.key, tmp_path / "pki" / "ca.key"):
@@ -44,14 +45,14 @@ def test_issue_keep_and_reissue(tmp_path: Path) -> None:
     # Near expiry (less than renew_before_hours left): re-issued by the same CA.
     near = dataclasses.replace(config, renew_before_hours=config.cert_hours + 1)
     again = ensure_certificates(near)
-    assert again.issued == ("client-sidecar.crt", "server-sidecar.crt")
+    assert again.issued == ("client-sidecar.crt", "server-sidecar.crt", "control-plane.crt")
     assert again.client.cert.read_bytes() != before
     ca = x509.load_pem_x509_certificate((tmp_path / "pki" / "ca.crt").read_bytes())
     x509.load_pem_x509_certificate(again.client.cert.read_bytes()).verify_directly_issued_by(ca)
 
     # Another identity (namespace changed): re-issued for the new SPIFFE ID.
     moved = ensure_certificates(dataclasses.replace(config, namespace="prod"))
-    assert moved.issued == ("client-sidecar.crt", "server-sidecar.crt")
+    assert moved.issued == ("client-sidecar.crt", "server-sidecar.crt", "control-plane.crt")
     assert _uris(moved.client.cert) == ["spiffe://cluster.local/ns/prod/sa/inference-client"]
 
 

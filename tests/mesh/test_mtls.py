@@ -2,7 +2,8 @@
 
 Only TLS 1.3 with a client certificate from the mesh CA that names the client sidecar's SPIFFE
 identity gets an HTTP answer; plaintext, TLS 1.2, no certificate, another CA and another identity
-get none. The client sidecar, in turn, refuses a server presenting the wrong identity.
+get none. The client sidecar, in turn, refuses a server presenting the wrong identity. The control
+plane's xDS port answers holders of a mesh-CA certificate only.
 """
 
 from __future__ import annotations
@@ -13,8 +14,11 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import httpx
 import pytest
+from envoy.service.discovery.v3 import discovery_pb2
+from envoy.service.extension.v3 import config_discovery_pb2_grpc
 
 from meshcache import procs, services
 from meshcache.envoy_config import ClientSidecar, write
@@ -178,3 +182,51 @@ def test_the_client_sidecar_refuses_a_server_with_the_wrong_identity(
         stats = services.envoy_stats(admin, "cluster.mesh_upstream.ssl")
         assert stats.get("cluster.mesh_upstream.ssl.fail_verify_san", 0) >= 1, stats
     assert not any(data for data in received), received  # no request bytes went to the impostor
+
+
+# ---- the control plane's xDS port: mesh-CA client certificates only ------------------------------
+
+def _xds_fetch(mesh: Mesh, credentials: grpc.ChannelCredentials | None) -> discovery_pb2.DiscoveryResponse:
+    target = f"127.0.0.1:{mesh.config.ports.cp_xds}"
+    options = [("grpc.ssl_target_name_override", "localhost")]
+    channel = (grpc.secure_channel(target, credentials, options) if credentials is not None
+               else grpc.insecure_channel(target))
+    with channel:
+        stub = config_discovery_pb2_grpc.ExtensionConfigDiscoveryServiceStub(channel)
+        return stub.FetchExtensionConfigs(discovery_pb2.DiscoveryRequest(resource_names=["meshcache"]), timeout=5)
+
+
+def _credentials(mesh: Mesh, identity: Identity | None) -> grpc.ChannelCredentials:
+    assert mesh.certs is not None
+    if identity is None:
+        return grpc.ssl_channel_credentials(root_certificates=mesh.certs.ca_cert.read_bytes())
+    return grpc.ssl_channel_credentials(root_certificates=mesh.certs.ca_cert.read_bytes(),
+                                        private_key=identity.key.read_bytes(),
+                                        certificate_chain=identity.cert.read_bytes())
+
+
+def test_xds_serves_a_mesh_certificate_holder(mesh: Mesh) -> None:
+    """The server sidecar's identity (what its Envoy presents) reads the filter config; the
+    control plane presents its own mesh identity."""
+    assert mesh.certs is not None
+    resp = _xds_fetch(mesh, _credentials(mesh, mesh.certs.server))
+    assert len(resp.resources) == 1 and int(resp.version_info) > 0
+    with socket.create_connection(("127.0.0.1", mesh.config.ports.cp_xds), timeout=5) as raw, \
+            _context(mesh.certs.ca_cert, mesh.certs.server).wrap_socket(raw, server_hostname="localhost") as tls:
+        sans = dict(tls.getpeercert()["subjectAltName"])  # type: ignore[index]
+        assert sans["URI"] == mesh.config.control_plane_id
+
+
+@pytest.mark.parametrize("who", ["plaintext", "no certificate", "another CA"])
+def test_xds_refuses_everyone_else(mesh: Mesh, who: str, tmp_path: Path) -> None:
+    assert mesh.certs is not None
+    if who == "plaintext":
+        creds = None
+    elif who == "no certificate":
+        creds = _credentials(mesh, None)
+    else:
+        stranger = CertificateAuthority.create("someone else's CA").issue(mesh.config.server_id, tmp_path, "forged")
+        creds = _credentials(mesh, stranger)
+    with pytest.raises(grpc.RpcError) as info:
+        _xds_fetch(mesh, creds)
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE  # type: ignore[attr-defined]
