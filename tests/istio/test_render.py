@@ -154,3 +154,16 @@ def test_oci_layout_is_content_addressed(tmp_path: Path, pins: render.Pins) -> N
     for blob in (tmp_path / "layout" / "blobs" / "sha256").iterdir():
         assert hashlib.sha256(blob.read_bytes()).hexdigest() == blob.name
     assert len(list((tmp_path / "layout" / "blobs" / "sha256").iterdir())) == 3
+
+
+def test_validate_takes_the_whole_rendered_directory(tmp_path: Path, filter_wasm: Path) -> None:
+    """`meshcache istio validate rendered/*.yaml`: manifests, both install steps and the MCP
+    preview together (startup rules and operator steps included); a step-1 file with the MCP
+    source fails."""
+    out = tmp_path / "out"
+    assert main(["istio", "render", "--out", str(out)]) == 0
+    files = sorted(str(p) for p in out.glob("*.yaml"))
+    assert len(files) == 4
+    assert main(["istio", "validate", *files, "--module", str(filter_wasm)]) == 0
+    (out / "istio-operator.yaml").write_text((out / "istio-operator-mcp.yaml").read_text())
+    assert main(["istio", "validate", *files, "--module", str(filter_wasm)]) == 1
