@@ -11,7 +11,27 @@ use crate::model::{self, ModelRef, ModelSource};
 use crate::names::{COLOR_HEADER, KSERVE_BINARY_HEADER, MODEL_HEADER};
 
 /// Request bodies larger than this are not buffered; the request passes through uncached.
-pub const MAX_REQUEST_BYTES: usize = 8 * 1_048_576;
+/// Kept well under Envoy's default 1 MiB per-connection buffer (an Istio sidecar's), where a
+/// paused larger body would be answered 413 by Envoy itself.
+pub const MAX_REQUEST_BYTES: usize = 768 * 1024;
+
+/// A miss whose answer arrives whole and small is held until its end, so its headers can say
+/// `stored` and carry the hash; larger or streamed answers flow through at once (copied for
+/// the store). Well under Envoy's default 1 MiB buffer.
+pub const HOLD_BYTES: usize = 256 * 1024;
+
+/// Whether a miss's answer starts out held (see `HOLD_BYTES`): never an event stream; gRPC
+/// (unary ModelInfer, one message) until it grows past `HOLD_BYTES`; HTTP only when its
+/// declared length is within `HOLD_BYTES` (an answer without a length may be paced).
+pub fn holds_answer(grpc: bool, content_type: Option<&str>, content_length: Option<&str>) -> bool {
+    if content_type.map_or(false, |ct| ct.trim_start().to_ascii_lowercase().starts_with("text/event-stream")) {
+        return false;
+    }
+    if grpc {
+        return true;
+    }
+    content_length.and_then(|n| n.trim().parse::<usize>().ok()).map_or(false, |n| n <= HOLD_BYTES)
+}
 
 /// Request headers that make a shared answer someone's own: with any of them, a request
 /// bypasses unless its policy scopes entries by principal.
@@ -484,6 +504,16 @@ mod tests {
         assert_ne!(a, b);
         let purged = config(r#"{"color": "green", "policies": [{"model_prefix": "m", "ttl_s": 5, "generation": 1, "vary_headers": ["x-tenant"]}]}"#);
         assert_ne!(base, key(decide(&purged, "/v2/models/m/infer", &[], b"{}", None)), "purge = new generation = new keys");
+    }
+
+    #[test]
+    fn which_answers_are_held() {
+        assert!(holds_answer(false, Some("application/json"), Some("1000")));
+        assert!(!holds_answer(false, Some("application/json"), Some("300000")));
+        assert!(!holds_answer(false, Some("application/json"), None), "no length: may be paced");
+        assert!(!holds_answer(false, Some("Text/Event-Stream; charset=utf-8"), Some("10")));
+        assert!(holds_answer(true, Some("application/grpc"), None));
+        assert!(!holds_answer(false, None, Some("x")));
     }
 
     #[test]

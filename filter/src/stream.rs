@@ -113,8 +113,34 @@ enum Phase {
     Bypass(Option<&'static str>),
     Buffering { source: ModelSource, refresh: bool, headers: Headers },
     Miss(Cacheable),
-    Collect { c: Cacheable, ttl: u64, status: u16, headers: Vec<(String, String)>, body: Vec<u8> },
+    /// A storable miss whose answer is passing: copied for the store while it streams (or
+    /// while held, see `decide::holds_answer`).
+    Collect(Box<Collecting>),
     Done,
+}
+
+pub struct Collecting {
+    c: Cacheable,
+    ttl: u64,
+    status: u16,
+    headers: Vec<(String, String)>,
+    /// The answer so far (absolute body offsets), while it may still be stored.
+    copy: Vec<u8>,
+    /// Response headers not yet sent (paused): they can still say `stored` and the hash.
+    held: bool,
+    /// Body bytes already passed on before the host's current buffer starts.
+    base: usize,
+}
+
+/// Where the outcome of a store can still be written.
+#[derive(Clone, Copy, PartialEq)]
+enum Open {
+    /// The response headers are held (or in their callback).
+    Headers,
+    /// We are in the response trailers callback (headers have left).
+    Trailers,
+    /// Nothing: headers and body have left, no trailers.
+    Closed,
 }
 
 pub struct Stream {
@@ -349,68 +375,85 @@ impl Stream {
             Err(why) => return self.not_stored(c.refresh, why, true),
         };
         let limit = self.limits().max_entry_bytes as usize + if c.grpc { 5 } else { 0 };
-        let declared: Option<usize> = decide::header(&headers, "content-length").and_then(|v| v.parse().ok());
-        if declared.map_or(false, |n| n > limit) {
+        let declared = decide::header(&headers, "content-length");
+        if declared.and_then(|v| v.trim().parse::<usize>().ok()).map_or(false, |n| n > limit) {
             return self.not_stored(c.refresh, NotStored::TooBig, true);
         }
         if eos {
-            return self.finish_store(c, ttl, status, headers, Vec::new(), true);
+            return self.finish_store(c, ttl, status, headers, Vec::new(), Open::Headers);
         }
-        let refresh = c.refresh;
-        self.phase = Phase::Collect { c, ttl, status, headers, body: Vec::new() };
-        if self.holds_headers() {
-            return PAUSE;
+        let held = self.holds_headers() && decide::holds_answer(c.grpc, decide::header(&headers, "content-type"), declared);
+        if !held {
+            // The answer streams: say what is known now; it is copied and stored at its end.
+            abi::set_header(Map::ResponseHeaders, names::CACHE_STATUS, names::cache_status_forwarded(c.refresh));
         }
-        // Headers cannot wait for the body here: say what is known now; the body is still
-        // collected and stored at its end.
-        abi::set_header(Map::ResponseHeaders, names::CACHE_STATUS, names::cache_status_forwarded(refresh));
-        CONTINUE
+        self.phase = Phase::Collect(Box::new(Collecting { c, ttl, status, headers, copy: Vec::new(), held, base: 0 }));
+        if held {
+            PAUSE
+        } else {
+            CONTINUE
+        }
     }
 
+    /// The answer's body passes; a copy is kept for the store up to `max_entry_bytes`.
     pub fn on_response_body(&mut self, size: usize, eos: bool) -> u32 {
         let limit = self.limits().max_entry_bytes as usize;
-        let phase = std::mem::replace(&mut self.phase, Phase::Done);
-        let (c, ttl, status, headers, mut body) = match phase {
-            Phase::Collect { c, ttl, status, headers, body } => (c, ttl, status, headers, body),
+        let mut k = match std::mem::replace(&mut self.phase, Phase::Done) {
+            Phase::Collect(k) => k,
             other => {
                 self.phase = other;
                 return CONTINUE;
             }
         };
-        let open = self.holds_headers();
-        if size > limit + if c.grpc { 5 } else { 0 } {
-            return self.not_stored(c.refresh, NotStored::TooBig, open);
-        }
-        // While paused the host keeps buffering: `size` is everything so far; read the new part.
-        if size > body.len() {
-            match abi::buffer(Buffer::ResponseBody, body.len(), size - body.len()) {
-                Some(chunk) => body.extend_from_slice(&chunk),
-                None => {
+        let limit = limit + if k.c.grpc { 5 } else { 0 };
+        // The host's buffer holds body bytes [base, base + size): everything since the last
+        // time we let data pass. Copy the part not copied yet.
+        let have = k.copy.len().saturating_sub(k.base);
+        if size > have {
+            let more = size - have;
+            if k.copy.len() + more > limit {
+                return self.not_stored(k.c.refresh, NotStored::TooBig, k.held);
+            }
+            match abi::buffer(Buffer::ResponseBody, have, more) {
+                Some(chunk) if chunk.len() == more => k.copy.extend_from_slice(&chunk),
+                _ => {
                     error("response body unreadable; not storing");
-                    return self.not_stored(c.refresh, NotStored::Error, open);
+                    return self.not_stored(k.c.refresh, NotStored::Error, k.held);
                 }
             }
         }
-        if !eos {
-            self.phase = Phase::Collect { c, ttl, status, headers, body };
+        if eos {
+            if k.c.grpc {
+                // A gRPC answer without trailers has no grpc-status: not a success we can store.
+                return self.not_stored(k.c.refresh, NotStored::GrpcStatus, k.held);
+            }
+            let open = if k.held { Open::Headers } else { Open::Closed };
+            let Collecting { c, ttl, status, headers, copy, .. } = *k;
+            return self.finish_store(c, ttl, status, headers, copy, open);
+        }
+        if k.held && k.copy.len() <= decide::HOLD_BYTES {
+            self.phase = Phase::Collect(k);
             return PAUSE;
         }
-        if c.grpc {
-            // A gRPC answer without trailers has no grpc-status: not a success we can store.
-            return self.not_stored(c.refresh, NotStored::GrpcStatus, open);
+        if k.held {
+            // Grown past what a miss holds back: let it stream from here.
+            abi::set_header(Map::ResponseHeaders, names::CACHE_STATUS, names::cache_status_forwarded(k.c.refresh));
+            k.held = false;
         }
-        self.finish_store(c, ttl, status, headers, body, open)
+        k.base += size;
+        self.phase = Phase::Collect(k);
+        CONTINUE
     }
 
     pub fn on_response_trailers(&mut self) -> u32 {
-        let phase = std::mem::replace(&mut self.phase, Phase::Done);
-        match phase {
-            Phase::Collect { c, ttl, status, headers, body } => {
-                let open = self.holds_headers();
-                if c.grpc && abi::header(Map::ResponseTrailers, "grpc-status").as_deref() != Some("0") {
-                    return self.not_stored(c.refresh, NotStored::GrpcStatus, open);
+        match std::mem::replace(&mut self.phase, Phase::Done) {
+            Phase::Collect(k) => {
+                let open = if k.held { Open::Headers } else { Open::Trailers };
+                if k.c.grpc && abi::header(Map::ResponseTrailers, "grpc-status").as_deref() != Some("0") {
+                    return self.not_stored(k.c.refresh, NotStored::GrpcStatus, k.held);
                 }
-                self.finish_store(c, ttl, status, headers, body, open)
+                let Collecting { c, ttl, status, headers, copy, .. } = *k;
+                self.finish_store(c, ttl, status, headers, copy, open)
             }
             other => {
                 self.phase = other;
@@ -426,8 +469,9 @@ impl Stream {
         status: u16,
         headers: Vec<(String, String)>,
         body: Vec<u8>,
-        headers_open: bool,
+        open: Open,
     ) -> u32 {
+        let headers_open = open == Open::Headers;
         let limits = self.limits();
         let message = if c.grpc {
             match grpc::unframe(&body) {
@@ -457,23 +501,30 @@ impl Stream {
             Ok(()) => {
                 count(metrics::STORES, 1);
                 self.phase = Phase::Done;
-                if !headers_open {
-                    return CONTINUE;
+                match open {
+                    Open::Closed => {}
+                    // The headers have left: the hash goes in the trailers (gRPC's, or any an
+                    // HTTP/2 answer has).
+                    Open::Trailers => {
+                        abi::add_header(Map::ResponseTrailers, names::HASH_HEADER, &stored.entry.response_hash);
+                    }
+                    Open::Headers => {
+                        // The response headers are paused and unchanged since we read them:
+                        // write them back with ours added in a single host call.
+                        let ours: [(&str, &str); 3] = [
+                            (names::HASH_HEADER, &stored.entry.response_hash),
+                            (names::CACHE_STATUS, names::cache_status_stored(refresh)),
+                            ("etag", stored.added_etag.as_deref().unwrap_or("")),
+                        ];
+                        let mut all: Vec<(&str, &str)> = headers
+                            .iter()
+                            .filter(|(n, _)| !ours.iter().any(|(o, v)| !v.is_empty() && n.eq_ignore_ascii_case(o)))
+                            .map(|(n, v)| (n.as_str(), v.as_str()))
+                            .collect();
+                        all.extend(ours.iter().filter(|(_, v)| !v.is_empty()));
+                        abi::set_headers(Map::ResponseHeaders, &all);
+                    }
                 }
-                // The response headers are paused and unchanged since we read them: write them
-                // back with ours added in a single host call.
-                let ours: [(&str, &str); 3] = [
-                    (names::HASH_HEADER, &stored.entry.response_hash),
-                    (names::CACHE_STATUS, names::cache_status_stored(refresh)),
-                    ("etag", stored.added_etag.as_deref().unwrap_or("")),
-                ];
-                let mut all: Vec<(&str, &str)> = headers
-                    .iter()
-                    .filter(|(n, _)| !ours.iter().any(|(o, v)| !v.is_empty() && n.eq_ignore_ascii_case(o)))
-                    .map(|(n, v)| (n.as_str(), v.as_str()))
-                    .collect();
-                all.extend(ours.iter().filter(|(_, v)| !v.is_empty()));
-                abi::set_headers(Map::ResponseHeaders, &all);
                 CONTINUE
             }
             Err(StoreError::NoSpace) => self.not_stored(refresh, NotStored::StoreFull, headers_open),

@@ -3,7 +3,9 @@
 HTTP `POST` answers are deterministic in the request (JSON with a digest of the body) and can
 be shaped by request headers: `x-origin-status`, `x-origin-cache-control`, `x-origin-size`
 (body length), `x-origin-etag`, `x-origin-delay` (seconds before answering), `x-origin-header`
-(repeatable, `Name: value` added to the answer). The JSON answer echoes `x-user` and every
+(repeatable, `Name: value` added to the answer), `x-origin-chunked` (chunk size: chunked
+transfer coding), `x-origin-pace` (seconds between chunks or events), `x-origin-gzip`,
+`x-origin-sse` (that many `text/event-stream` events). The JSON answer echoes `x-user` and every
 `x-traffic-color` line, so an answer served to the wrong client shows. `GET /calls` returns how many POSTs were served.
 gRPC: `/inference.GRPCInferenceService/ModelInfer` answers with a protobuf message carrying the
 request's model name (field 1) and a digest of the request (field 5 bytes); metadata
@@ -18,6 +20,7 @@ from the engine's, so tests see the filter learn where the server writes the id.
 from __future__ import annotations
 
 import argparse
+import gzip
 import hashlib
 import json
 import threading
@@ -87,7 +90,47 @@ class Handler(BaseHTTPRequestHandler):
         if etag := self.headers.get("x-origin-etag"):
             headers["ETag"] = etag
         extra = [tuple(h.split(": ", 1)) for h in self.headers.get_all("x-origin-header") or []]
+        if events := self.headers.get("x-origin-sse"):
+            self._send_events(int(events), float(self.headers.get("x-origin-pace", "0")), digest)
+            return
+        if self.headers.get("x-origin-gzip"):
+            body = gzip.compress(body, mtime=0)
+            headers["Content-Encoding"] = "gzip"
+        if chunk := self.headers.get("x-origin-chunked"):
+            self._send_chunked(body, int(chunk), float(self.headers.get("x-origin-pace", "0")), headers, extra)
+            return
         self._send(int(self.headers.get("x-origin-status", "200")), body, headers, extra)
+
+    def _send_chunked(self, body: bytes, chunk: int, pace: float, headers: dict[str, str],
+                      extra: list[tuple[str, ...]]) -> None:
+        """Transfer-Encoding: chunked, `chunk` bytes at a time, `pace` seconds apart."""
+        self.send_response(200)
+        for k, v in [*headers.items(), *extra]:
+            self.send_header(k, v)
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        for i in range(0, len(body), chunk):
+            part = body[i : i + chunk]
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(part), part))
+            self.wfile.flush()
+            if pace:
+                time.sleep(pace)
+        self.wfile.write(b"0\r\n\r\n")
+
+    def _send_events(self, n: int, pace: float, digest: str) -> None:
+        """An OpenAI-style SSE stream: `n` events `pace` seconds apart, each with its send time."""
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        for i in range(n):
+            event = f"data: {json.dumps({'i': i, 'sent': time.time(), 'digest': digest})}\n\n".encode()
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(event), event))
+            self.wfile.flush()
+            if pace and i < n - 1:
+                time.sleep(pace)
+        done = b"data: [DONE]\n\n"
+        self.wfile.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(done), done))
 
 
 def _split_rest_id(data: bytes) -> tuple[str | None, bytes]:
