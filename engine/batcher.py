@@ -17,8 +17,11 @@ every request that has not expired.
 Scheduling is callback-driven on the event loop rather than a worker task: a request that finds
 an instance idle goes to the onnxruntime thread straight from `submit`, and the thread hands the
 results back in a single loop callback that resolves the callers' futures directly. Each hop
-through the loop costs tens of microseconds, more on a busy machine, and that is per-request
-overhead on top of the model.
+between threads costs tens of microseconds, more on a busy machine, and that is per-request
+overhead on top of the model. So when a lone request finds nothing else queued and the model's
+runs are short (INLINE_MAX_SECONDS), a single-instance model runs it on the event loop thread: no
+hop at all, and no one is kept waiting who could have run meanwhile (the one instance is busy
+either way). Requests that arrive meanwhile are read when the run ends, as they would have queued.
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ from engine.metrics import EngineMetrics
 from engine.models import LoadedModel
 
 Tensors = dict[str, np.ndarray]
+# Runs up to this long (moving average) may run on the event loop when the queue is otherwise empty.
+INLINE_MAX_SECONDS = 0.01
 
 
 @dataclass(order=True)
@@ -82,6 +87,8 @@ class Batcher:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._idle = asyncio.Event()
         self._idle.set()
+        # Moving average of onnxruntime run time; None until the first run (which uses the thread).
+        self._run_seconds: float | None = None
         # Bound once: label lookups in prometheus_client take a lock and a dict lookup per call.
         self._queue_time = metrics.queue_time.labels(cfg.name)
         self._batch_size = metrics.batch_size.labels(cfg.name)
@@ -196,7 +203,11 @@ class Batcher:
                 self._queue_time.observe(waited)
                 self.stats.queue.add(int(waited * 1e9))
             self._running += 1
-            self.executor.submit(self._execute, batch)
+            if (len(batch) == 1 and not self._heap and self.instances == 1 and self._run_seconds is not None
+                    and self._run_seconds <= INLINE_MAX_SECONDS):
+                self._finish(batch, self._outcome(batch))
+            else:
+                self.executor.submit(self._execute, batch)
         if not self._running and not self._heap:
             self._idle.set()
 
@@ -222,13 +233,15 @@ class Batcher:
                 self._deadlines -= 1
         return batch
 
+    def _outcome(self, batch: list[_Pending]) -> tuple[list[Tensors], int, int, int] | BaseException:
+        try:
+            return self._run(batch)
+        except Exception as exc:  # onnxruntime failure: fail this batch, keep serving
+            return exc
+
     def _execute(self, batch: list[_Pending]) -> None:
         """On an onnxruntime thread: run the batch, then hand every answer back in one callback."""
-        outcome: tuple[list[Tensors], int, int, int] | BaseException
-        try:
-            outcome = self._run(batch)
-        except Exception as exc:  # onnxruntime failure: fail this batch, keep serving
-            outcome = exc
+        outcome = self._outcome(batch)
         assert self._loop is not None
         try:
             self._loop.call_soon_threadsafe(self._finish, batch, outcome)
@@ -243,6 +256,8 @@ class Batcher:
                     item.future.set_exception(outcome)
         else:
             results, input_ns, infer_ns, output_ns = outcome
+            seconds = infer_ns / 1e9
+            self._run_seconds = seconds if self._run_seconds is None else 0.8 * self._run_seconds + 0.2 * seconds
             self.stats.batch_done(sum(item.rows for item in batch), len(batch), input_ns, infer_ns, output_ns)
             for item, result in zip(batch, results, strict=True):
                 if not item.future.done():  # the caller went away

@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import numpy as np
+import orjson
 
 from engine import tensors
 from engine.errors import EngineError, InvalidInput, NotFound, TooLarge
@@ -232,8 +233,10 @@ def _method_not_allowed() -> Response:
 
 def _parse_json(body: bytes) -> dict[str, Any]:
     try:
-        request = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        # orjson: several times faster than json on a tensor's thousands of numbers, and strict
+        # (no NaN/Infinity literals, integers within 64 bits).
+        request = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
         raise InvalidInput(f"malformed JSON body: {exc}") from None
     if not isinstance(request, dict):
         raise InvalidInput("request body must be a JSON object")
