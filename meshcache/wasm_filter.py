@@ -15,7 +15,6 @@ FILTER_NAME = "meshcache"  # HTTP filter name; also the ECDS resource name
 ROOT_ID = "meshcache"
 VM_ID = "meshcache"
 WASM_TYPE_URL = "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm"
-STUB_ROLE_CONFIG = {"role": "stub"}
 
 
 def plugin_config_json(config: dict[str, Any]) -> str:

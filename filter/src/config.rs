@@ -65,15 +65,6 @@ pub struct Config {
     pub policies: Vec<Policy>,
 }
 
-/// What a root context is configured to be.
-#[derive(Clone, Debug, PartialEq)]
-pub enum PluginConfig {
-    /// The cache filter in the request path.
-    Cache(Config),
-    /// The responder behind the internal listener that serves gRPC hits.
-    Stub,
-}
-
 #[derive(Debug, PartialEq)]
 pub struct ConfigError {
     pub field: String,
@@ -111,20 +102,21 @@ impl Config {
     }
 }
 
-pub fn parse_plugin_config(bytes: &[u8]) -> Result<PluginConfig, ConfigError> {
+pub fn parse_plugin_config(bytes: &[u8]) -> Result<Config, ConfigError> {
     if bytes.iter().all(|b| b.is_ascii_whitespace()) {
-        return Ok(PluginConfig::Cache(Config::empty()));
+        return Ok(Config::empty());
     }
     let value: Value = serde_json::from_slice(bytes).map_err(|e| err("(document)", &format!("not valid JSON: {}", e)))?;
     let obj = value.as_object().ok_or_else(|| err("(document)", "must be a JSON object"))?;
     if let Some(role) = obj.get("role") {
         match role.as_str() {
-            Some("stub") => return Ok(PluginConfig::Stub),
+            // The internal-listener responder is gone: gRPC hits are answered in one pass.
+            Some("stub") => return Err(err("role", "\"stub\" was removed (gRPC hits are answered in one pass); drop the stub listener")),
             Some("cache") => {}
-            _ => return Err(err("role", "must be \"cache\" or \"stub\"")),
+            _ => return Err(err("role", "must be \"cache\"")),
         }
     }
-    parse_config(obj).map(PluginConfig::Cache)
+    parse_config(obj)
 }
 
 fn parse_config(obj: &Map<String, Value>) -> Result<Config, ConfigError> {
@@ -287,10 +279,7 @@ mod tests {
     use super::*;
 
     fn cache(json: &str) -> Config {
-        match parse_plugin_config(json.as_bytes()).unwrap() {
-            PluginConfig::Cache(c) => c,
-            PluginConfig::Stub => panic!("stub"),
-        }
+        parse_plugin_config(json.as_bytes()).unwrap()
     }
 
     fn error(json: &str) -> ConfigError {
@@ -404,8 +393,9 @@ mod tests {
     fn unknown_fields_ignored_and_roles() {
         let c = cache(r#"{"surprise": 1, "policies": [{"model_prefix": "m", "ttl_s": 1, "extra": [1]}]}"#);
         assert_eq!(c.policies.len(), 1);
-        assert_eq!(parse_plugin_config(br#"{"role": "stub"}"#).unwrap(), PluginConfig::Stub);
-        assert_eq!(parse_plugin_config(b"").unwrap(), PluginConfig::Cache(Config::empty()));
+        assert_eq!(error(r#"{"role": "stub"}"#).field, "role");
+        assert_eq!(parse_plugin_config(b"").unwrap(), Config::empty());
+        assert_eq!(parse_plugin_config(br#"{"role": "cache"}"#).unwrap(), Config::empty());
         assert_eq!(error(r#"{"role": "x"}"#).field, "role");
     }
 }

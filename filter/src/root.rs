@@ -2,7 +2,7 @@
 //! the cache within its limits after a change, and reports metrics on the tick.
 
 use crate::abi::{self, Buffer, LogLevel};
-use crate::config::{parse_plugin_config, PluginConfig};
+use crate::config::{parse_plugin_config, Config};
 use crate::metrics;
 use crate::store::{Cache, Outcome};
 use std::cell::RefCell;
@@ -11,7 +11,7 @@ use std::rc::Rc;
 
 thread_local! {
     /// Root id -> its configuration (None until `on_configure` accepted one).
-    static ROOTS: RefCell<HashMap<u32, Option<Rc<PluginConfig>>>> = RefCell::new(HashMap::new());
+    static ROOTS: RefCell<HashMap<u32, Option<Rc<Config>>>> = RefCell::new(HashMap::new());
 }
 
 pub fn create(root: u32) {
@@ -27,25 +27,20 @@ pub fn is_root(id: u32) -> bool {
 }
 
 /// The configuration a new stream of this root runs with.
-pub fn config_of(root: u32) -> Option<Rc<PluginConfig>> {
+pub fn config_of(root: u32) -> Option<Rc<Config>> {
     ROOTS.with(|r| r.borrow().get(&root).cloned().flatten())
 }
 
 pub fn on_configure(root: u32, size: usize) -> bool {
     let bytes = if size == 0 { Vec::new() } else { abi::buffer(Buffer::PluginConfiguration, 0, size).unwrap_or_default() };
     match parse_plugin_config(&bytes) {
-        Ok(plugin) => {
-            if let PluginConfig::Cache(cfg) = &plugin {
-                let cache = Cache { data: &abi::HostShared, limits: &cfg.limits };
-                let mut out = Outcome::default();
-                cache.reconcile(&mut out);
-                metrics::record_outcome(&out);
-                abi::log(
-                    LogLevel::Info,
-                    &format!("configuration version {:?} with {} policies", cfg.version, cfg.policies.len()),
-                );
-            }
-            ROOTS.with(|r| r.borrow_mut().insert(root, Some(Rc::new(plugin))));
+        Ok(cfg) => {
+            let cache = Cache { data: &abi::HostShared, limits: &cfg.limits };
+            let mut out = Outcome::default();
+            cache.reconcile(&mut out);
+            metrics::record_outcome(&out);
+            abi::log(LogLevel::Info, &format!("configuration version {:?} with {} policies", cfg.version, cfg.policies.len()));
+            ROOTS.with(|r| r.borrow_mut().insert(root, Some(Rc::new(cfg))));
             abi::set_tick_period_ms(metrics::FLUSH_MS);
             true
         }
@@ -59,7 +54,7 @@ pub fn on_configure(root: u32, size: usize) -> bool {
 
 pub fn on_tick(root: u32) {
     metrics::flush();
-    if matches!(config_of(root).as_deref(), Some(PluginConfig::Cache(_))) {
+    if config_of(root).is_some() {
         // Gauges come from the shared accounting record: every worker reports the same value.
         metrics::record_gauges(&Cache::read_only(&abi::HostShared).meta().0);
     }

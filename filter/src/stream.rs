@@ -5,7 +5,7 @@
 use crate::abi::{self, Buffer, Map};
 use crate::answer::{self, HitRequest};
 use crate::cache_control::NotStored;
-use crate::config::{Config, Limits, PluginConfig};
+use crate::config::{Config, Limits};
 use crate::decide::{self, BodyDecision, Cacheable, HeadDecision, RequestHead};
 use crate::grpc;
 use crate::headermap::Headers;
@@ -25,7 +25,7 @@ thread_local! {
     static STREAMS: RefCell<HashMap<u32, Stream>> = RefCell::new(HashMap::new());
 }
 
-pub fn create(id: u32, plugin: Option<Rc<PluginConfig>>) {
+pub fn create(id: u32, plugin: Option<Rc<Config>>) {
     STREAMS.with(|s| s.borrow_mut().insert(id, Stream { id, plugin, phase: Phase::Pass }));
 }
 
@@ -145,12 +145,12 @@ enum Open {
 
 pub struct Stream {
     id: u32,
-    plugin: Option<Rc<PluginConfig>>,
+    plugin: Option<Rc<Config>>,
     phase: Phase,
 }
 
 impl Stream {
-    fn config(&self) -> Option<Rc<PluginConfig>> {
+    fn config(&self) -> Option<Rc<Config>> {
         self.plugin.clone()
     }
 
@@ -173,11 +173,7 @@ impl Stream {
                 return CONTINUE;
             }
         };
-        let cfg = match &*plugin {
-            // Obsolete role (the internal-listener stub): passes everything through.
-            PluginConfig::Stub => return CONTINUE,
-            PluginConfig::Cache(cfg) => cfg,
-        };
+        let cfg = &*plugin;
         let headers = abi::headers(Map::RequestHeaders);
         let method = decide::header(&headers.pairs, ":method").unwrap_or("");
         let path = decide::header(&headers.pairs, ":path").unwrap_or("");
@@ -228,10 +224,8 @@ impl Stream {
             None => return CONTINUE,
         };
         let phase = std::mem::replace(&mut self.phase, Phase::Pass);
-        match (&*plugin, phase) {
-            (PluginConfig::Cache(cfg), Phase::Buffering { source, refresh, headers }) => {
-                self.decide_request(cfg, &headers, &source, refresh, &body)
-            }
+        match phase {
+            Phase::Buffering { source, refresh, headers } => self.decide_request(&plugin, &headers, &source, refresh, &body),
             _ => CONTINUE,
         }
     }
@@ -336,7 +330,7 @@ impl Stream {
 
     fn limits(&self) -> Limits {
         match self.config().as_deref() {
-            Some(PluginConfig::Cache(cfg)) => cfg.limits.clone(),
+            Some(cfg) => cfg.limits.clone(),
             _ => crate::config::Config::empty().limits,
         }
     }
@@ -344,7 +338,7 @@ impl Stream {
     /// Whether response headers wait for our decision (see `Config::hold_headers`).
     fn holds_headers(&self) -> bool {
         match self.config().as_deref() {
-            Some(PluginConfig::Cache(cfg)) => cfg.hold_headers,
+            Some(cfg) => cfg.hold_headers,
             _ => true,
         }
     }
