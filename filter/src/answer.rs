@@ -5,6 +5,7 @@
 //! rewrite of the stored answer (such as echoing the caller's request id) belongs there.
 
 use crate::entry::Entry;
+use std::borrow::Cow;
 use crate::keybody::{self, RequestId, Splice};
 use crate::names::{cache_status_hit, CACHE_STATUS, HASH_HEADER, KSERVE_BINARY_HEADER};
 
@@ -25,11 +26,12 @@ impl<'a> HitRequest<'a> {
 }
 
 #[derive(Debug, PartialEq)]
-pub struct HitAnswer {
+pub struct HitAnswer<'e> {
     pub status: u16,
     pub headers: Vec<(String, String)>,
-    /// HTTP: the body. gRPC: the message, unframed (the caller frames it).
-    pub body: Vec<u8>,
+    /// HTTP: the body. gRPC: the message, unframed (the caller frames it). Borrowed from the
+    /// entry unless the caller's id was put in.
+    pub body: Cow<'e, [u8]>,
 }
 
 /// Seconds left and age of a fresh entry.
@@ -51,9 +53,9 @@ pub fn hit_headers(entry: &Entry, now_ms: u64) -> Vec<(String, String)> {
 /// The body (HTTP) or message (gRPC, unframed) a hit sends for this request: the stored answer
 /// with the requester's id put back where the server wrote it, and by how many bytes that grew
 /// the JSON part (for the binary extension's length header).
-pub fn hit_message(entry: &Entry, request: &HitRequest) -> (Vec<u8>, usize) {
+pub fn hit_message<'e>(entry: &'e Entry, request: &HitRequest) -> (Cow<'e, [u8]>, usize) {
     // The splice point was checked against the body when the entry was decoded.
-    keybody::answer_body(&entry.body, entry.splice.as_ref(), request.id).unwrap_or_else(|| (entry.body.clone(), 0))
+    keybody::answer_body(&entry.body, entry.splice.as_ref(), request.id).unwrap_or((Cow::Borrowed(&entry.body), 0))
 }
 
 /// The stored headers for this hit: the binary extension's JSON length grows with the id.
@@ -86,13 +88,13 @@ fn strip_etag(t: &str) -> &str {
 }
 
 /// An HTTP hit: the stored answer with the hit headers, or 304 when If-None-Match names it.
-pub fn http_hit(entry: &Entry, request: &HitRequest, now_ms: u64) -> HitAnswer {
+pub fn http_hit<'e>(entry: &'e Entry, request: &HitRequest, now_ms: u64) -> HitAnswer<'e> {
     let mut headers = hit_headers(entry, now_ms);
     if not_modified(request.header("if-none-match"), entry) {
         if let Some(etag) = crate::decide::header(&entry.headers, "etag") {
             headers.push(("etag".to_string(), etag.to_string()));
         }
-        return HitAnswer { status: 304, headers, body: Vec::new() };
+        return HitAnswer { status: 304, headers, body: Cow::Borrowed(&[]) };
     }
     let (body, grown) = hit_message(entry, request);
     let mut all = stored_headers(entry, grown);
@@ -101,7 +103,7 @@ pub fn http_hit(entry: &Entry, request: &HitRequest, now_ms: u64) -> HitAnswer {
 }
 
 /// A gRPC hit: the stored response headers and the hit headers, the message unframed.
-pub fn grpc_hit(entry: &Entry, request: &HitRequest, now_ms: u64) -> HitAnswer {
+pub fn grpc_hit<'e>(entry: &'e Entry, request: &HitRequest, now_ms: u64) -> HitAnswer<'e> {
     let (body, grown) = hit_message(entry, request);
     let mut all = stored_headers(entry, grown);
     if crate::decide::header(&all, "content-type").is_none() {
@@ -128,7 +130,7 @@ mod tests {
         let none: Vec<(String, String)> = vec![];
         let a = http_hit(&e, &request(&none), 12_500);
         assert_eq!(a.status, 200);
-        assert_eq!(a.body, b"{}");
+        assert_eq!(&a.body[..], b"{}");
         assert!(a.headers.contains(&("cache-status".into(), "meshcache; hit; ttl=3".into())));
         assert!(a.headers.contains(&("age".into(), "2".into())));
         assert!(a.headers.contains(&("content-type".into(), "application/json".into())));
@@ -155,11 +157,11 @@ mod tests {
         e.grpc = true;
         let none: Vec<(String, String)> = vec![];
         let a = grpc_hit(&e, &request(&none), 1_000);
-        assert_eq!(a.body, b"\x0a\x01m");
+        assert_eq!(&a.body[..], b"\x0a\x01m");
+        assert!(a.headers.iter().any(|(n, v)| n == "x-response-hash" && v == &e.response_hash));
         e.splice = Some(Splice::Proto { at: 3 });
         let id = RequestId::Spliced(b"r-9".to_vec());
         let with_id = grpc_hit(&e, &HitRequest { headers: &none, body: b"", id: &id }, 1_000);
-        assert_eq!(with_id.body, b"\x0a\x01m\x1a\x03r-9");
-        assert!(a.headers.iter().any(|(n, v)| n == "x-response-hash" && v == &e.response_hash));
+        assert_eq!(&with_id.body[..], b"\x0a\x01m\x1a\x03r-9");
     }
 }

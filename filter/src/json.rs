@@ -161,6 +161,10 @@ impl<'a> Scanner<'a> {
     fn string(&mut self) -> Option<()> {
         self.expect(b'"')?;
         loop {
+            // Most string bytes need no attention: skip to the next quote, backslash or control
+            // byte in one tight loop (answers are mostly long strings or numbers).
+            let rest = self.buf.get(self.pos..)?;
+            self.pos += rest.iter().position(|&b| b == b'"' || b == b'\\' || b < 0x20)?;
             match self.next()? {
                 b'"' => return Some(()),
                 b'\\' => match self.next()? {
