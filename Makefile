@@ -24,7 +24,7 @@ test-python: setup filter
 test: test-filter lint test-python
 
 demo: setup filter
-	$(PY) -m meshcache.cli demo
+	$(PY) -m meshcache.ctl.cli demo
 
 bench: setup filter
 	$(PY) -m bench.run

@@ -37,12 +37,12 @@ import onnxruntime as ort
 
 from bench.loadgen import wrk
 from bench.report import table, write_section
-from engine import perf_analyzer
-from engine.demo_models import DEMO_MODELS, demo_config, write_demo_models
-from engine.model_config import CONFIG_FILE, to_text
-from meshcache import procs, services
-from meshcache.paths import REPO_ROOT
-from meshcache.protos import grpc_predict_v2_pb2 as pb
+from meshcache.contract.paths import REPO_ROOT
+from meshcache.contract.protos import grpc_predict_v2_pb2 as pb
+from meshcache.ctl import launchers, procs
+from meshcache.engine import perf_analyzer
+from meshcache.engine.demo_models import DEMO_MODELS, demo_config, write_demo_models
+from meshcache.engine.model_config import CONFIG_FILE, to_text
 
 MODEL = "resnet-mini"
 INFER = "/inference.GRPCInferenceService/ModelInfer"
@@ -296,10 +296,10 @@ def _side_by_side(runs: dict[Key, list[Result]]) -> tuple[list[list[object]], di
     return rows, worst
 
 
-def _perf_analyzer_section(engine: services.Engine, mesh_levels: list[int], measurement_ms: int) -> str:
+def _perf_analyzer_section(engine: launchers.Engine, mesh_levels: list[int], measurement_ms: int) -> str:
     """perf_analyzer against the engine (both transports) and through the local mesh's app port."""
-    from meshcache.mesh.config import MeshConfig
-    from meshcache.mesh.topology import Mesh
+    from meshcache.ctl.mesh.config import MeshConfig
+    from meshcache.ctl.mesh.topology import Mesh
 
     rows: list[list[object]] = []
     for protocol, url in (("gRPC", engine.grpc_target), ("HTTP", f"127.0.0.1:{engine.http_port}")):
@@ -355,9 +355,9 @@ def main(argv: list[str] | None = None) -> int:
         servers: list[Server] = []
         children: list[procs.Proc] = []
         with procs.supervised(children):
-            engines: dict[str, services.Engine] = {}
+            engines: dict[str, launchers.Engine] = {}
             for mode, repo in repos.items():
-                engine = services.start_engine(repo, tmp / "logs", name=f"engine-{mode}")
+                engine = launchers.start_engine(repo, tmp / "logs", name=f"engine-{mode}")
                 children.append(engine.proc)
                 engines[mode] = engine
                 servers.append(Server(f"engine {mode}", engine.grpc_target, engine.http_url))

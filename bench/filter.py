@@ -29,9 +29,9 @@ import httpx
 
 from bench.loadgen import LoadResult, h2load, wrk
 from bench.report import table, write_section
-from meshcache import procs, services
-from meshcache.envoy_config import CacheProxy, write
-from meshcache.paths import require_filter_wasm
+from meshcache.contract.paths import require_filter_wasm
+from meshcache.ctl import launchers, procs
+from meshcache.ctl.envoy_config import CacheProxy, write
 
 MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"
 REQUEST_JSON = json.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 32], "data": list(range(32))}]})
@@ -159,12 +159,12 @@ def run_size(size: int, seconds: int, workdir: Path) -> list[Row]:
             cfg = CacheProxy(listen_port=listen, admin_port=admin, http_upstream_port=ports["http_port"],
                              grpc_upstream_port=ports["grpc_port"], wasm_path=require_filter_wasm(),
                              plugin_config=policy, with_filter=with_filter)
-            started.append(services.start_envoy(write(cfg, d / f"envoy-{name}.yaml"), admin, d, name=f"envoy-{name}"))
+            started.append(launchers.start_envoy(write(cfg, d / f"envoy-{name}.yaml"), admin, d, name=f"envoy-{name}"))
             envoys[name] = (listen, admin)
 
         def stats() -> dict[str, int]:
             time.sleep(0.45)  # the filter flushes its counters every 200 ms
-            return services.envoy_stats(envoys["filter"][1], "wasmcustom.meshcache")
+            return launchers.envoy_stats(envoys["filter"][1], "wasmcustom.meshcache")
 
         def http_url(name: str) -> str:
             return f"http://127.0.0.1:{envoys[name][0]}/v2/models/bench-model/infer"

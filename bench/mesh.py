@@ -35,9 +35,9 @@ import numpy as np
 
 from bench.loadgen import LoadResult, h2load
 from bench.report import table, write_section
-from meshcache.mesh.config import MeshConfig
-from meshcache.mesh.topology import SERVER_NODE, Mesh
-from meshcache.protos import grpc_predict_v2_pb2 as pb
+from meshcache.contract.protos import grpc_predict_v2_pb2 as pb
+from meshcache.ctl.mesh.config import MeshConfig
+from meshcache.ctl.mesh.topology import SERVER_NODE, Mesh
 
 MODEL = "resnet-mini"
 INFER = "/inference.GRPCInferenceService/ModelInfer"

@@ -25,10 +25,10 @@ import grpc
 import httpx
 
 from bench.report import table, write_section
-from control_plane.xds_client import XdsClient
-from meshcache import procs, services
-from meshcache.envoy_config import CacheProxy, write
-from meshcache.paths import FILTER_WASM, require_filter_wasm
+from meshcache.contract.paths import FILTER_WASM, require_filter_wasm
+from meshcache.control_plane.xds_client import XdsClient
+from meshcache.ctl import launchers, procs
+from meshcache.ctl.envoy_config import CacheProxy, write
 
 WRITE_TOKEN = "bench-write-token-0123456789"
 HEADERS = {"Authorization": f"Bearer {WRITE_TOKEN}"}
@@ -41,12 +41,12 @@ def percentile(values: list[float], q: float) -> float:
 
 def start_stack(tmp: Path) -> tuple[list[procs.Proc], str, int]:
     """redis-server + the control plane; returns (processes, API URL, xDS port)."""
-    redis, redis_port = services.start_redis(tmp / "redis")
+    redis, redis_port = launchers.start_redis(tmp / "redis")
     http_port, xds_port = procs.free_port(), procs.free_port()
-    argv = services.control_plane_argv(redis_port, http_port, xds_port, "--wasm-path", str(FILTER_WASM),
+    argv = launchers.control_plane_argv(redis_port, http_port, xds_port, "--wasm-path", str(FILTER_WASM),
                                        "--log-level", "warning")
     env = {"MESHCACHE_CP_TOKENS": f"write:bench:{WRITE_TOKEN}", "MESHCACHE_CP_MAX_XDS_STREAMS": "2000"}
-    cp = services.start_control_plane(argv, env, tmp, http_port, xds_port)
+    cp = launchers.start_control_plane(argv, env, tmp, http_port, xds_port)
     return [redis, cp], f"http://127.0.0.1:{http_port}", xds_port
 
 
@@ -87,7 +87,7 @@ def bench_envoy(tmp: Path, rounds: int) -> tuple[list[float], list[float]]:
         proxy = CacheProxy(listen_port=listen, admin_port=admin, http_upstream_port=procs.free_port(),
                            wasm_path=FILTER_WASM, plugin_config={"version": "default", "policies": []},
                            ecds_port=xds_port, node_id="bench-envoy")
-        started.append(services.start_envoy(write(proxy, tmp / "envoy.yaml"), admin, tmp))
+        started.append(launchers.start_envoy(write(proxy, tmp / "envoy.yaml"), admin, tmp))
         run_rounds(c, 3, 1)  # warm-up: first connection, first VM configuration
         return run_rounds(c, rounds, 1)
 

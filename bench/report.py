@@ -12,7 +12,7 @@ import platform
 import re
 from pathlib import Path
 
-from meshcache.paths import REPO_ROOT
+from meshcache.contract.paths import REPO_ROOT
 
 BENCHMARKS_MD = REPO_ROOT / "docs" / "benchmarks.md"
 HEADER = "# Benchmarks\n\nEach section is written by the benchmark named in it (`make bench` runs them all).\n"

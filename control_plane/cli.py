@@ -13,9 +13,9 @@ import uvicorn
 from pydantic import ValidationError
 
 from .api import create_app
-from .app import ControlPlane
 from .auth import TokenConfigError, TokenTable
 from .settings import Settings
+from .wiring import ControlPlane
 
 
 def parse_args(argv: Sequence[str] | None) -> dict[str, Any]:

@@ -9,7 +9,7 @@ type (absent = deleted). What shapes this module:
   with no resources (`EmptyMcpRenderer`), and before the first snapshot (version 0) as well;
 - istiod reads WasmPlugin only from Kubernetes (its translation into TrafficExtension is attached
   to the Kubernetes store), so meshcache serves what the push context reads: TrafficExtension
-  (basic mode) or EnvoyFilter (full mode), built by meshcache/istio/extensions.py exactly as
+  (basic mode) or EnvoyFilter (full mode), built by meshcache/contract/extensions.py exactly as
   `meshcache istio render` previews them, and re-sent in full on every snapshot;
 - its initial requests carry a (timestamp) nonce, handled by the server's first-request rule.
 """
@@ -24,16 +24,16 @@ from typing import Any
 
 from google.protobuf import any_pb2, json_format, message, timestamp_pb2
 
-from meshcache.istio import extensions
-from meshcache.istio.oci import image_for, sha256_hex
-from meshcache.protos.istio.extensions.v1alpha1 import traffic_extension_pb2
-from meshcache.protos.istio.mcp.v1alpha1 import metadata_pb2, resource_pb2
-from meshcache.protos.istio.networking.v1alpha3 import envoy_filter_pb2
+from meshcache.contract import extensions
+from meshcache.contract.oci import image_for, sha256_hex
+from meshcache.contract.protos.istio.extensions.v1alpha1 import traffic_extension_pb2
+from meshcache.contract.protos.istio.mcp.v1alpha1 import metadata_pb2, resource_pb2
+from meshcache.contract.protos.istio.networking.v1alpha3 import envoy_filter_pb2
 
 from .settings import Settings
 from .snapshots import Snapshot
 
-log = logging.getLogger("control_plane.mcp")
+log = logging.getLogger("meshcache.control_plane.mcp")
 
 ENVOY_FILTER_TYPE_URL = "networking.istio.io/v1alpha3/EnvoyFilter"
 TRAFFIC_EXTENSION_TYPE_URL = "extensions.istio.io/v1alpha1/TrafficExtension"

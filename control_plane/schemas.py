@@ -1,36 +1,33 @@
-"""Typed request and response bodies, and the validated policy/limits rows of a snapshot.
+"""Typed request and response bodies of the HTTP API.
 
-The bounds mirror (or are stricter than) what the filter accepts in on_configure
-(filter/src/config.rs), so anything the API accepts renders to a config the filter loads.
+The policy and limits rows themselves (`Policy`, `Limits`) and every bound are the filter's
+contract (meshcache.contract.filter_config), so anything the API accepts renders to a config the
+filter loads.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationInfo, field_validator
 
-DEFAULT_HASH_HEADERS: tuple[str, ...] = ("content-type", "x-model-id")
-DEFAULT_MAX_ENTRY_BYTES = 1_048_576
-DEFAULT_MAX_TOTAL_BYTES = 67_108_864
-DEFAULT_MAX_ENTRIES = 16_384
-LIMIT_MAX_ENTRY_BYTES = 64 * 1_048_576
-LIMIT_MAX_TOTAL_BYTES = 16 * 1_073_741_824
-LIMIT_MAX_ENTRIES = 1_048_576
-MAX_TTL_S = 30 * 24 * 3600
-MAX_PREFIX_LEN = 256
-MAX_HEADERS = 32
-# Model names as they appear in KServe v2 paths and x-model-id: no slashes, no spaces.
-PREFIX_PATTERN = r"^[A-Za-z0-9._:@+-]+$"
-# RFC 9110 token characters, lowercase only (HTTP/2 header names are lowercase).
-HEADER_PATTERN = r"^[a-z0-9!#$%&'*+.^_`|~-]+$"
+from meshcache.contract.filter_config import (
+    DEFAULT_HASH_HEADERS,
+    HEADER_PATTERN,
+    MAX_HEADER_NAME_LEN,
+    MAX_HEADERS,
+    MAX_PREFIX_LEN,
+    PREFIX_PATTERN,
+    Limits,
+    Policy,
+    Scope,
+    TtlSeconds,
+)
 
 ModelPrefix = Annotated[
     str, StringConstraints(min_length=1, max_length=MAX_PREFIX_LEN, pattern=PREFIX_PATTERN)
 ]
-HeaderName = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=HEADER_PATTERN)]
-Scope = Literal["shared", "principal"]
-TtlSeconds = Annotated[int, Field(ge=0, le=MAX_TTL_S)]
+HeaderName = Annotated[str, StringConstraints(min_length=1, max_length=MAX_HEADER_NAME_LEN, pattern=HEADER_PATTERN)]
 
 
 def _no_duplicates(values: list[str]) -> list[str]:
@@ -67,51 +64,18 @@ class PolicySpec(BaseModel):
     _hash_unique = field_validator("hash_headers")(_no_duplicates)
     _vary_unique = field_validator("vary_headers")(_no_duplicates)
 
-
-class Policy(BaseModel):
-    """One row of the filter's `policies` (exactly the filter's field names)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    model_prefix: str
-    ttl_s: int
-    max_ttl_s: int
-    generation: int = 0
-    hash_headers: tuple[str, ...] = DEFAULT_HASH_HEADERS
-    vary_headers: tuple[str, ...] = ()
-    scope: Scope = "shared"
-    enabled: bool = True
-
-    @classmethod
-    def from_spec(cls, model_prefix: str, spec: PolicySpec, generation: int) -> Policy:
-        return cls(
+    def policy(self, model_prefix: str, generation: int) -> Policy:
+        """The filter's row for this spec (`max_ttl_s` defaults to `ttl_s`)."""
+        return Policy(
             model_prefix=model_prefix,
-            ttl_s=spec.ttl_s,
-            max_ttl_s=spec.max_ttl_s if spec.max_ttl_s is not None else spec.ttl_s,
+            ttl_s=self.ttl_s,
+            max_ttl_s=self.max_ttl_s if self.max_ttl_s is not None else self.ttl_s,
             generation=generation,
-            hash_headers=tuple(spec.hash_headers),
-            vary_headers=tuple(spec.vary_headers),
-            scope=spec.scope,
-            enabled=spec.enabled,
+            hash_headers=tuple(self.hash_headers),
+            vary_headers=tuple(self.vary_headers),
+            scope=self.scope,
+            enabled=self.enabled,
         )
-
-
-class Limits(BaseModel):
-    """Global cache limits (also the body of PUT /v1/limits)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
-
-    max_entry_bytes: int = Field(DEFAULT_MAX_ENTRY_BYTES, ge=1, le=LIMIT_MAX_ENTRY_BYTES)
-    max_total_bytes: int = Field(DEFAULT_MAX_TOTAL_BYTES, ge=1, le=LIMIT_MAX_TOTAL_BYTES)
-    max_entries: int = Field(DEFAULT_MAX_ENTRIES, ge=1, le=LIMIT_MAX_ENTRIES)
-
-    @field_validator("max_total_bytes")
-    @classmethod
-    def _total_holds_one_entry(cls, v: int, info: ValidationInfo) -> int:
-        entry = info.data.get("max_entry_bytes")
-        if entry is not None and v < entry:
-            raise ValueError(f"must be at least max_entry_bytes ({entry})")
-        return v
 
 
 class PurgeRequest(BaseModel):

@@ -9,7 +9,8 @@ from typing import Literal
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from meshcache.paths import FILTER_WASM
+from meshcache.contract.filter_config import LIMIT_POLICIES
+from meshcache.contract.paths import FILTER_WASM
 
 
 class Settings(BaseSettings):
@@ -30,7 +31,7 @@ class Settings(BaseSettings):
     key_prefix: str = "meshcache:cp"
     instance_id: str = Field(default_factory=lambda: socket.gethostname())
     # Bounds.
-    max_policies: int = Field(1000, ge=1, le=4096)  # the filter accepts at most 4096
+    max_policies: int = Field(1000, ge=1, le=LIMIT_POLICIES)  # the filter's own ceiling
     snapshot_retention: int = Field(1000, ge=10, le=100_000)
     audit_maxlen: int = Field(10_000, ge=100, le=1_000_000)
     max_request_bytes: int = Field(64 * 1024, ge=1024, le=16 * 1024 * 1024)

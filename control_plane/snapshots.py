@@ -15,9 +15,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from meshcache.wasm_filter import plugin_config_json
+from meshcache.contract.filter_config import Limits, Policy, plugin_config, plugin_config_json
 
-from .models import Limits, Policy, PolicySpec
+from .schemas import PolicySpec
 
 
 class ChangeError(Exception):
@@ -50,12 +50,7 @@ class Snapshot:
 
     def plugin_config(self) -> dict[str, Any]:
         """The filter's plugin configuration (see the filter's config.rs for the schema)."""
-        return {
-            "version": str(self.version),
-            "color": "",
-            **self.limits.model_dump(),
-            "policies": [p.model_dump(mode="json") for p in self.policies],
-        }
+        return plugin_config(str(self.version), self.policies, self.limits)
 
     @property
     def plugin_config_json(self) -> str:
@@ -117,7 +112,7 @@ def put_policy(cur: Snapshot, version: int, author: str, prefix: str, spec: Poli
     if old is None and len(cur.policies) >= max_policies:
         raise TooMany(f"policy limit reached ({max_policies}); delete one first")
     generation = old.generation if old is not None else version
-    new = Policy.from_spec(prefix, spec, generation)
+    new = spec.policy(prefix, generation)
     rest = tuple(p for p in cur.policies if p.model_prefix != prefix)
     return _derive(cur, version, author, f"put {prefix}", (*rest, new))
 

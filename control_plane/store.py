@@ -23,7 +23,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
-from .models import AuditEntry
+from .schemas import AuditEntry
 from .settings import Settings
 from .snapshots import EMPTY, Snapshot
 

@@ -18,7 +18,7 @@ from .settings import Settings
 from .snapshots import Snapshot, SnapshotCache
 from .store import Store, StoreUnavailable
 
-log = logging.getLogger("control_plane.sync")
+log = logging.getLogger("meshcache.control_plane.sync")
 BACKOFF_MIN_S = 0.05
 BACKOFF_MAX_S = 2.0
 

@@ -11,14 +11,14 @@ import grpc
 from .auth import TokenTable
 from .mcp import IstioMcpRenderer, mcp_fallback
 from .metrics import Metrics
-from .service import PolicyService
+from .policy_service import PolicyService
 from .settings import Settings
 from .snapshots import SnapshotCache
 from .store import Store, StoreUnavailable
 from .sync import RedisSync
 from .xds_server import EcdsRenderer, XdsServer
 
-log = logging.getLogger("control_plane")
+log = logging.getLogger("meshcache.control_plane")
 
 
 def xds_credentials(settings: Settings) -> grpc.ServerCredentials | None:

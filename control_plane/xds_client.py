@@ -1,6 +1,6 @@
 """A minimal state-of-the-world xDS client (ECDS or ADS) that behaves like Envoy's: subscribe,
 then ACK or NACK every response. Used by the tests and the propagation benchmark, and handy
-for debugging: `python -m control_plane.xds_client --port 18000` prints every push.
+for debugging: `python -m meshcache.control_plane.xds_client --port 18000` prints every push.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from envoy.service.extension.v3 import config_discovery_pb2_grpc
 from google.protobuf import wrappers_pb2
 from google.rpc import status_pb2
 
-from meshcache.wasm_filter import FILTER_NAME
+from meshcache.contract.wasm_filter import FILTER_NAME
 
 from .xds_server import ECDS_TYPE_URL
 

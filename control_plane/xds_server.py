@@ -29,12 +29,12 @@ from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 from envoy.service.extension.v3 import config_discovery_pb2_grpc
 from google.protobuf import any_pb2, json_format
 
-from meshcache.wasm_filter import FILTER_NAME, extension_config, local_code
+from meshcache.contract.wasm_filter import FILTER_NAME, extension_config, local_code
 
 from .metrics import Metrics
 from .snapshots import Snapshot, SnapshotCache
 
-log = logging.getLogger("control_plane.xds")
+log = logging.getLogger("meshcache.control_plane.xds")
 
 ECDS_TYPE_URL = "type.googleapis.com/envoy.config.core.v3.TypedExtensionConfig"
 INBOX_SIZE = 64  # per-stream bound on unprocessed requests (backpressure on the reader)
@@ -67,7 +67,7 @@ class EcdsRenderer:
         self._memo: tuple[Snapshot, dict[str, any_pb2.Any]] | None = None
 
     def typed_extension_config(self, snapshot: Snapshot) -> extension_pb2.TypedExtensionConfig:
-        # The same builder as the full-mode EnvoyFilter's EXTENSION_CONFIG (meshcache/istio), so a
+        # The same builder as the full-mode EnvoyFilter's EXTENSION_CONFIG (meshcache/ctl/istio), so a
         # local sidecar runs what istiod would deliver, with the module as a local file.
         config = extension_config(local_code(self.wasm_path), snapshot.plugin_config(), self.resource_name)
         return json_format.ParseDict(config, extension_pb2.TypedExtensionConfig())

@@ -35,9 +35,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from engine.errors import QueueFull, QueueTimeout, Unavailable
-from engine.metrics import EngineMetrics
-from engine.models import LoadedModel
+from meshcache.engine.errors import QueueFull, QueueTimeout, Unavailable
+from meshcache.engine.metrics import EngineMetrics
+from meshcache.engine.repository import LoadedModel
 
 Tensors = dict[str, np.ndarray]
 # Runs up to this long (moving average) may run on the event loop when the queue is otherwise empty.

@@ -5,12 +5,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import shutil
 import sys
 from pathlib import Path
 
-from engine.demo_models import write_demo_models
-from engine.model_config import ConfigError
-from engine.server import Settings, log, serve
+from meshcache.engine.demo_models import is_current, write_demo_models
+from meshcache.engine.model_config import ConfigError
+from meshcache.engine.server import Settings, log, serve
 
 ENV_PREFIX = "MESHCACHE_ENGINE_"
 
@@ -55,7 +56,15 @@ def main(argv: list[str] | None = None) -> int:
                         "deterministic, no downloads).",
         )
         p.add_argument("directory", type=Path)
+        p.add_argument("--if-stale", action="store_true",
+                       help="do nothing when DIR already holds this version's models (its stamp matches)")
+        p.add_argument("--clean", action="store_true", help="remove DIR first when (re)writing it")
         args = p.parse_args(argv[1:])
+        if args.if_stale and is_current(args.directory):
+            print(f"{args.directory} holds the current demo models")
+            return 0
+        if args.clean:
+            shutil.rmtree(args.directory, ignore_errors=True)
         names = write_demo_models(args.directory)
         print(f"wrote {', '.join(names)} to {args.directory}")
         return 0

@@ -8,6 +8,7 @@ downloads are needed and two machines produce byte-identical files.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,12 +18,14 @@ import onnx
 from google.protobuf import json_format
 from onnx import TensorProto, helper, numpy_helper
 
-from engine.model_config import CONFIG_FILE, to_text
-from meshcache.protos import model_config_pb2 as mc
+from meshcache.contract.protos import model_config_pb2 as mc
+from meshcache.engine.model_config import CONFIG_FILE, to_text
 
 # Pinned so the files do not change when the onnx package is upgraded; onnxruntime 1.x reads it.
 OPSET = 17
 IR_VERSION = 8
+# Written next to the models: the generator version that wrote them (`init-models --if-stale`).
+STAMP_FILE = "demo-models.version"
 
 
 class _GraphBuilder:
@@ -200,7 +203,7 @@ def demo_config(name: str, **changes: Any) -> mc.ModelConfig:
 
 
 def write_demo_models(directory: Path) -> list[str]:
-    """Write every demo model into `directory` (overwriting); returns the model names."""
+    """Write every demo model into `directory` (overwriting) and the version stamp; returns the model names."""
     for name, (build, versions, _) in DEMO_MODELS.items():
         model_dir = directory / name
         for version, seed in versions.items():
@@ -208,4 +211,16 @@ def write_demo_models(directory: Path) -> list[str]:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_bytes(build(seed).SerializeToString(deterministic=True))
         (model_dir / CONFIG_FILE).write_text(to_text(demo_config(name)))
+    (directory / STAMP_FILE).write_text(generator_version() + "\n")
     return list(DEMO_MODELS)
+
+
+def generator_version() -> str:
+    """The hash of this module's source: it changes whenever the models it writes may change."""
+    return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
+
+
+def is_current(directory: Path) -> bool:
+    """Whether `directory` holds the models this generator writes (its stamp matches)."""
+    stamp = directory / STAMP_FILE
+    return stamp.is_file() and stamp.read_text().strip() == generator_version()

@@ -15,10 +15,11 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError, Message
 
-from engine import tensors
-from engine.errors import EngineError, InvalidInput
-from engine.models import LoadedModel
-from engine.service import (
+from meshcache.contract.protos import grpc_predict_v2_pb2 as pb
+from meshcache.engine import tensors
+from meshcache.engine.errors import EngineError, InvalidInput
+from meshcache.engine.repository import LoadedModel
+from meshcache.engine.service import (
     EXTENSIONS,
     SERVER_NAME,
     SERVER_VERSION,
@@ -26,7 +27,6 @@ from engine.service import (
     parse_priority,
     parse_timeout,
 )
-from meshcache.protos import grpc_predict_v2_pb2 as pb
 
 SERVICE = "inference.GRPCInferenceService"
 # Requests of one ModelStreamInfer stream served at the same time; the stream reads no further

@@ -18,11 +18,12 @@ from typing import Any
 import numpy as np
 import orjson
 
-from engine import tensors
-from engine.errors import EngineError, InvalidInput, NotFound, TooLarge
-from engine.model_config import to_json
-from engine.models import LoadedModel, TensorSpec
-from engine.service import (
+from meshcache.contract.protos import grpc_predict_v2_pb2 as pb
+from meshcache.engine import tensors
+from meshcache.engine.errors import EngineError, InvalidInput, NotFound, TooLarge
+from meshcache.engine.model_config import to_json
+from meshcache.engine.repository import LoadedModel, TensorSpec
+from meshcache.engine.service import (
     EXTENSIONS,
     SERVER_NAME,
     SERVER_VERSION,
@@ -30,7 +31,6 @@ from engine.service import (
     parse_priority,
     parse_timeout,
 )
-from meshcache.protos import grpc_predict_v2_pb2 as pb
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]

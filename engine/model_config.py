@@ -17,8 +17,8 @@ from google.protobuf import json_format, text_format
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
-from engine.tensors import DTYPES
-from meshcache.protos import model_config_pb2 as mc
+from meshcache.contract.protos import model_config_pb2 as mc
+from meshcache.engine.tensors import DTYPES
 
 CONFIG_FILE = "config.pbtxt"
 DEFAULT_MODEL_FILENAME = "model.onnx"

@@ -10,11 +10,11 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from engine import model_config
-from engine.errors import NotFound
-from engine.model_config import CONFIG_FILE, ConfigError, ModelConfig, TensorSpec
-from engine.statistics import ModelStats
-from meshcache.protos import model_config_pb2 as mc
+from meshcache.contract.protos import model_config_pb2 as mc
+from meshcache.engine import model_config
+from meshcache.engine.errors import NotFound
+from meshcache.engine.model_config import CONFIG_FILE, ConfigError, ModelConfig, TensorSpec
+from meshcache.engine.statistics import ModelStats
 
 __all__ = ["ConfigError", "LoadedModel", "ModelConfig", "ModelEntry", "ModelRepository", "TensorSpec"]
 

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import uvicorn
 
-from engine.grpc_server import create_server
-from engine.http_server import HttpApp
-from engine.metrics import EngineMetrics
-from engine.models import ModelRepository
-from engine.service import InferenceService
+from meshcache.engine.grpc_server import create_server
+from meshcache.engine.http_server import HttpApp
+from meshcache.engine.metrics import EngineMetrics
+from meshcache.engine.repository import ModelRepository
+from meshcache.engine.service import InferenceService
 
 
 @dataclass(frozen=True)

@@ -11,15 +11,15 @@ from collections.abc import AsyncIterator
 import numpy as np
 from prometheus_client import Counter, Histogram
 
-from engine import model_config
-from engine.batcher import Batcher, Tensors
-from engine.errors import EngineError, InvalidInput, NotFound, Unavailable
-from engine.metrics import EngineMetrics
-from engine.model_config import ConfigError
-from engine.models import LoadedModel, ModelEntry, ModelRepository, TensorSpec
-from engine.tensors import DATATYPE_OF
-from meshcache.protos import grpc_predict_v2_pb2 as pb
-from meshcache.protos import model_config_pb2 as mc
+from meshcache.contract.protos import grpc_predict_v2_pb2 as pb
+from meshcache.contract.protos import model_config_pb2 as mc
+from meshcache.engine import model_config
+from meshcache.engine.batcher import Batcher, Tensors
+from meshcache.engine.errors import EngineError, InvalidInput, NotFound, Unavailable
+from meshcache.engine.metrics import EngineMetrics
+from meshcache.engine.model_config import ConfigError
+from meshcache.engine.repository import LoadedModel, ModelEntry, ModelRepository, TensorSpec
+from meshcache.engine.tensors import DATATYPE_OF
 
 SERVER_NAME = "meshcache-engine"
 SERVER_VERSION = "0.1.0"

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 
-from meshcache.protos import grpc_predict_v2_pb2 as pb
+from meshcache.contract.protos import grpc_predict_v2_pb2 as pb
 
 
 class Duration:

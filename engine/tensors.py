@@ -7,8 +7,8 @@ from typing import Any
 
 import numpy as np
 
-from engine.errors import InvalidInput
-from meshcache.protos import grpc_predict_v2_pb2 as pb
+from meshcache.contract.protos import grpc_predict_v2_pb2 as pb
+from meshcache.engine.errors import InvalidInput
 
 # v2 datatype name -> numpy dtype (little-endian, as the protocol's raw contents are).
 DTYPES: dict[str, np.dtype[Any]] = {

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Regenerates meshcache/protos/grpc_predict_v2_pb2{,_grpc}.py and model_config_pb2.py from proto/
+# Regenerates meshcache/contract/protos/grpc_predict_v2_pb2{,_grpc}.py and model_config_pb2.py from proto/
 # with the venv's grpcio-tools. The outputs are committed; rerun after editing the .proto.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PY="${PYTHON:-$ROOT/.venv/bin/python}"
-OUT="$ROOT/meshcache/protos"
+OUT="$ROOT/meshcache/contract/protos"
 mkdir -p "$OUT"
 "$PY" -m grpc_tools.protoc -I "$ROOT/proto" --python_out="$OUT" --pyi_out="$OUT" \
   --grpc_python_out="$OUT" "$ROOT/proto/grpc_predict_v2.proto" "$ROOT/proto/model_config.proto"
@@ -33,17 +33,18 @@ grep -q '^from \. import model_config_pb2' "$OUT/grpc_predict_v2_pb2.py" || { ec
 # Istio subset (proto/istio/..., written for meshcache with Istio's field numbers) for MCP-over-xDS.
 # No package collides with `istio.*` in protobuf's default pool, so these stay in it (Any.Unpack
 # and json_format work as usual). protoc emits absolute `from istio.x import y_pb2`: make them
-# package-relative to meshcache.protos.
+# package-relative to meshcache.contract.protos.
 ISTIO_PROTOS=(istio/type/v1beta1/selector.proto istio/mcp/v1alpha1/metadata.proto
   istio/mcp/v1alpha1/resource.proto istio/extensions/v1alpha1/wasm.proto
   istio/extensions/v1alpha1/traffic_extension.proto istio/networking/v1alpha3/envoy_filter.proto)
 "$PY" -m grpc_tools.protoc -I "$ROOT/proto" --python_out="$OUT" --pyi_out="$OUT" \
   "${ISTIO_PROTOS[@]/#/$ROOT/proto/}"
 for f in "$OUT"/istio/*/*/*_pb2.py "$OUT"/istio/*/*/*_pb2.pyi; do
-  sed -i 's/^from istio\./from meshcache.protos.istio./' "$f"
+  sed -i 's/^from istio\./from meshcache.contract.protos.istio./' "$f"
 done
 ! grep -rq '^from istio\.' "$OUT/istio" || { echo "istio import rewrite failed" >&2; exit 1; }
 for d in "$OUT/istio" "$OUT"/istio/* "$OUT"/istio/*/*; do
+  case "$d" in */__pycache__) continue ;; esac
   [ ! -d "$d" ] || [ -f "$d/__init__.py" ] || : > "$d/__init__.py"
 done
 echo "generated into $OUT"

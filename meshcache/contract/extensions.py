@@ -34,8 +34,8 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
-from meshcache import envoy_config
-from meshcache.wasm_filter import ROOT_ID, ecds_http_filter, extension_config, remote_code
+from meshcache.contract import grpc_hit
+from meshcache.contract.wasm_filter import ROOT_ID, ecds_http_filter, extension_config, remote_code
 
 Obj = dict[str, Any]
 MODES = ("full", "basic")
@@ -96,8 +96,8 @@ def envoy_filter(*, color: str, url: str, sha256: str, plugin_config: Obj,
     for port in grpc_ports:
         # Two INSERT_BEFORE router patches in this order: [..., meshcache, grpc_hit_body, router].
         patches.append(_inbound_http_filter(port, cache_filter))
-        patches.append(_inbound_http_filter(port, envoy_config.grpc_hit_lua_filter()))
-        for route in envoy_config.grpc_hit_routes():
+        patches.append(_inbound_http_filter(port, grpc_hit.grpc_hit_lua_filter()))
+        for route in grpc_hit.grpc_hit_routes():
             patches.append({"applyTo": "HTTP_ROUTE",
                             "match": {"context": "SIDECAR_INBOUND", "routeConfiguration": {"portNumber": port}},
                             "patch": {"operation": "INSERT_FIRST", "value": route}})

@@ -6,7 +6,7 @@ import shutil
 import sys
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 FILTER_WASM = REPO_ROOT / "filter" / "dist" / "meshcache_filter.wasm"
 ENVOY_CONFIG_DIR = REPO_ROOT / "envoy"
 PROTO_DIR = REPO_ROOT / "proto"

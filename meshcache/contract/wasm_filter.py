@@ -7,19 +7,15 @@ reuses the running VM (and its shared-data cache) when only the plugin configura
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
+
+from .filter_config import plugin_config_json
 
 FILTER_NAME = "meshcache"  # HTTP filter name; also the ECDS resource name
 ROOT_ID = "meshcache"
 VM_ID = "meshcache"
 WASM_TYPE_URL = "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm"
-
-
-def plugin_config_json(config: dict[str, Any]) -> str:
-    """Canonical JSON text of a plugin configuration (sorted keys: equal configs, equal bytes)."""
-    return json.dumps(config, sort_keys=True, separators=(",", ":"))
 
 
 def local_code(wasm_path: Path) -> dict[str, Any]:

@@ -3,25 +3,21 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 from collections.abc import Callable
 
-# Modules exposing `register(subparsers)`; each adds subcommands that set `func(args) -> int`.
-SUBCOMMAND_MODULES = ("meshcache.mesh.commands", "meshcache.istio.commands")
+from meshcache.ctl.istio import commands as istio_commands
+from meshcache.ctl.mesh import commands as mesh_commands
+
+# Each module's `register(subparsers)` adds subcommands that set `func(args) -> int`.
+AREAS = (mesh_commands, istio_commands)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="meshcache", description="Mesh-level cache for ML inference traffic")
     subparsers = parser.add_subparsers(dest="command", required=True)
-    for name in SUBCOMMAND_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            if exc.name != name:
-                raise
-            continue  # an area not present in this build
-        module.register(subparsers)
+    for area in AREAS:
+        area.register(subparsers)
     return parser
 
 

@@ -7,7 +7,7 @@ The cache proxy's shape (see docs/filter.md):
 - gRPC hits are answered in one pass: the filter marks the request with filter state
   `wasm.meshcache_local` (clients cannot set it) and sends a local reply; that reply selects
   the `meshcache_grpc_hit` route, whose Lua step gives it a body the filter fills with the
-  framed message and a `grpc-status: 0` trailer (fragments: `grpc_hit_*` below).
+  framed message and a `grpc-status: 0` trailer (fragments: meshcache.contract.grpc_hit).
 - With `ecds_port`, the cache filter comes from the control plane over ECDS, with the static
   plugin config as `default_config` so traffic flows before the control plane is reachable.
 - `color_routes`: requests whose `x-traffic-color` equals a key go to that colour's upstream
@@ -28,58 +28,14 @@ from typing import Any
 
 import yaml
 
-from meshcache.pki import Identity
-from meshcache.wasm_filter import FILTER_NAME, WASM_TYPE_URL, ecds_http_filter, wasm_filter_config
+from meshcache.contract.filter_config import DEMO_POLICIES
+from meshcache.contract.grpc_hit import grpc_hit_lua_filter, grpc_hit_routes
+from meshcache.contract.headers import COLOR_HEADER
+from meshcache.contract.wasm_filter import FILTER_NAME, WASM_TYPE_URL, ecds_http_filter, wasm_filter_config
+from meshcache.ctl.pki import Identity
 
 _ENVOY = "type.googleapis.com/envoy."
 BUFFER_LIMIT_BYTES = 16 * 1024 * 1024  # above the filter's max entry/request sizes it buffers
-
-COLOR_HEADER = "x-traffic-color"
-
-# ---- single-pass gRPC hits: the Envoy fragments (shared contract with the Istio renderer) ------
-#
-# A wasm local reply to a gRPC request is trailers-only (Envoy moves its body into grpc-message).
-# So on a hit the filter marks the request (filter state `wasm.meshcache_local` = "1", which a
-# client cannot forge), clears the route cache and sends an empty local reply; the reply
-# re-selects the route, and on the hit route only the Lua filter below gives the headers-only
-# reply an (empty) body, which the wasm filter then fills with the framed message and a
-# `grpc-status: 0` trailer. One Envoy pass, no second listener. See docs/filter.md.
-GRPC_HIT_LUA_FILTER = "meshcache.grpc_hit_body"
-GRPC_HIT_ROUTE = "meshcache_grpc_hit"
-LOCAL_MARKER_FILTER_STATE = "wasm.meshcache_local"  # the filter's proxy_set_property("meshcache_local")
-LUA_TYPE = _ENVOY + "extensions.filters.http.lua.v3.Lua"
-LUA_PER_ROUTE_TYPE = _ENVOY + "extensions.filters.http.lua.v3.LuaPerRoute"
-# body(true): a headers-only response gets a body (empty), so the wasm filter sees its body callback.
-GRPC_HIT_LUA_SCRIPT = "function envoy_on_response(h) h:body(true) end"
-
-
-def grpc_hit_lua_filter() -> dict[str, Any]:
-    """The `http_filters` entry, placed right after the meshcache wasm filter. No default script:
-    it does nothing except on routes that carry `grpc_hit_lua_per_route()`."""
-    return {"name": GRPC_HIT_LUA_FILTER, "typed_config": {"@type": LUA_TYPE}}
-
-
-def grpc_hit_lua_per_route() -> dict[str, Any]:
-    """The LuaPerRoute config the hit route carries (as `typed_per_filter_config` value)."""
-    return {"@type": LUA_PER_ROUTE_TYPE, "source_code": {"inline_string": GRPC_HIT_LUA_SCRIPT}}
-
-
-def grpc_hit_routes() -> list[dict[str, Any]]:
-    """The route(s) a marked gRPC hit's local reply selects; put them first in the virtual host.
-
-    The action is never used to forward (the filter has already answered); should a marked
-    request ever reach the router anyway, it gets a 503 instead of being forwarded anywhere."""
-    return [{
-        "name": GRPC_HIT_ROUTE,
-        "match": {
-            "prefix": "/",
-            "grpc": {},
-            "filter_state": [{"key": LOCAL_MARKER_FILTER_STATE, "string_match": {"exact": "1"}}],
-        },
-        "direct_response": {"status": 503},
-        "typed_per_filter_config": {GRPC_HIT_LUA_FILTER: grpc_hit_lua_per_route()},
-    }]
-
 
 @dataclass(frozen=True)
 class Upstream:
@@ -358,11 +314,7 @@ def examples(out_dir: Path) -> list[Path]:
     """The committed reference configs in envoy/ (fixed ports, module under /etc/meshcache)."""
     demo_config = {
         "version": "1",
-        "policies": [
-            {"model_prefix": "mlp-classifier", "ttl_s": 300, "max_ttl_s": 1800},
-            {"model_prefix": "resnet-mini", "ttl_s": 300, "max_ttl_s": 1800},
-            {"model_prefix": "text-embedder", "ttl_s": 600, "max_ttl_s": 3600},
-        ],
+        "policies": [{"model_prefix": prefix, **spec} for prefix, spec in sorted(DEMO_POLICIES.items())],
     }
     base = CacheProxy(listen_port=15006, admin_port=15000, http_upstream_port=8000, grpc_upstream_port=8001,
                       plugin_config=demo_config, address="0.0.0.0")

@@ -4,6 +4,7 @@ as supervised children that are ready when these return."""
 from __future__ import annotations
 
 import shutil
+import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,9 +12,9 @@ from pathlib import Path
 import grpc
 import httpx
 
-from meshcache import procs
-from meshcache.paths import envoy_binary
-from meshcache.protos import grpc_predict_v2_pb2_grpc as pb_grpc
+from meshcache.contract.paths import envoy_binary
+from meshcache.contract.protos import grpc_predict_v2_pb2_grpc as pb_grpc
+from meshcache.ctl import procs
 
 
 def start_redis(data_dir: Path, port: int | None = None, name: str = "redis") -> tuple[procs.Proc, int]:
@@ -65,6 +66,17 @@ def envoy_stats(admin_port: int, prefix: str = "") -> dict[str, int]:
 
 ENGINE_BIN = str(Path(sys.executable).parent / "meshcache-engine")
 
+
+def init_demo_models(directory: Path, if_stale: bool = False, timeout: float = 300) -> Path:
+    """The demo model repository, written by the engine's own command (`meshcache-engine init-models`).
+
+    With `if_stale`, an up-to-date repository (the engine's version stamp matches) is left as it
+    is, and a stale one is removed and rewritten."""
+    argv = [ENGINE_BIN, "init-models", str(directory), *(["--if-stale", "--clean"] if if_stale else [])]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+    if done.returncode != 0:
+        raise procs.StartError(f"{' '.join(argv)} failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
+    return directory
 
 
 @dataclass
@@ -126,7 +138,7 @@ def start_engine(
 def control_plane_argv(redis_port: int, http_port: int, xds_port: int, *extra: str) -> list[str]:
     """The `meshcache-control-plane` command line for a local Redis and the given ports."""
     script = Path(sys.executable).parent / "meshcache-control-plane"
-    argv = [str(script)] if script.exists() else [sys.executable, "-m", "control_plane.cli"]
+    argv = [str(script)] if script.exists() else [sys.executable, "-m", "meshcache.control_plane.cli"]
     return [*argv, "--redis-url", f"redis://127.0.0.1:{redis_port}/0", "--http-port", str(http_port),
             "--xds-port", str(xds_port), *extra]
 

@@ -8,16 +8,16 @@ from typing import Any
 
 import pytest
 
-from meshcache import services
-from meshcache.wasm_filter import plugin_config_json
-from tests.control_plane.helpers import READ_TOKEN, ControlPlaneProc, start_control_plane
+from meshcache.contract.wasm_filter import plugin_config_json
+from meshcache.ctl import launchers
+from tests.helpers.control_plane import READ_TOKEN, ControlPlaneProc, start_control_plane
 
 
 @pytest.fixture(scope="module")
 def shared_cp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlaneProc]:
     """One replica for the tests that only add their own prefixes (validation, auth)."""
     d = tmp_path_factory.mktemp("shared-cp")
-    redis, port = services.start_redis(d / "redis")
+    redis, port = launchers.start_redis(d / "redis")
     try:
         cp = start_control_plane(d / "logs", port, extra_env={"MESHCACHE_CP_MAX_POLICIES": "50"})
         try:

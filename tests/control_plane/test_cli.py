@@ -8,7 +8,7 @@ from pathlib import Path
 
 import httpx
 
-from meshcache import procs
+from meshcache.ctl import procs
 
 SCRIPT = str(Path(sys.executable).parent / "meshcache-control-plane")
 

@@ -14,14 +14,14 @@ from pathlib import Path
 import httpx
 import pytest
 
-from control_plane.models import Policy
-from control_plane.settings import Settings
-from control_plane.snapshots import Snapshot
-from control_plane.store import Store
-from meshcache import procs, services
-from meshcache.envoy_config import CacheProxy, write
-from meshcache.paths import FILTER_WASM
-from tests.control_plane.helpers import ControlPlaneProc, eventually, run
+from meshcache.contract.paths import FILTER_WASM
+from meshcache.control_plane.schemas import Policy
+from meshcache.control_plane.settings import Settings
+from meshcache.control_plane.snapshots import Snapshot
+from meshcache.control_plane.store import Store
+from meshcache.ctl import launchers, procs
+from meshcache.ctl.envoy_config import CacheProxy, write
+from tests.helpers.control_plane import ControlPlaneProc, eventually, run
 
 pytestmark = pytest.mark.skipif(not FILTER_WASM.exists(), reason="filter not built (make filter)")
 
@@ -47,7 +47,7 @@ class Sidecar:
         return int(httpx.get(f"http://127.0.0.1:{self.origin_port}/calls", timeout=5).json()["http"])
 
     def ecds_stats(self) -> dict[str, int]:
-        raw = services.envoy_stats(self.admin_port, ECDS_STATS)
+        raw = launchers.envoy_stats(self.admin_port, ECDS_STATS)
         return {k.removeprefix(ECDS_STATS): v for k, v in raw.items()}
 
 
@@ -63,7 +63,7 @@ def sidecar(tmp_path: Path, cp: ControlPlaneProc) -> Iterator[Sidecar]:
         proxy = CacheProxy(listen_port=listen_port, admin_port=admin_port, http_upstream_port=origin_port,
                            grpc_upstream_port=grpc_port, wasm_path=FILTER_WASM, plugin_config=DEFAULT_CONFIG,
                            ecds_port=cp.xds_port, node_id=NODE)
-        envoy = services.start_envoy(write(proxy, tmp_path / "envoy.yaml"), admin_port, tmp_path / "logs")
+        envoy = launchers.start_envoy(write(proxy, tmp_path / "envoy.yaml"), admin_port, tmp_path / "logs")
         started.append(envoy)
         yield Sidecar(listen_port, admin_port, origin_port, envoy)
 

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import grpc
 
-from control_plane.xds_client import XdsClient, plugin_config_of
-from meshcache import procs, services
-from tests.control_plane.helpers import ControlPlaneProc, eventually, run
+from meshcache.control_plane.xds_client import XdsClient, plugin_config_of
+from meshcache.ctl import launchers, procs
+from tests.helpers.control_plane import ControlPlaneProc, eventually, run
 
 
 def test_redis_outage_503_on_writes_reads_from_memory_and_recovery(
@@ -47,7 +47,7 @@ def test_redis_outage_503_on_writes_reads_from_memory_and_recovery(
 
     assert run(xds_during_outage())["version"] == "2"  # Envoys still get the last snapshot
 
-    redis2, _ = services.start_redis(tmp_path / "redis", port=port, name="redis-restarted")
+    redis2, _ = launchers.start_redis(tmp_path / "redis", port=port, name="redis-restarted")
     try:
         r = eventually(lambda: (resp := c.put("/v1/policies/c", json={"ttl_s": 3})).status_code == 200 and resp,
                        timeout=10)
@@ -127,7 +127,7 @@ def test_starts_without_redis_and_recovers_when_it_appears(
     assert c.get("/healthz").status_code == 200 and c.get("/readyz").status_code == 503
     assert c.get("/v1/snapshot").json()["version"] == 0
     assert c.put("/v1/policies/m", json={"ttl_s": 1}).status_code == 503
-    redis2, _ = services.start_redis(tmp_path / "redis", port=port, name="redis-late")
+    redis2, _ = launchers.start_redis(tmp_path / "redis", port=port, name="redis-late")
     try:
         eventually(lambda: c.get("/readyz").status_code == 200, timeout=10)
         assert c.put("/v1/policies/m", json={"ttl_s": 1}).json()["version"] == 1

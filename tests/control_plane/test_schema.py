@@ -14,18 +14,18 @@ from hypothesis import HealthCheck, settings
 from schemathesis import Case
 from schemathesis.checks import not_a_server_error
 
-from control_plane.api import create_app
-from control_plane.app import ControlPlane
-from control_plane.auth import TokenTable
-from control_plane.settings import Settings
-from meshcache import services
-from tests.control_plane.helpers import WRITE_TOKEN, ControlPlaneProc, start_control_plane
+from meshcache.control_plane.api import create_app
+from meshcache.control_plane.auth import TokenTable
+from meshcache.control_plane.settings import Settings
+from meshcache.control_plane.wiring import ControlPlane
+from meshcache.ctl import launchers
+from tests.helpers.control_plane import WRITE_TOKEN, ControlPlaneProc, start_control_plane
 
 
 @pytest.fixture(scope="module")
 def running_cp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlaneProc]:
     d = tmp_path_factory.mktemp("schema-cp")
-    redis, port = services.start_redis(d / "redis")
+    redis, port = launchers.start_redis(d / "redis")
     try:
         cp = start_control_plane(d / "logs", port)
         try:

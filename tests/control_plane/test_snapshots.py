@@ -10,12 +10,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from control_plane import snapshots as ch
-from control_plane.models import PolicySpec
-from control_plane.settings import Settings
-from control_plane.snapshots import EMPTY, Snapshot, SnapshotCache
-from control_plane.store import Store, VersionConflict
-from meshcache import procs
+from meshcache.control_plane import snapshots as ch
+from meshcache.control_plane.schemas import PolicySpec
+from meshcache.control_plane.settings import Settings
+from meshcache.control_plane.snapshots import EMPTY, Snapshot, SnapshotCache
+from meshcache.control_plane.store import Store, VersionConflict
+from meshcache.ctl import procs
 
 PREFIXES = ["a", "ab", "llama", "llama3-70b"]
 spec_strategy = st.builds(

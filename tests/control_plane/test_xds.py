@@ -11,10 +11,10 @@ from envoy.config.core.v3 import extension_pb2
 from envoy.extensions.filters.http.wasm.v3 import wasm_pb2
 from google.protobuf import json_format, wrappers_pb2
 
-from control_plane.xds_client import XdsClient, plugin_config_of
-from meshcache.paths import FILTER_WASM
-from meshcache.wasm_filter import FILTER_NAME, ROOT_ID, VM_ID, wasm_filter_config
-from tests.control_plane.helpers import ControlPlaneProc, aeventually, run
+from meshcache.contract.paths import FILTER_WASM
+from meshcache.contract.wasm_filter import FILTER_NAME, ROOT_ID, VM_ID, wasm_filter_config
+from meshcache.control_plane.xds_client import XdsClient, plugin_config_of
+from tests.helpers.control_plane import ControlPlaneProc, aeventually, run
 
 
 def proxies(cp: ControlPlaneProc) -> list[dict]:

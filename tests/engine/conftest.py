@@ -5,27 +5,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
-import numpy as np
 import onnxruntime as ort
 import pytest
 
-from tests.engine.helpers import Engine, init_demo_models, running_engine
-
-# Inputs per demo model: (input name, one-row example shape, dtype).
-DEMO_INPUTS: dict[str, tuple[str, tuple[int, ...], type]] = {
-    "mlp-classifier": ("input", (16,), np.float32),
-    "resnet-mini": ("image", (3, 32, 32), np.float32),
-    "text-embedder": ("token_ids", (12,), np.int64),
-}
-DEMO_OUTPUTS = {"mlp-classifier": "probabilities", "resnet-mini": "logits", "text-embedder": "embedding"}
-
-
-def demo_batch(model: str, rows: int, seed: int = 0) -> np.ndarray:
-    _, shape, dtype = DEMO_INPUTS[model]
-    rng = np.random.default_rng(seed)
-    if dtype is np.int64:
-        return rng.integers(0, 5000, size=(rows, *shape), dtype=np.int64)
-    return rng.standard_normal((rows, *shape)).astype(np.float32)
+from tests.engine.helpers import DEMO_INPUTS, Engine, init_demo_models, running_engine
 
 
 @pytest.fixture(scope="session")

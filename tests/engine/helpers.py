@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-import subprocess
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -17,10 +16,10 @@ import onnx
 from google.protobuf import json_format
 from onnx import TensorProto, helper, numpy_helper
 
-from engine.model_config import CONFIG_FILE, parse_text, to_text
-from meshcache import procs
-from meshcache.protos import grpc_predict_v2_pb2 as pb
-from meshcache.services import ENGINE_BIN, Engine, start_engine
+from meshcache.contract.protos import grpc_predict_v2_pb2 as pb
+from meshcache.ctl import launchers, procs
+from meshcache.ctl.launchers import Engine, start_engine
+from meshcache.engine.model_config import CONFIG_FILE, parse_text, to_text
 
 
 @contextmanager
@@ -32,8 +31,24 @@ def running_engine(repo: Path, log_dir: Path, **kwargs: Any) -> Iterator[Engine]
 
 def init_demo_models(directory: Path) -> Path:
     """The demo repository, written by the real CLI."""
-    subprocess.run([ENGINE_BIN, "init-models", str(directory)], check=True, capture_output=True, timeout=120)
-    return directory
+    return launchers.init_demo_models(directory)
+
+
+# Inputs per demo model: (input name, one-row example shape, dtype).
+DEMO_INPUTS: dict[str, tuple[str, tuple[int, ...], type]] = {
+    "mlp-classifier": ("input", (16,), np.float32),
+    "resnet-mini": ("image", (3, 32, 32), np.float32),
+    "text-embedder": ("token_ids", (12,), np.int64),
+}
+DEMO_OUTPUTS = {"mlp-classifier": "probabilities", "resnet-mini": "logits", "text-embedder": "embedding"}
+
+
+def demo_batch(model: str, rows: int, seed: int = 0) -> np.ndarray:
+    _, shape, dtype = DEMO_INPUTS[model]
+    rng = np.random.default_rng(seed)
+    if dtype is np.int64:
+        return rng.integers(0, 5000, size=(rows, *shape), dtype=np.int64)
+    return rng.standard_normal((rows, *shape)).astype(np.float32)
 
 
 def copy_model(src_repo: Path, dst_repo: Path, name: str, **config_changes: Any) -> None:
@@ -122,7 +137,7 @@ def grpc_infer_request(
     raw: bool = True,
     priority: int | None = None,
 ) -> pb.ModelInferRequest:
-    from engine.tensors import CONTENTS_FIELD, DATATYPE_OF
+    from meshcache.engine.tensors import CONTENTS_FIELD, DATATYPE_OF
 
     request = pb.ModelInferRequest(model_name=model, model_version=version)
     if priority is not None:
@@ -138,7 +153,7 @@ def grpc_infer_request(
 
 
 def grpc_outputs(response: pb.ModelInferResponse) -> dict[str, np.ndarray]:
-    from engine.tensors import CONTENTS_FIELD, DTYPES
+    from meshcache.engine.tensors import CONTENTS_FIELD, DTYPES
 
     out = {}
     for i, tensor in enumerate(response.outputs):

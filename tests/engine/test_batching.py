@@ -12,11 +12,19 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from engine.demo_models import DEMO_MODELS, write_demo_models
-from engine.models import read_model
-from meshcache.protos import grpc_predict_v2_pb2_grpc as pb_grpc
-from tests.engine.conftest import DEMO_INPUTS, DEMO_OUTPUTS, demo_batch
-from tests.engine.helpers import copy_model, grpc_infer_request, grpc_outputs, metric_value, running_engine
+from meshcache.contract.protos import grpc_predict_v2_pb2_grpc as pb_grpc
+from meshcache.engine.demo_models import DEMO_MODELS, write_demo_models
+from meshcache.engine.repository import read_model
+from tests.engine.helpers import (
+    DEMO_INPUTS,
+    DEMO_OUTPUTS,
+    copy_model,
+    demo_batch,
+    grpc_infer_request,
+    grpc_outputs,
+    metric_value,
+    running_engine,
+)
 
 
 @pytest.fixture(scope="module")

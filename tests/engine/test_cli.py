@@ -10,8 +10,9 @@ import httpx
 import numpy as np
 import onnx
 
-from tests.engine.conftest import demo_batch
-from tests.engine.helpers import ENGINE_BIN, Engine, init_demo_models, metric_value, running_engine
+from meshcache.ctl import launchers
+from meshcache.ctl.launchers import ENGINE_BIN
+from tests.engine.helpers import Engine, demo_batch, init_demo_models, metric_value, running_engine
 
 
 def _digests(repo: Path) -> dict[str, str]:
@@ -33,6 +34,7 @@ def test_init_models_is_deterministic_and_complete(demo_repo: Path, tmp_path: Pa
         "resnet-mini/1/model.onnx",
         "text-embedder/config.pbtxt",
         "text-embedder/1/model.onnx",
+        "demo-models.version",  # the generator's version stamp (for `init-models --if-stale`)
     }
     resnet = onnx.load(demo_repo / "resnet-mini" / "1" / "model.onnx")
     ops = {n.op_type for n in resnet.graph.node}
@@ -42,8 +44,21 @@ def test_init_models_is_deterministic_and_complete(demo_repo: Path, tmp_path: Pa
     assert embedder.graph.input[0].type.tensor_type.elem_type == onnx.TensorProto.INT64
 
 
+def test_init_models_if_stale_rewrites_only_a_stale_repository(demo_repo: Path, tmp_path: Path) -> None:
+    repo = init_demo_models(tmp_path / "repo")
+    model = repo / "mlp-classifier" / "2" / "model.onnx"
+    before = model.stat().st_mtime_ns
+    launchers.init_demo_models(repo, if_stale=True)
+    assert model.stat().st_mtime_ns == before, "a current repository was rewritten"
+    (repo / "demo-models.version").write_text("older-generator\n")
+    (repo / "retired-model").mkdir()
+    launchers.init_demo_models(repo, if_stale=True)
+    assert not (repo / "retired-model").exists(), "--clean keeps nothing of the stale repository"
+    assert _digests(repo) == _digests(demo_repo)
+
+
 def test_settings_from_environment(demo_repo: Path, tmp_path: Path) -> None:
-    from meshcache import procs
+    from meshcache.ctl import procs
 
     ports = {name: procs.free_port() for name in ("HTTP_PORT", "GRPC_PORT", "METRICS_PORT")}
     env = {

@@ -7,9 +7,8 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from meshcache.protos import grpc_predict_v2_pb2 as pb
-from tests.engine.conftest import DEMO_INPUTS, DEMO_OUTPUTS, demo_batch
-from tests.engine.helpers import Engine, grpc_infer_request, grpc_outputs
+from meshcache.contract.protos import grpc_predict_v2_pb2 as pb
+from tests.engine.helpers import DEMO_INPUTS, DEMO_OUTPUTS, Engine, demo_batch, grpc_infer_request, grpc_outputs
 
 
 def test_health_and_server_metadata(engine: Engine) -> None:

@@ -9,8 +9,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from tests.engine.conftest import DEMO_INPUTS, DEMO_OUTPUTS, demo_batch
-from tests.engine.helpers import Engine
+from tests.engine.helpers import DEMO_INPUTS, DEMO_OUTPUTS, Engine, demo_batch
 
 
 def v2_body(name: str, x: np.ndarray, datatype: str = "FP32") -> dict[str, object]:

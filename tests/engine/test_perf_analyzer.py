@@ -8,7 +8,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engine import perf_analyzer
+from meshcache.engine import perf_analyzer
 from tests.engine.helpers import running_engine
 
 

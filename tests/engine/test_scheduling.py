@@ -12,7 +12,7 @@ import httpx
 import numpy as np
 import pytest
 
-from meshcache.protos import grpc_predict_v2_pb2_grpc as pb_grpc
+from meshcache.contract.protos import grpc_predict_v2_pb2_grpc as pb_grpc
 from tests.engine.helpers import grpc_infer_request, metric_value, running_engine, until_running, write_slow_model
 
 X = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 16], "data": [0.5] * 16}]}

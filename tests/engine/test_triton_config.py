@@ -13,10 +13,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engine.model_config import ConfigError
-from engine.models import read_model
-from tests.engine.conftest import demo_batch
-from tests.engine.helpers import ENGINE_BIN, metric_value, running_engine, until_running, write_slow_model
+from meshcache.ctl.launchers import ENGINE_BIN
+from meshcache.engine.model_config import ConfigError
+from meshcache.engine.repository import read_model
+from tests.engine.helpers import demo_batch, metric_value, running_engine, until_running, write_slow_model
 
 # As a Triton user writes it by hand: list syntax, comments, backend instead of platform.
 HAND_WRITTEN = """

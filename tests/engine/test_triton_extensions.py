@@ -20,9 +20,8 @@ import tritonclient.grpc as tgrpc
 import tritonclient.http as thttp
 from tritonclient.utils import InferenceServerException
 
-from meshcache.protos import grpc_predict_v2_pb2 as pb
-from tests.engine.conftest import demo_batch
-from tests.engine.helpers import Engine, grpc_infer_request, grpc_outputs, running_engine
+from meshcache.contract.protos import grpc_predict_v2_pb2 as pb
+from tests.engine.helpers import Engine, demo_batch, grpc_infer_request, grpc_outputs, running_engine
 
 
 @pytest.fixture

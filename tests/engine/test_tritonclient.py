@@ -9,8 +9,7 @@ import tritonclient.grpc as tgrpc
 import tritonclient.http as thttp
 from tritonclient.utils import InferenceServerException
 
-from tests.engine.conftest import DEMO_INPUTS, DEMO_OUTPUTS, demo_batch
-from tests.engine.helpers import Engine
+from tests.engine.helpers import DEMO_INPUTS, DEMO_OUTPUTS, Engine, demo_batch
 
 
 def _datatype(x: np.ndarray) -> str:

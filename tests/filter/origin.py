@@ -30,7 +30,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import grpc
 
-from meshcache.protos import grpc_predict_v2_pb2 as pb
+from meshcache.contract.protos import grpc_predict_v2_pb2 as pb
 
 CALLS = {"http": 0, "grpc": 0}
 LOCK = threading.Lock()

@@ -14,10 +14,10 @@ from typing import Any
 import grpc
 import httpx
 
-from meshcache import procs, services
-from meshcache.envoy_config import BUFFER_LIMIT_BYTES, CacheProxy, write
-from meshcache.paths import FILTER_WASM
-from meshcache.pki import Identity
+from meshcache.contract.paths import FILTER_WASM
+from meshcache.ctl import launchers, procs
+from meshcache.ctl.envoy_config import BUFFER_LIMIT_BYTES, CacheProxy, write
+from meshcache.ctl.pki import Identity
 
 MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"
 DEFAULT_HASH_HEADERS = ("content-type", "x-model-id")
@@ -47,7 +47,7 @@ class Stack:
         The filter hands its counters to Envoy every 200 ms (fewer VM crossings per request),
         so wait one flush before reading."""
         time.sleep(METRICS_FLUSH_S)
-        raw = services.envoy_stats(self.admin_port, "wasmcustom.meshcache")
+        raw = launchers.envoy_stats(self.admin_port, "wasmcustom.meshcache")
         return {k.removeprefix("wasmcustom."): v for k, v in raw.items()}
 
     def grpc_infer(self, request: bytes, metadata: tuple[tuple[str, str], ...] = ()) -> tuple[bytes, grpc.Call]:
@@ -83,7 +83,7 @@ def filter_stack(tmp: Path, config: dict[str, Any], concurrency: int = 1,
                            allow_on_headers_stop_iteration=allow_on_headers_stop_iteration,
                            buffer_limit_bytes=buffer_limit_bytes)
         config_path = write(proxy, tmp / "envoy.yaml")
-        started.append(services.start_envoy(config_path, admin_port, tmp, concurrency=concurrency))
+        started.append(launchers.start_envoy(config_path, admin_port, tmp, concurrency=concurrency))
         yield Stack(listen_port, admin_port, http_port, grpc_port, tmp)
 
 

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import yaml
 
-from meshcache import envoy_config as ec
-from meshcache.paths import FILTER_WASM, envoy_binary
+from meshcache.contract import grpc_hit
+from meshcache.contract.paths import FILTER_WASM, envoy_binary
+from meshcache.ctl import envoy_config as ec
 
 
 def _bootstrap_with_fragments(wasm: Path) -> dict:
@@ -18,11 +19,11 @@ def _bootstrap_with_fragments(wasm: Path) -> dict:
     hcm = bootstrap["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
     filters = hcm["http_filters"]
     wasm_at = next(i for i, f in enumerate(filters) if f["name"] == "meshcache")
-    if not any(f["name"] == ec.GRPC_HIT_LUA_FILTER for f in filters):
-        filters.insert(wasm_at + 1, ec.grpc_hit_lua_filter())
+    if not any(f["name"] == grpc_hit.GRPC_HIT_LUA_FILTER for f in filters):
+        filters.insert(wasm_at + 1, grpc_hit.grpc_hit_lua_filter())
     routes = hcm["route_config"]["virtual_hosts"][0]["routes"]
-    if not any(r["name"] == ec.GRPC_HIT_ROUTE for r in routes):
-        routes[:0] = ec.grpc_hit_routes()
+    if not any(r["name"] == grpc_hit.GRPC_HIT_ROUTE for r in routes):
+        routes[:0] = grpc_hit.grpc_hit_routes()
     return bootstrap
 
 
@@ -35,8 +36,9 @@ def test_fragments_validate_in_envoy(tmp_path: Path) -> None:
 
 
 def test_fragment_shapes() -> None:
-    assert ec.grpc_hit_lua_filter() == {"name": "meshcache.grpc_hit_body", "typed_config": {"@type": ec.LUA_TYPE}}
-    (route,) = ec.grpc_hit_routes()
+    assert grpc_hit.grpc_hit_lua_filter() == {"name": "meshcache.grpc_hit_body",
+                                              "typed_config": {"@type": grpc_hit.LUA_TYPE}}
+    (route,) = grpc_hit.grpc_hit_routes()
     assert route["match"]["grpc"] == {}
     assert route["match"]["filter_state"] == [{"key": "wasm.meshcache_local", "string_match": {"exact": "1"}}]
-    assert route["typed_per_filter_config"]["meshcache.grpc_hit_body"] == ec.grpc_hit_lua_per_route()
+    assert route["typed_per_filter_config"]["meshcache.grpc_hit_body"] == grpc_hit.grpc_hit_lua_per_route()

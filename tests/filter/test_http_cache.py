@@ -240,7 +240,7 @@ def test_concurrent_misses_for_one_key_store_once_and_account_exactly(tmp_path: 
 
 
 def test_invalid_configuration_is_rejected_with_the_field_named(tmp_path: Path) -> None:
-    from meshcache.procs import StartError
+    from meshcache.ctl.procs import StartError
 
     bad = config(policy("m", ttl_s=10, max_ttl_s=5))
     with pytest.raises(StartError) as err, filter_stack(tmp_path, bad):

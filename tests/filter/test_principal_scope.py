@@ -7,7 +7,7 @@ from pathlib import Path
 
 import httpx
 
-from meshcache.pki import CertificateAuthority, Identity, spiffe_id
+from meshcache.ctl.pki import CertificateAuthority, Identity, spiffe_id
 from tests.filter.stack import config, filter_stack, policy
 
 BODY = b'{"inputs": []}'

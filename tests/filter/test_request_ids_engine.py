@@ -15,8 +15,8 @@ import pytest
 import tritonclient.grpc as triton_grpc
 import tritonclient.http as triton_http
 
-from meshcache.protos import grpc_predict_v2_pb2 as pb
-from meshcache.services import Engine
+from meshcache.contract.protos import grpc_predict_v2_pb2 as pb
+from meshcache.ctl.launchers import Engine
 from tests.engine.helpers import init_demo_models, running_engine
 from tests.filter.stack import config, filter_stack, policy
 from tests.mesh.helpers import engine_requests

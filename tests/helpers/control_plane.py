@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 
 import httpx
 
-from meshcache import procs, services
+from meshcache.ctl import launchers, procs
 
 WRITE_TOKEN = "write-token-0123456789abcdef"
 READ_TOKEN = "read-token-0123456789abcdef"
@@ -45,14 +45,14 @@ class ControlPlaneProc:
 def _launch(name: str, argv: list[str], env: dict[str, str], log_dir: Path, http_port: int,
             xds_port: int) -> procs.Proc:
     # /healthz, not /readyz: some tests start it while Redis is down on purpose.
-    return services.start_control_plane(argv, env, log_dir, http_port, xds_port, name=name)
+    return launchers.start_control_plane(argv, env, log_dir, http_port, xds_port, name=name)
 
 
 def start_control_plane(log_dir: Path, redis_port: int, name: str = "control-plane",
                         extra_env: dict[str, str] | None = None, wasm_path: Path | None = None
                         ) -> ControlPlaneProc:
     http_port, xds_port = procs.free_port(), procs.free_port()
-    argv = services.control_plane_argv(redis_port, http_port, xds_port,
+    argv = launchers.control_plane_argv(redis_port, http_port, xds_port,
                                        *(["--wasm-path", str(wasm_path)] if wasm_path is not None else []))
     env = {"MESHCACHE_CP_TOKENS": TOKENS, "MESHCACHE_CP_REDIS_TIMEOUT_S": "0.5",
            "MESHCACHE_CP_RESYNC_INTERVAL_S": "0.5", **(extra_env or {})}

@@ -1,5 +1,5 @@
-"""Istio fixtures: the CRD schemas, the built module's pins, and (for the MCP tests) the
-control-plane fixtures: a real redis-server and real control-plane processes."""
+"""Istio fixtures: the CRD schemas and the built module's pins (the control-plane fixtures of the
+MCP tests are the shared ones in tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -7,12 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from meshcache.istio import render, validate
-from tests.control_plane.conftest import cp, redis_server, start_cp  # noqa: F401 - fixtures
-
-ISTIO_DIR = render.ISTIO_DIR
-OVERLAYS = sorted(p.parent for p in (ISTIO_DIR / "overlays").glob("*/kustomization.yaml"))
-KUSTOMIZATIONS = [render.BASE_DIR, *OVERLAYS]
+from meshcache.ctl.istio import render, validate
 
 
 @pytest.fixture(scope="session")

@@ -25,7 +25,7 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 from google.rpc import status_pb2
 
-from meshcache.istio import validate
+from meshcache.ctl.istio import validate
 from tests.istio import wire
 
 # pkg/config/schema/collections Pilot (1.30.3) + MeshConfig, as GVK strings.

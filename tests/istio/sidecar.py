@@ -31,8 +31,8 @@ from envoy.extensions.filters.http.wasm.v3 import wasm_pb2  # noqa: F401 - regis
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 from google.protobuf import any_pb2, json_format
 
-from meshcache.istio import oci
-from meshcache.pki import Identity
+from meshcache.contract import oci
+from meshcache.ctl.pki import Identity
 
 Obj = dict[str, Any]
 _ENVOY = "type.googleapis.com/envoy."

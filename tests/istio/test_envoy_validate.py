@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 import yaml
 
-from meshcache.paths import ENVOY_CONFIG_DIR, envoy_binary
-from meshcache.pki import CertificateAuthority, spiffe_id
+from meshcache.contract.paths import ENVOY_CONFIG_DIR, envoy_binary
+from meshcache.ctl.pki import CertificateAuthority, spiffe_id
 
 MODULE_IN_CONFIGS = "/etc/meshcache/meshcache_filter.wasm"
 CERTS_IN_CONFIGS = re.compile(r"/etc/meshcache/certs/([A-Za-z0-9_-]+)\.(crt|key)")

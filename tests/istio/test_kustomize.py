@@ -1,4 +1,4 @@
-"""The kustomize subset (meshcache/istio/kustomize.py): every overlay builds, and each supported
+"""The kustomize subset (meshcache/ctl/istio/kustomize.py): every overlay builds, and each supported
 feature does what kustomize does."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from meshcache.istio import kustomize
-from tests.istio.conftest import KUSTOMIZATIONS, OVERLAYS
+from meshcache.ctl.istio import kustomize
+from tests.istio.helpers import KUSTOMIZATIONS, OVERLAYS
 
 
 def _ids(objs: list[dict]) -> set[tuple[str, str]]:

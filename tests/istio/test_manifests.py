@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from meshcache.istio import crossref, kustomize, render, validate
-from tests.istio.conftest import ISTIO_DIR, KUSTOMIZATIONS
+from meshcache.ctl.istio import crossref, kustomize, render, validate
+from tests.istio.helpers import ISTIO_DIR, KUSTOMIZATIONS
 
 Obj = dict
 
@@ -325,7 +325,7 @@ def test_operator_steps_are_checked() -> None:
 
 
 def test_broken_file_on_disk_is_caught_by_the_cli(tmp_path: Path, filter_wasm: Path) -> None:
-    from meshcache.cli import main
+    from meshcache.ctl.cli import main
     objs = kustomize.build(render.BASE_DIR)
     good, bad = tmp_path / "good.yaml", tmp_path / "bad.yaml"
     good.write_text(kustomize.dump(objs))

@@ -13,7 +13,12 @@ import grpc
 import pytest
 from google.protobuf import json_format
 
-from control_plane.mcp import (
+from meshcache.contract import extensions
+from meshcache.contract.paths import FILTER_WASM
+from meshcache.contract.protos.istio.extensions.v1alpha1 import traffic_extension_pb2
+from meshcache.contract.protos.istio.networking.v1alpha3 import envoy_filter_pb2
+from meshcache.contract.wasm_filter import local_code
+from meshcache.control_plane.mcp import (
     ENVOY_FILTER_TYPE_URL,
     TRAFFIC_EXTENSION_TYPE_URL,
     WASM_PLUGIN_TYPE_URL,
@@ -21,16 +26,11 @@ from control_plane.mcp import (
     IstioMcpRenderer,
     mcp_fallback,
 )
-from control_plane.models import Policy
-from control_plane.settings import Settings
-from control_plane.snapshots import EMPTY, Snapshot
-from control_plane.xds_server import EcdsRenderer
-from meshcache.istio import extensions
-from meshcache.paths import FILTER_WASM
-from meshcache.protos.istio.extensions.v1alpha1 import traffic_extension_pb2
-from meshcache.protos.istio.networking.v1alpha3 import envoy_filter_pb2
-from meshcache.wasm_filter import local_code
-from tests.control_plane.helpers import ControlPlaneProc, aeventually, run
+from meshcache.control_plane.schemas import Policy
+from meshcache.control_plane.settings import Settings
+from meshcache.control_plane.snapshots import EMPTY, Snapshot
+from meshcache.control_plane.xds_server import EcdsRenderer
+from tests.helpers.control_plane import ControlPlaneProc, aeventually, run
 from tests.istio import istiod_client, wire
 from tests.istio.istiod_client import ISTIOD_1_30_TYPES, IstiodLikeClient
 

@@ -10,10 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from control_plane.snapshots import Snapshot
-from meshcache.cli import main
-from meshcache.istio import crossref, oci, render, validate
-from tests.control_plane.helpers import READ_TOKEN, ControlPlaneProc
+from meshcache.contract import oci
+from meshcache.control_plane.snapshots import Snapshot
+from meshcache.ctl.cli import main
+from meshcache.ctl.istio import crossref, render, validate
+from tests.helpers.control_plane import READ_TOKEN, ControlPlaneProc
 
 
 def _render(tmp_path: Path, *args: str) -> tuple[list[dict], dict, list[dict]]:

@@ -17,12 +17,13 @@ import httpx
 import pytest
 import yaml
 
-from meshcache import envoy_config, procs, services
-from meshcache.istio import extensions, oci, render
-from meshcache.paths import envoy_binary
-from meshcache.pki import CertificateAuthority, Identity, spiffe_id
-from tests.control_plane.helpers import ControlPlaneProc, run
+from meshcache.contract import extensions, grpc_hit, oci
+from meshcache.contract.paths import envoy_binary
+from meshcache.ctl import launchers, procs
+from meshcache.ctl.istio import render
+from meshcache.ctl.pki import CertificateAuthority, Identity, spiffe_id
 from tests.filter.stack import MODEL_INFER, infer_request
+from tests.helpers.control_plane import ControlPlaneProc, run
 from tests.istio import sidecar
 from tests.istio.envoyfilter_apply import UnsupportedPatch, apply
 from tests.istio.istiod_client import IstiodLikeClient
@@ -61,10 +62,10 @@ def test_patches_land_where_istio_puts_them(tmp_path: Path, pins: render.Pins) -
     order = sidecar.ISTIO_HTTP_FILTER_ORDER
     # Both chains of each port (mTLS and plaintext) get them, after istio.stats, before the router.
     assert list(sidecar.http_filters(patched, GRPC)) == 2 * [
-        [*order[:-1], "meshcache", envoy_config.GRPC_HIT_LUA_FILTER, order[-1]]]
+        [*order[:-1], "meshcache", grpc_hit.GRPC_HIT_LUA_FILTER, order[-1]]]
     assert list(sidecar.http_filters(patched, HTTP)) == 2 * [[*order[:-1], "meshcache", order[-1]]]
     assert [r["name"] for r in sidecar.route_config(patched, GRPC)["virtual_hosts"][0]["routes"]] == [
-        envoy_config.GRPC_HIT_ROUTE, "default"]
+        grpc_hit.GRPC_HIT_ROUTE, "default"]
     assert [r["name"] for r in sidecar.route_config(patched, HTTP)["virtual_hosts"][0]["routes"]] == ["default"]
     [(name, ext)] = ecds.items()
     wasm = ext["typed_config"]["config"]
@@ -77,7 +78,7 @@ def test_patches_land_where_istio_puts_them(tmp_path: Path, pins: render.Pins) -
         "patch": {"operation": "INSERT_BEFORE", "value": {"name": "x.other", "typed_config": sidecar.STAND_IN}}}]}}
     patched2, _, _ = apply(config, [ef, other])
     names = next(sidecar.http_filters(patched2, GRPC))
-    assert names[-4:] == ["x.other", "meshcache", envoy_config.GRPC_HIT_LUA_FILTER, "envoy.filters.http.router"]
+    assert names[-4:] == ["x.other", "meshcache", grpc_hit.GRPC_HIT_LUA_FILTER, "envoy.filters.http.router"]
 
 
 def test_applier_refuses_what_it_does_not_implement(tmp_path: Path) -> None:
@@ -175,7 +176,7 @@ def test_patched_sidecar_serves_a_grpc_hit_in_one_pass(tmp_path: Path, pins: ren
                                             str(http_port), "--grpc-port", str(grpc_port)], tmp_path)
             started.append(origin)
             procs.wait_until(origin, procs.tcp_open(grpc_port))
-            started.append(services.start_envoy(path, admin_port, tmp_path))
+            started.append(launchers.start_envoy(path, admin_port, tmp_path))
             request = infer_request("resnet-mini")
             answers = []
             with grpc.insecure_channel(f"127.0.0.1:{listen_port}") as channel:
@@ -198,7 +199,7 @@ def test_local_mesh_server_sidecar_runs_the_same_filter_chain(pins: render.Pins)
     """`meshcache up`'s server sidecar mirrors the full mode: the same filter entries in the same
     order before the router (ECDS-delivered cache filter, then the Lua body step) and the same hit
     route first; only the ECDS config source differs (the control plane there, ADS here)."""
-    from meshcache.mesh.topology import DEFAULT_PLUGIN_CONFIG
+    from meshcache.ctl.mesh.topology import DEFAULT_PLUGIN_CONFIG
 
     local = envoy_config.render(envoy_config.CacheProxy(
         listen_port=1, admin_port=2, http_upstream_port=3, grpc_upstream_port=4, plugin_config=DEFAULT_PLUGIN_CONFIG,

@@ -9,9 +9,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from meshcache.mesh.config import MeshConfig
-from meshcache.mesh.topology import Mesh
-from meshcache.paths import FILTER_WASM
+from meshcache.contract.paths import FILTER_WASM
+from meshcache.ctl.mesh.config import MeshConfig
+from meshcache.ctl.mesh.topology import Mesh
 
 pytestmark = pytest.mark.skipif(not FILTER_WASM.exists(), reason="filter not built (make filter)")
 

@@ -10,8 +10,8 @@ import grpc
 import httpx
 import numpy as np
 
-from meshcache.mesh.topology import Mesh
-from meshcache.protos import grpc_predict_v2_pb2 as pb
+from meshcache.contract.protos import grpc_predict_v2_pb2 as pb
+from meshcache.ctl.mesh.topology import Mesh
 
 MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"
 T = TypeVar("T")

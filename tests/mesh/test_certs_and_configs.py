@@ -11,10 +11,10 @@ import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from meshcache.envoy_config import ClientSidecar, render_client, write
-from meshcache.mesh.certs import ensure_certificates
-from meshcache.mesh.config import MeshConfig
-from meshcache.paths import envoy_binary
+from meshcache.contract.paths import envoy_binary
+from meshcache.ctl.envoy_config import ClientSidecar, render_client, write
+from meshcache.ctl.mesh.certs import ensure_certificates
+from meshcache.ctl.mesh.config import MeshConfig
 
 
 def _uris(path: Path) -> list[str]:

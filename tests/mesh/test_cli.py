@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from meshcache.mesh import state
+from meshcache.ctl.mesh import state
 from tests.mesh.helpers import mlp_json, rest_infer
 
 CLI = [str(Path(sys.executable).parent / "meshcache")]
@@ -137,7 +137,7 @@ def test_port_in_use_is_named(tmp_path: Path) -> None:
         t0 = time.monotonic()
         # Fixed defaults for the other ports may be taken on a shared machine: then that port is
         # named instead, which is just as correct; so take free ports for all but `app`.
-        from meshcache.mesh.config import Ports
+        from meshcache.ctl.mesh.config import Ports
         free = {k: v for k, v in vars(Ports.free()).items() if k != "app"}
         config.write_text(json.dumps({"ports": {**free, "app": port}}))
         out = run("up", "--config", str(config), "--state-dir", str(tmp_path / "state"))

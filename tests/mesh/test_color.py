@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import json
 
-from meshcache.mesh.topology import Mesh
-from meshcache.protos import grpc_predict_v2_pb2 as pb
+from meshcache.contract.protos import grpc_predict_v2_pb2 as pb
+from meshcache.ctl.mesh.topology import Mesh
 from tests.mesh.helpers import (
     canary_engine_calls,
     default_engine_calls,

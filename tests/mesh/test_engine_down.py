@@ -10,8 +10,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from meshcache.mesh.config import MeshConfig
-from meshcache.mesh.topology import Mesh
+from meshcache.ctl.mesh.config import MeshConfig
+from meshcache.ctl.mesh.topology import Mesh
 from tests.mesh.helpers import grpc_call, mlp_json, mlp_request, rest_infer
 
 

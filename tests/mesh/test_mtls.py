@@ -20,11 +20,11 @@ import pytest
 from envoy.service.discovery.v3 import discovery_pb2
 from envoy.service.extension.v3 import config_discovery_pb2_grpc
 
-from meshcache import procs, services
-from meshcache.envoy_config import ClientSidecar, write
-from meshcache.mesh.certs import pki_dir
-from meshcache.mesh.topology import Mesh
-from meshcache.pki import CertificateAuthority, Identity, spiffe_id
+from meshcache.ctl import launchers, procs
+from meshcache.ctl.envoy_config import ClientSidecar, write
+from meshcache.ctl.mesh.certs import pki_dir
+from meshcache.ctl.mesh.topology import Mesh
+from meshcache.ctl.pki import CertificateAuthority, Identity, spiffe_id
 from tests.mesh.helpers import eventually
 
 REQUEST = b"GET /v2/health/ready HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n"
@@ -55,7 +55,7 @@ def _exchange(port: int, ctx: ssl.SSLContext) -> bytes:
 def _ssl_stat(mesh: Mesh, name: str) -> int:
     port = mesh.config.ports.server_inbound
     key = f"listener.127.0.0.1_{port}.ssl.{name}"
-    return services.envoy_stats(mesh.config.ports.server_admin, key).get(key, 0)
+    return launchers.envoy_stats(mesh.config.ports.server_admin, key).get(key, 0)
 
 
 def _refused(mesh: Mesh, ctx: ssl.SSLContext, reason: str) -> None:
@@ -175,11 +175,11 @@ def test_the_client_sidecar_refuses_a_server_with_the_wrong_identity(
     listen, admin = procs.free_port(), procs.free_port()
     sidecar = ClientSidecar(listen_port=listen, admin_port=admin, server_port=port, identity=mesh.certs.client,
                             server_identities=[mesh.config.server_id])
-    envoy = services.start_envoy(write(sidecar, tmp_path / "client.yaml"), admin, tmp_path)
+    envoy = launchers.start_envoy(write(sidecar, tmp_path / "client.yaml"), admin, tmp_path)
     with procs.supervised([envoy]):
         r = httpx.get(f"http://127.0.0.1:{listen}/v2/health/ready", timeout=10)
         assert r.status_code == 503
-        stats = services.envoy_stats(admin, "cluster.mesh_upstream.ssl")
+        stats = launchers.envoy_stats(admin, "cluster.mesh_upstream.ssl")
         assert stats.get("cluster.mesh_upstream.ssl.fail_verify_san", 0) >= 1, stats
     assert not any(data for data in received), received  # no request bytes went to the impostor
 

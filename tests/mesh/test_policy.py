@@ -6,8 +6,8 @@ import re
 
 import numpy as np
 
-from meshcache.mesh.topology import SERVER_NODE, Mesh
-from meshcache.protos import grpc_predict_v2_pb2 as pb
+from meshcache.contract.protos import grpc_predict_v2_pb2 as pb
+from meshcache.ctl.mesh.topology import SERVER_NODE, Mesh
 from tests.mesh.helpers import default_engine_calls, grpc_call, mlp_request
 
 MODEL = "text-embedder"

@@ -13,8 +13,8 @@ import numpy as np
 import tritonclient.grpc as tgrpc
 import tritonclient.http as thttp
 
-from meshcache.mesh.topology import Mesh
-from meshcache.paths import REPO_ROOT
+from meshcache.contract.paths import REPO_ROOT
+from meshcache.ctl.mesh.topology import Mesh
 from tests.mesh.helpers import default_engine_calls
 
 KSERVE_PYTHON = REPO_ROOT / ".venv-kserve" / "bin" / "python"

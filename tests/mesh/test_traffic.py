@@ -7,8 +7,8 @@ import pytest
 import tritonclient.grpc as tgrpc
 import tritonclient.http as thttp
 
-from engine import perf_analyzer
-from meshcache.mesh.topology import Mesh
+from meshcache.ctl.mesh.topology import Mesh
+from meshcache.engine import perf_analyzer
 from tests.mesh.helpers import default_engine_calls, grpc_call, mlp_request, rest_infer
 
 

@@ -9,9 +9,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from meshcache.paths import FILTER_WASM
+from meshcache.contract import oci
+from meshcache.contract.paths import FILTER_WASM
 
-from . import crossref, kustomize, oci, render, validate, xds_tls
+from . import crossref, kustomize, render, validate, xds_tls
 
 
 def register(subparsers: Any) -> None:

@@ -14,8 +14,8 @@ from typing import Any
 
 import yaml
 
-from meshcache import envoy_config
-from meshcache.wasm_filter import FILTER_NAME, ROOT_ID
+from meshcache.contract import grpc_hit
+from meshcache.contract.wasm_filter import FILTER_NAME, ROOT_ID
 
 from .validate import validate_object
 
@@ -307,16 +307,16 @@ def _envoy_filter_errors(objects: list[Obj], ef: Obj) -> list[str]:
                 errors.append(f"{where}: filter {value['name']!r} takes its config by ECDS but no EXTENSION_CONFIG "
                               "of that name is added")
     for port, names in filters_by_port.items():
-        if envoy_config.GRPC_HIT_LUA_FILTER in names:
-            at = names.index(envoy_config.GRPC_HIT_LUA_FILTER)
+        if grpc_hit.GRPC_HIT_LUA_FILTER in names:
+            at = names.index(grpc_hit.GRPC_HIT_LUA_FILTER)
             if at == 0 or names[at - 1] != FILTER_NAME:
-                errors.append(f"{where}: on port {port} {envoy_config.GRPC_HIT_LUA_FILTER} must come right after "
+                errors.append(f"{where}: on port {port} {grpc_hit.GRPC_HIT_LUA_FILTER} must come right after "
                               f"the {FILTER_NAME} filter")
             hit_routes = [p for p in patches if p["applyTo"] == "HTTP_ROUTE"
                           and p["match"]["routeConfiguration"].get("portNumber") == port
-                          and p["patch"]["value"].get("name") == envoy_config.GRPC_HIT_ROUTE]
+                          and p["patch"]["value"].get("name") == grpc_hit.GRPC_HIT_ROUTE]
             if not hit_routes or hit_routes[0]["patch"]["operation"] != "INSERT_FIRST":
-                errors.append(f"{where}: port {port} has the Lua filter but no {envoy_config.GRPC_HIT_ROUTE} route "
+                errors.append(f"{where}: port {port} has the Lua filter but no {grpc_hit.GRPC_HIT_ROUTE} route "
                               "inserted first")
     return errors
 

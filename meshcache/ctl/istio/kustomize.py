@@ -44,7 +44,7 @@ def build(directory: Path) -> list[Obj]:
     spec = yaml.safe_load(kfile.read_text()) or {}
     unknown = set(spec) - _KNOWN_KEYS
     if unknown:
-        raise KustomizeError(f"{kfile}: unsupported fields {sorted(unknown)} (see meshcache/istio/kustomize.py)")
+        raise KustomizeError(f"{kfile}: unsupported fields {sorted(unknown)} (see meshcache/ctl/istio/kustomize.py)")
     objects: list[Obj] = []
     for entry in spec.get("resources", []):
         path = (directory / entry).resolve()

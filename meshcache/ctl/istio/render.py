@@ -1,6 +1,6 @@
 """`meshcache istio render`: the kustomize build of istio/ customised for a namespace, traffic
 colours and the built filter module; the two IstioOperator steps; and a preview of what the control
-plane serves istiod over MCP for a policy snapshot (the same builders, meshcache/istio/extensions.py).
+plane serves istiod over MCP for a policy snapshot (the same builders, meshcache/contract/extensions.py).
 
 The committed base (namespace `meshcache`, colour `blue`, demo policies, the module built at
 commit time) is a fixed point of this function: rendering it with the defaults gives it back, so
@@ -19,12 +19,13 @@ from typing import Any
 import httpx
 import yaml
 
-from control_plane.models import Policy
-from control_plane.snapshots import Snapshot
-from meshcache.paths import FILTER_WASM, REPO_ROOT
+from meshcache.contract import extensions, oci
+from meshcache.contract.extensions import oci_url
+from meshcache.contract.filter_config import Limits, Policy, demo_policies, plugin_config
+from meshcache.contract.headers import COLOR_HEADER
+from meshcache.contract.paths import FILTER_WASM, REPO_ROOT
 
-from . import extensions, kustomize, oci
-from .extensions import oci_url
+from . import kustomize
 
 ISTIO_DIR = REPO_ROOT / "istio"
 BASE_DIR = ISTIO_DIR / "base"
@@ -41,13 +42,8 @@ Obj = dict[str, Any]
 
 
 def demo_plugin_config() -> dict[str, Any]:
-    """The demo models' policies, as a snapshot would render them (no control plane needed)."""
-    policies = (
-        Policy(model_prefix="mlp-classifier", ttl_s=300, max_ttl_s=1800, generation=1),
-        Policy(model_prefix="resnet-mini", ttl_s=300, max_ttl_s=1800, generation=1),
-        Policy(model_prefix="text-embedder", ttl_s=600, max_ttl_s=3600, generation=1),
-    )
-    return Snapshot(version=1, policies=policies, action="demo").plugin_config()
+    """The demo models' policies, as a snapshot (version 1) would render them (no control plane needed)."""
+    return plugin_config("1", demo_policies(generation=1))
 
 
 def plugin_config_from_file(path: Path) -> dict[str, Any]:
@@ -55,7 +51,9 @@ def plugin_config_from_file(path: Path) -> dict[str, Any]:
     data = json.loads(Path(path).read_text())
     if isinstance(data, dict) and isinstance(data.get("plugin_config"), str):
         return json.loads(data["plugin_config"])  # type: ignore[no-any-return]
-    return Snapshot.from_record(json.dumps(data)).plugin_config()
+    # A stored record (control_plane/snapshots.py `to_record`): version, limits, policies.
+    return plugin_config(str(int(data["version"])), [Policy.model_validate(p) for p in data.get("policies", [])],
+                         Limits.model_validate(data.get("limits", {})))
 
 
 def plugin_config_from_api(url: str, token: str, timeout: float = 10.0) -> dict[str, Any]:
@@ -224,13 +222,13 @@ def virtual_service_routes(colors: Iterable[str], default: str, gateway: bool = 
 
     routes: list[Obj] = []
     for c in [*colors, None]:
-        color = {"x-traffic-color": {"exact": c}} if c else {}
+        color = {COLOR_HEADER: {"exact": c}} if c else {}
         name, target = (f"color-{c}", c) if c else ("default", default)
         if gateway:
             grpc = {**color, "content-type": {"prefix": "application/grpc"}}
             routes.append({"name": f"{name}-grpc", "match": [{"headers": grpc}],
                            "route": dest(target, extensions.GRPC_PORT)})
-            color = {"x-traffic-color": {"exact": c}} if c else {}  # no shared nodes in the YAML
+            color = {COLOR_HEADER: {"exact": c}} if c else {}  # no shared nodes in the YAML
             route: Obj = {"name": name, "route": dest(target, extensions.HTTP_PORT)}
         else:
             route = {"name": name, "route": dest(target)}

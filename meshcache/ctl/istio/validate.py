@@ -24,7 +24,7 @@ import jsonschema
 import kubernetes_validate
 import yaml
 
-from meshcache.paths import REPO_ROOT
+from meshcache.contract.paths import REPO_ROOT
 
 ISTIO_CRDS_NAME = "istio-1.30.3-crds.yaml"
 KUBERNETES_VERSION = "1.37.0"

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from meshcache.pki import CertificateAuthority, spiffe_id
+from meshcache.ctl.pki import CertificateAuthority, spiffe_id
 
 CONTROL_PLANE = "meshcache-control-plane"
 SERVER_SECRET = "meshcache-cp-xds-tls"  # kubernetes.io/tls in the meshcache namespace

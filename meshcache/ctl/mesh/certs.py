@@ -2,7 +2,7 @@
 
 Workload certificates are short-lived (MeshConfig.cert_hours); `ensure_certificates` keeps the
 ones that are still good and issues new ones when a certificate is near expiry, names another
-identity, or was not signed by the current CA. Private keys are written 0600 (meshcache.pki).
+identity, or was not signed by the current CA. Private keys are written 0600 (meshcache.ctl.pki).
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from pathlib import Path
 from cryptography import x509
 from cryptography.exceptions import InvalidSignature
 
-from meshcache.mesh.config import MeshConfig
-from meshcache.pki import CertificateAuthority, Identity, expires_within
+from meshcache.ctl.mesh.config import MeshConfig
+from meshcache.ctl.pki import CertificateAuthority, Identity, expires_within
 
 CA_DAYS = 365
 CA_RENEW_BEFORE = dt.timedelta(days=30)

@@ -11,10 +11,10 @@ from typing import Any
 
 import httpx
 
-from meshcache.mesh import state
-from meshcache.mesh.api import ApiError, PolicyApi
-from meshcache.mesh.config import MeshConfig, default_state_dir
-from meshcache.mesh.errors import MeshError
+from meshcache.ctl.mesh import state
+from meshcache.ctl.mesh.api_client import ApiError, PolicyApi
+from meshcache.ctl.mesh.config import MeshConfig, default_state_dir
+from meshcache.ctl.mesh.errors import MeshError
 
 
 def _err(message: str) -> int:
@@ -60,8 +60,8 @@ def _interrupt(signum: int, _frame: object) -> None:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from meshcache.mesh import supervisor
-    from meshcache.mesh.topology import check_prerequisites
+    from meshcache.ctl.mesh import supervisor
+    from meshcache.ctl.mesh.topology import check_prerequisites
 
     try:
         config = _load_config(args)
@@ -158,7 +158,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from meshcache.mesh import demo
+    from meshcache.ctl.mesh import demo
 
     try:
         return demo.run(_state_dir(args))

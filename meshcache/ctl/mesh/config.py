@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from meshcache.pki import spiffe_id
+from meshcache.contract.filter_config import DEMO_POLICIES
+from meshcache.ctl.pki import spiffe_id
 
 
 @dataclass(frozen=True)
@@ -66,13 +67,6 @@ def default_state_dir() -> Path:
     return Path(base) / "meshcache"
 
 
-# Seeded into the control plane on a fresh state dir (policy version 0); kept across restarts.
-DEFAULT_POLICIES: dict[str, dict[str, Any]] = {
-    "resnet-mini": {"ttl_s": 300, "max_ttl_s": 1800},
-    "mlp-classifier": {"ttl_s": 300, "max_ttl_s": 1800},
-    "text-embedder": {"ttl_s": 600, "max_ttl_s": 3600},
-}
-
 
 @dataclass(frozen=True)
 class MeshConfig:
@@ -93,7 +87,8 @@ class MeshConfig:
     cert_hours: float = 24.0  # workload certificates are short-lived ...
     renew_before_hours: float = 8.0  # ... and re-issued by `up` when less than this is left
     envoy_concurrency: int = 1
-    policies: dict[str, dict[str, Any]] = field(default_factory=lambda: dict(DEFAULT_POLICIES))
+    # Seeded into the control plane on a fresh state dir (policy version 0); kept across restarts.
+    policies: dict[str, dict[str, Any]] = field(default_factory=lambda: {k: dict(v) for k, v in DEMO_POLICIES.items()})
 
     @property
     def client_id(self) -> str:

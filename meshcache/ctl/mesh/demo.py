@@ -21,12 +21,13 @@ import grpc
 import httpx
 import numpy as np
 
-from meshcache.mesh import state
-from meshcache.mesh.api import PolicyApi
-from meshcache.mesh.config import MeshConfig
-from meshcache.mesh.topology import SERVER_NODE, Mesh
-from meshcache.protos import grpc_predict_v2_pb2 as pb
-from meshcache.protos import grpc_predict_v2_pb2_grpc as pb_grpc
+from meshcache.contract.headers import CACHE_STATUS_HEADER, COLOR_HEADER
+from meshcache.contract.protos import grpc_predict_v2_pb2 as pb
+from meshcache.contract.protos import grpc_predict_v2_pb2_grpc as pb_grpc
+from meshcache.ctl.mesh import state
+from meshcache.ctl.mesh.api_client import PolicyApi
+from meshcache.ctl.mesh.config import MeshConfig
+from meshcache.ctl.mesh.topology import SERVER_NODE, Mesh
 
 # model -> (input name, shape, dtype)
 INPUTS: dict[str, tuple[str, tuple[int, ...], str]] = {
@@ -79,23 +80,23 @@ class Client:
         body = {"inputs": [{"name": name, "shape": list(x.shape), "datatype": dtype,
                             "data": x.reshape(-1).tolist()}]}
         content = json.dumps(body).encode()  # encoded before the clock starts: time the mesh, not json
-        headers = {"content-type": "application/json", **({"x-traffic-color": color} if color else {})}
+        headers = {"content-type": "application/json", **({COLOR_HEADER: color} if color else {})}
         t0 = time.perf_counter()
         r = self.http.post(f"/v2/models/{model}/infer", content=content, headers=headers)
         ms = (time.perf_counter() - t0) * 1000
         r.raise_for_status()
-        return self._row(model, "REST", color, r.headers.get("cache-status", "-"), ms)
+        return self._row(model, "REST", color, r.headers.get(CACHE_STATUS_HEADER, "-"), ms)
 
     def grpc(self, model: str, x: np.ndarray, color: str = "") -> Row:
         name, _, dtype = INPUTS[model]
         request = pb.ModelInferRequest(model_name=model)
         request.inputs.add(name=name, datatype=dtype, shape=list(x.shape))
         request.raw_input_contents.append(x.tobytes())
-        metadata = (("x-traffic-color", color),) if color else ()
+        metadata = ((COLOR_HEADER, color),) if color else ()
         t0 = time.perf_counter()
         _, call = self.stub.ModelInfer.with_call(request, metadata=metadata, timeout=10)
         ms = (time.perf_counter() - t0) * 1000
-        return self._row(model, "gRPC", color, dict(call.initial_metadata()).get("cache-status", "-"), ms)
+        return self._row(model, "gRPC", color, dict(call.initial_metadata()).get(CACHE_STATUS_HEADER, "-"), ms)
 
     def _row(self, model: str, transport: str, color: str, status: str, ms: float) -> Row:
         row = Row(model, transport, color or self.default_color, status, ms)

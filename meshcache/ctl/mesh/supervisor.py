@@ -21,10 +21,10 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, TextIO
 
-from meshcache.mesh import state
-from meshcache.mesh.config import MeshConfig
-from meshcache.mesh.errors import MeshError
-from meshcache.mesh.topology import Mesh
+from meshcache.ctl.mesh import state
+from meshcache.ctl.mesh.config import MeshConfig
+from meshcache.ctl.mesh.errors import MeshError
+from meshcache.ctl.mesh.topology import Mesh
 
 CONFIG_FILE = "mesh-config.json"
 SUPERVISOR_LOG = "supervisor.log"
@@ -112,7 +112,7 @@ def spawn(config: MeshConfig) -> subprocess.Popen[bytes]:
     config_path.write_text(json.dumps(config_to_json(config), indent=2) + "\n")
     with open(config.log_dir / SUPERVISOR_LOG, "ab") as log:
         return subprocess.Popen(
-            [sys.executable, "-m", "meshcache.cli", "up", "--supervise", "--config", str(config_path),
+            [sys.executable, "-m", "meshcache.ctl.cli", "up", "--supervise", "--config", str(config_path),
              "--state-dir", str(config.state_dir)],
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
         )

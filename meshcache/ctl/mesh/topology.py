@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import hashlib
-import importlib.util
 import os
 import secrets
 import shutil
@@ -24,14 +22,14 @@ from typing import Any
 
 import httpx
 
-from meshcache import procs, services
-from meshcache.envoy_config import CacheProxy, ClientSidecar, Upstream, write
-from meshcache.mesh.api import ApiError, PolicyApi
-from meshcache.mesh.certs import MeshCertificates, ensure_certificates
-from meshcache.mesh.config import MeshConfig, Ports
-from meshcache.mesh.errors import MeshError
-from meshcache.mesh.state import process_start_time
-from meshcache.paths import FILTER_WASM, envoy_binary
+from meshcache.contract.paths import FILTER_WASM, envoy_binary
+from meshcache.ctl import launchers, procs
+from meshcache.ctl.envoy_config import CacheProxy, ClientSidecar, Upstream, write
+from meshcache.ctl.mesh.api_client import ApiError, PolicyApi
+from meshcache.ctl.mesh.certs import MeshCertificates, ensure_certificates
+from meshcache.ctl.mesh.config import MeshConfig, Ports
+from meshcache.ctl.mesh.errors import MeshError
+from meshcache.ctl.mesh.state import process_start_time
 
 SERVER_NODE = "meshcache-server-sidecar"
 CLIENT_NODE = "meshcache-client-sidecar"
@@ -59,8 +57,8 @@ def check_prerequisites(config: MeshConfig) -> None:
         raise MeshError(str(exc)) from exc
     if not shutil.which("redis-server"):
         raise MeshError("redis-server not found on PATH: install the Debian package redis-server (make setup)")
-    if not Path(services.ENGINE_BIN).exists():
-        raise MeshError(f"{services.ENGINE_BIN} not found: install this package (make setup)")
+    if not Path(launchers.ENGINE_BIN).exists():
+        raise MeshError(f"{launchers.ENGINE_BIN} not found: install this package (make setup)")
     if not FILTER_WASM.exists():
         raise MeshError(f"{FILTER_WASM} is missing: build the filter (make filter)")
     ports = config.ports
@@ -86,20 +84,11 @@ def _model_repos(config: MeshConfig) -> tuple[Path, Path | None]:
     """The default engine's repository, and the canary's (same models, other default versions)."""
     models = config.state_dir / "models"
     default = models / "default"
-    # Written once per version of the generator (deterministic, but ~1 s with the onnx import).
-    spec = importlib.util.find_spec("engine.demo_models")
-    assert spec is not None and spec.origin is not None
-    stamp = hashlib.sha256(Path(spec.origin).read_bytes()).hexdigest()
-    stamp_path = models / "demo-models.sha256"
-    if not stamp_path.exists() or stamp_path.read_text().strip() != stamp:
-        from engine.demo_models import write_demo_models
-
-        shutil.rmtree(default, ignore_errors=True)
-        write_demo_models(default)
-        stamp_path.write_text(stamp + "\n")
+    # The engine's own command writes them, and only when its generator changed (its version stamp).
+    launchers.init_demo_models(default, if_stale=True)
     if not config.canary_color:
         return default, None
-    from engine.model_config import CONFIG_FILE, parse_text, to_text
+    from meshcache.engine.model_config import CONFIG_FILE, parse_text, to_text
 
     canary = models / "canary"
     shutil.rmtree(canary, ignore_errors=True)
@@ -122,8 +111,8 @@ class Mesh:
         self.config = config
         self.log = log
         self.procs: list[procs.Proc] = []
-        self.engine: services.Engine | None = None
-        self.canary: services.Engine | None = None
+        self.engine: launchers.Engine | None = None
+        self.canary: launchers.Engine | None = None
         self.certs: MeshCertificates | None = None
         self.token = ""
 
@@ -153,21 +142,21 @@ class Mesh:
     def _start_all(self, ports: Ports) -> None:
         cfg, certs = self.config, self.certs
         assert certs is not None
-        default_repo, canary_repo = _model_repos(cfg)
         try:
+            default_repo, canary_repo = _model_repos(cfg)
             self.log("starting redis-server ...")
-            redis, _ = services.start_redis(cfg.state_dir / "redis", port=ports.redis)
+            redis, _ = launchers.start_redis(cfg.state_dir / "redis", port=ports.redis)
             self.procs.append(redis)
             self.log("starting the control plane ...")
             self.procs.append(self._start_control_plane())
             self.log("starting the engine ...")
-            self.engine = services.start_engine(default_repo, cfg.log_dir, name="engine",
+            self.engine = launchers.start_engine(default_repo, cfg.log_dir, name="engine",
                                                 ports=(ports.engine_http, ports.engine_grpc, ports.engine_metrics))
             self.procs.append(self.engine.proc)
             color_routes: dict[str, Upstream] = {}
             if canary_repo is not None:
                 self.log(f"starting the canary engine (traffic colour {cfg.canary_color!r}) ...")
-                self.canary = services.start_engine(
+                self.canary = launchers.start_engine(
                     canary_repo, cfg.log_dir, name="engine-canary",
                     ports=(ports.canary_http, ports.canary_grpc, ports.canary_metrics))
                 self.procs.append(self.canary.proc)
@@ -199,20 +188,20 @@ class Mesh:
         assert certs is not None
         # xDS only for holders of a mesh-CA certificate (the sidecars): no other local process
         # can read the config, forge ACK/NACKs or use up the stream limit.
-        argv = services.control_plane_argv(ports.redis, ports.cp_http, ports.cp_xds, "--host", "127.0.0.1",
+        argv = launchers.control_plane_argv(ports.redis, ports.cp_http, ports.cp_xds, "--host", "127.0.0.1",
                                            "--wasm-path", str(FILTER_WASM), "--instance-id", "meshcache-up",
                                            "--xds-tls-cert", str(certs.control_plane.cert),
                                            "--xds-tls-key", str(certs.control_plane.key),
                                            "--xds-tls-client-ca", str(certs.ca_cert))
         env = {"MESHCACHE_CP_TOKENS": f"write:mesh:{self.token}"}
-        return services.start_control_plane(argv, env, self.config.log_dir, ports.cp_http, ports.cp_xds,
+        return launchers.start_control_plane(argv, env, self.config.log_dir, ports.cp_http, ports.cp_xds,
                                             ready_path="/readyz")
 
     def _start_envoy(self, name: str, proxy: CacheProxy | ClientSidecar, admin_port: int) -> procs.Proc:
         directory = self.config.state_dir / "envoy"
         directory.mkdir(parents=True, exist_ok=True)
         path = write(proxy, directory / f"{name}.yaml")
-        return services.start_envoy(path, admin_port, self.config.log_dir, name=name,
+        return launchers.start_envoy(path, admin_port, self.config.log_dir, name=name,
                                     concurrency=self.config.envoy_concurrency)
 
     def _apply_policies(self) -> None:

@@ -23,7 +23,7 @@ _sym_db = _symbol_database.Default()
 
 
 from google.protobuf import any_pb2 as google_dot_protobuf_dot_any__pb2
-from meshcache.protos.istio.mcp.v1alpha1 import metadata_pb2 as istio_dot_mcp_dot_v1alpha1_dot_metadata__pb2
+from meshcache.contract.protos.istio.mcp.v1alpha1 import metadata_pb2 as istio_dot_mcp_dot_v1alpha1_dot_metadata__pb2
 
 
 DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!istio/mcp/v1alpha1/resource.proto\x12\x12istio.mcp.v1alpha1\x1a\x19google/protobuf/any.proto\x1a!istio/mcp/v1alpha1/metadata.proto\"^\n\x08Resource\x12.\n\x08metadata\x18\x01 \x01(\x0b\x32\x1c.istio.mcp.v1alpha1.Metadata\x12\"\n\x04\x62ody\x18\x02 \x01(\x0b\x32\x14.google.protobuf.Anyb\x06proto3')

@@ -1,5 +1,5 @@
 from google.protobuf import any_pb2 as _any_pb2
-from meshcache.protos.istio.mcp.v1alpha1 import metadata_pb2 as _metadata_pb2
+from meshcache.contract.protos.istio.mcp.v1alpha1 import metadata_pb2 as _metadata_pb2
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Mapping as _Mapping

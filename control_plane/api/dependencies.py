@@ -1,0 +1,62 @@
+"""Request dependencies: the control plane, bearer-token roles, and the shared path/header parameters."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Awaitable, Callable
+from typing import Annotated
+
+from fastapi import Depends, Header, Path, Request, Response
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from meshcache.contract.filter_config import MAX_PREFIX_LEN, PREFIX_PATTERN
+
+from ..auth import Principal, Role
+from ..schemas import FieldError
+from ..wiring import ControlPlane
+from .errors import ApiError
+
+_bearer = HTTPBearer(auto_error=False, description="Token with role read or write")
+
+
+def cp_of(request: Request) -> ControlPlane:
+    return request.app.state.cp  # type: ignore[no-any-return]
+
+
+def require(role: Role) -> Callable[..., Awaitable[Principal]]:
+    async def dep(request: Request,
+                  creds: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> Principal:
+        if creds is None or not creds.credentials:
+            raise ApiError(401, "missing bearer token", headers={"WWW-Authenticate": "Bearer"})
+        principal = cp_of(request).tokens.lookup(creds.credentials)
+        if principal is None:
+            raise ApiError(401, "unknown bearer token", headers={"WWW-Authenticate": "Bearer"})
+        if not principal.can(role):
+            raise ApiError(403, f"token {principal.name!r} has role {principal.role!r}; {role} needed")
+        return principal
+
+    return dep
+
+
+Reader = Annotated[Principal, Depends(require("read"))]
+Writer = Annotated[Principal, Depends(require("write"))]
+CP = Annotated[ControlPlane, Depends(cp_of)]
+PrefixPath = Annotated[str, Path(min_length=1, max_length=MAX_PREFIX_LEN, pattern=PREFIX_PATTERN,
+                                 description="The policy's model_prefix")]
+IfMatch = Annotated[str | None, Header(alias="If-Match", max_length=64,
+                                       description="Snapshot version the change is based on")]
+_ETAG = re.compile(r'^\s*(?:W/)?"?(\d{1,15})"?\s*$')
+
+
+def if_match_version(value: str | None) -> int | None:
+    if value is None or value.strip() == "*":
+        return None
+    m = _ETAG.match(value)
+    if not m:
+        raise ApiError(422, "invalid If-Match", [FieldError(field="If-Match",
+                                                          reason="must be a snapshot version number")])
+    return int(m.group(1))
+
+
+def set_etag(response: Response, version: int) -> None:
+    response.headers["ETag"] = f'"{version}"'

@@ -1,0 +1,60 @@
+"""Snapshots (current and by version), rollback, and the audit log."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Path, Query, Response
+
+from ... import snapshots as changes
+from ...schemas import AuditOut, ErrorOut, RollbackRequest, SnapshotOut, WriteResult
+from ...snapshots import Snapshot
+from ...store import StoreUnavailable
+from ..dependencies import CP, Reader, Writer, set_etag
+from ..errors import ERRORS, WRITE_ERRORS, ApiError
+
+router = APIRouter()
+
+
+def _snapshot_out(s: Snapshot) -> SnapshotOut:
+    return SnapshotOut(version=s.version, created_at=s.created_at, author=s.author, action=s.action,
+                       limits=s.limits, policies=list(s.policies), plugin_config=s.plugin_config_json)
+
+
+@router.get("/v1/snapshot", responses=ERRORS)
+async def current_snapshot(cp: CP, _p: Reader, response: Response) -> SnapshotOut:
+    snap = cp.cache.current
+    set_etag(response, snap.version)
+    return _snapshot_out(snap)
+
+
+@router.get("/v1/snapshots/{version}",
+            responses={**ERRORS, 404: {"model": ErrorOut}, 503: {"model": ErrorOut}})
+async def get_snapshot(version: Annotated[int, Path(ge=0, le=2**53)], cp: CP, _p: Reader) -> SnapshotOut:
+    cur = cp.cache.current
+    if version == cur.version:
+        return _snapshot_out(cur)
+    try:
+        snap = await cp.store.load(version)
+    except StoreUnavailable as exc:
+        raise ApiError(503, "policy store (Redis) unavailable; only the current snapshot "
+                       "can be read meanwhile", headers={"Retry-After": "1"}) from exc
+    if snap is None:
+        raise ApiError(404, f"snapshot {version} does not exist (or is older than the retention)")
+    return _snapshot_out(snap)
+
+
+@router.post("/v1/rollback", responses=WRITE_ERRORS)
+async def do_rollback(body: RollbackRequest, cp: CP, who: Writer, response: Response) -> WriteResult:
+    target = await cp.store.load(body.version)
+    if target is None:
+        raise ApiError(404, f"snapshot {body.version} does not exist (or is older than the retention)")
+    snap, changed = await cp.service.apply(
+        lambda cur, v: changes.rollback(cur, target, v, who.name), who.name, f"to {body.version}")
+    set_etag(response, snap.version)
+    return WriteResult(version=snap.version, changed=changed)
+
+
+@router.get("/v1/audit", responses={**ERRORS, 503: {"model": ErrorOut}})
+async def audit(cp: CP, _p: Reader, count: Annotated[int, Query(ge=1, le=1000)] = 100) -> AuditOut:
+    return AuditOut(entries=await cp.store.audit(count))

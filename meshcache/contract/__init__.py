@@ -1,0 +1,8 @@
+"""The contract layer: what the filter, the control plane, the engine and the tooling agree on.
+
+Defined once here and imported by everything above; imports nothing of the project itself
+(tests/test_layering.py checks). `filter_config` (the filter's plugin configuration: fields,
+defaults, limits, canonical JSON, demo policies), `headers`, `wasm_filter` (the Envoy Wasm filter
+that runs the module), `wasmplugin` and `oci` (Istio's WasmPlugin and the module's OCI image),
+`paths`, and the generated `protos`.
+"""

@@ -1,0 +1,115 @@
+"""The filter's plugin configuration (parsed by filter/src/config.rs), defined once in Python.
+
+Field names are those of `Policy` and `Limits` plus the top-level `version`, `color`,
+`hold_headers` and `policies`. The defaults and limits below are the filter's own constants;
+tests/test_contract.py parses them out of config.rs, so the two cannot drift. The control plane's
+API validates with these bounds (or stricter ones), so anything it accepts the filter loads.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+
+# ---- the filter's constants (filter/src/config.rs) -----------------------------------------
+DEFAULT_MAX_ENTRY_BYTES = 1_048_576
+DEFAULT_MAX_TOTAL_BYTES = 67_108_864
+DEFAULT_MAX_ENTRIES = 16_384
+LIMIT_MAX_ENTRY_BYTES = 64 * 1_048_576
+LIMIT_MAX_TOTAL_BYTES = 16 * 1_073_741_824
+LIMIT_MAX_ENTRIES = 1_048_576
+LIMIT_POLICIES = 4096
+MAX_PREFIX_LEN = 256  # LIMIT_PREFIX_LEN in config.rs
+LIMIT_IGNORE_FIELDS = 64  # `ignore_fields` names per policy
+LIMIT_FIELD_LEN = 256  # bytes per `ignore_fields` name
+DEFAULT_HASH_HEADERS: tuple[str, ...] = ("content-type", "x-model-id")
+HEADER_NAME_SYMBOLS = "!#$%&'*+-.^_`|~"  # RFC 9110 token characters besides letters and digits
+
+# ---- stricter bounds the control plane applies (the filter would accept more) ---------------
+MAX_TTL_S = 30 * 24 * 3600
+MAX_HEADERS = 32
+MAX_HEADER_NAME_LEN = 128
+# Model names as they appear in KServe v2 paths and x-model-id: no slashes, no spaces.
+PREFIX_PATTERN = r"^[A-Za-z0-9._:@+-]+$"
+# RFC 9110 token characters, lowercase only (HTTP/2 header names are lowercase).
+HEADER_PATTERN = r"^[a-z0-9!#$%&'*+.^_`|~-]+$"
+
+# ---- top-level field names ------------------------------------------------------------------
+VERSION = "version"
+COLOR = "color"
+HOLD_HEADERS = "hold_headers"
+POLICIES = "policies"
+ROLE = "role"
+STUB_ROLE = "stub"
+
+Scope = Literal["shared", "principal"]
+
+
+class Policy(BaseModel):
+    """One row of the filter's `policies` (exactly the filter's field names)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model_prefix: str
+    ttl_s: int
+    max_ttl_s: int
+    generation: int = 0
+    hash_headers: tuple[str, ...] = DEFAULT_HASH_HEADERS
+    vary_headers: tuple[str, ...] = ()
+    scope: Scope = "shared"
+    enabled: bool = True
+
+
+class Limits(BaseModel):
+    """Global cache limits (top-level fields of the plugin configuration)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+    max_entry_bytes: int = Field(DEFAULT_MAX_ENTRY_BYTES, ge=1, le=LIMIT_MAX_ENTRY_BYTES)
+    max_total_bytes: int = Field(DEFAULT_MAX_TOTAL_BYTES, ge=1, le=LIMIT_MAX_TOTAL_BYTES)
+    max_entries: int = Field(DEFAULT_MAX_ENTRIES, ge=1, le=LIMIT_MAX_ENTRIES)
+
+    @field_validator("max_total_bytes")
+    @classmethod
+    def _total_holds_one_entry(cls, v: int, info: ValidationInfo) -> int:
+        entry = info.data.get("max_entry_bytes")
+        if entry is not None and v < entry:
+            raise ValueError(f"must be at least max_entry_bytes ({entry})")
+        return v
+
+
+TtlSeconds = Annotated[int, Field(ge=0, le=MAX_TTL_S)]
+
+
+def plugin_config(version: str, policies: Iterable[Policy], limits: Limits | None = None,
+                  color: str = "") -> dict[str, Any]:
+    """The plugin configuration for these policies (sorted by prefix: equal contents, equal bytes)."""
+    return {
+        VERSION: version,
+        COLOR: color,
+        **(limits if limits is not None else Limits()).model_dump(),
+        POLICIES: [p.model_dump(mode="json") for p in sorted(policies, key=lambda p: p.model_prefix)],
+    }
+
+
+def plugin_config_json(config: dict[str, Any]) -> str:
+    """Canonical JSON text of a plugin configuration (sorted keys: equal configs, equal bytes)."""
+    return json.dumps(config, sort_keys=True, separators=(",", ":"))
+
+
+STUB_ROLE_CONFIG: dict[str, Any] = {ROLE: STUB_ROLE}  # the internal listener's responder
+
+# The demo models' policies (engine's demo repository): seeded by `meshcache up`, in the
+# reference Envoy configs and in the committed Istio base. Seeding order sets the generations.
+DEMO_POLICIES: dict[str, dict[str, int]] = {
+    "resnet-mini": {"ttl_s": 300, "max_ttl_s": 1800},
+    "mlp-classifier": {"ttl_s": 300, "max_ttl_s": 1800},
+    "text-embedder": {"ttl_s": 600, "max_ttl_s": 3600},
+}
+
+
+def demo_policies(generation: int = 0) -> list[Policy]:
+    return [Policy(model_prefix=prefix, generation=generation, **spec) for prefix, spec in DEMO_POLICIES.items()]

@@ -1,0 +1,16 @@
+"""HTTP header names the filter, the Envoy configs, Istio's routes and the tools share.
+
+The filter's own copies are in filter/src/names.rs (tests/test_contract.py compares them)."""
+
+from __future__ import annotations
+
+# Routes a gRPC hit to the internal stub listener; the filter strips any client copy.
+HIT_HEADER = "x-meshcache-hit"
+# Traffic colour: part of the cache key, and what colour routes match on.
+COLOR_HEADER = "x-traffic-color"
+# The hash of the response body plus whitelisted headers, set on every cached response.
+HASH_HEADER = "x-response-hash"
+# RFC 9211 Cache-Status, set by the filter on the responses it handles.
+CACHE_STATUS_HEADER = "cache-status"
+# KServe v2 REST: the model a request is for (also a default hash header).
+MODEL_ID_HEADER = "x-model-id"

@@ -1,0 +1,1 @@
+"""Test helpers shared by more than one test folder (imported, never conftest)."""
