@@ -37,6 +37,7 @@ import onnxruntime as ort
 
 from bench.loadgen import wrk
 from bench.report import table, write_section
+from bench.stats import ms, percentile
 from meshcache.contract.paths import REPO_ROOT
 from meshcache.contract.protos import grpc_predict_v2_pb2 as pb
 from meshcache.ctl import launchers, procs
@@ -83,6 +84,8 @@ class OnnxModel(MLModel):
 
 @dataclass
 class Result:
+    """One load level: from per-call latencies (gRPC) or a load generator's summary (wrk: p50/p99)."""
+
     requests: int
     seconds: float
     latencies: list[float] = field(default_factory=list)
@@ -95,8 +98,7 @@ class Result:
         return self.requests / self.seconds
 
     def percentile(self, q: float) -> float:
-        ordered = sorted(self.latencies)
-        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+        return percentile(self.latencies, q)
 
 
 @dataclass
@@ -254,10 +256,6 @@ def _start_mlserver(binary: Path, repo: Path, log_dir: Path, name: str) -> tuple
 
 # ---- report ---------------------------------------------------------------------------------
 
-def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.2f}"
-
-
 def _met(ok: bool) -> str:
     return "yes" if ok else "no"
 
@@ -290,8 +288,8 @@ def _side_by_side(runs: dict[Key, list[Result]]) -> tuple[list[list[object]], di
                              f"{statistics.median(r.throughput for r in eng):.0f}",
                              f"{statistics.median(r.throughput for r in mls):.0f}",
                              f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})",
-                             _ms(statistics.median(r.p50 for r in eng)), _ms(statistics.median(r.p50 for r in mls)),
-                             _ms(statistics.median(r.p99 for r in eng)), _ms(statistics.median(r.p99 for r in mls)),
+                             ms(statistics.median(r.p50 for r in eng)), ms(statistics.median(r.p50 for r in mls)),
+                             ms(statistics.median(r.p99 for r in eng)), ms(statistics.median(r.p99 for r in mls)),
                              f"{sum(r.errors for r in eng)} / {sum(r.errors for r in mls)}"])
     return rows, worst
 
@@ -424,13 +422,13 @@ def main(argv: list[str] | None = None) -> int:
             ["engine below MLServer in any row and round", ", ".join(below) or "none", "none", _met(not below)],
             ["batching gain: batched / max_batch_size 1, gRPC, concurrency 32 (median of rounds)",
              f"{statistics.median(gains):.2f}x", ">= 3x", _met(statistics.median(gains) >= 3)],
-            ["raw onnxruntime `InferenceSession.run`, batch 1, p50", f"{_ms(raw_p50)} ms", "", ""],
+            ["raw onnxruntime `InferenceSession.run`, batch 1, p50", f"{ms(raw_p50)} ms", "", ""],
             [f"raw onnxruntime per-row speedup, batch {max_batch} vs 1 (ceiling for batching)",
              f"{raw_p50 / raw_row_batched:.2f}x", "", ""],
-            ["engine overhead at concurrency 1 (unbatched gRPC p50 - raw p50)", f"{_ms(overhead)} ms", "<= 0.5 ms",
+            ["engine overhead at concurrency 1 (unbatched gRPC p50 - raw p50)", f"{ms(overhead)} ms", "<= 0.5 ms",
              _met(overhead <= 0.5e-3)],
             ["part of that overhead: bare gRPC round trip from this client (ServerLive p50, no model)",
-             f"{_ms(live.percentile(0.5))} ms", "", ""],
+             f"{ms(live.percentile(0.5))} ms", "", ""],
         ]),
     ])
     print(body)

@@ -8,6 +8,8 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench.stats import percentile, to_ms
+
 
 @dataclass
 class LoadResult:
@@ -17,10 +19,6 @@ class LoadResult:
     mean_ms: float | None
     errors: int
     requests: int
-
-
-def _ms(value: str, unit: str) -> float:
-    return float(value) * {"us": 0.001, "ms": 1.0, "s": 1000.0}[unit]
 
 
 def require(tool: str) -> str:
@@ -36,7 +34,7 @@ def wrk(url: str, script: Path, seconds: int = 5, connections: int = 16) -> Load
         capture_output=True, text=True, timeout=seconds + 60, check=True,
     ).stdout
     rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))  # type: ignore[union-attr]
-    pct = {m[0]: _ms(m[1], m[2]) for m in re.findall(r"^\s+(50|99)%\s+([\d.]+)(us|ms|s)\s*$", out, re.M)}
+    pct = {m[0]: to_ms(m[1], m[2]) for m in re.findall(r"^\s+(50|99)%\s+([\d.]+)(us|ms|s)\s*$", out, re.M)}
     mean = re.search(r"Latency\s+([\d.]+)(us|ms|s)", out)
     total = int(re.search(r"(\d+) requests in", out).group(1))  # type: ignore[union-attr]
     errors = 0
@@ -44,7 +42,7 @@ def wrk(url: str, script: Path, seconds: int = 5, connections: int = 16) -> Load
         errors += int(m.group(1))
     if m := re.search(r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)", out):
         errors += sum(int(g) for g in m.groups())
-    return LoadResult(rps, pct.get("50"), pct.get("99"), _ms(*mean.groups()) if mean else None, errors, total)
+    return LoadResult(rps, pct.get("50"), pct.get("99"), to_ms(*mean.groups()) if mean else None, errors, total)
 
 
 def h2load(url: str, data: Path, headers: list[str], seconds: int = 5, connections: int = 16,
@@ -69,5 +67,5 @@ def h2load(url: str, data: Path, headers: list[str], seconds: int = 5, connectio
         done = sorted(int(cols[2]) / 1000 for line in log_file.read_text().splitlines()
                       if len(cols := line.split("\t")) >= 3 and cols[1] != "-1")
         if done:
-            p50, p99 = done[len(done) // 2], done[min(len(done) - 1, int(0.99 * len(done)))]
-    return LoadResult(rps, p50, p99, _ms(*mean.groups()) if mean else None, (total - ok) + bad, total)
+            p50, p99 = percentile(done, 0.5), percentile(done, 0.99)
+    return LoadResult(rps, p50, p99, to_ms(*mean.groups()) if mean else None, (total - ok) + bad, total)

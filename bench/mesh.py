@@ -27,7 +27,6 @@ import os
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -35,6 +34,7 @@ import numpy as np
 
 from bench.loadgen import LoadResult, h2load
 from bench.report import table, write_section
+from bench.stats import LatencyResult, ms
 from meshcache.contract.protos import grpc_predict_v2_pb2 as pb
 from meshcache.ctl.mesh.config import MeshConfig
 from meshcache.ctl.mesh.topology import SERVER_NODE, Mesh
@@ -42,21 +42,6 @@ from meshcache.ctl.mesh.topology import SERVER_NODE, Mesh
 MODEL = "resnet-mini"
 INFER = "/inference.GRPCInferenceService/ModelInfer"
 TARGET_RATIO = 0.1
-
-
-@dataclass
-class Result:
-    latencies: list[float]
-    seconds: float
-    errors: int
-
-    @property
-    def throughput(self) -> float:
-        return len(self.latencies) / self.seconds
-
-    def percentile(self, q: float) -> float:
-        ordered = sorted(self.latencies)
-        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def _base_request() -> pb.ModelInferRequest:
@@ -75,7 +60,7 @@ def _with_id(base: pb.ModelInferRequest, request_id: str) -> bytes:
 
 
 async def _load(target: str, payload: Callable[[int], bytes], concurrency: int, warmup: float,
-                duration: float) -> Result:
+                duration: float) -> LatencyResult:
     latencies: list[float] = []
     errors = 0
     kinds: collections.Counter[str] = collections.Counter()
@@ -104,7 +89,7 @@ async def _load(target: str, payload: Callable[[int], bytes], concurrency: int, 
         await asyncio.gather(*[caller() for _ in range(concurrency)])
     for kind, n in kinds.items():
         print(f"  {n} errors: {kind}", flush=True)
-    return Result(latencies, duration, errors)
+    return LatencyResult(latencies, duration, errors)
 
 
 def _set_enabled(mesh: Mesh, enabled: bool) -> None:
@@ -123,10 +108,6 @@ def _h2load_levels(case: str, app: str, data: Path, tmp: Path, seconds: int) -> 
     return out
 
 
-def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.2f}"
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--duration", type=float, default=6.0, help="measured seconds per case")
@@ -139,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     base = _base_request()
     run_tag = str(time.time_ns())  # ids never seen by a previous run's cache
     stored = [_with_id(base, f"hit-{run_tag}-{i}") for i in range(64)]
-    results: dict[tuple[str, int], Result] = {}
+    results: dict[tuple[str, int], LatencyResult] = {}
     with tempfile.TemporaryDirectory(prefix="meshcache-bench-mesh-") as tmp:
         config = dataclasses.replace(MeshConfig(state_dir=Path(tmp)), canary_color="").with_free_ports()
         with Mesh(config, log=lambda m: print(f"  {m}", flush=True)) as mesh:
@@ -165,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
             h2_cases["cache disabled"] = _h2load_levels("cache disabled", app, data, Path(tmp), int(args.duration))
     rows = []
     for (case, c), r in results.items():
-        rows.append([case, "grpc.aio", c, f"{r.throughput:.0f}", _ms(r.percentile(0.5)), _ms(r.percentile(0.99)),
+        rows.append([case, "grpc.aio", c, f"{r.throughput:.0f}", ms(r.percentile(0.5)), ms(r.percentile(0.99)),
                      r.errors])
     for case, by_level in h2_cases.items():
         for c, h in by_level.items():

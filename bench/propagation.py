@@ -24,7 +24,9 @@ from pathlib import Path
 import grpc
 import httpx
 
+from bench import stats
 from bench.report import table, write_section
+from bench.stats import percentile
 from meshcache.contract.paths import FILTER_WASM, require_filter_wasm
 from meshcache.control_plane.xds_client import XdsClient
 from meshcache.ctl import launchers, procs
@@ -32,11 +34,6 @@ from meshcache.ctl.envoy_config import CacheProxy, write
 
 WRITE_TOKEN = "bench-write-token-0123456789"
 HEADERS = {"Authorization": f"Bearer {WRITE_TOKEN}"}
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def start_stack(tmp: Path) -> tuple[list[procs.Proc], str, int]:
@@ -131,7 +128,7 @@ def bench_simulated(tmp: Path, n: int, rounds: int) -> tuple[list[float], list[f
 
 
 def ms(v: float) -> str:
-    return f"{v * 1000:.1f}"
+    return stats.ms(v, digits=1)
 
 
 def main() -> None:

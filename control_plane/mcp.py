@@ -31,7 +31,7 @@ from meshcache.contract.protos.istio.mcp.v1alpha1 import metadata_pb2, resource_
 from meshcache.contract.protos.istio.networking.v1alpha3 import envoy_filter_pb2
 
 from .settings import Settings
-from .snapshots import Snapshot
+from .snapshots import Snapshot, SnapshotMemo
 
 log = logging.getLogger("meshcache.control_plane.mcp")
 
@@ -88,7 +88,7 @@ class IstioMcpRenderer:
                  revision: str = "") -> None:
         self.type_url, self.build, self.namespace, self.revision = type_url, build, namespace, revision
         self.body_type = _BODIES[type_url]
-        self._memo: tuple[Snapshot, dict[str, any_pb2.Any]] | None = None
+        self._packed = SnapshotMemo(self._render)  # once per snapshot, shared by every stream
 
     @classmethod
     def from_settings(cls, settings: Settings) -> IstioMcpRenderer | None:
@@ -126,13 +126,13 @@ class IstioMcpRenderer:
         # Version 0 = no policies yet: full state is "no meshcache filter" (traffic flows uncached).
         if snapshot.version == 0:
             return {}
-        if self._memo is not None and self._memo[0] is snapshot:
-            return self._memo[1]
+        return self._packed(snapshot)
+
+    def _render(self, snapshot: Snapshot) -> dict[str, any_pb2.Any]:
         out = {}
         for obj in self.build(snapshot.plugin_config()):
             res = self.mcp_resource(obj, snapshot)
             packed = any_pb2.Any()
             packed.Pack(res)
             out[res.metadata.name] = packed
-        self._memo = (snapshot, out)
         return out

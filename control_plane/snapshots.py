@@ -13,7 +13,7 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from meshcache.contract.filter_config import Limits, Policy, plugin_config, plugin_config_json
 
@@ -145,6 +145,27 @@ def rollback(cur: Snapshot, target: Snapshot, version: int, author: str) -> Snap
         generation = now.generation if now is not None else version
         policies.append(p.model_copy(update={"generation": generation}))
     return _derive(cur, version, author, f"rollback to {target.version}", tuple(policies), target.limits)
+
+
+# ---- Per-snapshot memo: what renderers build once per snapshot and share across streams -----
+
+T = TypeVar("T")
+
+
+class SnapshotMemo(Generic[T]):
+    """`build(snapshot)` computed once per snapshot: every xDS stream asks for the same snapshot's
+    resources, and only the newest one is ever asked for again, so one entry is enough."""
+
+    def __init__(self, build: Callable[[Snapshot], T]) -> None:
+        self._build = build
+        self._last: tuple[Snapshot, T] | None = None
+
+    def __call__(self, snapshot: Snapshot) -> T:
+        if self._last is not None and self._last[0] is snapshot:
+            return self._last[1]
+        value = self._build(snapshot)
+        self._last = (snapshot, value)
+        return value
 
 
 # ---- The cache: newest snapshot in memory, watchers notified on change ---------------------

@@ -29,10 +29,10 @@ from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 from envoy.service.extension.v3 import config_discovery_pb2_grpc
 from google.protobuf import any_pb2, json_format
 
-from meshcache.contract.wasm_filter import FILTER_NAME, extension_config, local_code
+from meshcache.contract.wasm_filter import FILTER_NAME, extension_config_json, local_code
 
 from .metrics import Metrics
-from .snapshots import Snapshot, SnapshotCache
+from .snapshots import Snapshot, SnapshotCache, SnapshotMemo
 
 log = logging.getLogger("meshcache.control_plane.xds")
 
@@ -57,30 +57,29 @@ class Renderer(Protocol):
 
 class EcdsRenderer:
     """The meshcache HTTP filter as an ECDS `TypedExtensionConfig` (the Wasm filter config whose
-    plugin configuration is the snapshot JSON; VM config identical to the static default)."""
+    plugin configuration is the snapshot's canonical JSON, as is; VM config identical to the
+    static default)."""
 
     type_url = ECDS_TYPE_URL
 
     def __init__(self, wasm_path: Path, resource_name: str = FILTER_NAME) -> None:
         self.wasm_path = wasm_path
         self.resource_name = resource_name
-        self._memo: tuple[Snapshot, dict[str, any_pb2.Any]] | None = None
+        self._packed = SnapshotMemo(self._render)  # once per snapshot, shared by every stream
 
     def typed_extension_config(self, snapshot: Snapshot) -> extension_pb2.TypedExtensionConfig:
-        # The same builder as the full-mode EnvoyFilter's EXTENSION_CONFIG (meshcache/ctl/istio), so a
+        # The same builder as the full-mode EnvoyFilter's EXTENSION_CONFIG (meshcache.contract.extensions), so a
         # local sidecar runs what istiod would deliver, with the module as a local file.
-        config = extension_config(local_code(self.wasm_path), snapshot.plugin_config(), self.resource_name)
+        config = extension_config_json(local_code(self.wasm_path), snapshot.plugin_config_json, self.resource_name)
         return json_format.ParseDict(config, extension_pb2.TypedExtensionConfig())
 
     def resources(self, snapshot: Snapshot) -> dict[str, any_pb2.Any]:
-        # Rendered once per snapshot, shared by every stream.
-        if self._memo is not None and self._memo[0] is snapshot:
-            return self._memo[1]
+        return self._packed(snapshot)
+
+    def _render(self, snapshot: Snapshot) -> dict[str, any_pb2.Any]:
         packed = any_pb2.Any()
         packed.Pack(self.typed_extension_config(snapshot))
-        out = {self.resource_name: packed}
-        self._memo = (snapshot, out)
-        return out
+        return {self.resource_name: packed}
 
 
 @dataclass

@@ -41,6 +41,14 @@ def wasm_filter_config(
     Without `allow_on_headers_stop_iteration` (as under Istio's WasmPlugin) the plugin
     configuration must say `"hold_headers": false`, or requests with a body would wait forever.
     """
+    return wasm_filter_config_json(wasm_path, plugin_config_json(plugin_config), allow_on_headers_stop_iteration)
+
+
+def wasm_filter_config_json(
+    wasm_path: Path | dict[str, Any], config_json: str, allow_on_headers_stop_iteration: bool = True
+) -> dict[str, Any]:
+    """`wasm_filter_config` for a plugin configuration already in canonical JSON text
+    (`filter_config.plugin_config_json`), e.g. a snapshot's: it is carried as is."""
     return {
         "config": {
             "name": FILTER_NAME,
@@ -52,7 +60,7 @@ def wasm_filter_config(
             },
             "configuration": {
                 "@type": "type.googleapis.com/google.protobuf.StringValue",
-                "value": plugin_config_json(plugin_config),
+                "value": config_json,
             },
             # Fail open: if the VM cannot run, traffic flows without the cache.
             "failure_policy": "FAIL_OPEN",
@@ -66,7 +74,12 @@ def extension_config(code: dict[str, Any], plugin_config: dict[str, Any], name: 
     """The filter as an ECDS resource (`envoy.config.core.v3.TypedExtensionConfig`, proto-JSON):
     what the control plane pushes to the local mesh's sidecars and what the full-mode EnvoyFilter's
     EXTENSION_CONFIG patch hands istiod. One builder, so both run the same Envoy config."""
-    return {"name": name, "typed_config": {"@type": WASM_TYPE_URL, **wasm_filter_config(code, plugin_config)}}
+    return extension_config_json(code, plugin_config_json(plugin_config), name)
+
+
+def extension_config_json(code: dict[str, Any], config_json: str, name: str = FILTER_NAME) -> dict[str, Any]:
+    """`extension_config` for a plugin configuration already in canonical JSON text (a snapshot's)."""
+    return {"name": name, "typed_config": {"@type": WASM_TYPE_URL, **wasm_filter_config_json(code, config_json)}}
 
 
 def ecds_http_filter(config_source: dict[str, Any], default_config: dict[str, Any] | None = None,

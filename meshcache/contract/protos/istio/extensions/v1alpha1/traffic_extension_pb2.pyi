@@ -1,7 +1,7 @@
 from google.protobuf import struct_pb2 as _struct_pb2
 from google.protobuf import wrappers_pb2 as _wrappers_pb2
-from meshcache.protos.istio.extensions.v1alpha1 import wasm_pb2 as _wasm_pb2
-from meshcache.protos.istio.type.v1beta1 import selector_pb2 as _selector_pb2
+from meshcache.contract.protos.istio.extensions.v1alpha1 import wasm_pb2 as _wasm_pb2
+from meshcache.contract.protos.istio.type.v1beta1 import selector_pb2 as _selector_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor

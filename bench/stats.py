@@ -1,0 +1,49 @@
+"""Latency statistics shared by every benchmark: one percentile, one millisecond column format,
+one result type for closed-loop runs."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+_UNIT_MS = {"us": 0.001, "ms": 1.0, "s": 1000.0}
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Nearest rank: the value at index floor(q * n) of the sorted values (the largest for q = 1)."""
+    if not values:
+        raise ValueError("percentile of no values")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def ms(seconds: float, digits: int = 2) -> str:
+    """A duration in seconds as a milliseconds table cell."""
+    return f"{seconds * 1e3:.{digits}f}"
+
+
+def to_ms(value: str, unit: str) -> float:
+    """A load generator's `12.3` + `us`/`ms`/`s` as milliseconds."""
+    return float(value) * _UNIT_MS[unit]
+
+
+@dataclass
+class LatencyResult:
+    """A closed-loop run: per-request latencies (seconds) over `seconds` of wall time. `requests`
+    counts what was served when one call carries several (a batch); default one per latency."""
+
+    latencies: list[float]
+    seconds: float
+    errors: int = 0
+    requests: int | None = None
+
+    @property
+    def served(self) -> int:
+        return self.requests if self.requests is not None else len(self.latencies)
+
+    @property
+    def throughput(self) -> float:
+        return self.served / self.seconds
+
+    def percentile(self, q: float) -> float:
+        return percentile(self.latencies, q)

@@ -1,0 +1,54 @@
+"""xDS renderers in-process: rendered once per snapshot, and ECDS carries the snapshot's JSON as is."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from envoy.extensions.filters.http.wasm.v3 import wasm_pb2
+from google.protobuf import wrappers_pb2
+
+from meshcache.contract import extensions
+from meshcache.contract.filter_config import demo_policies
+from meshcache.control_plane.mcp import MODE_TYPE_URL, IstioMcpRenderer
+from meshcache.control_plane.snapshots import Snapshot, SnapshotMemo
+from meshcache.control_plane.xds_server import EcdsRenderer
+
+
+def test_memo_builds_once_per_snapshot() -> None:
+    calls: list[int] = []
+    memo = SnapshotMemo(lambda s: calls.append(s.version) or [s.version])
+    a, b = Snapshot(version=1), Snapshot(version=2)
+    assert memo(a) is memo(a)
+    assert memo(b) == [2] and memo(b) is memo(b)
+    assert calls == [1, 2]
+    memo(a)  # an equal-content but different snapshot object is rendered again
+    assert calls == [1, 2, 1]
+
+
+def test_ecds_packs_the_snapshot_json_and_shares_it_across_streams() -> None:
+    renderer = EcdsRenderer(Path("/etc/meshcache/meshcache_filter.wasm"))
+    snap = Snapshot(version=3, policies=tuple(demo_policies(generation=3)))
+    first = renderer.resources(snap)
+    assert renderer.resources(snap) is first
+    typed = renderer.typed_extension_config(snap)
+    wasm = wasm_pb2.Wasm()
+    assert typed.typed_config.Unpack(wasm)
+    value = wrappers_pb2.StringValue()
+    assert wasm.config.configuration.Unpack(value)
+    assert value.value == snap.plugin_config_json
+    assert renderer.resources(Snapshot(version=4)) is not first
+
+
+def test_mcp_renders_once_per_snapshot() -> None:
+    builds: list[dict] = []
+
+    def build(plugin_config: dict) -> list[dict]:
+        builds.append(plugin_config)
+        return extensions.objects("full", colors=["blue"], url="oci://r/f@sha256:" + "a" * 64, sha256="a" * 64,
+                                  plugin_config=plugin_config)
+
+    renderer = IstioMcpRenderer(MODE_TYPE_URL["full"], build, "ml")
+    snap = Snapshot(version=2, policies=tuple(demo_policies(generation=2)))
+    assert renderer.resources(snap) is renderer.resources(snap)
+    assert list(renderer.resources(snap)) == ["ml/meshcache-blue"] and len(builds) == 1
+    assert renderer.resources(Snapshot(version=0)) == {}
