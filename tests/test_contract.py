@@ -42,7 +42,7 @@ def rust_int_consts(source: str) -> dict[str, int]:
 
 
 def rust_str_consts(source: str) -> dict[str, str]:
-    return dict(re.findall(r'pub const ([A-Z_]+): &str = "([^"]*)";', source))
+    return dict(re.findall(r'(?:pub )?const ([A-Z_]+): &str = "([^"]*)";', source))
 
 
 def test_every_filter_limit_and_default_is_mirrored_exactly() -> None:
@@ -92,12 +92,19 @@ def test_field_names_are_the_ones_the_filter_reads() -> None:
 
 def test_header_names_match_the_filter() -> None:
     rust = rust_str_consts(FILTER_SOURCES)
-    assert rust["HIT_HEADER"] == headers.HIT_HEADER
     assert rust["COLOR_HEADER"] == headers.COLOR_HEADER
     assert rust["HASH_HEADER"] == headers.HASH_HEADER
     assert rust["CACHE_STATUS"] == headers.CACHE_STATUS_HEADER
     assert rust["MODEL_HEADER"] == headers.MODEL_ID_HEADER
     assert headers.MODEL_ID_HEADER in fc.DEFAULT_HASH_HEADERS
+
+
+def test_grpc_hit_marker_matches_the_filter() -> None:
+    # The filter's proxy_set_property("meshcache_local") is Envoy filter state `wasm.meshcache_local`,
+    # which the hit route matches (meshcache.ctl.envoy_config renders it).
+    from meshcache.ctl.envoy_config import LOCAL_MARKER_FILTER_STATE
+
+    assert LOCAL_MARKER_FILTER_STATE == "wasm." + rust_str_consts(FILTER_SOURCES)["LOCAL_MARKER"]
 
 
 def test_plugin_config_is_canonical() -> None:
