@@ -10,7 +10,7 @@ import re
 import pytest
 
 from meshcache.contract import filter_config as fc
-from meshcache.contract import headers
+from meshcache.contract import grpc_hit, headers
 from meshcache.contract.paths import REPO_ROOT
 
 CONFIG_RS = (REPO_ROOT / "filter" / "src" / "config.rs").read_text()
@@ -101,10 +101,8 @@ def test_header_names_match_the_filter() -> None:
 
 def test_grpc_hit_marker_matches_the_filter() -> None:
     # The filter's proxy_set_property("meshcache_local") is Envoy filter state `wasm.meshcache_local`,
-    # which the hit route matches (meshcache.ctl.envoy_config renders it).
-    from meshcache.ctl.envoy_config import LOCAL_MARKER_FILTER_STATE
-
-    assert LOCAL_MARKER_FILTER_STATE == "wasm." + rust_str_consts(FILTER_SOURCES)["LOCAL_MARKER"]
+    # which the hit route matches (meshcache.contract.grpc_hit).
+    assert grpc_hit.LOCAL_MARKER_FILTER_STATE == "wasm." + rust_str_consts(FILTER_SOURCES)["LOCAL_MARKER"]
 
 
 def test_plugin_config_is_canonical() -> None:

@@ -3,6 +3,7 @@
 Defined once here and imported by everything above; imports nothing of the project itself
 (tests/test_layering.py checks). `filter_config` (the filter's plugin configuration: fields,
 defaults, limits, canonical JSON, demo policies), `headers`, `wasm_filter` (the Envoy Wasm filter
-that runs the module), `wasmplugin` and `oci` (Istio's WasmPlugin and the module's OCI image),
-`paths`, and the generated `protos`.
+that runs the module), `grpc_hit` (the single-pass gRPC-hit Envoy fragments), `extensions` and
+`oci` (what istiod gets, EnvoyFilter or TrafficExtension, and the module's OCI image), `paths`,
+and the generated `protos`.
 """

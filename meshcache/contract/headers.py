@@ -4,10 +4,6 @@ The filter's own copies are in filter/src/names.rs (tests/test_contract.py compa
 
 from __future__ import annotations
 
-# Legacy: routed a gRPC hit to the internal stub listener. The filter no longer sets it (gRPC hits
-# are single-pass now); only the Istio EnvoyFilter's stub route still names it, until issue 11
-# moves the manifests to the single-pass fragments.
-HIT_HEADER = "x-meshcache-hit"
 # Traffic colour: part of the cache key, and what colour routes match on.
 COLOR_HEADER = "x-traffic-color"
 # The hash of the response body plus whitelisted headers, set on every cached response.
