@@ -19,7 +19,7 @@ import yaml
 
 from meshcache.contract import extensions, grpc_hit, oci
 from meshcache.contract.paths import envoy_binary
-from meshcache.ctl import launchers, procs
+from meshcache.ctl import envoy_config, launchers, procs
 from meshcache.ctl.istio import render
 from meshcache.ctl.pki import CertificateAuthority, Identity, spiffe_id
 from tests.filter.stack import MODEL_INFER, infer_request
