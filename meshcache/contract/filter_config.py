@@ -42,8 +42,7 @@ VERSION = "version"
 COLOR = "color"
 HOLD_HEADERS = "hold_headers"
 POLICIES = "policies"
-ROLE = "role"
-STUB_ROLE = "stub"
+ROLE = "role"  # optional; only "cache" is accepted
 
 Scope = Literal["shared", "principal"]
 
@@ -99,8 +98,6 @@ def plugin_config_json(config: dict[str, Any]) -> str:
     """Canonical JSON text of a plugin configuration (sorted keys: equal configs, equal bytes)."""
     return json.dumps(config, sort_keys=True, separators=(",", ":"))
 
-
-STUB_ROLE_CONFIG: dict[str, Any] = {ROLE: STUB_ROLE}  # the internal listener's responder
 
 # The demo models' policies (engine's demo repository): seeded by `meshcache up`, in the
 # reference Envoy configs and in the committed Istio base. Seeding order sets the generations.
