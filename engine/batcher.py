@@ -3,10 +3,11 @@ Triton's dynamic batching when the config has it.
 
 A model version runs at most `instances` onnxruntime calls at a time (Triton's instance_group
 count), each on its own thread. When an instance is free, the highest-priority request is taken;
-with dynamic batching the dispatch waits up to max_queue_delay_microseconds after the oldest queued
-request for more rows (or until the largest preferred batch size is queued), then every compatible
-request that fits in max_batch_size rows runs as one call and each request gets its own rows back.
-Requests are compatible when their non-batch shapes are equal.
+with dynamic batching, as in Triton, the largest preferred batch size the queue can form runs at
+once; if none can be formed, the dispatch waits up to max_queue_delay_microseconds after the oldest
+queued request for more rows (or until max_batch_size rows are queued), then every compatible
+request that fits runs as one call and each request gets its own rows back. Requests are
+compatible when their non-batch shapes are equal.
 
 Priorities follow Triton: with priority_levels N, level 1 runs first and N last; a request without a
 priority (0) or with one out of range gets default_priority_level; without priority_levels all
@@ -67,8 +68,7 @@ class Batcher:
         self.counts_rows = cfg.max_batch_size > 0
         self.max_rows = max(cfg.max_batch_size, 1)
         self.delay = b.max_queue_delay_us / 1e6 if self.dynamic else 0.0
-        # Enough rows to stop waiting out the delay.
-        self.dispatch_rows = max(b.preferred_batch_sizes, default=self.max_rows)
+        self.preferred = tuple(sorted(b.preferred_batch_sizes))
         self.max_queue = b.max_queue_size
         self.levels = b.priority_levels
         self.default_level = b.default_priority_level
@@ -184,17 +184,24 @@ class Batcher:
                 self._expire(time.perf_counter())
             if not self._heap:
                 break
-            if self.delay > 0 and self._queued_rows < self.dispatch_rows:
-                remaining = min(item.enqueued for item in self._heap) + self.delay - time.perf_counter()
-                if remaining > 0:
-                    if self._timer is None:
-                        assert self._loop is not None
-                        self._timer = self._loop.call_later(remaining, self._on_timer)
-                    return
+            limit = self.max_rows
+            if self.dynamic:
+                # Triton's rule: the largest preferred batch size that the queue can form goes at
+                # once; if none can be formed, wait up to the delay for more, then send what there is.
+                formed = [size for size in self.preferred if size <= self._queued_rows]
+                if formed:
+                    limit = formed[-1]
+                elif self.delay > 0 and self._queued_rows < self.max_rows:
+                    remaining = min(item.enqueued for item in self._heap) + self.delay - time.perf_counter()
+                    if remaining > 0:
+                        if self._timer is None:
+                            assert self._loop is not None
+                            self._timer = self._loop.call_later(remaining, self._on_timer)
+                        return
             if self._timer is not None:
                 self._timer.cancel()
                 self._timer = None
-            batch = [item for item in self._take_batch() if not item.future.cancelled()]
+            batch = [item for item in self._take_batch(limit) if not item.future.cancelled()]
             if not batch:
                 continue
             now = time.perf_counter()
@@ -215,12 +222,12 @@ class Batcher:
         self._timer = None
         self._dispatch()
 
-    def _take_batch(self) -> list[_Pending]:
+    def _take_batch(self, limit: int) -> list[_Pending]:
         head = heapq.heappop(self._heap)
         batch, rows, skipped = [head], head.rows, []
-        while self._heap and rows < self.max_rows and self.dynamic:
+        while self._heap and rows < limit and self.dynamic:
             item = heapq.heappop(self._heap)
-            if item.signature != head.signature or rows + item.rows > self.max_rows:
+            if item.signature != head.signature or rows + item.rows > limit:
                 skipped.append(item)
                 continue
             batch.append(item)

@@ -4,6 +4,7 @@ byte-identical to running the model alone."""
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 import grpc
@@ -90,3 +91,21 @@ def test_batch_composition_never_changes_output_bytes(tmp_path: Path) -> None:
                     out = session.run({name: x[start : start + size]})[out_name]
                     for i in range(size):
                         assert out[i : i + 1].tobytes() == single[start + i], (model, version, size, start, i)
+
+
+def test_largest_formed_preferred_batch_size_runs_at_once(demo_repo: Path, tmp_path: Path) -> None:
+    """Triton's rule: two queued rows form preferred size 2, so they run together at once rather than
+    waiting the (long) delay for preferred size 4."""
+    repo = tmp_path / "models"
+    repo.mkdir()
+    copy_model(demo_repo, repo, "mlp-classifier",
+               dynamic_batching={"max_queue_delay_microseconds": 10_000_000, "preferred_batch_size": [2, 4]})
+    rows = [demo_batch("mlp-classifier", 1, seed=s) for s in (1, 2)]
+    with running_engine(repo, tmp_path / "logs") as engine:
+        started = time.perf_counter()
+        asyncio.run(_concurrent_grpc(engine.grpc_target, "mlp-classifier", rows))
+        elapsed = time.perf_counter() - started
+        metrics = httpx.get(engine.metrics_url).text
+    assert elapsed < 5, f"two requests took {elapsed:.1f} s: they waited out the delay"
+    assert metric_value(metrics, "meshcache_engine_batch_size_sum", model="mlp-classifier") == 2
+    assert metric_value(metrics, "meshcache_engine_batch_size_count", model="mlp-classifier") == 1
