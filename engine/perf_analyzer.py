@@ -3,7 +3,7 @@
 
 It ships as a binary in the `tritonclient` wheel (installed into the venv's bin/) and needs
 `libcudart.so.12` (PyPI `nvidia-cuda-runtime-cu12`) on LD_LIBRARY_PATH even on CPU-only machines,
-plus Debian's libb64-0d. `python -m engine.perf_analyzer --check` tells whether it runs here.
+plus Debian's libb64-0d. `python -m meshcache.engine.perf_analyzer --check` tells whether it runs here.
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def run(model: str, url: str, protocol: str, concurrency: list[int], extra: list
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if args != ["--check"]:
-        print("usage: python -m engine.perf_analyzer --check", file=sys.stderr)
+        print("usage: python -m meshcache.engine.perf_analyzer --check", file=sys.stderr)
         return 2
     try:
         result = subprocess.run([str(binary()), "--version"], env=environment(), capture_output=True, text=True,

@@ -43,8 +43,8 @@ fi
 # perf_analyzer comes with tritonclient (dev extra) and needs libcudart.so.12 (PyPI
 # nvidia-cuda-runtime-cu12, same extra) on LD_LIBRARY_PATH even on CPU-only machines;
 # engine/perf_analyzer.py sets that up. Check it runs, so a broken install shows here.
-if ! .venv/bin/python -m engine.perf_analyzer --check >/dev/null; then
-  echo "setup: perf_analyzer does not run: .venv/bin/python -m engine.perf_analyzer --check" >&2
+if ! .venv/bin/python -m meshcache.engine.perf_analyzer --check >/dev/null; then
+  echo "setup: perf_analyzer does not run: .venv/bin/python -m meshcache.engine.perf_analyzer --check" >&2
   exit 1
 fi
 
