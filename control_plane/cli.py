@@ -14,6 +14,7 @@ from pydantic import ValidationError
 
 from .api import create_app
 from .auth import TokenConfigError, TokenTable
+from .proxy_stats import StatsConfigError, parse_sources
 from .settings import Settings
 from .wiring import ControlPlane
 
@@ -36,6 +37,10 @@ def parse_args(argv: Sequence[str] | None) -> dict[str, Any]:
     p.add_argument("--tokens-file", help="file of `read|write:name:token` lines")
     p.add_argument("--key-prefix")
     p.add_argument("--instance-id")
+    p.add_argument("--proxy-stats", help="`node_id=url` entries (comma-separated): where each proxy's "
+                                         "Prometheus stats are read for the status page")
+    p.add_argument("--proxy-stats-template", help="stats URL with {ip} for Istio node ids, "
+                                                  "e.g. http://{ip}:15020/stats/prometheus")
     p.add_argument("--log-level", default="info")
     args = vars(p.parse_args(argv))
     return {k: v for k, v in args.items() if v is not None}
@@ -59,7 +64,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         settings = Settings(**args)
         tokens = TokenTable.from_settings(settings)
-    except (ValidationError, TokenConfigError, OSError) as exc:
+        parse_sources(settings.proxy_stats)  # bad entries: refuse to start, say which
+    except (ValidationError, TokenConfigError, StatsConfigError, OSError) as exc:
         print(f"meshcache-control-plane: bad configuration: {exc}", file=sys.stderr)
         return 2
     if len(tokens) == 0:

@@ -159,3 +159,69 @@ class AuditEntry(BaseModel):
 
 class AuditOut(BaseModel):
     entries: list[AuditEntry]
+
+
+# ---- status page: who am I, cache counters, snapshot history --------------------------------
+
+
+class WhoAmI(BaseModel):
+    name: str
+    role: str
+
+
+class ModelStats(BaseModel):
+    model_prefix: str
+    in_policy: bool = Field(description="False: counters of a prefix no longer in the current snapshot")
+    hits: int
+    misses: int
+    hit_ratio: float | None = Field(description="hits / (hits + misses); null before any lookup")
+    entries: int | None = Field(None, description="Not reported per model by the filter (see proxies)")
+    bytes: int | None = Field(None, description="Not reported per model by the filter (see proxies)")
+    ambiguous_with: list[str] = Field(description="Other prefixes whose stat names are identical")
+
+
+class ProxyStats(BaseModel):
+    node_id: str
+    source: str | None = Field(description="Where this proxy's stats were read from")
+    ok: bool
+    error: str | None = Field(description="Why the stats could not be read")
+    read_at: float
+    hits: int | None = None
+    misses: int | None = None
+    bypasses: int | None = None
+    stores: int | None = None
+    evictions: int | None = None
+    errors: int | None = None
+    entries: int | None = Field(None, description="Entries in this proxy's cache (all models)")
+    bytes: int | None = Field(None, description="Bytes in this proxy's cache (all models)")
+
+
+class StatsOut(BaseModel):
+    version: int
+    read_at: float
+    complete: bool = Field(description="False when some proxy's stats could not be read: sums cover the others")
+    proxies_read: int
+    proxies_unread: int
+    models: list[ModelStats]
+    proxies: list[ProxyStats]
+
+
+class HistoryChange(BaseModel):
+    what: str = Field(description="added, removed, changed, purged or limits")
+    model_prefix: str | None
+    fields: dict[str, list[object]] = Field(description="field: [before, after]")
+
+
+class HistoryEntry(BaseModel):
+    version: int
+    created_at: float
+    author: str
+    action: str
+    policies: int
+    diff_known: bool = Field(description="False when the previous snapshot is older than the retention")
+    changes: list[HistoryChange]
+
+
+class HistoryOut(BaseModel):
+    version: int
+    snapshots: list[HistoryEntry]

@@ -57,6 +57,11 @@ class Settings(BaseSettings):
     istio_wasm_sha256: str = Field("", pattern=r"^([a-f0-9]{64})?$")
     istio_module_path: Path = FILTER_WASM
     istio_revision: str = ""  # adds the `istio.io/rev` label (istiod only takes its own revision)
+    # Where the status page reads each proxy's cache counters (Prometheus text, control_plane/
+    # proxy_stats.py): `node_id=url` entries, and/or a URL template with {ip} for Istio node ids.
+    proxy_stats: str = ""
+    proxy_stats_template: str = ""
+    proxy_stats_timeout_s: float = Field(1.0, gt=0, le=30)
 
     @model_validator(mode="after")
     def _tls_pair(self) -> Settings:

@@ -12,6 +12,7 @@ from .auth import TokenTable
 from .mcp import IstioMcpRenderer, mcp_fallback
 from .metrics import Metrics
 from .policy_service import PolicyService
+from .proxy_stats import ProxyStatsReader, parse_sources
 from .settings import Settings
 from .snapshots import SnapshotCache
 from .store import Store, StoreUnavailable
@@ -46,6 +47,8 @@ class ControlPlane:
         if istio is not None:
             self.xds.add_renderer(istio)
         self.xds.add_fallback(mcp_fallback)
+        self.proxy_stats = ProxyStatsReader(parse_sources(settings.proxy_stats), settings.proxy_stats_template,
+                                            timeout_s=settings.proxy_stats_timeout_s)
         self._sync_task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -63,4 +66,5 @@ class ControlPlane:
             self._sync_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._sync_task
+        await self.proxy_stats.close()
         await self.store.close()

@@ -7,7 +7,7 @@ from fastapi import FastAPI
 from ..wiring import ControlPlane
 from . import errors
 from .middleware import BodyLimit
-from .routers import health, policies, proxies, snapshots
+from .routers import health, policies, proxies, snapshots, stats, status_page
 
 
 def create_app(cp: ControlPlane) -> FastAPI:
@@ -16,6 +16,7 @@ def create_app(cp: ControlPlane) -> FastAPI:
     app.state.cp = cp
     app.add_middleware(BodyLimit, limit=cp.settings.max_request_bytes)
     errors.install_handlers(app)
-    for router in (health.router, policies.router, snapshots.router, proxies.router):
+    for router in (health.router, policies.router, snapshots.router, proxies.router, stats.router,
+                   status_page.router):
         app.include_router(router)
     return app

@@ -6,8 +6,9 @@ from typing import Annotated
 
 from fastapi import APIRouter, Path, Query, Response
 
+from ... import history
 from ... import snapshots as changes
-from ...schemas import AuditOut, ErrorOut, RollbackRequest, SnapshotOut, WriteResult
+from ...schemas import AuditOut, ErrorOut, HistoryEntry, HistoryOut, RollbackRequest, SnapshotOut, WriteResult
 from ...snapshots import Snapshot
 from ...store import StoreUnavailable
 from ..dependencies import CP, Reader, Writer, set_etag
@@ -58,3 +59,12 @@ async def do_rollback(body: RollbackRequest, cp: CP, who: Writer, response: Resp
 @router.get("/v1/audit", responses={**ERRORS, 503: {"model": ErrorOut}})
 async def audit(cp: CP, _p: Reader, count: Annotated[int, Query(ge=1, le=1000)] = 100) -> AuditOut:
     return AuditOut(entries=await cp.store.audit(count))
+
+
+@router.get("/v1/snapshots", responses={**ERRORS, 503: {"model": ErrorOut}})
+async def snapshot_history(cp: CP, _p: Reader,
+                           limit: Annotated[int, Query(ge=1, le=history.MAX_HISTORY)] = 20) -> HistoryOut:
+    """The newest snapshots, newest first, each with its changes from the one before."""
+    cur = cp.cache.current
+    return HistoryOut(version=cur.version,
+                      snapshots=[HistoryEntry(**e) for e in await history.recent(cp.store, cur, limit)])

@@ -192,7 +192,9 @@ class Mesh:
                                            "--wasm-path", str(FILTER_WASM), "--instance-id", "meshcache-up",
                                            "--xds-tls-cert", str(certs.control_plane.cert),
                                            "--xds-tls-key", str(certs.control_plane.key),
-                                           "--xds-tls-client-ca", str(certs.ca_cert))
+                                           "--xds-tls-client-ca", str(certs.ca_cert),
+                                           # the status page's cache counters: the server sidecar's stats
+                                           "--proxy-stats", f"{SERVER_NODE}={self.server_stats_url()}")
         env = {"MESHCACHE_CP_TOKENS": f"write:mesh:{self.token}"}
         return launchers.start_control_plane(argv, env, self.config.log_dir, ports.cp_http, ports.cp_xds,
                                             ready_path="/readyz")
@@ -241,6 +243,9 @@ class Mesh:
 
     def api(self) -> PolicyApi:
         return PolicyApi(f"http://127.0.0.1:{self.config.ports.cp_http}", self.token)
+
+    def server_stats_url(self) -> str:
+        return f"http://127.0.0.1:{self.config.ports.server_admin}/stats/prometheus"
 
     def proc(self, name: str) -> procs.Proc:
         return next(p for p in self.procs if p.name == name)

@@ -1,0 +1,221 @@
+"""The cache's counters as each proxy reports them, read from its stats in Prometheus text format.
+
+Every Envoy serves its stats as Prometheus text: the admin endpoint `/stats/prometheus` (local
+mesh, plain Envoy) and, in an Istio pod, the agent's merged `:15020/stats/prometheus` (what
+Prometheus scrapes there). The control plane reads that on demand (the status page, `meshcache
+status`), bounded in time, size and fan-out, and keeps each reading for `cache_s`.
+
+Where a proxy's stats come from is configured per node id (`node=url` entries) or by a template
+with `{ip}` filled from an Istio node id (`sidecar~<ip>~<pod>.<ns>~...`). A proxy without a
+source, or whose stats can't be read, is reported as such with the reason, never as zeros.
+
+Envoy exports a Wasm filter's stats (`wasmcustom.` namespace) in Prometheus text without its
+`envoy_` prefix and namespace: `meshcache.hits` becomes `meshcache_hits`, and the per-policy
+counter `meshcache.policy.<prefix>.hits` becomes `meshcache_policy_<name>_hits`, where <name> is
+the prefix with every character outside [A-Za-z0-9_] replaced by `_` (the filter keeps `-`,
+Envoy's Prometheus output does not).
+So a name maps back to the prefixes of the current snapshot that reduce to it; if two do, the
+counters can't be told apart and are reported under both names as ambiguous.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+PROM_PREFIX = "meshcache_"
+# The filter's cache-wide counters and gauges (docs/filter.md, "Metrics").
+COUNTERS = ("hits", "misses", "bypasses", "stores", "evictions", "errors", "stub_misses")
+GAUGES = ("entries", "bytes")
+_POLICY = re.compile(r"^policy_(.+)_(hits|misses)$")
+_ISTIO_NODE = re.compile(r"^[a-z]+~([0-9a-fA-F.:]+)~")
+_SOURCE = re.compile(r"^([^=\s]{1,256})=(\S+)$")
+
+
+class StatsConfigError(ValueError):
+    pass
+
+
+def prom_name(model_prefix: str) -> str:
+    """The per-policy part of the Prometheus name the filter's counters get for this prefix."""
+    return re.sub(r"[^A-Za-z0-9_]", "_", model_prefix)
+
+
+def _check_url(url: str, where: str) -> str:
+    parts = urlsplit(url.replace("{ip}", "127.0.0.1"))
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise StatsConfigError(f"{where}: {url!r} is not an http(s) URL")
+    return url
+
+
+def parse_sources(text: str) -> dict[str, str]:
+    """`node_id=url` entries, comma- or newline-separated, into {node_id: url}."""
+    out: dict[str, str] = {}
+    for n, raw in enumerate(re.split(r"[\n,]", text), start=1):
+        entry = raw.strip()
+        if not entry or entry.startswith("#"):
+            continue
+        m = _SOURCE.match(entry)
+        if not m:
+            raise StatsConfigError(f"proxy stats entry {n} is not `node_id=url`: {entry[:80]!r}")
+        out[m.group(1)] = _check_url(m.group(2), f"proxy stats entry {n}")
+    return out
+
+
+@dataclass
+class ProxyCounters:
+    """One proxy's cache counters (cumulative since that Envoy started) and gauges."""
+
+    totals: dict[str, int] = field(default_factory=dict)
+    # Per-policy counters keyed by the Prometheus-safe name: {name: {"hits": n, "misses": n}}.
+    policies: dict[str, dict[str, int]] = field(default_factory=dict)
+
+
+def parse_prometheus(text: str) -> ProxyCounters:
+    """The filter's samples in a Prometheus text page (other metrics are ignored)."""
+    out = ProxyCounters()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if not sample.name.startswith(PROM_PREFIX):
+                continue
+            rest = sample.name[len(PROM_PREFIX):].removesuffix("_total")
+            value = int(sample.value)
+            m = _POLICY.match(rest)
+            if m:
+                per = out.policies.setdefault(m.group(1), {"hits": 0, "misses": 0})
+                per[m.group(2)] += value
+            elif rest in COUNTERS or rest in GAUGES:
+                out.totals[rest] = out.totals.get(rest, 0) + value
+    return out
+
+
+@dataclass
+class ProxyReading:
+    node_id: str
+    source: str | None
+    ok: bool
+    error: str | None
+    read_at: float
+    counters: ProxyCounters | None = None
+
+
+class ProxyStatsReader:
+    def __init__(self, sources: dict[str, str], template: str = "", timeout_s: float = 1.0,
+                 max_bytes: int = 8 * 1024 * 1024, max_proxies: int = 200, cache_s: float = 2.0,
+                 concurrency: int = 16) -> None:
+        self.sources = dict(sources)
+        self.template = _check_url(template, "proxy stats template") if template else ""
+        self.timeout_s, self.max_bytes, self.max_proxies = timeout_s, max_bytes, max_proxies
+        self.cache_s = cache_s
+        self._gate = asyncio.Semaphore(concurrency)
+        self._cache: dict[str, ProxyReading] = {}
+        self._client: httpx.AsyncClient | None = None
+
+    def source_of(self, node_id: str) -> str | None:
+        if node_id in self.sources:
+            return self.sources[node_id]
+        m = _ISTIO_NODE.match(node_id)
+        if self.template and m:
+            ip = m.group(1)
+            return self.template.replace("{ip}", f"[{ip}]" if ":" in ip else ip)
+        return None
+
+    async def close(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
+
+    async def read(self, node_ids: list[str]) -> list[ProxyReading]:
+        """A reading for every proxy in `node_ids` plus every configured one (bounded fan-out)."""
+        wanted = list(dict.fromkeys([*node_ids, *self.sources]))
+        over = wanted[self.max_proxies:]
+        readings = await asyncio.gather(*(self._read_one(n) for n in wanted[:self.max_proxies]))
+        now = time.time()
+        return [*readings, *(ProxyReading(n, self.source_of(n), False,
+                                          f"not read: more than {self.max_proxies} proxies", now) for n in over)]
+
+    async def _read_one(self, node_id: str) -> ProxyReading:
+        url = self.source_of(node_id)
+        now = time.time()
+        if url is None:
+            return ProxyReading(node_id, None, False, "no stats source configured for this proxy", now)
+        cached = self._cache.get(node_id)
+        if cached is not None and cached.source == url and now - cached.read_at < self.cache_s:
+            return cached
+        async with self._gate:
+            reading = await self._fetch(node_id, url)
+        self._cache[node_id] = reading
+        if len(self._cache) > 2 * self.max_proxies:  # forget proxies long gone
+            for stale in sorted(self._cache, key=lambda k: self._cache[k].read_at)[:self.max_proxies]:
+                del self._cache[stale]
+        return reading
+
+    async def _fetch(self, node_id: str, url: str) -> ProxyReading:
+        if self._client is None:
+            self._client = httpx.AsyncClient(timeout=self.timeout_s, follow_redirects=False)
+        started = time.time()
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                async with self._client.stream("GET", url) as r:
+                    if r.status_code != 200:
+                        return ProxyReading(node_id, url, False, f"HTTP {r.status_code} from {url}", started)
+                    body = bytearray()
+                    async for chunk in r.aiter_bytes():
+                        body += chunk
+                        if len(body) > self.max_bytes:
+                            return ProxyReading(node_id, url, False,
+                                                f"stats page larger than {self.max_bytes} bytes", started)
+            counters = parse_prometheus(body.decode("utf-8", errors="replace"))
+        except TimeoutError:
+            return ProxyReading(node_id, url, False, f"no answer from {url} within {self.timeout_s:g}s", started)
+        except httpx.HTTPError as exc:
+            return ProxyReading(node_id, url, False, f"{url}: {type(exc).__name__}: {exc}", started)
+        except ValueError as exc:  # not Prometheus text
+            return ProxyReading(node_id, url, False, f"{url}: unreadable stats: {exc}", started)
+        if not counters.totals:
+            return ProxyReading(node_id, url, False, "no meshcache filter stats in the answer "
+                                "(filter not loaded, or stats not exported)", started, counters)
+        return ProxyReading(node_id, url, True, None, started, counters)
+
+
+@dataclass
+class ModelRow:
+    model_prefix: str
+    in_policy: bool
+    hits: int
+    misses: int
+    ambiguous_with: list[str]
+
+    @property
+    def hit_ratio(self) -> float | None:
+        seen = self.hits + self.misses
+        return self.hits / seen if seen else None
+
+
+def per_model(readings: list[ProxyReading], prefixes: list[str]) -> list[ModelRow]:
+    """Sum the per-policy counters of the readable proxies, named by the snapshot's prefixes."""
+    by_name: dict[str, list[str]] = {}
+    for p in prefixes:
+        by_name.setdefault(prom_name(p), []).append(p)
+    sums: dict[str, dict[str, int]] = {}
+    for r in readings:
+        if r.ok and r.counters is not None:
+            for name, c in r.counters.policies.items():
+                s = sums.setdefault(name, {"hits": 0, "misses": 0})
+                s["hits"] += c["hits"]
+                s["misses"] += c["misses"]
+    rows = []
+    for p in prefixes:
+        name = prom_name(p)
+        s = sums.get(name, {"hits": 0, "misses": 0})
+        rows.append(ModelRow(p, True, s["hits"], s["misses"], [o for o in by_name[name] if o != p]))
+    for name, s in sorted(sums.items()):
+        if name not in by_name:  # counters of a policy no longer in the snapshot
+            rows.append(ModelRow(name, False, s["hits"], s["misses"], []))
+    return rows
