@@ -219,8 +219,9 @@ async function refresh() {
     renderProxies(proxies, stats, snap.version);
     if (!armed) renderHistory(hist); // don't pull an armed button from under the user
     const stale = proxies.proxies.filter((p) => !p.current).length;
-    $("summary").textContent = "policy version " + snap.version + " · " + proxies.proxies.length
-      + " proxies" + (stale ? " (" + stale + " not current)" : "") + " · updated " + fmtTime(Date.now() / 1000).slice(11);
+    const n = proxies.proxies.length;
+    $("summary").textContent = "policy version " + snap.version + " · " + n
+      + (n === 1 ? " proxy" : " proxies") + (stale ? " (" + stale + " not current)" : "") + " · updated " + fmtTime(Date.now() / 1000).slice(11);
     document.body.dataset.version = String(snap.version);
     document.body.dataset.loaded = "1";
   } catch (e) {

@@ -44,10 +44,30 @@ pub fn count(name: &str, n: u64) {
     });
 }
 
-/// Per-policy counters; the prefix is reduced to characters safe in a stat name.
-pub fn count_policy(prefix: &str, what: &str) {
+const COUNTERS: [&str; 7] = [HITS, MISSES, BYPASSES, STORES, EVICTIONS, ERRORS, STUB_MISSES];
+const POLICY_COUNTERS: [&str; 2] = ["hits", "misses"];
+
+/// The per-policy counter's name; the prefix is reduced to characters safe in a stat name.
+fn policy_metric(prefix: &str, what: &str) -> String {
     let safe: String = prefix.chars().map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '_' { c } else { '_' }).collect();
-    count(&format!("meshcache.policy.{}.{}", safe, what), 1);
+    format!("meshcache.policy.{}.{}", safe, what)
+}
+
+pub fn count_policy(prefix: &str, what: &str) {
+    count(&policy_metric(prefix, what), 1);
+}
+
+/// Defines every counter (and each policy's) up front, so stats, dashboards and alerts see a 0
+/// rather than a missing series until the first event.
+pub fn define_all<'a, I: Iterator<Item = &'a str>>(prefixes: I) {
+    for name in COUNTERS.iter() {
+        metric(MetricKind::Counter, name);
+    }
+    for prefix in prefixes {
+        for what in POLICY_COUNTERS.iter() {
+            metric(MetricKind::Counter, &policy_metric(prefix, what));
+        }
+    }
 }
 
 pub fn record_outcome(out: &Outcome) {

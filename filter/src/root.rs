@@ -39,6 +39,7 @@ pub fn on_configure(root: u32, size: usize) -> bool {
             let mut out = Outcome::default();
             cache.reconcile(&mut out);
             metrics::record_outcome(&out);
+            metrics::define_all(cfg.policies.iter().map(|p| p.model_prefix.as_str()));
             abi::log(LogLevel::Info, &format!("configuration version {:?} with {} policies", cfg.version, cfg.policies.len()));
             ROOTS.with(|r| r.borrow_mut().insert(root, Some(Rc::new(cfg))));
             abi::set_tick_period_ms(metrics::FLUSH_MS);

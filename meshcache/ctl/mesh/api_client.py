@@ -58,6 +58,9 @@ class PolicyApi:
     def proxies(self) -> list[dict[str, Any]]:
         return self._call("GET", "/v1/proxies")["proxies"]  # type: ignore[no-any-return]
 
+    def stats(self) -> dict[str, Any]:
+        return self._call("GET", "/v1/stats")  # type: ignore[no-any-return]
+
     def wait_acked(self, node_id: str, version: int, timeout: float = 10.0) -> None:
         """Until the proxy `node_id` has ACKed snapshot `version` (or a later one) over xDS."""
         deadline = time.monotonic() + timeout

@@ -13,6 +13,7 @@ import httpx
 
 from meshcache.ctl.mesh import state
 from meshcache.ctl.mesh.api_client import ApiError, PolicyApi
+from meshcache.ctl.mesh.cache_table import format_cache_table
 from meshcache.ctl.mesh.config import MeshConfig, default_state_dir
 from meshcache.ctl.mesh.errors import MeshError
 
@@ -38,6 +39,7 @@ def format_endpoints(endpoints: dict[str, Any]) -> str:
     lines = [
         f"  app (gRPC + HTTP, plaintext):  {e['app']}   traffic colour {e['app_color']!r}",
         f"  control-plane API:             {e['control_plane_api']}   (write token in {e['token_file']})",
+        f"  status page:                   {e['control_plane_api']}/status   (sign in with that token)",
         f"  Envoy admin:                   client {e['client_sidecar_admin']}   server {e['server_sidecar_admin']}",
         f"  server sidecar (mTLS only):    {e['server_sidecar_mtls']}   identity {e['server_identity']}",
         f"  engine:                        {e['engine_http']}   gRPC {e['engine_grpc']}   "
@@ -133,6 +135,17 @@ def _health(endpoints: dict[str, Any]) -> dict[str, bool]:
     return out
 
 
+def _cache_stats(current: dict[str, Any]) -> tuple[dict[str, Any] | None, str | None]:
+    """The control plane's per-model cache counters (what the status page shows), or why not."""
+    endpoints = current.get("endpoints") or {}
+    try:
+        token = Path(endpoints["token_file"]).read_text().strip()
+        with PolicyApi(endpoints["control_plane_api"], token, timeout=5) as api:
+            return api.stats(), None
+    except (KeyError, OSError, ApiError) as exc:
+        return None, f"counters unavailable: {exc}"
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     state_dir = _state_dir(args)
     current = state.read_state(state_dir)
@@ -143,9 +156,11 @@ def cmd_status(args: argparse.Namespace) -> int:
     children = {c["name"]: state.pid_alive(int(c["pid"]), c.get("start_time")) for c in current["children"]}
     health = _health(current["endpoints"]) if current["status"] == "ready" else {}
     healthy = current["status"] == "ready" and all(children.values()) and all(health.values())
+    cache, cache_error = _cache_stats(current) if current["status"] == "ready" else (None, None)
     if args.json:
         print(json.dumps({"status": current["status"], "healthy": healthy, "pid": current["pid"],
-                          "processes": children, "health": health, "endpoints": current.get("endpoints")}))
+                          "processes": children, "health": health, "endpoints": current.get("endpoints"),
+                          "cache": cache, "cache_error": cache_error}))
         return 0 if healthy else 1
     print(f"mesh {current['status']} (supervisor pid {current['pid']}, state dir {state_dir})")
     for c in current["children"]:
@@ -154,6 +169,10 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"  {'ok  ' if ok else 'FAIL'} {name}")
     if current.get("endpoints"):
         print(format_endpoints(current["endpoints"]))
+    if cache is not None:
+        print(format_cache_table(cache))
+    elif cache_error:
+        print(f"cache: {cache_error}")
     return 0 if healthy else 1
 
 

@@ -1,0 +1,46 @@
+"""The per-model cache table of `meshcache status`: the same numbers as the status page (/v1/stats)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def human_bytes(n: int | None) -> str:
+    if n is None:
+        return "-"
+    value, unit = float(n), "B"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            break
+        value /= 1024
+    return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+
+
+def _count(n: int | None) -> str:
+    return "-" if n is None else f"{n:,}"
+
+
+def format_cache_table(stats: dict[str, Any]) -> str:
+    """`stats` is the control plane's GET /v1/stats answer."""
+    total = stats["proxies_read"] + stats["proxies_unread"]
+    lines = [f"cache (policy version {stats['version']}; counters since each proxy started; "
+             f"stats of {stats['proxies_read']} of {total} proxies read)"]
+    width = max([len("model prefix"), *(len(m["model_prefix"]) for m in stats["models"])]) + 2
+    lines.append(f"  {'model prefix':<{width}}{'hits':>10}{'misses':>10}{'hit ratio':>11}{'entries':>9}{'bytes':>10}")
+    for m in stats["models"]:
+        ratio = "-" if m["hit_ratio"] is None else f"{m['hit_ratio'] * 100:.1f} %"
+        note = "" if m["in_policy"] else "   (no policy now)"
+        if m["ambiguous_with"]:
+            note += f"   (counted together with {', '.join(m['ambiguous_with'])})"
+        lines.append(f"  {m['model_prefix']:<{width}}{_count(m['hits']):>10}{_count(m['misses']):>10}{ratio:>11}"
+                     f"{_count(m['entries']):>9}{human_bytes(m['bytes']):>10}{note}")
+    if not stats["models"]:
+        lines.append("  (no policies)")
+    lines.append("  entries and bytes are kept per proxy, not per model:")
+    for p in stats["proxies"]:
+        if p["ok"]:
+            lines.append(f"  proxy {p['node_id']}: {_count(p['entries'])} entries, {human_bytes(p['bytes'])}, "
+                         f"{_count(p['evictions'])} evictions, {_count(p['errors'])} errors")
+        else:
+            lines.append(f"  proxy {p['node_id']}: stats unavailable: {p['error']} (left out of the sums)")
+    return "\n".join(lines)

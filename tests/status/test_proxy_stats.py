@@ -1,0 +1,93 @@
+"""Reading the filter's counters from Prometheus text, per-model sums, sources, snapshot diffs."""
+
+from __future__ import annotations
+
+import pytest
+
+from control_plane.history import diff
+from control_plane.models import Limits, Policy
+from control_plane.proxy_stats import (
+    ProxyCounters,
+    ProxyReading,
+    StatsConfigError,
+    parse_prometheus,
+    parse_sources,
+    per_model,
+    prom_name,
+)
+from control_plane.snapshots import Snapshot
+
+# The shape Envoy's /stats/prometheus gives a Wasm filter's stats (custom namespace stripped).
+ENVOY_PAGE = """\
+# TYPE envoy_cluster_upstream_rq_total counter
+envoy_cluster_upstream_rq_total{envoy_cluster_name="engine"} 12
+# TYPE meshcache_hits counter
+meshcache_hits{} 7
+# TYPE meshcache_misses counter
+meshcache_misses{} 5
+# TYPE meshcache_policy_resnet_mini_hits counter
+meshcache_policy_resnet_mini_hits{} 4
+# TYPE meshcache_policy_resnet_mini_misses counter
+meshcache_policy_resnet_mini_misses{} 1
+# TYPE meshcache_policy_bert_v2_hits counter
+meshcache_policy_bert_v2_hits{} 3
+# TYPE meshcache_policy_old_model_misses counter
+meshcache_policy_old_model_misses{} 4
+# TYPE meshcache_cp_snapshot_version gauge
+meshcache_cp_snapshot_version 9
+# TYPE meshcache_entries gauge
+meshcache_entries{} 3
+# TYPE meshcache_bytes gauge
+meshcache_bytes{} 1236
+"""
+
+
+def test_parse_keeps_the_filter_samples_only() -> None:
+    c = parse_prometheus(ENVOY_PAGE)
+    assert c.totals == {"hits": 7, "misses": 5, "entries": 3, "bytes": 1236}
+    assert c.policies == {"resnet_mini": {"hits": 4, "misses": 1}, "bert_v2": {"hits": 3, "misses": 0},
+                          "old_model": {"hits": 0, "misses": 4}}
+
+
+def test_per_model_sums_readable_proxies_and_flags_collisions() -> None:
+    ok = ProxyReading("a", "http://a", True, None, 0.0, parse_prometheus(ENVOY_PAGE))
+    also = ProxyReading("b", "http://b", True, None, 0.0,
+                        ProxyCounters({"hits": 1}, {"resnet_mini": {"hits": 10, "misses": 10}}))
+    broken = ProxyReading("c", "http://c", False, "timed out", 0.0,
+                          ProxyCounters({"hits": 1}, {"resnet_mini": {"hits": 1000, "misses": 0}}))
+    rows = {r.model_prefix: r for r in per_model([ok, also, broken], ["resnet-mini", "bert.v2", "bert_v2", "idle"])}
+    assert (rows["resnet-mini"].hits, rows["resnet-mini"].misses) == (14, 11)  # the unreadable proxy is left out
+    assert rows["resnet-mini"].hit_ratio == pytest.approx(14 / 25)
+    assert rows["bert.v2"].ambiguous_with == ["bert_v2"] and rows["bert_v2"].ambiguous_with == ["bert.v2"]
+    assert rows["idle"].hit_ratio is None and rows["idle"].hits == 0
+    assert not rows["old_model"].in_policy and rows["old_model"].misses == 4
+
+
+def test_prom_name_matches_envoys_sanitising() -> None:
+    assert prom_name("resnet-mini") == "resnet_mini"
+    assert prom_name("m.v2:latest@x+y") == "m_v2_latest_x_y"
+
+
+def test_sources_parse_and_reject_garbage() -> None:
+    assert parse_sources("a=http://127.0.0.1:1/stats/prometheus, b=https://h:15020/stats/prometheus\n") == {
+        "a": "http://127.0.0.1:1/stats/prometheus", "b": "https://h:15020/stats/prometheus"}
+    for bad in ("no-equals-sign", "a=ftp://x/y", "a=notaurl"):
+        with pytest.raises(StatsConfigError):
+            parse_sources(bad)
+
+
+def _policy(prefix: str, ttl: int, generation: int) -> Policy:
+    return Policy(model_prefix=prefix, ttl_s=ttl, max_ttl_s=ttl, generation=generation)
+
+
+def test_diff_names_each_change() -> None:
+    before = Snapshot(version=4, policies=(_policy("a", 10, 1), _policy("b", 20, 2), _policy("c", 5, 3)))
+    after = Snapshot(version=5, policies=(_policy("a", 30, 1), _policy("b", 20, 5), _policy("d", 7, 5)),
+                     limits=Limits(max_entries=10))
+    changes = {(c["what"], c["model_prefix"]): c["fields"] for c in diff(before, after)}
+    assert changes[("changed", "a")] == {"ttl_s": [10, 30], "max_ttl_s": [10, 30]}
+    assert changes[("purged", "b")] == {"generation": [2, 5]}
+    assert changes[("removed", "c")] == {}
+    assert changes[("added", "d")]["ttl_s"] == [None, 7]
+    assert changes[("limits", None)] == {"max_entries": [16384, 10]}
+    assert diff(None, after) == [] and diff(after, after) == []

@@ -1,0 +1,126 @@
+"""The endpoints behind the status page and `meshcache status`, on real processes."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from meshcache import procs, services
+from tests.control_plane.helpers import READ_TOKEN, WRITE_TOKEN, ControlPlaneProc, eventually, start_control_plane
+from tests.mesh.helpers import grpc_call, mlp_request
+from tests.status.conftest import RunningMesh, meshcache
+
+SERVER_NODE = "meshcache-server-sidecar"
+
+
+@pytest.fixture
+def lone_cp(tmp_path: Path) -> Iterator[tuple[ControlPlaneProc, str]]:
+    """A control plane whose only configured proxy has no stats endpoint listening."""
+    redis, port = services.start_redis(tmp_path / "redis")
+    dead = f"http://127.0.0.1:{procs.free_port()}/stats/prometheus"
+    cp = start_control_plane(tmp_path / "logs", port, extra_env={"MESHCACHE_CP_PROXY_STATS": f"ghost-proxy={dead}"})
+    try:
+        yield cp, dead
+    finally:
+        cp.proc.stop()
+        redis.stop()
+
+
+def _model(stats: dict, prefix: str) -> dict:
+    return next(m for m in stats["models"] if m["model_prefix"] == prefix)
+
+
+def test_stats_follow_the_traffic(running_mesh: RunningMesh) -> None:
+    app = running_mesh.endpoints["app"]
+    with running_mesh.client() as c:
+        before = _model(c.get("/v1/stats").json(), "mlp-classifier")
+        for seed in (7101, 7102):
+            request = mlp_request(seed).SerializeToString()
+            assert grpc_call(app, request)[1] == "meshcache; fwd=miss; stored"
+            assert grpc_call(app, request)[1].startswith("meshcache; hit")
+
+        def counted() -> dict:
+            stats = c.get("/v1/stats").json()
+            m = _model(stats, "mlp-classifier")
+            return stats if (m["hits"], m["misses"]) == (before["hits"] + 2, before["misses"] + 2) else {}
+
+        stats = eventually(counted, timeout=15)
+    assert stats["complete"] and stats["proxies_read"] == 1
+    m = _model(stats, "mlp-classifier")
+    assert m["in_policy"] and 0 < m["hit_ratio"] < 1
+    proxy = next(p for p in stats["proxies"] if p["node_id"] == SERVER_NODE)
+    assert proxy["ok"] and proxy["source"].endswith("/stats/prometheus")
+    assert proxy["entries"] >= 2 and proxy["bytes"] > 0 and proxy["errors"] == 0
+
+
+def test_meshcache_status_prints_the_per_model_table(running_mesh: RunningMesh) -> None:
+    with running_mesh.client() as c:
+        stats = c.get("/v1/stats").json()
+    status = meshcache("status", "--state-dir", str(running_mesh.state_dir))
+    assert status.returncode == 0, status.stdout + status.stderr
+    out = status.stdout
+    assert "model prefix" in out and "hit ratio" in out
+    for m in stats["models"]:
+        assert any(line.split()[:1] == [m["model_prefix"]] for line in out.splitlines()), out
+    assert f"proxy {SERVER_NODE}:" in out and "stats unavailable" not in out
+    report = json.loads(meshcache("status", "--json", "--state-dir", str(running_mesh.state_dir)).stdout)
+    assert {m["model_prefix"] for m in report["cache"]["models"]} >= {"mlp-classifier", "resnet-mini"}
+
+
+def test_unreadable_proxy_stats_are_reported_not_zeroed(lone_cp: tuple[ControlPlaneProc, str]) -> None:
+    cp, dead = lone_cp
+    with cp.client(READ_TOKEN) as c:
+        assert c.put("/v1/policies/m1", json={"ttl_s": 5}).status_code == 403  # read token
+    with cp.client(WRITE_TOKEN) as c:
+        assert c.put("/v1/policies/m1", json={"ttl_s": 5}).status_code == 200
+        stats = c.get("/v1/stats").json()
+    assert not stats["complete"] and stats["proxies_unread"] == 1 and stats["proxies_read"] == 0
+    ghost = stats["proxies"][0]
+    assert ghost["node_id"] == "ghost-proxy" and not ghost["ok"] and dead in ghost["error"]
+    assert ghost["entries"] is None and ghost["hits"] is None
+    assert _model(stats, "m1") == {"model_prefix": "m1", "in_policy": True, "hits": 0, "misses": 0,
+                                   "hit_ratio": None, "entries": None, "bytes": None, "ambiguous_with": []}
+
+
+def test_history_lists_diffs_and_rollbacks(lone_cp: tuple[ControlPlaneProc, str]) -> None:
+    cp, _ = lone_cp
+    with cp.client(WRITE_TOKEN) as c:
+        assert c.get("/v1/whoami").json() == {"name": "admin", "role": "write"}
+        c.put("/v1/policies/m1", json={"ttl_s": 5})
+        c.put("/v1/policies/m1", json={"ttl_s": 50})
+        c.post("/v1/purge", json={"model_prefix": "m1"})
+        assert c.post("/v1/rollback", json={"version": 1}).json()["version"] == 4
+        hist = c.get("/v1/snapshots", params={"limit": 3}).json()
+    assert hist["version"] == 4 and [s["version"] for s in hist["snapshots"]] == [4, 3, 2]
+    rollback, purge, change = hist["snapshots"]
+    assert rollback["action"] == "rollback to 1" and rollback["author"] == "admin"
+    assert rollback["changes"] == [{"what": "changed", "model_prefix": "m1",
+                                    "fields": {"ttl_s": [50, 5], "max_ttl_s": [50, 5]}}]  # generation kept
+    assert purge["changes"] == [{"what": "purged", "model_prefix": "m1", "fields": {"generation": [1, 3]}}]
+    assert change["changes"][0]["fields"]["ttl_s"] == [5, 50]
+    with cp.client(READ_TOKEN) as c:
+        assert c.get("/v1/whoami").json() == {"name": "viewer", "role": "read"}
+        assert c.get("/v1/snapshots").status_code == 200
+        assert c.post("/v1/rollback", json={"version": 1}).status_code == 403
+        assert c.get("/v1/snapshots", params={"limit": 0}).status_code == 422
+    with cp.client(None) as c:
+        for path in ("/v1/stats", "/v1/snapshots", "/v1/whoami"):
+            assert c.get(path).status_code == 401
+
+
+def test_page_is_static_same_origin_and_locked_down(lone_cp: tuple[ControlPlaneProc, str]) -> None:
+    cp, _ = lone_cp
+    page = httpx.get(f"{cp.url}/status")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    csp = page.headers["content-security-policy"]
+    assert "script-src 'self'" in csp and "frame-ancestors 'none'" in csp and "unsafe-inline" not in csp
+    assert "http" not in page.text.replace("http-equiv", "")  # no CDN or other origins
+    assert httpx.get(f"{cp.url}/status/status.js").headers["content-type"].startswith("text/javascript")
+    assert httpx.get(f"{cp.url}/status/status.css").status_code == 200
+    for bad in ("/status/../settings.py", "/status/status.html", "/status/x.js"):
+        assert httpx.get(f"{cp.url}{bad}").status_code == 404
+    assert httpx.get(f"{cp.url}/", follow_redirects=False).headers["location"] == "/status"
