@@ -31,7 +31,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 PROM_PREFIX = "meshcache_"
 # The filter's cache-wide counters and gauges (docs/filter.md, "Metrics").
-COUNTERS = ("hits", "misses", "bypasses", "stores", "evictions", "errors", "stub_misses")
+COUNTERS = ("hits", "misses", "bypasses", "stores", "evictions", "errors")
 GAUGES = ("entries", "bytes")
 _POLICY = re.compile(r"^policy_(.+)_(hits|misses)$")
 _ISTIO_NODE = re.compile(r"^[a-z]+~([0-9a-fA-F.:]+)~")

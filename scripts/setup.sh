@@ -11,6 +11,8 @@ APT_PACKAGES=(
   redis-server wrk nghttp2-client nginx-light
   # Triton's perf_analyzer (shipped as a binary in the tritonclient wheel) links libb64.
   libb64-0d
+  # Status page tests (headless browser) and the dashboard test (a real Prometheus).
+  chromium chromium-driver prometheus
 )
 
 missing=()
@@ -28,6 +30,9 @@ if [ ${#missing[@]} -gt 0 ]; then
   # The redis-server package starts a system instance; tests run their own.
   if command -v systemctl >/dev/null 2>&1; then systemctl disable --now redis-server >/dev/null 2>&1 || true; fi
   service redis-server stop >/dev/null 2>&1 || true
+  # Same for prometheus: the dashboard test starts its own on a free port.
+  if command -v systemctl >/dev/null 2>&1; then systemctl disable --now prometheus >/dev/null 2>&1 || true; fi
+  service prometheus stop >/dev/null 2>&1 || true
 fi
 
 PYTHON=${PYTHON:-python3.11}

@@ -44,7 +44,7 @@ pub fn count(name: &str, n: u64) {
     });
 }
 
-const COUNTERS: [&str; 7] = [HITS, MISSES, BYPASSES, STORES, EVICTIONS, ERRORS, STUB_MISSES];
+const COUNTERS: [&str; 6] = [HITS, MISSES, BYPASSES, STORES, EVICTIONS, ERRORS];
 const POLICY_COUNTERS: [&str; 2] = ["hits", "misses"];
 
 /// The per-policy counter's name; the prefix is reduced to characters safe in a stat name.

@@ -1,0 +1,219 @@
+"""PNG charts of each benchmark, drawn from the results it stores as JSON (docs/benchmarks/<name>.json).
+
+The JSON is the one source of both a benchmark's table in docs/benchmarks.md and its charts:
+`python -m bench.plots` redraws every chart from the stored results without re-running anything.
+Rows with `quantiles_ms` (latency at 0, 1, ..., 100 %, as the benchmark recorded them) are drawn
+as distributions; rows with only p50/p99 as bars.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import textwrap
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only, no display
+import matplotlib.pyplot as plt  # noqa: E402 - after choosing the backend
+from matplotlib.axes import Axes  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
+
+from meshcache.paths import REPO_ROOT  # noqa: E402
+
+RESULTS_DIR = REPO_ROOT / "docs" / "benchmarks"
+Results = dict[str, Any]
+COLORS = ("#2451b7", "#d9822b", "#17803d", "#b42318", "#7a4fb5", "#5b6678")
+
+
+def results_path(name: str, directory: Path = RESULTS_DIR) -> Path:
+    return directory / f"{name}.json"
+
+
+def save_results(name: str, results: Results, directory: Path = RESULTS_DIR) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    path = results_path(name, directory)
+    path.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
+    return path
+
+
+def load_results(name: str, directory: Path = RESULTS_DIR) -> Results:
+    return json.loads(results_path(name, directory).read_text())  # type: ignore[no-any-return]
+
+
+def _figure(title: str, results: Results, width: float = 9.0, height: float = 4.6) -> tuple[Figure, Axes]:
+    fig, ax = plt.subplots(figsize=(width, height), dpi=100)
+    ax.set_title(title, fontsize=12, loc="left")
+    fig.text(0.01, 0.005, f"{results.get('date', '')}  {results.get('machine_short', '')}", fontsize=7, color="#5b6678")
+    ax.grid(axis="y", color="#e3e7ee")
+    ax.set_axisbelow(True)
+    for side in ("top", "right"):
+        ax.spines[side].set_visible(False)
+    return fig, ax
+
+
+def _save(fig: Figure, path: Path) -> Path:
+    fig.tight_layout(rect=(0, 0.02, 1, 1))
+    fig.savefig(path, format="png", metadata={"Software": None})  # no timestamps: same data, same bytes
+    plt.close(fig)
+    return path
+
+
+def _grouped_bars(ax: Axes, groups: list[str], series: dict[str, list[float | None]], fmt: str = "{:.0f}") -> None:
+    n = max(1, len(series))
+    width = 0.8 / n
+    for k, (label, values) in enumerate(series.items()):
+        xs = [i + (k - (n - 1) / 2) * width for i in range(len(groups))]
+        heights = [v if v is not None else 0.0 for v in values]
+        bars = ax.bar(xs, heights, width * 0.95, label=label, color=COLORS[k % len(COLORS)])
+        for bar, v in zip(bars, values, strict=True):
+            if v is not None:
+                ax.annotate(fmt.format(v), (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                            ha="center", va="bottom", fontsize=7, xytext=(0, 1), textcoords="offset points")
+    wrap = max(10, 100 // max(1, len(groups)))  # narrower labels when there are more groups
+    ax.set_xticks(range(len(groups)), [textwrap.fill(g, wrap) for g in groups], fontsize=8)
+    ax.legend(fontsize=8, frameon=False)
+
+
+def _cdf(ax: Axes, rows: list[dict[str, Any]], label: Callable[[dict[str, Any]], str]) -> bool:
+    """Latency CDFs from each row's quantiles; False when no row has them."""
+    drawn = False
+    for k, row in enumerate(r for r in rows if r.get("quantiles_ms")):
+        q = row["quantiles_ms"]
+        ax.plot(q, [i / (len(q) - 1) for i in range(len(q))], label=label(row), color=COLORS[k % len(COLORS)],
+                linewidth=1.6)
+        drawn = True
+    if drawn:
+        ax.set_xscale("log")
+        ax.set_xlabel("latency, ms (log scale)")
+        ax.set_ylabel("fraction of requests")
+        ax.set_ylim(0, 1.01)
+        ax.legend(fontsize=8, frameon=False, loc="lower right")
+    return drawn
+
+
+def _percentile_bars(ax: Axes, rows: list[dict[str, Any]], label: Callable[[dict[str, Any]], str]) -> None:
+    _grouped_bars(ax, [label(r) for r in rows], {"p50": [r.get("p50_ms") for r in rows],
+                                                 "p99": [r.get("p99_ms") for r in rows]}, fmt="{:.1f}")
+    ax.set_ylabel("latency, ms")
+
+
+def _latency(results: Results, rows: list[dict[str, Any]], title: str, label: Callable[[dict[str, Any]], str],
+             path: Path) -> Path:
+    fig, ax = _figure(title, results)
+    if not _cdf(ax, rows, label):
+        _percentile_bars(ax, rows, label)
+        ax.set_title(title + "\np50 and p99 only: this run recorded no raw samples", fontsize=12, loc="left")
+    return _save(fig, path)
+
+
+# ---- one function per benchmark: results -> chart files ------------------------------------
+
+def plot_engine(results: Results, out: Path) -> list[Path]:
+    rows = results["rows"]
+    configs = list(dict.fromkeys(r["config"] for r in rows))
+    levels = sorted({r["concurrency"] for r in rows})
+
+    def value(config: str, level: int, key: str) -> float | None:
+        return next((r[key] for r in rows if r["config"] == config and r["concurrency"] == level), None)
+
+    fig, ax = _figure(f"Engine throughput, {results.get('model', '')} over gRPC", results)
+    _grouped_bars(ax, [f"concurrency {c}" for c in levels],
+                  {cfg: [value(cfg, c, "rps") for c in levels] for cfg in configs})
+    ax.set_ylabel("requests/s")
+    throughput = _save(fig, out / "engine-throughput.png")
+    latency = _latency(results, rows, "Engine latency", lambda r: f"{r['config']}, c={r['concurrency']}",
+                       out / "engine-latency.png")
+    return [throughput, latency]
+
+
+def plot_mesh(results: Results, out: Path) -> list[Path]:
+    rows = results["rows"]
+    fig, ax = _figure("Local mesh throughput by case (same client, same concurrency)", results)
+    shapes = list(dict.fromkeys((r["client"], r["concurrency"]) for r in rows))
+    cases = list(dict.fromkeys(r["case"] for r in rows))
+
+    def value(case: str, shape: tuple[str, int]) -> float | None:
+        return next((r["rps"] for r in rows if r["case"] == case and (r["client"], r["concurrency"]) == shape), None)
+
+    _grouped_bars(ax, [f"{c}, c={n}" for c, n in shapes], {case: [value(case, s) for s in shapes] for case in cases})
+    ax.set_ylabel("requests/s")
+    throughput = _save(fig, out / "mesh-throughput.png")
+    grpc_rows = [r for r in rows if r["client"] == rows[0]["client"]]
+    latency = _latency(results, grpc_rows, f"Local mesh latency ({rows[0]['client']} client)",
+                       lambda r: f"{r['case']}, c={r['concurrency']}", out / "mesh-latency.png")
+    return [throughput, latency]
+
+
+def plot_propagation(results: Results, out: Path) -> list[Path]:
+    rows = results["rows"]
+    return [_latency(results, rows, "Policy propagation: PUT answered to ECDS ACK", lambda r: r["setup"],
+                     out / "propagation-latency.png")]
+
+
+def plot_filter(results: Results, out: Path) -> list[Path]:
+    rows = results["rows"]
+    shapes = list(dict.fromkeys((r["protocol"], r["answer"]) for r in rows))
+    modes = [m for m in dict.fromkeys(r["mode"] for r in rows) if m != "no filter"]
+
+    def ratio(mode: str, shape: tuple[str, str]) -> float | None:
+        return next((r["vs_no_filter"] for r in rows if r["mode"] == mode and (r["protocol"], r["answer"]) == shape),
+                    None)
+
+    fig, ax = _figure("Proxy throughput relative to Envoy without the filter (1.0 = no filter)", results,
+                      width=10.5)
+    _grouped_bars(ax, [f"{p} {a}" for p, a in shapes], {m: [ratio(m, s) for s in shapes] for m in modes},
+                  fmt="{:.2f}")
+    ax.axhline(1.0, color="#1d2430", linewidth=0.8)
+    ax.set_ylabel("requests/s ÷ no filter")
+    return [_save(fig, out / "filter-throughput-ratio.png")]
+
+
+def plot_replicas(results: Results, out: Path) -> list[Path]:
+    rows = results["rows"]
+    fig, ax = _figure("Hit ratio vs replicas (round-robin, one cache per sidecar)", results, width=7.5)
+    xs = [r["replicas"] for r in rows]
+    ys = [r["hit_ratio"] for r in rows]
+    ax.plot(xs, ys, marker="o", color=COLORS[0], linewidth=1.8)
+    for x, y in zip(xs, ys, strict=True):
+        ax.annotate(f"{y:.2f}", (x, y), textcoords="offset points", xytext=(0, 7), ha="center", fontsize=8)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(xs, [str(x) for x in xs])
+    ax.set_xlabel("replicas (sidecars, each with its own cache)")
+    ax.set_ylabel("hit ratio")
+    ax.set_ylim(0, 1)
+    return [_save(fig, out / "replicas-hit-ratio.png")]
+
+
+PLOTTERS: dict[str, Callable[[Results, Path], list[Path]]] = {
+    "engine": plot_engine, "mesh": plot_mesh, "propagation": plot_propagation, "filter": plot_filter,
+    "replicas": plot_replicas,
+}
+
+
+def plot(name: str, results: Results, out: Path = RESULTS_DIR) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    return PLOTTERS[name](results, out)
+
+
+def markdown_images(paths: list[Path], docs: Path = REPO_ROOT / "docs") -> str:
+    """Image links relative to docs/benchmarks.md."""
+    return "\n\n".join(f"![{p.stem}]({p.relative_to(docs).as_posix()})" for p in paths)
+
+
+def main(argv: list[str] | None = None) -> int:
+    names = (argv if argv is not None else sys.argv[1:]) or sorted(PLOTTERS)
+    for name in names:
+        if not results_path(name).exists():
+            print(f"{name}: no stored results ({results_path(name)}); run `python -m bench.{name}`")
+            continue
+        for path in plot(name, load_results(name)):
+            print(path.relative_to(REPO_ROOT))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

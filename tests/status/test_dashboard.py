@@ -1,0 +1,140 @@
+"""The Grafana dashboard's queries against a real Prometheus scraping a live local mesh.
+
+Prometheus (Debian's binary) runs deploy/prometheus/prometheus.yml with only the targets moved
+to the test mesh's ports and a 1 s scrape interval. After some traffic every metric name the
+dashboard uses must exist in what Prometheus scraped, and every panel query must return data.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+from meshcache import procs
+from meshcache.paths import REPO_ROOT
+from tests.mesh.helpers import grpc_call, mlp_json, mlp_request, rest_infer
+from tests.status.conftest import RunningMesh
+
+DEPLOY = REPO_ROOT / "deploy"
+DASHBOARD = DEPLOY / "grafana" / "meshcache.json"
+LOCAL_CONFIG = DEPLOY / "prometheus" / "prometheus.yml"
+K8S_CONFIG = DEPLOY / "prometheus" / "kubernetes.yml"
+pytestmark = pytest.mark.skipif(shutil.which("prometheus") is None,
+                                reason="prometheus missing (scripts/setup.sh installs Debian's prometheus)")
+
+
+def _host_port(url: str) -> str:
+    return re.sub(r"^https?://", "", url).split("/", 1)[0]
+
+
+def dashboard_queries() -> list[tuple[str, str]]:
+    doc = json.loads(DASHBOARD.read_text())
+    out = [(p["title"], t["expr"]) for p in doc["panels"] for t in p.get("targets", [])]
+    for var in doc["templating"]["list"]:
+        if var["type"] == "query":
+            out.append((f"variable {var['name']}", var["query"]["query"]))
+    return out
+
+
+def metric_names(expr: str) -> set[str]:
+    return set(re.findall(r"\bmeshcache_[a-z_]+\b", expr))
+
+
+@pytest.fixture
+def prometheus(running_mesh: RunningMesh, tmp_path: Path) -> Iterator[str]:
+    e = running_mesh.endpoints
+    config = yaml.safe_load(LOCAL_CONFIG.read_text())
+    config["global"]["scrape_interval"] = "1s"
+    targets = {
+        "meshcache-sidecars": [_host_port(e["server_sidecar_admin"])],
+        "meshcache-control-plane": [_host_port(e["control_plane_api"])],
+        "meshcache-engine": [_host_port(e["engine_metrics"]), _host_port(e["canary_engine_metrics"])],
+    }
+    for job in config["scrape_configs"]:
+        wanted = targets.pop(job["job_name"])
+        for group, target in zip(job["static_configs"], wanted, strict=True):
+            group["targets"] = [target]
+    assert not targets, f"jobs missing from {LOCAL_CONFIG}: {list(targets)}"
+    path = tmp_path / "prometheus.yml"
+    path.write_text(yaml.safe_dump(config))
+    check = subprocess.run(["promtool", "check", "config", str(path)], capture_output=True, text=True, timeout=60)
+    assert check.returncode == 0, check.stdout + check.stderr
+    port = procs.free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = procs.start_ready(
+        "prometheus",
+        ["prometheus", f"--config.file={path}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+         f"--web.listen-address=127.0.0.1:{port}", "--storage.tsdb.retention.time=1h"],
+        tmp_path / "logs", [(procs.http_ok(f"{url}/-/ready"), 60, "ready")])
+    try:
+        yield url
+    finally:
+        proc.stop()
+
+
+def _query(url: str, expr: str) -> list[dict[str, Any]]:
+    r = httpx.get(f"{url}/api/v1/query", params={"query": expr}, timeout=10)
+    body = r.json()
+    assert r.status_code == 200 and body["status"] == "success", f"{expr}: {body}"
+    return body["data"]["result"]  # type: ignore[no-any-return]
+
+
+def test_every_dashboard_query_has_live_data(running_mesh: RunningMesh, prometheus: str) -> None:
+    e = running_mesh.endpoints
+    # Traffic that moves every series the dashboard shows: misses + hits (stored entries), a
+    # bypass (Authorization), and an engine failure (wrong input shape).
+    for seed in range(9101, 9104):
+        request = mlp_request(seed).SerializeToString()
+        grpc_call(e["app"], request)
+        grpc_call(e["app"], request)
+    assert rest_infer(e["app"], "mlp-classifier", mlp_json(9104),
+                      {"authorization": "Bearer x"}).headers["cache-status"] == "meshcache; fwd=bypass"
+    bad = {"inputs": [{"name": "input", "shape": [1, 3], "datatype": "FP32", "data": [1, 2, 3]}]}
+    assert httpx.post(f"{e['engine_http']}/v2/models/mlp-classifier/infer", json=bad, timeout=10).status_code == 400
+
+    queries = dashboard_queries()
+    assert len(queries) >= 20
+    names = set().union(*(metric_names(q) for _, q in queries))
+    deadline = time.monotonic() + 60
+    missing: dict[str, str] = {}
+    while time.monotonic() < deadline:
+        live = set(httpx.get(f"{prometheus}/api/v1/label/__name__/values", timeout=10).json()["data"])
+        missing = {}
+        for title, expr in queries:
+            concrete = expr.replace("$__rate_interval", "15s").replace("$model", ".*")
+            absent = metric_names(expr) - live
+            if absent:
+                missing[title] = f"metrics not scraped: {sorted(absent)}"
+            elif not title.startswith("variable") and not _query(prometheus, concrete):
+                missing[title] = f"no data: {concrete}"
+        if not missing:
+            break
+        time.sleep(1)
+    assert not missing, json.dumps(missing, indent=1)
+    assert {"meshcache_policy_hits", "meshcache_hits", "meshcache_cp_snapshot_version",
+            "meshcache_engine_requests_total"} <= names
+
+    # The model variable lists the policies' models (label set by the scrape config's relabelling).
+    models = httpx.get(f"{prometheus}/api/v1/label/model/values",
+                       params={"match[]": "meshcache_policy_hits"}, timeout=10).json()["data"]
+    assert {"mlp_classifier", "resnet_mini", "text_embedder"} <= set(models)
+
+
+def test_kubernetes_scrape_config_keeps_the_same_names() -> None:
+    local = yaml.safe_load(LOCAL_CONFIG.read_text())
+    k8s = yaml.safe_load(K8S_CONFIG.read_text())
+    jobs = {j["job_name"]: j for j in k8s["scrape_configs"]}
+    assert set(jobs) == {j["job_name"] for j in local["scrape_configs"]}
+    sidecars = next(j for j in local["scrape_configs"] if j["job_name"] == "meshcache-sidecars")
+    assert jobs["meshcache-sidecars"]["metric_relabel_configs"] == sidecars["metric_relabel_configs"]
+    assert jobs["meshcache-sidecars"]["metrics_path"] == "/stats/prometheus"
