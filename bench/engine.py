@@ -36,8 +36,8 @@ import numpy as np
 import onnxruntime as ort
 
 from bench.loadgen import wrk
-from bench.report import table, write_section
-from bench.stats import ms, percentile
+from bench.report import publish, table, write_section
+from bench.stats import ms, percentile, quantiles_ms
 from meshcache.contract.paths import REPO_ROOT
 from meshcache.contract.protos import grpc_predict_v2_pb2 as pb
 from meshcache.ctl import launchers, procs
@@ -299,6 +299,22 @@ def _side_by_side(runs: dict[Key, list[Result]]) -> tuple[list[list[object]], di
     return rows, worst
 
 
+def _stored_rows(runs: dict[Key, list[Result]]) -> list[dict[str, object]]:
+    """The numbers behind the table (medians over rounds, each round's throughput) and, where the
+    client timed each call (gRPC), the latency distribution over all rounds."""
+    out: list[dict[str, object]] = []
+    for (transport, server, c), results in sorted(runs.items()):
+        latencies = [x for r in results for x in r.latencies]
+        out.append({"transport": transport, "server": server, "concurrency": c,
+                    "rps": round(statistics.median(r.throughput for r in results), 1),
+                    "rounds_rps": [round(r.throughput, 1) for r in results],
+                    "p50_ms": statistics.median(r.p50 for r in results) * 1e3,
+                    "p99_ms": statistics.median(r.p99 for r in results) * 1e3,
+                    "errors": sum(r.errors for r in results),
+                    **({"quantiles_ms": quantiles_ms(latencies)} if latencies else {})})
+    return out
+
+
 def _perf_analyzer_section(engine: launchers.Engine, mesh_levels: list[int], measurement_ms: int) -> str:
     """perf_analyzer against the engine (both transports) and through the local mesh's app port."""
     from meshcache.ctl.mesh.config import MeshConfig
@@ -440,7 +456,8 @@ def main(argv: list[str] | None = None) -> int:
     if pa_section:
         print(pa_section)
     if not args.no_write:
-        write_section("engine", f"Engine vs MLServer: batching, overhead ({MODEL}, gRPC and REST)", body)
+        publish("engine", f"Engine vs MLServer: batching, overhead ({MODEL}, gRPC and REST)", body,
+                {"model": MODEL, "rows": _stored_rows(runs), "rounds": args.rounds})
         if pa_section:
             write_section("engine-perf-analyzer", f"perf_analyzer against the engine and the mesh ({MODEL})",
                           pa_section)

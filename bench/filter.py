@@ -28,7 +28,7 @@ from pathlib import Path
 import httpx
 
 from bench.loadgen import LoadResult, h2load, wrk
-from bench.report import table, write_section
+from bench.report import publish, table
 from meshcache.contract.paths import require_filter_wasm
 from meshcache.ctl import launchers, procs
 from meshcache.ctl.envoy_config import CacheProxy, write
@@ -260,7 +260,13 @@ def main() -> None:
     text = render(rows, args.seconds)
     print(text)
     if not args.no_write:
-        write_section("filter", "Filter: proxy throughput with and without the cache (`python -m bench.filter`)", text)
+        base = {(r.protocol, r.size): r.result.rps for r in rows if r.mode == "no filter"}
+        stored = [{"protocol": r.protocol, "answer": r.size, "mode": r.mode, "rps": round(r.result.rps, 1),
+                   "p50_ms": r.result.p50_ms, "p99_ms": r.result.p99_ms, "mean_ms": r.result.mean_ms,
+                   "vs_no_filter": round(r.result.rps / base[(r.protocol, r.size)], 3), "errors": r.result.errors,
+                   "counters": r.check} for r in rows]
+        publish("filter", "Filter: proxy throughput with and without the cache (`python -m bench.filter`)", text,
+                {"seconds": args.seconds, "rows": stored})
 
 
 if __name__ == "__main__":

@@ -33,8 +33,8 @@ import grpc
 import numpy as np
 
 from bench.loadgen import LoadResult, h2load
-from bench.report import table, write_section
-from bench.stats import LatencyResult, ms
+from bench.report import publish, table
+from bench.stats import LatencyResult, ms, quantiles_ms
 from meshcache.contract.protos import grpc_predict_v2_pb2 as pb
 from meshcache.ctl.mesh.config import MeshConfig
 from meshcache.ctl.mesh.topology import SERVER_NODE, Mesh
@@ -144,14 +144,19 @@ def main(argv: list[str] | None = None) -> int:
                 results[("cache disabled", c)] = asyncio.run(
                     _load(app, lambda i: stored[i % len(stored)], c, args.warmup, args.duration))
             h2_cases["cache disabled"] = _h2load_levels("cache disabled", app, data, Path(tmp), int(args.duration))
-    rows = []
+    rows, stored = [], []
     for (case, c), r in results.items():
         rows.append([case, "grpc.aio", c, f"{r.throughput:.0f}", ms(r.percentile(0.5)), ms(r.percentile(0.99)),
                      r.errors])
+        stored.append({"case": case, "client": "grpc.aio", "concurrency": c, "rps": round(r.throughput, 1),
+                       "p50_ms": r.percentile(0.5) * 1e3, "p99_ms": r.percentile(0.99) * 1e3, "errors": r.errors,
+                       "quantiles_ms": quantiles_ms(r.latencies)})
     for case, by_level in h2_cases.items():
         for c, h in by_level.items():
             rows.append([case, "h2load", c, f"{h.rps:.0f}", f"{h.p50_ms:.2f}" if h.p50_ms else "",
                          f"{h.p99_ms:.2f}" if h.p99_ms else "", h.errors])
+            stored.append({"case": case, "client": "h2load", "concurrency": c, "rps": round(h.rps, 1),
+                           "p50_ms": h.p50_ms, "p99_ms": h.p99_ms, "errors": h.errors})
     ratios = []
     for c in levels:
         ratio = results[("hit", c)].percentile(0.5) / results[("miss", c)].percentile(0.5)
@@ -180,7 +185,9 @@ def main(argv: list[str] | None = None) -> int:
     ])
     print(body)
     if not args.no_write:
-        write_section("mesh", "Local mesh: misses, hits and cache disabled (resnet-mini, gRPC, mTLS)", body)
+        publish("mesh", "Local mesh: misses, hits and cache disabled (resnet-mini, gRPC, mTLS)", body,
+                {"rows": stored,
+                 "measures": [dict(zip(("measure", "value", "target", "met"), m, strict=True)) for m in ratios]})
     return 0
 
 

@@ -22,7 +22,7 @@ import matplotlib.pyplot as plt  # noqa: E402 - after choosing the backend
 from matplotlib.axes import Axes  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
-from meshcache.paths import REPO_ROOT  # noqa: E402
+from meshcache.contract.paths import REPO_ROOT  # noqa: E402
 
 RESULTS_DIR = REPO_ROOT / "docs" / "benchmarks"
 Results = dict[str, Any]
@@ -114,18 +114,21 @@ def _latency(results: Results, rows: list[dict[str, Any]], title: str, label: Ca
 
 def plot_engine(results: Results, out: Path) -> list[Path]:
     rows = results["rows"]
-    configs = list(dict.fromkeys(r["config"] for r in rows))
-    levels = sorted({r["concurrency"] for r in rows})
+    # Side-by-side servers per (transport, concurrency); older runs had one `config` per row.
+    key = "server" if any("server" in r for r in rows) else "config"
+    series = list(dict.fromkeys(r[key] for r in rows))
+    groups = list(dict.fromkeys((r.get("transport", ""), r["concurrency"]) for r in rows))
 
-    def value(config: str, level: int, key: str) -> float | None:
-        return next((r[key] for r in rows if r["config"] == config and r["concurrency"] == level), None)
+    def value(name: str, group: tuple[str, int]) -> float | None:
+        return next((r["rps"] for r in rows if r[key] == name and (r.get("transport", ""), r["concurrency"]) == group),
+                    None)
 
-    fig, ax = _figure(f"Engine throughput, {results.get('model', '')} over gRPC", results)
-    _grouped_bars(ax, [f"concurrency {c}" for c in levels],
-                  {cfg: [value(cfg, c, "rps") for c in levels] for cfg in configs})
+    fig, ax = _figure(f"Engine throughput, {results.get('model', '')}", results, width=10.5)
+    _grouped_bars(ax, [f"{t} c={c}".strip() for t, c in groups], {n: [value(n, g) for g in groups] for n in series})
     ax.set_ylabel("requests/s")
     throughput = _save(fig, out / "engine-throughput.png")
-    latency = _latency(results, rows, "Engine latency", lambda r: f"{r['config']}, c={r['concurrency']}",
+    shown = [r for r in rows if r.get("transport", "gRPC") == "gRPC"]
+    latency = _latency(results, shown, "Engine latency (gRPC)", lambda r: f"{r[key]}, c={r['concurrency']}",
                        out / "engine-latency.png")
     return [throughput, latency]
 

@@ -13,8 +13,9 @@ import bench.engine
 import bench.filter
 import bench.mesh
 import bench.propagation
+import bench.replicas
 
-BENCHMARKS: tuple[ModuleType, ...] = (bench.filter, bench.engine, bench.propagation, bench.mesh)
+BENCHMARKS: tuple[ModuleType, ...] = (bench.filter, bench.engine, bench.propagation, bench.mesh, bench.replicas)
 
 
 def main() -> int:

@@ -17,6 +17,11 @@ def percentile(values: Sequence[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+def quantiles_ms(values: Sequence[float]) -> list[float]:
+    """Latency (seconds in) at 0, 1, ..., 100 % in milliseconds: a distribution small enough to store."""
+    return [round(percentile(values, q / 100) * 1e3, 4) for q in range(101)]
+
+
 def ms(seconds: float, digits: int = 2) -> str:
     """A duration in seconds as a milliseconds table cell."""
     return f"{seconds * 1e3:.{digits}f}"

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from bench import plots
-from meshcache.paths import REPO_ROOT
+from meshcache.contract.paths import REPO_ROOT
 
 PNG = b"\x89PNG\r\n\x1a\n"
 DOC = REPO_ROOT / "docs" / "benchmarks.md"

@@ -2,41 +2,16 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-import httpx
 import pytest
 
-from meshcache.mesh import state
-from meshcache.paths import FILTER_WASM
+from meshcache.contract.paths import FILTER_WASM
+from meshcache.ctl.mesh import state
+from tests.status.helpers import RunningMesh, meshcache
 
 pytestmark = pytest.mark.skipif(not FILTER_WASM.exists(), reason="filter not built (make filter)")
-
-CLI = [str(Path(sys.executable).parent / "meshcache")]
-
-
-def meshcache(*args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout, env=dict(os.environ))
-
-
-@dataclass
-class RunningMesh:
-    state_dir: Path
-    endpoints: dict[str, Any]
-    token: str
-
-    @property
-    def api_url(self) -> str:
-        return str(self.endpoints["control_plane_api"])
-
-    def client(self) -> httpx.Client:
-        return httpx.Client(base_url=self.api_url, headers={"Authorization": f"Bearer {self.token}"}, timeout=10)
 
 
 @pytest.fixture(scope="session")

@@ -20,10 +20,10 @@ import httpx
 import pytest
 import yaml
 
-from meshcache import procs
-from meshcache.paths import REPO_ROOT
+from meshcache.contract.paths import REPO_ROOT
+from meshcache.ctl import procs
 from tests.mesh.helpers import grpc_call, mlp_json, mlp_request, rest_infer
-from tests.status.conftest import RunningMesh
+from tests.status.helpers import RunningMesh
 
 DEPLOY = REPO_ROOT / "deploy"
 DASHBOARD = DEPLOY / "grafana" / "meshcache.json"

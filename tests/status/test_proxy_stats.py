@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from control_plane.history import diff
-from control_plane.models import Limits, Policy
-from control_plane.proxy_stats import (
+from meshcache.contract.filter_config import Limits, Policy
+from meshcache.control_plane.history import diff
+from meshcache.control_plane.proxy_stats import (
     ProxyCounters,
     ProxyReading,
     StatsConfigError,
@@ -15,7 +15,7 @@ from control_plane.proxy_stats import (
     per_model,
     prom_name,
 )
-from control_plane.snapshots import Snapshot
+from meshcache.control_plane.snapshots import Snapshot
 
 # The shape Envoy's /stats/prometheus gives a Wasm filter's stats (custom namespace stripped).
 ENVOY_PAGE = """\

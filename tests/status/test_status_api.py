@@ -9,10 +9,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from meshcache import procs, services
-from tests.control_plane.helpers import READ_TOKEN, WRITE_TOKEN, ControlPlaneProc, eventually, start_control_plane
+from meshcache.ctl import launchers, procs
+from tests.helpers.control_plane import READ_TOKEN, WRITE_TOKEN, ControlPlaneProc, eventually, start_control_plane
 from tests.mesh.helpers import grpc_call, mlp_request
-from tests.status.conftest import RunningMesh, meshcache
+from tests.status.helpers import RunningMesh, meshcache
 
 SERVER_NODE = "meshcache-server-sidecar"
 
@@ -20,7 +20,7 @@ SERVER_NODE = "meshcache-server-sidecar"
 @pytest.fixture
 def lone_cp(tmp_path: Path) -> Iterator[tuple[ControlPlaneProc, str]]:
     """A control plane whose only configured proxy has no stats endpoint listening."""
-    redis, port = services.start_redis(tmp_path / "redis")
+    redis, port = launchers.start_redis(tmp_path / "redis")
     dead = f"http://127.0.0.1:{procs.free_port()}/stats/prometheus"
     cp = start_control_plane(tmp_path / "logs", port, extra_env={"MESHCACHE_CP_PROXY_STATS": f"ghost-proxy={dead}"})
     try:

@@ -14,10 +14,10 @@ from selenium import webdriver
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import WebDriverWait
 
-from meshcache.paths import REPO_ROOT
+from meshcache.contract.paths import REPO_ROOT
 from tests.mesh.helpers import grpc_call, mlp_request
 from tests.status import browser
-from tests.status.conftest import RunningMesh
+from tests.status.helpers import RunningMesh
 
 pytestmark = pytest.mark.skipif(browser.available() is not None, reason=str(browser.available()))
 OUTPUT = REPO_ROOT / "build" / "test-output"
