@@ -15,6 +15,8 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import WebDriverWait
 
 from meshcache.contract.paths import REPO_ROOT
+from meshcache.ctl import launchers, procs
+from tests.helpers.control_plane import READ_TOKEN, WRITE_TOKEN, start_control_plane
 from tests.mesh.helpers import grpc_call, mlp_request
 from tests.status import browser
 from tests.status.helpers import RunningMesh
@@ -100,3 +102,29 @@ def test_page_shows_policies_stats_history_and_rolls_back(running_mesh: RunningM
     shutil.copy(shot, OUTPUT / "status-page.png")
     errors = browser.console_errors(driver)  # since the refused token: none
     assert errors == [], errors
+
+
+def test_read_token_and_unreadable_proxy_stats(driver: webdriver.Chrome, tmp_path: Path) -> None:
+    """A read token sees everything but cannot roll back; a proxy whose stats can't be read says why."""
+    redis, port = launchers.start_redis(tmp_path / "redis")
+    dead = f"http://127.0.0.1:{procs.free_port()}/stats/prometheus"
+    cp = start_control_plane(tmp_path / "logs", port, extra_env={"MESHCACHE_CP_PROXY_STATS": f"ghost-proxy={dead}"})
+    try:
+        with cp.client(WRITE_TOKEN) as c:
+            c.put("/v1/policies/m1", json={"ttl_s": 5})
+            c.put("/v1/policies/m1", json={"ttl_s": 6})
+        driver.get(f"{cp.url}/status")
+        _wait(driver, lambda d: d.find_element(By.ID, "login").is_displayed())
+        driver.find_element(By.ID, "token").send_keys(READ_TOKEN)
+        driver.find_element(By.CSS_SELECTOR, "#login-form button").click()
+        _wait(driver, lambda d: "unavailable" in _text(d, '#proxies tr[data-node="ghost-proxy"] td.stats'))
+        row = _text(driver, '#proxies tr[data-node="ghost-proxy"]')
+        assert dead in row and "not connected" in row and "?" in row
+        assert "could not be read" in _text(driver, "#stats-note")
+        assert "viewer (read)" in _text(driver, "#who")
+        button = driver.find_element(By.CSS_SELECTOR, '#history tr[data-version="1"] button.rollback')
+        assert not button.is_enabled()
+        assert browser.console_errors(driver) == []
+    finally:
+        cp.proc.stop()
+        redis.stop()
