@@ -14,6 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, Validation
 from meshcache.contract.filter_config import (
     DEFAULT_HASH_HEADERS,
     HEADER_PATTERN,
+    LIMIT_FIELD_LEN,
+    LIMIT_IGNORE_FIELDS,
     MAX_HEADER_NAME_LEN,
     MAX_HEADERS,
     MAX_PREFIX_LEN,
@@ -28,6 +30,8 @@ ModelPrefix = Annotated[
     str, StringConstraints(min_length=1, max_length=MAX_PREFIX_LEN, pattern=PREFIX_PATTERN)
 ]
 HeaderName = Annotated[str, StringConstraints(min_length=1, max_length=MAX_HEADER_NAME_LEN, pattern=HEADER_PATTERN)]
+# A top-level JSON field name as the filter matches it (exactly, after JSON unescaping).
+FieldName = Annotated[str, StringConstraints(min_length=1, max_length=LIMIT_FIELD_LEN)]
 
 
 def _no_duplicates(values: list[str]) -> list[str]:
@@ -52,6 +56,13 @@ class PolicySpec(BaseModel):
     vary_headers: list[HeaderName] = Field(default_factory=list, max_length=MAX_HEADERS)
     scope: Scope = "shared"
     enabled: bool = True
+    ignore_fields: list[FieldName] = Field(
+        default_factory=list, max_length=LIMIT_IGNORE_FIELDS,
+        description="Top-level JSON body fields left out of the cache key (e.g. OpenAI's user, metadata)",
+    )
+    deterministic_only: bool = Field(
+        False, description="OpenAI chat/completions: bypass requests with temperature > 0 (or absent) and no seed",
+    )
 
     @field_validator("max_ttl_s")
     @classmethod
@@ -64,6 +75,16 @@ class PolicySpec(BaseModel):
     _hash_unique = field_validator("hash_headers")(_no_duplicates)
     _vary_unique = field_validator("vary_headers")(_no_duplicates)
 
+    @field_validator("ignore_fields")
+    @classmethod
+    def _fields_fit_the_filter(cls, values: list[str]) -> list[str]:
+        if len(set(values)) != len(values):
+            raise ValueError("field names must not repeat")
+        for name in values:
+            if len(name.encode()) > LIMIT_FIELD_LEN:  # the filter counts bytes
+                raise ValueError(f"field names are at most {LIMIT_FIELD_LEN} bytes (UTF-8)")
+        return values
+
     def policy(self, model_prefix: str, generation: int) -> Policy:
         """The filter's row for this spec (`max_ttl_s` defaults to `ttl_s`)."""
         return Policy(
@@ -75,6 +96,8 @@ class PolicySpec(BaseModel):
             vary_headers=tuple(self.vary_headers),
             scope=self.scope,
             enabled=self.enabled,
+            ignore_fields=tuple(self.ignore_fields),
+            deterministic_only=self.deterministic_only,
         )
 
 

@@ -60,6 +60,11 @@ class Policy(BaseModel):
     vary_headers: tuple[str, ...] = ()
     scope: Scope = "shared"
     enabled: bool = True
+    # Top-level JSON body fields left out of the key (e.g. OpenAI's `user`, `metadata`).
+    ignore_fields: tuple[str, ...] = ()
+    # OpenAI chat/completions: requests whose answer is a sample (temperature > 0 or absent,
+    # no seed) bypass the cache.
+    deterministic_only: bool = False
 
 
 class Limits(BaseModel):

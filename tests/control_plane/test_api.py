@@ -37,7 +37,7 @@ def test_put_get_list_delete(cp: ControlPlaneProc) -> None:
     policy = c.get("/v1/policies/llama3-70b").json()["policy"]
     assert policy == {"model_prefix": "llama3-70b", "ttl_s": 300, "max_ttl_s": 1800, "generation": 1,
                       "hash_headers": ["content-type", "x-model-id"], "vary_headers": [],
-                      "scope": "shared", "enabled": True}
+                      "scope": "shared", "enabled": True, "ignore_fields": [], "deterministic_only": False}
     # An identical PUT is not a change: no new snapshot.
     again = c.put("/v1/policies/llama3-70b", json={"ttl_s": 300, "max_ttl_s": 1800}).json()
     assert (again["version"], again["changed"]) == (1, False)
@@ -55,6 +55,21 @@ def test_put_get_list_delete(cp: ControlPlaneProc) -> None:
     assert c.get("/v1/snapshot").json()["version"] == 3
 
 
+def test_key_shaping_fields_round_trip_into_the_filter_config(cp: ControlPlaneProc) -> None:
+    c = cp.client()
+    r = c.put("/v1/policies/gpt", json={"ttl_s": 60, "ignore_fields": ["user", "metadata"],
+                                        "deterministic_only": True})
+    assert r.status_code == 200, r.text
+    policy = c.get("/v1/policies/gpt").json()["policy"]
+    assert (policy["ignore_fields"], policy["deterministic_only"]) == (["user", "metadata"], True)
+    row = json.loads(c.get("/v1/snapshot").json()["plugin_config"])["policies"][0]
+    assert (row["ignore_fields"], row["deterministic_only"]) == (["user", "metadata"], True)
+    # Order is kept (it is the operator's), and a change of either field is a change.
+    again = c.put("/v1/policies/gpt", json={"ttl_s": 60, "ignore_fields": ["metadata", "user"],
+                                            "deterministic_only": True}).json()
+    assert again["changed"] is True
+
+
 def test_snapshot_renders_the_filter_config(cp: ControlPlaneProc) -> None:
     c = cp.client()
     c.put("/v1/policies/llama3-70b", json={"ttl_s": 300, "max_ttl_s": 1800})
@@ -64,7 +79,7 @@ def test_snapshot_renders_the_filter_config(cp: ControlPlaneProc) -> None:
         "version": "2", "color": "", "max_entry_bytes": 2048, "max_total_bytes": 1 << 20, "max_entries": 100,
         "policies": [{"model_prefix": "llama3-70b", "ttl_s": 300, "max_ttl_s": 1800, "generation": 1,
                       "hash_headers": ["content-type", "x-model-id"], "vary_headers": [],
-                      "scope": "shared", "enabled": True}],
+                      "scope": "shared", "enabled": True, "ignore_fields": [], "deterministic_only": False}],
     }
     assert snap["plugin_config"] == plugin_config_json(expected)
     assert (snap["author"], snap["action"]) == ("admin", "limits")
@@ -167,6 +182,13 @@ BAD_POLICIES: list[tuple[dict[str, Any], str, str]] = [
     ({"ttl_s": 1, "generation": 3}, "generation", "managed by the control plane"),
     ({"ttl_s": 1, "colour": "red"}, "colour", "unknown field"),
     ({"ttl_s": 1, "model_prefix": "other"}, "model_prefix", "must equal the path"),
+    ({"ttl_s": 1, "ignore_fields": "user"}, "ignore_fields", "valid list"),
+    ({"ttl_s": 1, "ignore_fields": [""]}, "ignore_fields.0", "at least 1"),
+    ({"ttl_s": 1, "ignore_fields": [7]}, "ignore_fields.0", "string"),
+    ({"ttl_s": 1, "ignore_fields": ["user", "user"]}, "ignore_fields", "must not repeat"),
+    ({"ttl_s": 1, "ignore_fields": [f"f{i}" for i in range(65)]}, "ignore_fields", "at most 64"),
+    ({"ttl_s": 1, "ignore_fields": ["\u00e9" * 200]}, "ignore_fields", "at most 256 bytes"),
+    ({"ttl_s": 1, "deterministic_only": "yes"}, "deterministic_only", "boolean"),
 ]
 
 

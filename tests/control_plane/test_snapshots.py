@@ -24,6 +24,8 @@ spec_strategy = st.builds(
     scope=st.sampled_from(["shared", "principal"]),
     enabled=st.booleans(),
     vary_headers=st.lists(st.sampled_from(["accept", "x-user", "x-tenant"]), unique=True, max_size=3),
+    ignore_fields=st.lists(st.sampled_from(["user", "metadata", "caf\u00e9"]), unique=True, max_size=3),
+    deterministic_only=st.booleans(),
 )
 op_strategy = st.one_of(
     st.tuples(st.just("put"), st.sampled_from(PREFIXES), spec_strategy),

@@ -79,6 +79,12 @@ def test_up_detached_status_policy_down(tmp_path: Path) -> None:
             body = mlp_json(seed=int(time.monotonic() * 1000))
         else:
             pytest.fail("the TTL set with `meshcache policy set` never showed up in the mesh")
+        shaped = run("policy", "set", "text-embedder", "--ttl", "600", "--max-ttl", "3600", "--ignore-field", "user",
+                     "--ignore-field", "metadata", "--deterministic-only", "--state-dir", str(state_dir))
+        assert shaped.returncode == 0, shaped.stderr
+        listed = json.loads(run("policy", "list", "--json", "--state-dir", str(state_dir)).stdout)
+        row = next(p for p in listed["policies"] if p["model_prefix"] == "text-embedder")
+        assert (row["ignore_fields"], row["deterministic_only"]) == (["user", "metadata"], True)
         bad = run("policy", "set", "mlp-classifier", "--ttl", "-1", "--state-dir", str(state_dir))
         assert bad.returncode == 1 and "422" in bad.stderr
 

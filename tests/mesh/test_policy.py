@@ -56,7 +56,7 @@ def test_ttl_purge_disable_and_delete_reach_the_mesh(mesh: Mesh) -> None:
             assert grpc_call(app, _request(3002))[1] == "meshcache; fwd=bypass"
         finally:
             spec = {k: original[k] for k in ("ttl_s", "max_ttl_s", "hash_headers", "vary_headers", "scope",
-                                             "enabled")}
+                                             "enabled", "ignore_fields", "deterministic_only")}
             api.wait_acked(SERVER_NODE, api.put(MODEL, spec)["version"])
     # Other models were not touched by any of this.
     other = mlp_request(seed=3003).SerializeToString()

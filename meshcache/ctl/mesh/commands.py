@@ -220,6 +220,10 @@ def cmd_policy(args: argparse.Namespace) -> int:
                     spec["hash_headers"] = args.hash_header
                 if args.vary_header:
                     spec["vary_headers"] = args.vary_header
+                if args.ignore_field:
+                    spec["ignore_fields"] = args.ignore_field
+                if args.deterministic_only:
+                    spec["deterministic_only"] = True
                 result = api.put(args.model_prefix, spec)
             elif args.action == "delete":
                 result = api.delete(args.model_prefix)
@@ -274,4 +278,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
             a.add_argument("--disabled", action="store_true", help="keep the policy but bypass the cache")
             a.add_argument("--hash-header", action="append", help="header hashed into responses (repeat)")
             a.add_argument("--vary-header", action="append", help="header that splits cache entries (repeat)")
+            a.add_argument("--ignore-field", action="append",
+                           help="top-level JSON body field left out of the key, e.g. user (repeat)")
+            a.add_argument("--deterministic-only", action="store_true",
+                           help="OpenAI chat/completions: bypass sampled requests (temperature > 0, no seed)")
         a.set_defaults(func=cmd_policy)

@@ -177,7 +177,8 @@ def _scenario(c: Client, api: PolicyApi, canary: str) -> None:
     c.grpc("text-embedder", inputs["text-embedder"])  # other models keep their entries
 
     # Leave a shared mesh's policy as we found it.
-    spec = {k: before[k] for k in ("ttl_s", "max_ttl_s", "hash_headers", "vary_headers", "scope", "enabled")}
+    spec = {k: before[k] for k in ("ttl_s", "max_ttl_s", "hash_headers", "vary_headers", "scope", "enabled",
+                                   "ignore_fields", "deterministic_only")}
     api.put("mlp-classifier", spec)
 
     hits = [r.ms for r in c.rows if r.hit]
