@@ -9,13 +9,14 @@ import subprocess
 import uuid
 from pathlib import Path
 
+import httpx
 import numpy as np
 import tritonclient.grpc as tgrpc
 import tritonclient.http as thttp
 
 from meshcache.contract.paths import REPO_ROOT
-from meshcache.ctl.mesh.topology import Mesh
-from tests.mesh.helpers import default_engine_calls
+from meshcache.ctl.mesh.topology import SERVER_NODE, Mesh
+from tests.mesh.helpers import default_engine_calls, mlp_json, rest_infer
 
 KSERVE_PYTHON = REPO_ROOT / ".venv-kserve" / "bin" / "python"
 KSERVE_CLIENT = Path(__file__).with_name("kserve_client.py")
@@ -65,3 +66,34 @@ def test_kserve_sdk_default_requests_hit_with_their_own_ids(mesh: Mesh) -> None:
     assert all(c["output"] == rest[0]["output"] for c in rest)
     # One miss per kind of call (REST, gRPC without id, gRPC with ids); every other call a hit.
     assert default_engine_calls(mesh, "mlp-classifier") == before + 3
+
+
+def test_key_shaping_policy_fields_reach_the_filter_through_the_api(mesh: Mesh) -> None:
+    """`ignore_fields` and `deterministic_only` set through the control-plane API travel by ECDS
+    to the server sidecar's filter and change what it keys and bypasses."""
+    app = mesh.endpoints()["app"]
+    with mesh.api() as api:
+        original = next(p for p in api.policies()["policies"] if p["model_prefix"] == "mlp-classifier")
+        spec = {k: original[k] for k in ("ttl_s", "max_ttl_s", "hash_headers", "vary_headers", "scope", "enabled",
+                                         "ignore_fields", "deterministic_only")}
+        try:
+            api.wait_acked(SERVER_NODE, api.put("mlp-classifier", {**spec, "ignore_fields": ["parameters"]})["version"])
+            body = mlp_json(seed=1711)
+            before = default_engine_calls(mesh, "mlp-classifier")
+            first = rest_infer(app, "mlp-classifier", {**body, "parameters": {"trace": "a"}})
+            assert first.headers["cache-status"] == "meshcache; fwd=miss; stored"
+            other = rest_infer(app, "mlp-classifier", {**body, "parameters": {"trace": "b"}})
+            assert other.headers["cache-status"].startswith("meshcache; hit"), "the ignored field is not keyed"
+            assert other.content == first.content
+            assert default_engine_calls(mesh, "mlp-classifier") == before + 1
+
+            # deterministic_only applies to OpenAI text generation: a chat request for a model
+            # under such a policy bypasses before it goes anywhere near an engine.
+            api.wait_acked(SERVER_NODE, api.put("gpt-test", {"ttl_s": 60, "deterministic_only": True})["version"])
+            chat = httpx.post(f"http://{app}/v1/chat/completions", timeout=10,
+                              json={"model": "gpt-test-1", "messages": [], "temperature": 0.9})
+            assert chat.headers["cache-status"] == "meshcache; fwd=bypass; detail=nondeterministic"
+        finally:
+            api.wait_acked(SERVER_NODE, api.put("mlp-classifier", spec)["version"])
+            if any(p["model_prefix"] == "gpt-test" for p in api.policies()["policies"]):
+                api.wait_acked(SERVER_NODE, api.delete("gpt-test")["version"])
