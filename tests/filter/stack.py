@@ -13,7 +13,9 @@ from typing import Any
 
 import grpc
 import httpx
+import yaml
 
+from meshcache.contract.grpc_hit import GRPC_HIT_LUA_FILTER, GRPC_HIT_ROUTE
 from meshcache.contract.paths import FILTER_WASM
 from meshcache.ctl import launchers, procs
 from meshcache.ctl.envoy_config import BUFFER_LIMIT_BYTES, CacheProxy, write
@@ -62,9 +64,11 @@ def filter_stack(tmp: Path, config: dict[str, Any], concurrency: int = 1,
                  tls: Identity | None = None, allowed_peers: list[str] | None = None,
                  allow_on_headers_stop_iteration: bool = True,
                  buffer_limit_bytes: int | None = BUFFER_LIMIT_BYTES,
-                 upstream: tuple[int, int] | None = None) -> Iterator[Stack]:
+                 upstream: tuple[int, int] | None = None,
+                 without_grpc_hit_route: bool = False) -> Iterator[Stack]:
     """`upstream`: (HTTP, gRPC) ports of a server the caller runs (the engine) instead of the
-    test origin."""
+    test origin. `without_grpc_hit_route`: a misconfigured Envoy lacking the single-pass hit
+    route and Lua filter."""
     listen_port, admin_port = procs.free_port(), procs.free_port()
     started: list[procs.Proc] = []
     with procs.supervised(started):
@@ -83,6 +87,13 @@ def filter_stack(tmp: Path, config: dict[str, Any], concurrency: int = 1,
                            allow_on_headers_stop_iteration=allow_on_headers_stop_iteration,
                            buffer_limit_bytes=buffer_limit_bytes)
         config_path = write(proxy, tmp / "envoy.yaml")
+        if without_grpc_hit_route:
+            doc = yaml.safe_load(config_path.read_text())
+            hcm = doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+            hcm["http_filters"] = [f for f in hcm["http_filters"] if f["name"] != GRPC_HIT_LUA_FILTER]
+            vhost = hcm["route_config"]["virtual_hosts"][0]
+            vhost["routes"] = [r for r in vhost["routes"] if r.get("name") != GRPC_HIT_ROUTE]
+            config_path.write_text(yaml.safe_dump(doc, sort_keys=False))
         started.append(launchers.start_envoy(config_path, admin_port, tmp, concurrency=concurrency))
         yield Stack(listen_port, admin_port, http_port, grpc_port, tmp)
 

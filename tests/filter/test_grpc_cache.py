@@ -131,3 +131,20 @@ def test_grpc_web_bypasses(tmp_path: Path) -> None:
                            timeout=10)
             assert r.headers.get("cache-status") == "meshcache; fwd=bypass"
         assert s.stats().get("meshcache.hits", 0) == 0
+
+
+def test_missing_hit_route_fails_one_call_retryably_then_bypasses(tmp_path: Path) -> None:
+    """An Envoy without the hit route or Lua filter cannot give a hit its body: that call gets
+    UNAVAILABLE (never OK without a message), and gRPC requests bypass from then on."""
+    with filter_stack(tmp_path, config(policy("resnet")), without_grpc_hit_route=True) as s:
+        request = infer_request("resnet-mini")
+        first, _ = s.grpc_infer(request)
+        with pytest.raises(grpc.RpcError) as err:
+            s.grpc_infer(request)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "route missing" in (err.value.details() or "")
+        for _ in range(2):
+            again, call = s.grpc_infer(request)
+            assert again == first
+            assert dict(call.initial_metadata())["cache-status"] == "meshcache; fwd=bypass"
+        assert s.stats()["meshcache.errors"] >= 1
