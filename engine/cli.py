@@ -59,13 +59,22 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--if-stale", action="store_true",
                        help="do nothing when DIR already holds this version's models (its stamp matches)")
         p.add_argument("--clean", action="store_true", help="remove DIR first when (re)writing it")
+        p.add_argument("--serve-version", action="append", default=[], metavar="MODEL=VERSION",
+                       help="MODEL serves only VERSION (Triton version_policy specific), e.g. for a canary")
         args = p.parse_args(argv[1:])
-        if args.if_stale and is_current(args.directory):
+        try:
+            pins = {m: int(v) for m, _, v in (s.partition("=") for s in args.serve_version)}
+        except ValueError:
+            p.error(f"--serve-version takes MODEL=VERSION with a version number, got {args.serve_version}")
+        if args.if_stale and is_current(args.directory, pins):
             print(f"{args.directory} holds the current demo models")
             return 0
         if args.clean:
             shutil.rmtree(args.directory, ignore_errors=True)
-        names = write_demo_models(args.directory)
+        try:
+            names = write_demo_models(args.directory, pins)
+        except ValueError as exc:
+            p.error(str(exc))
         print(f"wrote {', '.join(names)} to {args.directory}")
         return 0
     args = _serve_parser().parse_args(argv)

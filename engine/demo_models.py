@@ -202,16 +202,24 @@ def demo_config(name: str, **changes: Any) -> mc.ModelConfig:
     return json_format.ParseDict({"name": name, **DEMO_MODELS[name][2], **changes}, mc.ModelConfig())
 
 
-def write_demo_models(directory: Path) -> list[str]:
-    """Write every demo model into `directory` (overwriting) and the version stamp; returns the model names."""
+def write_demo_models(directory: Path, serve_versions: dict[str, int] | None = None) -> list[str]:
+    """Write every demo model into `directory` (overwriting) and the version stamp; returns the model
+    names. `serve_versions` (model -> version) makes a model serve only that version (Triton's
+    version_policy `specific`; the other versions stay on disk), as a canary repository does."""
+    serve = dict(serve_versions or {})
+    for name, version in serve.items():
+        if name not in DEMO_MODELS or version not in DEMO_MODELS[name][1]:
+            known = {n: sorted(v[1]) for n, v in DEMO_MODELS.items()}
+            raise ValueError(f"no demo model {name!r} version {version}; the demo models are {known}")
     for name, (build, versions, _) in DEMO_MODELS.items():
         model_dir = directory / name
         for version, seed in versions.items():
             path = model_dir / str(version) / "model.onnx"
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_bytes(build(seed).SerializeToString(deterministic=True))
-        (model_dir / CONFIG_FILE).write_text(to_text(demo_config(name)))
-    (directory / STAMP_FILE).write_text(generator_version() + "\n")
+        changes = {"version_policy": {"specific": {"versions": [serve[name]]}}} if name in serve else {}
+        (model_dir / CONFIG_FILE).write_text(to_text(demo_config(name, **changes)))
+    (directory / STAMP_FILE).write_text(_stamp(serve) + "\n")
     return list(DEMO_MODELS)
 
 
@@ -220,7 +228,11 @@ def generator_version() -> str:
     return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
 
 
-def is_current(directory: Path) -> bool:
-    """Whether `directory` holds the models this generator writes (its stamp matches)."""
+def _stamp(serve_versions: dict[str, int]) -> str:
+    return " ".join([generator_version(), *(f"{m}={v}" for m, v in sorted(serve_versions.items()))])
+
+
+def is_current(directory: Path, serve_versions: dict[str, int] | None = None) -> bool:
+    """Whether `directory` holds what `write_demo_models(directory, serve_versions)` writes (its stamp matches)."""
     stamp = directory / STAMP_FILE
-    return stamp.is_file() and stamp.read_text().strip() == generator_version()
+    return stamp.is_file() and stamp.read_text().strip() == _stamp(dict(serve_versions or {}))

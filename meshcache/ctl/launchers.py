@@ -6,6 +6,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -67,12 +68,15 @@ def envoy_stats(admin_port: int, prefix: str = "") -> dict[str, int]:
 ENGINE_BIN = str(Path(sys.executable).parent / "meshcache-engine")
 
 
-def init_demo_models(directory: Path, if_stale: bool = False, timeout: float = 300) -> Path:
+def init_demo_models(directory: Path, if_stale: bool = False, serve_versions: Mapping[str, object] | None = None,
+                     timeout: float = 300) -> Path:
     """The demo model repository, written by the engine's own command (`meshcache-engine init-models`).
 
     With `if_stale`, an up-to-date repository (the engine's version stamp matches) is left as it
-    is, and a stale one is removed and rewritten."""
-    argv = [ENGINE_BIN, "init-models", str(directory), *(["--if-stale", "--clean"] if if_stale else [])]
+    is, and a stale one is removed and rewritten. `serve_versions` (model -> version) makes those
+    models serve only that version (a canary repository)."""
+    argv = [ENGINE_BIN, "init-models", str(directory), *(["--if-stale", "--clean"] if if_stale else []),
+            *(f"--serve-version={m}={v}" for m, v in (serve_versions or {}).items())]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
     if done.returncode != 0:
         raise procs.StartError(f"{' '.join(argv)} failed ({done.returncode}): {done.stderr.strip()[-2000:]}")

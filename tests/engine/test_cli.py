@@ -57,6 +57,21 @@ def test_init_models_if_stale_rewrites_only_a_stale_repository(demo_repo: Path, 
     assert _digests(repo) == _digests(demo_repo)
 
 
+def test_init_models_serve_version_pins_one_version(tmp_path: Path) -> None:
+    canary = launchers.init_demo_models(tmp_path / "canary", serve_versions={"mlp-classifier": 1})
+    config = (canary / "mlp-classifier" / "config.pbtxt").read_text()
+    assert "specific" in config and "versions: 1" in config
+    assert (canary / "mlp-classifier" / "2" / "model.onnx").is_file()  # still on disk, not served
+    stamp = (canary / "demo-models.version").read_text()
+    assert stamp.strip().endswith(" mlp-classifier=1")
+    # The default repository's stamp differs: --if-stale rewrites a repository with other pins.
+    launchers.init_demo_models(canary, if_stale=True)
+    assert "specific" not in (canary / "mlp-classifier" / "config.pbtxt").read_text()
+    bad = subprocess.run([ENGINE_BIN, "init-models", str(tmp_path / "bad"), "--serve-version", "nope=1"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "no demo model 'nope'" in bad.stderr
+
+
 def test_settings_from_environment(demo_repo: Path, tmp_path: Path) -> None:
     from meshcache.ctl import procs
 

@@ -88,19 +88,9 @@ def _model_repos(config: MeshConfig) -> tuple[Path, Path | None]:
     launchers.init_demo_models(default, if_stale=True)
     if not config.canary_color:
         return default, None
-    from meshcache.engine.model_config import CONFIG_FILE, parse_text, to_text
-
-    canary = models / "canary"
-    shutil.rmtree(canary, ignore_errors=True)
-    shutil.copytree(default, canary)
-    for model, version in config.canary_defaults.items():
-        path = canary / model / CONFIG_FILE
-        if not path.exists():
-            continue  # a repository without that model: nothing to switch
-        # Triton serves the highest loaded version by default: the canary loads only this one.
-        doc = parse_text(path.read_text(), str(path))
-        doc.version_policy.specific.versions[:] = [int(version)]
-        path.write_text(to_text(doc))
+    # Same models; the canary serves the configured versions only (e.g. mlp-classifier 1, where the
+    # default engine serves the highest, 2), so routing is visible in the answers.
+    canary = launchers.init_demo_models(models / "canary", if_stale=True, serve_versions=config.canary_defaults)
     return default, canary
 
 
