@@ -35,6 +35,7 @@ import httpx
 
 from bench.loadgen import LoadResult, h2load, wrk
 from bench.report import publish, table
+from meshcache.contract.headers import CACHE_STATUS_HEADER
 from meshcache.contract.paths import require_filter_wasm
 from meshcache.ctl import launchers, procs
 from meshcache.ctl.envoy_config import CacheProxy, write
@@ -225,8 +226,8 @@ def measure_round(measure: Any, url: Any, fixed: Path, unique: Path, d: Path, po
         measure("HTTP/1.1", "filter, misses, request ids", lambda: wrk(url("filter", infer), unique_id, seconds))
         id_url = url("filter", infer.replace("bench-model", "bench-id"))
         warm = httpx.post(id_url, content='{"id": "warm", ' + REQUEST_JSON[1:])
-        assert warm.headers.get("cache-status", "").endswith("stored") or \
-            warm.headers.get("cache-status", "").startswith("meshcache; hit"), warm.headers
+        assert warm.headers.get(CACHE_STATUS_HEADER, "").endswith("stored") or \
+            warm.headers.get(CACHE_STATUS_HEADER, "").startswith("meshcache; hit"), warm.headers
         measure("HTTP/1.1", "filter, hits, request ids", lambda: wrk(id_url, new_id, seconds))
         cache_url = f"http://127.0.0.1:{ports['cache_port']}{infer}"
         httpx.post(cache_url, content=FIXED_BODY)

@@ -23,6 +23,7 @@ import numpy as np
 
 from bench.filter import NGINX_CONF
 from bench.report import publish, table
+from meshcache.contract.headers import CACHE_STATUS_HEADER
 from meshcache.contract.paths import require_filter_wasm
 from meshcache.ctl import launchers, procs
 from meshcache.ctl.envoy_config import CacheProxy, write
@@ -48,7 +49,7 @@ def run_replicas(n: int, envoys: list[tuple[int, int]], sequence: list[int]) -> 
             body = json.dumps({"inputs": [{"name": "x", "datatype": "INT64", "shape": [1], "data": [key]}]})
             r = clients[i % n].post(f"/v2/models/{model}/infer", content=body,
                                     headers={"content-type": "application/json"})
-            status = r.headers.get("cache-status", "")
+            status = r.headers.get(CACHE_STATUS_HEADER, "")
             if status.startswith("meshcache; hit"):
                 hits += 1
             elif "fwd=miss" in status:

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import orjson
 
+from meshcache.contract.headers import MODEL_ID_HEADER
 from meshcache.contract.protos import grpc_predict_v2_pb2 as pb
 from meshcache.engine import tensors
 from meshcache.engine.errors import EngineError, InvalidInput, NotFound, TooLarge
@@ -208,10 +209,10 @@ class HttpApp:
             return _encode_v2_response(request, model, outputs, binary_outputs)
 
     async def _v1_infer(self, headers: dict[str, str], body: bytes) -> Response:
-        name = headers.get("x-model-id", "")
+        name = headers.get(MODEL_ID_HEADER, "")
         async with self.service.request(name, "http") as call:
             if not name:
-                raise InvalidInput("header x-model-id is required")
+                raise InvalidInput(f"header {MODEL_ID_HEADER} is required")
             model = call.resolve(headers.get("x-model-version", ""))
             priority = parse_priority(headers.get("x-priority"))
             request = _parse_json(body)
