@@ -11,7 +11,7 @@ APT_PACKAGES=(
   redis-server wrk nghttp2-client nginx-light
   # Triton's perf_analyzer (shipped as a binary in the tritonclient wheel) links libb64.
   libb64-0d
-  # Status page tests (headless browser) and the dashboard test (a real Prometheus).
+  # Status page and offline API docs tests (headless browser) and the dashboard test (a real Prometheus).
   chromium chromium-driver prometheus
 )
 

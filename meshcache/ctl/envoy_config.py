@@ -124,6 +124,60 @@ def _certificates(identity: Identity) -> list[dict[str, Any]]:
     return [{"certificate_chain": {"filename": str(identity.cert)}, "private_key": {"filename": str(identity.key)}}]
 
 
+# ---- certificates over file-based SDS ------------------------------------------------------------
+# An identity with `sds_dir` reaches Envoy through SDS: one Secret file for the certificate + key,
+# one for the trust bundle, each read with a path config source. The secrets name the files in
+# `sds_dir` and watch that directory: an atomic rename there (the `..data` symlink swap done by
+# meshcache.ctl.mesh.certs) makes Envoy re-read certificate, key and CA together, without a restart;
+# new handshakes use the new files, open connections stay up.
+SDS_CERT_SECRET = "workload_certificate"
+SDS_TRUST_SECRET = "trust_bundle"
+SECRET_TYPE = _ENVOY + "extensions.transport_sockets.tls.v3.Secret"
+
+
+def sds_secret_paths(identity: Identity) -> tuple[Path, Path]:
+    """(certificate secret file, trust bundle secret file) of an SDS identity."""
+    assert identity.sds_dir is not None
+    return identity.sds_dir / "sds" / "certificate.yaml", identity.sds_dir / "sds" / "trust-bundle.yaml"
+
+
+def sds_secrets(identity: Identity) -> dict[Path, dict[str, Any]]:
+    """The Secret files Envoy reads (DiscoveryResponse documents), by path."""
+    cert_path, trust_path = sds_secret_paths(identity)
+    watched = {"path": str(identity.sds_dir)}
+    cert = {"@type": SECRET_TYPE, "name": SDS_CERT_SECRET, "tls_certificate": {
+        "certificate_chain": {"filename": str(identity.cert)}, "private_key": {"filename": str(identity.key)},
+        "watched_directory": watched}}
+    trust = {"@type": SECRET_TYPE, "name": SDS_TRUST_SECRET, "validation_context": {
+        "trusted_ca": {"filename": str(identity.ca)}, "watched_directory": watched}}
+    return {cert_path: {"resources": [cert]}, trust_path: {"resources": [trust]}}
+
+
+def write_sds_secrets(identity: Identity) -> None:
+    for path, doc in sds_secrets(identity).items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(yaml.safe_dump(doc, sort_keys=False))
+        tmp.replace(path)
+
+
+def _sds_ref(name: str, path: Path) -> dict[str, Any]:
+    return {"name": name, "sds_config": {"resource_api_version": "V3", "path_config_source": {"path": str(path)}}}
+
+
+def _tls_identity(identity: Identity, allowed_peers: list[str]) -> dict[str, Any]:
+    """The CommonTlsContext fields naming our certificate and the CA + SANs we accept."""
+    if identity.sds_dir is None:
+        return {"tls_certificates": _certificates(identity), "validation_context": _validation(identity, allowed_peers)}
+    cert_path, trust_path = sds_secret_paths(identity)
+    matchers = _validation(identity, allowed_peers)
+    del matchers["trusted_ca"]  # comes with the trust bundle secret
+    return {"tls_certificate_sds_secret_configs": [_sds_ref(SDS_CERT_SECRET, cert_path)],
+            "combined_validation_context": {"default_validation_context": matchers,
+                                            "validation_context_sds_secret_config": _sds_ref(SDS_TRUST_SECRET,
+                                                                                             trust_path)}}
+
+
 def downstream_mtls(identity: Identity, allowed_peers: list[str]) -> dict[str, Any]:
     return {
         "name": "envoy.transport_sockets.tls",
@@ -133,8 +187,7 @@ def downstream_mtls(identity: Identity, allowed_peers: list[str]) -> dict[str, A
             "common_tls_context": {
                 "tls_params": _tls_params(),
                 "alpn_protocols": ["h2", "http/1.1"],
-                "tls_certificates": _certificates(identity),
-                "validation_context": _validation(identity, allowed_peers),
+                **_tls_identity(identity, allowed_peers),
             },
         },
     }
@@ -149,8 +202,7 @@ def upstream_mtls(identity: Identity, allowed_peers: list[str], sni: str = "") -
             "common_tls_context": {
                 "tls_params": _tls_params(),
                 "alpn_protocols": ["h2"],
-                "tls_certificates": _certificates(identity),
-                "validation_context": _validation(identity, allowed_peers),
+                **_tls_identity(identity, allowed_peers),
             },
         },
     }
@@ -305,7 +357,11 @@ def render_client(c: ClientSidecar) -> dict[str, Any]:
 
 
 def write(p: CacheProxy | ClientSidecar, path: Path) -> Path:
+    """The bootstrap at `path`, and the SDS secret files of an identity served over SDS."""
     doc = render_client(p) if isinstance(p, ClientSidecar) else render(p)
+    identity = p.identity if isinstance(p, ClientSidecar) else p.downstream_tls
+    if identity is not None and identity.sds_dir is not None:
+        write_sds_secrets(identity)
     path.write_text(yaml.safe_dump(doc, sort_keys=False))
     return path
 

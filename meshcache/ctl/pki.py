@@ -20,6 +20,9 @@ class Identity:
     cert: Path
     key: Path
     ca: Path
+    # Set when the files are served to Envoy over file-based SDS: the directory whose atomic
+    # `..data` symlink swap makes Envoy re-read cert, key and CA (meshcache.ctl.mesh.certs).
+    sds_dir: Path | None = None
 
 
 @dataclass
@@ -54,12 +57,13 @@ class CertificateAuthority:
         return cls(key=key, cert=x509.load_pem_x509_certificate(cert_path.read_bytes()))
 
     def save(self, cert_path: Path, key_path: Path) -> None:
-        cert_path.write_bytes(self.cert.public_bytes(serialization.Encoding.PEM))
-        _write_private(key_path, self.key)
+        cert_path.write_bytes(self.cert_pem())
+        write_private(key_path, _private_pem(self.key))
 
-    def issue(self, spiffe_id: str, out_dir: Path, name: str, hours: float = 24.0,
-              dns_names: tuple[str, ...] = ("localhost",)) -> Identity:
-        """A workload certificate with `spiffe_id` as its URI SAN, usable as client and server."""
+    def issue_pem(self, spiffe_id: str, hours: float = 24.0,
+                  dns_names: tuple[str, ...] = ("localhost",)) -> tuple[bytes, bytes]:
+        """(certificate PEM, private key PEM) of a workload certificate with `spiffe_id` as its URI
+        SAN, usable as client and server; valid from 5 minutes ago (clock skew) for `hours`."""
         key = ec.generate_private_key(ec.SECP256R1())
         now = dt.datetime.now(dt.UTC)
         cert = (
@@ -75,11 +79,20 @@ class CertificateAuthority:
                            critical=False)
             .sign(self.key, hashes.SHA256())
         )
+        return cert.public_bytes(serialization.Encoding.PEM), _private_pem(key)
+
+    def cert_pem(self) -> bytes:
+        return self.cert.public_bytes(serialization.Encoding.PEM)
+
+    def issue(self, spiffe_id: str, out_dir: Path, name: str, hours: float = 24.0,
+              dns_names: tuple[str, ...] = ("localhost",)) -> Identity:
+        """A workload certificate (see issue_pem) written as out_dir/name.crt, name.key, ca.crt."""
+        cert_pem, key_pem = self.issue_pem(spiffe_id, hours, dns_names)
         out_dir.mkdir(parents=True, exist_ok=True)
         identity = Identity(cert=out_dir / f"{name}.crt", key=out_dir / f"{name}.key", ca=out_dir / "ca.crt")
-        identity.cert.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-        _write_private(identity.key, key)
-        identity.ca.write_bytes(self.cert.public_bytes(serialization.Encoding.PEM))
+        identity.cert.write_bytes(cert_pem)
+        write_private(identity.key, key_pem)
+        identity.ca.write_bytes(self.cert_pem())
         return identity
 
 
@@ -96,9 +109,13 @@ def expires_within(cert_path: Path, margin: dt.timedelta) -> bool:
     return cert.not_valid_after_utc - dt.datetime.now(dt.UTC) < margin
 
 
-def _write_private(path: Path, key: ec.EllipticCurvePrivateKey) -> None:
-    pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                            serialization.NoEncryption())
+def _private_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
+    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                             serialization.NoEncryption())
+
+
+def write_private(path: Path, pem: bytes) -> None:
+    """A private key file, 0600 from the moment it exists."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "wb") as f:
         f.write(pem)

@@ -34,19 +34,27 @@ def port_open(port: int, host: str = "127.0.0.1") -> bool:
 
 @dataclass
 class Proc:
-    """A supervised child process and its log file."""
+    """A supervised child process and its log file.
+
+    Logs are appended across restarts; each start writes a marker line first and `log_offset` is
+    where this start's output begins, so `log_tail` never shows an earlier run's last words."""
 
     name: str
     popen: subprocess.Popen[bytes]
     log_path: Path
     _log: object = field(repr=False, default=None)
+    log_offset: int = 0
 
     def alive(self) -> bool:
         return self.popen.poll() is None
 
     def log_tail(self, lines: int = 40) -> str:
+        """The last `lines` lines this run wrote (bounded read: the final 64 KiB at most)."""
         try:
-            text = self.log_path.read_text(errors="replace")
+            with open(self.log_path, "rb") as f:
+                size = f.seek(0, os.SEEK_END)
+                f.seek(max(self.log_offset, size - 64 * 1024))
+                text = f.read().decode(errors="replace")
         except OSError:
             return ""
         return "\n".join(text.splitlines()[-lines:])
@@ -83,6 +91,10 @@ def start(
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{name}.log"
     log = open(log_path, "ab")  # noqa: SIM115 - closed by Proc.stop
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    log.write(f"===== meshcache: {name} started {stamp}: {' '.join(argv)} =====\n".encode())
+    log.flush()
+    offset = log.tell()
     full_env = dict(os.environ)
     if env:
         full_env.update(env)
@@ -94,7 +106,7 @@ def start(
     except FileNotFoundError as exc:
         log.close()
         raise StartError(f"{name}: cannot run {argv[0]!r}: {exc}") from exc
-    return Proc(name=name, popen=popen, log_path=log_path, _log=log)
+    return Proc(name=name, popen=popen, log_path=log_path, _log=log, log_offset=offset)
 
 
 def wait_until(

@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import stat
 import subprocess
 from pathlib import Path
 
 import pytest
+import yaml
 from cryptography import x509
+from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from meshcache.contract.paths import envoy_binary
-from meshcache.ctl.envoy_config import ClientSidecar, render_client, write
+from meshcache.ctl.envoy_config import ClientSidecar, render_client, sds_secret_paths, write
 from meshcache.ctl.mesh.certs import ensure_certificates
 from meshcache.ctl.mesh.config import MeshConfig
 
@@ -42,9 +45,12 @@ def test_issue_keep_and_reissue(tmp_path: Path) -> None:
     assert ensure_certificates(config).issued == ()
     assert first.client.cert.read_bytes() == before
 
-    # Near expiry (less than renew_before_hours left): re-issued by the same CA.
-    near = dataclasses.replace(config, renew_before_hours=config.cert_hours + 1)
-    again = ensure_certificates(near)
+    # Near expiry (less than renew_before_hours left): re-issued by the same CA. Certificates of
+    # 2 h checked by a config that renews 8 h before expiry.
+    short = dataclasses.replace(config, cert_hours=2, renew_before_hours=1)
+    ensure_certificates(short, force=True)
+    before = first.client.cert.read_bytes()
+    again = ensure_certificates(config)
     assert again.issued == ("client-sidecar.crt", "server-sidecar.crt", "control-plane.crt")
     assert again.client.cert.read_bytes() != before
     ca = x509.load_pem_x509_certificate((tmp_path / "pki" / "ca.crt").read_bytes())
@@ -54,6 +60,37 @@ def test_issue_keep_and_reissue(tmp_path: Path) -> None:
     moved = ensure_certificates(dataclasses.replace(config, namespace="prod"))
     assert moved.issued == ("client-sidecar.crt", "server-sidecar.crt", "control-plane.crt")
     assert _uris(moved.client.cert) == ["spiffe://cluster.local/ns/prod/sa/inference-client"]
+
+    # Bad rotation settings are refused up front.
+    with pytest.raises(ValueError, match="renew_before_hours"):
+        dataclasses.replace(config, renew_before_hours=config.cert_hours + 1)
+
+
+def test_rotation_swaps_the_files_atomically(tmp_path: Path) -> None:
+    """What Envoy's SDS watch needs: stable links through `..data`, replaced in one rename."""
+    config = MeshConfig(state_dir=tmp_path)
+    certs = ensure_certificates(config)
+    directory = certs.server.sds_dir
+    assert directory is not None and certs.server.cert == directory / "tls.crt"
+    assert os.readlink(certs.server.cert) == "..data/tls.crt" and os.readlink(certs.server.key) == "..data/tls.key"
+    first_generation = os.readlink(directory / "..data")
+    first_cert = certs.server.cert.read_bytes()
+    rotated = ensure_certificates(config, force=True)
+    assert rotated.issued == ("client-sidecar.crt", "server-sidecar.crt", "control-plane.crt")
+    second_generation = os.readlink(directory / "..data")
+    assert second_generation != first_generation and certs.server.cert.read_bytes() != first_cert
+    # The key in place belongs to the certificate in place.
+    key = serialization.load_pem_private_key(certs.server.key.read_bytes(), password=None)
+    cert = x509.load_pem_x509_certificate(certs.server.cert.read_bytes())
+    assert key.public_key().public_numbers() == cert.public_key().public_numbers()  # type: ignore[union-attr]
+    assert stat.S_IMODE(certs.server.key.stat().st_mode) == 0o600
+    assert stat.S_IMODE(directory.stat().st_mode) == 0o700
+    # One older generation is kept for a reader that resolved the link just before the swap.
+    ensure_certificates(config, force=True)
+    generations = sorted(p.name for p in directory.iterdir() if p.is_dir() and not p.is_symlink()
+                         and p.name.startswith(".."))
+    assert len(generations) == 2 and first_generation not in generations and second_generation in generations
+    assert not list(directory.glob("*_tmp"))
 
 
 def test_client_sidecar_config(tmp_path: Path) -> None:
@@ -69,10 +106,22 @@ def test_client_sidecar_config(tmp_path: Path) -> None:
     tls = doc["static_resources"]["clusters"][0]["transport_socket"]["typed_config"]["common_tls_context"]
     assert tls["tls_params"] == {"tls_minimum_protocol_version": "TLSv1_3",
                                  "tls_maximum_protocol_version": "TLSv1_3"}
-    assert tls["validation_context"]["match_typed_subject_alt_names"] == [
+    # Certificate and trust bundle come over file-based SDS; the allowed SAN stays in the config.
+    combined = tls["combined_validation_context"]
+    assert combined["default_validation_context"]["match_typed_subject_alt_names"] == [
         {"san_type": "URI", "matcher": {"exact": "spiffe://cluster.local/ns/default/sa/inference-server"}}]
-    # Envoy itself accepts it.
+    cert_file, trust_file = sds_secret_paths(certs.client)
+    assert tls["tls_certificate_sds_secret_configs"][0]["sds_config"]["path_config_source"]["path"] == str(cert_file)
+    assert combined["validation_context_sds_secret_config"]["sds_config"]["path_config_source"]["path"] == str(
+        trust_file)
+    assert "tls_certificates" not in tls and "validation_context" not in tls
     path = write(sidecar, tmp_path / "client.yaml")
+    secret = yaml.safe_load(cert_file.read_text())["resources"][0]["tls_certificate"]
+    assert secret["certificate_chain"]["filename"] == str(certs.client.cert)  # the stable link
+    assert secret["watched_directory"]["path"] == str(certs.client.sds_dir)  # the `..data` swap wakes Envoy
+    trust = yaml.safe_load(trust_file.read_text())["resources"][0]["validation_context"]
+    assert trust["trusted_ca"]["filename"] == str(certs.client.ca)
+    # Envoy itself accepts it.
     out = subprocess.run([envoy_binary(), "--mode", "validate", "-c", str(path)], capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]

@@ -56,7 +56,7 @@ def test_up_detached_status_policy_down(tmp_path: Path) -> None:
         assert "meshcache mesh is up" in up.stdout and "app (gRPC + HTTP, plaintext)" in up.stdout
         pids = _pids(state_dir)
         assert len(pids) == 7  # supervisor, redis, control plane, 2 engines, 2 sidecars
-        assert (state_dir / "pki" / "client-sidecar.key").stat().st_mode & 0o777 == 0o600
+        assert (state_dir / "pki" / "client-sidecar" / "tls.key").stat().st_mode & 0o777 == 0o600
 
         status = run("status", "--json", "--state-dir", str(state_dir))
         assert status.returncode == 0, status.stdout + status.stderr

@@ -100,8 +100,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     if args.detach:
         print(f"\nrunning in the background; stop it with: meshcache down --state-dir {config.state_dir}")
         return 0
-    print("\nCtrl-C stops the mesh.", flush=True)
-    return supervisor.follow(proc, config, follower)
+    return supervisor.follow(proc, config, follower, banner="\nCtrl-C stops the mesh.")
 
 
 def cmd_down(args: argparse.Namespace) -> int:
@@ -155,18 +154,30 @@ def cmd_status(args: argparse.Namespace) -> int:
     assert current is not None
     children = {c["name"]: state.pid_alive(int(c["pid"]), c.get("start_time")) for c in current["children"]}
     health = _health(current["endpoints"]) if current["status"] == "ready" else {}
-    healthy = current["status"] == "ready" and all(children.values()) and all(health.values())
+    # A component being restarted, or given up on, is not healthy even if a pid answers.
+    settled = all(c.get("state", "running") == "running" for c in current["children"])
+    healthy = current["status"] == "ready" and settled and all(children.values()) and all(health.values())
+    components = {c["name"]: {"pid": c["pid"], "running": children[c["name"]], "state": c.get("state", "running"),
+                              "restarts": c.get("restarts", 0), "last_exit": c.get("last_exit", ""),
+                              "note": c.get("note", "")} for c in current["children"]}
     cache, cache_error = _cache_stats(current) if current["status"] == "ready" else (None, None)
     if args.json:
         print(json.dumps({"status": current["status"], "healthy": healthy, "pid": current["pid"],
-                          "processes": children, "health": health, "endpoints": current.get("endpoints"),
-                          "cache": cache, "cache_error": cache_error}))
+                          "processes": children, "components": components, "health": health,
+                          "certificates": current.get("certificates", {}),
+                          "endpoints": current.get("endpoints"), "cache": cache, "cache_error": cache_error}))
         return 0 if healthy else 1
     print(f"mesh {current['status']} (supervisor pid {current['pid']}, state dir {state_dir})")
-    for c in current["children"]:
-        print(f"  {c['name']:<16} pid {c['pid']:<8} {'running' if children[c['name']] else 'EXITED'}")
+    for name, c in components.items():
+        shown = c["state"] if c["state"] != "running" or c["running"] else "EXITED"
+        extra = "".join(f"; {part}" for part in (f"last exit: {c['last_exit']}" if c["last_exit"] else "",
+                                                 c["note"]) if part)
+        print(f"  {name:<16} pid {c['pid']:<8} {shown.upper() if shown != 'running' else shown:<11} "
+              f"restarts {c['restarts']}{extra}")
     for name, ok in health.items():
         print(f"  {'ok  ' if ok else 'FAIL'} {name}")
+    for name, until in current.get("certificates", {}).items():
+        print(f"  certificate of the {name} valid until {until} (rotated automatically, served over SDS)")
     if current.get("endpoints"):
         print(format_endpoints(current["endpoints"]))
     if cache is not None:

@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import random
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,13 +52,37 @@ class Ports:
 
     @classmethod
     def free(cls) -> Ports:
-        """Free ports, all different: the sockets stay bound until every port is picked."""
+        """Free ports, all different, outside the kernel's ephemeral range: a port from that range
+        can be taken by any client socket on the machine in the seconds before a component binds
+        it, or while a crashed component is being restarted on it. The sockets stay bound until
+        every port is picked."""
         names = [f.name for f in dataclasses.fields(cls)]
+        low, high = _ephemeral_range()
+        pool = [p for p in range(*FREE_PORT_POOL) if not low <= p <= high]
+        picked: list[int] = []
         with contextlib.ExitStack() as stack:
-            sockets = [stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) for _ in names]
-            for s in sockets:
-                s.bind(("127.0.0.1", 0))
-            return cls(**{name: int(s.getsockname()[1]) for name, s in zip(names, sockets, strict=True)})
+            for port in random.sample(pool, min(len(pool), 4096)):
+                s = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+                picked.append(port)
+                if len(picked) == len(names):
+                    return cls(**dict(zip(names, picked, strict=True)))
+        raise OSError(f"no {len(names)} free ports in {FREE_PORT_POOL} outside the ephemeral range {low}-{high}")
+
+
+# Where `Ports.free` looks: above the well-known ports users' own services tend to take.
+FREE_PORT_POOL = (20000, 32768)
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999  # Linux's default
+    return low, high
 
 
 def default_state_dir() -> Path:
@@ -85,7 +110,17 @@ class MeshConfig:
     # (the default engine serves version 2), so routing is visible in the answers.
     canary_defaults: dict[str, str] = field(default_factory=lambda: {"mlp-classifier": "1"})
     cert_hours: float = 24.0  # workload certificates are short-lived ...
-    renew_before_hours: float = 8.0  # ... and re-issued by `up` when less than this is left
+    renew_before_hours: float = 8.0  # ... and re-issued (rotated over SDS) when less than this is left
+    # How often a running mesh checks whether certificates are due; 0: a quarter of
+    # renew_before_hours, at most 60 s (so minute-long test certificates work too).
+    cert_check_s: float = 0.0
+    # Self-healing (meshcache.ctl.mesh.healing): restart delay doubles per failure in a row, capped;
+    # after crash_loop_limit failures in a row (runs shorter than stable_after_s) a component is
+    # given up on and reported.
+    restart_initial_backoff_s: float = 0.25
+    restart_max_backoff_s: float = 30.0
+    crash_loop_limit: int = 5
+    stable_after_s: float = 30.0
     envoy_concurrency: int = 1
     # Seeded into the control plane on a fresh state dir (policy version 0); kept across restarts.
     policies: dict[str, dict[str, Any]] = field(default_factory=lambda: {k: dict(v) for k, v in DEMO_POLICIES.items()})
@@ -97,6 +132,19 @@ class MeshConfig:
     @property
     def server_id(self) -> str:
         return spiffe_id(self.namespace, self.server_service_account, self.trust_domain)
+
+    def __post_init__(self) -> None:
+        if not 0 < self.renew_before_hours < self.cert_hours:
+            raise ValueError(f"renew_before_hours must be above 0 and below cert_hours ({self.cert_hours:g}); "
+                             f"got {self.renew_before_hours:g}")
+        if self.crash_loop_limit < 1 or self.restart_initial_backoff_s <= 0 or self.stable_after_s <= 0 \
+                or self.restart_max_backoff_s < self.restart_initial_backoff_s or self.cert_check_s < 0:
+            raise ValueError("restart settings: crash_loop_limit >= 1, backoffs and stable_after_s > 0, "
+                             "restart_max_backoff_s >= restart_initial_backoff_s, cert_check_s >= 0")
+
+    @property
+    def cert_check_interval_s(self) -> float:
+        return self.cert_check_s or min(60.0, self.renew_before_hours * 3600 / 4)
 
     @property
     def control_plane_id(self) -> str:

@@ -1,10 +1,11 @@
 """`meshcache up`: a supervisor process owns the mesh; the command in the terminal follows it.
 
 The supervisor runs in its own session (so a terminal's Ctrl-C reaches only `meshcache up`,
-which then asks the supervisor to stop the children in reverse order), writes mesh.json, and
-reports components that exit. Foreground and `--detach` run the very same supervisor: in the
-foreground the command waits for it and forwards SIGINT/SIGTERM; detached it returns once the
-mesh is ready and `meshcache down` stops it later.
+which then asks the supervisor to stop the children in reverse order), writes mesh.json,
+restarts components that exit (meshcache.ctl.mesh.healing) and rotates the sidecars' certificates
+before they expire (meshcache.ctl.mesh.certs; Envoy picks them up over SDS). Foreground and
+`--detach` run the very same supervisor: in the foreground the command waits for it and forwards
+SIGINT/SIGTERM; detached it returns once the mesh is ready and `meshcache down` stops it later.
 """
 
 from __future__ import annotations
@@ -22,8 +23,10 @@ from types import FrameType
 from typing import Any, TextIO
 
 from meshcache.ctl.mesh import state
+from meshcache.ctl.mesh.certs import not_after
 from meshcache.ctl.mesh.config import MeshConfig
 from meshcache.ctl.mesh.errors import MeshError
+from meshcache.ctl.mesh.healing import Healer, RestartPolicy
 from meshcache.ctl.mesh.topology import Mesh
 
 CONFIG_FILE = "mesh-config.json"
@@ -53,10 +56,17 @@ def supervise(config: MeshConfig) -> int:
     me = {"pid": os.getpid(), "pid_start_time": state.process_start_time(os.getpid()),
           "state_dir": str(config.state_dir)}
     mesh: Mesh | None = None
+    healer: Healer | None = None
+    ready: dict[str, Any] = {}
 
     def record(status: str, **extra: Any) -> None:
         children = mesh.children() if mesh else []
-        state.write_state(config.state_dir, {**me, "status": status, "children": children, **extra})
+        if healer is not None:
+            for child in children:
+                child.update(healer.records[child["name"]].to_json())
+        certs = _certificate_report(mesh) if mesh and mesh.certs else {}
+        state.write_state(config.state_dir, {**me, "status": status, "children": children, **ready,
+                                             "certificates": certs, **extra})
 
     def log(message: str) -> None:
         print(f"{time.strftime('%H:%M:%S')} {message}", flush=True)
@@ -79,20 +89,59 @@ def supervise(config: MeshConfig) -> int:
         mesh.stop()
         record("failed", error=message)
         return 1
-    record("ready", endpoints=mesh.endpoints(), started_at=time.time())
-    print(f"{time.strftime('%H:%M:%S')} mesh is up", flush=True)
-    reported: set[str] = set()
+    ready.update(endpoints=mesh.endpoints(), started_at=time.time())
+    healer = mesh.healer(_restart_policy(config), log=_say)
+    record("ready")
+    _say("mesh is up")
+    next_cert_check = time.monotonic() + config.cert_check_interval_s
     try:
         while True:
             time.sleep(0.5)
-            for p in mesh.procs:
-                if p.name not in reported and not p.alive():
-                    reported.add(p.name)
-                    print(f"{time.strftime('%H:%M:%S')} {p.name} exited with code {p.popen.returncode}; "
-                          f"the rest keeps running. Last log lines:\n{p.log_tail(15)}", flush=True)
+            changed = healer.tick()
+            if time.monotonic() >= next_cert_check:
+                next_cert_check = time.monotonic() + config.cert_check_interval_s
+                changed |= _rotate(mesh)
+            if changed:
+                record("ready")
     except _Stop as exc:
         _quiet_stop(mesh, config.state_dir, f"stopping ({exc})")
     return 0
+
+
+def _say(message: str) -> None:
+    print(f"{time.strftime('%H:%M:%S')} {message}", flush=True)
+
+
+def _restart_policy(config: MeshConfig) -> RestartPolicy:
+    return RestartPolicy(initial_backoff_s=config.restart_initial_backoff_s,
+                         max_backoff_s=config.restart_max_backoff_s,
+                         crash_loop_limit=config.crash_loop_limit, stable_after_s=config.stable_after_s)
+
+
+def _rotate(mesh: Mesh) -> bool:
+    """Certificates due for renewal are re-issued; a failure is reported and retried next time."""
+    try:
+        issued = mesh.refresh_certificates()
+    except Exception as exc:  # disk full, unreadable CA ...: the current certificates stay in place
+        _say(f"certificate rotation failed (retrying at the next check): {type(exc).__name__}: {exc}")
+        return False
+    if issued:
+        _say(f"rotated certificates: {', '.join(issued)} (valid {mesh.config.cert_hours:g} h; "
+             f"the sidecars load them over SDS, no restart)")
+        if "control-plane.crt" in issued:
+            _say("restarted the control plane to load its new xDS certificate")
+    return bool(issued)
+
+
+def _certificate_report(mesh: Mesh) -> dict[str, str]:
+    assert mesh.certs is not None
+    out = {}
+    for name, identity in (("client-sidecar", mesh.certs.client), ("server-sidecar", mesh.certs.server)):
+        try:
+            out[name] = not_after(identity.cert).strftime("%Y-%m-%dT%H:%M:%SZ")
+        except (OSError, ValueError):
+            out[name] = "unreadable"
+    return out
 
 
 def _quiet_stop(mesh: Mesh, state_dir: Path, message: str) -> None:
@@ -175,8 +224,9 @@ def stop_supervisor(proc: subprocess.Popen[bytes], config: MeshConfig) -> list[s
     return state.stop_mesh(config.state_dir, timeout=5)
 
 
-def follow(proc: subprocess.Popen[bytes], config: MeshConfig, follower: LogFollower) -> int:
-    """Foreground `up`: until Ctrl-C/SIGTERM (then stop the mesh) or until the supervisor ends."""
+def follow(proc: subprocess.Popen[bytes], config: MeshConfig, follower: LogFollower, banner: str = "") -> int:
+    """Foreground `up`: until Ctrl-C/SIGTERM (then stop the mesh) or until the supervisor ends.
+    `banner` is printed once the handlers are in place, so a Ctrl-C right after it stops cleanly."""
     stop: list[str] = []
 
     def request_stop(signum: int, _frame: FrameType | None) -> None:
@@ -184,6 +234,8 @@ def follow(proc: subprocess.Popen[bytes], config: MeshConfig, follower: LogFollo
 
     # SIGHUP too: a closed terminal stops the mesh rather than orphaning it.
     old = {s: signal.signal(s, request_stop) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    if banner:
+        print(banner, flush=True)
     try:
         while proc.poll() is None and not stop:
             follower.pump()

@@ -26,15 +26,20 @@ from meshcache.contract.paths import FILTER_WASM, envoy_binary
 from meshcache.ctl import launchers, procs
 from meshcache.ctl.envoy_config import CacheProxy, ClientSidecar, Upstream, write
 from meshcache.ctl.mesh.api_client import ApiError, PolicyApi
-from meshcache.ctl.mesh.certs import MeshCertificates, ensure_certificates
+from meshcache.ctl.mesh.certs import CONTROL_PLANE_NAME, MeshCertificates, ensure_certificates
 from meshcache.ctl.mesh.config import MeshConfig, Ports
 from meshcache.ctl.mesh.errors import MeshError
+from meshcache.ctl.mesh.healing import Healer, RestartPolicy
 from meshcache.ctl.mesh.state import process_start_time
 
 SERVER_NODE = "meshcache-server-sidecar"
 CLIENT_NODE = "meshcache-client-sidecar"
 # The server sidecar caches nothing until the control plane's policies arrive over ECDS.
 DEFAULT_PLUGIN_CONFIG: dict[str, Any] = {"version": "default", "policies": []}
+# Restarts wait for these to run first: the control plane is ready only with Redis reachable.
+DEPENDS_ON: dict[str, tuple[str, ...]] = {"control-plane": ("redis",)}
+# Components whose restart loses state users notice.
+RESTART_NOTES = {"server-sidecar": "its response cache was emptied by the restart"}
 
 
 def _check_port_free(port: int, what: str) -> None:
@@ -105,6 +110,8 @@ class Mesh:
         self.canary: launchers.Engine | None = None
         self.certs: MeshCertificates | None = None
         self.token = ""
+        # How to start each component again (same ports, same config files), by name.
+        self._starters: dict[str, Callable[[], procs.Proc]] = {}
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
@@ -133,44 +140,82 @@ class Mesh:
         cfg, certs = self.config, self.certs
         assert certs is not None
         try:
-            default_repo, canary_repo = _model_repos(cfg)
-            self.log("starting redis-server ...")
-            redis, _ = launchers.start_redis(cfg.state_dir / "redis", port=ports.redis)
-            self.procs.append(redis)
-            self.log("starting the control plane ...")
-            self.procs.append(self._start_control_plane())
-            self.log("starting the engine ...")
-            self.engine = launchers.start_engine(default_repo, cfg.log_dir, name="engine",
-                                                ports=(ports.engine_http, ports.engine_grpc, ports.engine_metrics))
-            self.procs.append(self.engine.proc)
-            color_routes: dict[str, Upstream] = {}
-            if canary_repo is not None:
-                self.log(f"starting the canary engine (traffic colour {cfg.canary_color!r}) ...")
-                self.canary = launchers.start_engine(
-                    canary_repo, cfg.log_dir, name="engine-canary",
-                    ports=(ports.canary_http, ports.canary_grpc, ports.canary_metrics))
-                self.procs.append(self.canary.proc)
-                color_routes[cfg.canary_color] = Upstream(ports.canary_http, ports.canary_grpc)
-            self.log("starting the server sidecar (mTLS, meshcache filter over ECDS) ...")
-            server = CacheProxy(
-                listen_port=ports.server_inbound, admin_port=ports.server_admin,
-                http_upstream_port=ports.engine_http, grpc_upstream_port=ports.engine_grpc,
-                wasm_path=FILTER_WASM, plugin_config=DEFAULT_PLUGIN_CONFIG, ecds_port=ports.cp_xds,
-                node_id=SERVER_NODE, cluster="meshcache-server", downstream_tls=certs.server,
-                allowed_peers=[cfg.client_id], color_routes=color_routes,
-                xds_tls=certs.server, xds_peers=[cfg.control_plane_id])
-            self.procs.append(self._start_envoy("server-sidecar", server, ports.server_admin))
-            self.log("starting the client sidecar ...")
-            client = ClientSidecar(listen_port=ports.app, admin_port=ports.client_admin,
-                                   server_port=ports.server_inbound, identity=certs.client,
-                                   server_identities=[cfg.server_id], color=cfg.color, node_id=CLIENT_NODE)
-            self.procs.append(self._start_envoy("client-sidecar", client, ports.client_admin))
+            default_repo, canary_repo = _model_repos(cfg)  # the engine's init-models command may fail
+        except procs.StartError as exc:
+            raise MeshError(str(exc)) from exc
+        color_routes: dict[str, Upstream] = {}
+        if canary_repo is not None:
+            color_routes[cfg.canary_color] = Upstream(ports.canary_http, ports.canary_grpc)
+        server = CacheProxy(
+            listen_port=ports.server_inbound, admin_port=ports.server_admin,
+            http_upstream_port=ports.engine_http, grpc_upstream_port=ports.engine_grpc,
+            wasm_path=FILTER_WASM, plugin_config=DEFAULT_PLUGIN_CONFIG, ecds_port=ports.cp_xds,
+            node_id=SERVER_NODE, cluster="meshcache-server", downstream_tls=certs.server,
+            allowed_peers=[cfg.client_id], color_routes=color_routes,
+            xds_tls=certs.server, xds_peers=[cfg.control_plane_id])
+        client = ClientSidecar(listen_port=ports.app, admin_port=ports.client_admin,
+                               server_port=ports.server_inbound, identity=certs.client,
+                               server_identities=[cfg.server_id], color=cfg.color, node_id=CLIENT_NODE)
+        starts: list[tuple[str, str, Callable[[], procs.Proc]]] = [
+            ("redis", "redis-server", lambda: launchers.start_redis(cfg.state_dir / "redis", port=ports.redis)[0]),
+            ("control-plane", "the control plane", self._start_control_plane),
+            ("engine", "the engine", lambda: self._start_engine(default_repo, "engine")),
+        ]
+        if canary_repo is not None:
+            starts.append(("engine-canary", f"the canary engine (traffic colour {cfg.canary_color!r})",
+                           lambda: self._start_engine(canary_repo, "engine-canary")))
+        starts += [
+            ("server-sidecar", "the server sidecar (mTLS, meshcache filter over ECDS)",
+             self._envoy_starter("server-sidecar", server, ports.server_admin)),
+            ("client-sidecar", "the client sidecar", self._envoy_starter("client-sidecar", client, ports.client_admin)),
+        ]
+        try:
+            for name, what, start in starts:
+                self.log(f"starting {what} ...")
+                self._starters[name] = start
+                self.procs.append(start())
             self._apply_policies()
             self._wait_end_to_end()
         except procs.StartError as exc:
             raise MeshError(str(exc)) from exc
         except ApiError as exc:
             raise MeshError(f"control plane: {exc}\n{self._tail('control-plane')}") from exc
+
+    def _start_engine(self, repo: Path, name: str) -> procs.Proc:
+        ports = self.config.ports
+        triple = ((ports.engine_http, ports.engine_grpc, ports.engine_metrics) if name == "engine"
+                  else (ports.canary_http, ports.canary_grpc, ports.canary_metrics))
+        engine = launchers.start_engine(repo, self.config.log_dir, name=name, ports=triple)
+        if name == "engine":
+            self.engine = engine
+        else:
+            self.canary = engine
+        return engine.proc
+
+    def restart(self, name: str) -> procs.Proc:
+        """Start component `name` again (same ports and config) in its place; StartError if it fails."""
+        index = next(i for i, p in enumerate(self.procs) if p.name == name)
+        with contextlib.suppress(Exception):
+            self.procs[index].stop(timeout=5)  # closes the old log handle; reaps the exited process
+        proc = self._starters[name]()
+        self.procs[index] = proc
+        return proc
+
+    def healer(self, policy: RestartPolicy, log: Callable[[str], None]) -> Healer:
+        return Healer(self.procs, self.restart, DEPENDS_ON, policy, log,
+                      on_restart_note=lambda name: (f"{RESTART_NOTES[name]} at {time.strftime('%H:%M:%S')}"
+                                                    if name in RESTART_NOTES else ""))
+
+    def refresh_certificates(self, force: bool = False) -> tuple[str, ...]:
+        """Re-issue certificates that are due (or all of them with `force`); returns what was issued.
+
+        The sidecars pick theirs up over SDS without a restart. The control plane reads its xDS
+        certificate at start, so it is restarted when that one was re-issued: its API pauses for
+        a few seconds, traffic does not (the sidecars keep their config and reconnect)."""
+        self.certs = ensure_certificates(self.config, force=force)
+        if f"{CONTROL_PLANE_NAME}.crt" in self.certs.issued and any(p.name == "control-plane" for p in self.procs):
+            self.restart("control-plane")
+        return self.certs.issued
 
     def _start_control_plane(self) -> procs.Proc:
         ports = self.config.ports
@@ -189,12 +234,14 @@ class Mesh:
         return launchers.start_control_plane(argv, env, self.config.log_dir, ports.cp_http, ports.cp_xds,
                                             ready_path="/readyz")
 
-    def _start_envoy(self, name: str, proxy: CacheProxy | ClientSidecar, admin_port: int) -> procs.Proc:
+    def _envoy_starter(self, name: str, proxy: CacheProxy | ClientSidecar, admin_port: int
+                       ) -> Callable[[], procs.Proc]:
+        """Writes the config once; every (re)start runs Envoy on that same file."""
         directory = self.config.state_dir / "envoy"
         directory.mkdir(parents=True, exist_ok=True)
         path = write(proxy, directory / f"{name}.yaml")
-        return launchers.start_envoy(path, admin_port, self.config.log_dir, name=name,
-                                    concurrency=self.config.envoy_concurrency)
+        return lambda: launchers.start_envoy(path, admin_port, self.config.log_dir, name=name,
+                                            concurrency=self.config.envoy_concurrency)
 
     def _apply_policies(self) -> None:
         """Seed the default policies into a fresh control plane; wait until the server sidecar has them."""

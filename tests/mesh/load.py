@@ -1,0 +1,152 @@
+"""Light, checked load through a running mesh: every answer is compared with the expected bytes.
+
+Request kinds cover the paths a component failure can touch: cached gRPC and REST (hits from the
+server sidecar), `Cache-Control: no-store` requests that always reach an engine, and the canary
+colour. The expected bytes come from the engines directly, before any load (the engine's answers
+do not depend on batching: tests/engine/test_batching.py).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import grpc
+import httpx
+
+from tests.mesh.helpers import MODEL_INFER, mlp_json, mlp_request
+
+NO_STORE = {"cache-control": "no-store"}
+BLUE = {"x-traffic-color": "blue"}
+
+
+@dataclass(frozen=True)
+class Kind:
+    name: str
+    grpc: bool
+    headers: tuple[tuple[str, str], ...]
+    seed: int
+    canary: bool = False  # answered by the canary engine
+
+
+KINDS = (
+    Kind("grpc-hit", True, (), 7101),
+    Kind("rest-hit", False, (), 7102),
+    Kind("grpc-engine", True, tuple(NO_STORE.items()), 7103),
+    Kind("rest-engine", False, tuple(NO_STORE.items()), 7104),
+    Kind("rest-blue-hit", False, tuple(BLUE.items()), 7105, canary=True),
+    Kind("rest-blue-engine", False, tuple({**BLUE, **NO_STORE}.items()), 7106, canary=True),
+)
+
+
+# Reconnect quickly after the peer came back (grpcio's default first backoff is 1 s).
+CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+                   ("grpc.max_reconnect_backoff_ms", 500)]
+
+
+class Client:
+    """Keep-alive HTTP and one gRPC channel to `target`: few ephemeral ports on a shared machine
+    (a port in use by a client socket cannot be bound by a mesh that picked it as "free")."""
+
+    def __init__(self, target: str) -> None:
+        self.target = target
+        self.http = httpx.Client(timeout=5.0)
+        self.channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+
+    def close(self) -> None:
+        self.http.close()
+        self.channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def call(kind: Kind, target: str | Client, timeout: float = 5.0) -> bytes:
+    """One request of `kind` to `target` (host:port, or a Client); the answer's bytes, or an exception."""
+    if isinstance(target, str):
+        with Client(target) as client:
+            return call(kind, client, timeout)
+    if kind.grpc:
+        body = mlp_request(kind.seed).SerializeToString()
+        response: bytes = target.channel.unary_unary(MODEL_INFER)(body, metadata=kind.headers, timeout=timeout)
+        return response
+    r = target.http.post(f"http://{target.target}/v2/models/mlp-classifier/infer", json=mlp_json(kind.seed),
+                         headers=dict(kind.headers), timeout=timeout)
+    if r.status_code != 200:
+        raise RuntimeError(f"HTTP {r.status_code}: {r.text[:200]}")
+    return r.content
+
+
+def expected_answers(engine_http: int, engine_grpc: int, canary_http: int) -> dict[str, bytes]:
+    out = {}
+    for kind in KINDS:
+        port = (canary_http if kind.canary else engine_grpc if kind.grpc else engine_http)
+        out[kind.name] = call(kind, f"127.0.0.1:{port}")
+    return out
+
+
+@dataclass
+class Outcome:
+    at: float  # time.monotonic() when the answer came
+    kind: str
+    ok: bool
+    wrong: bool = False  # an answer, but not the expected bytes
+    error: str = ""
+
+
+@dataclass
+class Load:
+    """`threads` callers, each cycling through KINDS with `pause_s` between requests."""
+
+    target: str
+    expected: dict[str, bytes]
+    threads: int = 2
+    pause_s: float = 0.02
+    outcomes: list[Outcome] = field(default_factory=list)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _workers: list[threading.Thread] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def _run(self, offset: int) -> None:
+        with Client(self.target) as client:
+            self._loop(client, offset)
+
+    def _loop(self, client: Client, offset: int) -> None:
+        i = offset
+        deadline = time.monotonic() + 600  # bounded even if stop() is never called
+        while not self._stop.is_set() and time.monotonic() < deadline:
+            kind = KINDS[i % len(KINDS)]
+            i += 1
+            try:
+                answer = call(kind, client)
+            except Exception as exc:  # refused, reset, 503, UNAVAILABLE: counted, never a wrong answer
+                outcome = Outcome(time.monotonic(), kind.name, ok=False, error=f"{type(exc).__name__}: {exc}"[:300])
+            else:
+                right = answer == self.expected[kind.name]
+                outcome = Outcome(time.monotonic(), kind.name, ok=right, wrong=not right,
+                                  error="" if right else f"wrong answer: {answer[:120]!r}")
+            with self._lock:
+                self.outcomes.append(outcome)
+            self._stop.wait(self.pause_s)
+
+    def start(self) -> Load:
+        for n in range(self.threads):
+            t = threading.Thread(target=self._run, args=(n * 3,), daemon=True)
+            t.start()
+            self._workers.append(t)
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        for t in self._workers:
+            t.join(timeout=15)
+
+    def between(self, start: float, end: float, where: Callable[[Outcome], bool] = lambda _: True
+                ) -> list[Outcome]:
+        with self._lock:
+            return [o for o in self.outcomes if start <= o.at < end and where(o)]
