@@ -92,6 +92,7 @@ class Batcher:
         # Bound once: label lookups in prometheus_client take a lock and a dict lookup per call.
         self._queue_time = metrics.queue_time.labels(cfg.name)
         self._batch_size = metrics.batch_size.labels(cfg.name)
+        metrics.pending.labels(cfg.name).set_function(lambda: len(self._heap))
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()

@@ -7,6 +7,7 @@ import threading
 from prometheus_client import (
     CollectorRegistry,
     Counter,
+    Gauge,
     Histogram,
     disable_created_metrics,
     start_http_server,
@@ -40,6 +41,11 @@ class EngineMetrics:
         self.queue_time = Histogram(
             "meshcache_engine_queue_duration_seconds", "Time a request waited in its model's batch queue",
             ["model"], buckets=_LATENCY_BUCKETS, registry=self.registry,
+        )
+        # Read at scrape time from the queue itself (Triton's nv_inference_pending_request_count).
+        self.pending = Gauge(
+            "meshcache_engine_pending_requests", "Requests waiting in a model's batch queue", ["model"],
+            registry=self.registry,
         )
         self.batch_size = Histogram(
             "meshcache_engine_batch_size", "Rows per onnxruntime run", ["model"],

@@ -15,6 +15,12 @@ use crate::names::{COLOR_HEADER, KSERVE_BINARY_HEADER, MODEL_HEADER};
 /// paused larger body would be answered 413 by Envoy itself.
 pub const MAX_REQUEST_BYTES: usize = 768 * 1024;
 
+/// A request that declares a body over `MAX_REQUEST_BYTES` passes through from its headers on:
+/// pausing it first would let Envoy buffer chunks that arrive before the filter sees the size.
+pub fn request_declared_too_big(content_length: Option<&str>) -> bool {
+    content_length.and_then(|n| n.trim().parse::<u64>().ok()).map_or(false, |n| n > MAX_REQUEST_BYTES as u64)
+}
+
 /// A miss whose answer arrives whole and small is held until its end, so its headers can say
 /// `stored` and carry the hash; larger or streamed answers flow through at once (copied for
 /// the store). Well under Envoy's default 1 MiB buffer.
@@ -712,5 +718,14 @@ mod tests {
             key(decide(&cfg, chat, &[], br#"{"model":"gpt-4","id":"a","temperature":0}"#, None)),
             key(decide(&cfg, chat, &[], br#"{"model":"gpt-4","id":"b","temperature":0}"#, None))
         );
+    }
+
+    #[test]
+    fn declared_request_size_over_the_limit_passes_through() {
+        assert!(request_declared_too_big(Some("2097152")));
+        assert!(!request_declared_too_big(Some(&MAX_REQUEST_BYTES.to_string())));
+        assert!(!request_declared_too_big(Some("12")));
+        assert!(!request_declared_too_big(Some("not a number")));
+        assert!(!request_declared_too_big(None));
     }
 }

@@ -188,6 +188,9 @@ impl Stream {
                 if source == ModelSource::GrpcBody && GRPC_HITS_BROKEN.with(|b| b.get()) {
                     return self.bypass();
                 }
+                if decide::request_declared_too_big(decide::header(&headers.pairs, "content-length")) {
+                    return self.bypass();
+                }
                 self.phase = Phase::Buffering { source, refresh, headers };
                 // Held headers: routing waits for the decision. Otherwise the body alone waits.
                 if cfg.hold_headers {

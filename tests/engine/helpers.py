@@ -63,8 +63,9 @@ def copy_model(src_repo: Path, dst_repo: Path, name: str, **config_changes: Any)
     config_path.write_text(to_text(config))
 
 
-def write_slow_model(repo: Path, layers: int = 160, max_queue_size: int = 8) -> None:
-    """`slow`: ~0.1 s per request on one core, unbatched, so tests can fill its queue on purpose."""
+def write_slow_model(repo: Path, layers: int = 480, max_queue_size: int = 8) -> None:
+    """`slow`: ~0.3 s per request on one core, unbatched, so tests can fill its queue on purpose
+    (long enough that a loaded machine still queues the next requests before it finishes)."""
     rng = np.random.Generator(np.random.PCG64(7))
     inits = [
         numpy_helper.from_array((rng.standard_normal((16, 512)) * 0.1).astype(np.float32), "w0"),
@@ -113,6 +114,15 @@ async def until_running(client: httpx.AsyncClient, metrics_url: str, runs: int, 
     deadline = time.perf_counter() + 10
     while metric_value((await client.get(metrics_url)).text, "meshcache_engine_batch_size_count", model=model) < runs:
         assert time.perf_counter() < deadline, f"run {runs} of {model} never started"
+        await asyncio.sleep(0.005)
+
+
+async def until_pending(client: httpx.AsyncClient, metrics_url: str, waiting: int, model: str = "slow") -> None:
+    """Waits until `waiting` requests of `model` sit in its queue (instead of a fixed sleep)."""
+    deadline = time.perf_counter() + 10
+    name = "meshcache_engine_pending_requests"
+    while metric_value((await client.get(metrics_url)).text, name, model=model) < waiting:
+        assert time.perf_counter() < deadline, f"{waiting} requests never queued for {model}"
         await asyncio.sleep(0.005)
 
 

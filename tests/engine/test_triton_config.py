@@ -16,7 +16,14 @@ import pytest
 from meshcache.ctl.launchers import ENGINE_BIN
 from meshcache.engine.model_config import ConfigError
 from meshcache.engine.repository import read_model
-from tests.engine.helpers import demo_batch, metric_value, running_engine, until_running, write_slow_model
+from tests.engine.helpers import (
+    demo_batch,
+    metric_value,
+    running_engine,
+    until_pending,
+    until_running,
+    write_slow_model,
+)
 
 # As a Triton user writes it by hand: list syntax, comments, backend instead of platform.
 HAND_WRITTEN = """
@@ -211,7 +218,7 @@ def test_queue_timeout_rejects_and_request_may_shorten_it(tmp_path: Path) -> Non
         async with httpx.AsyncClient(timeout=30) as client:
             busy = asyncio.create_task(client.post(url, json=body))
             await until_running(client, metrics_url, 1)
-            # Both wait ~0.1 s behind `busy`: over the 20 ms this one asks for, under the model's 10 s.
+            # Both wait ~0.3 s behind `busy`: over the 20 ms this one asks for, under the model's 10 s.
             short = asyncio.create_task(client.post(url, json={**body, "parameters": {"timeout": 20000}}))
             normal = asyncio.create_task(client.post(url, json=body))
             return [await busy, await short, await normal]
@@ -243,7 +250,7 @@ def test_queue_timeout_delay_moves_expired_requests_last(tmp_path: Path) -> None
             busy = asyncio.create_task(post(0, {}))
             await until_running(client, metrics_url, 1)
             expiring = asyncio.create_task(post(1, {"parameters": {"timeout": 1000}}))  # expires while queued
-            await asyncio.sleep(0.03)
+            await until_pending(client, metrics_url, 1)
             later = asyncio.create_task(post(2, {}))
             await asyncio.gather(busy, expiring, later)
         return done
