@@ -35,8 +35,10 @@ READY_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 60.0
 
 
-class _Stop(Exception):
-    """Raised from the signal handler so a start in progress unwinds and stops what it started."""
+class _Stop(BaseException):
+    """Raised from the signal handler so a start in progress unwinds and stops what it started.
+    A BaseException, so no `except Exception` on the way (a failed certificate rotation, a restart)
+    swallows a stop request and leaves children running after the supervisor is killed."""
 
 
 def _raise_stop(signum: int, _frame: FrameType | None) -> None:
