@@ -12,6 +12,7 @@ from typing import Annotated
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationInfo, field_validator
 
 from meshcache.contract.filter_config import (
+    DEFAULT_COALESCE_TIMEOUT_MS,
     DEFAULT_HASH_HEADERS,
     HEADER_PATTERN,
     LIMIT_FIELD_LEN,
@@ -20,9 +21,11 @@ from meshcache.contract.filter_config import (
     MAX_HEADERS,
     MAX_PREFIX_LEN,
     PREFIX_PATTERN,
+    CoalesceTimeoutMs,
     Limits,
     Policy,
     Scope,
+    StaleSeconds,
     TtlSeconds,
 )
 
@@ -64,6 +67,17 @@ class PolicySpec(BaseModel):
         False, description="OpenAI chat/completions: bypass requests with temperature > 0 (or absent) and no seed",
     )
 
+    coalesce_timeout_ms: CoalesceTimeoutMs = Field(
+        DEFAULT_COALESCE_TIMEOUT_MS,
+        description="Identical misses wait up to this many ms for the first one's answer, then go upstream; 0 = off",
+    )
+    stale_if_error_s: StaleSeconds = Field(
+        0, description="RFC 5861: serve an expired entry up to this many s past its TTL when upstream fails; 0 = off",
+    )
+    stale_while_revalidate_s: StaleSeconds = Field(
+        0, description="RFC 5861: serve an expired entry at once for this many s while one request refreshes it",
+    )
+
     @field_validator("max_ttl_s")
     @classmethod
     def _max_at_least_ttl(cls, v: int | None, info: ValidationInfo) -> int | None:
@@ -98,6 +112,9 @@ class PolicySpec(BaseModel):
             enabled=self.enabled,
             ignore_fields=tuple(self.ignore_fields),
             deterministic_only=self.deterministic_only,
+            coalesce_timeout_ms=self.coalesce_timeout_ms,
+            stale_if_error_s=self.stale_if_error_s,
+            stale_while_revalidate_s=self.stale_while_revalidate_s,
         )
 
 

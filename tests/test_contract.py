@@ -27,6 +27,9 @@ MIRRORED = {
     "LIMIT_PREFIX_LEN": "MAX_PREFIX_LEN",
     "LIMIT_IGNORE_FIELDS": "LIMIT_IGNORE_FIELDS",
     "LIMIT_FIELD_LEN": "LIMIT_FIELD_LEN",
+    "DEFAULT_COALESCE_TIMEOUT_MS": "DEFAULT_COALESCE_TIMEOUT_MS",
+    "LIMIT_COALESCE_TIMEOUT_MS": "LIMIT_COALESCE_TIMEOUT_MS",
+    "LIMIT_STALE_S": "LIMIT_STALE_S",
 }
 
 
@@ -72,6 +75,21 @@ def test_default_hash_headers_match_the_filter() -> None:
     assert m, "config.rs no longer spells the hash_headers default as expected: update this test"
     assert tuple(re.findall(r'"([^"]+)"', m.group(1))) == fc.DEFAULT_HASH_HEADERS
     assert fc.Policy(model_prefix="m", ttl_s=1, max_ttl_s=1).hash_headers == fc.DEFAULT_HASH_HEADERS
+
+
+def test_coalescing_and_stale_defaults_and_bounds_match_the_filter() -> None:
+    assert 'unwrap_or(DEFAULT_COALESCE_TIMEOUT_MS)' in CONFIG_RS
+    assert re.search(r'"stale_if_error_s".*?unwrap_or\(0\)', CONFIG_RS)
+    assert re.search(r'"stale_while_revalidate_s".*?unwrap_or\(0\)', CONFIG_RS)
+    p = fc.Policy(model_prefix="m", ttl_s=1, max_ttl_s=1)
+    assert (p.coalesce_timeout_ms, p.stale_if_error_s, p.stale_while_revalidate_s) == (
+        fc.DEFAULT_COALESCE_TIMEOUT_MS, 0, 0)
+    fc.Policy(model_prefix="m", ttl_s=1, max_ttl_s=1, coalesce_timeout_ms=fc.LIMIT_COALESCE_TIMEOUT_MS,
+              stale_if_error_s=fc.LIMIT_STALE_S, stale_while_revalidate_s=fc.LIMIT_STALE_S)
+    for field, value in (("coalesce_timeout_ms", fc.LIMIT_COALESCE_TIMEOUT_MS + 1), ("coalesce_timeout_ms", -1),
+                         ("stale_if_error_s", fc.LIMIT_STALE_S + 1), ("stale_while_revalidate_s", -1)):
+        with pytest.raises(ValueError):
+            fc.Policy(model_prefix="m", ttl_s=1, max_ttl_s=1, **{field: value})
 
 
 def test_header_name_characters_match_the_filter() -> None:

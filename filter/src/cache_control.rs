@@ -189,6 +189,7 @@ mod tests {
         Policy {
             model_prefix: "m".into(), ttl_s: ttl, max_ttl_s: max, generation: 0, hash_headers: vec![],
             vary_headers: vec![], scope: Scope::Shared, enabled: true, ignore_fields: vec![], deterministic_only: false,
+            coalesce_timeout_ms: 0, stale_if_error_s: 0, stale_while_revalidate_s: 0,
         }
     }
 

@@ -19,6 +19,11 @@ pub const LIMIT_PREFIX_LEN: usize = 256;
 /// `ignore_fields`: at most this many names per policy, each at most `LIMIT_FIELD_LEN` bytes.
 pub const LIMIT_IGNORE_FIELDS: usize = 64;
 pub const LIMIT_FIELD_LEN: usize = 256;
+/// Request coalescing: how long identical misses wait for the first one's answer (0 = off).
+pub const DEFAULT_COALESCE_TIMEOUT_MS: u64 = 5000;
+pub const LIMIT_COALESCE_TIMEOUT_MS: u64 = 60_000;
+/// `stale_if_error_s` / `stale_while_revalidate_s`: expired entries are kept at most this long.
+pub const LIMIT_STALE_S: u64 = 86_400;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Scope {
@@ -42,6 +47,12 @@ pub struct Policy {
     pub ignore_fields: Vec<String>,
     /// OpenAI-style bodies: bypass sampled answers (`temperature` > 0, or absent, without `seed`).
     pub deterministic_only: bool,
+    /// Identical misses wait this long for the first one's answer, then go upstream (0 = off).
+    pub coalesce_timeout_ms: u64,
+    /// RFC 5861: an expired entry may answer for this long past its TTL when upstream fails.
+    pub stale_if_error_s: u64,
+    /// RFC 5861: an expired entry may answer at once for this long while one request refreshes it.
+    pub stale_while_revalidate_s: u64,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -195,9 +206,21 @@ fn parse_policy(p: &Map<String, Value>, field: &str) -> Result<Policy, ConfigErr
     let enabled = opt_bool(p, "enabled", &f("enabled"))?.unwrap_or(true);
     let ignore_fields = opt_field_list(p, "ignore_fields", &f("ignore_fields"))?;
     let deterministic_only = opt_bool(p, "deterministic_only", &f("deterministic_only"))?.unwrap_or(false);
+    let coalesce_timeout_ms = opt_uint(p, "coalesce_timeout_ms", &f("coalesce_timeout_ms"))?
+        .unwrap_or(DEFAULT_COALESCE_TIMEOUT_MS);
+    let stale_if_error_s = opt_uint(p, "stale_if_error_s", &f("stale_if_error_s"))?.unwrap_or(0);
+    let stale_while_revalidate_s = opt_uint(p, "stale_while_revalidate_s", &f("stale_while_revalidate_s"))?.unwrap_or(0);
+    if coalesce_timeout_ms > LIMIT_COALESCE_TIMEOUT_MS {
+        return Err(err(&f("coalesce_timeout_ms"), &format!("must be at most {} (0 turns coalescing off)", LIMIT_COALESCE_TIMEOUT_MS)));
+    }
+    for (name, value) in [("stale_if_error_s", stale_if_error_s), ("stale_while_revalidate_s", stale_while_revalidate_s)] {
+        if value > LIMIT_STALE_S {
+            return Err(err(&f(name), &format!("must be at most {}", LIMIT_STALE_S)));
+        }
+    }
     Ok(Policy {
         model_prefix, ttl_s, max_ttl_s, generation, hash_headers, vary_headers, scope, enabled, ignore_fields,
-        deterministic_only,
+        deterministic_only, coalesce_timeout_ms, stale_if_error_s, stale_while_revalidate_s,
     })
 }
 
@@ -310,6 +333,7 @@ mod tests {
         assert!(p.enabled);
         assert!(p.ignore_fields.is_empty());
         assert!(!p.deterministic_only);
+        assert_eq!((p.coalesce_timeout_ms, p.stale_if_error_s, p.stale_while_revalidate_s), (DEFAULT_COALESCE_TIMEOUT_MS, 0, 0));
         assert_eq!(c.limits, Config::empty().limits);
         assert_eq!(c.color, "");
         assert!(c.hold_headers);
@@ -338,6 +362,17 @@ mod tests {
     }
 
     #[test]
+    fn coalescing_and_stale_fields() {
+        let c = cache(r#"{"policies": [{"model_prefix": "m", "ttl_s": 1, "coalesce_timeout_ms": 0,
+            "stale_if_error_s": 600, "stale_while_revalidate_s": 30}]}"#);
+        let p = &c.policies[0];
+        assert_eq!((p.coalesce_timeout_ms, p.stale_if_error_s, p.stale_while_revalidate_s), (0, 600, 30));
+        let top = format!(r#"{{"policies": [{{"model_prefix": "m", "ttl_s": 1, "coalesce_timeout_ms": {},
+            "stale_if_error_s": {}, "stale_while_revalidate_s": {}}}]}}"#, LIMIT_COALESCE_TIMEOUT_MS, LIMIT_STALE_S, LIMIT_STALE_S);
+        assert_eq!(cache(&top).policies[0].coalesce_timeout_ms, LIMIT_COALESCE_TIMEOUT_MS);
+    }
+
+    #[test]
     fn hash_headers_are_normalised() {
         let c = cache(r#"{"policies": [{"model_prefix": "m", "ttl_s": 1, "hash_headers": ["X-B", "a", "x-b"]}]}"#);
         assert_eq!(c.policies[0].hash_headers, vec!["a", "x-b"]);
@@ -359,6 +394,11 @@ mod tests {
             (r#"{"policies": [{"model_prefix": "m", "ttl_s": 1, "ignore_fields": ["a", 1]}]}"#, "policies[0].ignore_fields[1]"),
             (r#"{"policies": [{"model_prefix": "m", "ttl_s": 1, "ignore_fields": ["a", "a"]}]}"#, "policies[0].ignore_fields[1]"),
             (r#"{"policies": [{"model_prefix": "m", "ttl_s": 1, "deterministic_only": 1}]}"#, "policies[0].deterministic_only"),
+            (r#"{"policies": [{"model_prefix": "m", "ttl_s": 1, "coalesce_timeout_ms": 60001}]}"#, "policies[0].coalesce_timeout_ms"),
+            (r#"{"policies": [{"model_prefix": "m", "ttl_s": 1, "coalesce_timeout_ms": -1}]}"#, "policies[0].coalesce_timeout_ms"),
+            (r#"{"policies": [{"model_prefix": "m", "ttl_s": 1, "stale_if_error_s": 86401}]}"#, "policies[0].stale_if_error_s"),
+            (r#"{"policies": [{"model_prefix": "m", "ttl_s": 1, "stale_while_revalidate_s": 1.5}]}"#, "policies[0].stale_while_revalidate_s"),
+            (r#"{"policies": [{"model_prefix": "m", "ttl_s": 1, "stale_while_revalidate_s": 86401}]}"#, "policies[0].stale_while_revalidate_s"),
             (r#"{"version": 7}"#, "version"),
             (r#"{"hold_headers": "no"}"#, "hold_headers"),
             (r#"{"max_entries": 0}"#, "max_entries"),

@@ -25,6 +25,9 @@ LIMIT_POLICIES = 4096
 MAX_PREFIX_LEN = 256  # LIMIT_PREFIX_LEN in config.rs
 LIMIT_IGNORE_FIELDS = 64  # `ignore_fields` names per policy
 LIMIT_FIELD_LEN = 256  # bytes per `ignore_fields` name
+DEFAULT_COALESCE_TIMEOUT_MS = 5000  # identical misses wait this long for the first one's answer
+LIMIT_COALESCE_TIMEOUT_MS = 60_000
+LIMIT_STALE_S = 86_400  # bound of stale_if_error_s and stale_while_revalidate_s
 DEFAULT_HASH_HEADERS: tuple[str, ...] = ("content-type", "x-model-id")
 HEADER_NAME_SYMBOLS = "!#$%&'*+-.^_`|~"  # RFC 9110 token characters besides letters and digits
 
@@ -45,6 +48,8 @@ POLICIES = "policies"
 ROLE = "role"  # optional; only "cache" is accepted
 
 Scope = Literal["shared", "principal"]
+CoalesceTimeoutMs = Annotated[int, Field(ge=0, le=LIMIT_COALESCE_TIMEOUT_MS)]
+StaleSeconds = Annotated[int, Field(ge=0, le=LIMIT_STALE_S)]
 
 
 class Policy(BaseModel):
@@ -65,6 +70,19 @@ class Policy(BaseModel):
     # OpenAI chat/completions: requests whose answer is a sample (temperature > 0 or absent,
     # no seed) bypass the cache.
     deterministic_only: bool = False
+    # Request coalescing: identical misses wait up to this long for the first one's answer, then
+    # go upstream themselves (0 = off).
+    coalesce_timeout_ms: CoalesceTimeoutMs = DEFAULT_COALESCE_TIMEOUT_MS
+    # RFC 5861: an expired entry may answer for this long past its TTL when upstream fails (0 = off).
+    stale_if_error_s: StaleSeconds = 0
+    # RFC 5861: an expired entry answers at once for this long while one request refreshes it (0 = off).
+    stale_while_revalidate_s: StaleSeconds = 0
+
+
+def policy_spec(row: dict[str, Any]) -> dict[str, Any]:
+    """The API body (PUT /v1/policies/{prefix}) that recreates a policy row as the API lists it:
+    every field but the path's `model_prefix` and the server-managed `generation`."""
+    return {k: v for k, v in row.items() if k in Policy.model_fields and k not in ("model_prefix", "generation")}
 
 
 class Limits(BaseModel):

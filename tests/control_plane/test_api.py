@@ -37,7 +37,8 @@ def test_put_get_list_delete(cp: ControlPlaneProc) -> None:
     policy = c.get("/v1/policies/llama3-70b").json()["policy"]
     assert policy == {"model_prefix": "llama3-70b", "ttl_s": 300, "max_ttl_s": 1800, "generation": 1,
                       "hash_headers": ["content-type", "x-model-id"], "vary_headers": [],
-                      "scope": "shared", "enabled": True, "ignore_fields": [], "deterministic_only": False}
+                      "scope": "shared", "enabled": True, "ignore_fields": [], "deterministic_only": False,
+                      "coalesce_timeout_ms": 5000, "stale_if_error_s": 0, "stale_while_revalidate_s": 0}
     # An identical PUT is not a change: no new snapshot.
     again = c.put("/v1/policies/llama3-70b", json={"ttl_s": 300, "max_ttl_s": 1800}).json()
     assert (again["version"], again["changed"]) == (1, False)
@@ -70,6 +71,21 @@ def test_key_shaping_fields_round_trip_into_the_filter_config(cp: ControlPlanePr
     assert again["changed"] is True
 
 
+def test_coalescing_and_stale_fields_round_trip_into_the_filter_config(cp: ControlPlaneProc) -> None:
+    c = cp.client()
+    fields = {"coalesce_timeout_ms": 0, "stale_if_error_s": 600, "stale_while_revalidate_s": 30}
+    r = c.put("/v1/policies/resnet", json={"ttl_s": 60, **fields})
+    assert r.status_code == 200, r.text
+    policy = c.get("/v1/policies/resnet").json()["policy"]
+    assert {k: policy[k] for k in fields} == fields
+    row = json.loads(c.get("/v1/snapshot").json()["plugin_config"])["policies"][0]
+    assert {k: row[k] for k in fields} == fields
+    assert c.put("/v1/policies/resnet", json={"ttl_s": 60, **fields, "coalesce_timeout_ms": 250}).json()["changed"]
+    schema = c.get("/openapi.json").json()["components"]["schemas"]["PolicySpec"]["properties"]
+    assert schema["coalesce_timeout_ms"]["maximum"] == 60_000 and schema["coalesce_timeout_ms"]["default"] == 5000
+    assert schema["stale_if_error_s"]["maximum"] == schema["stale_while_revalidate_s"]["maximum"] == 86_400
+
+
 def test_snapshot_renders_the_filter_config(cp: ControlPlaneProc) -> None:
     c = cp.client()
     c.put("/v1/policies/llama3-70b", json={"ttl_s": 300, "max_ttl_s": 1800})
@@ -79,7 +95,8 @@ def test_snapshot_renders_the_filter_config(cp: ControlPlaneProc) -> None:
         "version": "2", "color": "", "max_entry_bytes": 2048, "max_total_bytes": 1 << 20, "max_entries": 100,
         "policies": [{"model_prefix": "llama3-70b", "ttl_s": 300, "max_ttl_s": 1800, "generation": 1,
                       "hash_headers": ["content-type", "x-model-id"], "vary_headers": [],
-                      "scope": "shared", "enabled": True, "ignore_fields": [], "deterministic_only": False}],
+                      "scope": "shared", "enabled": True, "ignore_fields": [], "deterministic_only": False,
+                      "coalesce_timeout_ms": 5000, "stale_if_error_s": 0, "stale_while_revalidate_s": 0}],
     }
     assert snap["plugin_config"] == plugin_config_json(expected)
     assert (snap["author"], snap["action"]) == ("admin", "limits")
@@ -189,6 +206,13 @@ BAD_POLICIES: list[tuple[dict[str, Any], str, str]] = [
     ({"ttl_s": 1, "ignore_fields": [f"f{i}" for i in range(65)]}, "ignore_fields", "at most 64"),
     ({"ttl_s": 1, "ignore_fields": ["\u00e9" * 200]}, "ignore_fields", "at most 256 bytes"),
     ({"ttl_s": 1, "deterministic_only": "yes"}, "deterministic_only", "boolean"),
+    ({"ttl_s": 1, "coalesce_timeout_ms": 60_001}, "coalesce_timeout_ms", "less than or equal to 60000"),
+    ({"ttl_s": 1, "coalesce_timeout_ms": -1}, "coalesce_timeout_ms", "greater than or equal to 0"),
+    ({"ttl_s": 1, "coalesce_timeout_ms": "5000"}, "coalesce_timeout_ms", "integer"),
+    ({"ttl_s": 1, "stale_if_error_s": 86_401}, "stale_if_error_s", "less than or equal to 86400"),
+    ({"ttl_s": 1, "stale_if_error_s": 1.5}, "stale_if_error_s", "integer"),
+    ({"ttl_s": 1, "stale_while_revalidate_s": -3}, "stale_while_revalidate_s", "greater than or equal to 0"),
+    ({"ttl_s": 1, "stale_while_revalidate_s": 10**9}, "stale_while_revalidate_s", "less than or equal to 86400"),
 ]
 
 

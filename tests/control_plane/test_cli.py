@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -9,6 +10,7 @@ from pathlib import Path
 import httpx
 
 from meshcache.ctl import procs
+from tests.helpers.control_plane import WRITE_TOKEN, ControlPlaneProc
 
 SCRIPT = str(Path(sys.executable).parent / "meshcache-control-plane")
 
@@ -40,3 +42,23 @@ def test_refuses_to_start_without_tokens_or_with_bad_ones(tmp_path: Path) -> Non
     r = subprocess.run([SCRIPT, "--http-port", "70000"], env={**env, "MESHCACHE_CP_TOKENS": "x"},
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "http_port" in r.stderr
+
+
+def test_meshcache_policy_set_carries_coalescing_and_stale_flags(cp: ControlPlaneProc) -> None:
+    """`meshcache policy set --coalesce-timeout-ms --stale-if-error --stale-while-revalidate`
+    against a real control plane: the fields reach the policy and the filter's config; out-of-range
+    values are the API's 422, naming the field, and change nothing."""
+    cli = [str(Path(sys.executable).parent / "meshcache"), "policy", "set", "resnet-mini", "--url", cp.url,
+           "--token", WRITE_TOKEN, "--ttl", "60"]
+    ok = subprocess.run([*cli, "--coalesce-timeout-ms", "250", "--stale-if-error", "600",
+                         "--stale-while-revalidate", "30"], capture_output=True, text=True, timeout=60)
+    assert ok.returncode == 0, ok.stderr
+    with cp.client() as c:
+        policy = c.get("/v1/policies/resnet-mini").json()["policy"]
+        row = json.loads(c.get("/v1/snapshot").json()["plugin_config"])["policies"][0]
+    fields = {"coalesce_timeout_ms": 250, "stale_if_error_s": 600, "stale_while_revalidate_s": 30}
+    assert {k: policy[k] for k in fields} == {k: row[k] for k in fields} == fields
+    bad = subprocess.run([*cli, "--coalesce-timeout-ms", "60001"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 1 and "422" in bad.stderr and "coalesce_timeout_ms" in bad.stderr, bad.stderr
+    with cp.client() as c:
+        assert c.get("/v1/policies/resnet-mini").json()["policy"]["coalesce_timeout_ms"] == 250

@@ -26,6 +26,8 @@ spec_strategy = st.builds(
     vary_headers=st.lists(st.sampled_from(["accept", "x-user", "x-tenant"]), unique=True, max_size=3),
     ignore_fields=st.lists(st.sampled_from(["user", "metadata", "caf\u00e9"]), unique=True, max_size=3),
     deterministic_only=st.booleans(),
+    coalesce_timeout_ms=st.sampled_from([0, 250, 5000]),
+    stale_if_error_s=st.integers(0, 86_400),
 )
 op_strategy = st.one_of(
     st.tuples(st.just("put"), st.sampled_from(PREFIXES), spec_strategy),

@@ -6,6 +6,7 @@ import re
 
 import numpy as np
 
+from meshcache.contract.filter_config import policy_spec
 from meshcache.contract.protos import grpc_predict_v2_pb2 as pb
 from meshcache.ctl.mesh.topology import SERVER_NODE, Mesh
 from tests.mesh.helpers import default_engine_calls, grpc_call, mlp_request
@@ -55,8 +56,7 @@ def test_ttl_purge_disable_and_delete_reach_the_mesh(mesh: Mesh) -> None:
             api.wait_acked(SERVER_NODE, api.delete(MODEL)["version"])
             assert grpc_call(app, _request(3002))[1] == "meshcache; fwd=bypass"
         finally:
-            spec = {k: original[k] for k in ("ttl_s", "max_ttl_s", "hash_headers", "vary_headers", "scope",
-                                             "enabled", "ignore_fields", "deterministic_only")}
+            spec = policy_spec(original)
             api.wait_acked(SERVER_NODE, api.put(MODEL, spec)["version"])
     # Other models were not touched by any of this.
     other = mlp_request(seed=3003).SerializeToString()

@@ -14,6 +14,7 @@ import numpy as np
 import tritonclient.grpc as tgrpc
 import tritonclient.http as thttp
 
+from meshcache.contract.filter_config import policy_spec
 from meshcache.contract.paths import REPO_ROOT
 from meshcache.ctl.mesh.topology import SERVER_NODE, Mesh
 from tests.mesh.helpers import default_engine_calls, mlp_json, rest_infer
@@ -74,8 +75,7 @@ def test_key_shaping_policy_fields_reach_the_filter_through_the_api(mesh: Mesh) 
     app = mesh.endpoints()["app"]
     with mesh.api() as api:
         original = next(p for p in api.policies()["policies"] if p["model_prefix"] == "mlp-classifier")
-        spec = {k: original[k] for k in ("ttl_s", "max_ttl_s", "hash_headers", "vary_headers", "scope", "enabled",
-                                         "ignore_fields", "deterministic_only")}
+        spec = policy_spec(original)
         try:
             api.wait_acked(SERVER_NODE, api.put("mlp-classifier", {**spec, "ignore_fields": ["parameters"]})["version"])
             body = mlp_json(seed=1711)

@@ -235,6 +235,11 @@ def cmd_policy(args: argparse.Namespace) -> int:
                     spec["ignore_fields"] = args.ignore_field
                 if args.deterministic_only:
                     spec["deterministic_only"] = True
+                for flag, field in (("coalesce_timeout_ms", "coalesce_timeout_ms"),
+                                    ("stale_if_error", "stale_if_error_s"),
+                                    ("stale_while_revalidate", "stale_while_revalidate_s")):
+                    if getattr(args, flag) is not None:
+                        spec[field] = getattr(args, flag)
                 result = api.put(args.model_prefix, spec)
             elif args.action == "delete":
                 result = api.delete(args.model_prefix)
@@ -293,4 +298,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
                            help="top-level JSON body field left out of the key, e.g. user (repeat)")
             a.add_argument("--deterministic-only", action="store_true",
                            help="OpenAI chat/completions: bypass sampled requests (temperature > 0, no seed)")
+            a.add_argument("--coalesce-timeout-ms", type=int, metavar="MS",
+                           help="identical misses wait this long for the first one's answer (0 = off; default 5000)")
+            a.add_argument("--stale-if-error", type=int, metavar="S",
+                           help="serve an expired entry up to S seconds past its TTL when the engine fails")
+            a.add_argument("--stale-while-revalidate", type=int, metavar="S",
+                           help="serve an expired entry at once for S seconds while one request refreshes it")
         a.set_defaults(func=cmd_policy)

@@ -21,6 +21,7 @@ import grpc
 import httpx
 import numpy as np
 
+from meshcache.contract.filter_config import policy_spec
 from meshcache.contract.headers import CACHE_STATUS_HEADER, COLOR_HEADER
 from meshcache.contract.protos import grpc_predict_v2_pb2 as pb
 from meshcache.contract.protos import grpc_predict_v2_pb2_grpc as pb_grpc
@@ -177,8 +178,7 @@ def _scenario(c: Client, api: PolicyApi, canary: str) -> None:
     c.grpc("text-embedder", inputs["text-embedder"])  # other models keep their entries
 
     # Leave a shared mesh's policy as we found it.
-    spec = {k: before[k] for k in ("ttl_s", "max_ttl_s", "hash_headers", "vary_headers", "scope", "enabled",
-                                   "ignore_fields", "deterministic_only")}
+    spec = policy_spec(before)
     api.put("mlp-classifier", spec)
 
     hits = [r.ms for r in c.rows if r.hit]
