@@ -387,6 +387,7 @@ pub fn build_entry(
     };
     let entry = Entry {
         key: c.key,
+        policy: crate::accounting::policy_tag(&c.policy.model_prefix),
         stored_at_ms: now_ms,
         expires_at_ms: now_ms.saturating_add(ttl_s.saturating_mul(1000)),
         status,

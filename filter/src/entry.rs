@@ -1,15 +1,22 @@
 //! A cached response and its compact binary encoding in shared data.
 
+use crate::accounting::UNATTRIBUTED;
 use crate::hashing::KeyDigest;
 use crate::keybody::Splice;
 
-/// MC2 adds where the answer's request id goes back; MC1 entries (no id) still decode.
-const MAGIC: &[u8; 3] = b"MC2";
+/// MC3 adds the policy tag after the key; MC2 (where the answer's request id goes back) and MC1
+/// entries still decode, with the `UNATTRIBUTED` tag.
+const MAGIC: &[u8; 3] = b"MC3";
+const MAGIC_V2: &[u8; 3] = b"MC2";
 const MAGIC_V1: &[u8; 3] = b"MC1";
+/// Where the policy tag sits in an MC3 entry (after magic and key).
+const TAG_AT: usize = 3 + 32;
 
 #[derive(Clone, Debug, PartialEq)]
 pub struct Entry {
     pub key: KeyDigest,
+    /// The storing policy's `accounting::policy_tag`: which per-policy bucket the entry counts in.
+    pub policy: u64,
     pub stored_at_ms: u64,
     pub expires_at_ms: u64,
     pub status: u16,
@@ -33,13 +40,14 @@ impl Entry {
             Some(Splice::Proto { at }) => 1 + std::mem::size_of_val(at),
             Some(Splice::Json { at, before, after, .. }) => 1 + std::mem::size_of_val(at) + 1 + 4 + before.len() + after.len(),
         };
-        3 + 32 + 8 + 8 + 2 + 1 + 1 + self.response_hash.len() + 2 + header_bytes + 4 + self.body.len() + splice
+        3 + 32 + 8 + 8 + 8 + 2 + 1 + 1 + self.response_hash.len() + 2 + header_bytes + 4 + self.body.len() + splice
     }
 
     pub fn encode(&self) -> Vec<u8> {
         let mut out = Vec::with_capacity(self.encoded_len());
         out.extend_from_slice(MAGIC);
         out.extend_from_slice(&self.key);
+        out.extend_from_slice(&self.policy.to_be_bytes());
         out.extend_from_slice(&self.stored_at_ms.to_be_bytes());
         out.extend_from_slice(&self.expires_at_ms.to_be_bytes());
         out.extend_from_slice(&self.status.to_be_bytes());
@@ -78,11 +86,13 @@ impl Entry {
         let mut r = Reader { buf };
         let magic = r.take(3)?;
         let v1 = magic == MAGIC_V1;
-        if !v1 && magic != MAGIC {
+        let v3 = magic == MAGIC;
+        if !v1 && !v3 && magic != MAGIC_V2 {
             return None;
         }
         let mut key = [0u8; 32];
         key.copy_from_slice(r.take(32)?);
+        let policy = if v3 { r.u64()? } else { UNATTRIBUTED };
         let stored_at_ms = r.u64()?;
         let expires_at_ms = r.u64()?;
         let status = r.u16()?;
@@ -124,15 +134,33 @@ impl Entry {
         if !r.buf.is_empty() || at > body.len() {
             return None;
         }
-        Some(Entry { key, stored_at_ms, expires_at_ms, status, grpc, response_hash, headers, body, splice })
+        Some(Entry { key, policy, stored_at_ms, expires_at_ms, status, grpc, response_hash, headers, body, splice })
     }
 
     /// The key digest without decoding the rest: a slot is checked before it is unpacked.
     pub fn peek_key(buf: &[u8]) -> Option<&[u8]> {
-        if buf.len() < 35 || (&buf[..3] != MAGIC && &buf[..3] != MAGIC_V1) {
+        if buf.len() < 35 || (&buf[..3] != MAGIC && &buf[..3] != MAGIC_V2 && &buf[..3] != MAGIC_V1) {
             return None;
         }
         Some(&buf[3..35])
+    }
+
+    /// The policy tag of an encoded entry without decoding it (`UNATTRIBUTED` for entries
+    /// without one, and for anything unreadable: what emptying the slot takes it out of).
+    pub fn peek_policy(buf: &[u8]) -> u64 {
+        if buf.len() < TAG_AT + 8 || &buf[..3] != MAGIC {
+            return UNATTRIBUTED;
+        }
+        let mut t = [0u8; 8];
+        t.copy_from_slice(&buf[TAG_AT..TAG_AT + 8]);
+        u64::from_be_bytes(t)
+    }
+
+    /// Rewrites the policy tag of an encoded MC3 entry in place.
+    pub fn set_policy(buf: &mut [u8], tag: u64) {
+        if buf.len() >= TAG_AT + 8 && &buf[..3] == MAGIC {
+            buf[TAG_AT..TAG_AT + 8].copy_from_slice(&tag.to_be_bytes());
+        }
     }
 }
 
@@ -171,6 +199,7 @@ impl<'a> Reader<'a> {
 pub fn sample(key_byte: u8, body: &[u8], expires_at_ms: u64) -> Entry {
     Entry {
         key: [key_byte; 32],
+        policy: crate::accounting::policy_tag("m"),
         stored_at_ms: 1000,
         expires_at_ms,
         status: 200,
@@ -216,13 +245,24 @@ mod tests {
                 assert_eq!(Entry::decode(&buf[..n]), None);
             }
         }
-        // An MC1 entry is the MC2 layout without the splice byte.
+        // An MC2 entry is the MC3 layout without the policy tag; MC1 also lacks the splice byte.
+        // Both decode as unattributed (they were stored before per-policy accounting).
         let e = sample(4, b"{}", 9);
-        let mut v1 = e.encode();
+        let mut v2 = e.encode();
+        assert_eq!(Entry::peek_policy(&v2), e.policy);
+        v2.drain(TAG_AT..TAG_AT + 8);
+        v2[..3].copy_from_slice(MAGIC_V2);
+        let old = Entry { policy: UNATTRIBUTED, ..e.clone() };
+        assert_eq!(Entry::decode(&v2), Some(old.clone()));
+        assert_eq!(Entry::peek_policy(&v2), UNATTRIBUTED);
+        let mut v1 = v2.clone();
         assert_eq!(v1.pop(), Some(0));
         v1[..3].copy_from_slice(MAGIC_V1);
-        assert_eq!(Entry::decode(&v1), Some(e));
+        assert_eq!(Entry::decode(&v1), Some(old));
         assert!(Entry::peek_key(&v1).is_some());
+        let mut retagged = e.encode();
+        Entry::set_policy(&mut retagged, 42);
+        assert_eq!(Entry::decode(&retagged).map(|d| d.policy), Some(42));
         // A splice point past the body is a corrupt entry.
         let bad = Entry { splice: Some(Splice::Proto { at: 3 }), ..sample(5, b"{}", 9) };
         assert_eq!(Entry::decode(&bad.encode()), None);

@@ -1,10 +1,11 @@
 //! meshcache: a proxy-wasm response cache for ML inference traffic.
 //!
-//! Plain-Rust logic (tested on the host with `cargo test`): `config`, `model`, `hashing`,
+//! Plain-Rust logic (tested on the host with `cargo test`): `config`, `model`, `hashing`, `accounting`,
 //! `cache_control`, `entry`, `store`, `decide`, `answer`, `names`, `grpc`, `headermap`.
 //! The proxy-wasm glue is compiled for wasm32 only: `abi` (host imports), `exports` (the
 //! exported callbacks), `root` (root context), `stream` (stream context), `metrics`.
 
+pub mod accounting;
 pub mod answer;
 pub mod cache_control;
 pub mod config;

@@ -2,9 +2,11 @@
 //! cache logic itself, so counters are summed in the VM and handed to Envoy once per tick.
 
 use crate::abi::{self, LogLevel, MetricKind};
+use crate::accounting::{attribute, policy_tag};
+use crate::config::LIMIT_POLICIES;
 use crate::store::{Meta, Outcome};
 use std::cell::RefCell;
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 
 pub const FLUSH_MS: u32 = 200;
 
@@ -15,9 +17,20 @@ pub const STORES: &str = "meshcache.stores";
 pub const EVICTIONS: &str = "meshcache.evictions";
 pub const ERRORS: &str = "meshcache.errors";
 
+pub const ENTRIES: &str = "meshcache.entries";
+pub const BYTES: &str = "meshcache.bytes";
+/// Entries and bytes no configured policy claims (see accounting.rs).
+pub const UNATTRIBUTED_ENTRIES: &str = "meshcache.unattributed.entries";
+pub const UNATTRIBUTED_BYTES: &str = "meshcache.unattributed.bytes";
+
 thread_local! {
     static IDS: RefCell<HashMap<String, u32>> = RefCell::new(HashMap::new());
     static PENDING: RefCell<HashMap<String, u64>> = RefCell::new(HashMap::new());
+    /// Policy tags by prefix (sha256 per prefix once, not per tick); bounded.
+    static TAGS: RefCell<HashMap<String, u64>> = RefCell::new(HashMap::new());
+    /// Per-policy stat names whose gauges were set: a policy removed since reports 0 (its
+    /// entries move to the unattributed gauges).
+    static POLICY_GAUGES: RefCell<BTreeSet<String>> = RefCell::new(BTreeSet::new());
 }
 
 fn metric(kind: MetricKind, name: &str) -> Option<u32> {
@@ -46,11 +59,31 @@ pub fn count(name: &str, n: u64) {
 
 const COUNTERS: [&str; 6] = [HITS, MISSES, BYPASSES, STORES, EVICTIONS, ERRORS];
 const POLICY_COUNTERS: [&str; 2] = ["hits", "misses"];
+const POLICY_GAUGES_OF: [&str; 2] = ["entries", "bytes"];
 
-/// The per-policy counter's name; the prefix is reduced to characters safe in a stat name.
+/// The prefix reduced to characters safe in a stat name.
+fn safe_name(prefix: &str) -> String {
+    prefix.chars().map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '_' { c } else { '_' }).collect()
+}
+
+/// The per-policy counter's or gauge's name.
 fn policy_metric(prefix: &str, what: &str) -> String {
-    let safe: String = prefix.chars().map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '_' { c } else { '_' }).collect();
-    format!("meshcache.policy.{}.{}", safe, what)
+    format!("meshcache.policy.{}.{}", safe_name(prefix), what)
+}
+
+fn tag_of(prefix: &str) -> u64 {
+    TAGS.with(|t| {
+        let mut t = t.borrow_mut();
+        if let Some(tag) = t.get(prefix) {
+            return *tag;
+        }
+        if t.len() > 2 * LIMIT_POLICIES {
+            t.clear();
+        }
+        let tag = policy_tag(prefix);
+        t.insert(prefix.to_string(), tag);
+        tag
+    })
 }
 
 pub fn count_policy(prefix: &str, what: &str) {
@@ -63,9 +96,15 @@ pub fn define_all<'a, I: Iterator<Item = &'a str>>(prefixes: I) {
     for name in COUNTERS.iter() {
         metric(MetricKind::Counter, name);
     }
+    for name in [ENTRIES, BYTES, UNATTRIBUTED_ENTRIES, UNATTRIBUTED_BYTES].iter() {
+        metric(MetricKind::Gauge, name);
+    }
     for prefix in prefixes {
         for what in POLICY_COUNTERS.iter() {
             metric(MetricKind::Counter, &policy_metric(prefix, what));
+        }
+        for what in POLICY_GAUGES_OF.iter() {
+            metric(MetricKind::Gauge, &policy_metric(prefix, what));
         }
     }
 }
@@ -75,13 +114,34 @@ pub fn record_outcome(out: &Outcome) {
     count(ERRORS, out.corrupt as u64);
 }
 
-pub fn record_gauges(meta: &Meta) {
-    if let Some(id) = metric(MetricKind::Gauge, "meshcache.entries") {
-        abi::record_metric(id, meta.entries as u64);
+fn set_gauge(name: &str, value: u64) {
+    if let Some(id) = metric(MetricKind::Gauge, name) {
+        abi::record_metric(id, value);
     }
-    if let Some(id) = metric(MetricKind::Gauge, "meshcache.bytes") {
-        abi::record_metric(id, meta.total_bytes);
-    }
+}
+
+/// Cache-wide and per-policy entries and bytes from the accounting record; `prefixes`: the
+/// policies configured now (the entries of any other tag are reported as unattributed).
+pub fn record_gauges(meta: &Meta, prefixes: &[String]) {
+    set_gauge(ENTRIES, meta.entries());
+    set_gauge(BYTES, meta.total_bytes());
+    let named: Vec<(u64, String)> = prefixes.iter().map(|p| (tag_of(p), safe_name(p))).collect();
+    let got = attribute(meta, &named);
+    set_gauge(UNATTRIBUTED_ENTRIES, got.unattributed.0);
+    set_gauge(UNATTRIBUTED_BYTES, got.unattributed.1);
+    POLICY_GAUGES.with(|g| {
+        let mut g = g.borrow_mut();
+        for gone in g.iter().filter(|n| !got.per_name.contains_key(*n)) {
+            set_gauge(&format!("meshcache.policy.{}.entries", gone), 0);
+            set_gauge(&format!("meshcache.policy.{}.bytes", gone), 0);
+        }
+        g.clear();
+        for (name, (entries, bytes)) in &got.per_name {
+            set_gauge(&format!("meshcache.policy.{}.entries", name), *entries);
+            set_gauge(&format!("meshcache.policy.{}.bytes", name), *bytes);
+            g.insert(name.clone());
+        }
+    });
 }
 
 pub fn flush() {

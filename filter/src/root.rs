@@ -55,8 +55,26 @@ pub fn on_configure(root: u32, size: usize) -> bool {
 
 pub fn on_tick(root: u32) {
     metrics::flush();
-    if config_of(root).is_some() {
+    if let Some(cfg) = config_of(root) {
+        let (mut meta, _) = Cache::read_only(&abi::HostShared).meta();
+        if meta.slots == 0 {
+            // No layout: the record was lost or reset (an older build running beside this one
+            // during a code change reads this record's format as empty and writes it back so).
+            // Set the layout up again rather than refuse every store until the next push.
+            let mut out = Outcome::default();
+            Cache { data: &abi::HostShared, limits: &cfg.limits }.reconcile(&mut out);
+            metrics::record_outcome(&out);
+            meta = Cache::read_only(&abi::HostShared).meta().0;
+        }
         // Gauges come from the shared accounting record: every worker reports the same value.
-        metrics::record_gauges(&Cache::read_only(&abi::HostShared).meta().0);
+        // Entries are attributed to the policies of every configured root of this VM.
+        let prefixes: Vec<String> = ROOTS.with(|r| {
+            let mut all: Vec<String> = r.borrow().values().flatten()
+                .flat_map(|c| c.policies.iter().map(|p| p.model_prefix.clone())).collect();
+            all.sort();
+            all.dedup();
+            all
+        });
+        metrics::record_gauges(&meta, &prefixes);
     }
 }

@@ -1,16 +1,19 @@
 //! The bounded cache over Envoy shared data (process-wide, shared by all worker threads).
 //!
 //! Layout: `max_entries` fixed slots (`meshcache:slot:<i>`, direct-mapped by key digest) and one
-//! accounting record (`meshcache:meta`). The number of keys is bounded by construction; bytes are
+//! accounting record (`meshcache:meta`, entries and bytes per policy: `accounting.rs`; each slot's
+//! value carries its policy's tag). The number of keys is bounded by construction; bytes are
 //! bounded by reserving space in the accounting record (compare-and-swap) *before* writing a
 //! slot, evicting with a clock hand when full. Every slot change is paired with exactly one
-//! accounting change by the same writer, so the accounted total equals what is stored:
+//! accounting change by the same writer, in the bucket of the tag the slot's value carries, so
+//! each policy's accounted entries and bytes equal what is stored under its tag:
 //! - every slot key exists (created empty by the one root context that switches the layout),
 //!   because Envoy treats a compare-and-swap against a missing key as unconditional; a writer
 //!   finding a slot missing does not store;
 //! - a writer reserves only while the record's slot count is the one it places entries with,
 //!   and re-checks it after writing: a layout change meanwhile makes it take its entry back.
 
+pub use crate::accounting::Meta;
 use crate::config::Limits;
 use crate::entry::Entry;
 use crate::hashing::KeyDigest;
@@ -29,36 +32,6 @@ pub trait SharedData {
     fn set(&self, key: &str, value: &[u8], cas: u32) -> bool;
 }
 
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Meta {
-    pub total_bytes: u64,
-    pub entries: u32,
-    pub hand: u32,
-    /// The slot count the stored entries were placed with.
-    pub slots: u32,
-}
-
-impl Meta {
-    fn encode(&self) -> [u8; 20] {
-        let mut out = [0u8; 20];
-        out[..8].copy_from_slice(&self.total_bytes.to_be_bytes());
-        out[8..12].copy_from_slice(&self.entries.to_be_bytes());
-        out[12..16].copy_from_slice(&self.hand.to_be_bytes());
-        out[16..20].copy_from_slice(&self.slots.to_be_bytes());
-        out
-    }
-
-    fn decode(b: &[u8]) -> Option<Meta> {
-        if b.len() != 20 {
-            return None;
-        }
-        let mut t = [0u8; 8];
-        t.copy_from_slice(&b[..8]);
-        let u = |i: usize| u32::from_be_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
-        Some(Meta { total_bytes: u64::from_be_bytes(t), entries: u(8), hand: u(12), slots: u(16) })
-    }
-}
-
 #[derive(Debug, PartialEq)]
 pub enum Lookup {
     Hit(Entry),
@@ -71,6 +44,8 @@ pub enum Lookup {
 pub struct SlotSeen {
     pub len: usize,
     pub cas: u32,
+    /// The policy tag of what the slot held (its accounting bucket).
+    pub policy: u64,
 }
 
 #[derive(Debug, Default, PartialEq, Eq)]
@@ -138,16 +113,14 @@ impl<'a, S: SharedData> Cache<'a, S> {
         false
     }
 
-    /// Empties slot `i` if it still holds exactly `value` (by cas), releasing its bytes.
-    fn clear_slot(&self, i: u32, value_len: usize, cas: u32) -> bool {
-        if value_len == 0 || !self.data.set(&slot_key(i), b"", cas) {
+    /// Empties slot `i` if it still holds exactly `value` (by cas), releasing its bytes from
+    /// the bucket its tag names.
+    fn clear_slot(&self, i: u32, value: &[u8], cas: u32) -> bool {
+        if value.is_empty() || !self.data.set(&slot_key(i), b"", cas) {
             return false;
         }
-        let size = stored_size(value_len);
-        self.update_meta(|m| {
-            m.total_bytes = m.total_bytes.saturating_sub(size);
-            m.entries = m.entries.saturating_sub(1);
-        });
+        let (size, tag) = (stored_size(value.len()), Entry::peek_policy(value));
+        self.update_meta(|m| m.remove(tag, size));
         true
     }
 
@@ -162,7 +135,7 @@ impl<'a, S: SharedData> Cache<'a, S> {
             // Not created yet (layout being set up): a store must read it again.
             None => return Lookup::Miss(None),
         };
-        let seen = Some(SlotSeen { len: value.len(), cas });
+        let seen = Some(SlotSeen { len: value.len(), cas, policy: Entry::peek_policy(&value) });
         if value.is_empty() {
             return Lookup::Miss(seen);
         }
@@ -171,7 +144,7 @@ impl<'a, S: SharedData> Cache<'a, S> {
             Some(_) => return Lookup::Miss(seen),
             None => {
                 out.corrupt += 1;
-                self.clear_slot(i, value.len(), cas);
+                self.clear_slot(i, &value, cas);
                 return Lookup::Miss(None);
             }
         }
@@ -179,14 +152,14 @@ impl<'a, S: SharedData> Cache<'a, S> {
             Some(e) if e.expires_at_ms > now_ms => Lookup::Hit(e),
             Some(_) => {
                 // Expired entries are never served; free the space right away.
-                if self.clear_slot(i, value.len(), cas) {
+                if self.clear_slot(i, &value, cas) {
                     out.evicted += 1;
                 }
                 Lookup::Miss(None)
             }
             None => {
                 out.corrupt += 1;
-                self.clear_slot(i, value.len(), cas);
+                self.clear_slot(i, &value, cas);
                 Lookup::Miss(None)
             }
         }
@@ -194,17 +167,17 @@ impl<'a, S: SharedData> Cache<'a, S> {
 
     /// Stores `entry` in its slot. `seen`: the slot as a lookup saw it, if known.
     pub fn insert(&self, entry: &Entry, seen: Option<SlotSeen>, out: &mut Outcome) -> Result<(), StoreError> {
-        let value = entry.encode();
+        let mut value = entry.encode();
         let size = stored_size(value.len());
         if size > self.limits.max_total_bytes {
             return Err(StoreError::NoSpace);
         }
         let slots = self.limits.max_entries;
         let i = slot_of(&entry.key, slots);
-        let (old_len, slot_cas) = match seen {
-            Some(s) if s.cas != 0 => (s.len, s.cas),
+        let (old_len, old_tag, slot_cas) = match seen {
+            Some(s) if s.cas != 0 => (s.len, s.policy, s.cas),
             _ => match self.data.get(&slot_key(i)) {
-                Some((v, c)) if c != 0 => (v.len(), c),
+                Some((v, c)) if c != 0 => (v.len(), Entry::peek_policy(&v), c),
                 // A missing slot would make the write unconditional: never write one.
                 _ => return Err(StoreError::Contended),
             },
@@ -213,6 +186,8 @@ impl<'a, S: SharedData> Cache<'a, S> {
         let was_empty = old_len == 0;
 
         let mut reserved = false;
+        // The bucket the entry is counted in: its policy's, or UNATTRIBUTED if the table is full.
+        let mut tag = entry.policy;
         let mut steps = 0;
         while !reserved && steps < MAX_EVICTIONS_PER_INSERT + MAX_CAS_RETRIES {
             steps += 1;
@@ -221,10 +196,12 @@ impl<'a, S: SharedData> Cache<'a, S> {
                 // The layout is not (or no longer) the one this writer places entries with.
                 return Err(StoreError::Contended);
             }
-            let new_total = m.total_bytes.saturating_sub(old_size) + size;
-            if new_total <= self.limits.max_total_bytes {
-                m.total_bytes = new_total;
-                m.entries += was_empty as u32;
+            if m.total_bytes().saturating_sub(old_size) + size <= self.limits.max_total_bytes {
+                if !was_empty {
+                    m.remove(old_tag, old_size);
+                }
+                tag = m.tag_for(entry.policy);
+                m.add(tag, size);
                 reserved = self.data.set(META_KEY, &m.encode(), meta_cas);
                 continue;
             }
@@ -235,7 +212,7 @@ impl<'a, S: SharedData> Cache<'a, S> {
                 continue;
             }
             if let Some((v, c)) = self.data.get(&slot_key(victim)) {
-                if self.clear_slot(victim, v.len(), c) {
+                if self.clear_slot(victim, &v, c) {
                     out.evicted += 1;
                 }
             }
@@ -243,13 +220,16 @@ impl<'a, S: SharedData> Cache<'a, S> {
         if !reserved {
             return Err(StoreError::NoSpace);
         }
+        if tag != entry.policy {
+            Entry::set_policy(&mut value, tag);
+        }
         if self.data.set(&slot_key(i), &value, slot_cas) {
             if self.meta().0.slots != slots {
                 // The layout changed while we wrote: the reconciling context may already have
                 // passed this slot, so take our entry back ourselves (if it is still there).
                 if let Some((v, c)) = self.data.get(&slot_key(i)) {
                     if v.len() == value.len() && Entry::peek_key(&v) == Some(&entry.key[..]) {
-                        self.clear_slot(i, v.len(), c);
+                        self.clear_slot(i, &v, c);
                     }
                 }
                 return Err(StoreError::Contended);
@@ -261,8 +241,10 @@ impl<'a, S: SharedData> Cache<'a, S> {
         }
         // Someone else wrote the slot since we read it: give the reservation back.
         self.update_meta(|m| {
-            m.total_bytes = m.total_bytes.saturating_sub(size) + old_size;
-            m.entries = m.entries.saturating_sub(was_empty as u32);
+            m.remove(tag, size);
+            if !was_empty {
+                m.add(old_tag, old_size);
+            }
         });
         Err(StoreError::Contended)
     }
@@ -284,17 +266,29 @@ impl<'a, S: SharedData> Cache<'a, S> {
             if m.slots == slots {
                 break;
             }
-            let switched = Meta { slots, hand: 0, ..m };
+            let old = m.slots;
+            // A record without a layout (first use, or lost: reset by a build that cannot read
+            // this format) accounts nothing that is stored: start its buckets from zero.
+            let buckets = if old == 0 { Vec::new() } else { m.buckets };
+            let switched = Meta { slots, hand: 0, buckets };
             if cas != 0 && self.data.set(META_KEY, &switched.encode(), cas) {
-                old_slots = Some(m.slots);
+                old_slots = Some(old);
                 break;
             }
         }
         if let Some(old) = old_slots {
+            // No layout before: no slot is accounted, so slots are emptied without accounting.
+            // (Scanned up to the new count only: keys past it are unknown to a lost record.)
+            let unaccounted = old == 0;
             for i in 0..old.max(slots) {
                 match self.data.get(&slot_key(i)) {
+                    Some((v, c)) if unaccounted => {
+                        if !v.is_empty() && self.data.set(&slot_key(i), b"", c) {
+                            out.evicted += 1;
+                        }
+                    }
                     Some((v, c)) => {
-                        if self.clear_slot(i, v.len(), c) {
+                        if self.clear_slot(i, &v, c) {
                             out.evicted += 1;
                         }
                     }
@@ -308,11 +302,11 @@ impl<'a, S: SharedData> Cache<'a, S> {
             }
         }
         let mut steps = 0;
-        while self.meta().0.total_bytes > self.limits.max_total_bytes && steps < slots {
+        while self.meta().0.total_bytes() > self.limits.max_total_bytes && steps < slots {
             steps += 1;
             let victim = steps - 1;
             if let Some((v, c)) = self.data.get(&slot_key(victim)) {
-                if self.clear_slot(victim, v.len(), c) {
+                if self.clear_slot(victim, &v, c) {
                     out.evicted += 1;
                 }
             }
@@ -390,8 +384,8 @@ pub mod tests {
         // Same slot (3 % 16 == 19 % 16), different key: miss, not a wrong answer.
         assert!(matches!(cache.lookup(&key(19), 1999, &mut out), Lookup::Miss(_)));
         assert!(matches!(cache.lookup(&key(3), 2000, &mut out), Lookup::Miss(_)), "expired entries are never served");
-        assert_eq!(cache.meta().0.entries, 0);
-        assert_eq!(cache.meta().0.total_bytes, 0);
+        assert_eq!(cache.meta().0.entries(), 0);
+        assert_eq!(cache.meta().0.total_bytes(), 0);
         assert_eq!(out.evicted, 1);
     }
 
@@ -407,8 +401,8 @@ pub mod tests {
             let r = cache.insert(&entry(n, &body, u64::MAX), None, &mut out);
             assert!(r.is_ok(), "insert {} failed: {:?}", n, r);
             let (m, _) = cache.meta();
-            assert!(m.total_bytes <= l.max_total_bytes);
-            assert_eq!(m.total_bytes, shared.stored_bytes(), "accounting matches what is stored");
+            assert!(m.total_bytes() <= l.max_total_bytes);
+            assert_eq!(m.total_bytes(), shared.stored_bytes(), "accounting matches what is stored");
             assert!(shared.keys() <= 64 + 1);
         }
         assert!(out.evicted > 900);
@@ -427,7 +421,7 @@ pub mod tests {
             Lookup::Miss(seen) => seen,
             other => panic!("{:?}", other),
         };
-        assert!(matches!(seen, Some(SlotSeen { len: 0, cas }) if cas != 0), "slots exist: a real CAS token");
+        assert!(matches!(seen, Some(SlotSeen { len: 0, cas, .. }) if cas != 0), "slots exist: a real CAS token");
         cache.insert(&entry(1, b"a", 10), seen, &mut out).unwrap();
         let seen = match cache.lookup(&key(5), 0, &mut out) {
             Lookup::Miss(seen) => seen,
@@ -437,7 +431,7 @@ pub mod tests {
         cache.insert(&entry(9, b"other", 10), None, &mut out).unwrap();
         assert_eq!(cache.insert(&entry(5, b"late", 10), seen, &mut out), Err(StoreError::Contended));
         assert!(matches!(cache.lookup(&key(9), 0, &mut out), Lookup::Hit(_)));
-        assert_eq!(cache.meta().0.total_bytes, shared.stored_bytes(), "the failed store gave its reservation back");
+        assert_eq!(cache.meta().0.total_bytes(), shared.stored_bytes(), "the failed store gave its reservation back");
     }
 
     #[test]
@@ -448,7 +442,7 @@ pub mod tests {
         let mut out = Outcome::default();
         cache.reconcile(&mut out);
         assert_eq!(cache.insert(&entry(1, &[0u8; 2000], 10), None, &mut out), Err(StoreError::NoSpace));
-        assert_eq!(cache.meta().0.total_bytes, 0);
+        assert_eq!(cache.meta().0.total_bytes(), 0);
     }
 
     #[test]
@@ -462,17 +456,17 @@ pub mod tests {
             for n in 0..32 {
                 cache.insert(&entry(n, &[1u8; 1000], u64::MAX), None, &mut out).unwrap();
             }
-            assert_eq!(cache.meta().0.entries, 32);
+            assert_eq!(cache.meta().0.entries(), 32);
         }
         let fewer_bytes = limits(5000, 32);
         let cache = Cache { data: &shared, limits: &fewer_bytes };
         cache.reconcile(&mut out);
-        assert!(cache.meta().0.total_bytes <= 5000);
-        assert_eq!(cache.meta().0.total_bytes, shared.stored_bytes());
+        assert!(cache.meta().0.total_bytes() <= 5000);
+        assert_eq!(cache.meta().0.total_bytes(), shared.stored_bytes());
         let fewer_slots = limits(5000, 4);
         let cache = Cache { data: &shared, limits: &fewer_slots };
         cache.reconcile(&mut out);
-        assert_eq!(cache.meta().0, Meta { total_bytes: 0, entries: 0, hand: 0, slots: 4 });
+        assert_eq!(cache.meta().0, Meta { hand: 0, slots: 4, buckets: vec![] });
         assert_eq!(shared.stored_bytes(), 0);
     }
 
@@ -499,8 +493,8 @@ pub mod tests {
             .collect();
         let results: Vec<_> = seen.iter().map(|s| cache.insert(&entry(5, b"answer", 10), *s, &mut out)).collect();
         assert_eq!(results, vec![Ok(()), Err(StoreError::Contended), Err(StoreError::Contended)]);
-        assert_eq!(cache.meta().0.entries, 1);
-        assert_eq!(cache.meta().0.total_bytes, shared.stored_bytes());
+        assert_eq!(cache.meta().0.entries(), 1);
+        assert_eq!(cache.meta().0.total_bytes(), shared.stored_bytes());
     }
 
     #[test]
@@ -531,12 +525,12 @@ pub mod tests {
         assert_eq!(old.insert(&entry(k, b"late", 10), seen, &mut out), Err(StoreError::Contended));
         assert!(slot_index_of_data(&shared).is_empty());
         let new = Cache { data: &shared, limits: &four };
-        assert_eq!(new.meta().0.total_bytes, shared.stored_bytes());
+        assert_eq!(new.meta().0.total_bytes(), shared.stored_bytes());
         // Later stores are not refused as store-full.
         for n in 0..20 {
             new.insert(&entry(n, &[1u8; 100], 10), None, &mut out).unwrap();
         }
-        assert_eq!(new.meta().0.total_bytes, shared.stored_bytes());
+        assert_eq!(new.meta().0.total_bytes(), shared.stored_bytes());
         assert!(slot_index_of_data(&shared).iter().all(|&i| i < 4));
     }
 
@@ -579,8 +573,8 @@ pub mod tests {
             let writer = Cache { data: &hooked, limits: current };
             assert_eq!(writer.insert(&entry(k, b"in flight", 10), None, &mut out), Err(StoreError::Contended));
             let m = Cache::read_only(&shared).meta().0;
-            assert_eq!(m.total_bytes, shared.stored_bytes(), "accounting equals what is stored");
-            assert_eq!(m.entries as usize, slot_index_of_data(&shared).len());
+            assert_eq!(m.total_bytes(), shared.stored_bytes(), "accounting equals what is stored");
+            assert_eq!(m.entries() as usize, slot_index_of_data(&shared).len());
         }
     }
 
@@ -595,5 +589,267 @@ pub mod tests {
         let mut out = Outcome::default();
         assert!(matches!(cache.lookup(&k, 0, &mut out), Lookup::Miss(_)));
         assert_eq!(out.corrupt, 1);
+    }
+}
+
+#[cfg(test)]
+mod per_policy_tests {
+    //! Per-policy accounting: every bucket of the accounting record equals the entries and
+    //! bytes stored under its tag, whatever interleaving of writers, layout changes, evictions
+    //! and corrupt slots led there.
+    use super::tests::MemShared;
+    use super::*;
+    use crate::accounting::{policy_tag, UNATTRIBUTED};
+    use crate::entry::sample;
+    use std::collections::BTreeMap;
+    use std::sync::Mutex;
+
+    /// (entries, bytes) per tag, counted from the slots' values.
+    fn stored_by_tag<'v, I: Iterator<Item = &'v Vec<u8>>>(values: I) -> BTreeMap<u64, (i64, i64)> {
+        let mut out = BTreeMap::new();
+        for v in values.filter(|v| !v.is_empty()) {
+            let e = out.entry(Entry::peek_policy(v)).or_insert((0, 0));
+            e.0 += 1;
+            e.1 += stored_size(v.len()) as i64;
+        }
+        out
+    }
+
+    fn accounted(m: &Meta) -> BTreeMap<u64, (i64, i64)> {
+        m.buckets.iter().map(|b| (b.tag, (b.entries as i64, b.bytes))).collect()
+    }
+
+    fn slot_values(shared: &MemShared, slots: u32) -> Vec<Vec<u8>> {
+        (0..slots.max(64)).filter_map(|i| shared.get(&slot_key(i)).map(|(v, _)| v)).collect()
+    }
+
+    fn assert_exact<S: SharedData>(cache: &Cache<S>, values: &[Vec<u8>], what: &str) {
+        let m = cache.meta().0;
+        assert_eq!(accounted(&m), stored_by_tag(values.iter()), "per-policy accounting after {}", what);
+        let (entries, bytes) = stored_by_tag(values.iter()).values().fold((0, 0), |a, b| (a.0 + b.0, a.1 + b.1));
+        assert_eq!((m.entries() as i64, m.total_bytes() as i64), (entries, bytes), "totals after {}", what);
+    }
+
+    /// xorshift64*: deterministic, no crates needed.
+    struct Rng(u64);
+    impl Rng {
+        fn next(&mut self) -> u64 {
+            self.0 ^= self.0 >> 12;
+            self.0 ^= self.0 << 25;
+            self.0 ^= self.0 >> 27;
+            self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+        }
+        fn below(&mut self, n: u64) -> u64 {
+            self.next() % n
+        }
+    }
+
+    const POLICIES: [&str; 4] = ["resnet", "bert", "llama-3", "whisper"];
+
+    fn key(n: u64) -> KeyDigest {
+        let mut k = [0u8; 32];
+        k[..8].copy_from_slice(&n.to_be_bytes());
+        k[..4].copy_from_slice(&((n as u32).wrapping_mul(2_654_435_761)).to_be_bytes());
+        k
+    }
+
+    fn entry_of(rng: &mut Rng, n: u64) -> Entry {
+        let body = vec![b'x'; 1 + rng.below(3000) as usize];
+        let policy = policy_tag(POLICIES[(n % POLICIES.len() as u64) as usize]);
+        Entry { key: key(n), policy, ..sample(0, &body, 1 + rng.below(2000)) }
+    }
+
+    #[test]
+    fn buckets_equal_what_is_stored_under_random_operations() {
+        for seed in 1..=40u64 {
+            let shared = MemShared::default();
+            let mut rng = Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
+            let mut lim = Limits { max_entry_bytes: 1 << 20, max_total_bytes: 40_000, max_entries: 16 };
+            Cache { data: &shared, limits: &lim }.reconcile(&mut Outcome::default());
+            // Misses looked up earlier whose answers are stored later (concurrent streams).
+            let mut pending: Vec<(Option<SlotSeen>, Entry, Limits)> = Vec::new();
+            for step in 0..400 {
+                let cache = Cache { data: &shared, limits: &lim };
+                let mut out = Outcome::default();
+                let now = rng.below(2000);
+                let n = rng.below(48);
+                let what = match rng.below(10) {
+                    0..=2 => {
+                        let _ = cache.insert(&entry_of(&mut rng, n), None, &mut out);
+                        "insert"
+                    }
+                    3..=4 => {
+                        if let Lookup::Miss(seen) = cache.lookup(&key(n), now, &mut out) {
+                            let e = entry_of(&mut rng, n);
+                            pending.push((seen, e, lim.clone()));
+                        }
+                        "lookup"
+                    }
+                    5..=6 if !pending.is_empty() => {
+                        // A store with what its lookup saw, possibly under an older layout.
+                        let (seen, e, l) = pending.swap_remove(rng.below(pending.len() as u64) as usize);
+                        let _ = Cache { data: &shared, limits: &l }.insert(&e, seen, &mut out);
+                        "late store"
+                    }
+                    7 => {
+                        lim = Limits {
+                            max_entry_bytes: 1 << 20,
+                            max_total_bytes: [8_000, 20_000, 40_000, 100_000][rng.below(4) as usize],
+                            max_entries: [4, 8, 16, 32][rng.below(4) as usize],
+                        };
+                        Cache { data: &shared, limits: &lim }.reconcile(&mut out);
+                        "reconcile"
+                    }
+                    8 => {
+                        // Bit rot in a stored entry: same length and tag, undecodable.
+                        let i = rng.below(lim.max_entries as u64) as u32;
+                        if let Some((mut v, c)) = shared.get(&slot_key(i)) {
+                            if !v.is_empty() {
+                                *v.last_mut().unwrap() = 9; // no such splice form
+                                assert!(Entry::decode(&v).is_none());
+                                shared.set(&slot_key(i), &v, c);
+                                if let Some(k) = Entry::peek_key(&v) {
+                                    let mut kd = [0u8; 32];
+                                    kd.copy_from_slice(k);
+                                    cache.lookup_at(i, &kd, 0, &mut out);
+                                    assert_eq!(out.corrupt, 1);
+                                }
+                            }
+                        }
+                        "corrupt slot"
+                    }
+                    _ => {
+                        let _ = cache.lookup(&key(n), now, &mut out);
+                        "lookup (expiry)"
+                    }
+                };
+                let values = slot_values(&shared, 64);
+                let cache = Cache { data: &shared, limits: &lim };
+                assert_exact(&cache, &values, &format!("seed {} step {}: {}", seed, step, what));
+                assert!(cache.meta().0.total_bytes() <= 100_000);
+            }
+        }
+    }
+
+    /// Envoy's shared data under real threads: each get/set is atomic, nothing more.
+    #[derive(Default)]
+    struct ThreadShared {
+        map: Mutex<(BTreeMap<String, (Vec<u8>, u32)>, u32)>,
+    }
+
+    impl SharedData for ThreadShared {
+        fn get(&self, key: &str) -> Option<(Vec<u8>, u32)> {
+            self.map.lock().unwrap().0.get(key).cloned()
+        }
+        fn set(&self, key: &str, value: &[u8], cas: u32) -> bool {
+            let mut g = self.map.lock().unwrap();
+            let (map, next) = &mut *g;
+            if let Some((_, current)) = map.get(key) {
+                if cas != 0 && cas != *current {
+                    return false;
+                }
+            }
+            *next += 1;
+            let c = *next;
+            map.insert(key.to_string(), (value.to_vec(), c));
+            true
+        }
+    }
+
+    #[test]
+    fn concurrent_workers_keep_every_bucket_exact() {
+        let shared = ThreadShared::default();
+        let lim = Limits { max_entry_bytes: 1 << 20, max_total_bytes: 30_000, max_entries: 8 };
+        Cache { data: &shared, limits: &lim }.reconcile(&mut Outcome::default());
+        let stored = std::sync::atomic::AtomicU32::new(0);
+        std::thread::scope(|scope| {
+            for worker in 0..4u64 {
+                let (shared, lim, stored) = (&shared, &lim, &stored);
+                scope.spawn(move || {
+                    let mut rng = Rng(0x1234_5678 + worker * 7919);
+                    let cache = Cache { data: shared, limits: lim };
+                    for _ in 0..3000 {
+                        let n = rng.below(24);
+                        let mut out = Outcome::default();
+                        if let Lookup::Miss(seen) = cache.lookup(&key(n), rng.below(2000), &mut out) {
+                            let e = entry_of(&mut rng, n);
+                            if cache.insert(&e, seen, &mut out).is_ok() {
+                                stored.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                            }
+                        }
+                    }
+                });
+            }
+        });
+        assert!(stored.load(std::sync::atomic::Ordering::Relaxed) > 1000, "the workers did store");
+        let values: Vec<Vec<u8>> = shared.map.lock().unwrap().0.iter()
+            .filter(|(k, _)| k.starts_with("meshcache:slot:")).map(|(_, (v, _))| v.clone()).collect();
+        let cache = Cache { data: &shared, limits: &lim };
+        assert_exact(&cache, &values, "4 concurrent workers");
+        assert!(cache.meta().0.buckets.iter().all(|b| b.entries > 0 && b.bytes > 0), "no bucket left negative");
+    }
+
+    #[test]
+    fn entries_of_older_builds_and_a_full_table_count_as_unattributed() {
+        let shared = MemShared::default();
+        let lim = Limits { max_entry_bytes: 1 << 20, max_total_bytes: 1 << 30, max_entries: 1024 };
+        let cache = Cache { data: &shared, limits: &lim };
+        cache.reconcile(&mut Outcome::default());
+        // 300 policies, one entry each: the table keeps 255 of them, the rest are unattributed.
+        let mut rng = Rng(99);
+        for n in 0..300u64 {
+            let e = Entry { policy: policy_tag(&format!("model-{}", n)), ..entry_of(&mut rng, n) };
+            cache.insert(&e, None, &mut Outcome::default()).unwrap();
+        }
+        let m = cache.meta().0;
+        assert_eq!(m.buckets.len(), crate::accounting::MAX_BUCKETS);
+        assert_eq!(m.of(UNATTRIBUTED).0, 300 - 255);
+        assert_exact(&cache, &slot_values(&shared, 1024), "a full table");
+        // An MC2 entry (older build, no tag) replaced by a tagged one: the unattributed bucket
+        // gives it up, the policy's bucket takes the new one.
+        let i = slot_of(&key(5000), 1024);
+        let (old, c) = shared.get(&slot_key(i)).unwrap();
+        let e = Entry { policy: policy_tag("model-0"), ..entry_of(&mut rng, 5000) };
+        let mut v2 = e.encode();
+        v2.drain(35..43);
+        v2[..3].copy_from_slice(b"MC2");
+        if !old.is_empty() {
+            cache.clear_slot(i, &old, c);
+        }
+        let (_, c) = shared.get(&slot_key(i)).unwrap();
+        shared.set(&slot_key(i), &v2, c);
+        cache.update_meta(|m| m.add(UNATTRIBUTED, stored_size(v2.len())));
+        assert_exact(&cache, &slot_values(&shared, 1024), "an untagged entry");
+        let before = cache.meta().0;
+        cache.insert(&e, None, &mut Outcome::default()).unwrap();
+        assert_exact(&cache, &slot_values(&shared, 1024), "replacing an untagged entry");
+        let after = cache.meta().0;
+        assert_eq!(after.of(policy_tag("model-0")).0, before.of(policy_tag("model-0")).0 + 1);
+        assert_eq!(after.of(UNATTRIBUTED).0, before.of(UNATTRIBUTED).0 - 1);
+    }
+
+    #[test]
+    fn a_record_reset_by_another_build_is_rebuilt_without_negative_buckets() {
+        let shared = MemShared::default();
+        let lim = Limits { max_entry_bytes: 1 << 20, max_total_bytes: 1 << 20, max_entries: 16 };
+        let cache = Cache { data: &shared, limits: &lim };
+        cache.reconcile(&mut Outcome::default());
+        let mut rng = Rng(5);
+        for n in 0..10 {
+            cache.insert(&entry_of(&mut rng, n), None, &mut Outcome::default()).unwrap();
+        }
+        // An older build read the record as empty and wrote its own format back: no layout.
+        let (_, c) = shared.get(META_KEY).unwrap();
+        shared.set(META_KEY, &[0u8; 20], c);
+        assert_eq!(cache.insert(&entry_of(&mut rng, 11), None, &mut Outcome::default()), Err(StoreError::Contended));
+        let mut out = Outcome::default();
+        cache.reconcile(&mut out);
+        assert!(out.evicted >= 8, "the unaccounted entries are emptied");
+        assert_exact(&cache, &slot_values(&shared, 16), "rebuilding a lost record");
+        assert!(cache.meta().0.buckets.is_empty(), "nothing negative left behind");
+        for n in 20..30 {
+            cache.insert(&entry_of(&mut rng, n), None, &mut Outcome::default()).unwrap();
+        }
+        assert_exact(&cache, &slot_values(&shared, 16), "storing after the rebuild");
     }
 }

@@ -6,7 +6,9 @@ and Envoy whose meshcache filter comes from ECDS with a static default_config.
 
 from __future__ import annotations
 
+import json
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +23,7 @@ from meshcache.control_plane.snapshots import Snapshot
 from meshcache.control_plane.store import Store
 from meshcache.ctl import launchers, procs
 from meshcache.ctl.envoy_config import CacheProxy, write
+from tests.filter.stack import METRICS_FLUSH_S
 from tests.helpers.control_plane import ControlPlaneProc, eventually, run
 
 pytestmark = pytest.mark.skipif(not FILTER_WASM.exists(), reason="filter not built (make filter)")
@@ -180,3 +183,63 @@ def test_envoy_keeps_serving_without_the_control_plane_and_resyncs(
     assert cache_status(sidecar.infer("gpt-4", body)) == "meshcache; fwd=bypass"
 
 
+
+
+def _body(n: int) -> bytes:
+    return json.dumps({"inputs": [{"name": "x", "shape": [1], "datatype": "FP32", "data": [n]}]}).encode()
+
+
+def cache_gauges(sidecar: Sidecar) -> dict[str, int]:
+    """The filter's entries/bytes gauges (per policy, unattributed, total), after one flush."""
+    time.sleep(METRICS_FLUSH_S)
+    raw = launchers.envoy_stats(sidecar.admin_port, "wasmcustom.meshcache")
+    return {k.removeprefix("wasmcustom.meshcache."): v for k, v in raw.items() if k.endswith(("entries", "bytes"))}
+
+
+def assert_adds_up(g: dict[str, int]) -> None:
+    for what in ("entries", "bytes"):
+        parts = sum(v for k, v in g.items() if k.startswith("policy.") and k.endswith("." + what))
+        assert parts + g[f"unattributed.{what}"] == g[what], g
+
+
+def test_entries_and_bytes_per_policy_through_removal_purge_and_layout_change(
+        cp: ControlPlaneProc, sidecar: Sidecar) -> None:
+    c = cp.client()
+    c.put("/v1/policies/alpha", json={"ttl_s": 300})
+    v = c.put("/v1/policies/beta", json={"ttl_s": 300}).json()["version"]
+    wait_acked(cp, v)
+    g = eventually(lambda: (g := cache_gauges(sidecar)).get("policy.alpha.entries") == 0 and g, timeout=10)
+    assert g["policy.beta.entries"] == 0 and g["unattributed.entries"] == 0, "defined at configure time"
+    for n in range(2):
+        assert cache_status(sidecar.infer("alpha-1", _body(n))) == "meshcache; fwd=miss; stored"
+    for n in range(3):
+        assert cache_status(sidecar.infer("beta-7b", _body(n))) == "meshcache; fwd=miss; stored"
+    g = cache_gauges(sidecar)
+    assert (g["policy.alpha.entries"], g["policy.beta.entries"], g["entries"]) == (2, 3, 5)
+    assert g["policy.alpha.bytes"] > 0 and g["policy.beta.bytes"] > g["policy.alpha.bytes"]
+    assert_adds_up(g)
+
+    # Purge: a new generation, new keys; the old entries still take space under their policy.
+    wait_acked(cp, c.post("/v1/purge", json={"model_prefix": "beta"}).json()["version"])
+    assert cache_status(sidecar.infer("beta-7b", _body(0))) == "meshcache; fwd=miss; stored"
+    g = cache_gauges(sidecar)
+    assert (g["policy.beta.entries"], g["entries"]) == (4, 6)
+    assert_adds_up(g)
+
+    # Removing a policy moves its entries to the unattributed gauges (the total is unchanged);
+    # bringing it back gives them back.
+    alpha = (g["policy.alpha.entries"], g["policy.alpha.bytes"])
+    wait_acked(cp, c.delete("/v1/policies/alpha").json()["version"])
+    g = eventually(lambda: (g := cache_gauges(sidecar)).get("unattributed.entries") == 2 and g, timeout=10)
+    assert (g["policy.alpha.entries"], g["policy.alpha.bytes"]) == (0, 0)
+    assert (g["unattributed.entries"], g["unattributed.bytes"]) == alpha and g["entries"] == 6
+    assert_adds_up(g)
+    wait_acked(cp, c.put("/v1/policies/alpha", json={"ttl_s": 300}).json()["version"])
+    g = eventually(lambda: (g := cache_gauges(sidecar)).get("policy.alpha.entries") == 2 and g, timeout=10)
+    assert g["unattributed.entries"] == 0
+    assert_adds_up(g)
+
+    # A new slot count empties the cache: every bucket back to 0.
+    wait_acked(cp, c.put("/v1/limits", json={"max_entries": 64}).json()["version"])
+    g = eventually(lambda: (g := cache_gauges(sidecar)).get("entries") == 0 and g, timeout=10)
+    assert all(v == 0 for v in g.values()), g
