@@ -29,7 +29,8 @@ from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 from envoy.service.extension.v3 import config_discovery_pb2_grpc
 from google.protobuf import any_pb2, json_format
 
-from meshcache.contract.wasm_filter import FILTER_NAME, extension_config_json, local_code
+from meshcache.contract.filter_config import client_plugin_config, plugin_config_json
+from meshcache.contract.wasm_filter import CLIENT_FILTER_NAME, FILTER_NAME, extension_config_json, local_code
 
 from .metrics import Metrics
 from .snapshots import Snapshot, SnapshotCache, SnapshotMemo
@@ -58,7 +59,8 @@ class Renderer(Protocol):
 class EcdsRenderer:
     """The meshcache HTTP filter as an ECDS `TypedExtensionConfig` (the Wasm filter config whose
     plugin configuration is the snapshot's canonical JSON, as is; VM config identical to the
-    static default)."""
+    static default). A second resource, `meshcache-client`, carries the same policies in the
+    client role, for client sidecars that route by cache affinity; each Envoy asks for its name."""
 
     type_url = ECDS_TYPE_URL
 
@@ -67,19 +69,27 @@ class EcdsRenderer:
         self.resource_name = resource_name
         self._packed = SnapshotMemo(self._render)  # once per snapshot, shared by every stream
 
-    def typed_extension_config(self, snapshot: Snapshot) -> extension_pb2.TypedExtensionConfig:
+    def typed_extension_config(self, snapshot: Snapshot, client: bool = False) -> extension_pb2.TypedExtensionConfig:
         # The same builder as the full-mode EnvoyFilter's EXTENSION_CONFIG (meshcache.contract.extensions), so a
         # local sidecar runs what istiod would deliver, with the module as a local file.
-        config = extension_config_json(local_code(self.wasm_path), snapshot.plugin_config_json, self.resource_name)
+        if client:
+            text, name = plugin_config_json(client_plugin_config(snapshot.plugin_config())), CLIENT_FILTER_NAME
+        else:
+            text, name = snapshot.plugin_config_json, self.resource_name
+        config = extension_config_json(local_code(self.wasm_path), text, name)
         return json_format.ParseDict(config, extension_pb2.TypedExtensionConfig())
 
     def resources(self, snapshot: Snapshot) -> dict[str, any_pb2.Any]:
         return self._packed(snapshot)
 
     def _render(self, snapshot: Snapshot) -> dict[str, any_pb2.Any]:
-        packed = any_pb2.Any()
-        packed.Pack(self.typed_extension_config(snapshot))
-        return {self.resource_name: packed}
+        out = {}
+        for client in (False, True):
+            config = self.typed_extension_config(snapshot, client)
+            packed = any_pb2.Any()
+            packed.Pack(config)
+            out[config.name] = packed
+        return out
 
 
 @dataclass

@@ -105,7 +105,9 @@ def test_field_names_are_the_ones_the_filter_reads() -> None:
     fields = [*top, *fc.Policy.model_fields, *fc.Limits.model_fields]
     missing = [f for f in fields if f'"{f}"' not in CONFIG_RS]
     assert not missing, f"config.rs does not read {missing}"
-    assert 'Some("cache") => {}' in CONFIG_RS
+    for role in ("cache", fc.ROLE_SERVER):
+        assert f'Some("{role}") => Role::Server' in CONFIG_RS
+    assert f'Some("{fc.ROLE_CLIENT}") => Role::Client' in CONFIG_RS
 
 
 def test_header_names_match_the_filter() -> None:
@@ -114,6 +116,7 @@ def test_header_names_match_the_filter() -> None:
     assert rust["HASH_HEADER"] == headers.HASH_HEADER
     assert rust["CACHE_STATUS"] == headers.CACHE_STATUS_HEADER
     assert rust["MODEL_HEADER"] == headers.MODEL_ID_HEADER
+    assert rust["ROUTE_KEY_HEADER"] == headers.ROUTE_KEY_HEADER
     assert headers.MODEL_ID_HEADER in fc.DEFAULT_HASH_HEADERS
 
 

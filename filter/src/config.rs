@@ -55,6 +55,16 @@ pub struct Policy {
     pub stale_while_revalidate_s: u64,
 }
 
+/// Which side of the mesh the filter runs on. `role` in the plugin configuration.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Role {
+    /// The engine's sidecar: the cache ("server"; "cache" is the older spelling).
+    Server,
+    /// A caller's sidecar: only computes the routing key (`names::ROUTE_KEY_HEADER`) that
+    /// sends identical requests to one replica; never answers or stores.
+    Client,
+}
+
 #[derive(Clone, Debug, PartialEq)]
 pub struct Limits {
     pub max_entry_bytes: u64,
@@ -71,6 +81,7 @@ pub struct Config {
     /// this false: headers then continue at once, HTTP hits are still answered at end of body,
     /// gRPC requests bypass (a gRPC hit needs routing, which is decided by then).
     pub hold_headers: bool,
+    pub role: Role,
     pub limits: Limits,
     /// Sorted by descending prefix length so the first match is the longest.
     pub policies: Vec<Policy>,
@@ -98,6 +109,7 @@ impl Config {
             version: String::new(),
             color: String::new(),
             hold_headers: true,
+            role: Role::Server,
             limits: Limits {
                 max_entry_bytes: DEFAULT_MAX_ENTRY_BYTES,
                 max_total_bytes: DEFAULT_MAX_TOTAL_BYTES,
@@ -119,15 +131,20 @@ pub fn parse_plugin_config(bytes: &[u8]) -> Result<Config, ConfigError> {
     }
     let value: Value = serde_json::from_slice(bytes).map_err(|e| err("(document)", &format!("not valid JSON: {}", e)))?;
     let obj = value.as_object().ok_or_else(|| err("(document)", "must be a JSON object"))?;
-    if let Some(role) = obj.get("role") {
-        match role.as_str() {
+    let role = match obj.get("role") {
+        None | Some(Value::Null) => Role::Server,
+        Some(role) => match role.as_str() {
             // The internal-listener responder is gone: gRPC hits are answered in one pass.
             Some("stub") => return Err(err("role", "\"stub\" was removed (gRPC hits are answered in one pass); drop the stub listener")),
-            Some("cache") => {}
-            _ => return Err(err("role", "must be \"cache\"")),
-        }
-    }
-    parse_config(obj)
+            Some("cache") => Role::Server,
+            Some("server") => Role::Server,
+            Some("client") => Role::Client,
+            _ => return Err(err("role", "must be \"server\" (or \"cache\") or \"client\"")),
+        },
+    };
+    let mut cfg = parse_config(obj)?;
+    cfg.role = role;
+    Ok(cfg)
 }
 
 fn parse_config(obj: &Map<String, Value>) -> Result<Config, ConfigError> {
@@ -172,6 +189,7 @@ fn parse_config(obj: &Map<String, Value>) -> Result<Config, ConfigError> {
         version,
         color,
         hold_headers,
+        role: Role::Server,
         limits: Limits { max_entry_bytes, max_total_bytes, max_entries: max_entries as u32 },
         policies,
     })
@@ -437,5 +455,9 @@ mod tests {
         assert_eq!(parse_plugin_config(b"").unwrap(), Config::empty());
         assert_eq!(parse_plugin_config(br#"{"role": "cache"}"#).unwrap(), Config::empty());
         assert_eq!(error(r#"{"role": "x"}"#).field, "role");
+        assert_eq!(error(r#"{"role": 1}"#).field, "role");
+        assert_eq!(cache(r#"{"role": "server"}"#).role, Role::Server);
+        let client = cache(r#"{"role": "client", "policies": [{"model_prefix": "m", "ttl_s": 1}]}"#);
+        assert_eq!((client.role, client.policies.len()), (Role::Client, 1));
     }
 }

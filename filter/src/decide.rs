@@ -218,6 +218,20 @@ pub fn on_body(
     // The peer identity costs a host call: asked for only when the matched policy scopes by it.
     principal: impl FnOnce() -> Option<String>,
 ) -> BodyDecision {
+    keyed_body(config, head, source, refresh, body, principal, cache_key)
+}
+
+/// `on_body` with the key digest chosen by the caller: the cache key, or the client role's
+/// routing key (`route_key`), so both sides take exactly the same bypass decisions.
+pub fn keyed_body(
+    config: &Config,
+    head: &RequestHead,
+    source: &ModelSource,
+    refresh: bool,
+    body: &[u8],
+    principal: impl FnOnce() -> Option<String>,
+    digest: fn(&KeyInput) -> KeyDigest,
+) -> BodyDecision {
     let grpc = *source == ModelSource::GrpcBody;
     let named = match single(head, MODEL_HEADER) {
         Ok(h) => h.filter(|m| !m.is_empty()),
@@ -275,7 +289,7 @@ pub fn on_body(
         Ok(k) => k,
         Err(why) => return BodyDecision::Unkeyable(why),
     };
-    let key = cache_key(&KeyInput {
+    let key = digest(&KeyInput {
         method: head.method,
         path: head.path,
         model: &model.name,

@@ -16,6 +16,8 @@ pub const BYPASSES: &str = "meshcache.bypasses";
 pub const STORES: &str = "meshcache.stores";
 pub const EVICTIONS: &str = "meshcache.evictions";
 pub const ERRORS: &str = "meshcache.errors";
+/// Client role: requests given a routing key.
+pub const ROUTED: &str = "meshcache.routed";
 
 pub const ENTRIES: &str = "meshcache.entries";
 pub const BYTES: &str = "meshcache.bytes";
@@ -57,7 +59,7 @@ pub fn count(name: &str, n: u64) {
     });
 }
 
-const COUNTERS: [&str; 6] = [HITS, MISSES, BYPASSES, STORES, EVICTIONS, ERRORS];
+const COUNTERS: [&str; 7] = [HITS, MISSES, BYPASSES, STORES, EVICTIONS, ERRORS, ROUTED];
 const POLICY_COUNTERS: [&str; 2] = ["hits", "misses"];
 const POLICY_GAUGES_OF: [&str; 2] = ["entries", "bytes"];
 

@@ -9,6 +9,9 @@ pub const HASH_HEADER: &str = "x-response-hash";
 pub const CACHE_STATUS: &str = "cache-status";
 /// KServe's binary tensor extension: the length of a body's JSON part (requests and answers).
 pub const KSERVE_BINARY_HEADER: &str = "inference-header-content-length";
+/// Internal: set by the client-role filter for consistent-hash routing to the replica holding
+/// the answer; removed by the server-role filter (never part of a cache key).
+pub const ROUTE_KEY_HEADER: &str = "x-meshcache-route-key";
 
 pub const CACHE_STATUS_STORED: &str = "meshcache; fwd=miss; stored";
 pub const CACHE_STATUS_REFRESHED: &str = "meshcache; fwd=request; stored";

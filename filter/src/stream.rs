@@ -5,13 +5,14 @@
 use crate::abi::{self, Buffer, Map};
 use crate::answer::{self, HitRequest};
 use crate::cache_control::NotStored;
-use crate::config::{Config, Limits};
+use crate::config::{Config, Limits, Role};
 use crate::decide::{self, BodyDecision, Cacheable, HeadDecision, RequestHead};
 use crate::grpc;
 use crate::headermap::Headers;
 use crate::metrics::{self, count, count_policy, error};
 use crate::model::ModelSource;
 use crate::names;
+use crate::route_key;
 use crate::store::{Cache, Lookup, Outcome, StoreError};
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -160,6 +161,11 @@ impl Stream {
     }
 
     fn bypass_because(&mut self, detail: Option<&'static str>) -> u32 {
+        if self.is_client() {
+            // The client role only routes: no routing key, the request balances normally.
+            self.phase = Phase::Done;
+            return CONTINUE;
+        }
         self.phase = Phase::Bypass(detail);
         count(metrics::BYPASSES, 1);
         CONTINUE
@@ -174,7 +180,11 @@ impl Stream {
             }
         };
         let cfg = &*plugin;
-        let headers = abi::headers(Map::RequestHeaders);
+        let mut headers = abi::headers(Map::RequestHeaders);
+        // Both roles: a routing key the caller sent is dropped before anything reads the headers.
+        if route_key::strip(&mut headers) {
+            abi::remove_header(Map::RequestHeaders, names::ROUTE_KEY_HEADER);
+        }
         let method = decide::header(&headers.pairs, ":method").unwrap_or("");
         let path = decide::header(&headers.pairs, ":path").unwrap_or("");
         let head = RequestHead { method, path, headers: &headers.pairs, not_utf8: &headers.not_utf8 };
@@ -185,7 +195,11 @@ impl Stream {
                 if eos {
                     return self.decide_request(cfg, &headers, &source, refresh, &[]);
                 }
-                if source == ModelSource::GrpcBody && GRPC_HITS_BROKEN.with(|b| b.get()) {
+                if cfg.role == Role::Client && !cfg.hold_headers {
+                    // Routing happens when the headers continue: no body, no key.
+                    return CONTINUE;
+                }
+                if cfg.role == Role::Server && source == ModelSource::GrpcBody && GRPC_HITS_BROKEN.with(|b| b.get()) {
                     return self.bypass();
                 }
                 if decide::request_declared_too_big(decide::header(&headers.pairs, "content-length")) {
@@ -245,6 +259,9 @@ impl Stream {
         let method = decide::header(headers, ":method").unwrap_or("");
         let path = decide::header(headers, ":path").unwrap_or("");
         let head = RequestHead { method, path, headers, not_utf8: &request.not_utf8 };
+        if cfg.role == Role::Client {
+            return self.route(cfg, &head, source, refresh, body);
+        }
         let principal = || abi::property(&PEER_SAN).and_then(|b| String::from_utf8(b).ok());
         let mut c = match decide::on_body(cfg, &head, source, refresh, body, principal) {
             BodyDecision::Bypass => return self.bypass(),
@@ -280,6 +297,21 @@ impl Stream {
             return CONTINUE;
         }
         PAUSE
+    }
+
+    /// Client role: the routing key goes on the held request headers (Envoy then clears the
+    /// route cache, so the router hashes on it); nothing is looked up or stored.
+    fn route(&mut self, cfg: &Config, head: &RequestHead, source: &ModelSource, refresh: bool, body: &[u8]) -> u32 {
+        self.phase = Phase::Done;
+        if let Some(key) = route_key::route_key(cfg, head, source, refresh, body) {
+            abi::set_header(Map::RequestHeaders, names::ROUTE_KEY_HEADER, &key);
+            count(metrics::ROUTED, 1);
+        }
+        CONTINUE
+    }
+
+    fn is_client(&self) -> bool {
+        self.plugin.as_deref().map_or(false, |c| c.role == Role::Client)
     }
 
     /// Marks the request (filter state, so the local reply selects the hit route whose Lua step

@@ -45,7 +45,9 @@ VERSION = "version"
 COLOR = "color"
 HOLD_HEADERS = "hold_headers"
 POLICIES = "policies"
-ROLE = "role"  # optional; only "cache" is accepted
+ROLE = "role"  # optional: "server" (default; "cache" is its older spelling) or "client"
+ROLE_SERVER = "server"
+ROLE_CLIENT = "client"  # the caller's sidecar: only sets the routing key (headers.ROUTE_KEY_HEADER)
 
 Scope = Literal["shared", "principal"]
 CoalesceTimeoutMs = Annotated[int, Field(ge=0, le=LIMIT_COALESCE_TIMEOUT_MS)]
@@ -115,6 +117,13 @@ def plugin_config(version: str, policies: Iterable[Policy], limits: Limits | Non
         **(limits if limits is not None else Limits()).model_dump(),
         POLICIES: [p.model_dump(mode="json") for p in sorted(policies, key=lambda p: p.model_prefix)],
     }
+
+
+def client_plugin_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The client role's configuration for a server configuration: the same policies (so it
+    keys, and bypasses, exactly as the server would), role client, headers held (the key needs
+    the body before the router picks a replica)."""
+    return {**config, ROLE: ROLE_CLIENT, HOLD_HEADERS: True}
 
 
 def plugin_config_json(config: dict[str, Any]) -> str:

@@ -12,3 +12,6 @@ HASH_HEADER = "x-response-hash"
 CACHE_STATUS_HEADER = "cache-status"
 # KServe v2 REST: the model a request is for (also a default hash header).
 MODEL_ID_HEADER = "x-model-id"
+# Internal: the client-role filter's routing key (consistent-hash `hash_policy` header that sends
+# identical requests to one replica); the server-role filter removes it. Never part of a cache key.
+ROUTE_KEY_HEADER = "x-meshcache-route-key"

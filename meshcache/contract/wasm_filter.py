@@ -13,6 +13,8 @@ from typing import Any
 from .filter_config import plugin_config_json
 
 FILTER_NAME = "meshcache"  # HTTP filter name; also the ECDS resource name
+# The client role's HTTP filter and ECDS resource (filter_config.client_plugin_config).
+CLIENT_FILTER_NAME = "meshcache-client"
 ROOT_ID = "meshcache"
 VM_ID = "meshcache"
 WASM_TYPE_URL = "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm"
@@ -83,10 +85,10 @@ def extension_config_json(code: dict[str, Any], config_json: str, name: str = FI
 
 
 def ecds_http_filter(config_source: dict[str, Any], default_config: dict[str, Any] | None = None,
-                     extra_type_urls: tuple[str, ...] = ()) -> dict[str, Any]:
+                     extra_type_urls: tuple[str, ...] = (), name: str = FILTER_NAME) -> dict[str, Any]:
     """The `http_filters` entry that takes the filter from ECDS (`extension_config` by name).
     With a default config, traffic flows (uncached) before the first push arrives."""
     discovery: dict[str, Any] = {"config_source": config_source, "type_urls": [WASM_TYPE_URL, *extra_type_urls]}
     if default_config is not None:
         discovery |= {"default_config": default_config, "apply_default_config_without_warming": True}
-    return {"name": FILTER_NAME, "config_discovery": discovery}
+    return {"name": name, "config_discovery": discovery}

@@ -15,8 +15,13 @@ The cache proxy's shape (see docs/filter.md):
   colour in the cache key, so colours never share entries.
 
 The client-side sidecar (`ClientSidecar`) is the app's local proxy: a plaintext listener (gRPC
-and HTTP/1.1), `x-traffic-color` added unless the app set one, and HTTP/2 over strict mTLS
-(TLS 1.3, the server sidecar's SPIFFE ID checked) to the server-side sidecar.
+and HTTP/1.1), `x-traffic-color` added unless the app set one (an early header mutation, so
+filters and routes see it), and HTTP/2 over strict mTLS (TLS 1.3, the server sidecar's SPIFFE
+ID checked) to the server-side sidecars, one per engine replica. With `affinity`, the meshcache
+filter runs there in the client role (config from the control plane's `meshcache-client` ECDS
+resource) and sets `x-meshcache-route-key`; the replicas' cluster is RING_HASH (or MAGLEV) with
+a route `hash_policy` on that header, so identical requests reach the replica that cached the
+answer. Requests without the header (the server would bypass them) balance at random.
 """
 
 from __future__ import annotations
@@ -30,8 +35,14 @@ import yaml
 
 from meshcache.contract.filter_config import DEMO_POLICIES
 from meshcache.contract.grpc_hit import grpc_hit_lua_filter, grpc_hit_routes
-from meshcache.contract.headers import COLOR_HEADER
-from meshcache.contract.wasm_filter import FILTER_NAME, WASM_TYPE_URL, ecds_http_filter, wasm_filter_config
+from meshcache.contract.headers import COLOR_HEADER, ROUTE_KEY_HEADER
+from meshcache.contract.wasm_filter import (
+    CLIENT_FILTER_NAME,
+    FILTER_NAME,
+    WASM_TYPE_URL,
+    ecds_http_filter,
+    wasm_filter_config,
+)
 from meshcache.ctl.pki import Identity
 
 _ENVOY = "type.googleapis.com/envoy."
@@ -79,7 +90,9 @@ def _socket(address: str, port: int) -> dict[str, Any]:
     return {"socket_address": {"address": address, "port_value": port}}
 
 
-def _cluster(name: str, port: int, http2: bool, buffer_limit: int | None = BUFFER_LIMIT_BYTES) -> dict[str, Any]:
+def _cluster(name: str, port: int | list[int], http2: bool, buffer_limit: int | None = BUFFER_LIMIT_BYTES
+             ) -> dict[str, Any]:
+    ports = port if isinstance(port, list) else [port]
     c: dict[str, Any] = {
         "name": name,
         "type": "STATIC",
@@ -87,7 +100,7 @@ def _cluster(name: str, port: int, http2: bool, buffer_limit: int | None = BUFFE
         **_buffer_limit(buffer_limit),
         "load_assignment": {
             "cluster_name": name,
-            "endpoints": [{"lb_endpoints": [{"endpoint": {"address": _socket("127.0.0.1", port)}}]}],
+            "endpoints": [{"lb_endpoints": [{"endpoint": {"address": _socket("127.0.0.1", p)}} for p in ports]}],
         },
     }
     if http2:
@@ -213,7 +226,11 @@ def _wasm_http_filter(p: CacheProxy) -> dict[str, Any]:
               **wasm_filter_config(p.wasm_path, p.plugin_config, p.allow_on_headers_stop_iteration)}
     if p.ecds_port is None:
         return {"name": FILTER_NAME, "typed_config": static}
-    source = {
+    return ecds_http_filter(_ecds_source(), default_config=static)
+
+
+def _ecds_source() -> dict[str, Any]:
+    return {
         "resource_api_version": "V3",
         "api_config_source": {
             "api_type": "GRPC",
@@ -221,7 +238,13 @@ def _wasm_http_filter(p: CacheProxy) -> dict[str, Any]:
             "grpc_services": [{"envoy_grpc": {"cluster_name": "xds_cluster"}}],
         },
     }
-    return ecds_http_filter(source, default_config=static)
+
+
+def _xds_cluster(port: int, tls: Identity | None, peers: list[str]) -> dict[str, Any]:
+    xds = _cluster("xds_cluster", port, http2=True)
+    if tls is not None:
+        xds["transport_socket"] = upstream_mtls(tls, peers)
+    return xds
 
 
 def _color_suffix(color: str) -> str:
@@ -260,13 +283,15 @@ def _routes(p: CacheProxy) -> list[dict[str, Any]]:
     return routes
 
 
-def _hcm(stat_prefix: str, routes: list[dict[str, Any]], http_filters: list[dict[str, Any]]) -> dict[str, Any]:
+def _hcm(stat_prefix: str, routes: list[dict[str, Any]], http_filters: list[dict[str, Any]],
+         early: dict[str, Any] | None = None) -> dict[str, Any]:
     return {
         "name": "envoy.filters.network.http_connection_manager",
         "typed_config": {
             "@type": _ENVOY + "extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
             "stat_prefix": stat_prefix,
             "codec_type": "AUTO",
+            **({"early_header_mutation_extensions": [early]} if early is not None else {}),
             "route_config": {
                 "name": stat_prefix,
                 "virtual_hosts": [{"name": stat_prefix, "domains": ["*"], "routes": routes}],
@@ -304,10 +329,7 @@ def render(p: CacheProxy) -> dict[str, Any]:
             clusters.append(_cluster(f"grpc_upstream_{_color_suffix(color)}", upstream.grpc_port, http2=True,
                                      buffer_limit=limit))
     if p.ecds_port is not None:
-        xds = _cluster("xds_cluster", p.ecds_port, http2=True)
-        if p.xds_tls is not None:
-            xds["transport_socket"] = upstream_mtls(p.xds_tls, p.xds_peers)
-        clusters.append(xds)
+        clusters.append(_xds_cluster(p.ecds_port, p.xds_tls, p.xds_peers))
     bootstrap: dict[str, Any] = {
         "node": {"id": p.node_id, "cluster": p.cluster},
         "admin": {"address": _socket("127.0.0.1", p.admin_port)},
@@ -316,43 +338,89 @@ def render(p: CacheProxy) -> dict[str, Any]:
     return bootstrap
 
 
+LB_POLICIES = ("RING_HASH", "MAGLEV")
+RING_SIZE = 4096
+
+
+@dataclass(frozen=True)
+class Affinity:
+    """Cache-affinity routing in a client sidecar: the filter in the client role, consistent hashing."""
+
+    wasm_path: Path
+    plugin_config: dict[str, Any]  # the client role's (filter_config.client_plugin_config)
+    lb_policy: str = "RING_HASH"  # or MAGLEV
+    # ECDS from the control plane (resource `meshcache-client`), mTLS as for the server sidecar.
+    ecds_port: int | None = None
+    xds_tls: Identity | None = None
+    xds_peers: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.lb_policy not in LB_POLICIES:
+            raise ValueError(f"lb_policy {self.lb_policy!r}: use one of {', '.join(LB_POLICIES)}")
+
+
 @dataclass
 class ClientSidecar:
-    """The app-side proxy of the local mesh: plaintext in from the app, mTLS out to the server sidecar."""
+    """The app-side proxy of the local mesh: plaintext in from the app, mTLS out to the server sidecars."""
 
     listen_port: int
     admin_port: int
-    server_port: int  # the server-side sidecar's mTLS listener
+    server_ports: list[int]  # the server-side sidecars' mTLS listeners, one per engine replica
     identity: Identity  # this sidecar's workload certificate (and the CA it trusts)
-    server_identities: list[str]  # SPIFFE IDs the server sidecar may present
+    server_identities: list[str]  # SPIFFE IDs the server sidecars may present
     color: str = "inference-2026"
     node_id: str = "meshcache-client-sidecar"
     cluster: str = "meshcache-client"
     address: str = "127.0.0.1"
+    # None: no filter here, replicas balanced round robin.
+    affinity: Affinity | None = None
+
+
+def _color_mutation(color: str) -> dict[str, Any]:
+    """The sidecar's colour unless the app chose one, before any filter or route reads the request
+    (the client-role filter keys on it)."""
+    kind = "extensions.http.early_header_mutation.header_mutation.v3.HeaderMutation"
+    return {"name": "envoy.http.early_header_mutation.header_mutation",
+            "typed_config": {"@type": _ENVOY + kind, "mutations": [
+                {"append": {"header": {"key": COLOR_HEADER, "value": color}, "append_action": "ADD_IF_ABSENT"}}]}}
 
 
 def render_client(c: ClientSidecar) -> dict[str, Any]:
-    route = {
+    if not c.server_ports:
+        raise ValueError("a client sidecar needs at least one server sidecar port")
+    route: dict[str, Any] = {
         "name": "outbound",
         "match": {"prefix": "/"},
         "route": {"cluster": "mesh_upstream", "timeout": "60s"},
-        # The app may choose a colour itself; otherwise this sidecar's colour applies.
-        "request_headers_to_add": [{"header": {"key": COLOR_HEADER, "value": c.color},
-                                    "append_action": "ADD_IF_ABSENT"}],
     }
+    filters: list[dict[str, Any]] = []
+    a = c.affinity
+    if a is not None:
+        route["route"]["hash_policy"] = [{"header": {"header_name": ROUTE_KEY_HEADER}}]
+        static = {"@type": WASM_TYPE_URL, **wasm_filter_config(a.wasm_path, a.plugin_config)}
+        filters.append({"name": CLIENT_FILTER_NAME, "typed_config": static} if a.ecds_port is None
+                       else ecds_http_filter(_ecds_source(), default_config=static, name=CLIENT_FILTER_NAME))
     listener = {
         "name": "outbound",
         "address": _socket(c.address, c.listen_port),
         "per_connection_buffer_limit_bytes": BUFFER_LIMIT_BYTES,
-        "filter_chains": [{"filters": [_hcm("outbound", [route], [])]}],
+        "filter_chains": [{"filters": [_hcm("outbound", [route], filters, early=_color_mutation(c.color))]}],
     }
     # HTTP/2 upstream: gRPC needs it, and Envoy carries HTTP/1.1 app requests over it as well.
-    upstream = _cluster("mesh_upstream", c.server_port, http2=True)
+    upstream = _cluster("mesh_upstream", list(c.server_ports), http2=True)
     upstream["transport_socket"] = upstream_mtls(c.identity, c.server_identities)
+    clusters = [upstream]
+    if a is not None:
+        upstream["lb_policy"] = a.lb_policy
+        if a.lb_policy == "RING_HASH":
+            # More points per replica than Envoy's default 1024 in all: shares closer to 1/N.
+            upstream["ring_hash_lb_config"] = {"minimum_ring_size": RING_SIZE}
+        if a.ecds_port is not None:
+            clusters.append(_xds_cluster(a.ecds_port, a.xds_tls, list(a.xds_peers)))
     return {
         "node": {"id": c.node_id, "cluster": c.cluster},
         "admin": {"address": _socket("127.0.0.1", c.admin_port)},
-        "static_resources": {"listeners": [listener], "clusters": [upstream]},
+        "static_resources": {"listeners": [listener], "clusters": clusters},
     }
 
 
@@ -390,7 +458,7 @@ def examples(out_dir: Path) -> list[Path]:
                         xds_tls=server_identity,
                         xds_peers=["spiffe://cluster.local/ns/default/sa/meshcache-control-plane"])
     out.append(write(server, out_dir / "mesh-server-sidecar.yaml"))
-    client = ClientSidecar(listen_port=15001, admin_port=15000, server_port=15006,
+    client = ClientSidecar(listen_port=15001, admin_port=15000, server_ports=[15006],
                            identity=Identity(certs / "client-sidecar.crt", certs / "client-sidecar.key",
                                              certs / "ca.crt"),
                            server_identities=[server_id])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from envoy.extensions.filters.http.wasm.v3 import wasm_pb2
@@ -9,6 +10,7 @@ from google.protobuf import wrappers_pb2
 
 from meshcache.contract import extensions
 from meshcache.contract.filter_config import demo_policies
+from meshcache.contract.wasm_filter import CLIENT_FILTER_NAME, FILTER_NAME, VM_ID
 from meshcache.control_plane.mcp import MODE_TYPE_URL, IstioMcpRenderer
 from meshcache.control_plane.snapshots import Snapshot, SnapshotMemo
 from meshcache.control_plane.xds_server import EcdsRenderer
@@ -52,3 +54,22 @@ def test_mcp_renders_once_per_snapshot() -> None:
     assert renderer.resources(snap) is renderer.resources(snap)
     assert list(renderer.resources(snap)) == ["ml/meshcache-blue"] and len(builds) == 1
     assert renderer.resources(Snapshot(version=0)) == {}
+
+
+def test_ecds_serves_the_client_role_with_the_same_policies() -> None:
+    renderer = EcdsRenderer(Path("/etc/meshcache/meshcache_filter.wasm"))
+    snap = Snapshot(version=5, policies=tuple(demo_policies(generation=5)))
+    assert sorted(renderer.resources(snap)) == sorted([CLIENT_FILTER_NAME, FILTER_NAME])
+    configs = {}
+    for client in (False, True):
+        typed = renderer.typed_extension_config(snap, client)
+        wasm = wasm_pb2.Wasm()
+        assert typed.typed_config.Unpack(wasm)
+        value = wrappers_pb2.StringValue()
+        assert wasm.config.configuration.Unpack(value)
+        configs[typed.name] = json.loads(value.value)
+        # One VM config for both: a sidecar that ran both roles would share its module instance.
+        assert wasm.config.vm_config.vm_id == VM_ID and wasm.config.allow_on_headers_stop_iteration
+    server, client = configs[FILTER_NAME], configs[CLIENT_FILTER_NAME]
+    assert "role" not in server and client["role"] == "client" and client["hold_headers"] is True
+    assert client["policies"] == server["policies"] and client["version"] == server["version"] == "5"

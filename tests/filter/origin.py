@@ -81,6 +81,8 @@ class Handler(BaseHTTPRequestHandler):
             answer = {"path": self.path, "digest": digest, "model": self.headers.get("x-model-id", ""),
                       "user": self.headers.get("x-user", ""),
                       "colors": self.headers.get_all("x-traffic-color") or []}
+            if route_keys := self.headers.get_all("x-meshcache-route-key"):
+                answer["route_keys"] = route_keys  # only the client role sets it; servers remove it
             if request_id is not None:
                 answer = {"id": request_id, **answer}
             body = json.dumps(answer).encode()

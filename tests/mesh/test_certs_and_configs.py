@@ -95,14 +95,16 @@ def test_rotation_swaps_the_files_atomically(tmp_path: Path) -> None:
 
 def test_client_sidecar_config(tmp_path: Path) -> None:
     certs = ensure_certificates(MeshConfig(state_dir=tmp_path))
-    sidecar = ClientSidecar(listen_port=15001, admin_port=15000, server_port=15006, identity=certs.client,
+    sidecar = ClientSidecar(listen_port=15001, admin_port=15000, server_ports=[15006], identity=certs.client,
                             server_identities=["spiffe://cluster.local/ns/default/sa/inference-server"],
                             color="green")
     doc = render_client(sidecar)
-    route = doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"][
-        "route_config"]["virtual_hosts"][0]["routes"][0]
-    assert route["request_headers_to_add"] == [
-        {"header": {"key": "x-traffic-color", "value": "green"}, "append_action": "ADD_IF_ABSENT"}]
+    hcm = doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    # The colour is added before filters and routes see the request, unless the app set one.
+    [early] = hcm["early_header_mutation_extensions"]
+    assert early["typed_config"]["mutations"] == [
+        {"append": {"header": {"key": "x-traffic-color", "value": "green"}, "append_action": "ADD_IF_ABSENT"}}]
+    assert "hash_policy" not in hcm["route_config"]["virtual_hosts"][0]["routes"][0]["route"]
     tls = doc["static_resources"]["clusters"][0]["transport_socket"]["typed_config"]["common_tls_context"]
     assert tls["tls_params"] == {"tls_minimum_protocol_version": "TLSv1_3",
                                  "tls_maximum_protocol_version": "TLSv1_3"}

@@ -173,7 +173,7 @@ def test_the_client_sidecar_refuses_a_server_with_the_wrong_identity(
     assert mesh.certs is not None
     port, received = impostor_server
     listen, admin = procs.free_port(), procs.free_port()
-    sidecar = ClientSidecar(listen_port=listen, admin_port=admin, server_port=port, identity=mesh.certs.client,
+    sidecar = ClientSidecar(listen_port=listen, admin_port=admin, server_ports=[port], identity=mesh.certs.client,
                             server_identities=[mesh.config.server_id])
     envoy = launchers.start_envoy(write(sidecar, tmp_path / "client.yaml"), admin, tmp_path)
     with procs.supervised([envoy]):

@@ -154,7 +154,7 @@ class Mesh:
             allowed_peers=[cfg.client_id], color_routes=color_routes,
             xds_tls=certs.server, xds_peers=[cfg.control_plane_id])
         client = ClientSidecar(listen_port=ports.app, admin_port=ports.client_admin,
-                               server_port=ports.server_inbound, identity=certs.client,
+                               server_ports=[ports.server_inbound], identity=certs.client,
                                server_identities=[cfg.server_id], color=cfg.color, node_id=CLIENT_NODE)
         starts: list[tuple[str, str, Callable[[], procs.Proc]]] = [
             ("redis", "redis-server", lambda: launchers.start_redis(cfg.state_dir / "redis", port=ports.redis)[0]),
