@@ -13,7 +13,10 @@ Envoy exports a Wasm filter's stats (`wasmcustom.` namespace) in Prometheus text
 `envoy_` prefix and namespace: `meshcache.hits` becomes `meshcache_hits`, and the per-policy
 counter `meshcache.policy.<prefix>.hits` becomes `meshcache_policy_<name>_hits`, where <name> is
 the prefix with every character outside [A-Za-z0-9_] replaced by `_` (the filter keeps `-`,
-Envoy's Prometheus output does not).
+Envoy's Prometheus output does not). Per-policy gauges `meshcache_policy_<name>_entries|bytes`
+and `meshcache_unattributed_entries|bytes` (entries no configured policy claims) add up to
+`meshcache_entries|bytes`; a filter build without them (no `meshcache_unattributed_entries`)
+reports entries and bytes per proxy only, and its per-model entries are unknown, not zero.
 So a name maps back to the prefixes of the current snapshot that reduce to it; if two do, the
 counters can't be told apart and are reported under both names as ambiguous.
 """
@@ -33,7 +36,8 @@ PROM_PREFIX = "meshcache_"
 # The filter's cache-wide counters and gauges (docs/filter.md, "Metrics").
 COUNTERS = ("hits", "misses", "bypasses", "stores", "evictions", "errors")
 GAUGES = ("entries", "bytes")
-_POLICY = re.compile(r"^policy_(.+)_(hits|misses)$")
+_POLICY = re.compile(r"^policy_(.+)_(hits|misses|entries|bytes)$")
+_UNATTRIBUTED = re.compile(r"^unattributed_(entries|bytes)$")
 _ISTIO_NODE = re.compile(r"^[a-z]+~([0-9a-fA-F.:]+)~")
 _SOURCE = re.compile(r"^([^=\s]{1,256})=(\S+)$")
 
@@ -73,8 +77,15 @@ class ProxyCounters:
     """One proxy's cache counters (cumulative since that Envoy started) and gauges."""
 
     totals: dict[str, int] = field(default_factory=dict)
-    # Per-policy counters keyed by the Prometheus-safe name: {name: {"hits": n, "misses": n}}.
+    # Per-policy counters and gauges keyed by the Prometheus-safe name:
+    # {name: {"hits": n, "misses": n, "entries": n, "bytes": n}} (gauges only if the filter has them).
     policies: dict[str, dict[str, int]] = field(default_factory=dict)
+    # Entries and bytes no configured policy claims; empty if the filter predates per-policy gauges.
+    unattributed: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def per_policy_gauges(self) -> bool:
+        return "entries" in self.unattributed
 
 
 def parse_prometheus(text: str) -> ProxyCounters:
@@ -87,9 +98,12 @@ def parse_prometheus(text: str) -> ProxyCounters:
             rest = sample.name[len(PROM_PREFIX):].removesuffix("_total")
             value = int(sample.value)
             m = _POLICY.match(rest)
+            u = _UNATTRIBUTED.match(rest)
             if m:
                 per = out.policies.setdefault(m.group(1), {"hits": 0, "misses": 0})
-                per[m.group(2)] += value
+                per[m.group(2)] = per.get(m.group(2), 0) + value
+            elif u:
+                out.unattributed[u.group(1)] = out.unattributed.get(u.group(1), 0) + value
             elif rest in COUNTERS or rest in GAUGES:
                 out.totals[rest] = out.totals.get(rest, 0) + value
     return out
@@ -191,6 +205,9 @@ class ModelRow:
     hits: int
     misses: int
     ambiguous_with: list[str]
+    # None when a readable proxy's filter does not report entries and bytes per policy.
+    entries: int | None = None
+    bytes: int | None = None
 
     @property
     def hit_ratio(self) -> float | None:
@@ -198,24 +215,44 @@ class ModelRow:
         return self.hits / seen if seen else None
 
 
+def _gauges_known(readings: list[ProxyReading]) -> bool:
+    """True when some proxy was read and every one read reports entries and bytes per policy."""
+    read = [r.counters for r in readings if r.ok and r.counters is not None]
+    return bool(read) and all(c.per_policy_gauges for c in read)
+
+
 def per_model(readings: list[ProxyReading], prefixes: list[str]) -> list[ModelRow]:
-    """Sum the per-policy counters of the readable proxies, named by the snapshot's prefixes."""
+    """Sum the per-policy counters and gauges of the readable proxies, named by the snapshot's
+    prefixes. A proxy without a policy's gauges holds none of its entries (its filter does not
+    have that policy), so it adds 0, unless its filter has no per-policy gauges at all."""
     by_name: dict[str, list[str]] = {}
     for p in prefixes:
         by_name.setdefault(prom_name(p), []).append(p)
+    zero = {"hits": 0, "misses": 0, "entries": 0, "bytes": 0}
     sums: dict[str, dict[str, int]] = {}
     for r in readings:
         if r.ok and r.counters is not None:
             for name, c in r.counters.policies.items():
-                s = sums.setdefault(name, {"hits": 0, "misses": 0})
-                s["hits"] += c["hits"]
-                s["misses"] += c["misses"]
+                s = sums.setdefault(name, dict(zero))
+                for what in zero:
+                    s[what] += c.get(what, 0)
+    known = _gauges_known(readings)
     rows = []
     for p in prefixes:
         name = prom_name(p)
-        s = sums.get(name, {"hits": 0, "misses": 0})
-        rows.append(ModelRow(p, True, s["hits"], s["misses"], [o for o in by_name[name] if o != p]))
+        s = sums.get(name, zero)
+        rows.append(ModelRow(p, True, s["hits"], s["misses"], [o for o in by_name[name] if o != p],
+                             s["entries"] if known else None, s["bytes"] if known else None))
     for name, s in sorted(sums.items()):
         if name not in by_name:  # counters of a policy no longer in the snapshot
-            rows.append(ModelRow(name, False, s["hits"], s["misses"], []))
+            rows.append(ModelRow(name, False, s["hits"], s["misses"], [],
+                                 s["entries"] if known else None, s["bytes"] if known else None))
     return rows
+
+
+def unattributed(readings: list[ProxyReading]) -> tuple[int | None, int | None]:
+    """(entries, bytes) no proxy's configured policies claim, summed; None if unknown."""
+    read = [r.counters for r in readings if r.ok and r.counters is not None]
+    if not _gauges_known(readings):
+        return None, None
+    return sum(c.unattributed.get("entries", 0) for c in read), sum(c.unattributed.get("bytes", 0) for c in read)

@@ -215,8 +215,9 @@ class ModelStats(BaseModel):
     hits: int
     misses: int
     hit_ratio: float | None = Field(description="hits / (hits + misses); null before any lookup")
-    entries: int | None = Field(None, description="Not reported per model by the filter (see proxies)")
-    bytes: int | None = Field(None, description="Not reported per model by the filter (see proxies)")
+    entries: int | None = Field(None, description="Entries of this policy in the readable proxies' caches; null if "
+                                "no proxy was read or one's filter does not report entries per policy")
+    bytes: int | None = Field(None, description="Bytes of this policy's entries (same rule as entries)")
     ambiguous_with: list[str] = Field(description="Other prefixes whose stat names are identical")
 
 
@@ -243,6 +244,9 @@ class StatsOut(BaseModel):
     proxies_read: int
     proxies_unread: int
     models: list[ModelStats]
+    unattributed_entries: int | None = Field(None, description="Entries no configured policy claims (a removed "
+                                             "policy's, until evicted); models + this = the proxies' entries")
+    unattributed_bytes: int | None = Field(None, description="Bytes of the unattributed entries")
     proxies: list[ProxyStats]
 
 

@@ -73,8 +73,18 @@ function renderStats(stats) {
     parts.push(" Stats of " + stats.proxies_unread + " proxy(ies) could not be read (see Proxies): "
       + "the sums leave them out.");
   }
-  parts.push(" The filter accounts entries and bytes per proxy, not per model: see Proxies.");
+  if (stats.unattributed_entries == null) {
+    parts.push(stats.proxies_read ? " Entries and bytes per model: unknown (a proxy's filter reports them per proxy"
+      + " only, see Proxies)." : "");
+  } else {
+    parts.push(" Entries and bytes: what each policy holds in the proxies' caches now.");
+  }
   note.replaceChildren(el("span", { class: stats.complete ? "" : "warn" }, parts.join("")));
+  const other = $("unattributed");
+  other.textContent = stats.unattributed_entries
+    ? "Not attributed to a current policy (a removed policy's entries, until evicted): "
+      + fmtInt(stats.unattributed_entries) + " entries, " + fmtBytes(stats.unattributed_bytes) + "."
+    : "";
 
   fill("models", stats.models.length ? stats.models.map((m) => {
     const ratio = m.hit_ratio == null ? "—" : (m.hit_ratio * 100).toFixed(1) + " %";
@@ -89,8 +99,8 @@ function renderStats(stats) {
     return el("tr", { "data-model": m.model_prefix }, name,
       el("td", { class: "num" }, fmtInt(m.hits)), el("td", { class: "num" }, fmtInt(m.misses)),
       el("td", { class: "num hit-ratio" }, ratio, bar),
-      el("td", { class: "num muted", title: "not reported per model" }, fmtInt(m.entries)),
-      el("td", { class: "num muted", title: "not reported per model" }, fmtBytes(m.bytes)));
+      el("td", { class: "num entries" }, fmtInt(m.entries)),
+      el("td", { class: "num bytes" }, fmtBytes(m.bytes)));
   }) : [emptyRow(6, "no policies and no counters yet")]);
 }
 

@@ -122,7 +122,21 @@ def test_every_dashboard_query_has_live_data(running_mesh: RunningMesh, promethe
         time.sleep(1)
     assert not missing, json.dumps(missing, indent=1)
     assert {"meshcache_policy_hits", "meshcache_hits", "meshcache_cp_snapshot_version",
-            "meshcache_engine_requests_total"} <= names
+            "meshcache_engine_requests_total", "meshcache_policy_entries", "meshcache_policy_bytes",
+            "meshcache_unattributed_entries", "meshcache_unattributed_bytes"} <= names
+
+    # Entries per model (the relabelled gauges) plus the unattributed ones add up to the total.
+    def adds_up(what: str) -> bool:
+        parts = _query(prometheus, f"sum(meshcache_policy_{what}) + sum(meshcache_unattributed_{what})")
+        total = _query(prometheus, f"sum(meshcache_{what})")
+        return bool(parts and total) and float(parts[0]["value"][1]) == float(total[0]["value"][1]) > 0
+
+    deadline = time.monotonic() + 20
+    while not (adds_up("entries") and adds_up("bytes")) and time.monotonic() < deadline:
+        time.sleep(1)
+    assert adds_up("entries") and adds_up("bytes")
+    stored = _query(prometheus, 'meshcache_policy_entries{model="mlp_classifier"}')
+    assert stored and float(stored[0]["value"][1]) >= 3, stored
 
     # The model variable lists the policies' models (label set by the scrape config's relabelling).
     models = httpx.get(f"{prometheus}/api/v1/label/model/values",

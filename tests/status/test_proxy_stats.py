@@ -14,6 +14,7 @@ from meshcache.control_plane.proxy_stats import (
     parse_sources,
     per_model,
     prom_name,
+    unattributed,
 )
 from meshcache.control_plane.snapshots import Snapshot
 
@@ -41,12 +42,53 @@ meshcache_entries{} 3
 meshcache_bytes{} 1236
 """
 
+# The same proxy with a filter that reports entries and bytes per policy.
+PER_POLICY_GAUGES = ENVOY_PAGE + """# TYPE meshcache_policy_resnet_mini_entries gauge
+meshcache_policy_resnet_mini_entries{} 2
+# TYPE meshcache_policy_resnet_mini_bytes gauge
+meshcache_policy_resnet_mini_bytes{} 1000
+# TYPE meshcache_policy_bert_v2_entries gauge
+meshcache_policy_bert_v2_entries{} 0
+# TYPE meshcache_policy_bert_v2_bytes gauge
+meshcache_policy_bert_v2_bytes{} 0
+# TYPE meshcache_policy_a_hits_entries gauge
+meshcache_policy_a_hits_entries{} 0
+# TYPE meshcache_unattributed_entries gauge
+meshcache_unattributed_entries{} 1
+# TYPE meshcache_unattributed_bytes gauge
+meshcache_unattributed_bytes{} 236
+"""
+
 
 def test_parse_keeps_the_filter_samples_only() -> None:
     c = parse_prometheus(ENVOY_PAGE)
     assert c.totals == {"hits": 7, "misses": 5, "entries": 3, "bytes": 1236}
     assert c.policies == {"resnet_mini": {"hits": 4, "misses": 1}, "bert_v2": {"hits": 3, "misses": 0},
                           "old_model": {"hits": 0, "misses": 4}}
+
+
+def test_per_policy_gauges_parse_and_add_up() -> None:
+    c = parse_prometheus(PER_POLICY_GAUGES)
+    assert c.per_policy_gauges and not parse_prometheus(ENVOY_PAGE).per_policy_gauges
+    assert c.policies["resnet_mini"] == {"hits": 4, "misses": 1, "entries": 2, "bytes": 1000}
+    assert c.policies["a_hits"] == {"hits": 0, "misses": 0, "entries": 0}, "a prefix ending in _hits"
+    assert c.unattributed == {"entries": 1, "bytes": 236}
+    assert sum(p.get("bytes", 0) for p in c.policies.values()) + c.unattributed["bytes"] == c.totals["bytes"]
+
+
+def test_per_model_entries_are_unknown_unless_every_readable_proxy_reports_them() -> None:
+    new = ProxyReading("a", "http://a", True, None, 0.0, parse_prometheus(PER_POLICY_GAUGES))
+    new2 = ProxyReading("b", "http://b", True, None, 0.0, parse_prometheus(PER_POLICY_GAUGES))
+    old = ProxyReading("c", "http://c", True, None, 0.0, parse_prometheus(ENVOY_PAGE))
+    down = ProxyReading("d", "http://d", False, "timed out", 0.0, None)
+    rows = {r.model_prefix: r for r in per_model([new, new2, down], ["resnet-mini", "bert.v2", "idle"])}
+    assert (rows["resnet-mini"].entries, rows["resnet-mini"].bytes) == (4, 2000)
+    assert (rows["idle"].entries, rows["idle"].bytes) == (0, 0), "no proxy holds entries of it"
+    assert unattributed([new, new2, down]) == (2, 472)
+    rows = {r.model_prefix: r for r in per_model([new, old], ["resnet-mini"])}
+    assert (rows["resnet-mini"].entries, rows["resnet-mini"].bytes) == (None, None)
+    assert unattributed([new, old]) == (None, None)
+    assert unattributed([down]) == (None, None) and per_model([down], ["x"])[0].entries is None
 
 
 def test_per_model_sums_readable_proxies_and_flags_collisions() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -55,6 +56,19 @@ def test_stats_follow_the_traffic(running_mesh: RunningMesh) -> None:
     proxy = next(p for p in stats["proxies"] if p["node_id"] == SERVER_NODE)
     assert proxy["ok"] and proxy["source"].endswith("/stats/prometheus")
     assert proxy["entries"] >= 2 and proxy["bytes"] > 0 and proxy["errors"] == 0
+    assert m["entries"] >= 2 and m["bytes"] > 0
+
+    # One proxy: its entries and bytes are the models' plus the unattributed ones (read together,
+    # retried: the filter sets its gauges one after another on each tick).
+    def adds_up() -> dict:
+        with running_mesh.client() as c:
+            s = c.get("/v1/stats").json()
+        p = next(p for p in s["proxies"] if p["node_id"] == SERVER_NODE)
+        models = [x for x in s["models"] if x["entries"] is not None]
+        ok = all(sum(x[w] for x in models) + s[f"unattributed_{w}"] == p[w] for w in ("entries", "bytes"))
+        return s if ok else {}
+
+    eventually(adds_up, timeout=10)
 
 
 def test_meshcache_status_prints_the_per_model_table(running_mesh: RunningMesh) -> None:
@@ -67,8 +81,11 @@ def test_meshcache_status_prints_the_per_model_table(running_mesh: RunningMesh) 
     for m in stats["models"]:
         assert any(line.split()[:1] == [m["model_prefix"]] for line in out.splitlines()), out
     assert f"proxy {SERVER_NODE}:" in out and "stats unavailable" not in out
+    row = re.search(r"^\s*mlp-classifier\s+[\d,]+\s+[\d,]+\s+(?:-|[\d.]+ %)\s+([\d,]+)\s+[\d.]+ \S*B\b", out, re.M)
+    assert row and int(row.group(1).replace(",", "")) >= 2, out  # entries and bytes per model
     report = json.loads(meshcache("status", "--json", "--state-dir", str(running_mesh.state_dir)).stdout)
     assert {m["model_prefix"] for m in report["cache"]["models"]} >= {"mlp-classifier", "resnet-mini"}
+    assert all(m["entries"] is not None for m in report["cache"]["models"])
 
 
 def test_unreadable_proxy_stats_are_reported_not_zeroed(lone_cp: tuple[ControlPlaneProc, str]) -> None:

@@ -82,6 +82,11 @@ def test_page_shows_policies_stats_history_and_rolls_back(running_mesh: RunningM
     _wait(driver, lambda d: "current" in _text(d, '#proxies tr[data-node="meshcache-server-sidecar"] td.acked'))
     _wait(driver, lambda d: _text(d, f'#models tr[data-model="{MODEL}"] td.hit-ratio') not in ("", "—"))
     assert "read" in _text(driver, '#proxies tr[data-node="meshcache-server-sidecar"] td.stats')
+    # Entries and bytes per model, as the filter accounts them per policy.
+    _wait(driver, lambda d: _text(d, f'#models tr[data-model="{MODEL}"] td.entries') not in ("", "—", "0"))
+    assert int(_text(driver, f'#models tr[data-model="{MODEL}"] td.entries').replace(",", "")) >= 1
+    assert _text(driver, f'#models tr[data-model="{MODEL}"] td.bytes').endswith(("B", "KiB", "MiB"))
+    assert "what each policy holds" in _text(driver, "#stats-note")
 
     # Roll back to the version before the change: two clicks (arm, confirm).
     button = driver.find_element(By.CSS_SELECTOR, f'#history tr[data-version="{before}"] button.rollback')
@@ -121,6 +126,7 @@ def test_read_token_and_unreadable_proxy_stats(driver: webdriver.Chrome, tmp_pat
         row = _text(driver, '#proxies tr[data-node="ghost-proxy"]')
         assert dead in row and "not connected" in row and "?" in row
         assert "could not be read" in _text(driver, "#stats-note")
+        assert _text(driver, '#models tr[data-model="m1"] td.entries') == "—", "unknown, not 0"
         assert "viewer (read)" in _text(driver, "#who")
         button = driver.find_element(By.CSS_SELECTOR, '#history tr[data-version="1"] button.rollback')
         assert not button.is_enabled()

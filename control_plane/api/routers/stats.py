@@ -6,7 +6,7 @@ import time
 
 from fastapi import APIRouter
 
-from ...proxy_stats import ProxyReading, per_model
+from ...proxy_stats import ProxyReading, per_model, unattributed
 from ...schemas import ModelStats, ProxyStats, StatsOut, WhoAmI
 from ..dependencies import CP, Reader
 from ..errors import ERRORS
@@ -30,11 +30,13 @@ async def stats(cp: CP, _p: Reader) -> StatsOut:
     nodes = [c.node_id for c in list(cp.xds.registry.connections.values()) if c.node_id]
     readings = await cp.proxy_stats.read(nodes)
     models = [ModelStats(model_prefix=m.model_prefix, in_policy=m.in_policy, hits=m.hits, misses=m.misses,
-                         hit_ratio=m.hit_ratio, ambiguous_with=m.ambiguous_with)
+                         hit_ratio=m.hit_ratio, entries=m.entries, bytes=m.bytes, ambiguous_with=m.ambiguous_with)
               for m in per_model(readings, [p.model_prefix for p in snap.policies])]
     read = sum(1 for r in readings if r.ok)
+    other_entries, other_bytes = unattributed(readings)
     return StatsOut(version=snap.version, read_at=time.time(), complete=read == len(readings),
                     proxies_read=read, proxies_unread=len(readings) - read, models=models,
+                    unattributed_entries=other_entries, unattributed_bytes=other_bytes,
                     proxies=[_proxy_stats(r) for r in readings])
 
 

@@ -25,7 +25,7 @@ def format_cache_table(stats: dict[str, Any]) -> str:
     total = stats["proxies_read"] + stats["proxies_unread"]
     lines = [f"cache (policy version {stats['version']}; counters since each proxy started; "
              f"stats of {stats['proxies_read']} of {total} proxies read)"]
-    width = max([len("model prefix"), *(len(m["model_prefix"]) for m in stats["models"])]) + 2
+    width = max([len("(no current policy)"), *(len(m["model_prefix"]) for m in stats["models"])]) + 2
     lines.append(f"  {'model prefix':<{width}}{'hits':>10}{'misses':>10}{'hit ratio':>11}{'entries':>9}{'bytes':>10}")
     for m in stats["models"]:
         ratio = "-" if m["hit_ratio"] is None else f"{m['hit_ratio'] * 100:.1f} %"
@@ -36,7 +36,11 @@ def format_cache_table(stats: dict[str, Any]) -> str:
                      f"{_count(m['entries']):>9}{human_bytes(m['bytes']):>10}{note}")
     if not stats["models"]:
         lines.append("  (no policies)")
-    lines.append("  entries and bytes are kept per proxy, not per model:")
+    if stats.get("unattributed_entries"):
+        other = f"{_count(stats['unattributed_entries']):>9}{human_bytes(stats.get('unattributed_bytes')):>10}"
+        lines.append(f"  {'(no current policy)':<{width}}{'':>31}{other}   (a removed policy's entries, until evicted)")
+    if stats["proxies_read"] and stats.get("unattributed_entries") is None:
+        lines.append("  entries and bytes per model unknown: a proxy's filter reports them per proxy only")
     for p in stats["proxies"]:
         if p["ok"]:
             lines.append(f"  proxy {p['node_id']}: {_count(p['entries'])} entries, {human_bytes(p['bytes'])}, "

@@ -1,0 +1,34 @@
+"""`meshcache status`'s per-model table from a /v1/stats answer."""
+
+from __future__ import annotations
+
+from meshcache.ctl.mesh.cache_table import format_cache_table
+
+
+def _stats(**over: object) -> dict:
+    stats = {"version": 7, "proxies_read": 1, "proxies_unread": 1, "unattributed_entries": 2,
+             "unattributed_bytes": 3 * 1024,
+             "models": [{"model_prefix": "resnet", "in_policy": True, "hits": 5, "misses": 5, "hit_ratio": 0.5,
+                         "entries": 4, "bytes": 2048, "ambiguous_with": []}],
+             "proxies": [{"node_id": "a", "ok": True, "entries": 6, "bytes": 5120, "evictions": 0, "errors": 0},
+                         {"node_id": "b", "ok": False, "error": "HTTP 503 from http://b"}]}
+    stats.update(over)
+    return stats
+
+
+def test_entries_and_bytes_per_model_and_unattributed() -> None:
+    out = format_cache_table(_stats()).splitlines()
+    resnet = next(line.split() for line in out if line.split()[:1] == ["resnet"])
+    assert resnet[1:] == ["5", "5", "50.0", "%", "4", "2.0", "KiB"]
+    other = next(line for line in out if line.strip().startswith("(no current policy)"))
+    assert other.split()[3:6] == ["2", "3.0", "KiB"]
+    assert any("proxy b: stats unavailable: HTTP 503" in line for line in out)
+
+
+def test_unknown_entries_say_so() -> None:
+    stats = _stats(unattributed_entries=None, unattributed_bytes=None)
+    stats["models"][0].update(entries=None, bytes=None)
+    out = format_cache_table(stats)
+    resnet = next(line.split() for line in out.splitlines() if line.split()[:1] == ["resnet"])
+    assert resnet[5:] == ["-", "-"]
+    assert "per model unknown" in out and "(no current policy)" not in out
