@@ -20,6 +20,13 @@ def _count(n: int | None) -> str:
     return "-" if n is None else f"{n:,}"
 
 
+def _ratio(hits: int | None, misses: int | None) -> str:
+    """Of this proxy's lookups; `-` before any (a client-role sidecar never looks up)."""
+    if hits is None or misses is None or hits + misses == 0:
+        return "-"
+    return f"{hits / (hits + misses) * 100:.1f} %"
+
+
 def format_cache_table(stats: dict[str, Any]) -> str:
     """`stats` is the control plane's GET /v1/stats answer."""
     total = stats["proxies_read"] + stats["proxies_unread"]
@@ -44,6 +51,7 @@ def format_cache_table(stats: dict[str, Any]) -> str:
     for p in stats["proxies"]:
         if p["ok"]:
             lines.append(f"  proxy {p['node_id']}: {_count(p['entries'])} entries, {human_bytes(p['bytes'])}, "
+                         f"hit ratio {_ratio(p.get('hits'), p.get('misses'))}, "
                          f"{_count(p['evictions'])} evictions, {_count(p['errors'])} errors")
         else:
             lines.append(f"  proxy {p['node_id']}: stats unavailable: {p['error']} (left out of the sums)")

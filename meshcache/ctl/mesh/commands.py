@@ -11,10 +11,11 @@ from typing import Any
 
 import httpx
 
+from meshcache.ctl.envoy_config import LB_POLICIES
 from meshcache.ctl.mesh import state
 from meshcache.ctl.mesh.api_client import ApiError, PolicyApi
 from meshcache.ctl.mesh.cache_table import format_cache_table
-from meshcache.ctl.mesh.config import MeshConfig, default_state_dir
+from meshcache.ctl.mesh.config import MAX_REPLICAS, MeshConfig, default_state_dir
 from meshcache.ctl.mesh.errors import MeshError
 
 
@@ -45,6 +46,11 @@ def format_endpoints(endpoints: dict[str, Any]) -> str:
         f"  engine:                        {e['engine_http']}   gRPC {e['engine_grpc']}   "
         f"metrics {e['engine_metrics']}",
     ]
+    if "replicas" in e:
+        lines.append(f"  replicas ({e['routing']}):")
+        for k, r in enumerate(e["replicas"], start=1):
+            lines.append(f"    {k}: server sidecar {r['server_sidecar_mtls']} (admin {r['server_sidecar_admin']})"
+                         f"   engine {r['engine_http']}")
     if "canary_color" in e:
         lines.append(f"  canary engine (colour {e['canary_color']!r}): metrics {e['canary_engine_metrics']}")
     return "\n".join(lines)
@@ -53,6 +59,12 @@ def format_endpoints(endpoints: dict[str, Any]) -> str:
 
 def _load_config(args: argparse.Namespace) -> MeshConfig:
     overrides: dict[str, Any] = {"state_dir": _state_dir(args)} if args.state_dir or not args.config else {}
+    if getattr(args, "replicas", None) is not None:
+        overrides["replicas"] = args.replicas
+    if getattr(args, "no_affinity", False):
+        overrides["affinity"] = False
+    if getattr(args, "lb_policy", None):
+        overrides["lb_policy"] = args.lb_policy
     config = MeshConfig.from_file(Path(args.config), **overrides) if args.config else MeshConfig(**overrides)
     return config.with_free_ports() if args.free_ports else config
 
@@ -125,6 +137,8 @@ def _health(endpoints: dict[str, Any]) -> dict[str, bool]:
         "client sidecar": f"{endpoints['client_sidecar_admin']}/ready",
         "server sidecar": f"{endpoints['server_sidecar_admin']}/ready",
     }
+    for k, r in enumerate(endpoints.get("replicas", [])[1:], start=2):
+        checks[f"server sidecar {k}"] = f"{r['server_sidecar_admin']}/ready"
     out = {}
     for name, url in checks.items():
         try:
@@ -259,6 +273,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     up.add_argument("--detach", action="store_true", help="run in the background; `meshcache down` stops it")
     up.add_argument("--config", help="JSON file of MeshConfig settings (ports, colours, identities, ...)")
     up.add_argument("--free-ports", action="store_true", help="pick free ports instead of the defaults")
+    up.add_argument("--replicas", type=int, metavar="N",
+                    help=f"engine + server-sidecar pairs, 1 to {MAX_REPLICAS} (default 1); with more than one "
+                         "the client sidecar routes by cache affinity")
+    up.add_argument("--no-affinity", action="store_true", help="with --replicas: balance round robin instead")
+    up.add_argument("--lb-policy", choices=LB_POLICIES, help="consistent hashing for affinity (default RING_HASH)")
     up.add_argument("--supervise", action="store_true", help=argparse.SUPPRESS)
     up.set_defaults(func=cmd_up)
 

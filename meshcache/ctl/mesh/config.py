@@ -18,7 +18,25 @@ from pathlib import Path
 from typing import Any
 
 from meshcache.contract.filter_config import DEMO_POLICIES
+from meshcache.ctl.envoy_config import LB_POLICIES
 from meshcache.ctl.pki import spiffe_id
+
+MAX_REPLICAS = 8
+# Replicas 2..N (`meshcache up --replicas N`) take their ports from a block at `replica_base`:
+# REPLICA_STRIDE ports each, in ReplicaPorts' field order.
+REPLICA_STRIDE = 10
+REPLICA_BLOCK = REPLICA_STRIDE * (MAX_REPLICAS - 1)
+
+
+@dataclass(frozen=True)
+class ReplicaPorts:
+    """One engine replica and its server sidecar."""
+
+    server_inbound: int
+    server_admin: int
+    engine_http: int
+    engine_grpc: int
+    engine_metrics: int
 
 
 @dataclass(frozen=True)
@@ -37,6 +55,17 @@ class Ports:
     canary_http: int = 18110
     canary_grpc: int = 18111
     canary_metrics: int = 18112
+    replica_base: int = 18200  # replicas 2..N: REPLICA_STRIDE ports each from here
+
+    def replica(self, k: int) -> ReplicaPorts:
+        """Ports of replica k (1-based): replica 1 has the named ports above."""
+        if k == 1:
+            return ReplicaPorts(self.server_inbound, self.server_admin, self.engine_http, self.engine_grpc,
+                                self.engine_metrics)
+        if not 2 <= k <= MAX_REPLICAS:
+            raise ValueError(f"replica {k}: 1 to {MAX_REPLICAS}")
+        base = self.replica_base + REPLICA_STRIDE * (k - 2)
+        return ReplicaPorts(*(base + i for i in range(len(dataclasses.fields(ReplicaPorts)))))
 
     # What listens on each port, for error messages ("port 15001 (client sidecar app listener)").
     @staticmethod
@@ -48,6 +77,7 @@ class Ports:
             "engine_http": "engine HTTP", "engine_grpc": "engine gRPC", "engine_metrics": "engine metrics",
             "canary_http": "canary engine HTTP", "canary_grpc": "canary engine gRPC",
             "canary_metrics": "canary engine metrics",
+            "replica_base": "first port of replicas 2..N",
         }[name]
 
     @classmethod
@@ -56,12 +86,17 @@ class Ports:
         can be taken by any client socket on the machine in the seconds before a component binds
         it, or while a crashed component is being restarted on it. The sockets stay bound until
         every port is picked."""
-        names = [f.name for f in dataclasses.fields(cls)]
+        names = [f.name for f in dataclasses.fields(cls) if f.name != "replica_base"]
         low, high = _ephemeral_range()
         pool = [p for p in range(*FREE_PORT_POOL) if not low <= p <= high]
         picked: list[int] = []
         with contextlib.ExitStack() as stack:
+            base = _free_block(stack, [p for p in pool if p + REPLICA_BLOCK < FREE_PORT_POOL[1]
+                                       and not low <= p + REPLICA_BLOCK <= high])
+            block = range(base, base + REPLICA_BLOCK)
             for port in random.sample(pool, min(len(pool), 4096)):
+                if port in block:
+                    continue
                 s = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
                 try:
                     s.bind(("127.0.0.1", port))
@@ -69,12 +104,31 @@ class Ports:
                     continue
                 picked.append(port)
                 if len(picked) == len(names):
-                    return cls(**dict(zip(names, picked, strict=True)))
+                    return cls(**dict(zip(names, picked, strict=True)), replica_base=base)
         raise OSError(f"no {len(names)} free ports in {FREE_PORT_POOL} outside the ephemeral range {low}-{high}")
 
 
 # Where `Ports.free` looks: above the well-known ports users' own services tend to take.
 FREE_PORT_POOL = (20000, 32768)
+
+
+def _free_block(stack: contextlib.ExitStack, starts: list[int]) -> int:
+    """The first port of REPLICA_BLOCK consecutive free ports (kept bound on `stack`)."""
+    for start in random.sample(starts, min(len(starts), 64)):
+        sockets = []
+        try:
+            for port in range(start, start + REPLICA_BLOCK):
+                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                sockets.append(s)
+                s.bind(("127.0.0.1", port))
+        except OSError:
+            for s in sockets:
+                s.close()
+            continue
+        for s in sockets:
+            stack.enter_context(s)
+        return start
+    raise OSError(f"no {REPLICA_BLOCK} consecutive free ports in {FREE_PORT_POOL}")
 
 
 def _ephemeral_range() -> tuple[int, int]:
@@ -122,6 +176,12 @@ class MeshConfig:
     crash_loop_limit: int = 5
     stable_after_s: float = 30.0
     envoy_concurrency: int = 1
+    # Engine replicas, each with its own server sidecar (and cache). With more than one, the client
+    # sidecar runs the filter in the client role and hashes on its routing key (cache affinity)
+    # with `lb_policy` (RING_HASH or MAGLEV); `affinity: false` balances round robin instead.
+    replicas: int = 1
+    affinity: bool = True
+    lb_policy: str = "RING_HASH"
     # Seeded into the control plane on a fresh state dir (policy version 0); kept across restarts.
     policies: dict[str, dict[str, Any]] = field(default_factory=lambda: {k: dict(v) for k, v in DEMO_POLICIES.items()})
 
@@ -134,6 +194,10 @@ class MeshConfig:
         return spiffe_id(self.namespace, self.server_service_account, self.trust_domain)
 
     def __post_init__(self) -> None:
+        if not 1 <= self.replicas <= MAX_REPLICAS:
+            raise ValueError(f"replicas must be 1 to {MAX_REPLICAS}; got {self.replicas}")
+        if self.lb_policy not in LB_POLICIES:
+            raise ValueError(f"lb_policy must be one of {', '.join(LB_POLICIES)}; got {self.lb_policy!r}")
         if not 0 < self.renew_before_hours < self.cert_hours:
             raise ValueError(f"renew_before_hours must be above 0 and below cert_hours ({self.cert_hours:g}); "
                              f"got {self.renew_before_hours:g}")

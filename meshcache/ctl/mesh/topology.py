@@ -1,10 +1,14 @@
 """The local mesh as real child processes: start in dependency order, check health, stop in reverse.
 
-    redis-server -> control plane -> engine (+ canary engine) -> server sidecar -> client sidecar
+    redis-server -> control plane -> engine(s) (+ canary engine) -> server sidecar(s) -> client sidecar
 
 The app talks plaintext to the client sidecar, which adds its traffic colour and forwards over
-HTTP/2 + strict mTLS to the server sidecar; that one runs the meshcache filter (config from the
-control plane over ECDS), serves hits itself and routes misses by colour to an engine.
+HTTP/2 + strict mTLS to a server sidecar; that one runs the meshcache filter (config from the
+control plane over ECDS), serves hits itself and routes misses by colour to its engine (the
+canary colour to the one canary engine). With `replicas` N > 1 there are N engine + server
+sidecar pairs (`engine-2`, `server-sidecar-2`, ...), each with its own cache, and the client
+sidecar runs the filter in the client role (ECDS resource `meshcache-client`) and hashes on its
+routing key (cache affinity: one replica holds each answer) unless `affinity` is off.
 """
 
 from __future__ import annotations
@@ -22,12 +26,13 @@ from typing import Any
 
 import httpx
 
+from meshcache.contract.filter_config import client_plugin_config
 from meshcache.contract.paths import FILTER_WASM, envoy_binary
 from meshcache.ctl import launchers, procs
-from meshcache.ctl.envoy_config import CacheProxy, ClientSidecar, Upstream, write
+from meshcache.ctl.envoy_config import Affinity, CacheProxy, ClientSidecar, Upstream, write
 from meshcache.ctl.mesh.api_client import ApiError, PolicyApi
 from meshcache.ctl.mesh.certs import CONTROL_PLANE_NAME, MeshCertificates, ensure_certificates
-from meshcache.ctl.mesh.config import MeshConfig, Ports
+from meshcache.ctl.mesh.config import MeshConfig, Ports, ReplicaPorts
 from meshcache.ctl.mesh.errors import MeshError
 from meshcache.ctl.mesh.healing import Healer, RestartPolicy
 from meshcache.ctl.mesh.state import process_start_time
@@ -38,8 +43,21 @@ CLIENT_NODE = "meshcache-client-sidecar"
 DEFAULT_PLUGIN_CONFIG: dict[str, Any] = {"version": "default", "policies": []}
 # Restarts wait for these to run first: the control plane is ready only with Redis reachable.
 DEPENDS_ON: dict[str, tuple[str, ...]] = {"control-plane": ("redis",)}
-# Components whose restart loses state users notice.
-RESTART_NOTES = {"server-sidecar": "its response cache was emptied by the restart"}
+# Components whose restart loses state users notice (every replica's server sidecar).
+RESTART_NOTE_SERVER = "its response cache was emptied by the restart"
+
+
+def replica_name(base: str, k: int) -> str:
+    """Replica 1 keeps the plain names (`engine`, `server-sidecar`); others get `-k`."""
+    return base if k == 1 else f"{base}-{k}"
+
+
+def server_node(k: int) -> str:
+    return replica_name(SERVER_NODE, k)
+
+
+def restart_note(name: str) -> str:
+    return RESTART_NOTE_SERVER if name.split("-")[:2] == ["server", "sidecar"] else ""
 
 
 def _check_port_free(port: int, what: str) -> None:
@@ -68,9 +86,12 @@ def check_prerequisites(config: MeshConfig) -> None:
         raise MeshError(f"{FILTER_WASM} is missing: build the filter (make filter)")
     ports = config.ports
     for name in vars(ports):
-        if name.startswith("canary_") and not config.canary_color:
+        if (name.startswith("canary_") and not config.canary_color) or name == "replica_base":
             continue
         _check_port_free(getattr(ports, name), Ports.describe(name))
+    for k in range(2, config.replicas + 1):
+        for name, port in vars(ports.replica(k)).items():
+            _check_port_free(port, f"replica {k} {Ports.describe(name)}")
 
 
 def load_or_create_token(state_dir: Path) -> str:
@@ -106,7 +127,8 @@ class Mesh:
         self.config = config
         self.log = log
         self.procs: list[procs.Proc] = []
-        self.engine: launchers.Engine | None = None
+        self.engine: launchers.Engine | None = None  # replica 1's
+        self.engines: dict[int, launchers.Engine] = {}  # by replica number
         self.canary: launchers.Engine | None = None
         self.certs: MeshCertificates | None = None
         self.token = ""
@@ -146,29 +168,34 @@ class Mesh:
         color_routes: dict[str, Upstream] = {}
         if canary_repo is not None:
             color_routes[cfg.canary_color] = Upstream(ports.canary_http, ports.canary_grpc)
-        server = CacheProxy(
-            listen_port=ports.server_inbound, admin_port=ports.server_admin,
-            http_upstream_port=ports.engine_http, grpc_upstream_port=ports.engine_grpc,
-            wasm_path=FILTER_WASM, plugin_config=DEFAULT_PLUGIN_CONFIG, ecds_port=ports.cp_xds,
-            node_id=SERVER_NODE, cluster="meshcache-server", downstream_tls=certs.server,
-            allowed_peers=[cfg.client_id], color_routes=color_routes,
-            xds_tls=certs.server, xds_peers=[cfg.control_plane_id])
+        replicas = {k: ports.replica(k) for k in range(1, cfg.replicas + 1)}
+        affinity = None
+        if cfg.replicas > 1 and cfg.affinity:
+            affinity = Affinity(FILTER_WASM, client_plugin_config(DEFAULT_PLUGIN_CONFIG), lb_policy=cfg.lb_policy,
+                                ecds_port=ports.cp_xds, xds_tls=certs.client, xds_peers=(cfg.control_plane_id,))
         client = ClientSidecar(listen_port=ports.app, admin_port=ports.client_admin,
-                               server_ports=[ports.server_inbound], identity=certs.client,
-                               server_identities=[cfg.server_id], color=cfg.color, node_id=CLIENT_NODE)
+                               server_ports=[r.server_inbound for r in replicas.values()], identity=certs.client,
+                               server_identities=[cfg.server_id], color=cfg.color, node_id=CLIENT_NODE,
+                               affinity=affinity)
         starts: list[tuple[str, str, Callable[[], procs.Proc]]] = [
             ("redis", "redis-server", lambda: launchers.start_redis(cfg.state_dir / "redis", port=ports.redis)[0]),
             ("control-plane", "the control plane", self._start_control_plane),
-            ("engine", "the engine", lambda: self._start_engine(default_repo, "engine")),
         ]
+        for k in replicas:
+            of = f" (replica {k} of {cfg.replicas})" if cfg.replicas > 1 else ""
+            starts.append((replica_name("engine", k), f"the engine{of}",
+                           lambda k=k: self._start_engine(default_repo, replica_name("engine", k))))
         if canary_repo is not None:
             starts.append(("engine-canary", f"the canary engine (traffic colour {cfg.canary_color!r})",
                            lambda: self._start_engine(canary_repo, "engine-canary")))
-        starts += [
-            ("server-sidecar", "the server sidecar (mTLS, meshcache filter over ECDS)",
-             self._envoy_starter("server-sidecar", server, ports.server_admin)),
-            ("client-sidecar", "the client sidecar", self._envoy_starter("client-sidecar", client, ports.client_admin)),
-        ]
+        for k, rp in replicas.items():
+            of = f", replica {k} of {cfg.replicas}" if cfg.replicas > 1 else ""
+            name = replica_name("server-sidecar", k)
+            starts.append((name, f"the server sidecar (mTLS, meshcache filter over ECDS{of})",
+                           self._envoy_starter(name, self._server_proxy(k, rp, color_routes), rp.server_admin)))
+        what = "the client sidecar" + (f" ({cfg.lb_policy} cache affinity over {cfg.replicas} replicas)"
+                                       if affinity is not None else "")
+        starts.append(("client-sidecar", what, self._envoy_starter("client-sidecar", client, ports.client_admin)))
         try:
             for name, what, start in starts:
                 self.log(f"starting {what} ...")
@@ -181,15 +208,31 @@ class Mesh:
         except ApiError as exc:
             raise MeshError(f"control plane: {exc}\n{self._tail('control-plane')}") from exc
 
+    def _server_proxy(self, k: int, rp: ReplicaPorts, color_routes: dict[str, Upstream]) -> CacheProxy:
+        cfg, certs = self.config, self.certs
+        assert certs is not None
+        return CacheProxy(
+            listen_port=rp.server_inbound, admin_port=rp.server_admin,
+            http_upstream_port=rp.engine_http, grpc_upstream_port=rp.engine_grpc,
+            wasm_path=FILTER_WASM, plugin_config=DEFAULT_PLUGIN_CONFIG, ecds_port=cfg.ports.cp_xds,
+            node_id=server_node(k), cluster="meshcache-server", downstream_tls=certs.server,
+            allowed_peers=[cfg.client_id], color_routes=color_routes,
+            xds_tls=certs.server, xds_peers=[cfg.control_plane_id])
+
     def _start_engine(self, repo: Path, name: str) -> procs.Proc:
         ports = self.config.ports
-        triple = ((ports.engine_http, ports.engine_grpc, ports.engine_metrics) if name == "engine"
-                  else (ports.canary_http, ports.canary_grpc, ports.canary_metrics))
-        engine = launchers.start_engine(repo, self.config.log_dir, name=name, ports=triple)
-        if name == "engine":
-            self.engine = engine
-        else:
+        if name == "engine-canary":
+            engine = launchers.start_engine(repo, self.config.log_dir, name=name,
+                                            ports=(ports.canary_http, ports.canary_grpc, ports.canary_metrics))
             self.canary = engine
+            return engine.proc
+        k = 1 if name == "engine" else int(name.rsplit("-", 1)[1])
+        rp = ports.replica(k)
+        engine = launchers.start_engine(repo, self.config.log_dir, name=name,
+                                        ports=(rp.engine_http, rp.engine_grpc, rp.engine_metrics))
+        self.engines[k] = engine
+        if k == 1:
+            self.engine = engine
         return engine.proc
 
     def restart(self, name: str) -> procs.Proc:
@@ -203,8 +246,8 @@ class Mesh:
 
     def healer(self, policy: RestartPolicy, log: Callable[[str], None]) -> Healer:
         return Healer(self.procs, self.restart, DEPENDS_ON, policy, log,
-                      on_restart_note=lambda name: (f"{RESTART_NOTES[name]} at {time.strftime('%H:%M:%S')}"
-                                                    if name in RESTART_NOTES else ""))
+                      on_restart_note=lambda name: (f"{restart_note(name)} at {time.strftime('%H:%M:%S')}"
+                                                    if restart_note(name) else ""))
 
     def refresh_certificates(self, force: bool = False) -> tuple[str, ...]:
         """Re-issue certificates that are due (or all of them with `force`); returns what was issued.
@@ -228,8 +271,8 @@ class Mesh:
                                            "--xds-tls-cert", str(certs.control_plane.cert),
                                            "--xds-tls-key", str(certs.control_plane.key),
                                            "--xds-tls-client-ca", str(certs.ca_cert),
-                                           # the status page's cache counters: the server sidecar's stats
-                                           "--proxy-stats", f"{SERVER_NODE}={self.server_stats_url()}")
+                                           # the status page's cache counters: the sidecars' stats
+                                           "--proxy-stats", ",".join(f"{n}={u}" for n, u in self.stats_urls().items()))
         env = {"MESHCACHE_CP_TOKENS": f"write:mesh:{self.token}"}
         return launchers.start_control_plane(argv, env, self.config.log_dir, ports.cp_http, ports.cp_xds,
                                             ready_path="/readyz")
@@ -252,7 +295,8 @@ class Mesh:
                     version = api.put(prefix, spec)["version"]
                 self.log(f"seeded {len(self.config.policies)} cache policies (version {version})")
             if version > 0:
-                api.wait_acked(SERVER_NODE, version, timeout=15)
+                for node in self.xds_nodes():
+                    api.wait_acked(node, version, timeout=15)
 
     def _wait_end_to_end(self, timeout: float = 15.0) -> None:
         """The app port answers through both sidecars and mTLS (the engine's readiness endpoint)."""
@@ -281,8 +325,22 @@ class Mesh:
     def api(self) -> PolicyApi:
         return PolicyApi(f"http://127.0.0.1:{self.config.ports.cp_http}", self.token)
 
-    def server_stats_url(self) -> str:
-        return f"http://127.0.0.1:{self.config.ports.server_admin}/stats/prometheus"
+    def server_stats_url(self, k: int = 1) -> str:
+        return f"http://127.0.0.1:{self.config.ports.replica(k).server_admin}/stats/prometheus"
+
+    def has_affinity(self) -> bool:
+        return self.config.replicas > 1 and self.config.affinity
+
+    def xds_nodes(self) -> list[str]:
+        """Envoys that take the filter's config from the control plane."""
+        nodes = [server_node(k) for k in range(1, self.config.replicas + 1)]
+        return nodes + [CLIENT_NODE] if self.has_affinity() else nodes
+
+    def stats_urls(self) -> dict[str, str]:
+        urls = {server_node(k): self.server_stats_url(k) for k in range(1, self.config.replicas + 1)}
+        if self.has_affinity():
+            urls[CLIENT_NODE] = f"http://127.0.0.1:{self.config.ports.client_admin}/stats/prometheus"
+        return urls
 
     def proc(self, name: str) -> procs.Proc:
         return next(p for p in self.procs if p.name == name)
@@ -314,6 +372,12 @@ class Mesh:
             "server_identity": cfg.server_id,
             "ca": str(self.certs.ca_cert) if self.certs else "",
         }
+        if cfg.replicas > 1:
+            out["replicas"] = [{"server_sidecar_admin": f"http://127.0.0.1:{rp.server_admin}",
+                                "server_sidecar_mtls": f"127.0.0.1:{rp.server_inbound}",
+                                "engine_http": f"http://127.0.0.1:{rp.engine_http}"}
+                               for rp in (ports.replica(k) for k in range(1, cfg.replicas + 1))]
+            out["routing"] = f"{cfg.lb_policy} cache affinity" if cfg.affinity else "round robin"
         if cfg.canary_color:
             out["canary_color"] = cfg.canary_color
             out["canary_engine_metrics"] = f"http://127.0.0.1:{ports.canary_metrics}/metrics"

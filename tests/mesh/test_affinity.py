@@ -1,0 +1,109 @@
+"""`meshcache up --replicas 3`: three engine + server-sidecar pairs behind the client sidecar's
+consistent-hash cluster, the client-role filter's config from the control plane over ECDS."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from meshcache.ctl import launchers
+from meshcache.ctl.mesh.cache_table import format_cache_table
+from meshcache.ctl.mesh.config import MeshConfig
+from meshcache.ctl.mesh.topology import CLIENT_NODE, Mesh, server_node
+from tests.mesh.helpers import canary_engine_calls, engine_requests, grpc_call, mlp_json, mlp_request, rest_infer
+
+MLP = "mlp-classifier"
+REPLICAS = 3
+
+
+@pytest.fixture(scope="module")
+def replicated(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    config = MeshConfig(state_dir=tmp_path_factory.mktemp("mesh-replicas"), replicas=REPLICAS).with_free_ports()
+    with Mesh(config, log=lambda _: None) as m:
+        yield m
+
+
+def replica_stats(mesh: Mesh, what: str) -> list[int]:
+    time.sleep(0.45)  # the filter flushes its counters every 200 ms
+    return [launchers.envoy_stats(mesh.config.ports.replica(k).server_admin, "wasmcustom.meshcache").get(
+        f"wasmcustom.meshcache.{what}", 0) for k in range(1, REPLICAS + 1)]
+
+
+def engine_calls(mesh: Mesh) -> list[float]:
+    return [engine_requests(f"http://127.0.0.1:{mesh.config.ports.replica(k).engine_metrics}/metrics", MLP)
+            for k in range(1, REPLICAS + 1)]
+
+
+def test_every_replica_and_the_client_sidecar_get_the_policies(replicated: Mesh) -> None:
+    with replicated.api() as api:
+        version = api.version()
+        for node in [*(server_node(k) for k in range(1, REPLICAS + 1)), CLIENT_NODE]:
+            api.wait_acked(node, version, timeout=10)
+    assert "replicas" in replicated.endpoints() and len(replicated.endpoints()["replicas"]) == REPLICAS
+
+
+def test_identical_requests_hit_on_the_replica_that_stored_them(replicated: Mesh) -> None:
+    app = replicated.endpoints()["app"]
+    stores_before, hits_before, calls_before = (replica_stats(replicated, "stores"), replica_stats(replicated, "hits"),
+                                                engine_calls(replicated))
+    body = mlp_json(seed=1301)
+    assert rest_infer(replicated.endpoints()["app"], MLP, body).headers["cache-status"] == "meshcache; fwd=miss; stored"
+    for _ in range(4):
+        assert rest_infer(app, MLP, body).headers["cache-status"].startswith("meshcache; hit")
+    request = mlp_request(seed=1302).SerializeToString()
+    assert grpc_call(app, request)[1] == "meshcache; fwd=miss; stored"
+    for _ in range(3):
+        assert grpc_call(app, request)[1].startswith("meshcache; hit")
+    stores = [a - b for a, b in zip(replica_stats(replicated, "stores"), stores_before, strict=True)]
+    hits = [a - b for a, b in zip(replica_stats(replicated, "hits"), hits_before, strict=True)]
+    calls = [a - b for a, b in zip(engine_calls(replicated), calls_before, strict=True)]
+    assert sum(stores) == 2 and sum(hits) == 7 and sum(calls) == 2
+    # Each answer's hits are on the replica whose engine computed it.
+    for k in range(REPLICAS):
+        assert hits[k] in (0, 4, 3, 7) and (hits[k] > 0) == (stores[k] > 0) == (calls[k] > 0)
+
+
+def test_keys_spread_over_the_replicas(replicated: Mesh) -> None:
+    app = replicated.endpoints()["app"]
+    before = replica_stats(replicated, "stores")
+    for seed in range(1400, 1430):
+        assert rest_infer(app, MLP, mlp_json(seed)).headers["cache-status"] == "meshcache; fwd=miss; stored"
+    stores = [a - b for a, b in zip(replica_stats(replicated, "stores"), before, strict=True)]
+    assert sum(stores) == 30 and all(s > 0 for s in stores), stores
+    for seed in range(1400, 1430):
+        assert rest_infer(app, MLP, mlp_json(seed)).headers["cache-status"].startswith("meshcache; hit")
+
+
+def test_the_canary_colour_keeps_its_engine_with_affinity(replicated: Mesh) -> None:
+    app = replicated.endpoints()["app"]
+    body = mlp_json(seed=1501)
+    canary_before = canary_engine_calls(replicated, MLP)
+    blue = {"x-traffic-color": replicated.config.canary_color}
+    first = rest_infer(app, MLP, body, blue)
+    assert first.headers["cache-status"] == "meshcache; fwd=miss; stored"
+    assert json.loads(first.content)["model_version"] == "1"  # the canary's default version
+    for _ in range(3):
+        again = rest_infer(app, MLP, body, blue)
+        assert again.headers["cache-status"].startswith("meshcache; hit")
+        assert json.loads(again.content)["model_version"] == "1"
+    default = rest_infer(app, MLP, body)
+    assert default.headers["cache-status"] == "meshcache; fwd=miss; stored"  # colours never share entries
+    assert json.loads(default.content)["model_version"] == "2"
+    assert canary_engine_calls(replicated, MLP) == canary_before + 1
+
+
+def test_status_shows_each_replica(replicated: Mesh) -> None:
+    rest_infer(replicated.endpoints()["app"], MLP, mlp_json(seed=1601))
+    with replicated.api() as api:
+        stats = api.stats()
+    nodes = {p["node_id"]: p for p in stats["proxies"]}
+    for k in range(1, REPLICAS + 1):
+        assert nodes[server_node(k)]["ok"], nodes
+    assert sum(nodes[server_node(k)]["entries"] for k in range(1, REPLICAS + 1)) > 0
+    table = format_cache_table(stats)
+    for k in range(1, REPLICAS + 1):
+        assert f"proxy {server_node(k)}: " in table
+    assert "hit ratio" in table
