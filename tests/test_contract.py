@@ -117,6 +117,7 @@ def test_header_names_match_the_filter() -> None:
     assert rust["CACHE_STATUS"] == headers.CACHE_STATUS_HEADER
     assert rust["MODEL_HEADER"] == headers.MODEL_ID_HEADER
     assert rust["ROUTE_KEY_HEADER"] == headers.ROUTE_KEY_HEADER
+    assert rust["UPSTREAM_CLUSTER_HEADER"] == headers.UPSTREAM_CLUSTER_HEADER
     assert headers.MODEL_ID_HEADER in fc.DEFAULT_HASH_HEADERS
 
 
@@ -124,6 +125,7 @@ def test_grpc_hit_marker_matches_the_filter() -> None:
     # The filter's proxy_set_property("meshcache_local") is Envoy filter state `wasm.meshcache_local`,
     # which the hit route matches (meshcache.contract.grpc_hit).
     assert grpc_hit.LOCAL_MARKER_FILTER_STATE == "wasm." + rust_str_consts(FILTER_SOURCES)["LOCAL_MARKER"]
+    assert grpc_hit.STALE_MARKER_FILTER_STATE == "wasm." + rust_str_consts(FILTER_SOURCES)["STALE_MARKER"]
 
 
 def test_plugin_config_is_canonical() -> None:

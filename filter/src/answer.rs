@@ -50,6 +50,16 @@ pub fn hit_headers(entry: &Entry, now_ms: u64) -> Vec<(String, String)> {
     ]
 }
 
+/// Replaces a hit's `Cache-Status` (a stale answer says why it was served).
+pub fn set_cache_status(answer: &mut HitAnswer, value: String) {
+    for (n, v) in answer.headers.iter_mut() {
+        if n == CACHE_STATUS {
+            *v = value;
+            return;
+        }
+    }
+}
+
 /// The body (HTTP) or message (gRPC, unframed) a hit sends for this request: the stored answer
 /// with the requester's id put back where the server wrote it, and by how many bytes that grew
 /// the JSON part (for the binary extension's length header).

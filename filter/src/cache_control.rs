@@ -12,6 +12,12 @@ pub struct CacheControl {
     /// A max-age or s-maxage without a valid delta-seconds, or given twice with different
     /// values: RFC 9111 §4.2.1 / §1.2.2 say to treat the answer as stale.
     pub invalid: bool,
+    /// RFC 5861 extensions (Some(0) when malformed: the origin meant something, so no staleness).
+    pub stale_if_error: Option<u64>,
+    pub stale_while_revalidate: Option<u64>,
+    /// must-revalidate / proxy-revalidate (RFC 9111 §5.2.2.2, §5.2.2.8): never served stale
+    /// unless the origin also allows it with an explicit `stale-*` directive.
+    pub must_revalidate: bool,
 }
 
 /// delta-seconds: digits only; values past u64 saturate (RFC 9111 §1.2.2 allows capping).
@@ -46,6 +52,11 @@ pub fn parse(value: &str) -> CacheControl {
             "private" => cc.private = true,
             "max-age" => set_once(&mut cc.max_age, seconds, &mut cc.invalid),
             "s-maxage" => set_once(&mut cc.s_maxage, seconds, &mut cc.invalid),
+            "stale-if-error" => cc.stale_if_error = Some(cc.stale_if_error.unwrap_or(u64::MAX).min(seconds.unwrap_or(0))),
+            "stale-while-revalidate" => {
+                cc.stale_while_revalidate = Some(cc.stale_while_revalidate.unwrap_or(u64::MAX).min(seconds.unwrap_or(0)))
+            }
+            "must-revalidate" | "proxy-revalidate" => cc.must_revalidate = true,
             _ => {}
         }
     }
@@ -148,6 +159,25 @@ pub fn response_ttl(policy: &Policy, f: &Freshness, now_s: u64) -> Result<u64, N
     Ok(ttl)
 }
 
+/// The stale windows (RFC 5861) a stored answer gets: (stale-if-error, stale-while-revalidate)
+/// seconds. Each is the policy's, or the origin's directive when it sends one, never more than
+/// the policy's (0 = off). Without an explicit directive, `must-revalidate`, `proxy-revalidate`
+/// and `s-maxage` (which implies proxy-revalidate for a shared cache, RFC 9111 §5.2.2.10) forbid
+/// serving the answer stale.
+pub fn stale_windows(policy: &Policy, cache_control: Option<&str>) -> (u32, u32) {
+    let cc = cache_control.map(parse).unwrap_or_default();
+    let forbidden = cc.must_revalidate || cc.s_maxage.is_some();
+    let window = |origin: Option<u64>, limit: u64| -> u32 {
+        let s = match origin {
+            Some(s) => s.min(limit),
+            None if forbidden => 0,
+            None => limit,
+        };
+        s.min(u32::MAX as u64) as u32
+    };
+    (window(cc.stale_if_error, policy.stale_if_error_s), window(cc.stale_while_revalidate, policy.stale_while_revalidate_s))
+}
+
 /// Seconds since the epoch of an IMF-fixdate (`Sun, 06 Nov 1994 08:49:37 GMT`), the form
 /// RFC 9110 §5.6.7 requires senders to use. The obsolete forms read as invalid (= stale).
 pub fn http_date(s: &str) -> Option<u64> {
@@ -198,6 +228,24 @@ mod tests {
         let cc = parse("public, Max-Age=60, s-maxage=\"30\", no-cache");
         assert_eq!(cc, CacheControl { no_cache: true, max_age: Some(60), s_maxage: Some(30), ..Default::default() });
         assert_eq!(parse("max-age=abc").max_age, None);
+    }
+
+    #[test]
+    fn stale_windows_are_the_policys_or_the_origins_clamped() {
+        let mut p = policy(60, 60);
+        p.stale_if_error_s = 600;
+        p.stale_while_revalidate_s = 30;
+        assert_eq!(stale_windows(&p, None), (600, 30));
+        assert_eq!(stale_windows(&p, Some("max-age=5, stale-if-error=100")), (100, 30));
+        assert_eq!(stale_windows(&p, Some("stale-if-error=100000, stale-while-revalidate=99999")), (600, 30), "clamped");
+        assert_eq!(stale_windows(&p, Some("stale-while-revalidate=0")), (600, 0));
+        assert_eq!(stale_windows(&p, Some("stale-if-error=abc")), (0, 30), "malformed: none");
+        assert_eq!(stale_windows(&p, Some("stale-if-error=9, stale-if-error=3")), (3, 30), "repeated: the smaller");
+        assert_eq!(stale_windows(&p, Some("must-revalidate")), (0, 0));
+        assert_eq!(stale_windows(&p, Some("s-maxage=9")), (0, 0), "s-maxage implies proxy-revalidate");
+        assert_eq!(stale_windows(&p, Some("proxy-revalidate, stale-if-error=50")), (50, 0), "explicit beats implied");
+        let off = policy(60, 60);
+        assert_eq!(stale_windows(&off, Some("stale-if-error=100, stale-while-revalidate=100")), (0, 0), "policy 0 = off");
     }
 
     fn ttl(p: &Policy, cc: Option<&str>) -> Result<u64, NotStored> {

@@ -399,6 +399,8 @@ pub fn build_entry(
     } else {
         None
     };
+    let (stale_if_error_s, stale_while_revalidate_s) =
+        cache_control::stale_windows(&c.policy, joined(response_headers, "cache-control").as_deref());
     let entry = Entry {
         key: c.key,
         policy: crate::accounting::policy_tag(&c.policy.model_prefix),
@@ -410,6 +412,8 @@ pub fn build_entry(
         headers,
         body,
         splice,
+        stale_if_error_s,
+        stale_while_revalidate_s,
     };
     Ok(Stored { entry, added_etag })
 }

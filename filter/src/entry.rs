@@ -4,9 +4,11 @@ use crate::accounting::UNATTRIBUTED;
 use crate::hashing::KeyDigest;
 use crate::keybody::Splice;
 
-/// MC3 adds the policy tag after the key; MC2 (where the answer's request id goes back) and MC1
-/// entries still decode, with the `UNATTRIBUTED` tag.
-const MAGIC: &[u8; 3] = b"MC3";
+/// MC4 adds the stale windows (RFC 5861) at the end; MC3 the policy tag after the key. MC3 (no
+/// stale windows), MC2 (where the answer's request id goes back) and MC1 entries still decode,
+/// MC2 and MC1 with the `UNATTRIBUTED` tag.
+const MAGIC: &[u8; 3] = b"MC4";
+const MAGIC_V3: &[u8; 3] = b"MC3";
 const MAGIC_V2: &[u8; 3] = b"MC2";
 const MAGIC_V1: &[u8; 3] = b"MC1";
 /// Where the policy tag sits in an MC3 entry (after magic and key).
@@ -29,6 +31,16 @@ pub struct Entry {
     pub body: Vec<u8>,
     /// Where a hit puts the requester's id back (None: the answer carried no id).
     pub splice: Option<Splice>,
+    /// How long past expiry this answer may still be served (RFC 5861; the policy's windows,
+    /// or the origin's `stale-*` directives clamped by them): when the origin fails, and while
+    /// one request refreshes it. The entry is kept until the longer one ends.
+    pub stale_if_error_s: u32,
+    pub stale_while_revalidate_s: u32,
+}
+
+/// Whether an encoded entry's magic says it carries a policy tag (MC3 and later).
+fn tagged(magic: &[u8]) -> bool {
+    magic == MAGIC || magic == MAGIC_V3
 }
 
 impl Entry {
@@ -40,7 +52,7 @@ impl Entry {
             Some(Splice::Proto { at }) => 1 + std::mem::size_of_val(at),
             Some(Splice::Json { at, before, after, .. }) => 1 + std::mem::size_of_val(at) + 1 + 4 + before.len() + after.len(),
         };
-        3 + 32 + 8 + 8 + 8 + 2 + 1 + 1 + self.response_hash.len() + 2 + header_bytes + 4 + self.body.len() + splice
+        3 + 32 + 8 + 8 + 8 + 2 + 1 + 1 + self.response_hash.len() + 2 + header_bytes + 4 + self.body.len() + splice + 8
     }
 
     pub fn encode(&self) -> Vec<u8> {
@@ -79,6 +91,8 @@ impl Entry {
                 }
             }
         }
+        out.extend_from_slice(&self.stale_if_error_s.to_be_bytes());
+        out.extend_from_slice(&self.stale_while_revalidate_s.to_be_bytes());
         out
     }
 
@@ -86,7 +100,8 @@ impl Entry {
         let mut r = Reader { buf };
         let magic = r.take(3)?;
         let v1 = magic == MAGIC_V1;
-        let v3 = magic == MAGIC;
+        let v4 = magic == MAGIC;
+        let v3 = tagged(magic);
         if !v1 && !v3 && magic != MAGIC_V2 {
             return None;
         }
@@ -131,15 +146,19 @@ impl Entry {
             Some(Splice::Proto { at }) | Some(Splice::Json { at, .. }) => *at as usize,
             None => 0,
         };
+        let (stale_if_error_s, stale_while_revalidate_s) = if v4 { (r.u32()?, r.u32()?) } else { (0, 0) };
         if !r.buf.is_empty() || at > body.len() {
             return None;
         }
-        Some(Entry { key, policy, stored_at_ms, expires_at_ms, status, grpc, response_hash, headers, body, splice })
+        Some(Entry {
+            key, policy, stored_at_ms, expires_at_ms, status, grpc, response_hash, headers, body, splice, stale_if_error_s,
+            stale_while_revalidate_s,
+        })
     }
 
     /// The key digest without decoding the rest: a slot is checked before it is unpacked.
     pub fn peek_key(buf: &[u8]) -> Option<&[u8]> {
-        if buf.len() < 35 || (&buf[..3] != MAGIC && &buf[..3] != MAGIC_V2 && &buf[..3] != MAGIC_V1) {
+        if buf.len() < 35 || !(tagged(&buf[..3]) || &buf[..3] == MAGIC_V2 || &buf[..3] == MAGIC_V1) {
             return None;
         }
         Some(&buf[3..35])
@@ -148,7 +167,7 @@ impl Entry {
     /// The policy tag of an encoded entry without decoding it (`UNATTRIBUTED` for entries
     /// without one, and for anything unreadable: what emptying the slot takes it out of).
     pub fn peek_policy(buf: &[u8]) -> u64 {
-        if buf.len() < TAG_AT + 8 || &buf[..3] != MAGIC {
+        if buf.len() < TAG_AT + 8 || !tagged(&buf[..3]) {
             return UNATTRIBUTED;
         }
         let mut t = [0u8; 8];
@@ -156,9 +175,9 @@ impl Entry {
         u64::from_be_bytes(t)
     }
 
-    /// Rewrites the policy tag of an encoded MC3 entry in place.
+    /// Rewrites the policy tag of an encoded MC3/MC4 entry in place.
     pub fn set_policy(buf: &mut [u8], tag: u64) {
-        if buf.len() >= TAG_AT + 8 && &buf[..3] == MAGIC {
+        if buf.len() >= TAG_AT + 8 && tagged(&buf[..3]) {
             buf[TAG_AT..TAG_AT + 8].copy_from_slice(&tag.to_be_bytes());
         }
     }
@@ -208,6 +227,8 @@ pub fn sample(key_byte: u8, body: &[u8], expires_at_ms: u64) -> Entry {
         headers: vec![("content-type".into(), "application/json".into())],
         body: body.to_vec(),
         splice: None,
+        stale_if_error_s: 0,
+        stale_while_revalidate_s: 0,
     }
 }
 
@@ -245,11 +266,16 @@ mod tests {
                 assert_eq!(Entry::decode(&buf[..n]), None);
             }
         }
-        // An MC2 entry is the MC3 layout without the policy tag; MC1 also lacks the splice byte.
-        // Both decode as unattributed (they were stored before per-policy accounting).
+        // An MC3 entry is the MC4 layout without the stale windows; MC2 also lacks the policy
+        // tag, MC1 also the splice byte. MC2 and MC1 decode as unattributed (they were stored
+        // before per-policy accounting); none has stale windows.
         let e = sample(4, b"{}", 9);
-        let mut v2 = e.encode();
-        assert_eq!(Entry::peek_policy(&v2), e.policy);
+        let mut v3 = e.encode();
+        v3.truncate(v3.len() - 8);
+        v3[..3].copy_from_slice(MAGIC_V3);
+        assert_eq!(Entry::decode(&v3), Some(e.clone()));
+        assert_eq!(Entry::peek_policy(&v3), e.policy);
+        let mut v2 = v3.clone();
         v2.drain(TAG_AT..TAG_AT + 8);
         v2[..3].copy_from_slice(MAGIC_V2);
         let old = Entry { policy: UNATTRIBUTED, ..e.clone() };
@@ -263,6 +289,8 @@ mod tests {
         let mut retagged = e.encode();
         Entry::set_policy(&mut retagged, 42);
         assert_eq!(Entry::decode(&retagged).map(|d| d.policy), Some(42));
+        let windows = Entry { stale_if_error_s: 600, stale_while_revalidate_s: 7, ..sample(6, b"{}", 9) };
+        assert_eq!(Entry::decode(&windows.encode()), Some(windows));
         // A splice point past the body is a corrupt entry.
         let bad = Entry { splice: Some(Splice::Proto { at: 3 }), ..sample(5, b"{}", 9) };
         assert_eq!(Entry::decode(&bad.encode()), None);

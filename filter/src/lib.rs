@@ -1,7 +1,8 @@
 //! meshcache: a proxy-wasm response cache for ML inference traffic.
 //!
 //! Plain-Rust logic (tested on the host with `cargo test`): `config`, `model`, `hashing`, `accounting`,
-//! `cache_control`, `entry`, `store`, `decide`, `answer`, `names`, `grpc`, `headermap`, `route_key`.
+//! `cache_control`, `entry`, `store`, `stale`, `decide`, `answer`, `names`, `grpc`, `headermap`,
+//! `route_key`.
 //! The proxy-wasm glue is compiled for wasm32 only: `abi` (host imports), `exports` (the
 //! exported callbacks), `root` (root context), `stream` (stream context), `metrics`.
 
@@ -19,6 +20,7 @@ pub mod keybody;
 pub mod model;
 pub mod names;
 pub mod route_key;
+pub mod stale;
 pub mod store;
 
 #[cfg(target_arch = "wasm32")]

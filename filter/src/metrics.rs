@@ -24,6 +24,12 @@ pub const BYTES: &str = "meshcache.bytes";
 /// Entries and bytes no configured policy claims (see accounting.rs).
 pub const UNATTRIBUTED_ENTRIES: &str = "meshcache.unattributed.entries";
 pub const UNATTRIBUTED_BYTES: &str = "meshcache.unattributed.bytes";
+/// RFC 5861: expired entries served because the origin failed / while one request refreshes
+/// them; background refreshes started and failed.
+pub const STALE_IF_ERROR: &str = "meshcache.stale_if_error";
+pub const STALE_WHILE_REVALIDATE: &str = "meshcache.stale_while_revalidate";
+pub const REFRESHES: &str = "meshcache.refreshes";
+pub const REFRESH_FAILURES: &str = "meshcache.refresh_failures";
 
 thread_local! {
     static IDS: RefCell<HashMap<String, u32>> = RefCell::new(HashMap::new());
@@ -59,7 +65,10 @@ pub fn count(name: &str, n: u64) {
     });
 }
 
-const COUNTERS: [&str; 7] = [HITS, MISSES, BYPASSES, STORES, EVICTIONS, ERRORS, ROUTED];
+const COUNTERS: [&str; 11] = [
+    HITS, MISSES, BYPASSES, STORES, EVICTIONS, ERRORS, ROUTED, STALE_IF_ERROR, STALE_WHILE_REVALIDATE, REFRESHES,
+    REFRESH_FAILURES,
+];
 const POLICY_COUNTERS: [&str; 2] = ["hits", "misses"];
 const POLICY_GAUGES_OF: [&str; 2] = ["entries", "bytes"];
 

@@ -12,6 +12,9 @@ pub const KSERVE_BINARY_HEADER: &str = "inference-header-content-length";
 /// Internal: set by the client-role filter for consistent-hash routing to the replica holding
 /// the answer; removed by the server-role filter (never part of a cache key).
 pub const ROUTE_KEY_HEADER: &str = "x-meshcache-route-key";
+/// Set on a held gRPC request an expired entry may answer: the cluster its route chose, which
+/// the stale route forwards to (docs/filter.md, stale-if-error).
+pub const UPSTREAM_CLUSTER_HEADER: &str = "x-meshcache-upstream-cluster";
 
 pub const CACHE_STATUS_STORED: &str = "meshcache; fwd=miss; stored";
 pub const CACHE_STATUS_REFRESHED: &str = "meshcache; fwd=request; stored";
@@ -22,6 +25,24 @@ pub const CACHE_STATUS_REFRESH: &str = "meshcache; fwd=request";
 
 pub fn cache_status_hit(ttl_left_s: u64) -> String {
     format!("meshcache; hit; ttl={}", ttl_left_s)
+}
+
+/// RFC 5861 answers from an expired entry carry `hit; stale`, a negative `ttl` (RFC 9211: seconds
+/// past expiry) and which rule allowed it in `detail`.
+pub const CACHE_STATUS_STALE: &str = "stale";
+pub const STALE_WHILE_REVALIDATE_DETAIL: &str = "stale-while-revalidate";
+pub const STALE_IF_ERROR_DETAIL: &str = "stale-if-error";
+
+/// Served at once while one request refreshes the entry.
+pub fn cache_status_stale_while_revalidate(past_s: u64) -> String {
+    format!("meshcache; hit; {}; ttl=-{}; detail={}", CACHE_STATUS_STALE, past_s, STALE_WHILE_REVALIDATE_DETAIL)
+}
+
+/// Served because the origin failed: the request was forwarded (`fwd=stale`); `fwd_status` is
+/// the HTTP status that came back (from the origin or from Envoy for it), when it was not 200.
+pub fn cache_status_stale_if_error(past_s: u64, fwd_status: Option<u16>) -> String {
+    let status = fwd_status.map(|s| format!("; fwd-status={}", s)).unwrap_or_default();
+    format!("meshcache; hit; {}; ttl=-{}; fwd=stale{}; detail={}", CACHE_STATUS_STALE, past_s, status, STALE_IF_ERROR_DETAIL)
 }
 
 /// A bypass whose reason is worth saying: `unparsable`, `nondeterministic`.
@@ -62,5 +83,8 @@ mod tests {
         assert_eq!(cache_status_forwarded(false), "meshcache; fwd=miss");
         assert_eq!(cache_status_bypass("unparsable"), "meshcache; fwd=bypass; detail=unparsable");
         assert_eq!(cache_status_stored(true), "meshcache; fwd=request; stored");
+        assert_eq!(cache_status_stale_while_revalidate(3), "meshcache; hit; stale; ttl=-3; detail=stale-while-revalidate");
+        assert_eq!(cache_status_stale_if_error(12, Some(503)), "meshcache; hit; stale; ttl=-12; fwd=stale; fwd-status=503; detail=stale-if-error");
+        assert_eq!(cache_status_stale_if_error(1, None), "meshcache; hit; stale; ttl=-1; fwd=stale; detail=stale-if-error");
     }
 }

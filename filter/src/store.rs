@@ -35,6 +35,10 @@ pub trait SharedData {
 #[derive(Debug, PartialEq)]
 pub enum Lookup {
     Hit(Entry),
+    /// Expired, but within what the lookup keeps (`lookup_keeping`): the caller decides what
+    /// it may still do (`stale::stale_use`). Storing a fresh answer replaces it (compare-and-
+    /// swap against the slot as seen).
+    Stale(Entry, SlotSeen),
     /// What the slot held when looked at, when known: storing the answer later can then
     /// compare-and-swap against it without reading the slot again (one VM crossing less).
     Miss(Option<SlotSeen>),
@@ -69,6 +73,11 @@ pub fn slot_key(i: u32) -> String {
 
 pub fn slot_of(key: &KeyDigest, slots: u32) -> u32 {
     u32::from_be_bytes([key[0], key[1], key[2], key[3]]) % slots.max(1)
+}
+
+/// How long past expiry an entry's own stale windows let it be served.
+fn stale_keep_ms(e: &Entry) -> u64 {
+    (e.stale_if_error_s.max(e.stale_while_revalidate_s) as u64) * 1000
 }
 
 fn stored_size(value_len: usize) -> u64 {
@@ -125,11 +134,18 @@ impl<'a, S: SharedData> Cache<'a, S> {
     }
 
     pub fn lookup(&self, key: &KeyDigest, now_ms: u64, out: &mut Outcome) -> Lookup {
-        self.lookup_at(slot_of(key, self.limits.max_entries), key, now_ms, out)
+        self.lookup_keeping(key, now_ms, 0, out)
     }
 
-    /// Looks in slot `i` (where the key's owner placed it) for a fresh entry with this key.
-    pub fn lookup_at(&self, i: u32, key: &KeyDigest, now_ms: u64, out: &mut Outcome) -> Lookup {
+    /// Like `lookup`, but an entry expired less than `keep_ms` ago (and less than its own stale
+    /// windows) is returned as `Stale` instead of being freed.
+    pub fn lookup_keeping(&self, key: &KeyDigest, now_ms: u64, keep_ms: u64, out: &mut Outcome) -> Lookup {
+        self.lookup_at(slot_of(key, self.limits.max_entries), key, now_ms, keep_ms, out)
+    }
+
+    /// Looks in slot `i` (where the key's owner placed it) for an entry with this key: fresh,
+    /// or expired less than `keep_ms` ago and within its stale windows.
+    pub fn lookup_at(&self, i: u32, key: &KeyDigest, now_ms: u64, keep_ms: u64, out: &mut Outcome) -> Lookup {
         let (value, cas) = match self.data.get(&slot_key(i)) {
             Some(v) => v,
             // Not created yet (layout being set up): a store must read it again.
@@ -150,8 +166,12 @@ impl<'a, S: SharedData> Cache<'a, S> {
         }
         match Entry::decode(&value) {
             Some(e) if e.expires_at_ms > now_ms => Lookup::Hit(e),
+            Some(e) if now_ms - e.expires_at_ms < keep_ms.min(stale_keep_ms(&e)) => {
+                let policy = e.policy;
+                Lookup::Stale(e, SlotSeen { len: value.len(), cas, policy })
+            }
             Some(_) => {
-                // Expired entries are never served; free the space right away.
+                // Expired past what may still be served: free the space right away.
                 if self.clear_slot(i, &value, cas) {
                     out.evicted += 1;
                 }
@@ -387,6 +407,38 @@ pub mod tests {
         assert_eq!(cache.meta().0.entries(), 0);
         assert_eq!(cache.meta().0.total_bytes(), 0);
         assert_eq!(out.evicted, 1);
+    }
+
+    #[test]
+    fn expired_entries_are_kept_for_their_stale_window_then_freed() {
+        let shared = MemShared::default();
+        let l = limits(1 << 20, 16);
+        let cache = Cache { data: &shared, limits: &l };
+        let mut out = Outcome::default();
+        cache.reconcile(&mut out);
+        let e = Entry { stale_if_error_s: 5, stale_while_revalidate_s: 2, ..entry(3, b"hello", 2000) };
+        cache.insert(&e, None, &mut out).unwrap();
+        assert_eq!(cache.lookup_keeping(&key(3), 1999, 60_000, &mut out), Lookup::Hit(e.clone()));
+        let seen = match cache.lookup_keeping(&key(3), 2000, 60_000, &mut out) {
+            Lookup::Stale(got, seen) => {
+                assert_eq!(got, e);
+                seen
+            }
+            other => panic!("{:?}", other),
+        };
+        // A refreshed answer replaces the stale entry in place (CAS against the slot as seen).
+        let fresh = Entry { stored_at_ms: 2500, ..entry(3, b"fresh", 9000) };
+        cache.insert(&fresh, Some(seen), &mut out).unwrap();
+        assert_eq!(cache.lookup_keeping(&key(3), 8999, 60_000, &mut out), Lookup::Hit(fresh));
+        assert_eq!(cache.meta().0.entries(), 1);
+        assert_eq!(cache.meta().0.total_bytes(), shared.stored_bytes());
+        // Past the entry's own window (5 s), or the caller's (keep_ms), it is a miss and freed.
+        let e = Entry { stale_if_error_s: 5, ..entry(4, b"x", 2000) };
+        cache.insert(&e, None, &mut out).unwrap();
+        assert!(matches!(cache.lookup_keeping(&key(4), 6999, 60_000, &mut out), Lookup::Stale(..)));
+        assert!(matches!(cache.lookup_keeping(&key(4), 6999, 1_000, &mut out), Lookup::Miss(None)), "caller keeps 1 s");
+        assert_eq!(cache.meta().0.entries(), 1);
+        assert_eq!(cache.meta().0.total_bytes(), shared.stored_bytes());
     }
 
     #[test]
@@ -705,13 +757,14 @@ mod per_policy_tests {
                         let i = rng.below(lim.max_entries as u64) as u32;
                         if let Some((mut v, c)) = shared.get(&slot_key(i)) {
                             if !v.is_empty() {
-                                *v.last_mut().unwrap() = 9; // no such splice form
+                                let splice_at = v.len() - 9; // the splice byte, before the 8 bytes of stale windows
+                                v[splice_at] = 9; // no such splice form
                                 assert!(Entry::decode(&v).is_none());
                                 shared.set(&slot_key(i), &v, c);
                                 if let Some(k) = Entry::peek_key(&v) {
                                     let mut kd = [0u8; 32];
                                     kd.copy_from_slice(k);
-                                    cache.lookup_at(i, &kd, 0, &mut out);
+                                    cache.lookup_at(i, &kd, 0, 0, &mut out);
                                     assert_eq!(out.corrupt, 1);
                                 }
                             }

@@ -13,6 +13,7 @@ use crate::metrics::{self, count, count_policy, error};
 use crate::model::ModelSource;
 use crate::names;
 use crate::route_key;
+use crate::stale;
 use crate::store::{Cache, Lookup, Outcome, StoreError};
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -27,7 +28,7 @@ thread_local! {
 }
 
 pub fn create(id: u32, plugin: Option<Rc<Config>>) {
-    STREAMS.with(|s| s.borrow_mut().insert(id, Stream { id, plugin, phase: Phase::Pass }));
+    STREAMS.with(|s| s.borrow_mut().insert(id, Stream { id, plugin, phase: Phase::Pass, fallback: None, stale_route: false }));
 }
 
 pub fn delete(id: u32) {
@@ -56,6 +57,9 @@ thread_local! {
 }
 
 const LOCAL_MARKER: &str = "meshcache_local";
+/// Filter state `wasm.meshcache_stale`: selects the stale route, whose Lua step gives a gRPC
+/// error (trailers-only) a body the filter can fill with the stale message.
+const STALE_MARKER: &str = "meshcache_stale";
 
 /// Response headers of a stream's pending gRPC hit reply, if it has one.
 pub fn grpc_reply_headers(id: u32, eos: bool) -> Option<u32> {
@@ -117,6 +121,9 @@ enum Phase {
     /// A storable miss whose answer is passing: copied for the store while it streams (or
     /// while held, see `decide::holds_answer`).
     Collect(Box<Collecting>),
+    /// A gRPC error the stale route's Lua step gave a body, not replaced: its status moves
+    /// from the headers to trailers at the end of that (empty) body.
+    StatusToTrailers(Vec<(String, String)>),
     Done,
 }
 
@@ -148,6 +155,20 @@ pub struct Stream {
     id: u32,
     plugin: Option<Rc<Config>>,
     phase: Phase,
+    /// An expired entry this forwarded request may be answered with if the origin fails
+    /// (stale-if-error). Read whole at lookup: one entry per such request in flight.
+    fallback: Option<Box<Fallback>>,
+    /// The request took the stale route (gRPC): a trailers-only answer arrives with a body.
+    stale_route: bool,
+}
+
+struct Fallback {
+    entry: crate::entry::Entry,
+    policy: crate::config::Policy,
+    /// Request headers and id, for the answer (If-None-Match, the caller's id).
+    headers: Vec<(String, String)>,
+    id: crate::keybody::RequestId,
+    grpc: bool,
 }
 
 impl Stream {
@@ -275,12 +296,23 @@ impl Stream {
         }
         let cache = Cache { data: &abi::HostShared, limits: &cfg.limits };
         let mut out = Outcome::default();
-        let found = cache.lookup(&c.key, now, &mut out);
+        let found = cache.lookup_keeping(&c.key, now, stale::keep_ms(&c.policy), &mut out);
         metrics::record_outcome(&out);
         let entry = match found {
             Lookup::Hit(e) => e,
             Lookup::Miss(seen) => {
                 c.seen = seen;
+                return self.miss(c);
+            }
+            Lookup::Stale(e, seen) => {
+                // Forwarded; a fresh answer replaces the entry where it is.
+                c.seen = Some(seen);
+                let if_error = stale::stale_use(&e, &c.policy, now).map_or(false, |u| u.if_error);
+                if if_error && (!c.grpc || self.take_stale_route(cfg.hold_headers)) {
+                    let headers = headers.clone();
+                    let (id, grpc, policy) = (c.request_id.clone(), c.grpc, c.policy.clone());
+                    self.fallback = Some(Box::new(Fallback { entry: e, policy, headers, id, grpc }));
+                }
                 return self.miss(c);
             }
         };
@@ -336,6 +368,29 @@ impl Stream {
         PAUSE
     }
 
+    /// Marks a gRPC request for the stale route (see `STALE_MARKER`). With held headers the
+    /// route forwards too: to the cluster the original route chose. False: not marked (the
+    /// request goes as it is and a gRPC error reaches the client).
+    fn take_stale_route(&mut self, hold_headers: bool) -> bool {
+        if hold_headers {
+            let cluster = abi::property(&["xds", "cluster_name"]).and_then(|b| String::from_utf8(b).ok());
+            match cluster.filter(|c| !c.is_empty()) {
+                Some(c) => abi::set_header(Map::RequestHeaders, names::UPSTREAM_CLUSTER_HEADER, &c),
+                None => {
+                    error("stale-if-error: the request's upstream cluster is unknown; gRPC errors pass");
+                    return false;
+                }
+            }
+        }
+        if !abi::set_property(STALE_MARKER, b"1") || !abi::call_foreign("clear_route_cache", b"") {
+            abi::set_property(STALE_MARKER, b"0");
+            error("stale-if-error: could not mark the gRPC request; gRPC errors pass");
+            return false;
+        }
+        self.stale_route = true;
+        true
+    }
+
     /// The request goes to the origin; its answer may be stored.
     fn miss(&mut self, c: Cacheable) -> u32 {
         count(metrics::MISSES, 1);
@@ -345,6 +400,28 @@ impl Stream {
     }
 
     pub fn on_response_headers(&mut self, eos: bool) -> u32 {
+        if let Some(f) = self.fallback.take() {
+            if let Some(action) = self.stale_if_error(*f, eos) {
+                self.phase = Phase::Done;
+                return action;
+            }
+        }
+        if self.stale_route && !eos {
+            if let Some(status) = abi::header(Map::ResponseHeaders, "grpc-status") {
+                // A gRPC error the Lua step gave a body and we do not replace: headers, then the
+                // status as trailers (a valid gRPC answer, like the trailers-only one was).
+                let mut moved = vec![("grpc-status".to_string(), status)];
+                if let Some(m) = abi::header(Map::ResponseHeaders, "grpc-message") {
+                    moved.push(("grpc-message".to_string(), m));
+                }
+                abi::remove_header(Map::ResponseHeaders, "grpc-status");
+                abi::remove_header(Map::ResponseHeaders, "grpc-message");
+                let refresh = matches!(&self.phase, Phase::Miss(c) if c.refresh);
+                abi::set_header(Map::ResponseHeaders, names::CACHE_STATUS, &names::cache_status_not_stored(refresh, NotStored::GrpcStatus));
+                self.phase = Phase::StatusToTrailers(moved);
+                return CONTINUE;
+            }
+        }
         let phase = std::mem::replace(&mut self.phase, Phase::Done);
         match phase {
             Phase::Bypass(None) => {
@@ -361,6 +438,51 @@ impl Stream {
                 CONTINUE
             }
         }
+    }
+
+    /// The origin (or Envoy for it: unreachable, timed out) answered with an error and an
+    /// expired entry may stand in for it: answer with the entry instead. None: the answer
+    /// passes as it is.
+    fn stale_if_error(&mut self, f: Fallback, eos: bool) -> Option<u32> {
+        let response = abi::headers(Map::ResponseHeaders);
+        let status: u16 = decide::header(&response.pairs, ":status").and_then(|s| s.parse().ok()).unwrap_or(0);
+        if !stale::is_origin_error(status, decide::header(&response.pairs, "grpc-status")) {
+            return None;
+        }
+        let now = abi::now_ms();
+        let u = stale::stale_use(&f.entry, &f.policy, now).filter(|u| u.if_error)?;
+        let request = HitRequest { headers: &f.headers, body: b"", id: &f.id };
+        if f.grpc {
+            if eos {
+                // No body to fill: the stale route (or its Lua step) is missing here.
+                error("stale-if-error: a gRPC error arrived without the stale route's body; passing it through");
+                return None;
+            }
+            let mut reply = answer::grpc_hit(&f.entry, &request, now);
+            answer::set_cache_status(&mut reply, names::cache_status_stale_if_error(u.past_s(), None));
+            let mut all: Vec<(&str, &str)> = vec![(":status", "200")];
+            all.extend(reply.headers.iter().map(|(n, v)| (n.as_str(), v.as_str())));
+            if !abi::set_headers(Map::ResponseHeaders, &all) {
+                error("stale-if-error: could not write the gRPC headers; passing the error through");
+                return None;
+            }
+            // The (empty) body and the trailer are written as for a hit (`grpc_reply_body`).
+            let framed = grpc::frame(&reply.body);
+            GRPC_REPLIES.with(|r| r.borrow_mut().insert(self.id, GrpcReply { headers: Vec::new(), framed }));
+            count(metrics::STALE_IF_ERROR, 1);
+            return Some(CONTINUE);
+        }
+        let mut reply = answer::http_hit(&f.entry, &request, now);
+        answer::set_cache_status(&mut reply, names::cache_status_stale_if_error(u.past_s(), Some(status)));
+        let h: Vec<(&str, &str)> = reply.headers.iter().map(|(n, v)| (n.as_str(), v.as_str())).collect();
+        // In the response phase Envoy sends a local reply straight to the client (the error
+        // answer is dropped).
+        if !abi::send_local_response(reply.status as u32, "meshcache_stale_if_error", &reply.body, &h, -1) {
+            error("stale-if-error: local reply failed; passing the error through");
+            return None;
+        }
+        count(metrics::STALE_IF_ERROR, 1);
+        Some(PAUSE)
     }
 
     fn limits(&self) -> Limits {
@@ -426,6 +548,15 @@ impl Stream {
 
     /// The answer's body passes; a copy is kept for the store up to `max_entry_bytes`.
     pub fn on_response_body(&mut self, size: usize, eos: bool) -> u32 {
+        if let Phase::StatusToTrailers(moved) = &self.phase {
+            if eos {
+                for (n, v) in moved {
+                    abi::add_header(Map::ResponseTrailers, n, v);
+                }
+                self.phase = Phase::Done;
+            }
+            return CONTINUE;
+        }
         let limit = self.limits().max_entry_bytes as usize;
         let mut k = match std::mem::replace(&mut self.phase, Phase::Done) {
             Phase::Collect(k) => k,

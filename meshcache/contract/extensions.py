@@ -97,7 +97,8 @@ def envoy_filter(*, color: str, url: str, sha256: str, plugin_config: Obj,
         # Two INSERT_BEFORE router patches in this order: [..., meshcache, grpc_hit_body, router].
         patches.append(_inbound_http_filter(port, cache_filter))
         patches.append(_inbound_http_filter(port, grpc_hit.grpc_hit_lua_filter()))
-        for route in grpc_hit.grpc_hit_routes():
+        # Each INSERT_FIRST goes on top: insert in reverse to keep grpc_hit_routes()' order.
+        for route in reversed(grpc_hit.grpc_hit_routes()):
             patches.append({"applyTo": "HTTP_ROUTE",
                             "match": {"context": "SIDECAR_INBOUND", "routeConfiguration": {"portNumber": port}},
                             "patch": {"operation": "INSERT_FIRST", "value": route}})

@@ -15,3 +15,6 @@ MODEL_ID_HEADER = "x-model-id"
 # Internal: the client-role filter's routing key (consistent-hash `hash_policy` header that sends
 # identical requests to one replica); the server-role filter removes it. Never part of a cache key.
 ROUTE_KEY_HEADER = "x-meshcache-route-key"
+# Set by the filter on a held gRPC request an expired entry may answer (stale-if-error): the
+# cluster its route chose, which the stale route forwards to (meshcache.contract.grpc_hit).
+UPSTREAM_CLUSTER_HEADER = "x-meshcache-upstream-cluster"

@@ -9,7 +9,8 @@ transfer coding), `x-origin-pace` (seconds between chunks or events), `x-origin-
 `x-traffic-color` line, so an answer served to the wrong client shows. `GET /calls` returns how many POSTs were served.
 gRPC: `/inference.GRPCInferenceService/ModelInfer` answers with a protobuf message carrying the
 request's model name (field 1) and a digest of the request (field 5 bytes); metadata
-`x-origin-grpc-fail` makes it fail with INVALID_ARGUMENT.
+`x-origin-grpc-fail` makes it fail with INVALID_ARGUMENT, `x-origin-grpc-code` with that status
+(a `grpc.StatusCode` name, e.g. UNAVAILABLE).
 
 Like a KServe v2 server, both echo a request id (REST top-level `"id"` string, gRPC field 3) in
 the answer, and the rest of the answer does not depend on it (the digest leaves the id out). The
@@ -151,6 +152,8 @@ def _model_infer(request: bytes, context: grpc.ServicerContext) -> bytes:
     _count("grpc")
     if dict(context.invocation_metadata()).get("x-origin-grpc-fail"):
         context.abort(grpc.StatusCode.INVALID_ARGUMENT, "origin asked to fail")
+    if code := dict(context.invocation_metadata()).get("x-origin-grpc-code"):
+        context.abort(grpc.StatusCode[code], f"origin asked to fail with {code}")
     parsed = pb.ModelInferRequest.FromString(request)
     request_id = parsed.id.encode()
     if request_id:

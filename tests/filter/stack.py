@@ -36,6 +36,9 @@ class Stack:
     http_port: int
     grpc_port: int
     log_dir: Path
+    # The test origin (None when the caller runs its own upstream): tests stop it to make the
+    # upstream unreachable.
+    origin: procs.Proc | None = None
 
     def url(self, path: str) -> str:
         return f"http://127.0.0.1:{self.listen_port}{path}"
@@ -65,12 +68,15 @@ def filter_stack(tmp: Path, config: dict[str, Any], concurrency: int = 1,
                  allow_on_headers_stop_iteration: bool = True,
                  buffer_limit_bytes: int | None = BUFFER_LIMIT_BYTES,
                  upstream: tuple[int, int] | None = None,
-                 without_grpc_hit_route: bool = False) -> Iterator[Stack]:
+                 without_grpc_hit_route: bool = False,
+                 route_timeout_s: float | None = None) -> Iterator[Stack]:
     """`upstream`: (HTTP, gRPC) ports of a server the caller runs (the engine) instead of the
     test origin. `without_grpc_hit_route`: a misconfigured Envoy lacking the single-pass hit
-    route and Lua filter."""
+    route and Lua filter. `route_timeout_s`: the routes' upstream timeout (Envoy answers 504,
+    gRPC UNAVAILABLE, past it)."""
     listen_port, admin_port = procs.free_port(), procs.free_port()
     started: list[procs.Proc] = []
+    origin: procs.Proc | None = None
     with procs.supervised(started):
         if upstream is None:
             http_port, grpc_port = procs.free_port(), procs.free_port()
@@ -94,8 +100,15 @@ def filter_stack(tmp: Path, config: dict[str, Any], concurrency: int = 1,
             vhost = hcm["route_config"]["virtual_hosts"][0]
             vhost["routes"] = [r for r in vhost["routes"] if r.get("name") != GRPC_HIT_ROUTE]
             config_path.write_text(yaml.safe_dump(doc, sort_keys=False))
+        if route_timeout_s is not None:
+            doc = yaml.safe_load(config_path.read_text())
+            hcm = doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+            for route in hcm["route_config"]["virtual_hosts"][0]["routes"]:
+                if "route" in route:
+                    route["route"]["timeout"] = f"{route_timeout_s}s"
+            config_path.write_text(yaml.safe_dump(doc, sort_keys=False))
         started.append(launchers.start_envoy(config_path, admin_port, tmp, concurrency=concurrency))
-        yield Stack(listen_port, admin_port, http_port, grpc_port, tmp)
+        yield Stack(listen_port, admin_port, http_port, grpc_port, tmp, origin)
 
 
 def expected_hash(

@@ -38,7 +38,14 @@ def test_fragments_validate_in_envoy(tmp_path: Path) -> None:
 def test_fragment_shapes() -> None:
     assert grpc_hit.grpc_hit_lua_filter() == {"name": "meshcache.grpc_hit_body",
                                               "typed_config": {"@type": grpc_hit.LUA_TYPE}}
-    (route,) = grpc_hit.grpc_hit_routes()
+    route, stale = grpc_hit.grpc_hit_routes()
     assert route["match"]["grpc"] == {}
     assert route["match"]["filter_state"] == [{"key": "wasm.meshcache_local", "string_match": {"exact": "1"}}]
     assert route["typed_per_filter_config"]["meshcache.grpc_hit_body"] == grpc_hit.grpc_hit_lua_per_route()
+    # stale-if-error: forwards (held headers) to the cluster the filter names, Lua body step on errors only.
+    assert stale["name"] == grpc_hit.GRPC_STALE_ROUTE and stale["match"]["grpc"] == {}
+    assert stale["match"]["filter_state"] == [{"key": "wasm.meshcache_stale", "string_match": {"exact": "1"}}]
+    assert stale["route"]["cluster_header"] == "x-meshcache-upstream-cluster"
+    assert stale["request_headers_to_remove"] == ["x-meshcache-upstream-cluster"]
+    lua = stale["typed_per_filter_config"]["meshcache.grpc_hit_body"]["source_code"]["inline_string"]
+    assert 'get("grpc-status")' in lua

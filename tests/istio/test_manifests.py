@@ -95,7 +95,8 @@ def test_default_install_caches_grpc(pins: render.Pins) -> None:
     grpc_filters = [p["patch"]["value"]["name"] for p in patches
                     if p["applyTo"] == "HTTP_FILTER" and p["match"]["listener"]["portNumber"] == 8001]
     assert grpc_filters == ["meshcache", "meshcache.grpc_hit_body"]
-    assert [p["patch"]["value"]["name"] for p in patches if p["applyTo"] == "HTTP_ROUTE"] == ["meshcache_grpc_hit"]
+    assert [p["patch"]["value"]["name"] for p in patches if p["applyTo"] == "HTTP_ROUTE"] == [
+        "meshcache_grpc_stale", "meshcache_grpc_hit"]
     op = validate.load_yaml_objects(ISTIO_DIR / "install" / "istio-operator-mcp.yaml")[0]["spec"]["meshConfig"]
     assert op["meshMTLS"]["minProtocolVersion"] == "TLSV1_3"
     assert [s["address"] for s in op["configSources"]] == [

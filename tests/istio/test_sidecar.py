@@ -65,7 +65,7 @@ def test_patches_land_where_istio_puts_them(tmp_path: Path, pins: render.Pins) -
         [*order[:-1], "meshcache", grpc_hit.GRPC_HIT_LUA_FILTER, order[-1]]]
     assert list(sidecar.http_filters(patched, HTTP)) == 2 * [[*order[:-1], "meshcache", order[-1]]]
     assert [r["name"] for r in sidecar.route_config(patched, GRPC)["virtual_hosts"][0]["routes"]] == [
-        grpc_hit.GRPC_HIT_ROUTE, "default"]
+        grpc_hit.GRPC_HIT_ROUTE, grpc_hit.GRPC_STALE_ROUTE, "default"]
     assert [r["name"] for r in sidecar.route_config(patched, HTTP)["virtual_hosts"][0]["routes"]] == ["default"]
     [(name, ext)] = ecds.items()
     wasm = ext["typed_config"]["config"]
@@ -215,5 +215,6 @@ def test_local_mesh_server_sidecar_runs_the_same_filter_chain(pins: render.Pins)
     assert hcm["http_filters"][0]["config_discovery"]["type_urls"][0] == \
         grpc_filters[0]["config_discovery"]["type_urls"][0]
     routes = hcm["route_config"]["virtual_hosts"][0]["routes"]
-    hit = [p["patch"]["value"] for p in patches if p["applyTo"] == "HTTP_ROUTE"]
+    # Each INSERT_FIRST patch lands on top: the last patch is the first route.
+    hit = [p["patch"]["value"] for p in patches if p["applyTo"] == "HTTP_ROUTE"][::-1]
     assert routes[:len(hit)] == hit
