@@ -14,7 +14,7 @@ from pydantic import ValidationError
 
 from .api import create_app
 from .auth import TokenConfigError, TokenTable
-from .proxy_stats import StatsConfigError, parse_sources
+from .proxy_stats import ProxyStatsReader, StatsConfigError, parse_dns_names, parse_sources
 from .settings import Settings
 from .wiring import ControlPlane
 
@@ -39,8 +39,10 @@ def parse_args(argv: Sequence[str] | None) -> dict[str, Any]:
     p.add_argument("--instance-id")
     p.add_argument("--proxy-stats", help="`node_id=url` entries (comma-separated): where each proxy's "
                                          "Prometheus stats are read for the status page")
-    p.add_argument("--proxy-stats-template", help="stats URL with {ip} for Istio node ids, "
-                                                  "e.g. http://{ip}:15020/stats/prometheus")
+    p.add_argument("--proxy-stats-template", help="stats URL with {ip} for Istio node ids and --proxy-stats-dns "
+                                                  "addresses, e.g. http://{ip}:15090/stats/prometheus")
+    p.add_argument("--proxy-stats-dns", help="DNS names (comma-separated) whose addresses are proxies to read "
+                                             "through the template: headless Services of the cached pods")
     p.add_argument("--log-level", default="info")
     args = vars(p.parse_args(argv))
     return {k: v for k, v in args.items() if v is not None}
@@ -64,7 +66,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         settings = Settings(**args)
         tokens = TokenTable.from_settings(settings)
-        parse_sources(settings.proxy_stats)  # bad entries: refuse to start, say which
+        # Bad entries: refuse to start, say which.
+        ProxyStatsReader(parse_sources(settings.proxy_stats), settings.proxy_stats_template,
+                         dns_names=parse_dns_names(settings.proxy_stats_dns))
     except (ValidationError, TokenConfigError, StatsConfigError, OSError) as exc:
         print(f"meshcache-control-plane: bad configuration: {exc}", file=sys.stderr)
         return 2

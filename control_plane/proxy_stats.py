@@ -6,8 +6,12 @@ Prometheus scrapes there). The control plane reads that on demand (the status pa
 status`), bounded in time, size and fan-out, and keeps each reading for `cache_s`.
 
 Where a proxy's stats come from is configured per node id (`node=url` entries) or by a template
-with `{ip}` filled from an Istio node id (`sidecar~<ip>~<pod>.<ns>~...`). A proxy without a
-source, or whose stats can't be read, is reported as such with the reason, never as zeros.
+with `{ip}` filled from an Istio node id (`sidecar~<ip>~<pod>.<ns>~...`). Proxies that do not take
+their configuration from this control plane (Istio sidecars fed by istiod) are found by DNS: each
+address a name resolves to (a headless Service selecting the pods: one A record per ready pod)
+is read through the template, as proxy `<name>/<ip>`. A proxy without a source, whose stats
+can't be read, or a name that does not resolve, is reported as such with the reason, never as
+zeros.
 
 Envoy exports a Wasm filter's stats (`wasmcustom.` namespace) in Prometheus text without its
 `envoy_` prefix and namespace: `meshcache.hits` becomes `meshcache_hits`, and the per-policy
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import socket
 import time
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
@@ -40,6 +45,8 @@ _POLICY = re.compile(r"^policy_(.+)_(hits|misses|entries|bytes)$")
 _UNATTRIBUTED = re.compile(r"^unattributed_(entries|bytes)$")
 _ISTIO_NODE = re.compile(r"^[a-z]+~([0-9a-fA-F.:]+)~")
 _SOURCE = re.compile(r"^([^=\s]{1,256})=(\S+)$")
+_LABEL = r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+_DNS_NAME = re.compile(rf"^(?=.{{1,253}}$){_LABEL}(\.{_LABEL})*\.?$")
 
 
 class StatsConfigError(ValueError):
@@ -70,6 +77,15 @@ def parse_sources(text: str) -> dict[str, str]:
             raise StatsConfigError(f"proxy stats entry {n} is not `node_id=url`: {entry[:80]!r}")
         out[m.group(1)] = _check_url(m.group(2), f"proxy stats entry {n}")
     return out
+
+
+def parse_dns_names(text: str) -> list[str]:
+    """Comma- or newline-separated DNS names whose addresses are proxies to read."""
+    names = [n.strip() for n in re.split(r"[\n,]", text) if n.strip()]
+    for n in names:
+        if not _DNS_NAME.match(n):
+            raise StatsConfigError(f"proxy stats DNS name {n[:80]!r} is not a host name")
+    return list(dict.fromkeys(names))
 
 
 @dataclass
@@ -122,23 +138,67 @@ class ProxyReading:
 class ProxyStatsReader:
     def __init__(self, sources: dict[str, str], template: str = "", timeout_s: float = 1.0,
                  max_bytes: int = 8 * 1024 * 1024, max_proxies: int = 200, cache_s: float = 2.0,
-                 concurrency: int = 16) -> None:
+                 concurrency: int = 16, dns_names: list[str] | None = None) -> None:
         self.sources = dict(sources)
         self.template = _check_url(template, "proxy stats template") if template else ""
+        self.dns_names = list(dns_names or [])
+        if self.dns_names and "{ip}" not in self.template:
+            raise StatsConfigError("proxy stats DNS names need a proxy stats template with {ip}")
+        # name -> (resolved at, addresses or the error); node id -> URL of the last resolution.
+        self._resolved: dict[str, tuple[float, list[str] | str]] = {}
+        self._discovered: dict[str, str] = {}
         self.timeout_s, self.max_bytes, self.max_proxies = timeout_s, max_bytes, max_proxies
         self.cache_s = cache_s
         self._gate = asyncio.Semaphore(concurrency)
         self._cache: dict[str, ProxyReading] = {}
         self._client: httpx.AsyncClient | None = None
 
+    def _fill(self, ip: str) -> str:
+        return self.template.replace("{ip}", f"[{ip}]" if ":" in ip else ip)
+
     def source_of(self, node_id: str) -> str | None:
         if node_id in self.sources:
             return self.sources[node_id]
+        if node_id in self._discovered:
+            return self._discovered[node_id]
         m = _ISTIO_NODE.match(node_id)
         if self.template and m:
-            ip = m.group(1)
-            return self.template.replace("{ip}", f"[{ip}]" if ":" in ip else ip)
+            return self._fill(m.group(1))
         return None
+
+    async def _resolve(self, name: str) -> list[str] | str:
+        """The name's addresses (sorted, at most max_proxies), or why there are none."""
+        cached = self._resolved.get(name)
+        now = time.time()
+        if cached is not None and now - cached[0] < self.cache_s:
+            return cached[1]
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                infos = await asyncio.get_running_loop().getaddrinfo(name, None, proto=socket.IPPROTO_TCP)
+            found: list[str] | str = sorted({str(i[4][0]) for i in infos})[:self.max_proxies]
+            if not found:
+                found = f"DNS name {name} resolves to no address"
+        except TimeoutError:
+            found = f"DNS lookup of {name} took longer than {self.timeout_s:g}s"
+        except OSError as exc:
+            found = f"DNS lookup of {name} failed: {exc}"
+        self._resolved[name] = (now, found)
+        return found
+
+    async def _discover(self) -> tuple[list[str], list[ProxyReading]]:
+        """Proxies found by DNS (node ids `<name>/<ip>`), and a failed reading per name that
+        did not resolve."""
+        found: dict[str, str] = {}
+        failed = []
+        resolved = await asyncio.gather(*(self._resolve(n) for n in self.dns_names))
+        for name, addrs in zip(self.dns_names, resolved, strict=True):
+            if isinstance(addrs, str):
+                failed.append(ProxyReading(f"{name} (DNS)", None, False, addrs, time.time()))
+                continue
+            for ip in addrs:
+                found[f"{name}/{ip}"] = self._fill(ip)
+        self._discovered = found
+        return list(found), failed
 
     async def close(self) -> None:
         if self._client is not None:
@@ -147,12 +207,14 @@ class ProxyStatsReader:
 
     async def read(self, node_ids: list[str]) -> list[ProxyReading]:
         """A reading for every proxy in `node_ids` plus every configured one (bounded fan-out)."""
-        wanted = list(dict.fromkeys([*node_ids, *self.sources]))
+        discovered, failed = await self._discover() if self.dns_names else ([], [])
+        wanted = list(dict.fromkeys([*node_ids, *self.sources, *discovered]))
         over = wanted[self.max_proxies:]
         readings = await asyncio.gather(*(self._read_one(n) for n in wanted[:self.max_proxies]))
         now = time.time()
-        return [*readings, *(ProxyReading(n, self.source_of(n), False,
-                                          f"not read: more than {self.max_proxies} proxies", now) for n in over)]
+        return [*readings, *failed, *(ProxyReading(n, self.source_of(n), False,
+                                                   f"not read: more than {self.max_proxies} proxies", now)
+                                      for n in over)]
 
     async def _read_one(self, node_id: str) -> ProxyReading:
         url = self.source_of(node_id)

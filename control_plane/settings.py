@@ -58,9 +58,11 @@ class Settings(BaseSettings):
     istio_module_path: Path = FILTER_WASM
     istio_revision: str = ""  # adds the `istio.io/rev` label (istiod only takes its own revision)
     # Where the status page reads each proxy's cache counters (Prometheus text, control_plane/
-    # proxy_stats.py): `node_id=url` entries, and/or a URL template with {ip} for Istio node ids.
+    # proxy_stats.py): `node_id=url` entries, and/or a URL template with {ip} for Istio node ids
+    # and for the addresses of `proxy_stats_dns` names (headless Services of the cached pods).
     proxy_stats: str = ""
     proxy_stats_template: str = ""
+    proxy_stats_dns: str = ""
     proxy_stats_timeout_s: float = Field(1.0, gt=0, le=30)
 
     @model_validator(mode="after")

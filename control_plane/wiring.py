@@ -12,7 +12,7 @@ from .auth import TokenTable
 from .mcp import IstioMcpRenderer, mcp_fallback
 from .metrics import Metrics
 from .policy_service import PolicyService
-from .proxy_stats import ProxyStatsReader, parse_sources
+from .proxy_stats import ProxyStatsReader, parse_dns_names, parse_sources
 from .settings import Settings
 from .snapshots import SnapshotCache
 from .store import Store, StoreUnavailable
@@ -48,7 +48,8 @@ class ControlPlane:
             self.xds.add_renderer(istio)
         self.xds.add_fallback(mcp_fallback)
         self.proxy_stats = ProxyStatsReader(parse_sources(settings.proxy_stats), settings.proxy_stats_template,
-                                            timeout_s=settings.proxy_stats_timeout_s)
+                                            timeout_s=settings.proxy_stats_timeout_s,
+                                            dns_names=parse_dns_names(settings.proxy_stats_dns))
         self._sync_task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:

@@ -11,6 +11,10 @@ Shape (pilot/pkg/networking/core listener_inbound.go, listener_builder.go, httpr
   `istio.stats`) are not in stock Envoy: stand-ins of the same names (a no-op header mutation) keep
   the names and positions patches anchor on.
 - ADS to the cluster `xds-grpc`; the bootstrap's internal listener extension, as Istio's has.
+- Optionally (`stats_port`) the bootstrap's stats matcher and Prometheus listener
+  (tools/packaging/common/envoy_bootstrap.json): inclusion prefixes `reporter=`, the pod's
+  proxyStatsMatcher prefixes, `component`, `istio`; `/stats/prometheus` on :15090 routed to the
+  admin port (cluster `prometheus_stats`).
 Not reproduced: iptables (the listener binds a free port; `remap_port` stands in for the
 redirect), original_dst, SDS certificates (files instead), telemetry.
 """
@@ -109,9 +113,25 @@ def _cluster(name: str, port: int, http2: bool) -> Obj:
     return c
 
 
+def stats_listener(stats_port: int) -> Obj:
+    """Istio's Envoy Prometheus listener (:15090 in a pod): /stats/prometheus to the admin port."""
+    route = {"virtual_hosts": [{"name": "backend", "domains": ["*"], "routes": [
+        {"match": {"prefix": "/stats/prometheus"}, "route": {"cluster": "prometheus_stats"}}]}]}
+    hcm = {"@type": _ENVOY + "extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+           "codec_type": "AUTO", "stat_prefix": "stats", "route_config": route,
+           "http_filters": [{"name": "envoy.filters.http.router",
+                             "typed_config": {"@type": _ENVOY + "extensions.filters.http.router.v3.Router"}}]}
+    return {"name": "prometheus_stats_listener",
+            "address": {"socket_address": {"address": "127.0.0.1", "port_value": stats_port}},
+            "filter_chains": [{"filters": [{"name": "envoy.filters.network.http_connection_manager",
+                                            "typed_config": hcm}]}]}
+
+
 def inbound_sidecar(*, listen_port: int, admin_port: int, xds_port: int, upstreams: dict[int, int],
-                    grpc_ports: set[int], identity: Identity) -> Obj:
-    """`upstreams`: container port -> where the app listens here (127.0.0.1)."""
+                    grpc_ports: set[int], identity: Identity, stats_port: int | None = None,
+                    stats_inclusion_prefixes: list[str] | None = None) -> Obj:
+    """`upstreams`: container port -> where the app listens here (127.0.0.1). `stats_port`: add
+    Istio's stats matcher (with the pod's `stats_inclusion_prefixes`) and Prometheus listener."""
     chains = []
     for port in upstreams:
         for transport in ("tls", "raw_buffer"):
@@ -135,10 +155,18 @@ def inbound_sidecar(*, listen_port: int, admin_port: int, xds_port: int, upstrea
     }
     clusters = [_cluster(f"inbound|{p}||", up, http2=p in grpc_ports) for p, up in upstreams.items()]
     clusters.append(_cluster("xds-grpc", xds_port, http2=True))
-    return {
+    listeners = [listener]
+    extra: Obj = {}
+    if stats_port is not None:
+        listeners.append(stats_listener(stats_port))
+        clusters.append(_cluster("prometheus_stats", admin_port, http2=False))
+        prefixes = ["reporter=", *(stats_inclusion_prefixes or []), "component", "istio"]
+        extra["stats_config"] = {"use_all_default_tags": False, "stats_matcher": {
+            "inclusion_list": {"patterns": [{"prefix": p} for p in prefixes]}}}
+    return {**extra,
         "node": {"id": "sidecar~10.0.0.1~meshcache-engine-blue-0.ml~ml.svc.cluster.local", "cluster": "engine.ml"},
         "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": admin_port}}},
-        "static_resources": {"listeners": [listener], "clusters": clusters},
+        "static_resources": {"listeners": listeners, "clusters": clusters},
         "dynamic_resources": {"ads_config": {
             "api_type": "GRPC", "transport_api_version": "V3", "set_node_on_first_message_only": True,
             "grpc_services": [{"envoy_grpc": {"cluster_name": "xds-grpc"}}]}},

@@ -221,7 +221,33 @@ def _selects_control_plane(o: list[Obj]) -> None:
     _find(o, "EnvoyFilter")["spec"]["workloadSelector"]["labels"] = {"app": "meshcache-control-plane"}
 
 
+def _cp_env(o: list[Obj], name: str, value: str) -> None:
+    for e in _find(o, "Deployment", "meshcache-control-plane")["spec"]["template"]["spec"]["containers"][0]["env"]:
+        if e["name"] == name:
+            e["value"] = value
+
+
+def _stats_matcher_dropped(o: list[Obj]) -> None:
+    ann = _find(o, "Deployment", "meshcache-engine-blue")["spec"]["template"]["metadata"]["annotations"]
+    proxy = yaml.safe_load(ann["proxy.istio.io/config"])
+    del proxy["proxyStatsMatcher"]
+    ann["proxy.istio.io/config"] = yaml.safe_dump(proxy)
+
+
+def _stats_service_not_headless(o: list[Obj]) -> None:
+    del _find(o, "Service", "meshcache-engine-proxies")["spec"]["clusterIP"]
+
+
 CROSSREF_BREAKS: dict[str, tuple[Callable[[list[Obj]], None], str]] = {
+    "sidecar drops the filter's stats": (_stats_matcher_dropped, "its sidecar drops the filter's stats"),
+    "proxy stats Service not headless": (_stats_service_not_headless, "need a headless Service"),
+    "proxy stats on the app port": (lambda o: _cp_env(o, "MESHCACHE_CP_PROXY_STATS_TEMPLATE",
+                                                     "http://{ip}:8002/metrics"), "is not an Istio sidecar's stats"),
+    "proxy stats DNS without {ip}": (lambda o: _cp_env(o, "MESHCACHE_CP_PROXY_STATS_TEMPLATE",
+                                                      "http://meshcache-engine:15090/stats/prometheus"),
+                                     "needs MESHCACHE_CP_PROXY_STATS_TEMPLATE with {ip}"),
+    "proxy stats DNS name of no Service": (lambda o: _cp_env(o, "MESHCACHE_CP_PROXY_STATS_DNS", "meshcache-engin"),
+                                           "is no Service here"),
     "subset typo": (_subset_typo, "uses subset 'bleu'"),
     "selector mismatch": (_selector_mismatch, "selector matches no workload"),
     "stale digest": (_stale_digest, "is not the built module's image digest"),

@@ -19,11 +19,12 @@ import yaml
 
 from meshcache.contract import extensions, grpc_hit, oci
 from meshcache.contract.paths import envoy_binary
+from meshcache.control_plane.proxy_stats import ProxyReading, ProxyStatsReader
 from meshcache.ctl import envoy_config, launchers, procs
-from meshcache.ctl.istio import render
+from meshcache.ctl.istio import kustomize, render
 from meshcache.ctl.pki import CertificateAuthority, Identity, spiffe_id
 from tests.filter.stack import MODEL_INFER, infer_request
-from tests.helpers.control_plane import ControlPlaneProc, run
+from tests.helpers.control_plane import ControlPlaneProc, eventually, run
 from tests.istio import sidecar
 from tests.istio.envoyfilter_apply import UnsupportedPatch, apply
 from tests.istio.istiod_client import IstiodLikeClient
@@ -155,10 +156,11 @@ def test_patched_sidecar_serves_a_grpc_hit_in_one_pass(tmp_path: Path, pins: ren
             return list(istiod.effective().values())
 
     served = run(envoy_filters())
-    http_port, grpc_port, listen_port, admin_port = (procs.free_port() for _ in range(4))
+    http_port, grpc_port, listen_port, admin_port, stats_port = (procs.free_port() for _ in range(5))
     config = sidecar.inbound_sidecar(listen_port=listen_port, admin_port=admin_port, xds_port=0,
                                      upstreams={HTTP: http_port, GRPC: grpc_port}, grpc_ports={GRPC},
-                                     identity=_identity(tmp_path))
+                                     identity=_identity(tmp_path), stats_port=stats_port,
+                                     stats_inclusion_prefixes=_engine_stats_prefixes())
     patched, ecds, _ = apply(config, served)
     ads = sidecar.EcdsOverAds(sidecar.agent_rewrite(
         ecds, {url.removeprefix("oci://"): oci.image_for(filter_wasm)}, tmp_path))
@@ -191,8 +193,48 @@ def test_patched_sidecar_serves_a_grpc_hit_in_one_pass(tmp_path: Path, pins: ren
             assert "hit" not in h1.get("cache-status", "") and "hit" in h2.get("cache-status", ""), (h1, h2)
             calls = httpx.get(f"http://127.0.0.1:{http_port}/calls", timeout=5).json()
             assert calls["grpc"] == 1  # the origin saw the first call only
+            _status_page_reads_the_sidecar(stats_port)
     finally:
         server.stop(0)
+
+
+def _engine_stats_prefixes() -> list[str]:
+    """The proxyStatsMatcher inclusion prefixes the committed engine Deployment gives its sidecar."""
+    engine = next(o for o in kustomize.build(render.BASE_DIR)
+                  if o["kind"] == "Deployment" and o["metadata"]["name"].startswith("meshcache-engine"))
+    proxy = yaml.safe_load(engine["spec"]["template"]["metadata"]["annotations"]["proxy.istio.io/config"])
+    return list(proxy["proxyStatsMatcher"]["inclusionPrefixes"])
+
+
+def _status_page_reads_the_sidecar(stats_port: int) -> None:
+    """What the control plane istio/base configures (DNS name -> {ip} template on :15090) reads the
+    filter's counters and per-policy gauges through Istio's stats matcher and Prometheus listener;
+    here `localhost` stands for the headless Service and `stats_port` for :15090."""
+    cp_env = {e["name"]: e.get("value") for o in kustomize.build(render.BASE_DIR)
+              if o["kind"] == "Deployment" and o["metadata"]["name"] == "meshcache-control-plane"
+              for e in o["spec"]["template"]["spec"]["containers"][0]["env"]}
+    template = cp_env["MESHCACHE_CP_PROXY_STATS_TEMPLATE"]
+    assert template == "http://{ip}:15090/stats/prometheus" and cp_env["MESHCACHE_CP_PROXY_STATS_DNS"]
+    page = httpx.get(f"http://127.0.0.1:{stats_port}/stats/prometheus", timeout=5).text
+    assert "envoy_cluster_upstream_rq" not in page, "Istio's stats matcher keeps only what it includes"
+
+    async def read() -> list[ProxyReading]:
+        reader = ProxyStatsReader({}, template.replace("15090", str(stats_port)), dns_names=["localhost"],
+                                  cache_s=0)
+        try:
+            return await reader.read([])
+        finally:
+            await reader.close()
+
+    def resnet() -> ProxyReading | None:
+        [r] = run(read())
+        return r if r.ok and r.counters and r.counters.policies.get("resnet", {}).get("entries") == 1 else None
+
+    reading = eventually(resnet, timeout=5)
+    assert reading.node_id == "localhost/127.0.0.1" and reading.counters is not None
+    assert reading.counters.totals["hits"] == 1 and reading.counters.policies["resnet"]["hits"] == 1
+    assert reading.counters.unattributed == {"entries": 0, "bytes": 0}
+    assert reading.counters.policies["resnet"]["bytes"] == reading.counters.totals["bytes"] > 0
 
 
 def test_local_mesh_server_sidecar_runs_the_same_filter_chain(pins: render.Pins) -> None:

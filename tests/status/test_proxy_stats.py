@@ -9,7 +9,9 @@ from meshcache.control_plane.history import diff
 from meshcache.control_plane.proxy_stats import (
     ProxyCounters,
     ProxyReading,
+    ProxyStatsReader,
     StatsConfigError,
+    parse_dns_names,
     parse_prometheus,
     parse_sources,
     per_model,
@@ -116,6 +118,18 @@ def test_sources_parse_and_reject_garbage() -> None:
     for bad in ("no-equals-sign", "a=ftp://x/y", "a=notaurl"):
         with pytest.raises(StatsConfigError):
             parse_sources(bad)
+
+
+def test_dns_names_parse_and_need_a_template() -> None:
+    assert parse_dns_names("meshcache-engine-proxies, a.b.svc.cluster.local\n") == [
+        "meshcache-engine-proxies", "a.b.svc.cluster.local"]
+    for bad in ("a b", "under_score", "-lead", "x" * 254):
+        with pytest.raises(StatsConfigError):
+            parse_dns_names(bad)
+    with pytest.raises(StatsConfigError, match="template with"):
+        ProxyStatsReader({}, "", dns_names=["meshcache-engine-proxies"])
+    with pytest.raises(StatsConfigError, match="template with"):
+        ProxyStatsReader({}, "http://fixed:15090/stats/prometheus", dns_names=["meshcache-engine-proxies"])
 
 
 def _policy(prefix: str, ttl: int, generation: int) -> Policy:

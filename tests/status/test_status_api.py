@@ -141,3 +141,30 @@ def test_page_is_static_same_origin_and_locked_down(lone_cp: tuple[ControlPlaneP
     for bad in ("/status/../settings.py", "/status/status.html", "/status/x.js"):
         assert httpx.get(f"{cp.url}{bad}").status_code == 404
     assert httpx.get(f"{cp.url}/", follow_redirects=False).headers["location"] == "/status"
+
+
+def test_proxies_found_by_dns_are_read_through_the_template(running_mesh: RunningMesh, tmp_path: Path) -> None:
+    """Istio's sidecars never connect here (istiod feeds them): they are found as the addresses of
+    a headless Service's DNS name and read through the {ip} template (istio/base sets both).
+    Here the name `localhost` stands for that Service and the local mesh's server sidecar for the pod."""
+    admin_port = running_mesh.endpoints["server_sidecar_admin"].rsplit(":", 1)[1]
+    redis, port = launchers.start_redis(tmp_path / "redis")
+    cp = start_control_plane(tmp_path / "logs", port, extra_env={
+        "MESHCACHE_CP_PROXY_STATS_TEMPLATE": f"http://{{ip}}:{admin_port}/stats/prometheus",
+        "MESHCACHE_CP_PROXY_STATS_DNS": "localhost,no-such-proxy.invalid"})
+    try:
+        with cp.client(READ_TOKEN) as c:
+            stats = c.get("/v1/stats").json()
+    finally:
+        cp.proc.stop()
+        redis.stop()
+    by_node = {p["node_id"]: p for p in stats["proxies"]}
+    found = by_node["localhost/127.0.0.1"]
+    assert found["ok"] and found["source"] == f"http://127.0.0.1:{admin_port}/stats/prometheus", found
+    assert found["entries"] >= 1 and found["hits"] >= 1
+    unresolved = by_node["no-such-proxy.invalid (DNS)"]
+    assert not unresolved["ok"] and "DNS lookup of no-such-proxy.invalid failed" in unresolved["error"]
+    assert not stats["complete"] and stats["proxies_read"] == 1 and stats["proxies_unread"] == 1
+    # No policy in this control plane's snapshot: the sidecar's models are listed as not in policy,
+    # with their entries (the sidecar's filter reports them per policy).
+    assert any(not m["in_policy"] and m["entries"] is not None for m in stats["models"])

@@ -11,6 +11,7 @@ import json
 import re
 from collections.abc import Iterator
 from typing import Any
+from urllib.parse import urlsplit
 
 import yaml
 
@@ -86,7 +87,7 @@ def check_workloads(objects: list[Obj]) -> list[str]:
         selected = _selected(objects, svc["spec"].get("selector", {}))
         if not selected:
             errors.append(f"Service/{_name(svc)}: selector matches no workload")
-        for port in svc["spec"]["ports"]:
+        for port in svc["spec"].get("ports", []):
             target = port.get("targetPort")
             named = {p.get("name") for w in selected for c in w["spec"]["template"]["spec"]["containers"]
                      for p in c.get("ports", [])}
@@ -137,11 +138,11 @@ def check_traffic(objects: list[Obj], elsewhere: frozenset[str] = frozenset()) -
                     errors.append(f"VirtualService/{_name(vs)}: route {route.get('name')!r} uses subset "
                                   f"{d['subset']!r} that no DestinationRule for {short!r} defines")
                 svc = _service_for_host(objects, d["host"])
-                if bound and svc is not None and len(svc["spec"]["ports"]) > 1 and "port" not in d:
+                if bound and svc is not None and len(svc["spec"].get("ports", [])) > 1 and "port" not in d:
                     errors.append(f"VirtualService/{_name(vs)}: route {route.get('name')!r} needs a destination "
                                   "port (a gateway's port is no port of a multi-port Service)")
                 if "port" in d and svc is not None and d["port"]["number"] not in {
-                        p["port"] for p in svc["spec"]["ports"]}:
+                        p["port"] for p in svc["spec"].get("ports", [])}:
                     errors.append(f"VirtualService/{_name(vs)}: route {route.get('name')!r} port "
                                   f"{d['port']['number']} is no port of Service {short!r}")
     return errors
@@ -329,6 +330,60 @@ def _proxy_config(w: Obj) -> Obj:
     return yaml.safe_load(ann.get("proxy.istio.io/config", "")) or {}
 
 
+# Where an Istio sidecar serves its Envoy stats: Envoy's own Prometheus listener, or the agent's
+# merged page. Both outside the inbound traffic capture (istio-iptables -d 15090,15021,15020).
+SIDECAR_STATS_PORTS = (15090, 15020)
+# A stat the filter always defines; Istio keeps only stats its matcher includes.
+FILTER_STAT = "wasmcustom.meshcache.hits"
+
+
+def _keeps_filter_stats(w: Obj) -> bool:
+    """Whether the pod's sidecar exports the filter's stats (Istio's default matcher drops them)."""
+    prefixes = list((_proxy_config(w).get("proxyStatsMatcher") or {}).get("inclusionPrefixes") or [])
+    ann = w["spec"]["template"]["metadata"].get("annotations", {})
+    prefixes += [p.strip() for p in ann.get("sidecar.istio.io/statsInclusionPrefixes", "").split(",") if p.strip()]
+    return any(FILTER_STAT.startswith(p) for p in prefixes)
+
+
+def check_proxy_stats(objects: list[Obj]) -> list[str]:
+    """The status page reads the cached pods' sidecar stats: found as the addresses of headless
+    Services (MESHCACHE_CP_PROXY_STATS_DNS) and read through the {ip} template, on a port outside
+    the traffic capture, from sidecars that keep the filter's stats."""
+    errors = []
+    for cp in _control_planes(objects):
+        env = _env(cp)
+        where = f"{cp['kind']}/{_name(cp)}"
+        template = env.get("MESHCACHE_CP_PROXY_STATS_TEMPLATE") or ""
+        names = [n.strip() for n in (env.get("MESHCACHE_CP_PROXY_STATS_DNS") or "").split(",") if n.strip()]
+        if names and "{ip}" not in template:
+            errors.append(f"{where}: MESHCACHE_CP_PROXY_STATS_DNS needs MESHCACHE_CP_PROXY_STATS_TEMPLATE with {{ip}}")
+        if template:
+            url = urlsplit(template.replace("{ip}", "10.0.0.1"))
+            if url.port not in SIDECAR_STATS_PORTS or url.path != "/stats/prometheus":
+                errors.append(f"{where}: proxy stats template {template!r} is not an Istio sidecar's stats page "
+                              f"(http://{{ip}}:15090/stats/prometheus, or :15020 for the agent's merged page)")
+        for name in names:
+            svc = next((x for x in _of(objects, "Service") if _name(x) == name.split(".")[0]), None)
+            if svc is None:
+                errors.append(f"{where}: proxy stats DNS name {name!r} is no Service here")
+                continue
+            swhere = f"Service/{_name(svc)}"
+            if svc["spec"].get("clusterIP") != "None":
+                errors.append(f"{swhere}: proxy stats need a headless Service (clusterIP: None): a ClusterIP "
+                              "Service resolves to one virtual IP, not to each pod")
+            pods = _selected(objects, svc["spec"].get("selector", {}))
+            if not pods:
+                errors.append(f"{swhere}: selector matches no workload")
+            for w in pods:
+                if not injected(w):
+                    errors.append(f"{swhere}: selects {w['kind']}/{_name(w)}, which has no sidecar to read stats from")
+                elif not _keeps_filter_stats(w):
+                    errors.append(f"{w['kind']}/{_name(w)}: its sidecar drops the filter's stats: add "
+                                  "wasmcustom.meshcache to proxyStatsMatcher.inclusionPrefixes (proxy.istio.io/config) "
+                                  "or sidecar.istio.io/statsInclusionPrefixes")
+    return errors
+
+
 def check_startup(objects: list[Obj]) -> list[str]:
     """istiod serves neither xDS nor its injection webhook (failurePolicy Fail) until every
     configSources entry has synced. So the control plane it reads, and whatever the control plane
@@ -408,4 +463,5 @@ def check_all(objects: list[Obj], image_digest: str, elsewhere: frozenset[str] =
               startup: bool = True) -> list[str]:
     return (check_workloads(objects) + check_traffic(objects, elsewhere) + check_security(objects)
             + check_sidecar_annotations(objects) + check_module(objects, image_digest)
-            + check_extensions(objects, elsewhere) + (check_startup(objects) if startup else []))
+            + check_extensions(objects, elsewhere) + check_proxy_stats(objects)
+            + (check_startup(objects) if startup else []))
