@@ -37,7 +37,7 @@ import onnxruntime as ort
 
 from bench.loadgen import wrk
 from bench.report import publish, table, write_section
-from bench.stats import ms, percentile, quantiles_ms
+from bench.stats import mean_quantiles, ms, percentile, quantiles_ms
 from meshcache.contract.paths import REPO_ROOT
 from meshcache.contract.protos import grpc_predict_v2_pb2 as pb
 from meshcache.ctl import launchers, procs
@@ -92,6 +92,8 @@ class Result:
     p50: float = 0.0
     p99: float = 0.0
     errors: int = 0
+    # wrk's recorded latency distribution (ms, 0..100 %) where no per-call latencies exist.
+    quantiles: list[float] | None = None
 
     @property
     def throughput(self) -> float:
@@ -154,7 +156,7 @@ def _rest_load(url: str, script: Path, concurrency: int, warmup: float, duration
     out = wrk(url, script, seconds=max(1, round(duration)), connections=concurrency)
     # wrk counts socket errors (its 2 s timeout included) and non-2xx answers; reported per row.
     return Result(out.requests - out.errors, max(1, round(duration)), p50=(out.p50_ms or 0) / 1e3,
-                  p99=(out.p99_ms or 0) / 1e3, errors=out.errors)
+                  p99=(out.p99_ms or 0) / 1e3, errors=out.errors, quantiles=out.quantiles_ms)
 
 
 def _wrk_script(path: Path) -> Path:
@@ -300,8 +302,9 @@ def _side_by_side(runs: dict[Key, list[Result]]) -> tuple[list[list[object]], di
 
 
 def _stored_rows(runs: dict[Key, list[Result]]) -> list[dict[str, object]]:
-    """The numbers behind the table (medians over rounds, each round's throughput) and, where the
-    client timed each call (gRPC), the latency distribution over all rounds."""
+    """The numbers behind the table (medians over rounds, each round's throughput) and the latency
+    distribution: over all rounds' calls where the client timed each (gRPC), else the mean of the
+    rounds' distributions as wrk recorded them (REST)."""
     out: list[dict[str, object]] = []
     for (transport, server, c), results in sorted(runs.items()):
         latencies = [x for r in results for x in r.latencies]
@@ -311,7 +314,8 @@ def _stored_rows(runs: dict[Key, list[Result]]) -> list[dict[str, object]]:
                     "p50_ms": statistics.median(r.p50 for r in results) * 1e3,
                     "p99_ms": statistics.median(r.p99 for r in results) * 1e3,
                     "errors": sum(r.errors for r in results),
-                    **({"quantiles_ms": quantiles_ms(latencies)} if latencies else {})})
+                    **({"quantiles_ms": quantiles_ms(latencies)} if latencies else
+                       {"quantiles_ms": q} if (q := mean_quantiles([r.quantiles for r in results])) else {})})
     return out
 
 

@@ -35,6 +35,7 @@ import httpx
 
 from bench.loadgen import LoadResult, h2load, wrk
 from bench.report import publish, table
+from bench.stats import mean_quantiles
 from meshcache.contract.headers import CACHE_STATUS_HEADER
 from meshcache.contract.paths import require_filter_wasm
 from meshcache.ctl import launchers, procs
@@ -143,6 +144,7 @@ class Row:
     mode: str
     result: LoadResult
     check: str
+    rounds_rps: list[float] | None = None  # each round's req/s, in round order
 
 
 def run_size(size: int, seconds: int, workdir: Path, rounds: int) -> list[Row]:
@@ -269,8 +271,9 @@ def average_rounds(rows: list[Row]) -> list[Row]:
             rps=sum(r.result.rps for r in rs) / len(rs),
             p50_ms=mean([r.result.p50_ms for r in rs]), p99_ms=mean([r.result.p99_ms for r in rs]),
             mean_ms=mean([r.result.mean_ms for r in rs]),
-            errors=sum(r.result.errors for r in rs), requests=sum(r.result.requests for r in rs))
-        merged.append(Row(protocol, size, mode, res, rs[-1].check))
+            errors=sum(r.result.errors for r in rs), requests=sum(r.result.requests for r in rs),
+            quantiles_ms=mean_quantiles([r.result.quantiles_ms for r in rs]))
+        merged.append(Row(protocol, size, mode, res, rs[-1].check, [r.result.rps for r in rs]))
     return merged
 
 
@@ -323,11 +326,19 @@ def main() -> None:
     text = render(rows, args.seconds)
     print(text)
     if not args.no_write:
-        base = {(r.protocol, r.size): r.result.rps for r in rows if r.mode == "no filter"}
+        base = {(r.protocol, r.size): r for r in rows if r.mode == "no filter"}
+
+        def round_ratios(r: Row) -> list[float]:
+            """Each round's req/s over the same round's no-filter req/s (modes run interleaved)."""
+            b = base[(r.protocol, r.size)].rounds_rps or []
+            return [round(x / y, 3) for x, y in zip(r.rounds_rps or [], b, strict=False) if y]
+
         stored = [{"protocol": r.protocol, "answer": r.size, "mode": r.mode, "rps": round(r.result.rps, 1),
                    "p50_ms": r.result.p50_ms, "p99_ms": r.result.p99_ms, "mean_ms": r.result.mean_ms,
-                   "vs_no_filter": round(r.result.rps / base[(r.protocol, r.size)], 3), "errors": r.result.errors,
-                   "counters": r.check} for r in rows]
+                   "vs_no_filter": round(r.result.rps / base[(r.protocol, r.size)].result.rps, 3),
+                   "rounds_rps": [round(x, 1) for x in r.rounds_rps or []], "rounds_vs_no_filter": round_ratios(r),
+                   "errors": r.result.errors, "counters": r.check,
+                   **({"quantiles_ms": r.result.quantiles_ms} if r.result.quantiles_ms else {})} for r in rows]
         publish("filter", "Filter: proxy throughput with and without the cache (`python -m bench.filter`)", text,
                 {"seconds": args.seconds, "rows": stored})
 

@@ -156,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
             rows.append([case, "h2load", c, f"{h.rps:.0f}", f"{h.p50_ms:.2f}" if h.p50_ms else "",
                          f"{h.p99_ms:.2f}" if h.p99_ms else "", h.errors])
             stored.append({"case": case, "client": "h2load", "concurrency": c, "rps": round(h.rps, 1),
-                           "p50_ms": h.p50_ms, "p99_ms": h.p99_ms, "errors": h.errors})
+                           "p50_ms": h.p50_ms, "p99_ms": h.p99_ms, "errors": h.errors,
+                           **({"quantiles_ms": h.quantiles_ms} if h.quantiles_ms else {})})
     ratios = []
     for c in levels:
         ratio = results[("hit", c)].percentile(0.5) / results[("miss", c)].percentile(0.5)

@@ -3,7 +3,8 @@
 The JSON is the one source of both a benchmark's table in docs/benchmarks.md and its charts:
 `python -m bench.plots` redraws every chart from the stored results without re-running anything.
 Rows with `quantiles_ms` (latency at 0, 1, ..., 100 %, as the benchmark recorded them) are drawn
-as distributions; rows with only p50/p99 as bars.
+as distributions; rows with only p50/p99 as bars. Where a benchmark stores each round's numbers
+(`rounds_rps`, `rounds_vs_no_filter`), bars show the spread over the rounds.
 """
 
 from __future__ import annotations
@@ -62,13 +63,21 @@ def _save(fig: Figure, path: Path) -> Path:
     return path
 
 
-def _grouped_bars(ax: Axes, groups: list[str], series: dict[str, list[float | None]], fmt: str = "{:.0f}") -> None:
+def _grouped_bars(ax: Axes, groups: list[str], series: dict[str, list[float | None]], fmt: str = "{:.0f}",
+                  spread: dict[str, list[list[float]]] | None = None) -> None:
+    """`spread`: per series and group, the values of each round (drawn as a min-max whisker)."""
     n = max(1, len(series))
     width = 0.8 / n
     for k, (label, values) in enumerate(series.items()):
         xs = [i + (k - (n - 1) / 2) * width for i in range(len(groups))]
         heights = [v if v is not None else 0.0 for v in values]
         bars = ax.bar(xs, heights, width * 0.95, label=label, color=COLORS[k % len(COLORS)])
+        rounds = (spread or {}).get(label)
+        if rounds:
+            for x, vs in zip(xs, rounds, strict=True):
+                if len(vs) > 1:
+                    ax.vlines(x, min(vs), max(vs), color="#1d2430", linewidth=0.8)
+                    ax.hlines([min(vs), max(vs)], x - width * 0.15, x + width * 0.15, color="#1d2430", linewidth=0.8)
         for bar, v in zip(bars, values, strict=True):
             if v is not None:
                 ax.annotate(fmt.format(v), (bar.get_x() + bar.get_width() / 2, bar.get_height()),
@@ -84,7 +93,7 @@ def _cdf(ax: Axes, rows: list[dict[str, Any]], label: Callable[[dict[str, Any]],
     for k, row in enumerate(r for r in rows if r.get("quantiles_ms")):
         q = row["quantiles_ms"]
         ax.plot(q, [i / (len(q) - 1) for i in range(len(q))], label=label(row), color=COLORS[k % len(COLORS)],
-                linewidth=1.6)
+                linestyle=("-", "--", ":")[(k // len(COLORS)) % 3], linewidth=1.6)
         drawn = True
     if drawn:
         ax.set_xscale("log")
@@ -130,6 +139,11 @@ def plot_engine(results: Results, out: Path) -> list[Path]:
     shown = [r for r in rows if r.get("transport", "gRPC") == "gRPC"]
     latency = _latency(results, shown, "Engine latency (gRPC)", lambda r: f"{r[key]}, c={r['concurrency']}",
                        out / "engine-latency.png")
+    rest = [r for r in rows if r.get("transport") == "REST"]
+    if rest and all(r.get("quantiles_ms") for r in rest):  # wrk's distributions, recorded since 2026-12-01
+        return [throughput, latency, _latency(results, rest, "Engine latency (REST, wrk)",
+                                              lambda r: f"{r[key]}, c={r['concurrency']}",
+                                              out / "engine-latency-rest.png")]
     return [throughput, latency]
 
 
@@ -166,13 +180,29 @@ def plot_filter(results: Results, out: Path) -> list[Path]:
         return next((r["vs_no_filter"] for r in rows if r["mode"] == mode and (r["protocol"], r["answer"]) == shape),
                     None)
 
-    fig, ax = _figure("Proxy throughput relative to Envoy without the filter (1.0 = no filter)", results,
-                      width=10.5)
+    def rounds(mode: str, shape: tuple[str, str]) -> list[float]:
+        return next((list(r.get("rounds_vs_no_filter") or []) for r in rows
+                     if r["mode"] == mode and (r["protocol"], r["answer"]) == shape), [])
+
+    spread = {m: [rounds(m, s) for s in shapes] for m in modes}
+    has_rounds = any(v for vs in spread.values() for v in vs)
+    title = "Proxy throughput relative to Envoy without the filter (1.0 = no filter)"
+    fig, ax = _figure(title + ("\nwhiskers: min-max of the rounds' ratios (each round against its own no-filter run)"
+                               if has_rounds else ""), results, width=10.5)
     _grouped_bars(ax, [f"{p} {a}" for p, a in shapes], {m: [ratio(m, s) for s in shapes] for m in modes},
-                  fmt="{:.2f}")
+                  fmt="{:.2f}", spread=spread if has_rounds else None)
     ax.axhline(1.0, color="#1d2430", linewidth=0.8)
     ax.set_ylabel("requests/s ÷ no filter")
-    return [_save(fig, out / "filter-throughput-ratio.png")]
+    drawn = [_save(fig, out / "filter-throughput-ratio.png")]
+    # Latency distributions where the run recorded them (wrk's histogram, h2load's request log).
+    shown = [r for r in rows if r.get("quantiles_ms") and r["answer"] == "1 KiB"
+             and r["mode"] in ("no filter", "filter, misses", "filter, hits", "filter, misses (no-cache)",
+                               "filter, hits (single pass)")]
+    if shown:
+        fig, ax = _figure("Filter latency, 1 KiB answers (16 connections, one load-generator thread)", results)
+        _cdf(ax, shown, lambda r: f"{r['protocol']} {r['mode']}")
+        drawn.append(_save(fig, out / "filter-latency.png"))
+    return drawn
 
 
 def plot_replicas(results: Results, out: Path) -> list[Path]:

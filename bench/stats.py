@@ -22,6 +22,15 @@ def quantiles_ms(values: Sequence[float]) -> list[float]:
     return [round(percentile(values, q / 100) * 1e3, 4) for q in range(101)]
 
 
+def mean_quantiles(runs: Sequence[Sequence[float] | None]) -> list[float] | None:
+    """Several runs' distributions (each `quantiles_ms`) as one: the mean at each quantile (the
+    runs are rounds of one measurement, of equal length). None if no run has one."""
+    have = [r for r in runs if r]
+    if not have:
+        return None
+    return [round(sum(r[i] for r in have) / len(have), 4) for i in range(len(have[0]))]
+
+
 def ms(seconds: float, digits: int = 2) -> str:
     """A duration in seconds as a milliseconds table cell."""
     return f"{seconds * 1e3:.{digits}f}"

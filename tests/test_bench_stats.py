@@ -24,6 +24,12 @@ def test_result_throughput_counts_batched_rows() -> None:
     assert single.percentile(0.5) == 0.01
 
 
+def test_rounds_distributions_merge_by_quantile() -> None:
+    from bench.stats import mean_quantiles
+    assert mean_quantiles([[1.0, 2.0, 4.0], None, [3.0, 4.0, 8.0]]) == [2.0, 3.0, 6.0]
+    assert mean_quantiles([None, []]) is None
+
+
 def test_formats() -> None:
     assert ms(0.0123) == "12.30" and ms(0.0123, digits=1) == "12.3"
     assert to_ms("250", "us") == 0.25 and to_ms("1.5", "s") == 1500
