@@ -221,9 +221,14 @@ def plot_replicas(results: Results, out: Path) -> list[Path]:
     return [_save(fig, out / "replicas-hit-ratio.png")]
 
 
+def plot_coalesce(results: Results, out: Path) -> list[Path]:
+    return [_latency(results, results["rows"], "32 identical cold requests: latency of every caller",
+                     lambda r: r["case"], out / "coalesce-latency.png")]
+
+
 PLOTTERS: dict[str, Callable[[Results, Path], list[Path]]] = {
     "engine": plot_engine, "mesh": plot_mesh, "propagation": plot_propagation, "filter": plot_filter,
-    "replicas": plot_replicas,
+    "replicas": plot_replicas, "coalesce": plot_coalesce,
 }
 
 

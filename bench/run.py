@@ -9,13 +9,15 @@ import sys
 import time
 from types import ModuleType
 
+import bench.coalesce
 import bench.engine
 import bench.filter
 import bench.mesh
 import bench.propagation
 import bench.replicas
 
-BENCHMARKS: tuple[ModuleType, ...] = (bench.filter, bench.engine, bench.propagation, bench.mesh, bench.replicas)
+BENCHMARKS: tuple[ModuleType, ...] = (bench.filter, bench.engine, bench.propagation, bench.mesh, bench.replicas,
+                                     bench.coalesce)
 
 
 def main() -> int:

@@ -118,6 +118,7 @@ def test_header_names_match_the_filter() -> None:
     assert rust["MODEL_HEADER"] == headers.MODEL_ID_HEADER
     assert rust["ROUTE_KEY_HEADER"] == headers.ROUTE_KEY_HEADER
     assert rust["UPSTREAM_CLUSTER_HEADER"] == headers.UPSTREAM_CLUSTER_HEADER
+    assert rust["CACHE_STATUS_COLLAPSED"] == headers.CACHE_STATUS_COLLAPSED
     assert headers.MODEL_ID_HEADER in fc.DEFAULT_HASH_HEADERS
 
 

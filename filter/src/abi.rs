@@ -62,6 +62,11 @@ extern "C" {
     fn proxy_set_buffer_bytes(kind: u32, start: usize, len: usize, data: *const u8, data_len: usize) -> u32;
     fn proxy_add_header_map_value(map: u32, k: *const u8, kl: usize, v: *const u8, vl: usize) -> u32;
     fn proxy_set_property(path: *const u8, path_len: usize, value: *const u8, value_len: usize) -> u32;
+    fn proxy_register_shared_queue(name: *const u8, name_len: usize, out_id: *mut u32) -> u32;
+    fn proxy_enqueue_shared_queue(id: u32, value: *const u8, value_len: usize) -> u32;
+    fn proxy_dequeue_shared_queue(id: u32, out_ptr: *mut *mut u8, out_len: *mut usize) -> u32;
+    fn proxy_set_effective_context(id: u32) -> u32;
+    fn proxy_continue_stream(stream_type: u32) -> u32;
     fn proxy_call_foreign_function(
         name: *const u8, name_len: usize, arg: *const u8, arg_len: usize, out_ptr: *mut *mut u8, out_len: *mut usize,
     ) -> u32;
@@ -85,11 +90,15 @@ pub fn log(level: LogLevel, msg: &str) {
 }
 
 pub fn now_ms() -> u64 {
+    now_ns() / 1_000_000
+}
+
+pub fn now_ns() -> u64 {
     let mut t: u64 = 0;
     unsafe {
         proxy_get_current_time_nanoseconds(&mut t);
     }
-    t / 1_000_000
+    t
 }
 
 pub fn buffer(kind: Buffer, start: usize, max: usize) -> Option<Vec<u8>> {
@@ -167,6 +176,42 @@ pub fn call_foreign(name: &str, arg: &[u8]) -> bool {
     let rc = unsafe { proxy_call_foreign_function(name.as_ptr(), name.len(), arg.as_ptr(), arg.len(), &mut p, &mut l) };
     drop(unsafe { owned(p, l) });
     rc == STATUS_OK
+}
+
+/// Registers (or re-opens) this VM's shared queue; `proxy_on_queue_ready` reports items.
+pub fn register_queue(name: &str) -> Option<u32> {
+    let mut id: u32 = 0;
+    let rc = unsafe { proxy_register_shared_queue(name.as_ptr(), name.len(), &mut id) };
+    if rc == STATUS_OK {
+        Some(id)
+    } else {
+        None
+    }
+}
+
+pub fn enqueue(queue: u32, value: &[u8]) -> bool {
+    unsafe { proxy_enqueue_shared_queue(queue, value.as_ptr(), value.len()) == STATUS_OK }
+}
+
+/// The next item of a queue, or None when it is empty (or unknown).
+pub fn dequeue(queue: u32) -> Option<Vec<u8>> {
+    let mut p: *mut u8 = std::ptr::null_mut();
+    let mut l: usize = 0;
+    let rc = unsafe { proxy_dequeue_shared_queue(queue, &mut p, &mut l) };
+    if rc != STATUS_OK {
+        return None;
+    }
+    Some(unsafe { owned(p, l) })
+}
+
+/// Makes later host calls act on this stream (from a root callback such as a queue or tick).
+pub fn set_effective_context(id: u32) -> bool {
+    unsafe { proxy_set_effective_context(id) == STATUS_OK }
+}
+
+/// Resumes the effective stream's request (paused in its headers or body).
+pub fn continue_request() -> bool {
+    unsafe { proxy_continue_stream(0) == STATUS_OK }
 }
 
 #[allow(dead_code)]

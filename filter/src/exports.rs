@@ -41,6 +41,12 @@ pub extern "C" fn proxy_on_tick(root_id: u32) {
     root::on_tick(root_id);
 }
 
+/// A leader released a key this worker's requests wait on (request coalescing).
+#[no_mangle]
+pub extern "C" fn proxy_on_queue_ready(_root: u32, queue: u32) {
+    stream::on_queue_ready(queue);
+}
+
 #[no_mangle]
 pub extern "C" fn proxy_on_delete(id: u32) {
     if root::is_root(id) {

@@ -1,7 +1,7 @@
 //! meshcache: a proxy-wasm response cache for ML inference traffic.
 //!
 //! Plain-Rust logic (tested on the host with `cargo test`): `config`, `model`, `hashing`, `accounting`,
-//! `cache_control`, `entry`, `store`, `stale`, `decide`, `answer`, `names`, `grpc`, `headermap`,
+//! `cache_control`, `entry`, `store`, `coalesce`, `stale`, `decide`, `answer`, `names`, `grpc`, `headermap`,
 //! `route_key`.
 //! The proxy-wasm glue is compiled for wasm32 only: `abi` (host imports), `exports` (the
 //! exported callbacks), `root` (root context), `stream` (stream context), `metrics`.
@@ -9,6 +9,7 @@
 pub mod accounting;
 pub mod answer;
 pub mod cache_control;
+pub mod coalesce;
 pub mod config;
 pub mod decide;
 pub mod entry;

@@ -30,6 +30,15 @@ pub const STALE_IF_ERROR: &str = "meshcache.stale_if_error";
 pub const STALE_WHILE_REVALIDATE: &str = "meshcache.stale_while_revalidate";
 pub const REFRESHES: &str = "meshcache.refreshes";
 pub const REFRESH_FAILURES: &str = "meshcache.refresh_failures";
+/// Request coalescing: a miss paused to wait for an identical request in flight; a waiter
+/// answered from the entry its leader stored; a waiter that gave up at `coalesce_timeout_ms`;
+/// a waiter woken without an entry (the leader's answer was not stored); a miss that could not
+/// wait (waiter bounds, a lock slot busy with another key) and went upstream at once.
+pub const COALESCE_WAITS: &str = "meshcache.coalesce.waits";
+pub const COALESCE_SERVED: &str = "meshcache.coalesce.served";
+pub const COALESCE_TIMEOUTS: &str = "meshcache.coalesce.timeouts";
+pub const COALESCE_RELEASED: &str = "meshcache.coalesce.released";
+pub const COALESCE_OVERFLOW: &str = "meshcache.coalesce.overflow";
 
 thread_local! {
     static IDS: RefCell<HashMap<String, u32>> = RefCell::new(HashMap::new());
@@ -65,9 +74,9 @@ pub fn count(name: &str, n: u64) {
     });
 }
 
-const COUNTERS: [&str; 11] = [
+const COUNTERS: [&str; 16] = [
     HITS, MISSES, BYPASSES, STORES, EVICTIONS, ERRORS, ROUTED, STALE_IF_ERROR, STALE_WHILE_REVALIDATE, REFRESHES,
-    REFRESH_FAILURES,
+    REFRESH_FAILURES, COALESCE_WAITS, COALESCE_SERVED, COALESCE_TIMEOUTS, COALESCE_RELEASED, COALESCE_OVERFLOW,
 ];
 const POLICY_COUNTERS: [&str; 2] = ["hits", "misses"];
 const POLICY_GAUGES_OF: [&str; 2] = ["entries", "bytes"];

@@ -22,6 +22,9 @@ pub const CACHE_STATUS_BYPASS: &str = "meshcache; fwd=bypass";
 /// A miss whose headers left before its body was read: whether it gets stored is not known yet.
 pub const CACHE_STATUS_MISS: &str = "meshcache; fwd=miss";
 pub const CACHE_STATUS_REFRESH: &str = "meshcache; fwd=request";
+/// RFC 9211 `collapsed`: a miss that waited for an identical request in flight and was answered
+/// from the entry that request stored (request coalescing), without going upstream itself.
+pub const CACHE_STATUS_COLLAPSED: &str = "meshcache; fwd=miss; collapsed";
 
 pub fn cache_status_hit(ttl_left_s: u64) -> String {
     format!("meshcache; hit; ttl={}", ttl_left_s)

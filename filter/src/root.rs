@@ -2,16 +2,21 @@
 //! the cache within its limits after a change, and reports metrics on the tick.
 
 use crate::abi::{self, Buffer, LogLevel};
-use crate::config::{parse_plugin_config, Config};
+use crate::config::{parse_plugin_config, Config, Role};
 use crate::metrics;
 use crate::store::{Cache, Outcome};
-use std::cell::RefCell;
+use crate::stream;
+use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::rc::Rc;
+
+/// The tick resumes coalesced requests whose timeout passed: its period is their precision.
+const TICK_MS: u32 = 25;
 
 thread_local! {
     /// Root id -> its configuration (None until `on_configure` accepted one).
     static ROOTS: RefCell<HashMap<u32, Option<Rc<Config>>>> = RefCell::new(HashMap::new());
+    static TICKS: Cell<u32> = Cell::new(0);
 }
 
 pub fn create(root: u32) {
@@ -41,8 +46,13 @@ pub fn on_configure(root: u32, size: usize) -> bool {
             metrics::record_outcome(&out);
             metrics::define_all(cfg.policies.iter().map(|p| p.model_prefix.as_str()));
             abi::log(LogLevel::Info, &format!("configuration version {:?} with {} policies", cfg.version, cfg.policies.len()));
+            // Only the server role caches (and so coalesces).
+            let cfg_role_is_server = cfg.role == Role::Server;
             ROOTS.with(|r| r.borrow_mut().insert(root, Some(Rc::new(cfg))));
-            abi::set_tick_period_ms(metrics::FLUSH_MS);
+            if cfg_role_is_server {
+                stream::setup_coalescing();
+            }
+            abi::set_tick_period_ms(TICK_MS);
             true
         }
         Err(e) => {
@@ -54,6 +64,14 @@ pub fn on_configure(root: u32, size: usize) -> bool {
 }
 
 pub fn on_tick(root: u32) {
+    stream::expire_waiters();
+    let ticks = TICKS.with(|t| {
+        t.set(t.get().wrapping_add(1));
+        t.get()
+    });
+    if ticks % (metrics::FLUSH_MS / TICK_MS) != 0 {
+        return;
+    }
     metrics::flush();
     if let Some(cfg) = config_of(root) {
         let (mut meta, _) = Cache::read_only(&abi::HostShared).meta();

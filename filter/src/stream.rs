@@ -5,6 +5,7 @@
 use crate::abi::{self, Buffer, Map};
 use crate::answer::{self, HitRequest};
 use crate::cache_control::NotStored;
+use crate::coalesce::{self, Join, LockTable, Release, Ticket, Waiters};
 use crate::config::{Config, Limits, Role};
 use crate::decide::{self, BodyDecision, Cacheable, HeadDecision, RequestHead};
 use crate::grpc;
@@ -15,7 +16,7 @@ use crate::names;
 use crate::route_key;
 use crate::stale;
 use crate::store::{Cache, Lookup, Outcome, StoreError};
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::rc::Rc;
 
@@ -28,12 +29,86 @@ thread_local! {
 }
 
 pub fn create(id: u32, plugin: Option<Rc<Config>>) {
-    STREAMS.with(|s| s.borrow_mut().insert(id, Stream { id, plugin, phase: Phase::Pass, fallback: None, stale_route: false }));
+    STREAMS.with(|s| s.borrow_mut().insert(id, Stream { id, plugin, phase: Phase::Pass, fallback: None, stale_route: false, lock: None }));
 }
 
 pub fn delete(id: u32) {
-    STREAMS.with(|s| s.borrow_mut().remove(&id));
+    let gone = STREAMS.with(|s| s.borrow_mut().remove(&id));
     GRPC_REPLIES.with(|r| r.borrow_mut().remove(&id));
+    WAITERS.with(|w| w.borrow_mut().remove(id));
+    if let Some(mut stream) = gone {
+        // A leader that ends without an answer (reset, client gone): its waiters try again.
+        stream.release(Release::Retry);
+    }
+}
+
+// ---------------------------------------------------------------- request coalescing
+//
+// The lock table (`coalesce::LockTable`, shared data) says which key is in flight and which
+// workers wait on it; each worker keeps its own paused waiters (`WAITERS`) and a shared queue
+// the leaders' releases are sent to. `on_queue_ready` resumes the waiters of a released key;
+// the root's tick resumes those whose `coalesce_timeout_ms` has passed.
+
+thread_local! {
+    static WAITERS: RefCell<Waiters> = RefCell::new(Waiters::default());
+    /// This worker's wake queue, once a root context registered it.
+    static WAKE_QUEUE: Cell<Option<u32>> = Cell::new(None);
+    static WAKE_NAME: RefCell<String> = RefCell::new(String::new());
+}
+
+/// Wake messages handled per queue callback (the rest wait for the next one).
+const MAX_WAKES_PER_CALLBACK: usize = 4096;
+
+/// Called by each root context's `on_configure`: the lock table exists, and this worker's
+/// queue is registered under a name no other worker uses (registering it again points it at
+/// the newest root context).
+pub fn setup_coalescing() {
+    LockTable { data: &abi::HostShared }.create_slots();
+    let name = WAKE_NAME.with(|n| {
+        let mut n = n.borrow_mut();
+        if n.is_empty() {
+            *n = format!("meshcache:wake:{}", abi::now_ns());
+        }
+        n.clone()
+    });
+    match abi::register_queue(&name) {
+        Some(q) => WAKE_QUEUE.with(|w| w.set(Some(q))),
+        None => error("could not register the coalescing queue; identical misses are not coalesced"),
+    }
+}
+
+pub fn on_queue_ready(queue: u32) {
+    for _ in 0..MAX_WAKES_PER_CALLBACK {
+        let message = match abi::dequeue(queue) {
+            Some(m) => m,
+            None => return,
+        };
+        let (key, release) = match coalesce::decode_wake(&message) {
+            Some(w) => w,
+            None => {
+                error("unreadable coalescing wake message");
+                continue;
+            }
+        };
+        for (id, deadline) in WAITERS.with(|w| w.borrow_mut().take(&key)) {
+            if abi::set_effective_context(id) {
+                with(id, |s| s.on_wake(release, deadline));
+            }
+        }
+    }
+}
+
+/// The root's tick: waiters past their deadline go upstream themselves.
+pub fn expire_waiters() {
+    if WAITERS.with(|w| w.borrow().is_empty()) {
+        return;
+    }
+    let late = WAITERS.with(|w| w.borrow_mut().expired(abi::now_ms()));
+    for id in late {
+        if abi::set_effective_context(id) {
+            with(id, |s| s.on_coalesce_timeout());
+        }
+    }
 }
 
 // ---------------------------------------------------------------- single-pass gRPC hits
@@ -118,6 +193,8 @@ enum Phase {
     Bypass(Option<&'static str>),
     Buffering { source: ModelSource, refresh: bool, headers: Headers },
     Miss(Cacheable),
+    /// Paused while an identical request is in flight (request coalescing).
+    Waiting(Box<Waiting>),
     /// A storable miss whose answer is passing: copied for the store while it streams (or
     /// while held, see `decide::holds_answer`).
     Collect(Box<Collecting>),
@@ -125,6 +202,12 @@ enum Phase {
     /// from the headers to trailers at the end of that (empty) body.
     StatusToTrailers(Vec<(String, String)>),
     Done,
+}
+
+pub struct Waiting {
+    c: Cacheable,
+    /// Request headers, for the answer (If-None-Match).
+    headers: Vec<(String, String)>,
 }
 
 pub struct Collecting {
@@ -160,6 +243,8 @@ pub struct Stream {
     fallback: Option<Box<Fallback>>,
     /// The request took the stale route (gRPC): a trailers-only answer arrives with a body.
     stale_route: bool,
+    /// Held while this stream leads a coalesced key: released with its outcome.
+    lock: Option<Ticket>,
 }
 
 struct Fallback {
@@ -302,7 +387,7 @@ impl Stream {
             Lookup::Hit(e) => e,
             Lookup::Miss(seen) => {
                 c.seen = seen;
-                return self.miss(c);
+                return self.miss_or_wait(c, headers, now);
             }
             Lookup::Stale(e, seen) => {
                 // Forwarded; a fresh answer replaces the entry where it is.
@@ -316,13 +401,21 @@ impl Stream {
                 return self.miss(c);
             }
         };
+        self.answer_hit(&c, &HitRequest { headers, body, id: &c.request_id }, &entry, now, false)
+    }
+
+    /// Answers from a stored entry (PAUSE), or CONTINUE when the local reply failed.
+    /// `collapsed`: the request waited for an identical one in flight.
+    fn answer_hit(&mut self, c: &Cacheable, request: &HitRequest, entry: &crate::entry::Entry, now: u64, collapsed: bool) -> u32 {
         count(metrics::HITS, 1);
         count_policy(&c.policy.model_prefix, "hits");
         self.phase = Phase::Done;
         if c.grpc {
-            return self.answer_grpc_hit(&entry, &HitRequest { headers, body, id: &c.request_id }, now);
+            let reply = answer::grpc_hit(entry, request, now);
+            return self.answer_grpc_hit(if collapsed { answer::collapsed(reply) } else { reply });
         }
-        let reply = answer::http_hit(&entry, &HitRequest { headers, body, id: &c.request_id }, now);
+        let reply = answer::http_hit(entry, request, now);
+        let reply = if collapsed { answer::collapsed(reply) } else { reply };
         let h: Vec<(&str, &str)> = reply.headers.iter().map(|(n, v)| (n.as_str(), v.as_str())).collect();
         if !abi::send_local_response(reply.status as u32, "meshcache_hit", &reply.body, &h, -1) {
             error("local reply failed; passing through");
@@ -349,8 +442,7 @@ impl Stream {
     /// Marks the request (filter state, so the local reply selects the hit route whose Lua step
     /// gives it a body), then sends the empty local reply; `grpc_reply_*` fill it. The entry was
     /// read whole at lookup, so eviction meanwhile cannot fail the answer.
-    fn answer_grpc_hit(&mut self, entry: &crate::entry::Entry, request: &HitRequest, now: u64) -> u32 {
-        let reply = answer::grpc_hit(entry, request, now);
+    fn answer_grpc_hit(&mut self, reply: answer::HitAnswer) -> u32 {
         if !abi::set_property(LOCAL_MARKER, b"1") || !abi::call_foreign("clear_route_cache", b"") {
             error("gRPC hit: could not mark the request; forwarding it");
             abi::set_property(LOCAL_MARKER, b"0");
@@ -389,6 +481,130 @@ impl Stream {
         }
         self.stale_route = true;
         true
+    }
+
+    /// A miss under a policy with `coalesce_timeout_ms`: lead (go upstream holding the key's
+    /// lock) or wait for the identical request in flight. Requests that skip the lookup
+    /// (`no-cache`) neither lead nor wait.
+    fn miss_or_wait(&mut self, c: Cacheable, headers: &[(String, String)], now: u64) -> u32 {
+        let timeout = c.policy.coalesce_timeout_ms;
+        if timeout == 0 || c.refresh || !self.lead_or_wait(&c, now, now.saturating_add(timeout)) {
+            return self.miss(c);
+        }
+        count(metrics::COALESCE_WAITS, 1);
+        self.phase = Phase::Waiting(Box::new(Waiting { c, headers: headers.to_vec() }));
+        PAUSE
+    }
+
+    /// True: wait (registered until `deadline`). False: go upstream, as the key's leader when
+    /// the lock was free.
+    fn lead_or_wait(&mut self, c: &Cacheable, now: u64, deadline: u64) -> bool {
+        let queue = match WAKE_QUEUE.with(|w| w.get()) {
+            Some(q) => q,
+            None => return false,
+        };
+        let owner = ((queue as u64) << 32) | self.id as u64;
+        match (LockTable { data: &abi::HostShared }).join(&c.key, owner, queue, now, c.policy.coalesce_timeout_ms) {
+            Join::Lead(ticket) => {
+                self.lock = Some(ticket);
+                false
+            }
+            Join::Wait => match WAITERS.with(|w| w.borrow_mut().add(&c.key, self.id, deadline)) {
+                Ok(()) => true,
+                Err(_) => {
+                    count(metrics::COALESCE_OVERFLOW, 1);
+                    false
+                }
+            },
+            Join::Full => {
+                count(metrics::COALESCE_OVERFLOW, 1);
+                false
+            }
+            Join::Busy | Join::Unavailable => false,
+        }
+    }
+
+    /// The leader of this key is done: free the lock and wake every worker that waits on it.
+    fn release(&mut self, release: Release) {
+        if let Some(ticket) = self.lock.take() {
+            let message = coalesce::encode_wake(&ticket.key, release);
+            for queue in (LockTable { data: &abi::HostShared }).release(&ticket) {
+                if !abi::enqueue(queue, &message) {
+                    error("could not wake coalesced requests (their timeout will)");
+                }
+            }
+        }
+    }
+
+    /// Woken (from the queue callback) because the key's leader finished: answer from its entry,
+    /// or (no entry) go upstream; after a failure that may pass, lead or wait again within the
+    /// deadline.
+    pub fn on_wake(&mut self, release: Release, deadline: u64) -> u32 {
+        let Waiting { mut c, headers } = match std::mem::replace(&mut self.phase, Phase::Done) {
+            Phase::Waiting(w) => *w,
+            other => {
+                self.phase = other;
+                return CONTINUE;
+            }
+        };
+        let cfg = match self.config() {
+            Some(cfg) => cfg,
+            None => return self.resume_upstream(c),
+        };
+        let now = abi::now_ms();
+        let mut out = Outcome::default();
+        // Keeping what stale-if-error may still use: a woken waiter must not free it.
+        let cache = Cache { data: &abi::HostShared, limits: &cfg.limits };
+        let found = cache.lookup_keeping(&c.key, now, stale::keep_ms(&c.policy), &mut out);
+        metrics::record_outcome(&out);
+        let found = match found {
+            Lookup::Stale(_, seen) => Lookup::Miss(Some(seen)),
+            other => other,
+        };
+        match found {
+            Lookup::Hit(entry) => {
+                count(metrics::COALESCE_SERVED, 1);
+                let request = HitRequest { headers: &headers, body: &[], id: &c.request_id };
+                if self.answer_hit(&c, &request, &entry, now, true) == CONTINUE {
+                    self.phase = Phase::Pass;
+                    abi::continue_request();
+                }
+                PAUSE
+            }
+            Lookup::Miss(seen) => {
+                c.seen = seen;
+                count(metrics::COALESCE_RELEASED, 1);
+                if release == Release::Retry && now < deadline && self.lead_or_wait(&c, now, deadline) {
+                    self.phase = Phase::Waiting(Box::new(Waiting { c, headers }));
+                    return PAUSE;
+                }
+                self.resume_upstream(c)
+            }
+            Lookup::Stale(..) => self.resume_upstream(c),
+        }
+    }
+
+    /// The waiter's `coalesce_timeout_ms` passed: it goes upstream itself.
+    pub fn on_coalesce_timeout(&mut self) -> u32 {
+        match std::mem::replace(&mut self.phase, Phase::Done) {
+            Phase::Waiting(w) => {
+                count(metrics::COALESCE_TIMEOUTS, 1);
+                self.resume_upstream(w.c)
+            }
+            other => {
+                self.phase = other;
+                CONTINUE
+            }
+        }
+    }
+
+    /// A paused waiter goes upstream as a plain miss (its answer may be stored).
+    fn resume_upstream(&mut self, c: Cacheable) -> u32 {
+        self.miss(c);
+        if !abi::continue_request() {
+            error("could not resume a coalesced request");
+        }
+        CONTINUE
     }
 
     /// The request goes to the origin; its answer may be stored.
@@ -503,6 +719,7 @@ impl Stream {
     /// `headers_open`: the response headers can still be changed (we are in their callback, or
     /// they are held until the body is complete).
     fn not_stored(&mut self, refresh: bool, why: NotStored, headers_open: bool) -> u32 {
+        self.release(Release::not_stored(why));
         if headers_open {
             abi::set_header(Map::ResponseHeaders, names::CACHE_STATUS, &names::cache_status_not_stored(refresh, why));
         }
@@ -515,6 +732,7 @@ impl Stream {
         let headers = response.pairs;
         let status: u16 = decide::header(&headers, ":status").and_then(|s| s.parse().ok()).unwrap_or(0);
         if status != 200 {
+            self.release(Release::for_status(status));
             return self.not_stored(c.refresh, NotStored::Status, true);
         }
         if c.grpc && (eos || decide::header(&headers, "grpc-status").is_some()) {
@@ -660,6 +878,7 @@ impl Stream {
         match result {
             Ok(()) => {
                 count(metrics::STORES, 1);
+                self.release(Release::Stored);
                 self.phase = Phase::Done;
                 match open {
                     Open::Closed => {}

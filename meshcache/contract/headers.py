@@ -18,3 +18,6 @@ ROUTE_KEY_HEADER = "x-meshcache-route-key"
 # Set by the filter on a held gRPC request an expired entry may answer (stale-if-error): the
 # cluster its route chose, which the stale route forwards to (meshcache.contract.grpc_hit).
 UPSTREAM_CLUSTER_HEADER = "x-meshcache-upstream-cluster"
+# Cache-Status of a request that waited for an identical one in flight and was answered from the
+# entry it stored (request coalescing; RFC 9211's `collapsed` parameter).
+CACHE_STATUS_COLLAPSED = "meshcache; fwd=miss; collapsed"

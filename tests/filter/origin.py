@@ -3,14 +3,16 @@
 HTTP `POST` answers are deterministic in the request (JSON with a digest of the body) and can
 be shaped by request headers: `x-origin-status`, `x-origin-cache-control`, `x-origin-size`
 (body length), `x-origin-etag`, `x-origin-delay` (seconds before answering), `x-origin-header`
-(repeatable, `Name: value` added to the answer), `x-origin-chunked` (chunk size: chunked
+(repeatable, `Name: value` added to the answer), `x-origin-fail-first` (a name: the first
+request carrying it is answered 500, the later ones normally), `x-origin-chunked` (chunk size: chunked
 transfer coding), `x-origin-pace` (seconds between chunks or events), `x-origin-gzip`,
 `x-origin-sse` (that many `text/event-stream` events). The JSON answer echoes `x-user` and every
 `x-traffic-color` line, so an answer served to the wrong client shows. `GET /calls` returns how many POSTs were served.
 gRPC: `/inference.GRPCInferenceService/ModelInfer` answers with a protobuf message carrying the
 request's model name (field 1) and a digest of the request (field 5 bytes); metadata
 `x-origin-grpc-fail` makes it fail with INVALID_ARGUMENT, `x-origin-grpc-code` with that status
-(a `grpc.StatusCode` name, e.g. UNAVAILABLE).
+(a `grpc.StatusCode` name, e.g. UNAVAILABLE), `x-origin-delay` waits first, `x-origin-fail-first`
+fails the first call carrying that name with UNAVAILABLE.
 
 Like a KServe v2 server, both echo a request id (REST top-level `"id"` string, gRPC field 3) in
 the answer, and the rest of the answer does not depend on it (the digest leaves the id out). The
@@ -35,6 +37,18 @@ from meshcache.contract.protos import grpc_predict_v2_pb2 as pb
 
 CALLS = {"http": 0, "grpc": 0}
 LOCK = threading.Lock()
+FAILED_FIRST: set[str] = set()
+
+
+def _first_with(name: str | None) -> bool:
+    """True once per `x-origin-fail-first` name: that request fails."""
+    if not name:
+        return False
+    with LOCK:
+        if name in FAILED_FIRST:
+            return False
+        FAILED_FIRST.add(name)
+        return True
 
 
 def _count(kind: str) -> None:
@@ -73,6 +87,9 @@ class Handler(BaseHTTPRequestHandler):
         _count("http")
         if delay := self.headers.get("x-origin-delay"):
             time.sleep(float(delay))
+        if _first_with(self.headers.get("x-origin-fail-first")):
+            self._send(500, b"origin failed (x-origin-fail-first)", {"Content-Type": "text/plain"})
+            return
         request_id, without_id = _split_rest_id(data)
         digest = hashlib.sha256(without_id).hexdigest()
         size = self.headers.get("x-origin-size")
@@ -150,10 +167,15 @@ def _split_rest_id(data: bytes) -> tuple[str | None, bytes]:
 
 def _model_infer(request: bytes, context: grpc.ServicerContext) -> bytes:
     _count("grpc")
-    if dict(context.invocation_metadata()).get("x-origin-grpc-fail"):
+    metadata = dict(context.invocation_metadata())
+    if delay := metadata.get("x-origin-delay"):
+        time.sleep(float(delay))
+    if metadata.get("x-origin-grpc-fail"):
         context.abort(grpc.StatusCode.INVALID_ARGUMENT, "origin asked to fail")
-    if code := dict(context.invocation_metadata()).get("x-origin-grpc-code"):
+    if code := metadata.get("x-origin-grpc-code"):
         context.abort(grpc.StatusCode[code], f"origin asked to fail with {code}")
+    if _first_with(metadata.get("x-origin-fail-first")):
+        context.abort(grpc.StatusCode.UNAVAILABLE, "origin failed (x-origin-fail-first)")
     parsed = pb.ModelInferRequest.FromString(request)
     request_id = parsed.id.encode()
     if request_id:
@@ -181,12 +203,17 @@ def _varint(n: int) -> bytes:
             return bytes(out)
 
 
+class Server(ThreadingHTTPServer):
+    # socketserver's default backlog (5) refuses connections in a burst of misses.
+    request_queue_size = 512
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--http-port", type=int, required=True)
     parser.add_argument("--grpc-port", type=int, required=True)
     args = parser.parse_args()
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=64))
     handler = grpc.method_handlers_generic_handler(
         "inference.GRPCInferenceService",
         {"ModelInfer": grpc.unary_unary_rpc_method_handler(_model_infer)},
@@ -194,7 +221,7 @@ def main() -> None:
     server.add_generic_rpc_handlers((handler,))
     server.add_insecure_port(f"127.0.0.1:{args.grpc_port}")
     server.start()
-    httpd = ThreadingHTTPServer(("127.0.0.1", args.http_port), Handler)
+    httpd = Server(("127.0.0.1", args.http_port), Handler)
     httpd.daemon_threads = True
     httpd.serve_forever()
 

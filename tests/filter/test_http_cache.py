@@ -222,7 +222,8 @@ def test_memory_bound_holds_after_filling_past_the_limit(tmp_path: Path) -> None
 
 
 def test_concurrent_misses_for_one_key_store_once_and_account_exactly(tmp_path: Path) -> None:
-    with filter_stack(tmp_path, config()) as s:
+    # Coalescing off: the three misses go upstream together and race to store.
+    with filter_stack(tmp_path, config(policy("m", coalesce_timeout_ms=0))) as s:
         shaping = {"x-origin-size": "500", "x-origin-delay": "0.6"}
         with ThreadPoolExecutor(3) as pool:
             statuses = sorted(pool.map(

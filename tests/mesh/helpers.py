@@ -11,19 +11,11 @@ import httpx
 import numpy as np
 
 from meshcache.contract.protos import grpc_predict_v2_pb2 as pb
+from meshcache.ctl.mesh.engine_metrics import engine_requests
 from meshcache.ctl.mesh.topology import Mesh
 
 MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"
 T = TypeVar("T")
-
-
-def engine_requests(metrics_url: str, model: str) -> float:
-    """Inference requests the engine has received for `model`, over both protocols."""
-    total = 0.0
-    for line in httpx.get(metrics_url, timeout=5).text.splitlines():
-        if line.startswith("meshcache_engine_requests_total{") and f'model="{model}"' in line:
-            total += float(line.rpartition(" ")[2])
-    return total
 
 
 def default_engine_calls(mesh: Mesh, model: str) -> float:

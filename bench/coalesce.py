@@ -1,0 +1,177 @@
+"""Request coalescing in the local mesh (`python -m bench.coalesce`): 32 identical cold requests.
+
+Each round sends 32 identical `resnet-mini` ModelInfer requests at once (one asyncio gather over
+the app's connection to the client sidecar; each caller its own request `id`, which the key
+leaves out) for a key no earlier round used, through the whole mesh: client sidecar, mTLS,
+server sidecar with the meshcache filter, engine. Modes, interleaved round by round (the order
+alternates): coalescing on (`coalesce_timeout_ms: 5000`) and off (`0`). Per round: how many
+requests reached the engine (its own request counter), every request's latency, and with
+coalescing the leader's (`fwd=miss; stored`) and its waiters' (`fwd=miss; collapsed`).
+Writes the `coalesce` section of docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+
+from bench.report import publish, table
+from bench.stats import percentile, quantiles_ms
+from meshcache.contract.headers import CACHE_STATUS_COLLAPSED, CACHE_STATUS_HEADER
+from meshcache.contract.protos import grpc_predict_v2_pb2 as pb
+from meshcache.ctl.mesh.config import MeshConfig
+from meshcache.ctl.mesh.engine_metrics import engine_requests
+from meshcache.ctl.mesh.topology import SERVER_NODE, Mesh
+
+MODEL = "resnet-mini"
+INFER = "/inference.GRPCInferenceService/ModelInfer"
+CALLERS = 32
+MODES = {"coalescing on": 5000, "coalescing off": 0}
+TARGET_WAITER_RATIO = 1.2
+
+
+def _request(round_tag: str, caller: int) -> bytes:
+    """The same tensor for every caller of a round (one key), a tensor no other round used."""
+    seed = int.from_bytes(round_tag.encode()[-8:], "big") % 2**32
+    x = np.random.default_rng(seed).standard_normal((1, 3, 32, 32)).astype(np.float32)
+    request = pb.ModelInferRequest(model_name=MODEL, id=f"{round_tag}-{caller}")
+    request.inputs.add(name="image", datatype="FP32", shape=[1, 3, 32, 32])
+    request.raw_input_contents.append(x.tobytes())
+    return request.SerializeToString()
+
+
+@dataclasses.dataclass
+class Round:
+    mode: str
+    engine_calls: int
+    latencies: list[float]  # seconds, every caller
+    statuses: list[str]
+    errors: int
+
+    def of(self, status: str) -> list[float]:
+        return [t for t, s in zip(self.latencies, self.statuses, strict=True) if s == status]
+
+
+async def _round(app: str, round_tag: str) -> tuple[list[float], list[str], int]:
+    async with grpc.aio.insecure_channel(app) as channel:
+        await channel.channel_ready()
+        call = channel.unary_unary(INFER)
+        bodies = [_request(round_tag, i) for i in range(CALLERS)]
+
+        async def one(body: bytes) -> tuple[float, str]:
+            sent = time.perf_counter()
+            c = call(body, timeout=30)
+            await c
+            status = dict(await c.initial_metadata()).get(CACHE_STATUS_HEADER, "")
+            return time.perf_counter() - sent, str(status)
+
+        results = await asyncio.gather(*[one(b) for b in bodies], return_exceptions=True)
+    ok = [r for r in results if isinstance(r, tuple)]
+    for r in results:
+        if not isinstance(r, tuple):
+            print(f"  error: {r!r}"[:200], flush=True)
+    return [t for t, _ in ok], [s for _, s in ok], len(results) - len(ok)
+
+
+def _set_mode(mesh: Mesh, timeout_ms: int) -> None:
+    with mesh.api() as api:
+        spec = {"ttl_s": 3600, "max_ttl_s": 3600, "coalesce_timeout_ms": timeout_ms}
+        api.wait_acked(SERVER_NODE, api.put(MODEL, spec)["version"])
+
+
+def _summary(rounds: list[Round]) -> dict[str, Any]:
+    every = [t for r in rounds for t in r.latencies]
+    out: dict[str, Any] = {
+        "rounds": len(rounds),
+        "engine_calls_per_round": [r.engine_calls for r in rounds],
+        "p50_ms": percentile(every, 0.5) * 1e3, "p99_ms": percentile(every, 0.99) * 1e3,
+        "errors": sum(r.errors for r in rounds), "quantiles_ms": quantiles_ms(every),
+    }
+    leaders = [t for r in rounds for t in r.of("meshcache; fwd=miss; stored")]
+    waiters = [t for r in rounds for t in r.of(CACHE_STATUS_COLLAPSED)]
+    if waiters:
+        # Per round: the waiters' median over that round's leader (they are answered from it).
+        ratios = [statistics.median(r.of(CACHE_STATUS_COLLAPSED)) / r.of("meshcache; fwd=miss; stored")[0]
+                  for r in rounds if r.of(CACHE_STATUS_COLLAPSED) and len(r.of("meshcache; fwd=miss; stored")) == 1]
+        out.update({"leader_p50_ms": percentile(leaders, 0.5) * 1e3, "waiter_p50_ms": percentile(waiters, 0.5) * 1e3,
+                    "waiter_p99_ms": percentile(waiters, 0.99) * 1e3, "waiters": len(waiters),
+                    "waiter_over_leader_median": statistics.median(ratios) if ratios else None})
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--rounds", type=int, default=12, help="rounds per mode (interleaved)")
+    parser.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
+    args = parser.parse_args(argv)
+    load_before = os.getloadavg()[0]
+    run_tag = str(time.time_ns())
+    rounds: dict[str, list[Round]] = {m: [] for m in MODES}
+    with tempfile.TemporaryDirectory(prefix="meshcache-bench-coalesce-") as tmp:
+        config = dataclasses.replace(MeshConfig(state_dir=Path(tmp)), canary_color="").with_free_ports()
+        with Mesh(config, log=lambda m: print(f"  {m}", flush=True)) as mesh:
+            app, metrics = mesh.endpoints()["app"], mesh.endpoints()["engine_metrics"]
+            _set_mode(mesh, 0)
+            asyncio.run(_round(app, f"{run_tag}-warmup"))  # engine, sidecars and connections warm
+            for n in range(args.rounds):
+                order = list(MODES) if n % 2 == 0 else list(reversed(MODES))
+                for mode in order:
+                    _set_mode(mesh, MODES[mode])
+                    before = engine_requests(metrics, MODEL)
+                    latencies, statuses, errors = asyncio.run(_round(app, f"{run_tag}-{mode}-{n}"))
+                    calls = int(engine_requests(metrics, MODEL) - before)
+                    rounds[mode].append(Round(mode, calls, latencies, statuses, errors))
+                    print(f"round {n} {mode}: engine calls {calls}, p50 {statistics.median(latencies) * 1e3:.1f} ms, "
+                          f"errors {errors}", flush=True)
+    summaries = {mode: _summary(rs) for mode, rs in rounds.items()}
+    rows = []
+    for mode, s in summaries.items():
+        calls = s["engine_calls_per_round"]
+        rows.append([mode, f"{statistics.mean(calls):.1f} ({min(calls)}-{max(calls)})", f"{s['p50_ms']:.1f}",
+                     f"{s['p99_ms']:.1f}", f"{s['leader_p50_ms']:.1f}" if "leader_p50_ms" in s else "",
+                     f"{s['waiter_p50_ms']:.1f}" if "waiter_p50_ms" in s else "",
+                     f"{s['waiter_p99_ms']:.1f}" if "waiter_p99_ms" in s else "", s["errors"]])
+    on, off = summaries["coalescing on"], summaries["coalescing off"]
+    ratio = on.get("waiter_over_leader_median")
+    measures = [
+        ["engine calls per round with coalescing (mean)", f"{statistics.mean(on['engine_calls_per_round']):.2f}",
+         "1", "yes" if set(on["engine_calls_per_round"]) == {1} else "no"],
+        ["waiters' p50 / leader's latency (median over rounds)", f"{ratio:.3f}" if ratio else "n/a",
+         f"<= {TARGET_WAITER_RATIO}", "yes" if ratio and ratio <= TARGET_WAITER_RATIO else "no"],
+        ["p50 with / without coalescing (all 32 callers)", f"{on['p50_ms'] / off['p50_ms']:.3f}", "", ""],
+    ]
+    body = "\n".join([
+        "`python -m bench.coalesce`: rounds of 32 identical cold gRPC `ModelInfer` requests for `resnet-mini` "
+        "(1x3x32x32 FP32; each caller its own request `id`, left out of the key) sent at once through the whole "
+        "local mesh (app -> client sidecar -> mTLS -> server sidecar with the filter -> engine with dynamic "
+        f"batching; one Envoy worker per sidecar). {args.rounds} rounds per mode, interleaved (order alternating); "
+        "every round a key no other round used. Engine calls = the engine's own request counter per round. "
+        "Leader = the answer with `fwd=miss; stored`, waiters = `fwd=miss; collapsed`. Client: Python grpc.aio "
+        f"in one process on the same machine. 1-minute load average at start: {load_before:.2f} on "
+        f"{os.cpu_count()} cores.",
+        "",
+        table(["mode", "engine calls / round (min-max)", "p50 ms", "p99 ms", "leader p50 ms", "waiters p50 ms",
+               "waiters p99 ms", "errors"], rows),
+        "",
+        table(["measure", "value", "target", "met"], measures),
+    ])
+    print(body)
+    if not args.no_write:
+        publish("coalesce", "Request coalescing: 32 identical cold requests (resnet-mini, gRPC, local mesh)", body,
+                {"rows": [{"case": mode, "concurrency": CALLERS, **s} for mode, s in summaries.items()],
+                 "measures": [dict(zip(("measure", "value", "target", "met"), m, strict=True)) for m in measures]})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,225 @@
+"""Request coalescing in a real Envoy with two workers and a slow origin: identical misses in
+flight wait for the first one's answer (HTTP and gRPC), within bounds and timeouts, and are
+still answered when the first one fails."""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, TypeVar
+
+import grpc
+import httpx
+
+from meshcache.contract.headers import CACHE_STATUS_COLLAPSED
+from meshcache.ctl import launchers
+from tests.filter.stack import MODEL_INFER, Stack, config, filter_stack, infer_request, policy
+
+INFER = "/v2/models/m/infer"
+STORED = "meshcache; fwd=miss; stored"
+T = TypeVar("T")
+
+
+def body(n: int = 0) -> bytes:
+    return b'{"inputs": [{"name": "x", "shape": [1], "datatype": "FP32", "data": [%d]}]}' % n
+
+
+def at_once(n: int, call: Callable[[int, Callable[[], None]], T]) -> list[T]:
+    """`call(i, ready)` for i in 0..n on n threads; each connects, then calls `ready()`, which
+    returns when all n are connected, so the requests leave together."""
+    barrier = threading.Barrier(n)
+    with ThreadPoolExecutor(max_workers=n) as pool:
+        return list(pool.map(lambda i: call(i, lambda: barrier.wait(timeout=60)), range(n)))
+
+
+def posts(s: Stack, content: bytes, headers: dict[str, str] | None = None,
+          timeout: float = 30) -> Callable[[int, Callable[[], None]], httpx.Response]:
+    """One POST per call on its own connection (Envoy spreads connections over its workers),
+    opened before `ready` with a request the filter ignores."""
+    def call(_: int, ready: Callable[[], None]) -> httpx.Response:
+        with httpx.Client(timeout=timeout) as c:
+            c.get(s.url("/calls"))
+            ready()
+            return c.post(s.url(INFER), content=content,
+                          headers={"content-type": "application/json", **(headers or {})})
+    return call
+
+
+def post(s: Stack, content: bytes, headers: dict[str, str] | None = None, timeout: float = 30) -> httpx.Response:
+    return posts(s, content, headers, timeout)(0, lambda: None)
+
+
+def grpc_calls(s: Stack, request: Callable[[int], bytes],
+               metadata: tuple[tuple[str, str], ...]) -> Callable[[int, Callable[[], None]], tuple[bytes, str]]:
+    """One ModelInfer per call on its own HTTP/2 connection (a local subchannel pool: grpcio
+    shares connections otherwise), connected before `ready`. Returns (message, Cache-Status)."""
+    def call(i: int, ready: Callable[[], None]) -> tuple[bytes, str]:
+        target = f"127.0.0.1:{s.listen_port}"
+        with grpc.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1)]) as ch:
+            grpc.channel_ready_future(ch).result(timeout=30)
+            ready()
+            response, c = ch.unary_unary(MODEL_INFER).with_call(request(i), metadata=metadata, timeout=30)
+            return response, dict(c.initial_metadata())["cache-status"]
+    return call
+
+
+def workers_used(s: Stack) -> int:
+    """How many Envoy workers accepted downstream connections."""
+    stats = launchers.envoy_stats(s.admin_port, "listener.")
+    return sum(1 for name, v in stats.items()
+               if ".worker_" in name and name.endswith(".downstream_cx_total") and str(s.listen_port) in name and v)
+
+
+def coalescing(**fields: Any) -> dict[str, Any]:
+    return config(policy("m", **fields), policy("resnet", **fields))
+
+
+def test_32_identical_http_misses_make_one_origin_call_on_both_workers(tmp_path: Path) -> None:
+    with filter_stack(tmp_path, coalescing(coalesce_timeout_ms=10_000), concurrency=2) as s:
+        answers = at_once(32, posts(s, body(), {"x-origin-delay": "1.5"}))
+        assert [r.status_code for r in answers] == [200] * 32
+        assert len({r.content for r in answers}) == 1, "32 identical answers"
+        statuses = Counter(r.headers["cache-status"] for r in answers)
+        assert statuses == {STORED: 1, CACHE_STATUS_COLLAPSED: 31}, statuses
+        assert len({r.headers["x-response-hash"] for r in answers}) == 1
+        assert s.origin_calls()["http"] == 1
+        assert workers_used(s) == 2, "the waiters were spread over both Envoy workers"
+        stats = s.stats()
+        assert (stats["meshcache.coalesce.waits"], stats["meshcache.coalesce.served"]) == (31, 31)
+        assert stats["meshcache.coalesce.timeouts"] == stats["meshcache.coalesce.overflow"] == 0
+        # Afterwards the entry answers as a plain hit.
+        assert post(s, body()).headers["cache-status"].startswith("meshcache; hit; ttl=")
+
+
+def test_32_identical_grpc_misses_make_one_origin_call(tmp_path: Path) -> None:
+    with filter_stack(tmp_path, coalescing(coalesce_timeout_ms=10_000), concurrency=2) as s:
+        answers = at_once(32, grpc_calls(s, lambda i: infer_request("resnet-mini"), (("x-origin-delay", "1.5"),)))
+        assert len({message for message, _ in answers}) == 1, "32 identical messages"
+        assert answers[0][0].startswith(b"\x0a\x0bresnet-mini")
+        statuses = Counter(status for _, status in answers)
+        assert statuses == {STORED: 1, CACHE_STATUS_COLLAPSED: 31}, statuses
+        assert s.origin_calls()["grpc"] == 1
+        assert workers_used(s) == 2
+        assert s.stats()["meshcache.coalesce.served"] == 31
+
+
+def test_grpc_waiters_keep_their_own_request_ids(tmp_path: Path) -> None:
+    with filter_stack(tmp_path, coalescing(), concurrency=2) as s:
+        answers = at_once(8, grpc_calls(s, lambda i: infer_request("resnet-mini", request_id=b"id-%d" % i),
+                                        (("x-origin-delay", "1"),)))
+        for i, (message, _) in enumerate(answers):
+            assert b"\x1a\x04id-%d" % i in message, "each caller gets its own id back"
+        assert Counter(status for _, status in answers)[CACHE_STATUS_COLLAPSED] == 7
+        assert s.origin_calls()["grpc"] == 1
+
+
+def test_a_waiter_gives_up_after_coalesce_timeout_ms_and_goes_upstream(tmp_path: Path) -> None:
+    with filter_stack(tmp_path, coalescing(coalesce_timeout_ms=200), concurrency=2) as s:
+        answers = at_once(4, posts(s, body(1), {"x-origin-delay": "1.5"}))
+        assert [r.status_code for r in answers] == [200] * 4
+        assert len({r.content for r in answers}) == 1
+        assert CACHE_STATUS_COLLAPSED not in {r.headers["cache-status"] for r in answers}
+        assert s.origin_calls()["http"] == 4, "each waiter went upstream after 200 ms"
+        stats = s.stats()
+        assert stats["meshcache.coalesce.waits"] == stats["meshcache.coalesce.timeouts"] == 3
+        assert stats["meshcache.coalesce.served"] == 0
+
+
+def test_leader_failure_hands_over_to_one_new_leader_and_waiters_are_answered(tmp_path: Path) -> None:
+    with filter_stack(tmp_path, coalescing(), concurrency=2) as s:
+        headers = {"x-origin-delay": "1", "x-origin-fail-first": "leader"}
+        answers = at_once(16, posts(s, body(2), headers))
+        codes = Counter(r.status_code for r in answers)
+        assert codes == {500: 1, 200: 15}, codes
+        ok = [r for r in answers if r.status_code == 200]
+        assert len({r.content for r in ok}) == 1
+        assert Counter(r.headers["cache-status"] for r in ok) == {STORED: 1, CACHE_STATUS_COLLAPSED: 14}
+        assert s.origin_calls()["http"] == 2, "the failed leader, then one new leader"
+        stats = s.stats()
+        assert stats["meshcache.coalesce.released"] >= 15 and stats["meshcache.coalesce.served"] == 14
+
+
+def test_grpc_leader_failure_is_retried_by_one_waiter(tmp_path: Path) -> None:
+    with filter_stack(tmp_path, coalescing(), concurrency=2) as s:
+        meta = (("x-origin-delay", "1"), ("x-origin-fail-first", "grpc-leader"))
+        one = grpc_calls(s, lambda i: infer_request("resnet-mini"), meta)
+
+        def call(i: int, ready: Callable[[], None]) -> tuple[str, bytes]:
+            try:
+                message, status = one(i, ready)
+                return status, message
+            except grpc.RpcError as e:
+                return e.code().name, b""
+
+        answers = at_once(8, call)
+        outcomes = Counter(status for status, _ in answers)
+        assert outcomes == {"UNAVAILABLE": 1, STORED: 1, CACHE_STATUS_COLLAPSED: 6}, outcomes
+        assert s.origin_calls()["grpc"] == 2
+
+
+def test_an_uncacheable_answer_sends_every_waiter_upstream(tmp_path: Path) -> None:
+    with filter_stack(tmp_path, coalescing(), concurrency=2) as s:
+        answers = at_once(6, posts(s, body(3), {"x-origin-delay": "1", "x-origin-cache-control": "no-store"}))
+        assert [r.status_code for r in answers] == [200] * 6
+        assert {r.headers["cache-status"] for r in answers} == {"meshcache; fwd=miss; detail=no-store"}
+        assert s.origin_calls()["http"] == 6
+        stats = s.stats()
+        assert stats["meshcache.coalesce.released"] == stats["meshcache.coalesce.waits"] == 5
+
+
+def test_a_leader_whose_client_goes_away_releases_its_waiters(tmp_path: Path) -> None:
+    with filter_stack(tmp_path, coalescing(), concurrency=2) as s:
+        headers = {"x-origin-delay": "1.5"}
+        leader = threading.Thread(target=lambda: _gives_up(s, body(4), headers))
+        leader.start()
+        threading.Event().wait(0.3)  # the leader is in flight
+        answers = at_once(6, posts(s, body(4), headers))
+        leader.join()
+        assert [r.status_code for r in answers] == [200] * 6
+        assert Counter(r.headers["cache-status"] for r in answers) == {STORED: 1, CACHE_STATUS_COLLAPSED: 5}
+        assert s.origin_calls()["http"] == 2, "the abandoned leader's call, then one new leader"
+
+
+def _gives_up(s: Stack, content: bytes, headers: dict[str, str]) -> None:
+    try:
+        post(s, content, headers, timeout=0.6)
+    except httpx.TimeoutException:
+        return
+    raise AssertionError("the leader was expected to time out on the client side")
+
+
+def test_coalesce_timeout_ms_0_turns_it_off(tmp_path: Path) -> None:
+    with filter_stack(tmp_path, coalescing(coalesce_timeout_ms=0), concurrency=2) as s:
+        answers = at_once(8, posts(s, body(5), {"x-origin-delay": "1"}))
+        # Identical answers stored at once: one store wins the slot, the others say so.
+        assert {r.headers["cache-status"] for r in answers} <= {STORED, "meshcache; fwd=miss; detail=contended"}
+        assert s.origin_calls()["http"] == 8
+        assert s.stats()["meshcache.coalesce.waits"] == 0
+
+
+def test_distinct_keys_are_not_coalesced(tmp_path: Path) -> None:
+    with filter_stack(tmp_path, coalescing(), concurrency=2) as s:
+        answers = at_once(12, lambda i, ready: posts(s, body(100 + i), {"x-origin-delay": "1"})(i, ready))
+        assert {r.headers["cache-status"] for r in answers} == {STORED}
+        assert len({r.content for r in answers}) == 12
+        assert s.origin_calls()["http"] == 12
+        assert s.stats()["meshcache.coalesce.waits"] == 0
+
+
+def test_waiters_past_the_per_key_bound_go_upstream_and_are_counted(tmp_path: Path) -> None:
+    """An attacker (or a stampede) sending many identical requests cannot park more than the
+    bound per key and worker: the rest go upstream at once, counted as overflow."""
+    n = 200
+    with filter_stack(tmp_path, coalescing(), concurrency=2) as s:
+        answers = at_once(n, posts(s, body(6), {"x-origin-delay": "3"}))
+        assert [r.status_code for r in answers] == [200] * n
+        assert len({r.content for r in answers}) == 1
+        stats = s.stats()
+        overflow, waits = stats["meshcache.coalesce.overflow"], stats["meshcache.coalesce.waits"]
+        assert waits <= 2 * 64, "at most MAX_WAITERS_PER_KEY (64) per worker wait"
+        assert overflow >= n - 1 - 2 * 64
+        assert s.origin_calls()["http"] == 1 + overflow, "the leader and every overflowing request"
+        assert stats["meshcache.coalesce.served"] == waits
