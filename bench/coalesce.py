@@ -38,6 +38,13 @@ INFER = "/inference.GRPCInferenceService/ModelInfer"
 CALLERS = 32
 MODES = {"coalescing on": 5000, "coalescing off": 0}
 TARGET_WAITER_RATIO = 1.2
+WHAT_LIMITS = (
+    "With coalescing every caller waits for the leader's one inference; a waiter's answer costs a queue wake, "
+    "one shared-data read and a local reply after the leader stores, so waiters finish with the leader. Without "
+    "it, 32 inferences share the engine's dynamic batches and the machine's cores, which spreads their latency. "
+    "Absolute milliseconds move with the machine's load (load average above); the interleaved rounds keep the "
+    "comparison fair."
+)
 
 
 def _request(round_tag: str, caller: int) -> bytes:
@@ -164,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
                "waiters p99 ms", "errors"], rows),
         "",
         table(["measure", "value", "target", "met"], measures),
+        "",
+        WHAT_LIMITS,
     ])
     print(body)
     if not args.no_write:
