@@ -249,3 +249,30 @@ def test_invalid_configuration_is_rejected_with_the_field_named(tmp_path: Path) 
     assert "invalid plugin configuration: policies[0].max_ttl_s: must be at least ttl_s" in str(err.value) or (
         "policies[0].max_ttl_s" in (tmp_path / "envoy.log").read_text()
     )
+
+
+def test_entries_and_bytes_per_policy_add_up_under_two_workers(tmp_path: Path) -> None:
+    """Two Envoy workers race stores of the same keys for two policies (and evict, the store being
+    small): the per-policy gauges always add up to the totals, nothing is unattributed."""
+    cfg = config(policy("m"), policy("gpt", ttl_s=30), max_entries=32, max_total_bytes=48 * 1024,
+                 max_entry_bytes=4096)
+    bodies = [(f"/v2/models/{model}/infer", f'{{"request": {i}}}'.encode()) for i in range(40)
+              for model in ("m-small", "gpt-mini")]
+    with filter_stack(tmp_path, cfg, concurrency=2) as s, ThreadPoolExecutor(8) as pool:
+        def send(item: tuple[str, bytes]) -> str:
+            path, body = item
+            r = httpx.post(s.url(path), content=body, headers={"x-origin-size": "700"}, timeout=10)
+            assert r.status_code == 200
+            return r.headers["cache-status"]
+
+        statuses = list(pool.map(send, bodies * 3))
+        assert any(st.endswith("stored") for st in statuses) and any("hit" in st for st in statuses)
+        stats = s.stats()
+        per = {k: v for k, v in stats.items() if k.startswith("meshcache.policy.") and k.endswith(("entries", "bytes"))}
+        assert set(per) == {f"meshcache.policy.{p}.{w}" for p in ("m", "gpt") for w in ("entries", "bytes")}
+        assert stats["meshcache.unattributed.entries"] == 0 and stats["meshcache.unattributed.bytes"] == 0
+        for what in ("entries", "bytes"):
+            assert per[f"meshcache.policy.m.{what}"] + per[f"meshcache.policy.gpt.{what}"] == stats[f"meshcache.{what}"]
+        assert 0 < stats["meshcache.entries"] <= 32 and stats["meshcache.bytes"] <= 48 * 1024
+        assert per["meshcache.policy.m.entries"] > 0 and per["meshcache.policy.gpt.entries"] > 0
+        assert stats["meshcache.evictions"] > 0 and stats["meshcache.errors"] == 0
