@@ -84,6 +84,8 @@ class Handler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         length = int(self.headers.get("Content-Length", "0"))
         data = self.rfile.read(length)
+        if len(data) < length:
+            return  # the request was abandoned before its body arrived (e.g. a hit reset it): not served
         _count("http")
         if delay := self.headers.get("x-origin-delay"):
             time.sleep(float(delay))

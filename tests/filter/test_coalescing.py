@@ -191,6 +191,19 @@ def _gives_up(s: Stack, content: bytes, headers: dict[str, str]) -> None:
     raise AssertionError("the leader was expected to time out on the client side")
 
 
+def test_without_held_headers_waiters_are_answered_too(tmp_path: Path) -> None:
+    """Istio's WasmPlugin mode: the request headers have gone upstream; waiters pause their body
+    and are answered by a local reply (Envoy resets their started upstream requests)."""
+    cfg = config(policy("m"), hold_headers=False)
+    with filter_stack(tmp_path, cfg, concurrency=2, allow_on_headers_stop_iteration=False) as s:
+        answers = at_once(8, posts(s, body(7), {"x-origin-delay": "1"}))
+        assert [r.status_code for r in answers] == [200] * 8
+        assert len({r.content for r in answers}) == 1
+        statuses = Counter(r.headers["cache-status"] for r in answers)
+        assert statuses == {"meshcache; fwd=miss": 1, CACHE_STATUS_COLLAPSED: 7}, statuses
+        assert s.origin_calls()["http"] == 1, "only the leader's request reached the origin whole"
+
+
 def test_coalesce_timeout_ms_0_turns_it_off(tmp_path: Path) -> None:
     with filter_stack(tmp_path, coalescing(coalesce_timeout_ms=0), concurrency=2) as s:
         answers = at_once(8, posts(s, body(5), {"x-origin-delay": "1"}))
