@@ -20,6 +20,7 @@ pub enum LogLevel {
 pub enum Buffer {
     RequestBody = 0,
     ResponseBody = 1,
+    HttpCallResponseBody = 4,
     PluginConfiguration = 7,
 }
 
@@ -29,6 +30,8 @@ pub enum Map {
     RequestHeaders = 0,
     ResponseHeaders = 2,
     ResponseTrailers = 3,
+    HttpCallResponseHeaders = 6,
+    HttpCallResponseTrailers = 7,
 }
 
 #[derive(Clone, Copy)]
@@ -67,6 +70,10 @@ extern "C" {
     fn proxy_dequeue_shared_queue(id: u32, out_ptr: *mut *mut u8, out_len: *mut usize) -> u32;
     fn proxy_set_effective_context(id: u32) -> u32;
     fn proxy_continue_stream(stream_type: u32) -> u32;
+    fn proxy_http_call(
+        upstream: *const u8, upstream_len: usize, headers: *const u8, headers_len: usize, body: *const u8,
+        body_len: usize, trailers: *const u8, trailers_len: usize, timeout_ms: u32, token: *mut u32,
+    ) -> u32;
     fn proxy_call_foreign_function(
         name: *const u8, name_len: usize, arg: *const u8, arg_len: usize, out_ptr: *mut *mut u8, out_len: *mut usize,
     ) -> u32;
@@ -184,6 +191,29 @@ pub fn register_queue(name: &str) -> Option<u32> {
     let rc = unsafe { proxy_register_shared_queue(name.as_ptr(), name.len(), &mut id) };
     if rc == STATUS_OK {
         Some(id)
+    } else {
+        None
+    }
+}
+
+/// Sends a request to `cluster` on behalf of context `owner` (its callback arrives there:
+/// a root context outlives the stream that asked), then makes `current` the effective context
+/// again. The token names the answer in `proxy_on_http_call_response`.
+pub fn http_call(owner: u32, current: u32, cluster: &str, headers: &[(&str, &str)], body: &[u8], timeout_ms: u32) -> Option<u32> {
+    let h = serialize_map(headers);
+    let t = serialize_map(&[]);
+    let mut token: u32 = 0;
+    let rc = unsafe {
+        proxy_set_effective_context(owner);
+        let rc = proxy_http_call(
+            cluster.as_ptr(), cluster.len(), h.as_ptr(), h.len(), body.as_ptr(), body.len(), t.as_ptr(), t.len(), timeout_ms,
+            &mut token,
+        );
+        proxy_set_effective_context(current);
+        rc
+    };
+    if rc == STATUS_OK {
+        Some(token)
     } else {
         None
     }

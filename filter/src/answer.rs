@@ -126,11 +126,7 @@ pub fn grpc_hit<'e>(entry: &'e Entry, request: &HitRequest, now_ms: u64) -> HitA
 /// The same answer for a request that waited for an identical one in flight (request
 /// coalescing): its `Cache-Status` says it was collapsed into that request's miss.
 pub fn collapsed(mut answer: HitAnswer) -> HitAnswer {
-    for (n, v) in answer.headers.iter_mut() {
-        if n == CACHE_STATUS {
-            *v = CACHE_STATUS_COLLAPSED.to_string();
-        }
-    }
+    set_cache_status(&mut answer, CACHE_STATUS_COLLAPSED.to_string());
     answer
 }
 

@@ -3,7 +3,7 @@
 //! callbacks a module does not export, which saves two VM crossings per request.
 
 use crate::abi::{self, Buffer};
-use crate::{root, stream};
+use crate::{background, root, stream};
 
 /// The host allocates returned data through this export; we own it afterwards.
 #[no_mangle]
@@ -27,7 +27,7 @@ pub extern "C" fn proxy_on_context_create(id: u32, parent: u32) {
     if parent == 0 {
         root::create(id);
     } else {
-        stream::create(id, root::config_of(parent));
+        stream::create(id, parent, root::config_of(parent));
     }
 }
 
@@ -87,6 +87,11 @@ pub extern "C" fn proxy_on_response_body(id: u32, size: usize, eos: u32) -> u32 
         return action;
     }
     stream::with(id, |s| s.on_response_body(size, eos != 0))
+}
+
+#[no_mangle]
+pub extern "C" fn proxy_on_http_call_response(_root: u32, token: u32, _headers: usize, body_size: usize, _trailers: usize) {
+    background::on_response(token, body_size);
 }
 
 #[no_mangle]

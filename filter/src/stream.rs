@@ -4,6 +4,7 @@
 
 use crate::abi::{self, Buffer, Map};
 use crate::answer::{self, HitRequest};
+use crate::background;
 use crate::cache_control::NotStored;
 use crate::coalesce::{self, Join, LockTable, Release, Ticket, Waiters};
 use crate::config::{Config, Limits, Role};
@@ -14,6 +15,7 @@ use crate::metrics::{self, count, count_policy, error};
 use crate::model::ModelSource;
 use crate::names;
 use crate::route_key;
+use crate::refresh::{self, Claim};
 use crate::stale;
 use crate::store::{Cache, Lookup, Outcome, StoreError};
 use std::cell::{Cell, RefCell};
@@ -28,12 +30,18 @@ thread_local! {
     static STREAMS: RefCell<HashMap<u32, Stream>> = RefCell::new(HashMap::new());
 }
 
-pub fn create(id: u32, plugin: Option<Rc<Config>>) {
-    STREAMS.with(|s| s.borrow_mut().insert(id, Stream { id, plugin, phase: Phase::Pass, fallback: None, stale_route: false, lock: None }));
+pub fn create(id: u32, root: u32, plugin: Option<Rc<Config>>) {
+    let stream =
+        Stream { id, root, plugin, phase: Phase::Pass, fallback: None, stale_route: false, lock: None, refreshing: None };
+    STREAMS.with(|s| s.borrow_mut().insert(id, stream));
 }
 
 pub fn delete(id: u32) {
     let gone = STREAMS.with(|s| s.borrow_mut().remove(&id));
+    if let Some(key) = gone.as_ref().and_then(|s| s.refreshing) {
+        // This forwarded request was the key's refresh: done, stored or not.
+        refresh::release(&abi::HostShared, &key);
+    }
     GRPC_REPLIES.with(|r| r.borrow_mut().remove(&id));
     WAITERS.with(|w| w.borrow_mut().remove(id));
     if let Some(mut stream) = gone {
@@ -236,6 +244,8 @@ enum Open {
 
 pub struct Stream {
     id: u32,
+    /// The root context: owns background refreshes, which outlive the stream.
+    root: u32,
     plugin: Option<Rc<Config>>,
     phase: Phase,
     /// An expired entry this forwarded request may be answered with if the origin fails
@@ -245,6 +255,9 @@ pub struct Stream {
     stale_route: bool,
     /// Held while this stream leads a coalesced key: released with its outcome.
     lock: Option<Ticket>,
+    /// This forwarded request refreshes the key (stale-while-revalidate without a background
+    /// request): its lock is released when the stream ends.
+    refreshing: Option<crate::hashing::KeyDigest>,
 }
 
 struct Fallback {
@@ -390,9 +403,24 @@ impl Stream {
                 return self.miss_or_wait(c, headers, now);
             }
             Lookup::Stale(e, seen) => {
-                // Forwarded; a fresh answer replaces the entry where it is.
+                // A fresh answer replaces the entry where it is.
                 c.seen = Some(seen);
-                let if_error = stale::stale_use(&e, &c.policy, now).map_or(false, |u| u.if_error);
+                let u = stale::stale_use(&e, &c.policy, now);
+                if let Some(u) = u.filter(|u| u.while_revalidate) {
+                    match refresh::claim(&abi::HostShared, &c.key, now) {
+                        Claim::Busy => return self.answer_stale_while_revalidate(&c, &e, headers, body, u, now),
+                        Claim::Background => {
+                            if background::start(self.root, self.id, &c, headers, body, &cfg.limits, now) {
+                                return self.answer_stale_while_revalidate(&c, &e, headers, body, u, now);
+                            }
+                            // No background request here: this request refreshes the entry.
+                            count(metrics::REFRESH_FAILURES, 1);
+                            self.refreshing = Some(c.key);
+                        }
+                        Claim::Forward => self.refreshing = Some(c.key),
+                    }
+                }
+                let if_error = u.map_or(false, |u| u.if_error);
                 if if_error && (!c.grpc || self.take_stale_route(cfg.hold_headers)) {
                     let headers = headers.clone();
                     let (id, grpc, policy) = (c.request_id.clone(), c.grpc, c.policy.clone());
@@ -409,19 +437,49 @@ impl Stream {
     fn answer_hit(&mut self, c: &Cacheable, request: &HitRequest, entry: &crate::entry::Entry, now: u64, collapsed: bool) -> u32 {
         count(metrics::HITS, 1);
         count_policy(&c.policy.model_prefix, "hits");
+        let status = if collapsed { Some(names::CACHE_STATUS_COLLAPSED.to_string()) } else { None };
+        self.answer_entry(c, request, entry, now, status)
+    }
+
+    /// Answers the request from `entry` (a hit, or a stale answer whose `Cache-Status` says so,
+    /// as `cache_status` replaces the hit's): PAUSE, or CONTINUE when the local reply failed.
+    fn answer_entry(
+        &mut self,
+        c: &Cacheable,
+        request: &HitRequest,
+        entry: &crate::entry::Entry,
+        now: u64,
+        cache_status: Option<String>,
+    ) -> u32 {
         self.phase = Phase::Done;
         if c.grpc {
-            let reply = answer::grpc_hit(entry, request, now);
-            return self.answer_grpc_hit(if collapsed { answer::collapsed(reply) } else { reply });
+            return self.answer_grpc_hit(entry, request, now, cache_status);
         }
-        let reply = answer::http_hit(entry, request, now);
-        let reply = if collapsed { answer::collapsed(reply) } else { reply };
+        let mut reply = answer::http_hit(entry, request, now);
+        if let Some(status) = cache_status {
+            answer::set_cache_status(&mut reply, status);
+        }
         let h: Vec<(&str, &str)> = reply.headers.iter().map(|(n, v)| (n.as_str(), v.as_str())).collect();
         if !abi::send_local_response(reply.status as u32, "meshcache_hit", &reply.body, &h, -1) {
             error("local reply failed; passing through");
             return CONTINUE;
         }
         PAUSE
+    }
+
+    /// Stale-while-revalidate: the expired entry answers at once; its refresh is under way.
+    fn answer_stale_while_revalidate(
+        &mut self,
+        c: &Cacheable,
+        entry: &crate::entry::Entry,
+        headers: &[(String, String)],
+        body: &[u8],
+        u: stale::StaleUse,
+        now: u64,
+    ) -> u32 {
+        count(metrics::STALE_WHILE_REVALIDATE, 1);
+        let request = HitRequest { headers, body, id: &c.request_id };
+        self.answer_entry(c, &request, entry, now, Some(names::cache_status_stale_while_revalidate(u.past_s())))
     }
 
     /// Client role: the routing key goes on the held request headers (Envoy then clears the
@@ -442,7 +500,11 @@ impl Stream {
     /// Marks the request (filter state, so the local reply selects the hit route whose Lua step
     /// gives it a body), then sends the empty local reply; `grpc_reply_*` fill it. The entry was
     /// read whole at lookup, so eviction meanwhile cannot fail the answer.
-    fn answer_grpc_hit(&mut self, reply: answer::HitAnswer) -> u32 {
+    fn answer_grpc_hit(&mut self, entry: &crate::entry::Entry, request: &HitRequest, now: u64, cache_status: Option<String>) -> u32 {
+        let mut reply = answer::grpc_hit(entry, request, now);
+        if let Some(status) = cache_status {
+            answer::set_cache_status(&mut reply, status);
+        }
         if !abi::set_property(LOCAL_MARKER, b"1") || !abi::call_foreign("clear_route_cache", b"") {
             error("gRPC hit: could not mark the request; forwarding it");
             abi::set_property(LOCAL_MARKER, b"0");
@@ -465,8 +527,7 @@ impl Stream {
     /// request goes as it is and a gRPC error reaches the client).
     fn take_stale_route(&mut self, hold_headers: bool) -> bool {
         if hold_headers {
-            let cluster = abi::property(&["xds", "cluster_name"]).and_then(|b| String::from_utf8(b).ok());
-            match cluster.filter(|c| !c.is_empty()) {
+            match background::cluster_name() {
                 Some(c) => abi::set_header(Map::RequestHeaders, names::UPSTREAM_CLUSTER_HEADER, &c),
                 None => {
                     error("stale-if-error: the request's upstream cluster is unknown; gRPC errors pass");

@@ -3,6 +3,7 @@ at once while one background request refreshes them (stale-while-revalidate)."""
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -111,3 +112,108 @@ def test_grpc_origin_unreachable_serves_stale(tmp_path: Path) -> None:
         assert stale == first
         assert dict(call.initial_metadata())["cache-status"].endswith("; fwd=stale; detail=stale-if-error")
         assert _grpc_code(s, infer_request("resnet-other"), ()) == grpc.StatusCode.UNAVAILABLE
+
+
+def test_stale_while_revalidate_answers_at_once_and_one_background_request_refreshes(tmp_path: Path) -> None:
+    with filter_stack(tmp_path, config(policy(stale_while_revalidate_s=30))) as s, httpx.Client() as c:
+        stored_at = time.monotonic()
+        first = _post(c, s.url(INFER), **TTL)
+        assert json.loads(first.content)["user"] == ""
+        _wait_past(1.2, stored_at)
+        # The origin echoes x-user (not part of the key): the refreshed answer shows whose request
+        # refreshed it. The refresh repeats the request, so it takes the origin a second.
+        answers = [_post(c, s.url(INFER), **{"x-user": f"u{i}", "x-origin-delay": "1"}) for i in range(3)]
+        for a in answers:
+            assert a.status_code == 200
+            assert a.content == first.content, "the stale answer, not the origin's new one"
+            assert a.headers["cache-status"].startswith("meshcache; hit; stale; ttl=-")
+            assert a.headers["cache-status"].endswith("; detail=stale-while-revalidate")
+            assert int(a.headers["age"]) >= 1
+        deadline = time.monotonic() + 10
+        while True:
+            fresh = _post(c, s.url(INFER))
+            if "stale" not in fresh.headers["cache-status"] or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert fresh.headers["cache-status"].startswith("meshcache; hit; ttl="), fresh.headers["cache-status"]
+        assert json.loads(fresh.content)["user"] == "u0", "refreshed by the first stale request's background call"
+        assert s.origin_calls()["http"] == 2, "exactly one refresh reached the origin"
+        stats = s.stats()
+        assert stats["meshcache.stale_while_revalidate"] >= 3
+        assert stats["meshcache.refreshes"] == 1
+        assert stats["meshcache.refresh_failures"] == 0
+
+
+def test_failed_background_refresh_forwards_the_next_request(tmp_path: Path) -> None:
+    cfg = config(policy(stale_while_revalidate_s=30, stale_if_error_s=30))
+    with filter_stack(tmp_path, cfg) as s, httpx.Client() as c:
+        stored_at = time.monotonic()
+        first = _post(c, s.url(INFER), **TTL)
+        _wait_past(1.2, stored_at)
+        stale = _post(c, s.url(INFER), **{"x-origin-status": "503"})
+        assert stale.content == first.content
+        assert stale.headers["cache-status"].endswith("; detail=stale-while-revalidate")
+        deadline = time.monotonic() + 10
+        while s.stats().get("meshcache.refresh_failures", 0) < 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        # The background request got a 503: the next request goes to the origin itself (and
+        # meets a 503 too, so stale-if-error answers it).
+        forwarded = _post(c, s.url(INFER), **{"x-origin-status": "503"})
+        assert forwarded.content == first.content
+        assert forwarded.headers["cache-status"].endswith("; fwd-status=503; detail=stale-if-error")
+        assert s.origin_calls()["http"] == 3
+        after = _post(c, s.url(INFER), **TTL)
+        assert after.headers["cache-status"].endswith("; detail=stale-while-revalidate"), "lock freed again"
+
+
+def test_grpc_stale_while_revalidate(tmp_path: Path) -> None:
+    with filter_stack(tmp_path, config(policy("resnet", ttl_s=1, stale_while_revalidate_s=30))) as s:
+        request = infer_request("resnet-mini")
+        stored_at = time.monotonic()
+        first, _ = s.grpc_infer(request)
+        _wait_past(1.2, stored_at)
+        # x-origin-size (not in the key) makes the refreshed answer longer: it shows when it lands.
+        stale, call = s.grpc_infer(request, (("x-origin-size", "64"),))
+        assert stale == first
+        assert dict(call.initial_metadata())["cache-status"].endswith("; detail=stale-while-revalidate")
+        deadline = time.monotonic() + 10
+        while True:
+            fresh, call = s.grpc_infer(request)
+            if "stale" not in dict(call.initial_metadata())["cache-status"] or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert dict(call.initial_metadata())["cache-status"].startswith("meshcache; hit; ttl=")
+        assert len(fresh) > len(first) and fresh[: len(b"\x0a\x0bresnet-mini")] == first[: len(b"\x0a\x0bresnet-mini")]
+        assert s.origin_calls()["grpc"] == 2
+
+
+def test_window_zero_is_the_old_behaviour(tmp_path: Path) -> None:
+    with filter_stack(tmp_path, config(policy())) as s, httpx.Client() as c:
+        stored_at = time.monotonic()
+        _post(c, s.url(INFER), **TTL)
+        _wait_past(1.2, stored_at)
+        err = _post(c, s.url(INFER), **{"x-origin-status": "503"})
+        assert err.status_code == 503
+        assert err.headers["cache-status"] == "meshcache; fwd=miss; detail=status"
+        stats = s.stats()
+        assert stats["meshcache.entries"] == 0, "the expired entry was freed at lookup"
+        assert stats["meshcache.stale_if_error"] == 0 and stats["meshcache.stale_while_revalidate"] == 0
+
+
+def test_upstream_stale_if_error_is_honoured_and_clamped_by_the_policy(tmp_path: Path) -> None:
+    with filter_stack(tmp_path, config(policy(stale_if_error_s=2))) as s, httpx.Client() as c:
+        # The origin allows 1 s and 3600 s for two keys; the policy allows 2 s.
+        cc = "x-origin-cache-control"
+        short = c.post(s.url(INFER), content=b'{"a": 1}', headers={**JSON, cc: "max-age=1, stale-if-error=1"})
+        long = c.post(s.url(INFER), content=b'{"a": 2}', headers={**JSON, cc: "max-age=1, stale-if-error=3600"})
+        stored_at = time.monotonic()
+        assert short.status_code == long.status_code == 200
+        _wait_past(2.3, stored_at)
+        fail = {"x-origin-status": "503"}
+        r = c.post(s.url(INFER), content=b'{"a": 1}', headers={**JSON, **fail})
+        assert r.status_code == 503, "origin's stale-if-error=1 is over"
+        r = c.post(s.url(INFER), content=b'{"a": 2}', headers={**JSON, **fail})
+        assert r.status_code == 200 and r.headers["cache-status"].endswith("detail=stale-if-error")
+        _wait_past(3.3, stored_at)
+        r = c.post(s.url(INFER), content=b'{"a": 2}', headers={**JSON, **fail})
+        assert r.status_code == 503, "the policy's 2 s clamp the origin's 3600 s"
