@@ -11,7 +11,7 @@ import grpc
 import httpx
 import pytest
 
-from tests.filter.stack import Stack, config, filter_stack, infer_request, policy
+from tests.filter.stack import LIMITS, Stack, config, expected_hash, filter_stack, infer_request, policy
 
 INFER = "/v2/models/m/infer"
 BODY = b'{"inputs": [{"name": "x", "shape": [1, 2], "datatype": "FP32", "data": [1, 2]}]}'
@@ -27,11 +27,13 @@ def _wait_past(seconds: float, since: float) -> None:
     time.sleep(max(0.0, since + seconds - time.monotonic()))
 
 
-def test_http_5xx_after_ttl_serves_stale_within_the_window_then_the_error(tmp_path: Path) -> None:
-    with filter_stack(tmp_path, config(policy(stale_if_error_s=2))) as s, httpx.Client() as c:
+@pytest.mark.parametrize("held", [True, False], ids=["held-headers", "istio-style"])
+def test_http_5xx_after_ttl_serves_stale_within_the_window_then_the_error(tmp_path: Path, held: bool) -> None:
+    cfg = config(policy(stale_if_error_s=2), hold_headers=held)
+    with filter_stack(tmp_path, cfg, allow_on_headers_stop_iteration=held) as s, httpx.Client() as c:
         stored_at = time.monotonic()
         first = _post(c, s.url(INFER), **TTL)
-        assert first.headers["cache-status"] == "meshcache; fwd=miss; stored"
+        assert first.headers["cache-status"].startswith("meshcache; fwd=miss")
         _wait_past(1.2, stored_at)
         stale = _post(c, s.url(INFER), **{"x-origin-status": "503"})
         assert stale.status_code == 200
@@ -39,7 +41,7 @@ def test_http_5xx_after_ttl_serves_stale_within_the_window_then_the_error(tmp_pa
         assert stale.headers["cache-status"].startswith("meshcache; hit; stale; ttl=-")
         assert stale.headers["cache-status"].endswith("; fwd=stale; fwd-status=503; detail=stale-if-error")
         assert int(stale.headers["age"]) >= 1, "Age counts from when the answer was produced"
-        assert stale.headers["x-response-hash"] == first.headers["x-response-hash"]
+        assert stale.headers["x-response-hash"] == expected_hash(first.content, JSON)
         assert s.origin_calls()["http"] == 2, "the origin was asked first"
         _wait_past(3.2, stored_at)
         late = _post(c, s.url(INFER), **{"x-origin-status": "503"})
@@ -114,8 +116,11 @@ def test_grpc_origin_unreachable_serves_stale(tmp_path: Path) -> None:
         assert _grpc_code(s, infer_request("resnet-other"), ()) == grpc.StatusCode.UNAVAILABLE
 
 
-def test_stale_while_revalidate_answers_at_once_and_one_background_request_refreshes(tmp_path: Path) -> None:
-    with filter_stack(tmp_path, config(policy(stale_while_revalidate_s=30))) as s, httpx.Client() as c:
+@pytest.mark.parametrize("held", [True, False], ids=["held-headers", "istio-style"])
+def test_stale_while_revalidate_answers_at_once_and_one_background_request_refreshes(
+    tmp_path: Path, held: bool) -> None:
+    cfg = config(policy(stale_while_revalidate_s=30), hold_headers=held)
+    with filter_stack(tmp_path, cfg, allow_on_headers_stop_iteration=held) as s, httpx.Client() as c:
         stored_at = time.monotonic()
         first = _post(c, s.url(INFER), **TTL)
         assert json.loads(first.content)["user"] == ""
@@ -217,3 +222,19 @@ def test_upstream_stale_if_error_is_honoured_and_clamped_by_the_policy(tmp_path:
         _wait_past(3.3, stored_at)
         r = c.post(s.url(INFER), content=b'{"a": 2}', headers={**JSON, **fail})
         assert r.status_code == 503, "the policy's 2 s clamp the origin's 3600 s"
+
+
+def test_grpc_stale_large_message_under_envoy_default_limits_carries_the_callers_id(tmp_path: Path) -> None:
+    """Envoy's default 1 MiB buffers (an Istio sidecar's); the stored answer's request id is
+    replaced by the caller's, as on hits."""
+    cfg = config(policy("resnet", ttl_s=1, stale_if_error_s=30))
+    with filter_stack(tmp_path, cfg, buffer_limit_bytes=LIMITS["envoy-default"]) as s:
+        size = (("x-origin-size", "700000"),)
+        stored_at = time.monotonic()
+        first, _ = s.grpc_infer(infer_request("resnet-mini", request_id=b"r-1"), size)
+        assert len(first) > 700_000 and b"r-1" in first[:40]
+        _wait_past(1.2, stored_at)
+        fail = (*size, ("x-origin-grpc-code", "UNAVAILABLE"))
+        stale, call = s.grpc_infer(infer_request("resnet-mini", request_id=b"r-2"), fail)
+        assert dict(call.initial_metadata())["cache-status"].endswith("detail=stale-if-error")
+        assert stale == first.replace(b"r-1", b"r-2", 1)
