@@ -226,9 +226,28 @@ def plot_coalesce(results: Results, out: Path) -> list[Path]:
                      lambda r: r["case"], out / "coalesce-latency.png")]
 
 
+def plot_affinity(results: Results, out: Path) -> list[Path]:
+    rows = results["rows"]
+    labels = [r["label"] for r in rows]
+    fig, ax = _figure("Hit ratio: one replica, three round robin, three with cache affinity", results)
+    _grouped_bars(ax, labels, {"hit ratio": [r["hit_ratio"] for r in rows]}, fmt="{:.3f}")
+    ax.set_ylim(0, 1)
+    ax.set_ylabel("hit ratio")
+    hit = _save(fig, out / "affinity-hit-ratio.png")
+    fig, ax = _figure("Entries held, per replica (the same answers, copies counted)", results)
+    n = max(len(r["entries_per_replica"]) for r in rows)
+    _grouped_bars(ax, labels, {f"replica {k + 1}": [r["entries_per_replica"][k] if k < len(r["entries_per_replica"])
+                                                    else None for r in rows] for k in range(n)})
+    ax.set_ylabel("entries")
+    entries = _save(fig, out / "affinity-entries.png")
+    latency = _latency(results, rows, "Latency per request (client sidecar -> server sidecar -> origin)",
+                       lambda r: r["label"], out / "affinity-latency.png")
+    return [hit, entries, latency]
+
+
 PLOTTERS: dict[str, Callable[[Results, Path], list[Path]]] = {
     "engine": plot_engine, "mesh": plot_mesh, "propagation": plot_propagation, "filter": plot_filter,
-    "replicas": plot_replicas, "coalesce": plot_coalesce,
+    "replicas": plot_replicas, "coalesce": plot_coalesce, "affinity": plot_affinity,
 }
 
 

@@ -9,6 +9,7 @@ import sys
 import time
 from types import ModuleType
 
+import bench.affinity
 import bench.coalesce
 import bench.engine
 import bench.filter
@@ -17,7 +18,7 @@ import bench.propagation
 import bench.replicas
 
 BENCHMARKS: tuple[ModuleType, ...] = (bench.filter, bench.engine, bench.propagation, bench.mesh, bench.replicas,
-                                     bench.coalesce)
+                                     bench.coalesce, bench.affinity)
 
 
 def main() -> int:
