@@ -22,6 +22,17 @@ default-priority EnvoyFilters insert before the router end up ahead of ours, and
 stays right after the wasm filter. An explicit priority also keeps `istioctl analyze` quiet
 (IST0151 warns on INSERT_BEFORE/AFTER without one).
 
+Cache affinity (full mode): one more EnvoyFilter, `meshcache-client`, puts the filter in the
+client role (`"role": "client"`, the same policies; ECDS resource `meshcache-client`) on the
+callers' outbound HTTP chains to the engine ports (SIDECAR_OUTBOUND, before the router), for pods
+labelled `meshcache.io/cache-affinity: "true"` in the namespace (or every namespace when the object
+is copied to Istio's root namespace). It sets `x-meshcache-route-key`; the engine's
+DestinationRule hashes on it per colour subset (`consistentHash.httpHeaderName`), so identical
+requests from every caller reach the replica that holds the answer. The client role needs held
+request headers, which only the EnvoyFilter's own Wasm config can ask for: basic mode has no
+client filter (a TrafficExtension `match: mode: CLIENT` could not read the body before Envoy picks
+the replica), so there requests carry no key and the ring hash spreads them at random.
+
 Placement, basic mode: phase STATS (after authn/authz). Within a phase istiod orders by
 descending priority and an unset priority sorts lowest, so `priority: -1000` puts the cache after
 every STATS extension that sets a priority (they see hits too); ones without a priority still
@@ -35,13 +46,19 @@ from collections.abc import Iterable
 from typing import Any
 
 from meshcache.contract import grpc_hit
-from meshcache.contract.wasm_filter import ROOT_ID, ecds_http_filter, extension_config, remote_code
+from meshcache.contract.filter_config import client_plugin_config
+from meshcache.contract.headers import ROUTE_KEY_HEADER
+from meshcache.contract.wasm_filter import CLIENT_FILTER_NAME, ROOT_ID, ecds_http_filter, extension_config, remote_code
 
 Obj = dict[str, Any]
 MODES = ("full", "basic")
 ENGINE_APP = "meshcache-engine"
 HTTP_PORT, GRPC_PORT = 8000, 8001  # the engine's REST and gRPC container ports; never metrics
 ENGINE_PORTS = (HTTP_PORT, GRPC_PORT)
+CLIENT_OBJECT = "meshcache-client"
+# Callers that route to the engine by cache affinity (the client-role filter) carry this pod label.
+AFFINITY_LABEL = "meshcache.io/cache-affinity"
+RING_SIZE = 4096  # DestinationRule ringHash.minimumRingSize: shares closer to 1/N than the default 1024
 ENVOY_FILTER_PRIORITY = 10
 TRAFFIC_EXTENSION_PHASE = "STATS"
 TRAFFIC_EXTENSION_PRIORITY = -1000
@@ -111,6 +128,30 @@ def envoy_filter(*, color: str, url: str, sha256: str, plugin_config: Obj,
     }
 
 
+def client_envoy_filter(*, url: str, sha256: str, plugin_config: Obj, ports: Iterable[int] = ENGINE_PORTS) -> Obj:
+    """The full mode's client-role EnvoyFilter (cache affinity, see the module docstring)."""
+    _check_pin(sha256)
+    ecds = extension_config(remote_code(url, sha256), client_plugin_config(plugin_config), name=CLIENT_FILTER_NAME)
+    client_filter = ecds_http_filter(ADS_CONFIG_SOURCE, extra_type_urls=(RBAC_TYPE_URL,), name=CLIENT_FILTER_NAME)
+    patches: list[Obj] = [{"applyTo": "EXTENSION_CONFIG", "patch": {"operation": "ADD", "value": ecds}}]
+    for port in ports:
+        listener = {"portNumber": port, "filterChain": {"filter": {"name": HCM, "subFilter": {"name": ROUTER}}}}
+        patches.append({"applyTo": "HTTP_FILTER", "match": {"context": "SIDECAR_OUTBOUND", "listener": listener},
+                        "patch": {"operation": "INSERT_BEFORE", "value": client_filter}})
+    return {
+        "apiVersion": "networking.istio.io/v1alpha3",
+        "kind": "EnvoyFilter",
+        "metadata": {"name": CLIENT_OBJECT},
+        "spec": {"workloadSelector": {"labels": {AFFINITY_LABEL: "true"}}, "configPatches": patches,
+                 "priority": ENVOY_FILTER_PRIORITY},
+    }
+
+
+def consistent_hash() -> Obj:
+    """A DestinationRule subset's load balancer: hash on the client role's routing key."""
+    return {"consistentHash": {"httpHeaderName": ROUTE_KEY_HEADER, "ringHash": {"minimumRingSize": RING_SIZE}}}
+
+
 # ---- basic mode: the TrafficExtension -------------------------------------------------------
 
 
@@ -149,5 +190,8 @@ def objects(mode: str, *, colors: Iterable[str], url: str, sha256: str, plugin_c
     if mode not in MODES:
         raise ValueError(f"Istio mode {mode!r}: use one of {', '.join(MODES)}")
     build = envoy_filter if mode == "full" else traffic_extension
-    return [build(color=c, url=url, sha256=sha256, plugin_config=plugin_config) for c in colors]
+    out = [build(color=c, url=url, sha256=sha256, plugin_config=plugin_config) for c in colors]
+    if mode == "full":
+        out.append(client_envoy_filter(url=url, sha256=sha256, plugin_config=plugin_config))
+    return out
 

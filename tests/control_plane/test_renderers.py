@@ -52,7 +52,7 @@ def test_mcp_renders_once_per_snapshot() -> None:
     renderer = IstioMcpRenderer(MODE_TYPE_URL["full"], build, "ml")
     snap = Snapshot(version=2, policies=tuple(demo_policies(generation=2)))
     assert renderer.resources(snap) is renderer.resources(snap)
-    assert list(renderer.resources(snap)) == ["ml/meshcache-blue"] and len(builds) == 1
+    assert list(renderer.resources(snap)) == ["ml/meshcache-blue", "ml/meshcache-client"] and len(builds) == 1
     assert renderer.resources(Snapshot(version=0)) == {}
 
 

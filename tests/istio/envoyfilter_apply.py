@@ -51,8 +51,10 @@ def _hcms(listener: Obj, match: Obj) -> list[Obj]:
     if lmatch.get("name") and lmatch["name"] != listener["name"]:
         return []
     out = []
+    listen = listener.get("address", {}).get("socket_address", {}).get("port_value")
     for chain in listener.get("filter_chains", []):
-        port = chain.get("filter_chain_match", {}).get("destination_port")
+        # virtualInbound's chains match a destination port; an outbound listener is the port.
+        port = chain.get("filter_chain_match", {}).get("destination_port", listen)
         if lmatch.get("portNumber") and port != lmatch["portNumber"]:
             continue
         fc = lmatch.get("filterChain", {})

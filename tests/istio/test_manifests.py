@@ -86,8 +86,14 @@ def test_default_install_caches_grpc(pins: render.Pins) -> None:
     env = render.control_plane_env(objs)
     assert env["MESHCACHE_CP_ISTIO_MODE"] == "full"
     assert env["MESHCACHE_CP_ISTIO_WASM_URL"] == f"oci://{render.FILTER_REPOSITORY}@sha256:{pins.image_digest}"
-    [ef] = render.mcp_objects(objs, render.demo_plugin_config())
+    [ef, client] = render.mcp_objects(objs, render.demo_plugin_config())
     assert ef["kind"] == "EnvoyFilter" and ef["spec"]["priority"] == 10
+    # Cache affinity: the client role on callers' outbound chains to both engine ports.
+    assert client["metadata"]["name"] == "meshcache-client"
+    assert client["spec"]["workloadSelector"]["labels"] == {"meshcache.io/cache-affinity": "true"}
+    outbound = [p for p in client["spec"]["configPatches"] if p["applyTo"] == "HTTP_FILTER"]
+    assert [(p["match"]["context"], p["match"]["listener"]["portNumber"]) for p in outbound] == [
+        ("SIDECAR_OUTBOUND", 8000), ("SIDECAR_OUTBOUND", 8001)]
     patches = ef["spec"]["configPatches"]
     wasm = patches[0]["patch"]["value"]["typed_config"]["config"]
     assert wasm["allow_on_headers_stop_iteration"] is True and wasm["vm_config"]["vm_id"] == "meshcache"
@@ -217,6 +223,19 @@ def _gateway_route_without_port(o: list[Obj]) -> None:
     del _find(o, "VirtualService", "meshcache-engine-ingress")["spec"]["http"][-1]["route"][0]["destination"]["port"]
 
 
+def _subset_without_hash(o: list[Obj]) -> None:
+    del _find(o, "DestinationRule", "meshcache-engine")["spec"]["subsets"][0]["trafficPolicy"]
+
+
+def _client_without_held_headers(o: list[Obj]) -> None:
+    wasm = _find(o, "EnvoyFilter", "meshcache-client")["spec"]["configPatches"][0]["patch"]["value"]["typed_config"]
+    wasm["config"]["allow_on_headers_stop_iteration"] = False
+
+
+def _client_role_on_another_port(o: list[Obj]) -> None:
+    _find(o, "EnvoyFilter", "meshcache-client")["spec"]["configPatches"][1]["match"]["listener"]["portNumber"] = 9000
+
+
 def _selects_control_plane(o: list[Obj]) -> None:
     _find(o, "EnvoyFilter")["spec"]["workloadSelector"]["labels"] = {"app": "meshcache-control-plane"}
 
@@ -261,6 +280,9 @@ CROSSREF_BREAKS: dict[str, tuple[Callable[[list[Obj]], None], str]] = {
     "Lua before the wasm filter": (_lua_before_wasm, "must come right after the meshcache filter"),
     "gateway route without port": (_gateway_route_without_port, "needs a destination port"),
     "filter on a pod without sidecar": (_selects_control_plane, "selects pods without a sidecar"),
+    "subset without consistent hash": (_subset_without_hash, "does not hash on x-meshcache-route-key"),
+    "client role without held headers": (_client_without_held_headers, "needs held request headers"),
+    "client role on a port the engine lacks": (_client_role_on_another_port, "outbound port 9000 is no port"),
 }
 
 

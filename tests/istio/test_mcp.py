@@ -68,10 +68,18 @@ def test_istiod_syncs_then_gets_the_envoy_filters_on_every_change(start_cp: Call
             assert cp.client().put("/v1/policies/bert", json={"ttl_s": 42}).status_code == 200
             resp = await istiod.recv()
             # Only the EnvoyFilters change; no other type is re-sent.
-            assert (resp.type_url, resp.version_info, len(resp.resources)) == (ENVOY_FILTER_TYPE_URL, "1", 2)
+            assert (resp.type_url, resp.version_info, len(resp.resources)) == (ENVOY_FILTER_TYPE_URL, "1", 3)
             assert await istiod.handle(resp) is None
             objs = istiod.effective()
-            assert set(objs) == {"EnvoyFilter/ml/meshcache-green", "EnvoyFilter/ml/meshcache-blue"}
+            assert set(objs) == {"EnvoyFilter/ml/meshcache-green", "EnvoyFilter/ml/meshcache-blue",
+                                 "EnvoyFilter/ml/meshcache-client"}
+            # Cache affinity: the callers' client-role filter gets the same policies.
+            snapshot = json.loads(cp.client().get("/v1/snapshot").json()["plugin_config"])
+            assert objs["EnvoyFilter/ml/meshcache-client"]["spec"] == extensions.client_envoy_filter(
+                url=URL, sha256=DIGEST, plugin_config=snapshot)["spec"]
+            client_ecds = objs["EnvoyFilter/ml/meshcache-client"]["spec"]["configPatches"][0]["patch"]["value"]
+            client_config = json.loads(client_ecds["typed_config"]["config"]["configuration"]["value"])
+            assert client_config["role"] == "client" and client_config["policies"] == snapshot["policies"]
             for color in ("green", "blue"):
                 got = objs[f"EnvoyFilter/ml/meshcache-{color}"]
                 assert got["spec"] == _expected(extensions.envoy_filter, cp, color)
@@ -86,7 +94,7 @@ def test_istiod_syncs_then_gets_the_envoy_filters_on_every_change(start_cp: Call
             # Every change re-sends the full state (both objects, the new config).
             assert cp.client().delete("/v1/policies/bert").status_code == 200
             resp = await istiod.recv()
-            assert (resp.type_url, resp.version_info, len(resp.resources)) == (ENVOY_FILTER_TYPE_URL, "2", 2)
+            assert (resp.type_url, resp.version_info, len(resp.resources)) == (ENVOY_FILTER_TYPE_URL, "2", 3)
             assert await istiod.handle(resp) is None
             config = istiod.effective()["EnvoyFilter/ml/meshcache-blue"]["spec"]["configPatches"][0]
             assert json.loads(config["patch"]["value"]["typed_config"]["config"]["configuration"]["value"])[
@@ -191,16 +199,21 @@ def test_every_served_object_decodes_with_istios_numbers(mode: str) -> None:
     renderer = IstioMcpRenderer.from_settings(settings)
     assert renderer is not None
     snap = _snapshot()
-    [(name, packed)] = renderer.resources(snap).items()
-    assert name == "ml/meshcache-blue" and renderer.resources(snap) is renderer.resources(snap)
-    res = wire.decode("Resource", packed.value)
-    meta = res["metadata"]
-    assert (meta["name"], meta["version"], meta["labels"]["istio.io/rev"]) == ("ml/meshcache-blue", "5", "1-30")
-    assert meta["createTime"]["seconds"] == 1_700_000_000
+    served = renderer.resources(snap)
+    # Full mode adds the callers' client-role EnvoyFilter (cache affinity); basic mode has none.
+    assert list(served) == (["ml/meshcache-blue", "ml/meshcache-client"] if mode == "full" else ["ml/meshcache-blue"])
+    assert renderer.resources(snap) is served
     build = extensions.envoy_filter if mode == "full" else extensions.traffic_extension
-    expected = build(color="blue", url=URL, sha256=DIGEST, plugin_config=snap.plugin_config())["spec"]
-    schema, _ = istiod_client.BODIES[res["body"]["typeUrl"]]
-    assert wire.decode(schema, res["body"]["value"]) == expected
+    specs = {"ml/meshcache-blue": build(color="blue", url=URL, sha256=DIGEST, plugin_config=snap.plugin_config()),
+             "ml/meshcache-client": extensions.client_envoy_filter(url=URL, sha256=DIGEST,
+                                                                   plugin_config=snap.plugin_config())}
+    for name, packed in served.items():
+        res = wire.decode("Resource", packed.value)
+        meta = res["metadata"]
+        assert (meta["name"], meta["version"], meta["labels"]["istio.io/rev"]) == (name, "5", "1-30")
+        assert meta["createTime"]["seconds"] == 1_700_000_000
+        schema, _ = istiod_client.BODIES[res["body"]["typeUrl"]]
+        assert wire.decode(schema, res["body"]["value"]) == specs[name]["spec"]
     assert renderer.resources(EMPTY) == {}
 
 

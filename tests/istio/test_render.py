@@ -59,7 +59,7 @@ def test_render_applies_namespace_and_colour_and_validates(tmp_path: Path, pins:
     assert "MESHCACHE_TRAFFIC_COLOR: green" in proxy_config
     env = render.control_plane_env(objects)
     assert env["MESHCACHE_CP_ISTIO_COLOR"] == "green,blue"
-    assert [o["metadata"]["name"] for o in served] == ["meshcache-green", "meshcache-blue"]
+    assert [o["metadata"]["name"] for o in served] == ["meshcache-green", "meshcache-blue", "meshcache-client"]
     assert served[0]["spec"]["workloadSelector"]["labels"] == {"app": "meshcache-engine", "color": "green"}
     for name in ("meshcache-engine", "meshcache-engine-ingress"):
         vs = next(o for o in objects if o["kind"] == "VirtualService" and o["metadata"]["name"] == name)
@@ -70,6 +70,9 @@ def test_render_applies_namespace_and_colour_and_validates(tmp_path: Path, pins:
     assert ingress["spec"]["hosts"] == ["infer.example.org"] and ingress["spec"]["gateways"] == ["meshcache-ingress"]
     dr = next(o for o in objects if o["kind"] == "DestinationRule" and o["spec"]["host"] == "meshcache-engine")
     assert [s["name"] for s in dr["spec"]["subsets"]] == ["green", "blue"]
+    # Cache affinity within each colour: the subsets hash on the client role's routing key.
+    for s in dr["spec"]["subsets"]:
+        assert s["trafficPolicy"]["loadBalancer"]["consistentHash"]["httpHeaderName"] == "x-meshcache-route-key"
 
     # The pins are the built module's: the image's only layer holds exactly its bytes.
     module = filter_wasm.read_bytes()

@@ -7,6 +7,7 @@ plane -> EnvoyFilter -> ECDS over ADS, module fetched and digest-checked like is
 from __future__ import annotations
 
 import copy
+import json
 import subprocess
 import sys
 from collections.abc import Callable
@@ -44,8 +45,10 @@ def _config(tmp: Path, **ports: int) -> dict:
                                    grpc_ports={GRPC}, identity=_identity(tmp))
 
 
-def _envoy_filters(pins: render.Pins) -> list[dict]:
-    return render.mcp_objects(render.render(render.RenderOptions()), render.demo_plugin_config())
+def _envoy_filters(pins: render.Pins, client: bool = False) -> list[dict]:
+    """The server sidecars' EnvoyFilters (the default), or the callers' client-role one."""
+    objs = render.mcp_objects(render.render(render.RenderOptions()), render.demo_plugin_config())
+    return [o for o in objs if (o["metadata"]["name"] == extensions.CLIENT_OBJECT) == client]
 
 
 def _validate(config: dict, tmp: Path) -> subprocess.CompletedProcess:
@@ -260,3 +263,69 @@ def test_local_mesh_server_sidecar_runs_the_same_filter_chain(pins: render.Pins)
     # Each INSERT_FIRST patch lands on top: the last patch is the first route.
     hit = [p["patch"]["value"] for p in patches if p["applyTo"] == "HTTP_ROUTE"][::-1]
     assert routes[:len(hit)] == hit
+
+
+def _outbound_sidecar(engine_ports: dict[int, int]) -> dict:
+    """A caller's sidecar as istiod shapes its outbound side for the engine Service: one listener
+    `0.0.0.0_<port>` per Service port, Istio's outbound filter chain, a route to the colour subset's
+    cluster carrying the hash policy istiod derives from the DestinationRule's consistentHash."""
+    objs = render.render(render.RenderOptions())
+    dr = next(o for o in objs if o["kind"] == "DestinationRule" and o["spec"]["host"] == extensions.ENGINE_APP)
+    [subset] = dr["spec"]["subsets"]
+    ring = subset["trafficPolicy"]["loadBalancer"]["consistentHash"]
+    listeners, clusters = [], []
+    for port, upstream in engine_ports.items():
+        cluster = f"outbound|{port}|{subset['name']}|meshcache-engine.meshcache.svc.cluster.local"
+        hcm = copy.deepcopy(sidecar._hcm(port))["typed_config"]
+        hcm["stat_prefix"] = f"outbound_0.0.0.0_{port}"
+        hcm["http_filters"] = [f for f in hcm["http_filters"] if f["name"] not in ("istio_authn",
+                                                                                   "envoy.filters.http.rbac")]
+        hcm["route_config"] = {"name": str(port), "validate_clusters": False, "virtual_hosts": [{
+            "name": f"meshcache-engine.meshcache.svc.cluster.local:{port}", "domains": ["*"], "routes": [{
+                "name": "default", "match": {"prefix": "/"},
+                "route": {"cluster": cluster, "timeout": "0s",
+                          "hash_policy": [{"header": {"header_name": ring["httpHeaderName"]}}]}}]}]}
+        listeners.append({"name": f"0.0.0.0_{port}", "address": {"socket_address": {
+            "address": "0.0.0.0", "port_value": port}}, "filter_chains": [{"filters": [
+                {"name": extensions.HCM, "typed_config": hcm}]}]})
+        c = sidecar._cluster(cluster, upstream, http2=port == GRPC)
+        c["lb_policy"] = "RING_HASH"
+        c["ring_hash_lb_config"] = {"minimum_ring_size": ring["ringHash"]["minimumRingSize"]}
+        clusters.append(c)
+    clusters.append(sidecar._cluster("xds-grpc", 15010, http2=True))
+    return {"node": {"id": "sidecar~10.0.0.2~app-0.apps~apps.svc.cluster.local", "cluster": "app.apps"},
+            "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": 15000}}},
+            "static_resources": {"listeners": listeners, "clusters": clusters},
+            "dynamic_resources": {"ads_config": {"api_type": "GRPC", "transport_api_version": "V3",
+                                                 "grpc_services": [{"envoy_grpc": {"cluster_name": "xds-grpc"}}]}}}
+
+
+def test_client_role_lands_on_callers_outbound_chains_and_validates(tmp_path: Path, pins: render.Pins,
+                                                                   filter_wasm: Path) -> None:
+    [client] = _envoy_filters(pins, client=True)
+    [server] = _envoy_filters(pins)
+    config = _outbound_sidecar({HTTP: 18000, GRPC: 18001})
+    # The server filters never touch a caller's outbound side; the client one never an inbound side.
+    assert apply(config, [server], context="SIDECAR_OUTBOUND")[2] == 1  # its EXTENSION_CONFIG only
+    assert apply(_config(tmp_path), [client])[2] == 1
+    patched, ecds, applied = apply(config, [client], context="SIDECAR_OUTBOUND")
+    assert applied == len(client["spec"]["configPatches"])
+    for listener in patched["static_resources"]["listeners"]:
+        names = [f["name"] for f in listener["filter_chains"][0]["filters"][0]["typed_config"]["http_filters"]]
+        assert names[-2:] == ["meshcache-client", "envoy.filters.http.router"]
+    [(name, ext)] = ecds.items()
+    plugin = json.loads(ext["typed_config"]["config"]["configuration"]["value"])
+    assert name == "meshcache-client" and plugin["role"] == "client" and plugin["hold_headers"] is True
+    assert ext["typed_config"]["config"]["allow_on_headers_stop_iteration"] is True
+    result = _validate(patched, tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    # With the module as istio-agent hands it to Envoy, inlined: Envoy loads the client role.
+    local = sidecar.agent_rewrite(ecds, {REPOSITORY + f"@sha256:{pins.image_digest}": oci.image_for(filter_wasm)},
+                                  tmp_path)
+    for listener in patched["static_resources"]["listeners"]:
+        for f in listener["filter_chains"][0]["filters"][0]["typed_config"]["http_filters"]:
+            if f["name"] == "meshcache-client":
+                del f["config_discovery"]
+                f["typed_config"] = local["meshcache-client"]["typed_config"]
+    result = _validate(patched, tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr

@@ -15,8 +15,10 @@ from urllib.parse import urlsplit
 
 import yaml
 
-from meshcache.contract import grpc_hit
-from meshcache.contract.wasm_filter import FILTER_NAME, ROOT_ID
+from meshcache.contract import extensions, grpc_hit
+from meshcache.contract.filter_config import ROLE, ROLE_CLIENT
+from meshcache.contract.headers import ROUTE_KEY_HEADER
+from meshcache.contract.wasm_filter import CLIENT_FILTER_NAME, FILTER_NAME, ROOT_ID
 
 from .validate import validate_object
 
@@ -283,8 +285,58 @@ def check_extensions(objects: list[Obj], elsewhere: frozenset[str] = frozenset()
             errors.append(f"{where}: istiod cannot set allow_on_headers_stop_iteration: pluginConfig.hold_headers "
                           "must be false")
     for ef in _of(objects, "EnvoyFilter"):
-        if ef["spec"].get("workloadSelector", {}).get("labels", {}).get("color") not in elsewhere:
+        if _is_client_filter(ef):
+            errors += _client_filter_errors(objects, ef)
+        elif ef["spec"].get("workloadSelector", {}).get("labels", {}).get("color") not in elsewhere:
             errors += _envoy_filter_errors(objects, ef)
+    return errors
+
+
+def _is_client_filter(ef: Obj) -> bool:
+    return any(p.get("match", {}).get("context") == "SIDECAR_OUTBOUND" for p in ef["spec"]["configPatches"])
+
+
+def _client_filter_errors(objects: list[Obj], ef: Obj) -> list[str]:
+    """The client role on callers' outbound chains: callers are the users' pods (not in these
+    manifests), so what is checked is that it reaches the engine's ports, runs the client role with
+    held headers, and that the engine's DestinationRule hashes on the key it sets."""
+    where, spec, errors = f"EnvoyFilter/{_name(ef)}", ef["spec"], []
+    patches = spec["configPatches"]
+    if not spec.get("workloadSelector", {}).get("labels"):
+        errors.append(f"{where}: needs a workloadSelector (the callers that route by cache affinity)")
+    if not spec.get("priority"):
+        errors.append(f"{where}: relative patch operations need spec.priority (istioctl analyze IST0151)")
+    engine = _service_for_host(objects, extensions.ENGINE_APP)
+    service_ports = {p["port"] for p in engine["spec"]["ports"]} if engine is not None else set()
+    ecds = {p["patch"]["value"]["name"]: p["patch"]["value"] for p in patches if p["applyTo"] == "EXTENSION_CONFIG"}
+    for p in patches:
+        if p["applyTo"] != "HTTP_FILTER":
+            continue
+        if p["match"].get("context") != "SIDECAR_OUTBOUND":
+            errors.append(f"{where}: the client role belongs on SIDECAR_OUTBOUND chains only")
+        port = p["match"].get("listener", {}).get("portNumber")
+        if port not in service_ports:
+            errors.append(f"{where}: outbound port {port} is no port of Service {extensions.ENGINE_APP!r}")
+        name = p["patch"]["value"]["name"]
+        if name not in ecds:
+            errors.append(f"{where}: filter {name!r} takes its config by ECDS but no EXTENSION_CONFIG of that name")
+            continue
+        wasm = ecds[name]["typed_config"]["config"]
+        config = json.loads(wasm["configuration"]["value"])
+        if name != CLIENT_FILTER_NAME or config.get(ROLE) != ROLE_CLIENT:
+            errors.append(f"{where}: the outbound filter must be {CLIENT_FILTER_NAME!r} with role {ROLE_CLIENT!r}")
+        if not (wasm.get("allow_on_headers_stop_iteration") and config.get("hold_headers") is not False):
+            errors.append(f"{where}: the client role needs held request headers (allow_on_headers_stop_iteration, "
+                          "hold_headers): the routing key must exist before Envoy picks a replica")
+    for dr in _of(objects, "DestinationRule"):
+        if dr["spec"]["host"].split(".")[0] != extensions.ENGINE_APP:
+            continue
+        for s in dr["spec"].get("subsets", []):
+            lb = s.get("trafficPolicy", {}).get("loadBalancer") or dr["spec"].get("trafficPolicy", {}).get(
+                "loadBalancer", {})
+            if lb.get("consistentHash", {}).get("httpHeaderName") != ROUTE_KEY_HEADER:
+                errors.append(f"DestinationRule/{_name(dr)}: subset {s['name']!r} does not hash on "
+                              f"{ROUTE_KEY_HEADER} (cache affinity: {where})")
     return errors
 
 

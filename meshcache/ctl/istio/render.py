@@ -149,7 +149,9 @@ def customize(objects: list[Obj], opts: RenderOptions, pins: Pins) -> None:
         elif kind == "Deployment" and name == CONTROL_PLANE:
             _control_plane(obj, opts.colors(), pins)
         elif kind == "DestinationRule" and obj["spec"]["host"] == ENGINE_APP:
-            obj["spec"]["subsets"] = [{"name": c, "labels": {"color": c}} for c in opts.colors()]
+            obj["spec"]["subsets"] = [{"name": c, "labels": {"color": c},
+                                       "trafficPolicy": {"loadBalancer": extensions.consistent_hash()}}
+                                      for c in opts.colors()]
         elif kind == "VirtualService" and obj["spec"].get("gateways"):
             obj["spec"]["hosts"] = [opts.ingress_host]
             obj["spec"]["http"] = virtual_service_routes(opts.colors(), opts.color, gateway=True)
