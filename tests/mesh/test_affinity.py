@@ -107,3 +107,20 @@ def test_status_shows_each_replica(replicated: Mesh) -> None:
     for k in range(1, REPLICAS + 1):
         assert f"proxy {server_node(k)}: " in table
     assert "hit ratio" in table
+
+
+def test_a_restarted_replica_rejoins_and_only_its_entries_are_lost(replicated: Mesh) -> None:
+    app = replicated.endpoints()["app"]
+    seeds = range(1700, 1724)
+    for seed in seeds:
+        rest_infer(app, MLP, mlp_json(seed))
+    replicated.restart("server-sidecar-2")  # the supervisor's restart path, per replica
+    replicated.restart("engine-2")
+    with replicated.api() as api:
+        api.wait_acked(server_node(2), api.version(), timeout=15)
+    statuses = [rest_infer(app, MLP, mlp_json(seed)).headers["cache-status"] for seed in seeds]
+    hits = sum(s.startswith("meshcache; hit") for s in statuses)
+    # Replica 2's cache was emptied; the keys of replicas 1 and 3 still hit where they were.
+    assert 0 < hits < len(seeds) and all(s.startswith("meshcache;") for s in statuses), statuses
+    assert all(rest_infer(app, MLP, mlp_json(seed)).headers["cache-status"].startswith("meshcache; hit")
+               for seed in seeds)
