@@ -245,9 +245,14 @@ def plot_affinity(results: Results, out: Path) -> list[Path]:
     return [hit, entries, latency]
 
 
+def plot_stale(results: Results, out: Path) -> list[Path]:
+    return [_latency(results, results["rows"], "The first request after the TTL: latency",
+                     lambda r: r["case"], out / "stale-latency.png")]
+
+
 PLOTTERS: dict[str, Callable[[Results, Path], list[Path]]] = {
     "engine": plot_engine, "mesh": plot_mesh, "propagation": plot_propagation, "filter": plot_filter,
-    "replicas": plot_replicas, "coalesce": plot_coalesce, "affinity": plot_affinity,
+    "replicas": plot_replicas, "coalesce": plot_coalesce, "affinity": plot_affinity, "stale": plot_stale,
 }
 
 

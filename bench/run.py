@@ -16,9 +16,10 @@ import bench.filter
 import bench.mesh
 import bench.propagation
 import bench.replicas
+import bench.stale
 
 BENCHMARKS: tuple[ModuleType, ...] = (bench.filter, bench.engine, bench.propagation, bench.mesh, bench.replicas,
-                                     bench.coalesce, bench.affinity)
+                                     bench.coalesce, bench.affinity, bench.stale)
 
 
 def main() -> int:
