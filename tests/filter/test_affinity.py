@@ -246,3 +246,13 @@ def test_maglev_routes_by_the_key_too(mesh: Mesh) -> None:
     for _ in range(4):
         post(alice, body(11))
     assert sorted(mesh.per_replica("hits")) == [0, 0, 3]
+
+
+def test_bodies_too_big_to_key_pass_unkeyed(mesh: Mesh) -> None:
+    alice = mesh.client_sidecar("alice")
+    big = json.dumps({"inputs": [{"name": "x", "datatype": "BYTES", "shape": [1], "data": ["a" * 800_000]}]})
+    for _ in range(3):
+        r = post(alice, big)  # over the filter's 768 KiB request cap: neither side buffers it whole
+        assert r.headers["cache-status"] == "meshcache; fwd=bypass" and len(r.content) > 0
+    assert mesh.routed(alice) == 0
+    assert mesh.origin_calls() == 3
