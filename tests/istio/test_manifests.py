@@ -219,6 +219,12 @@ def _lua_before_wasm(o: list[Obj]) -> None:
     patches[2], patches[3] = patches[3], patches[2]
 
 
+def _stale_route_dropped(o: list[Obj]) -> None:
+    ef = _find(o, "EnvoyFilter")
+    ef["spec"]["configPatches"] = [p for p in ef["spec"]["configPatches"]
+                                   if p["patch"].get("value", {}).get("name") != "meshcache_grpc_stale"]
+
+
 def _gateway_route_without_port(o: list[Obj]) -> None:
     del _find(o, "VirtualService", "meshcache-engine-ingress")["spec"]["http"][-1]["route"][0]["destination"]["port"]
 
@@ -278,6 +284,7 @@ CROSSREF_BREAKS: dict[str, tuple[Callable[[list[Obj]], None], str]] = {
     "bad user volume": (_bad_volume, "'emptyDirr' was unexpected"),
     "no EnvoyFilter priority": (_no_priority, "IST0151"),
     "Lua before the wasm filter": (_lua_before_wasm, "must come right after the meshcache filter"),
+    "no stale-if-error route": (_stale_route_dropped, "no meshcache_grpc_stale route inserted first"),
     "gateway route without port": (_gateway_route_without_port, "needs a destination port"),
     "filter on a pod without sidecar": (_selects_control_plane, "selects pods without a sidecar"),
     "subset without consistent hash": (_subset_without_hash, "does not hash on x-meshcache-route-key"),

@@ -365,12 +365,13 @@ def _envoy_filter_errors(objects: list[Obj], ef: Obj) -> list[str]:
             if at == 0 or names[at - 1] != FILTER_NAME:
                 errors.append(f"{where}: on port {port} {grpc_hit.GRPC_HIT_LUA_FILTER} must come right after "
                               f"the {FILTER_NAME} filter")
-            hit_routes = [p for p in patches if p["applyTo"] == "HTTP_ROUTE"
-                          and p["match"]["routeConfiguration"].get("portNumber") == port
-                          and p["patch"]["value"].get("name") == grpc_hit.GRPC_HIT_ROUTE]
-            if not hit_routes or hit_routes[0]["patch"]["operation"] != "INSERT_FIRST":
-                errors.append(f"{where}: port {port} has the Lua filter but no {grpc_hit.GRPC_HIT_ROUTE} route "
-                              "inserted first")
+            # The hit route and the stale-if-error route (grpc_hit_routes()) both come before the default.
+            for route in (r["name"] for r in grpc_hit.grpc_hit_routes()):
+                found = [p for p in patches if p["applyTo"] == "HTTP_ROUTE"
+                         and p["match"]["routeConfiguration"].get("portNumber") == port
+                         and p["patch"]["value"].get("name") == route]
+                if not found or found[0]["patch"]["operation"] != "INSERT_FIRST":
+                    errors.append(f"{where}: port {port} has the Lua filter but no {route} route inserted first")
     return errors
 
 
