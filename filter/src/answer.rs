@@ -7,7 +7,7 @@
 use crate::entry::Entry;
 use std::borrow::Cow;
 use crate::keybody::{self, RequestId, Splice};
-use crate::names::{cache_status_hit, CACHE_STATUS, CACHE_STATUS_COLLAPSED, HASH_HEADER, KSERVE_BINARY_HEADER};
+use crate::names::{cache_status_hit, CACHE_STATUS, HASH_HEADER, KSERVE_BINARY_HEADER};
 
 /// What the filter knows about the request it answers from the cache.
 pub struct HitRequest<'a> {
@@ -123,13 +123,6 @@ pub fn grpc_hit<'e>(entry: &'e Entry, request: &HitRequest, now_ms: u64) -> HitA
     HitAnswer { status: 200, headers: all, body }
 }
 
-/// The same answer for a request that waited for an identical one in flight (request
-/// coalescing): its `Cache-Status` says it was collapsed into that request's miss.
-pub fn collapsed(mut answer: HitAnswer) -> HitAnswer {
-    set_cache_status(&mut answer, CACHE_STATUS_COLLAPSED.to_string());
-    answer
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -180,17 +173,5 @@ mod tests {
         let id = RequestId::Spliced(b"r-9".to_vec());
         let with_id = grpc_hit(&e, &HitRequest { headers: &none, body: b"", id: &id }, 1_000);
         assert_eq!(&with_id.body[..], b"\x0a\x01m\x1a\x03r-9");
-    }
-
-    #[test]
-    fn collapsed_answers_say_so_and_keep_everything_else() {
-        let e = sample(1, b"{}", 15_000);
-        let none: Vec<(String, String)> = vec![];
-        let hit = http_hit(&e, &request(&none), 10_000);
-        let c = collapsed(http_hit(&e, &request(&none), 10_000));
-        assert_eq!(crate::decide::header(&c.headers, CACHE_STATUS), Some("meshcache; fwd=miss; collapsed"));
-        assert_eq!(c.headers.len(), hit.headers.len());
-        assert_eq!((c.status, &c.body), (hit.status, &hit.body));
-        assert_eq!(crate::decide::header(&c.headers, HASH_HEADER), crate::decide::header(&hit.headers, HASH_HEADER));
     }
 }

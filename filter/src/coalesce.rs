@@ -50,6 +50,17 @@ pub enum Release {
     /// The answer cannot be stored for any of them (no-store, Vary, too big, 4xx, ...): each
     /// waiter goes upstream itself.
     Uncacheable,
+    /// The origin failed (what stale-if-error covers: 500/502/503/504, gRPC UNAVAILABLE,
+    /// DEADLINE_EXCEEDED, INTERNAL): waiters answer from an expired entry their policy lets
+    /// them use, else as for `Retry`.
+    OriginError,
+}
+
+impl Release {
+    /// One waiter leads anew (the others wait again).
+    pub fn retries(self) -> bool {
+        matches!(self, Release::Retry | Release::OriginError)
+    }
 }
 
 impl Release {
@@ -58,6 +69,7 @@ impl Release {
             Release::Stored => 0,
             Release::Retry => 1,
             Release::Uncacheable => 2,
+            Release::OriginError => 3,
         }
     }
 
@@ -66,6 +78,7 @@ impl Release {
             0 => Some(Release::Stored),
             1 => Some(Release::Retry),
             2 => Some(Release::Uncacheable),
+            3 => Some(Release::OriginError),
             _ => None,
         }
     }
@@ -78,9 +91,12 @@ impl Release {
         }
     }
 
-    /// A leader answered with this HTTP status (not 200): server-side failures may pass.
-    pub fn for_status(status: u16) -> Release {
-        if status >= 500 || status == 429 || status == 408 {
+    /// A leader answered with this HTTP status (not 200; `origin_error`: one stale-if-error
+    /// covers): server-side failures may pass.
+    pub fn for_status(status: u16, origin_error: bool) -> Release {
+        if origin_error {
+            Release::OriginError
+        } else if status >= 500 || status == 429 || status == 408 {
             Release::Retry
         } else {
             Release::Uncacheable
@@ -406,7 +422,7 @@ mod tests {
 
     #[test]
     fn wake_messages_round_trip() {
-        for o in [Release::Stored, Release::Retry, Release::Uncacheable].iter() {
+        for o in [Release::Stored, Release::Retry, Release::Uncacheable, Release::OriginError].iter() {
             assert_eq!(decode_wake(&encode_wake(&key(4), *o)), Some((key(4), *o)));
         }
         assert_eq!(decode_wake(b"short"), None);
@@ -417,9 +433,11 @@ mod tests {
 
     #[test]
     fn outcomes_of_failed_leaders() {
-        assert_eq!(Release::for_status(500), Release::Retry);
-        assert_eq!(Release::for_status(503), Release::Retry);
-        assert_eq!(Release::for_status(404), Release::Uncacheable);
+        assert_eq!(Release::for_status(503, true), Release::OriginError);
+        assert_eq!(Release::for_status(501, false), Release::Retry);
+        assert_eq!(Release::for_status(429, false), Release::Retry);
+        assert_eq!(Release::for_status(404, false), Release::Uncacheable);
+        assert!(Release::OriginError.retries() && Release::Retry.retries() && !Release::Uncacheable.retries());
         assert_eq!(Release::not_stored(NotStored::NoStore), Release::Uncacheable);
         assert_eq!(Release::not_stored(NotStored::Vary), Release::Uncacheable);
         assert_eq!(Release::not_stored(NotStored::TooBig), Release::Uncacheable);

@@ -26,6 +26,12 @@ pub const CACHE_STATUS_REFRESH: &str = "meshcache; fwd=request";
 /// from the entry that request stored (request coalescing), without going upstream itself.
 pub const CACHE_STATUS_COLLAPSED: &str = "meshcache; fwd=miss; collapsed";
 
+/// Any answer served to a request that waited for an identical one in flight (RFC 9211
+/// `collapsed`), e.g. a stale-if-error answer after that request's origin failed.
+pub fn cache_status_collapsed(status: &str) -> String {
+    format!("{}; collapsed", status)
+}
+
 pub fn cache_status_hit(ttl_left_s: u64) -> String {
     format!("meshcache; hit; ttl={}", ttl_left_s)
 }
@@ -81,6 +87,8 @@ mod tests {
     #[test]
     fn cache_status_strings() {
         assert_eq!(cache_status_hit(7), "meshcache; hit; ttl=7");
+        assert_eq!(cache_status_collapsed(&cache_status_stale_if_error(3, None)),
+                   "meshcache; hit; stale; ttl=-3; fwd=stale; detail=stale-if-error; collapsed");
         assert_eq!(cache_status_not_stored(false, NotStored::TooBig), "meshcache; fwd=miss; detail=too-big");
         assert_eq!(cache_status_not_stored(true, NotStored::Status), "meshcache; fwd=request; detail=status");
         assert_eq!(cache_status_forwarded(false), "meshcache; fwd=miss");

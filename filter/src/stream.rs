@@ -64,6 +64,14 @@ thread_local! {
     static WAKE_NAME: RefCell<String> = RefCell::new(String::new());
 }
 
+/// Resumes the effective stream's request (a waiter that goes upstream after all).
+fn continue_now() -> u32 {
+    if !abi::continue_request() {
+        error("could not resume a coalesced request");
+    }
+    CONTINUE
+}
+
 /// Wake messages handled per queue callback (the rest wait for the next one).
 const MAX_WAKES_PER_CALLBACK: usize = 4096;
 
@@ -400,7 +408,10 @@ impl Stream {
             Lookup::Hit(e) => e,
             Lookup::Miss(seen) => {
                 c.seen = seen;
-                return self.miss_or_wait(c, headers, now);
+                if self.joins_in_flight(&c, now) {
+                    return self.wait(c, headers);
+                }
+                return self.miss(c);
             }
             Lookup::Stale(e, seen) => {
                 // A fresh answer replaces the entry where it is.
@@ -420,25 +431,24 @@ impl Stream {
                         Claim::Forward => self.refreshing = Some(c.key),
                     }
                 }
-                let if_error = u.map_or(false, |u| u.if_error);
-                if if_error && (!c.grpc || self.take_stale_route(cfg.hold_headers)) {
-                    let headers = headers.clone();
-                    let (id, grpc, policy) = (c.request_id.clone(), c.grpc, c.policy.clone());
-                    self.fallback = Some(Box::new(Fallback { entry: e, policy, headers, id, grpc }));
+                // An expired hot entry is a stampede too: its refresh is coalesced like a miss
+                // (unless this request is the stale-while-revalidate refresh).
+                if self.refreshing.is_none() && self.joins_in_flight(&c, now) {
+                    return self.wait(c, headers);
                 }
-                return self.miss(c);
+                return self.forward_expired(cfg, c, e, seen, headers, now);
             }
         };
-        self.answer_hit(&c, &HitRequest { headers, body, id: &c.request_id }, &entry, now, false)
+        self.answer_hit(&c, &HitRequest { headers, body, id: &c.request_id }, &entry, now, None)
     }
 
     /// Answers from a stored entry (PAUSE), or CONTINUE when the local reply failed.
-    /// `collapsed`: the request waited for an identical one in flight.
-    fn answer_hit(&mut self, c: &Cacheable, request: &HitRequest, entry: &crate::entry::Entry, now: u64, collapsed: bool) -> u32 {
+    /// `cache_status`: other than the hit's (a request that waited for an identical one).
+    fn answer_hit(&mut self, c: &Cacheable, request: &HitRequest, entry: &crate::entry::Entry, now: u64,
+                  cache_status: Option<String>) -> u32 {
         count(metrics::HITS, 1);
         count_policy(&c.policy.model_prefix, "hits");
-        let status = if collapsed { Some(names::CACHE_STATUS_COLLAPSED.to_string()) } else { None };
-        self.answer_entry(c, request, entry, now, status)
+        self.answer_entry(c, request, entry, now, cache_status)
     }
 
     /// Answers the request from `entry` (a hit, or a stale answer whose `Cache-Status` says so,
@@ -480,6 +490,19 @@ impl Stream {
         count(metrics::STALE_WHILE_REVALIDATE, 1);
         let request = HitRequest { headers, body, id: &c.request_id };
         self.answer_entry(c, &request, entry, now, Some(names::cache_status_stale_while_revalidate(u.past_s())))
+    }
+
+    /// A request whose entry expired is forwarded (a fresh answer replaces the entry where it
+    /// is); if stale-if-error may use the entry, it stands by for an origin failure.
+    fn forward_expired(&mut self, cfg: &Config, mut c: Cacheable, e: crate::entry::Entry, seen: crate::store::SlotSeen,
+                       headers: &[(String, String)], now: u64) -> u32 {
+        c.seen = Some(seen);
+        let if_error = stale::stale_use(&e, &c.policy, now).map_or(false, |u| u.if_error);
+        if if_error && (!c.grpc || self.take_stale_route(cfg.hold_headers)) {
+            let (id, grpc, policy) = (c.request_id.clone(), c.grpc, c.policy.clone());
+            self.fallback = Some(Box::new(Fallback { entry: e, policy, headers: headers.to_vec(), id, grpc }));
+        }
+        self.miss(c)
     }
 
     /// Client role: the routing key goes on the held request headers (Envoy then clears the
@@ -544,14 +567,16 @@ impl Stream {
         true
     }
 
-    /// A miss under a policy with `coalesce_timeout_ms`: lead (go upstream holding the key's
-    /// lock) or wait for the identical request in flight. Requests that skip the lookup
+    /// A request about to go upstream under a policy with `coalesce_timeout_ms`: true when an
+    /// identical one is in flight and this one is registered to wait for it; false: it goes
+    /// upstream (holding the key's lock when it was free). Requests that skip the lookup
     /// (`no-cache`) neither lead nor wait.
-    fn miss_or_wait(&mut self, c: Cacheable, headers: &[(String, String)], now: u64) -> u32 {
+    fn joins_in_flight(&mut self, c: &Cacheable, now: u64) -> bool {
         let timeout = c.policy.coalesce_timeout_ms;
-        if timeout == 0 || c.refresh || !self.lead_or_wait(&c, now, now.saturating_add(timeout)) {
-            return self.miss(c);
-        }
+        timeout > 0 && !c.refresh && self.lead_or_wait(c, now, now.saturating_add(timeout))
+    }
+
+    fn wait(&mut self, c: Cacheable, headers: &[(String, String)]) -> u32 {
         count(metrics::COALESCE_WAITS, 1);
         self.phase = Phase::Waiting(Box::new(Waiting { c, headers: headers.to_vec() }));
         PAUSE
@@ -601,6 +626,20 @@ impl Stream {
     /// or (no entry) go upstream; after a failure that may pass, lead or wait again within the
     /// deadline.
     pub fn on_wake(&mut self, release: Release, deadline: u64) -> u32 {
+        self.resume_waiter(Some(release), deadline)
+    }
+
+    /// The waiter's `coalesce_timeout_ms` passed: it goes upstream itself (unless the entry
+    /// arrived meanwhile).
+    pub fn on_coalesce_timeout(&mut self) -> u32 {
+        if let Phase::Waiting(_) = self.phase {
+            count(metrics::COALESCE_TIMEOUTS, 1);
+        }
+        self.resume_waiter(None, 0)
+    }
+
+    /// A waiter leaves the wait: `release` is its leader's outcome (None: timed out).
+    fn resume_waiter(&mut self, release: Option<Release>, deadline: u64) -> u32 {
         let Waiting { mut c, headers } = match std::mem::replace(&mut self.phase, Phase::Done) {
             Phase::Waiting(w) => *w,
             other => {
@@ -610,7 +649,10 @@ impl Stream {
         };
         let cfg = match self.config() {
             Some(cfg) => cfg,
-            None => return self.resume_upstream(c),
+            None => {
+                self.miss(c);
+                return continue_now();
+            }
         };
         let now = abi::now_ms();
         let mut out = Outcome::default();
@@ -618,54 +660,54 @@ impl Stream {
         let cache = Cache { data: &abi::HostShared, limits: &cfg.limits };
         let found = cache.lookup_keeping(&c.key, now, stale::keep_ms(&c.policy), &mut out);
         metrics::record_outcome(&out);
-        let found = match found {
-            Lookup::Stale(_, seen) => Lookup::Miss(Some(seen)),
-            other => other,
-        };
-        match found {
+        let request = HitRequest { headers: &headers, body: &[], id: &c.request_id };
+        let (expired, seen) = match found {
             Lookup::Hit(entry) => {
                 count(metrics::COALESCE_SERVED, 1);
-                let request = HitRequest { headers: &headers, body: &[], id: &c.request_id };
-                if self.answer_hit(&c, &request, &entry, now, true) == CONTINUE {
-                    self.phase = Phase::Pass;
-                    abi::continue_request();
-                }
-                PAUSE
+                return self.answer_waiter(&c, &request, &entry, now, names::CACHE_STATUS_COLLAPSED.to_string());
             }
-            Lookup::Miss(seen) => {
-                c.seen = seen;
-                count(metrics::COALESCE_RELEASED, 1);
-                if release == Release::Retry && now < deadline && self.lead_or_wait(&c, now, deadline) {
-                    self.phase = Phase::Waiting(Box::new(Waiting { c, headers }));
-                    return PAUSE;
+            Lookup::Stale(entry, seen) => {
+                // The leader's origin failed and the expired entry may stand in for it
+                // (stale-if-error): every waiter is answered with it at once.
+                let failed = release == Some(Release::OriginError);
+                if let Some(u) = stale::stale_use(&entry, &c.policy, now).filter(|u| failed && u.if_error) {
+                    count(metrics::COALESCE_SERVED, 1);
+                    count(metrics::STALE_IF_ERROR, 1);
+                    let status = names::cache_status_collapsed(&names::cache_status_stale_if_error(u.past_s(), None));
+                    return self.answer_waiter(&c, &request, &entry, now, status);
                 }
-                self.resume_upstream(c)
+                (Some(entry), Some(seen))
             }
-            Lookup::Stale(..) => self.resume_upstream(c),
+            Lookup::Miss(seen) => (None, seen),
+        };
+        if release.is_some() {
+            count(metrics::COALESCE_RELEASED, 1);
         }
+        c.seen = seen;
+        if release.map_or(false, Release::retries) && now < deadline && self.lead_or_wait(&c, now, deadline) {
+            self.phase = Phase::Waiting(Box::new(Waiting { c, headers }));
+            return PAUSE;
+        }
+        match (expired, seen) {
+            (Some(entry), Some(seen)) => {
+                self.forward_expired(&cfg, c, entry, seen, &headers, now);
+            }
+            _ => {
+                self.miss(c);
+            }
+        }
+        continue_now()
     }
 
-    /// The waiter's `coalesce_timeout_ms` passed: it goes upstream itself.
-    pub fn on_coalesce_timeout(&mut self) -> u32 {
-        match std::mem::replace(&mut self.phase, Phase::Done) {
-            Phase::Waiting(w) => {
-                count(metrics::COALESCE_TIMEOUTS, 1);
-                self.resume_upstream(w.c)
-            }
-            other => {
-                self.phase = other;
-                CONTINUE
-            }
+    /// Answers a waiter from an entry, `Cache-Status` set to `status`; a failed local reply
+    /// sends it upstream uncached.
+    fn answer_waiter(&mut self, c: &Cacheable, request: &HitRequest, entry: &crate::entry::Entry, now: u64,
+                     status: String) -> u32 {
+        if self.answer_hit(c, request, entry, now, Some(status)) == CONTINUE {
+            self.phase = Phase::Pass;
+            return continue_now();
         }
-    }
-
-    /// A paused waiter goes upstream as a plain miss (its answer may be stored).
-    fn resume_upstream(&mut self, c: Cacheable) -> u32 {
-        self.miss(c);
-        if !abi::continue_request() {
-            error("could not resume a coalesced request");
-        }
-        CONTINUE
+        PAUSE
     }
 
     /// The request goes to the origin; its answer may be stored.
@@ -679,6 +721,8 @@ impl Stream {
     pub fn on_response_headers(&mut self, eos: bool) -> u32 {
         if let Some(f) = self.fallback.take() {
             if let Some(action) = self.stale_if_error(*f, eos) {
+                // Its waiters may answer from the same expired entry.
+                self.release(Release::OriginError);
                 self.phase = Phase::Done;
                 return action;
             }
@@ -792,12 +836,16 @@ impl Stream {
         let response = abi::headers(Map::ResponseHeaders);
         let headers = response.pairs;
         let status: u16 = decide::header(&headers, ":status").and_then(|s| s.parse().ok()).unwrap_or(0);
+        let grpc_status = decide::header(&headers, "grpc-status");
         if status != 200 {
-            self.release(Release::for_status(status));
+            self.release(Release::for_status(status, stale::is_origin_error(status, grpc_status)));
             return self.not_stored(c.refresh, NotStored::Status, true);
         }
-        if c.grpc && (eos || decide::header(&headers, "grpc-status").is_some()) {
+        if c.grpc && (eos || grpc_status.is_some()) {
             // Trailers-only gRPC responses are errors (or empty): nothing to store.
+            if stale::is_origin_error(status, grpc_status) {
+                self.release(Release::OriginError);
+            }
             return self.not_stored(c.refresh, NotStored::GrpcStatus, true);
         }
         let ttl = match decide::response_storable(&c.policy, &headers, &response.not_utf8, abi::now_ms()) {

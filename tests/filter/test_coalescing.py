@@ -5,6 +5,7 @@ still answered when the first one fails."""
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -236,3 +237,45 @@ def test_waiters_past_the_per_key_bound_go_upstream_and_are_counted(tmp_path: Pa
         assert overflow >= n - 1 - 2 * 64
         assert s.origin_calls()["http"] == 1 + overflow, "the leader and every overflowing request"
         assert stats["meshcache.coalesce.served"] == waits
+
+
+def test_an_expired_hot_entry_is_refreshed_by_one_request(tmp_path: Path) -> None:
+    """A popular entry's expiry is a stampede too: its refresh is coalesced like a miss."""
+    with filter_stack(tmp_path, coalescing(), concurrency=2) as s:
+        first = post(s, body(8), {"x-origin-cache-control": "max-age=1"})
+        assert first.headers["cache-status"] == STORED
+        time.sleep(1.2)
+        answers = at_once(8, posts(s, body(8), {"x-origin-delay": "1", "x-origin-cache-control": "max-age=60"}))
+        assert Counter(r.headers["cache-status"] for r in answers) == {STORED: 1, CACHE_STATUS_COLLAPSED: 7}
+        assert s.origin_calls()["http"] == 2
+
+
+def test_when_the_refresh_fails_every_waiter_gets_the_stale_entry(tmp_path: Path) -> None:
+    """stale-if-error with coalescing: the one request that went upstream met the origin's 503
+    and was answered from the expired entry; its waiters are answered from it too."""
+    with filter_stack(tmp_path, coalescing(stale_if_error_s=30), concurrency=2) as s:
+        first = post(s, body(9), {"x-origin-cache-control": "max-age=1"})
+        time.sleep(1.2)
+        answers = at_once(8, posts(s, body(9), {"x-origin-delay": "1", "x-origin-status": "503"}))
+        assert [r.status_code for r in answers] == [200] * 8
+        assert {r.content for r in answers} == {first.content}
+        statuses = [r.headers["cache-status"] for r in answers]
+        assert sum(st.endswith("; fwd=stale; fwd-status=503; detail=stale-if-error") for st in statuses) == 1
+        assert sum(st.endswith("; fwd=stale; detail=stale-if-error; collapsed") for st in statuses) == 7, statuses
+        assert all(st.startswith("meshcache; hit; stale; ttl=-") for st in statuses)
+        assert s.origin_calls()["http"] == 2, "one refresh attempt for all eight"
+        stats = s.stats()
+        assert (stats["meshcache.stale_if_error"], stats["meshcache.coalesce.served"]) == (8, 7)
+
+
+def test_grpc_waiters_get_the_stale_message_when_the_refresh_fails(tmp_path: Path) -> None:
+    with filter_stack(tmp_path, config(policy("resnet", ttl_s=1, stale_if_error_s=30)), concurrency=2) as s:
+        request = infer_request("resnet-mini")
+        first, _ = s.grpc_infer(request)
+        time.sleep(1.2)
+        meta = (("x-origin-delay", "1"), ("x-origin-grpc-code", "UNAVAILABLE"))
+        answers = at_once(6, grpc_calls(s, lambda i: request, meta))
+        assert {message for message, _ in answers} == {first}
+        statuses = [status for _, status in answers]
+        assert sum(st.endswith("; detail=stale-if-error; collapsed") for st in statuses) == 5, statuses
+        assert s.origin_calls()["grpc"] == 2
