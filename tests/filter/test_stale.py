@@ -43,11 +43,15 @@ def test_http_5xx_after_ttl_serves_stale_within_the_window_then_the_error(tmp_pa
         assert int(stale.headers["age"]) >= 1, "Age counts from when the answer was produced"
         assert stale.headers["x-response-hash"] == expected_hash(first.content, JSON)
         assert s.origin_calls()["http"] == 2, "the origin was asked first"
+        # A 502 without a body (its headers end the stream) is replaced the same way.
+        empty = _post(c, s.url(INFER), **{"x-origin-status": "502", "x-origin-size": "0"})
+        assert empty.status_code == 200 and empty.content == first.content
+        assert empty.headers["cache-status"].endswith("; fwd-status=502; detail=stale-if-error")
         _wait_past(3.2, stored_at)
         late = _post(c, s.url(INFER), **{"x-origin-status": "503"})
         assert late.status_code == 503
         assert late.headers["cache-status"] == "meshcache; fwd=miss; detail=status"
-        assert s.stats()["meshcache.stale_if_error"] == 1
+        assert s.stats()["meshcache.stale_if_error"] == 2
 
 
 def test_unreachable_or_timed_out_origin_serves_stale(tmp_path: Path) -> None:
