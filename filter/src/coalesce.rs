@@ -421,6 +421,56 @@ mod tests {
     }
 
     #[test]
+    fn under_real_threads_exactly_one_leads_and_its_release_names_every_waiting_worker() {
+        use crate::store::per_policy_tests::ThreadShared;
+        use std::sync::{Barrier, Mutex};
+        const WORKERS: u32 = 8;
+        let shared = ThreadShared::default();
+        LockTable { data: &shared }.create_slots();
+        let barrier = Barrier::new(WORKERS as usize);
+        let joined: Mutex<Vec<(u32, Join)>> = Mutex::new(Vec::new());
+        std::thread::scope(|scope| {
+            for worker in 0..WORKERS {
+                let (shared, barrier, joined) = (&shared, &barrier, &joined);
+                scope.spawn(move || {
+                    let table = LockTable { data: shared };
+                    for round in 0..300u32 {
+                        let mut k = [0u8; 32];
+                        k[..4].copy_from_slice(&round.to_be_bytes());
+                        k[4..8].copy_from_slice(&(round % 7).to_be_bytes());
+                        barrier.wait();
+                        let j = table.join(&k, (worker as u64) << 32 | round as u64, 100 + worker, 0, 60_000);
+                        joined.lock().unwrap().push((worker, j));
+                        barrier.wait();
+                        let mine = joined.lock().unwrap().iter().find(|(w, _)| *w == worker).map(|(_, j)| match j {
+                            Join::Lead(t) => Some(*t),
+                            _ => None,
+                        });
+                        if let Some(Some(ticket)) = mine {
+                            let all = joined.lock().unwrap();
+                            let leads = all.iter().filter(|(_, j)| matches!(j, Join::Lead(_))).count();
+                            assert_eq!(leads, 1, "round {}: {:?}", round, *all);
+                            let mut waiting: Vec<u32> =
+                                all.iter().filter(|(_, j)| *j == Join::Wait).map(|(w, _)| 100 + w).collect();
+                            drop(all);
+                            let mut woken = table.release(&ticket);
+                            waiting.sort_unstable();
+                            woken.sort_unstable();
+                            assert_eq!(woken, waiting, "round {}: every waiter's queue is woken once", round);
+                            assert_eq!(waiting.len() as u32, WORKERS - 1);
+                        }
+                        barrier.wait();
+                        if worker == 0 {
+                            joined.lock().unwrap().clear();
+                        }
+                        barrier.wait();
+                    }
+                });
+            }
+        });
+    }
+
+    #[test]
     fn wake_messages_round_trip() {
         for o in [Release::Stored, Release::Retry, Release::Uncacheable, Release::OriginError].iter() {
             assert_eq!(decode_wake(&encode_wake(&key(4), *o)), Some((key(4), *o)));

@@ -645,7 +645,7 @@ pub mod tests {
 }
 
 #[cfg(test)]
-mod per_policy_tests {
+pub mod per_policy_tests {
     //! Per-policy accounting: every bucket of the accounting record equals the entries and
     //! bytes stored under its tag, whatever interleaving of writers, layout changes, evictions
     //! and corrupt slots led there.
@@ -786,7 +786,7 @@ mod per_policy_tests {
 
     /// Envoy's shared data under real threads: each get/set is atomic, nothing more.
     #[derive(Default)]
-    struct ThreadShared {
+    pub struct ThreadShared {
         map: Mutex<(BTreeMap<String, (Vec<u8>, u32)>, u32)>,
     }
 
