@@ -62,3 +62,8 @@ def test_meshcache_policy_set_carries_coalescing_and_stale_flags(cp: ControlPlan
     assert bad.returncode == 1 and "422" in bad.stderr and "coalesce_timeout_ms" in bad.stderr, bad.stderr
     with cp.client() as c:
         assert c.get("/v1/policies/resnet-mini").json()["policy"]["coalesce_timeout_ms"] == 250
+    listed = subprocess.run([str(Path(sys.executable).parent / "meshcache"), "policy", "list", "--url", cp.url,
+                             "--token", WRITE_TOKEN], capture_output=True, text=True, timeout=60)
+    header, row = listed.stdout.splitlines()[1:3]
+    assert header.split()[-3:] == ["coalesce_ms", "stale_if_error_s", "stale_while_reval_s"]
+    assert row.split()[0] == "resnet-mini" and row.split()[-3:] == ["250", "600", "30"]
