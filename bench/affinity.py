@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import shutil
 import tempfile
 import time
@@ -61,10 +62,17 @@ def body_of(key: int) -> str:
     return json.dumps({"inputs": [{"name": "x", "datatype": "INT64", "shape": [1], "data": [key]}]})
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time a process has used (/proc/<pid>/stat fields 14 and 15)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 @dataclass
 class Envoy:
     port: int
     admin: int
+    pid: int = 0
 
     def stat(self, name: str) -> int:
         return launchers.envoy_stats(self.admin, name).get(name, 0)
@@ -88,8 +96,9 @@ class Bench:
                                 identity=self.client, server_identities=[SERVER_ID], color="",
                                 node_id=f"client-{listen}", affinity=affinity)
         path = write(sidecar, self.tmp / f"client-{listen}.yaml")
-        self.started.append(launchers.start_envoy(path, admin, self.tmp, name=f"client-{listen}"))
-        return Envoy(listen, admin)
+        proc = launchers.start_envoy(path, admin, self.tmp, name=f"client-{listen}")
+        self.started.append(proc)
+        return Envoy(listen, admin, proc.popen.pid)
 
     def policy_stat(self, mode: str, what: str) -> int:
         return sum(r.stat(f"wasmcustom.meshcache.policy.{model_of(mode)}.{what}") for r in self.replicas)
@@ -164,6 +173,7 @@ def run_modes(b: Bench, sequence: list[int], chunk: int, config: dict[str, Any])
     clients = {m: httpx.Client(base_url=f"http://127.0.0.1:{s.port}", timeout=30) for m, s in sidecars.items()}
     tallies = {m: Tally() for m in MODES}
     latencies: dict[str, list[float]] = {m: [] for m in MODES}
+    cpu_before = {m: cpu_seconds(s.pid) for m, s in sidecars.items()}
     try:
         for start in range(0, len(sequence), chunk):
             for mode in MODES:  # interleaved: every mode gets each stretch of machine time
@@ -176,6 +186,9 @@ def run_modes(b: Bench, sequence: list[int], chunk: int, config: dict[str, Any])
         for c in clients.values():
             c.close()
     time.sleep(FLUSH_S)
+    # What each mode's client sidecar spent: the client role's own cost, apart from the shared
+    # server sidecars (clock ticks of 10 ms: over 15,000 requests, a fine enough grain).
+    client_cpu = {m: cpu_seconds(s.pid) - cpu_before[m] for m, s in sidecars.items()}
     rows = []
     for mode, label in MODES.items():
         t = tallies[mode]
@@ -189,6 +202,7 @@ def run_modes(b: Bench, sequence: list[int], chunk: int, config: dict[str, Any])
             "entries": sum(per_replica), "entries_per_replica": per_replica,
             "p50_ms": percentile(lat, 0.5) * 1e3, "p99_ms": percentile(lat, 0.99) * 1e3,
             "quantiles_ms": quantiles_ms(lat),
+            "client_sidecar_cpu_us_per_request": client_cpu[mode] / len(sequence) * 1e6,
         })
     return rows
 
@@ -249,9 +263,10 @@ def main(argv: list[str] | None = None) -> int:
         f"Load average before the run: {' '.join(load_before)} (shared 2-core machine: latencies are "
         "relative only).",
         table(["mode", "hits", "misses", "hit ratio", "engine calls", "entries (all replicas)",
-               "entries per replica", "p50 ms", "p99 ms"],
+               "entries per replica", "p50 ms", "p99 ms", "client sidecar CPU µs/request"],
               [[r["label"], r["hits"], r["misses"], f"{r['hit_ratio']:.3f}", r["engine_calls"], r["entries"],
-                " / ".join(str(e) for e in r["entries_per_replica"]), f"{r['p50_ms']:.2f}", f"{r['p99_ms']:.2f}"]
+                " / ".join(str(e) for e in r["entries_per_replica"]), f"{r['p50_ms']:.2f}", f"{r['p99_ms']:.2f}",
+                f"{r['client_sidecar_cpu_us_per_request']:.0f}"]
                for r in rows]),
         f"Targets: (c)'s hit ratio = **{targets['hit_ratio_vs_one']:.3f}x** (a)'s (target ≥ 0.95x); entries "
         f"across replicas = **{targets['entries_vs_one']:.3f}x** (a)'s (target ≤ 1.1x). Round robin for contrast: "
@@ -269,7 +284,9 @@ def main(argv: list[str] | None = None) -> int:
         "sidecar (a V8 call per callback, the request held until its body is read, the JSON scanned, a sha256, "
         f"one header set): p50 {aff['p50_ms'] - one['p50_ms']:+.2f} ms, p99 {aff['p99_ms'] - one['p99_ms']:+.2f} ms "
         "against (a) in this run, for the same hit ratio; (a) and (b) run no filter in the client sidecar. "
-        "Not profiled further; the p99 differences move between runs on this shared machine.",
+        "Its CPU cost is the last column (the client sidecar's user + system time over the run, per request): "
+        f"{aff['client_sidecar_cpu_us_per_request'] - one['client_sidecar_cpu_us_per_request']:+.0f} µs per "
+        "request for the client role; the p99 differences move between runs on this shared machine.",
     ])
     print(body)
     bad = [r for r in rows if r["other"] or r["server_misses"] != r["misses"] or r["server_hits"] != r["hits"]]
