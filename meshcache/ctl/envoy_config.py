@@ -33,7 +33,7 @@ from typing import Any
 
 import yaml
 
-from meshcache.contract.filter_config import DEMO_POLICIES
+from meshcache.contract.filter_config import DEMO_POLICIES, client_plugin_config
 from meshcache.contract.grpc_hit import grpc_hit_lua_filter, grpc_hit_routes
 from meshcache.contract.headers import COLOR_HEADER, ROUTE_KEY_HEADER
 from meshcache.contract.wasm_filter import (
@@ -463,6 +463,13 @@ def examples(out_dir: Path) -> list[Path]:
                                              certs / "ca.crt"),
                            server_identities=[server_id])
     out.append(write(client, out_dir / "mesh-client-sidecar.yaml"))
+    # `meshcache up --replicas 3`: the client sidecar in front of three server sidecars, the filter
+    # in the client role (ECDS resource meshcache-client) and a ring hash on its routing key.
+    affinity = Affinity(Path("/etc/meshcache/meshcache_filter.wasm"),
+                        client_plugin_config({"version": "default", "policies": []}), ecds_port=18000,
+                        xds_tls=client.identity, xds_peers=("spiffe://cluster.local/ns/default/sa/meshcache-control-plane",))
+    replicated = ClientSidecar(**{**client.__dict__, "server_ports": [15006, 18200, 18210], "affinity": affinity})
+    out.append(write(replicated, out_dir / "mesh-client-sidecar-replicas.yaml"))
     return out
 
 

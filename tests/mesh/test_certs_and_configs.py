@@ -17,7 +17,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from meshcache.contract.paths import envoy_binary
 from meshcache.ctl.envoy_config import ClientSidecar, render_client, sds_secret_paths, write
 from meshcache.ctl.mesh.certs import ensure_certificates
-from meshcache.ctl.mesh.config import MeshConfig
+from meshcache.ctl.mesh.config import MAX_REPLICAS, MeshConfig, Ports
 
 
 def _uris(path: Path) -> list[str]:
@@ -143,3 +143,20 @@ def test_mesh_config_file(tmp_path: Path) -> None:
         MeshConfig.from_file(path)
     free = MeshConfig(state_dir=tmp_path).with_free_ports().ports
     assert len(set(vars(free).values())) == len(vars(free))  # every component its own port
+
+
+def test_replica_settings_and_ports(tmp_path: Path) -> None:
+    for bad in ({"replicas": 0}, {"replicas": MAX_REPLICAS + 1}, {"lb_policy": "LEAST_REQUEST"}):
+        with pytest.raises(ValueError):
+            MeshConfig(state_dir=tmp_path, **bad)  # type: ignore[arg-type]
+    ports = Ports()
+    assert ports.replica(1).server_inbound == ports.server_inbound and ports.replica(1).engine_http == 18100
+    every = [p for k in range(1, MAX_REPLICAS + 1) for p in vars(ports.replica(k)).values()]
+    named = [v for n, v in vars(ports).items() if n != "replica_base"]
+    assert len(set(every)) == len(every) and not set(every[5:]) & set(named)  # no replica shares a port
+    free = MeshConfig(state_dir=tmp_path).with_free_ports().ports
+    every = [p for k in range(1, MAX_REPLICAS + 1) for p in vars(free.replica(k)).values()]
+    assert len(set(every)) == len(every) and not set(every[5:]) & {v for n, v in vars(free).items()
+                                                                   if n != "replica_base"}
+    with pytest.raises(ValueError):
+        ports.replica(MAX_REPLICAS + 1)
