@@ -7,6 +7,11 @@ server sidecar with the meshcache filter, engine. Modes, interleaved round by ro
 alternates): coalescing on (`coalesce_timeout_ms: 5000`) and off (`0`). Per round: how many
 requests reached the engine (its own request counter), every request's latency, and with
 coalescing the leader's (`fwd=miss; stored`) and its waiters' (`fwd=miss; collapsed`).
+
+What coalescing costs a miss that has no twin: two Envoys with the filter in front of the filter
+benchmark's trivial nginx origin (1 KiB answers), identical but for `coalesce_timeout_ms`, wrk
+(1 thread, 16 connections) with a new body per request (every request a miss that takes and
+releases a lock), modes interleaved in rounds.
 Writes the `coalesce` section of docs/benchmarks.md.
 """
 
@@ -15,7 +20,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import json
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -25,10 +32,15 @@ from typing import Any
 import grpc
 import numpy as np
 
+from bench.filter import NGINX_CONF, REQUEST_JSON, REQUEST_LUA
+from bench.loadgen import LoadResult, wrk
 from bench.report import publish, table
 from bench.stats import percentile, quantiles_ms
 from meshcache.contract.headers import CACHE_STATUS_COLLAPSED, CACHE_STATUS_HEADER
+from meshcache.contract.paths import require_filter_wasm
 from meshcache.contract.protos import grpc_predict_v2_pb2 as pb
+from meshcache.ctl import launchers, procs
+from meshcache.ctl.envoy_config import CacheProxy, write
 from meshcache.ctl.mesh.config import MeshConfig
 from meshcache.ctl.mesh.engine_metrics import engine_requests
 from meshcache.ctl.mesh.topology import SERVER_NODE, Mesh
@@ -116,9 +128,45 @@ def _summary(rounds: list[Round]) -> dict[str, Any]:
     return out
 
 
+def miss_overhead(rounds: int, seconds: int) -> dict[str, list[LoadResult]]:
+    """Unique-key misses through the filter with coalescing on and off (see the module doc)."""
+    out: dict[str, list[LoadResult]] = {m: [] for m in MODES}
+    with tempfile.TemporaryDirectory(prefix="meshcache-bench-coalesce-miss-") as tmp:
+        d = Path(tmp)
+        (d / "static").mkdir()
+        (d / "static" / "reply.json").write_text(json.dumps({"outputs": "x" * 1000})[:1022] + '"}')
+        ports = {k: procs.free_port() for k in ("http_port", "grpc_port", "cache_port")}
+        (d / "nginx.conf").write_text(NGINX_CONF.format(dir=d, **ports))
+        unique = d / "unique.lua"
+        unique.write_text(REQUEST_LUA.format(body=REQUEST_JSON, vary="n"))
+        started: list[procs.Proc] = []
+        with procs.supervised(started):
+            nginx = procs.start("nginx", [shutil.which("nginx") or "nginx", "-p", str(d), "-c", str(d / "nginx.conf")],
+                                d)
+            started.append(nginx)
+            procs.wait_until(nginx, procs.tcp_open(ports["http_port"]))
+            urls = {}
+            for i, (mode, timeout_ms) in enumerate(MODES.items()):
+                listen, admin = procs.free_port(), procs.free_port()
+                config = {"version": "bench", "policies": [
+                    {"model_prefix": "bench", "ttl_s": 3600, "coalesce_timeout_ms": timeout_ms}]}
+                proxy = CacheProxy(listen_port=listen, admin_port=admin, http_upstream_port=ports["http_port"],
+                                   grpc_upstream_port=ports["grpc_port"], wasm_path=require_filter_wasm(),
+                                   plugin_config=config)
+                started.append(launchers.start_envoy(write(proxy, d / f"envoy-{i}.yaml"), admin, d, name=f"envoy-{i}"))
+                urls[mode] = f"http://127.0.0.1:{listen}/v2/models/bench-model/infer"
+            for n in range(rounds):
+                for mode in (list(MODES) if n % 2 == 0 else list(reversed(MODES))):
+                    out[mode].append(wrk(urls[mode], unique, seconds))
+                    print(f"misses without twins, round {n}, {mode}: {out[mode][-1].rps:.0f} req/s", flush=True)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--rounds", type=int, default=12, help="rounds per mode (interleaved)")
+    parser.add_argument("--miss-rounds", type=int, default=4, help="rounds of the miss-overhead part")
+    parser.add_argument("--miss-seconds", type=int, default=5)
     parser.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
     args = parser.parse_args(argv)
     load_before = os.getloadavg()[0]
@@ -140,7 +188,17 @@ def main(argv: list[str] | None = None) -> int:
                     rounds[mode].append(Round(mode, calls, latencies, statuses, errors))
                     print(f"round {n} {mode}: engine calls {calls}, p50 {statistics.median(latencies) * 1e3:.1f} ms, "
                           f"errors {errors}", flush=True)
+    misses = miss_overhead(args.miss_rounds, args.miss_seconds)
     summaries = {mode: _summary(rs) for mode, rs in rounds.items()}
+    miss_rows, miss_stored = [], []
+    for mode, results in misses.items():
+        rps = statistics.mean(r.rps for r in results)
+        p50 = statistics.mean(r.p50_ms for r in results if r.p50_ms is not None)
+        p99 = statistics.mean(r.p99_ms for r in results if r.p99_ms is not None)
+        miss_rows.append([mode, f"{rps:,.0f}", f"{p50:.2f}", f"{p99:.2f}", sum(r.errors for r in results),
+                          ", ".join(f"{r.rps:,.0f}" for r in results)])
+        miss_stored.append({"mode": mode, "rps": rps, "p50_ms": p50, "p99_ms": p99,
+                            "rounds_rps": [r.rps for r in results], "errors": sum(r.errors for r in results)})
     rows = []
     for mode, s in summaries.items():
         calls = s["engine_calls_per_round"]
@@ -149,6 +207,15 @@ def main(argv: list[str] | None = None) -> int:
                      f"{s['waiter_p50_ms']:.1f}" if "waiter_p50_ms" in s else "",
                      f"{s['waiter_p99_ms']:.1f}" if "waiter_p99_ms" in s else "", s["errors"]])
     on, off = summaries["coalescing on"], summaries["coalescing off"]
+    miss_ratio = miss_stored[0]["rps"] / miss_stored[1]["rps"]
+    # Round-to-round variation of each mode's req/s (coefficient of variation), the larger one.
+    noise = max(statistics.pstdev(m["rounds_rps"]) / m["rps"] for m in miss_stored)
+    miss_verdict = (
+        f"The misses-without-twins ratio ({miss_ratio:.3f}) is within the round-to-round variation of this run "
+        f"(±{noise:.0%}): the lock's cost (two shared-data calls to take it, two to release it, per miss) is "
+        "below what it can resolve." if abs(miss_ratio - 1) <= noise else
+        f"Misses without twins: {miss_ratio:.3f}x the req/s without coalescing (round-to-round variation "
+        f"±{noise:.0%}): the cost of taking and releasing the lock (two shared-data calls each).")
     ratio = on.get("waiter_over_leader_median")
     measures = [
         ["engine calls per round with coalescing (mean)", f"{statistics.mean(on['engine_calls_per_round']):.2f}",
@@ -156,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         ["waiters' p50 / leader's latency (median over rounds)", f"{ratio:.3f}" if ratio else "n/a",
          f"<= {TARGET_WAITER_RATIO}", "yes" if ratio and ratio <= TARGET_WAITER_RATIO else "no"],
         ["p50 with / without coalescing (all 32 callers)", f"{on['p50_ms'] / off['p50_ms']:.3f}", "", ""],
+        ["misses without twins: req/s with / without coalescing", f"{miss_ratio:.3f}", "", ""],
     ]
     body = "\n".join([
         "`python -m bench.coalesce`: rounds of 32 identical cold gRPC `ModelInfer` requests for `resnet-mini` "
@@ -170,14 +238,20 @@ def main(argv: list[str] | None = None) -> int:
         table(["mode", "engine calls / round (min-max)", "p50 ms", "p99 ms", "leader p50 ms", "waiters p50 ms",
                "waiters p99 ms", "errors"], rows),
         "",
+        f"Misses without twins (the cost of taking and releasing the lock): {args.miss_rounds} rounds of "
+        f"{args.miss_seconds} s per mode, interleaved; Envoy 1 worker, nginx origin, wrk -t1 -c16, 1 KiB answers.",
+        "",
+        table(["mode", "req/s (mean)", "p50 ms", "p99 ms", "errors", "req/s per round"], miss_rows),
+        "",
         table(["measure", "value", "target", "met"], measures),
         "",
-        WHAT_LIMITS,
+        WHAT_LIMITS + " " + miss_verdict,
     ])
     print(body)
     if not args.no_write:
         publish("coalesce", "Request coalescing: 32 identical cold requests (resnet-mini, gRPC, local mesh)", body,
                 {"rows": [{"case": mode, "concurrency": CALLERS, **s} for mode, s in summaries.items()],
+                 "miss_overhead": miss_stored,
                  "measures": [dict(zip(("measure", "value", "target", "met"), m, strict=True)) for m in measures]})
     return 0
 
