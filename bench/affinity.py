@@ -25,7 +25,6 @@ import argparse
 import contextlib
 import json
 import os
-import shutil
 import tempfile
 import time
 from collections.abc import Iterator
@@ -35,8 +34,7 @@ from typing import Any
 
 import httpx
 
-from bench.filter import NGINX_CONF
-from bench.replicas import request_sequence
+from bench.replicas import request_sequence, start_origin
 from bench.report import publish, table
 from bench.stats import percentile, quantiles_ms
 from meshcache.contract.filter_config import client_plugin_config
@@ -115,30 +113,22 @@ def server_config(modes: list[str]) -> dict[str, Any]:
 def topology(config: dict[str, Any]) -> Iterator[Bench]:
     with tempfile.TemporaryDirectory(prefix="meshcache-bench-affinity-") as tmp:
         d = Path(tmp)
-        (d / "static").mkdir()
-        (d / "static" / "reply.json").write_text(json.dumps({"outputs": "x" * 1000}))
-        (d / "static" / "reply.grpc").write_bytes(b"")
-        ports = {k: procs.free_port() for k in ("http_port", "grpc_port", "cache_port")}
-        (d / "nginx.conf").write_text(NGINX_CONF.format(dir=d, **ports))
         ca = CertificateAuthority.create()
         server, client = ca.issue(SERVER_ID, d / "pki", "server"), ca.issue(CLIENT_ID, d / "pki", "client")
         started: list[procs.Proc] = []
         with procs.supervised(started):
-            nginx = procs.start("nginx", [shutil.which("nginx") or "nginx", "-p", str(d), "-c", str(d / "nginx.conf")],
-                                d)
-            started.append(nginx)
-            procs.wait_until(nginx, procs.tcp_open(ports["http_port"]))
+            http_port, grpc_port = start_origin(d, started)
             replicas = []
             for k in range(REPLICAS):
                 listen, admin = procs.free_port(), procs.free_port()
-                proxy = CacheProxy(listen_port=listen, admin_port=admin, http_upstream_port=ports["http_port"],
-                                   grpc_upstream_port=ports["grpc_port"], wasm_path=require_filter_wasm(),
+                proxy = CacheProxy(listen_port=listen, admin_port=admin, http_upstream_port=http_port,
+                                   grpc_upstream_port=grpc_port, wasm_path=require_filter_wasm(),
                                    plugin_config=config, downstream_tls=server, allowed_peers=[CLIENT_ID],
                                    node_id=f"replica-{k + 1}")
                 started.append(launchers.start_envoy(write(proxy, d / f"replica-{k + 1}.yaml"), admin, d,
                                                      name=f"replica-{k + 1}"))
                 replicas.append(Envoy(listen, admin))
-            yield Bench(d, ports["http_port"], server, client, started, replicas)
+            yield Bench(d, http_port, server, client, started, replicas)
 
 
 @dataclass

@@ -38,6 +38,20 @@ def request_sequence(requests: int, distinct: int, zipf_s: float, seed: int) -> 
     return [int(i) for i in rng.choice(distinct, size=requests, p=weights / weights.sum())]
 
 
+def start_origin(d: Path, started: list[procs.Proc]) -> tuple[int, int]:
+    """The trivial origin (nginx, bench.filter's config: a fixed 1 KB JSON answer to any POST) in
+    directory `d`, added to `started`; its (HTTP, gRPC) ports."""
+    (d / "static").mkdir()
+    (d / "static" / "reply.json").write_text(json.dumps({"outputs": "x" * 1000}))
+    (d / "static" / "reply.grpc").write_bytes(b"")
+    ports = {k: procs.free_port() for k in ("http_port", "grpc_port", "cache_port")}
+    (d / "nginx.conf").write_text(NGINX_CONF.format(dir=d, **ports))
+    nginx = procs.start("nginx", [shutil.which("nginx") or "nginx", "-p", str(d), "-c", str(d / "nginx.conf")], d)
+    started.append(nginx)
+    procs.wait_until(nginx, procs.tcp_open(ports["http_port"]))
+    return ports["http_port"], ports["grpc_port"]
+
+
 def run_replicas(n: int, envoys: list[tuple[int, int]], sequence: list[int]) -> dict[str, float]:
     """Send `sequence` round-robin over the first n Envoys; the model name is new for each n."""
     model = f"bench-n{n}"
@@ -84,22 +98,14 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     with tempfile.TemporaryDirectory(prefix="meshcache-bench-replicas-") as tmp:
         d = Path(tmp)
-        (d / "static").mkdir()
-        (d / "static" / "reply.json").write_text(json.dumps({"outputs": "x" * 1000}))
-        (d / "static" / "reply.grpc").write_bytes(b"")
-        ports = {k: procs.free_port() for k in ("http_port", "grpc_port", "cache_port")}
-        (d / "nginx.conf").write_text(NGINX_CONF.format(dir=d, **ports))
         started: list[procs.Proc] = []
         with procs.supervised(started):
-            nginx = procs.start("nginx", [shutil.which("nginx") or "nginx", "-p", str(d), "-c", str(d / "nginx.conf")],
-                                d)
-            started.append(nginx)
-            procs.wait_until(nginx, procs.tcp_open(ports["http_port"]))
+            http_port, grpc_port = start_origin(d, started)
             envoys = []
             for k in range(max(REPLICAS)):
                 listen, admin = procs.free_port(), procs.free_port()
-                cfg = CacheProxy(listen_port=listen, admin_port=admin, http_upstream_port=ports["http_port"],
-                                 grpc_upstream_port=ports["grpc_port"], wasm_path=require_filter_wasm(),
+                cfg = CacheProxy(listen_port=listen, admin_port=admin, http_upstream_port=http_port,
+                                 grpc_upstream_port=grpc_port, wasm_path=require_filter_wasm(),
                                  plugin_config=policy)
                 started.append(launchers.start_envoy(write(cfg, d / f"envoy-{k}.yaml"), admin, d, name=f"envoy-{k}"))
                 envoys.append((listen, admin))
