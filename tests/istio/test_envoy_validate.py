@@ -46,3 +46,14 @@ def test_envoy_configs_validate(config: Path, tmp_path: Path, filter_wasm: Path)
     result = envoy_validate(text, tmp_path, config.name)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "OK" in result.stdout
+
+
+def test_envoy_configs_are_current(tmp_path: Path) -> None:
+    """The committed configs are what the renderer gives today (they drift when a fragment changes)."""
+    from meshcache.ctl.envoy_config import examples
+
+    rendered = {p.name: p.read_text() for p in examples(tmp_path)}
+    committed = {p.name: p.read_text() for p in ENVOY_CONFIG_DIR.glob("*.yaml")}
+    assert rendered.keys() == committed.keys()
+    stale = sorted(name for name in rendered if rendered[name] != committed[name])
+    assert not stale, f"{stale} differ from the renderer: run `python -m meshcache.ctl.envoy_config envoy`"
