@@ -20,9 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import json
 import os
-import shutil
 import statistics
 import tempfile
 import time
@@ -32,8 +30,9 @@ from typing import Any
 import grpc
 import numpy as np
 
-from bench.filter import NGINX_CONF, REQUEST_JSON, REQUEST_LUA
+from bench.filter import REQUEST_JSON, REQUEST_LUA
 from bench.loadgen import LoadResult, wrk
+from bench.replicas import start_origin
 from bench.report import publish, table
 from bench.stats import percentile, quantiles_ms
 from meshcache.contract.headers import CACHE_STATUS_COLLAPSED, CACHE_STATUS_HEADER
@@ -133,25 +132,18 @@ def miss_overhead(rounds: int, seconds: int) -> dict[str, list[LoadResult]]:
     out: dict[str, list[LoadResult]] = {m: [] for m in MODES}
     with tempfile.TemporaryDirectory(prefix="meshcache-bench-coalesce-miss-") as tmp:
         d = Path(tmp)
-        (d / "static").mkdir()
-        (d / "static" / "reply.json").write_text(json.dumps({"outputs": "x" * 1000})[:1022] + '"}')
-        ports = {k: procs.free_port() for k in ("http_port", "grpc_port", "cache_port")}
-        (d / "nginx.conf").write_text(NGINX_CONF.format(dir=d, **ports))
         unique = d / "unique.lua"
         unique.write_text(REQUEST_LUA.format(body=REQUEST_JSON, vary="n"))
         started: list[procs.Proc] = []
         with procs.supervised(started):
-            nginx = procs.start("nginx", [shutil.which("nginx") or "nginx", "-p", str(d), "-c", str(d / "nginx.conf")],
-                                d)
-            started.append(nginx)
-            procs.wait_until(nginx, procs.tcp_open(ports["http_port"]))
+            http_port, grpc_port = start_origin(d, started)
             urls = {}
             for i, (mode, timeout_ms) in enumerate(MODES.items()):
                 listen, admin = procs.free_port(), procs.free_port()
                 config = {"version": "bench", "policies": [
                     {"model_prefix": "bench", "ttl_s": 3600, "coalesce_timeout_ms": timeout_ms}]}
-                proxy = CacheProxy(listen_port=listen, admin_port=admin, http_upstream_port=ports["http_port"],
-                                   grpc_upstream_port=ports["grpc_port"], wasm_path=require_filter_wasm(),
+                proxy = CacheProxy(listen_port=listen, admin_port=admin, http_upstream_port=http_port,
+                                   grpc_upstream_port=grpc_port, wasm_path=require_filter_wasm(),
                                    plugin_config=config)
                 started.append(launchers.start_envoy(write(proxy, d / f"envoy-{i}.yaml"), admin, d, name=f"envoy-{i}"))
                 urls[mode] = f"http://127.0.0.1:{listen}/v2/models/bench-model/infer"
