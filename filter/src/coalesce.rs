@@ -351,6 +351,14 @@ mod tests {
         k
     }
 
+    /// The ticket of a join that must have led.
+    fn led(j: Join) -> Ticket {
+        match j {
+            Join::Lead(ticket) => ticket,
+            other => panic!("expected to lead, got {:?}", other),
+        }
+    }
+
     fn table(shared: &MemShared) -> LockTable<'_, MemShared> {
         let t = LockTable { data: shared };
         t.create_slots();
@@ -361,10 +369,7 @@ mod tests {
     fn first_leads_others_wait_release_wakes_each_queue_once() {
         let shared = MemShared::default();
         let t = table(&shared);
-        let lead = match t.join(&key(1), 7, 100, 1000, 5000) {
-            Join::Lead(ticket) => ticket,
-            other => panic!("{:?}", other),
-        };
+        let lead = led(t.join(&key(1), 7, 100, 1000, 5000));
         assert_eq!(t.join(&key(1), 8, 100, 1001, 5000), Join::Wait);
         assert_eq!(t.join(&key(1), 9, 200, 1002, 5000), Join::Wait);
         assert_eq!(t.join(&key(1), 10, 200, 1003, 5000), Join::Wait);
@@ -378,16 +383,10 @@ mod tests {
     fn a_stale_lock_expires_and_keeps_its_waiters_queues() {
         let shared = MemShared::default();
         let t = table(&shared);
-        let dead = match t.join(&key(3), 1, 100, 0, 50) {
-            Join::Lead(ticket) => ticket,
-            other => panic!("{:?}", other),
-        };
+        let dead = led(t.join(&key(3), 1, 100, 0, 50));
         assert_eq!(t.join(&key(3), 2, 200, 10, 50), Join::Wait);
         // The leader never releases; after its lease the next request leads.
-        let next = match t.join(&key(3), 3, 300, 50, 50) {
-            Join::Lead(ticket) => ticket,
-            other => panic!("{:?}", other),
-        };
+        let next = led(t.join(&key(3), 3, 300, 50, 50));
         // The old leader's late release does not free the new lock, but wakes its queues.
         assert_eq!(t.release(&dead), vec![200]);
         assert_eq!(t.join(&key(3), 4, 400, 60, 50), Join::Wait);
