@@ -194,7 +194,8 @@ def _gives_up(s: Stack, content: bytes, headers: dict[str, str]) -> None:
 
 def test_without_held_headers_waiters_are_answered_too(tmp_path: Path) -> None:
     """Istio's WasmPlugin mode: the request headers have gone upstream; waiters pause their body
-    and are answered by a local reply (Envoy resets their started upstream requests)."""
+    and are answered by a local reply (Envoy resets their started upstream requests), HTTP and
+    gRPC."""
     cfg = config(policy("m"), hold_headers=False)
     with filter_stack(tmp_path, cfg, concurrency=2, allow_on_headers_stop_iteration=False) as s:
         answers = at_once(8, posts(s, body(7), {"x-origin-delay": "1"}))
@@ -203,6 +204,11 @@ def test_without_held_headers_waiters_are_answered_too(tmp_path: Path) -> None:
         statuses = Counter(r.headers["cache-status"] for r in answers)
         assert statuses == {"meshcache; fwd=miss": 1, CACHE_STATUS_COLLAPSED: 7}, statuses
         assert s.origin_calls()["http"] == 1, "only the leader's request reached the origin whole"
+        # gRPC in that mode: waiters answered by the single-pass hit through filter state.
+        answers = at_once(6, grpc_calls(s, lambda i: infer_request("m-grpc"), (("x-origin-delay", "1"),)))
+        assert len({message for message, _ in answers}) == 1
+        assert Counter(status for _, status in answers)[CACHE_STATUS_COLLAPSED] == 5
+        assert s.origin_calls()["grpc"] == 1
 
 
 def test_coalesce_timeout_ms_0_turns_it_off(tmp_path: Path) -> None:
