@@ -402,19 +402,7 @@ mod tests {
         assert_eq!(without_members(body, &m, &nothing), vec![&body[..]], "an unchanged body stays one slice");
     }
 
-    /// A tiny deterministic PRNG (no crates here): xorshift64*.
-    struct Rng(u64);
-    impl Rng {
-        fn next(&mut self) -> u64 {
-            self.0 ^= self.0 >> 12;
-            self.0 ^= self.0 << 25;
-            self.0 ^= self.0 >> 27;
-            self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-        }
-        fn below(&mut self, n: usize) -> usize {
-            (self.next() % n as u64) as usize
-        }
-    }
+    use crate::test_rng::Rng;
 
     #[test]
     fn agrees_with_serde_json_on_mutated_bodies() {
@@ -432,14 +420,14 @@ mod tests {
         let mut accepted = 0;
         for i in 0..20_000 {
             let mut body = seeds[i % seeds.len()].to_vec();
-            for _ in 0..1 + rng.below(3) {
-                let at = rng.below(body.len() + 1);
-                match rng.below(3) {
+            for _ in 0..1 + rng.index(3) {
+                let at = rng.index(body.len() + 1);
+                match rng.index(3) {
                     0 if at < body.len() => {
                         body.remove(at);
                     }
-                    1 => body.insert(at, alphabet[rng.below(alphabet.len())]),
-                    _ if at < body.len() => body[at] = alphabet[rng.below(alphabet.len())],
+                    1 => body.insert(at, alphabet[rng.index(alphabet.len())]),
+                    _ if at < body.len() => body[at] = alphabet[rng.index(alphabet.len())],
                     _ => {}
                 }
             }

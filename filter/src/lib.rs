@@ -24,6 +24,8 @@ pub mod refresh;
 pub mod route_key;
 pub mod stale;
 pub mod store;
+#[cfg(test)]
+mod test_rng;
 
 #[cfg(target_arch = "wasm32")]
 mod abi;

@@ -682,19 +682,7 @@ pub mod per_policy_tests {
         assert_eq!((m.entries() as i64, m.total_bytes() as i64), (entries, bytes), "totals after {}", what);
     }
 
-    /// xorshift64*: deterministic, no crates needed.
-    struct Rng(u64);
-    impl Rng {
-        fn next(&mut self) -> u64 {
-            self.0 ^= self.0 >> 12;
-            self.0 ^= self.0 << 25;
-            self.0 ^= self.0 >> 27;
-            self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-        }
-        fn below(&mut self, n: u64) -> u64 {
-            self.next() % n
-        }
-    }
+    use crate::test_rng::Rng;
 
     const POLICIES: [&str; 4] = ["resnet", "bert", "llama-3", "whisper"];
 
