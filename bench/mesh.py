@@ -4,9 +4,9 @@ Every request takes the app's path: plaintext gRPC to the client sidecar, HTTP/2
 to the server sidecar with the meshcache filter, and on a miss the engine. The mesh is the one
 `meshcache up` starts (one Envoy worker per sidecar), without the canary engine.
 
-- miss: every request is new (a distinct request `id`, which is part of the body the cache key
-  hashes), so each one is forwarded to the engine and stored;
-- hit: a set of 64 requests stored beforehand, cycled;
+- miss: every request is new (its input tensor differs in one element; the request `id` would
+  not do, the cache key leaves it out), so each one is forwarded to the engine and stored;
+- hit: one stored input asked with 64 request ids cycled (each hit carries its caller's id);
 - cache disabled: the same 64 requests with the model's policy `enabled: false` (the filter runs
   and bypasses; the engine answers every time).
 
@@ -52,15 +52,29 @@ def _base_request() -> pb.ModelInferRequest:
     return request
 
 
-def _with_id(base: pb.ModelInferRequest, request_id: str) -> bytes:
+def _with_id(base: pb.ModelInferRequest, request_id: str, first_value: float | None = None) -> bytes:
+    """`base` with this request id and, if given, its tensor's first element replaced (a new key)."""
     request = pb.ModelInferRequest()
     request.CopyFrom(base)
     request.id = request_id
+    if first_value is not None:
+        raw = request.raw_input_contents[0]
+        request.raw_input_contents[0] = np.float32(first_value).tobytes() + raw[4:]
     return request.SerializeToString()
 
 
+def _status_kind(cache_status: str) -> str:
+    """What the cache did, from Cache-Status: hit, stored (a miss it stored), bypass, other."""
+    if "; hit" in cache_status:
+        return "hit"
+    if "fwd=miss; stored" in cache_status:
+        return "stored"
+    return "bypass" if "fwd=bypass" in cache_status else cache_status or "none"
+
+
 async def _load(target: str, payload: Callable[[int], bytes], concurrency: int, warmup: float,
-                duration: float) -> LatencyResult:
+                duration: float, statuses: collections.Counter[str]) -> LatencyResult:
+    """Closed loop of `concurrency` callers; counts the measured answers' Cache-Status kinds."""
     latencies: list[float] = []
     errors = 0
     kinds: collections.Counter[str] = collections.Counter()
@@ -78,13 +92,16 @@ async def _load(target: str, payload: Callable[[int], bytes], concurrency: int, 
                 if sent >= stop_at:
                     return
                 try:
-                    await call(body, timeout=30)
+                    pending = call(body, timeout=30)
+                    await pending
                 except grpc.aio.AioRpcError as exc:
                     errors += 1
                     kinds[f"{exc.code().name}: {(exc.details() or '')[:120]}"] += 1
                     continue
                 if sent >= measure_from:
                     latencies.append(time.perf_counter() - sent)
+                    metadata = dict(await pending.initial_metadata())
+                    statuses[_status_kind(str(metadata.get("cache-status", "")))] += 1
 
         await asyncio.gather(*[caller() for _ in range(concurrency)])
     for kind, n in kinds.items():
@@ -121,40 +138,44 @@ def main(argv: list[str] | None = None) -> int:
     run_tag = str(time.time_ns())  # ids never seen by a previous run's cache
     stored = [_with_id(base, f"hit-{run_tag}-{i}") for i in range(64)]
     results: dict[tuple[str, int], LatencyResult] = {}
+    seen: dict[tuple[str, int], collections.Counter[str]] = collections.defaultdict(collections.Counter)
     with tempfile.TemporaryDirectory(prefix="meshcache-bench-mesh-") as tmp:
         config = dataclasses.replace(MeshConfig(state_dir=Path(tmp)), canary_color="").with_free_ports()
         with Mesh(config, log=lambda m: print(f"  {m}", flush=True)) as mesh:
             app = mesh.endpoints()["app"]
             _set_enabled(mesh, True)
-            asyncio.run(_load(app, lambda i: stored[i % len(stored)], 1, 0, 0.5))  # store the hit set
+            asyncio.run(_load(app, lambda i: stored[i % len(stored)], 1, 0, 0.5, collections.Counter()))  # store it
+            first = float(time.time_ns() % 1_000_000)  # inputs no previous run's cache holds
             cases: dict[str, Callable[[int], bytes]] = {
-                "miss": lambda i: _with_id(base, f"miss-{run_tag}-{i}"),
+                "miss": lambda i: _with_id(base, f"miss-{run_tag}-{i}", first + i),
                 "hit": lambda i: stored[i % len(stored)],
             }
             for case, payload in cases.items():
                 for c in levels:
                     print(f"{case}, concurrency {c} ...", flush=True)
-                    results[(case, c)] = asyncio.run(_load(app, payload, c, args.warmup, args.duration))
+                    results[(case, c)] = asyncio.run(
+                        _load(app, payload, c, args.warmup, args.duration, seen[(case, c)]))
             data = Path(tmp) / "request.bin"
             data.write_bytes(b"\0" + len(stored[0]).to_bytes(4, "big") + stored[0])  # one gRPC frame
             h2_cases = {"hit": _h2load_levels("hit", app, data, Path(tmp), int(args.duration))}
             _set_enabled(mesh, False)
             for c in levels:
                 print(f"cache disabled, concurrency {c} ...", flush=True)
-                results[("cache disabled", c)] = asyncio.run(
-                    _load(app, lambda i: stored[i % len(stored)], c, args.warmup, args.duration))
+                results[("cache disabled", c)] = asyncio.run(_load(
+                    app, lambda i: stored[i % len(stored)], c, args.warmup, args.duration, seen[("cache disabled", c)]))
             h2_cases["cache disabled"] = _h2load_levels("cache disabled", app, data, Path(tmp), int(args.duration))
     rows, stored = [], []
     for (case, c), r in results.items():
+        statuses = ", ".join(f"{kind} {n}" for kind, n in seen[(case, c)].most_common())
         rows.append([case, "grpc.aio", c, f"{r.throughput:.0f}", ms(r.percentile(0.5)), ms(r.percentile(0.99)),
-                     r.errors])
+                     r.errors, statuses])
         stored.append({"case": case, "client": "grpc.aio", "concurrency": c, "rps": round(r.throughput, 1),
                        "p50_ms": r.percentile(0.5) * 1e3, "p99_ms": r.percentile(0.99) * 1e3, "errors": r.errors,
-                       "quantiles_ms": quantiles_ms(r.latencies)})
+                       "cache_status": dict(seen[(case, c)]), "quantiles_ms": quantiles_ms(r.latencies)})
     for case, by_level in h2_cases.items():
         for c, h in by_level.items():
             rows.append([case, "h2load", c, f"{h.rps:.0f}", f"{h.p50_ms:.2f}" if h.p50_ms else "",
-                         f"{h.p99_ms:.2f}" if h.p99_ms else "", h.errors])
+                         f"{h.p99_ms:.2f}" if h.p99_ms else "", h.errors, ""])
             stored.append({"case": case, "client": "h2load", "concurrency": c, "rps": round(h.rps, 1),
                            "p50_ms": h.p50_ms, "p99_ms": h.p99_ms, "errors": h.errors,
                            **({"quantiles_ms": h.quantiles_ms} if h.quantiles_ms else {})})
@@ -175,12 +196,14 @@ def main(argv: list[str] | None = None) -> int:
         "meshcache filter from ECDS) -> engine on a miss. One Envoy worker per sidecar; engine with the demo "
         "config (dynamic batching, max_queue_delay 1 ms). Closed loop of C callers (Python grpc.aio, raw bytes) "
         f"in one process on the same machine; {args.duration:g} s measured per row after {args.warmup:g} s "
-        "warm-up. miss = every request new (distinct `id`), forwarded and stored; hit = 64 stored requests "
-        "cycled; cache disabled = the same requests with the policy's `enabled: false`. h2load rows (one "
+        "warm-up. miss = every request new (one tensor element differs; a new `id` alone would be a hit, the "
+        "key leaves ids out), forwarded and stored; hit = one stored input asked with 64 request ids cycled; "
+        "cache disabled = the same requests with the policy's `enabled: false`. The Cache-Status column "
+        "counts what the cache said for each measured grpc.aio answer. h2load rows (one "
         "thread, C connections, one stream each; p50/p99 from its per-request log) repeat one stored request. "
         f"1-minute load average when the run started: {load_before:.2f} on {os.cpu_count()} cores.",
         "",
-        table(["case", "client", "concurrency", "requests/s", "p50 ms", "p99 ms", "errors"], rows),
+        table(["case", "client", "concurrency", "requests/s", "p50 ms", "p99 ms", "errors", "Cache-Status seen"], rows),
         "",
         table(["measure", "value", "target", "met"], ratios),
     ])
