@@ -143,7 +143,10 @@ function renderSnapshot(snap) {
     el("td", { class: "num" }, p.max_ttl_s), el("td", { class: "num" }, p.generation),
     el("td", {}, p.scope), el("td", {}, p.enabled ? "yes" : el("span", { class: "warn" }, "no (bypass)")),
     el("td", { class: "mono" }, p.hash_headers.join(", ")),
-    el("td", { class: "mono" }, p.vary_headers.join(", ") || "—"))) : [emptyRow(8, "no policies")]);
+    el("td", { class: "mono" }, p.vary_headers.join(", ") || "—"),
+    el("td", { class: "num coalesce" }, p.coalesce_timeout_ms || "off"),
+    el("td", { class: "num stale-if-error" }, p.stale_if_error_s),
+    el("td", { class: "num stale-while-revalidate" }, p.stale_while_revalidate_s))) : [emptyRow(11, "no policies")]);
   const l = snap.limits;
   $("limits").textContent = "Limits: max_entry_bytes " + fmtBytes(l.max_entry_bytes) + ", max_total_bytes "
     + fmtBytes(l.max_total_bytes) + ", max_entries " + fmtInt(l.max_entries) + ".";

@@ -54,7 +54,8 @@ def test_page_shows_policies_stats_history_and_rolls_back(running_mesh: RunningM
     app = running_mesh.endpoints["app"]
     with running_mesh.client() as api:
         before = api.get("/v1/snapshot").json()["version"]
-        changed = api.put(f"/v1/policies/{MODEL}", json={"ttl_s": 123, "max_ttl_s": 456}).json()["version"]
+        spec = {"ttl_s": 123, "max_ttl_s": 456, "coalesce_timeout_ms": 0, "stale_if_error_s": 45}
+        changed = api.put(f"/v1/policies/{MODEL}", json=spec).json()["version"]
     request = mlp_request(8101).SerializeToString()
     grpc_call(app, request)
     grpc_call(app, request)
@@ -75,10 +76,14 @@ def test_page_shows_policies_stats_history_and_rolls_back(running_mesh: RunningM
     _wait(driver, lambda d: _policy_ttl(d, changed) == "123")
     assert "mesh (write)" in _text(driver, "#who")
     assert f"(version {changed})" in _text(driver, "#snapshot-version")
+    policy_row = f'#policies tr[data-model="{MODEL}"]'
+    assert (_text(driver, f"{policy_row} td.coalesce"), _text(driver, f"{policy_row} td.stale-if-error"),
+            _text(driver, f"{policy_row} td.stale-while-revalidate")) == ("off", "45", "0")
 
     # History: the change with its diff; proxies: the server sidecar has ACKed it; stats read.
     row = f'#history tr[data-version="{changed}"]'
     assert "ttl_s 300 → 123" in _text(driver, row) and "max_ttl_s 1800 → 456" in _text(driver, row)
+    assert "stale_if_error_s 0 → 45" in _text(driver, row) and "coalesce_timeout_ms 5000 → 0" in _text(driver, row)
     _wait(driver, lambda d: "current" in _text(d, '#proxies tr[data-node="meshcache-server-sidecar"] td.acked'))
     _wait(driver, lambda d: _text(d, f'#models tr[data-model="{MODEL}"] td.hit-ratio') not in ("", "—"))
     assert "read" in _text(driver, '#proxies tr[data-node="meshcache-server-sidecar"] td.stats')
@@ -94,6 +99,8 @@ def test_page_shows_policies_stats_history_and_rolls_back(running_mesh: RunningM
     assert "Confirm" in button.text
     button.click()
     _wait(driver, lambda d: _policy_ttl(d, changed + 1) == "300")
+    rolled_back = (_text(driver, f"{policy_row} td.coalesce"), _text(driver, f"{policy_row} td.stale-if-error"))
+    assert rolled_back == ("5000", "0")
     assert f"Rolled back to version {before}" in _text(driver, "#message")
     assert f"rollback to {before}" in _text(driver, f'#history tr[data-version="{changed + 1}"]')
     with running_mesh.client() as api:
