@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import tempfile
 import time
 from collections.abc import Iterator
@@ -36,7 +35,7 @@ import httpx
 
 from bench.replicas import request_sequence, start_origin
 from bench.report import publish, table
-from bench.stats import percentile, quantiles_ms
+from bench.stats import cpu_seconds, percentile, quantiles_ms
 from meshcache.contract.filter_config import client_plugin_config
 from meshcache.contract.headers import CACHE_STATUS_HEADER
 from meshcache.contract.paths import require_filter_wasm
@@ -58,12 +57,6 @@ def model_of(mode: str) -> str:
 
 def body_of(key: int) -> str:
     return json.dumps({"inputs": [{"name": "x", "datatype": "INT64", "shape": [1], "data": [key]}]})
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time a process has used (/proc/<pid>/stat fields 14 and 15)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 @dataclass

@@ -250,9 +250,26 @@ def plot_stale(results: Results, out: Path) -> list[Path]:
                      lambda r: r["case"], out / "stale-latency.png")]
 
 
+def plot_filter_ab(results: Results, out: Path) -> list[Path]:
+    rows = results["rows"]
+    fig, ax = _figure(f"Current filter build / build of {results.get('baseline_rev', 'baseline')}: req/s "
+                      "(bars: mean, dots: each round)", results)
+    labels = [f"{r['answer']} {r['mode']}" for r in rows]
+    ax.bar(range(len(rows)), [r["ratio"] for r in rows], color=COLORS[0], width=0.6)
+    for k, r in enumerate(rows):
+        per_round = [c / b for b, c in zip(r["baseline_rps"], r["current_rps"], strict=True)]
+        ax.scatter([k] * len(per_round), per_round, color=COLORS[1], s=14, zorder=3)
+        ax.annotate(f"{r['ratio']:.2f}x", (k, r["ratio"]), textcoords="offset points", xytext=(14, 0), fontsize=8)
+    ax.axhline(1.0, color="#555555", linewidth=0.8, linestyle="--")
+    ax.set_xticks(range(len(rows)), labels)
+    ax.set_ylabel("current / baseline")
+    return [_save(fig, out / "filter-ab-ratio.png")]
+
+
 PLOTTERS: dict[str, Callable[[Results, Path], list[Path]]] = {
     "engine": plot_engine, "mesh": plot_mesh, "propagation": plot_propagation, "filter": plot_filter,
     "replicas": plot_replicas, "coalesce": plot_coalesce, "affinity": plot_affinity, "stale": plot_stale,
+    "filter-ab": plot_filter_ab,
 }
 
 

@@ -13,13 +13,14 @@ import bench.affinity
 import bench.coalesce
 import bench.engine
 import bench.filter
+import bench.filter_ab
 import bench.mesh
 import bench.propagation
 import bench.replicas
 import bench.stale
 
-BENCHMARKS: tuple[ModuleType, ...] = (bench.filter, bench.engine, bench.propagation, bench.mesh, bench.replicas,
-                                     bench.coalesce, bench.affinity, bench.stale)
+BENCHMARKS: tuple[ModuleType, ...] = (bench.filter, bench.filter_ab, bench.engine, bench.propagation, bench.mesh,
+                                     bench.replicas, bench.coalesce, bench.affinity, bench.stale)
 
 
 def main() -> int:

@@ -1,10 +1,12 @@
-"""Latency statistics shared by every benchmark: one percentile, one millisecond column format,
-one result type for closed-loop runs."""
+"""Statistics shared by every benchmark: one percentile, one millisecond column format, one
+result type for closed-loop runs, a process's CPU time."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 _UNIT_MS = {"us": 0.001, "ms": 1.0, "s": 1000.0}
 
@@ -61,3 +63,9 @@ class LatencyResult:
 
     def percentile(self, q: float) -> float:
         return percentile(self.latencies, q)
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time a process has used (/proc/<pid>/stat fields 14 and 15)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
