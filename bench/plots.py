@@ -22,6 +22,7 @@ matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402 - after choosing the backend
 from matplotlib.axes import Axes  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
+from matplotlib.ticker import FuncFormatter, NullFormatter  # noqa: E402
 
 from meshcache.contract.paths import REPO_ROOT  # noqa: E402
 
@@ -97,6 +98,9 @@ def _cdf(ax: Axes, rows: list[dict[str, Any]], label: Callable[[dict[str, Any]],
         drawn = True
     if drawn:
         ax.set_xscale("log")
+        # Plain numbers (0.5, 1, 2, ...) rather than powers of ten, and no crowded minor labels.
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.xaxis.set_minor_formatter(NullFormatter())
         ax.set_xlabel("latency, ms (log scale)")
         ax.set_ylabel("fraction of requests")
         ax.set_ylim(0, 1.01)
