@@ -33,7 +33,8 @@ from typing import Any
 
 import httpx
 
-from bench.replicas import request_sequence, start_origin
+from bench.filter import start_origin
+from bench.replicas import request_sequence
 from bench.report import publish, table
 from bench.stats import cpu_seconds, percentile, quantiles_ms
 from meshcache.contract.filter_config import client_plugin_config
@@ -110,7 +111,8 @@ def topology(config: dict[str, Any]) -> Iterator[Bench]:
         server, client = ca.issue(SERVER_ID, d / "pki", "server"), ca.issue(CLIENT_ID, d / "pki", "client")
         started: list[procs.Proc] = []
         with procs.supervised(started):
-            http_port, grpc_port = start_origin(d, started)
+            origin = start_origin(d, started)
+            http_port, grpc_port = origin["http_port"], origin["grpc_port"]
             replicas = []
             for k in range(REPLICAS):
                 listen, admin = procs.free_port(), procs.free_port()

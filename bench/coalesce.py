@@ -30,9 +30,8 @@ from typing import Any
 import grpc
 import numpy as np
 
-from bench.filter import REQUEST_JSON, REQUEST_LUA
+from bench.filter import REQUEST_JSON, REQUEST_LUA, start_origin
 from bench.loadgen import LoadResult, wrk
-from bench.replicas import start_origin
 from bench.report import publish, table
 from bench.stats import percentile, quantiles_ms
 from meshcache.contract.headers import CACHE_STATUS_COLLAPSED, CACHE_STATUS_HEADER
@@ -136,7 +135,8 @@ def miss_overhead(rounds: int, seconds: int) -> dict[str, list[LoadResult]]:
         unique.write_text(REQUEST_LUA.format(body=REQUEST_JSON, vary="n"))
         started: list[procs.Proc] = []
         with procs.supervised(started):
-            http_port, grpc_port = start_origin(d, started)
+            origin = start_origin(d, started)
+            http_port, grpc_port = origin["http_port"], origin["grpc_port"]
             urls = {}
             for i, (mode, timeout_ms) in enumerate(MODES.items()):
                 listen, admin = procs.free_port(), procs.free_port()

@@ -147,9 +147,10 @@ class Row:
     rounds_rps: list[float] | None = None  # each round's req/s, in round order
 
 
-def run_size(size: int, seconds: int, workdir: Path, rounds: int) -> list[Row]:
-    label = f"{size // 1024} KiB" if size < 1_048_576 else f"{size // 1_048_576} MiB"
-    d = workdir / f"s{size}"
+def start_origin(d: Path, started: list[procs.Proc], size: int = 1024) -> dict[str, int]:
+    """The trivial origin in directory `d`, added to `started`: nginx answering every POST with a
+    `size`-byte JSON (`reply-id.json`: the same echoing the request id "warm") or a framed gRPC
+    message, plus its proxy_cache port. Returns http_port, grpc_port and cache_port."""
     (d / "static").mkdir(parents=True)
     body = json.dumps({"outputs": "x" * size})[:size - 2] + '"}'
     (d / "static" / "reply.json").write_text(body)
@@ -157,6 +158,16 @@ def run_size(size: int, seconds: int, workdir: Path, rounds: int) -> list[Row]:
     (d / "static" / "reply.grpc").write_bytes(grpc_reply(size))
     ports = {k: procs.free_port() for k in ("http_port", "grpc_port", "cache_port")}
     (d / "nginx.conf").write_text(NGINX_CONF.format(dir=d, **ports))
+    nginx = procs.start("nginx", [shutil.which("nginx") or "nginx", "-p", str(d), "-c", str(d / "nginx.conf")], d)
+    started.append(nginx)
+    procs.wait_until(nginx, procs.tcp_open(ports["cache_port"]))
+    return ports
+
+
+def run_size(size: int, seconds: int, workdir: Path, rounds: int) -> list[Row]:
+    label = f"{size // 1024} KiB" if size < 1_048_576 else f"{size // 1_048_576} MiB"
+    d = workdir / f"s{size}"
+    d.mkdir(parents=True)
     (d / "fixed.lua").write_text(REQUEST_LUA.format(body=REQUEST_JSON, vary="0"))
     (d / "unique.lua").write_text(REQUEST_LUA.format(body=REQUEST_JSON, vary="n"))
     (d / "unique-id.lua").write_text(UNIQUE_ID_LUA.format(body=REQUEST_JSON))
@@ -169,9 +180,7 @@ def run_size(size: int, seconds: int, workdir: Path, rounds: int) -> list[Row]:
     rows: list[Row] = []
     started: list[procs.Proc] = []
     with procs.supervised(started):
-        nginx = procs.start("nginx", [shutil.which("nginx") or "nginx", "-p", str(d), "-c", str(d / "nginx.conf")], d)
-        started.append(nginx)
-        procs.wait_until(nginx, procs.tcp_open(ports["cache_port"]))
+        ports = start_origin(d, started, size)
         envoys = {}
         # "nohold": the filter as Istio's WasmPlugin runs it (no allow_on_headers_stop_iteration).
         for name, with_filter, hold in (("plain", False, True), ("filter", True, True), ("nohold", True, False)):

@@ -15,7 +15,6 @@ Writes the `filter-ab` section of docs/benchmarks.md.
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import subprocess
 import tempfile
@@ -53,21 +52,13 @@ Results = dict[tuple[str, str], list[tuple[LoadResult, float]]]  # (build, mode)
 
 
 def run_size(size: int, wasm: dict[str, Path], seconds: int, rounds: int, d: Path) -> Results:
-    (d / "static").mkdir(parents=True)
-    body = json.dumps({"outputs": "x" * size})[:size - 2] + '"}'
-    for name in ("reply.json", "reply-id.json"):
-        (d / "static" / name).write_text(body)
-    (d / "static" / "reply.grpc").write_bytes(bf.grpc_reply(size))
-    ports = {k: procs.free_port() for k in ("http_port", "grpc_port", "cache_port")}
-    (d / "nginx.conf").write_text(bf.NGINX_CONF.format(dir=d, **ports))
+    d.mkdir(parents=True)
     (d / "fixed.lua").write_text(bf.REQUEST_LUA.format(body=bf.REQUEST_JSON, vary="0"))
     (d / "unique.lua").write_text(bf.REQUEST_LUA.format(body=bf.REQUEST_JSON, vary="n"))
     out: Results = {}
     started: list[procs.Proc] = []
     with procs.supervised(started):
-        nginx = procs.start("nginx", [shutil.which("nginx") or "nginx", "-p", str(d), "-c", str(d / "nginx.conf")], d)
-        started.append(nginx)
-        procs.wait_until(nginx, procs.tcp_open(ports["cache_port"]))
+        ports = bf.start_origin(d, started, size)
         listen: dict[str, int] = {}
         pid: dict[str, int] = {}
         for build in BUILDS:

@@ -52,7 +52,7 @@ def _base_request() -> pb.ModelInferRequest:
     return request
 
 
-def _with_id(base: pb.ModelInferRequest, request_id: str, first_value: float | None = None) -> bytes:
+def _request(base: pb.ModelInferRequest, request_id: str, first_value: float | None = None) -> bytes:
     """`base` with this request id and, if given, its tensor's first element replaced (a new key)."""
     request = pb.ModelInferRequest()
     request.CopyFrom(base)
@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     load_before = os.getloadavg()[0]
     base = _base_request()
     run_tag = str(time.time_ns())  # ids never seen by a previous run's cache
-    stored = [_with_id(base, f"hit-{run_tag}-{i}") for i in range(64)]
+    stored = [_request(base, f"hit-{run_tag}-{i}") for i in range(64)]
     results: dict[tuple[str, int], LatencyResult] = {}
     seen: dict[tuple[str, int], collections.Counter[str]] = collections.defaultdict(collections.Counter)
     with tempfile.TemporaryDirectory(prefix="meshcache-bench-mesh-") as tmp:
@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
             asyncio.run(_load(app, lambda i: stored[i % len(stored)], 1, 0, 0.5, collections.Counter()))  # store it
             first = float(time.time_ns() % 1_000_000)  # inputs no previous run's cache holds
             cases: dict[str, Callable[[int], bytes]] = {
-                "miss": lambda i: _with_id(base, f"miss-{run_tag}-{i}", first + i),
+                "miss": lambda i: _request(base, f"miss-{run_tag}-{i}", first + i),
                 "hit": lambda i: stored[i % len(stored)],
             }
             for case, payload in cases.items():

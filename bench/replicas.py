@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -21,7 +20,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from bench.filter import NGINX_CONF
+from bench.filter import start_origin
 from bench.report import publish, table
 from meshcache.contract.headers import CACHE_STATUS_HEADER
 from meshcache.contract.paths import require_filter_wasm
@@ -36,20 +35,6 @@ def request_sequence(requests: int, distinct: int, zipf_s: float, seed: int) -> 
     weights = 1.0 / np.arange(1, distinct + 1) ** zipf_s
     rng = np.random.default_rng(seed)
     return [int(i) for i in rng.choice(distinct, size=requests, p=weights / weights.sum())]
-
-
-def start_origin(d: Path, started: list[procs.Proc]) -> tuple[int, int]:
-    """The trivial origin (nginx, bench.filter's config: a fixed 1 KB JSON answer to any POST) in
-    directory `d`, added to `started`; its (HTTP, gRPC) ports."""
-    (d / "static").mkdir()
-    (d / "static" / "reply.json").write_text(json.dumps({"outputs": "x" * 1000}))
-    (d / "static" / "reply.grpc").write_bytes(b"")
-    ports = {k: procs.free_port() for k in ("http_port", "grpc_port", "cache_port")}
-    (d / "nginx.conf").write_text(NGINX_CONF.format(dir=d, **ports))
-    nginx = procs.start("nginx", [shutil.which("nginx") or "nginx", "-p", str(d), "-c", str(d / "nginx.conf")], d)
-    started.append(nginx)
-    procs.wait_until(nginx, procs.tcp_open(ports["http_port"]))
-    return ports["http_port"], ports["grpc_port"]
 
 
 def run_replicas(n: int, envoys: list[tuple[int, int]], sequence: list[int]) -> dict[str, float]:
@@ -100,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
         d = Path(tmp)
         started: list[procs.Proc] = []
         with procs.supervised(started):
-            http_port, grpc_port = start_origin(d, started)
+            origin = start_origin(d, started)
+            http_port, grpc_port = origin["http_port"], origin["grpc_port"]
             envoys = []
             for k in range(max(REPLICAS)):
                 listen, admin = procs.free_port(), procs.free_port()

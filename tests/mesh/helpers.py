@@ -11,6 +11,7 @@ import httpx
 import numpy as np
 
 from meshcache.contract.protos import grpc_predict_v2_pb2 as pb
+from meshcache.ctl import launchers
 from meshcache.ctl.mesh.engine_metrics import engine_requests
 from meshcache.ctl.mesh.topology import Mesh
 
@@ -24,6 +25,13 @@ def default_engine_calls(mesh: Mesh, model: str) -> float:
 
 def canary_engine_calls(mesh: Mesh, model: str) -> float:
     return engine_requests(mesh.endpoints()["canary_engine_metrics"], model)
+
+
+def filter_counter(admin_port: int, name: str) -> int:
+    """One of the meshcache filter's counters (`meshcache.hits`, ...) in the sidecar whose admin
+    port this is; Envoy names them `wasmcustom.<name>`. The filter flushes them every 200 ms."""
+    full = f"wasmcustom.{name}"
+    return launchers.envoy_stats(admin_port, full).get(full, 0)
 
 
 def mlp_request(seed: int, version: str = "") -> pb.ModelInferRequest:

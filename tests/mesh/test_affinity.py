@@ -9,11 +9,18 @@ from collections.abc import Iterator
 
 import pytest
 
-from meshcache.ctl import launchers
 from meshcache.ctl.mesh.cache_table import format_cache_table
 from meshcache.ctl.mesh.config import MeshConfig
 from meshcache.ctl.mesh.topology import CLIENT_NODE, Mesh, server_node
-from tests.mesh.helpers import canary_engine_calls, engine_requests, grpc_call, mlp_json, mlp_request, rest_infer
+from tests.mesh.helpers import (
+    canary_engine_calls,
+    engine_requests,
+    filter_counter,
+    grpc_call,
+    mlp_json,
+    mlp_request,
+    rest_infer,
+)
 
 MLP = "mlp-classifier"
 REPLICAS = 3
@@ -28,8 +35,8 @@ def replicated(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
 
 def replica_stats(mesh: Mesh, what: str) -> list[int]:
     time.sleep(0.45)  # the filter flushes its counters every 200 ms
-    return [launchers.envoy_stats(mesh.config.ports.replica(k).server_admin, "wasmcustom.meshcache").get(
-        f"wasmcustom.meshcache.{what}", 0) for k in range(1, REPLICAS + 1)]
+    return [filter_counter(mesh.config.ports.replica(k).server_admin, f"meshcache.{what}")
+            for k in range(1, REPLICAS + 1)]
 
 
 def engine_calls(mesh: Mesh) -> list[float]:

@@ -20,9 +20,8 @@ import grpc
 
 from meshcache.contract.filter_config import policy_spec
 from meshcache.contract.headers import CACHE_STATUS_COLLAPSED
-from meshcache.ctl import launchers
 from meshcache.ctl.mesh.topology import SERVER_NODE, Mesh
-from tests.mesh.helpers import MODEL_INFER, default_engine_calls, mlp_request
+from tests.mesh.helpers import MODEL_INFER, default_engine_calls, filter_counter, mlp_request
 
 MODEL = "mlp-classifier"
 STORED = "meshcache; fwd=miss; stored"
@@ -47,9 +46,7 @@ WAITS, MISSES = "meshcache.coalesce.waits", "meshcache.misses"
 
 
 def _server_stat(mesh: Mesh, name: str) -> int:
-    """One of the filter's counters in the server sidecar (Envoy prefixes them `wasmcustom.`)."""
-    full = f"wasmcustom.{name}"
-    return launchers.envoy_stats(mesh.config.ports.server_admin, full).get(full, 0)
+    return filter_counter(mesh.config.ports.server_admin, name)
 
 
 @contextmanager
