@@ -230,10 +230,14 @@ def _status_page_reads_the_sidecar(stats_port: int) -> None:
             await reader.close()
 
     def resnet() -> ProxyReading | None:
+        # Envoy flushes counters and gauges on its own timer: wait until the reading shows both the
+        # stored entry and the hit (the gauge can arrive one flush before the counter).
         [r] = run(read())
-        return r if r.ok and r.counters and r.counters.policies.get("resnet", {}).get("entries") == 1 else None
+        policy = r.counters.policies.get("resnet", {}) if r.ok and r.counters else {}
+        done = policy.get("entries") == 1 and policy.get("hits") == 1 and r.counters.totals.get("hits") == 1
+        return r if done else None
 
-    reading = eventually(resnet, timeout=5)
+    reading = eventually(resnet, timeout=10)
     assert reading.node_id == "localhost/127.0.0.1" and reading.counters is not None
     assert reading.counters.totals["hits"] == 1 and reading.counters.policies["resnet"]["hits"] == 1
     assert reading.counters.unattributed == {"entries": 0, "bytes": 0}
