@@ -385,13 +385,51 @@ def _color_mutation(color: str) -> dict[str, Any]:
                 {"append": {"header": {"key": COLOR_HEADER, "value": color}, "append_action": "ADD_IF_ABSENT"}}]}}
 
 
+# A replica that stops answering costs no request: a request that could not reach it (connect
+# failure, refused stream, reset) is retried on another host (previous_hosts makes the consistent
+# hash walk on to the next replica on its ring), and outlier detection takes the dead replica out
+# of the ring after a few local failures so its keys move at once instead of failing over one by
+# one. Bounded: 2 retries, 5 host picks per retry.
+REPLICA_RETRY_ON = "connect-failure,refused-stream,reset"
+REPLICA_RETRIES = 2
+OUTLIER_LOCAL_FAILURES = 2
+OUTLIER_EJECTION_S = 5
+
+
+def _replica_retry_policy() -> dict[str, Any]:
+    return {
+        "retry_on": REPLICA_RETRY_ON,
+        "num_retries": REPLICA_RETRIES,
+        "retry_host_predicate": [{
+            "name": "envoy.retry_host_predicates.previous_hosts",
+            "typed_config": {"@type": _ENVOY + "extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"},
+        }],
+        "host_selection_retry_max_attempts": 5,
+    }
+
+
+def _replica_outlier_detection() -> dict[str, Any]:
+    """Eject on connection-level failures seen by this sidecar (not on the engine's 5xx answers,
+    which stale-if-error and the caller handle)."""
+    return {
+        "split_external_local_origin_errors": True,
+        "consecutive_local_origin_failure": OUTLIER_LOCAL_FAILURES,
+        "enforcing_consecutive_local_origin_failure": 100,
+        "enforcing_consecutive_5xx": 0,  # answers, even 5xx, never eject: only connect/reset failures
+        "enforcing_success_rate": 0,
+        "interval": "1s",
+        "base_ejection_time": f"{OUTLIER_EJECTION_S}s",
+        "max_ejection_percent": 100,
+    }
+
+
 def render_client(c: ClientSidecar) -> dict[str, Any]:
     if not c.server_ports:
         raise ValueError("a client sidecar needs at least one server sidecar port")
     route: dict[str, Any] = {
         "name": "outbound",
         "match": {"prefix": "/"},
-        "route": {"cluster": "mesh_upstream", "timeout": "60s"},
+        "route": {"cluster": "mesh_upstream", "timeout": "60s", "retry_policy": _replica_retry_policy()},
     }
     filters: list[dict[str, Any]] = []
     a = c.affinity
@@ -409,6 +447,7 @@ def render_client(c: ClientSidecar) -> dict[str, Any]:
     # HTTP/2 upstream: gRPC needs it, and Envoy carries HTTP/1.1 app requests over it as well.
     upstream = _cluster("mesh_upstream", list(c.server_ports), http2=True)
     upstream["transport_socket"] = upstream_mtls(c.identity, c.server_identities)
+    upstream["outlier_detection"] = _replica_outlier_detection()
     clusters = [upstream]
     if a is not None:
         upstream["lb_policy"] = a.lb_policy
