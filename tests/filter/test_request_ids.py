@@ -170,3 +170,9 @@ def test_openai_ignore_fields_and_deterministic_only(tmp_path: Path) -> None:
         seeded = [c.post(s.url(chat), content=body(temperature=0.7, seed=42)) for _ in range(2)]
         assert seeded[1].headers["cache-status"].startswith("meshcache; hit")
         assert s.origin_calls()["http"] == 2 + 6 + 1
+        # Only an integer seed makes a sample repeatable: anything else is a sample.
+        for seed in (False, "x", {}, 1.5, [7]):
+            for _ in range(2):
+                r = c.post(s.url(chat), content=body(temperature=0.7, seed=seed))
+                assert r.headers["cache-status"] == "meshcache; fwd=bypass; detail=nondeterministic", seed
+        assert s.origin_calls()["http"] == 2 + 6 + 1 + 10
