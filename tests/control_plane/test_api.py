@@ -184,6 +184,23 @@ def test_patch_changes_only_the_fields_it_names(cp: ControlPlaneProc) -> None:
     assert replaced["changes"][0]["fields"]["coalesce_timeout_ms"] == [2000, 5000]
 
 
+def test_every_policy_field_is_described_in_the_openapi_spec(shared_cp: ControlPlaneProc) -> None:
+    spec = shared_cp.client(None).get("/openapi.json").json()
+    patch = spec["paths"]["/v1/policies/{model_prefix}"]["patch"]
+    patch_schema = patch["requestBody"]["content"]["application/merge-patch+json"]["schema"]
+    for name, schema in (("PolicySpec", spec["components"]["schemas"]["PolicySpec"]), ("PolicyPatch", patch_schema)):
+        props = schema["properties"]
+        assert set(props) >= {"ttl_s", "max_ttl_s", "scope", "enabled", "coalesce_timeout_ms", "vary_headers"}
+        undocumented = [f for f, p in props.items() if len(p.get("description", "")) < 20]
+        assert not undocumented, (name, undocumented)
+        scope = props["scope"]["description"]
+        assert "workload" in scope and "SPIFFE" in scope and "not on the end user" in scope
+    assert set(patch["requestBody"]["content"]) == {"application/merge-patch+json", "application/json"}
+    assert "412" in patch["responses"] and "415" in patch["responses"]
+    assert "full replace" in spec["paths"]["/v1/policies/{model_prefix}"]["put"]["description"] or \
+        "whole policy" in spec["paths"]["/v1/policies/{model_prefix}"]["put"]["description"]
+
+
 def test_a_prefix_no_engine_serves_is_applied_with_a_warning(start_cp: Any, tmp_path: Path) -> None:
     """The engines' repository index says which models exist: a policy whose prefix matches
     none (a typo, most likely) is applied anyway, with a warning in the answer."""
