@@ -220,6 +220,62 @@ mod tests {
     }
 
     #[test]
+    fn the_body_model_is_the_one_python_json_reads_or_none() {
+        // Differential: generated chat bodies (repeated and escaped `model` keys, odd types,
+        // nested `model`s, whitespace). Whenever the filter reads a model, serde_json (keeping the
+        // last of repeated keys, as Python's json does) reads exactly that string, from the only
+        // top-level `model` member; whenever a body has one string `model`, the filter reads it.
+        let keys = [r#""model""#, r#""mo\u0064el""#, r#""Model""#, r#""model ""#];
+        let values = [r#""alpha""#, r#""be\u0074a""#, r#""""#, "3", "null", "true", r#"["a"]"#, r#"{"model":"x"}"#,
+                      r#""\udc00""#, r#""\ud83d\ude00""#, r#""a\"b""#];
+        let others = [r#""messages":[{"model":"beta"}]"#, r#""temperature":0"#, r#""user":"u""#, r#""n":{"model":"g"}"#];
+        let ws = ["", " ", "\n", "\t "];
+        let mut rng = crate::test_rng::Rng(0x5eed_2222);
+        let (mut read, mut ambiguous) = (0, 0);
+        for _ in 0..20_000 {
+            let mut members: Vec<String> = Vec::new();
+            let mut top_level_models = 0; // members whose key decodes to `model` (keys 0 and 1)
+            for _ in 0..rng.index(3) {
+                let k = rng.index(keys.len());
+                top_level_models += (k < 2) as usize;
+                members.push(format!("{}{}:{}{}", keys[k], ws[rng.index(ws.len())], ws[rng.index(ws.len())],
+                                     values[rng.index(values.len())]));
+            }
+            for _ in 0..rng.index(3) {
+                members.push(others[rng.index(others.len())].to_string());
+            }
+            let n = members.len();
+            for i in (1..n).rev() {
+                members.swap(i, rng.index(i + 1));
+            }
+            let body = format!("{}{{{}}}", ws[rng.index(ws.len())], members.join(","));
+            let ours = match crate::json::object_members(body.as_bytes()) {
+                Some(m) => model_from_members(body.as_bytes(), &m),
+                None => continue,
+            };
+            let reference: serde_json::Map<String, serde_json::Value> = match serde_json::from_str(&body) {
+                Ok(v) => v,
+                Err(_) => continue, // lone surrogates: serde_json refuses, Python does not; we never read those
+            };
+            match ours {
+                Ok(Some(m)) => {
+                    read += 1;
+                    assert_eq!(reference.get("model").and_then(|v| v.as_str()), Some(m.name.as_str()), "{}", body);
+                    assert_eq!(top_level_models, 1, "{}", body);
+                }
+                Ok(None) => assert!(reference.get("model").is_none(), "{}", body),
+                Err(_) => {
+                    ambiguous += 1;
+                    let plain = reference.get("model").and_then(|v| v.as_str()).map_or(false, |s| !s.is_empty());
+                    let one_string = top_level_models == 1 && plain;
+                    assert!(!one_string, "one plain model, yet ambiguous: {}", body);
+                }
+            }
+        }
+        assert!(read > 2000 && ambiguous > 2000, "{} {}", read, ambiguous);
+    }
+
+    #[test]
     fn sampling_paths() {
         assert!(is_sampling_path("/v1/chat/completions?x=1"));
         assert!(is_sampling_path("/v1/completions"));

@@ -67,6 +67,14 @@ def test_upstream_vary(tmp_path: Path) -> None:
         hit = _post(c, url, [("x-tenant", "a"), *keyed])
         assert hit.headers["cache-status"].startswith("meshcache; hit")
         assert hit.headers["vary"] == "X-Tenant"
+        # Vary: x-model-id is honoured through the effective model (docs/filter.md, "Vary"): no
+        # header and a header naming the path's model share the entry; another model bypasses.
+        by_model = [("x-origin-header", "Vary: x-model-id")]
+        assert _post(c, url, by_model, body=_body("vm")).headers["cache-status"] == STORED
+        same = _post(c, url, [("x-model-id", "m"), *by_model], body=_body("vm"))
+        assert same.headers["cache-status"].startswith("meshcache; hit")
+        other = _post(c, url, [("x-model-id", "n"), *by_model], body=_body("vm"))
+        assert other.headers["cache-status"] == BYPASS + "model-conflict"
 
 
 def test_cookies_and_proxy_credentials(tmp_path: Path) -> None:
