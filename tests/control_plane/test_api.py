@@ -243,7 +243,8 @@ def test_rollback(cp: ControlPlaneProc) -> None:
     c.put("/v1/policies/b", json={"ttl_s": 20})   # v2
     c.put("/v1/limits", json={"max_entries": 7})  # v3
     r = c.post("/v1/rollback", json={"version": 1})
-    assert r.json() == {"version": 4, "changed": True, "policy": None}
+    assert {k: r.json()[k] for k in ("version", "changed", "policy")} == {"version": 4, "changed": True, "policy": None}
+    assert [(ch["what"], ch["model_prefix"]) for ch in r.json()["changes"]] == [("removed", "b"), ("limits", None)]
     snap = c.get("/v1/snapshot").json()
     assert [p["model_prefix"] for p in snap["policies"]] == ["a"]
     assert snap["limits"]["max_entries"] == 16384 and snap["action"] == "rollback to 1"

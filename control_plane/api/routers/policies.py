@@ -9,7 +9,6 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 from pydantic import ValidationError
 
-from ... import history
 from ... import snapshots as changes
 from ...policy_service import Change
 from ...schemas import (
@@ -24,7 +23,6 @@ from ...schemas import (
     PurgeRequest,
     WriteResult,
 )
-from ...snapshots import Snapshot
 from ...wiring import ControlPlane
 from ..dependencies import CP, IfMatch, PrefixPath, Reader, Writer, if_match_version, set_etag
 from ..errors import ERRORS, WRITE_ERRORS, ApiError, field_errors
@@ -51,23 +49,10 @@ async def get_policy(model_prefix: PrefixPath, cp: CP, _p: Reader, response: Res
     return PolicyOut(version=snap.version, policy=policy)
 
 
-class _Tracked:
-    """A change that remembers the snapshot it was last applied to: the write's "before"."""
-
-    def __init__(self, change: Change) -> None:
-        self.change = change
-        self.before: Snapshot | None = None
-
-    def __call__(self, cur: Snapshot, version: int) -> Snapshot:
-        self.before = cur
-        return self.change(cur, version)
-
-
-async def _policy_write(cp: ControlPlane, model_prefix: str, change: _Tracked, who: str, detail: str,
+async def _policy_write(cp: ControlPlane, model_prefix: str, change: Change, who: str, detail: str,
                         if_match: str | None, response: Response) -> WriteResult:
-    snap, changed = await cp.service.apply(change, who, detail, if_match_version(if_match))
+    snap, changed, diff = await cp.service.write(change, who, detail, if_match_version(if_match))
     set_etag(response, snap.version)
-    diff = history.diff(change.before, snap) if changed else []
     return WriteResult(version=snap.version, changed=changed, policy=snap.policy(model_prefix),
                        changes=[HistoryChange(**c) for c in diff],
                        warnings=await cp.model_index.prefix_warnings(model_prefix))
@@ -86,8 +71,9 @@ async def put_policy(model_prefix: PrefixPath, spec: PolicySpec, cp: CP, who: Wr
     their defaults (to change some fields only, PATCH)."""
     _same_prefix(spec.model_prefix, model_prefix)
     max_policies = cp.settings.max_policies
-    change = _Tracked(lambda cur, v: changes.put_policy(cur, v, who.name, model_prefix, spec, max_policies))
-    return await _policy_write(cp, model_prefix, change, who.name, spec.model_dump_json(exclude_none=True),
+    return await _policy_write(cp, model_prefix,
+                               lambda cur, v: changes.put_policy(cur, v, who.name, model_prefix, spec, max_policies),
+                               who.name, spec.model_dump_json(exclude_none=True),
                                if_match, response)
 
 
@@ -120,27 +106,28 @@ async def patch_policy(model_prefix: PrefixPath, request: Request, cp: CP, who: 
         raise ApiError(422, "invalid patch: " + "; ".join(f"{e.field}: {e.reason}" for e in errs), errs) from exc
     _same_prefix(patch.pop("model_prefix", None), model_prefix)
     max_policies = cp.settings.max_policies
-    change = _Tracked(lambda cur, v: changes.patch_policy(cur, v, who.name, model_prefix, patch, max_policies))
-    return await _policy_write(cp, model_prefix, change, who.name, json.dumps(patch, sort_keys=True), if_match,
-                               response)
+    return await _policy_write(
+        cp, model_prefix, lambda cur, v: changes.patch_policy(cur, v, who.name, model_prefix, patch, max_policies),
+        who.name, json.dumps(patch, sort_keys=True), if_match, response)
 
 
 @router.delete("/v1/policies/{model_prefix:path}", responses=WRITE_ERRORS)
 async def delete_policy(model_prefix: PrefixPath, cp: CP, who: Writer, response: Response,
                         if_match: IfMatch = None) -> WriteResult:
-    snap, changed = await cp.service.apply(
+    snap, changed, diff = await cp.service.write(
         lambda cur, v: changes.delete_policy(cur, v, who.name, model_prefix),
         who.name, model_prefix, if_match_version(if_match))
     set_etag(response, snap.version)
-    return WriteResult(version=snap.version, changed=changed)
+    return WriteResult(version=snap.version, changed=changed, changes=[HistoryChange(**c) for c in diff])
 
 
 @router.post("/v1/purge", responses=WRITE_ERRORS)
 async def purge(body: PurgeRequest, cp: CP, who: Writer, response: Response) -> WriteResult:
-    snap, changed = await cp.service.apply(
+    snap, changed, diff = await cp.service.write(
         lambda cur, v: changes.purge(cur, v, who.name, body.model_prefix), who.name, body.model_prefix)
     set_etag(response, snap.version)
-    return WriteResult(version=snap.version, changed=changed, policy=snap.policy(body.model_prefix))
+    return WriteResult(version=snap.version, changed=changed, policy=snap.policy(body.model_prefix),
+                       changes=[HistoryChange(**c) for c in diff])
 
 
 @router.get("/v1/limits", responses=ERRORS)
@@ -152,8 +139,8 @@ async def get_limits(cp: CP, _p: Reader, response: Response) -> Limits:
 @router.put("/v1/limits", responses=WRITE_ERRORS)
 async def put_limits(limits: Limits, cp: CP, who: Writer, response: Response,
                      if_match: IfMatch = None) -> WriteResult:
-    snap, changed = await cp.service.apply(
+    snap, changed, diff = await cp.service.write(
         lambda cur, v: changes.set_limits(cur, v, who.name, limits),
         who.name, limits.model_dump_json(), if_match_version(if_match))
     set_etag(response, snap.version)
-    return WriteResult(version=snap.version, changed=changed)
+    return WriteResult(version=snap.version, changed=changed, changes=[HistoryChange(**c) for c in diff])
