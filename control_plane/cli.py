@@ -14,6 +14,7 @@ from pydantic import ValidationError
 
 from .api import create_app
 from .auth import TokenConfigError, TokenTable
+from .model_index import IndexConfigError, parse_engine_urls
 from .proxy_stats import ProxyStatsReader, StatsConfigError, parse_dns_names, parse_sources
 from .settings import Settings
 from .wiring import ControlPlane
@@ -43,6 +44,8 @@ def parse_args(argv: Sequence[str] | None) -> dict[str, Any]:
                                                   "addresses, e.g. http://{ip}:15090/stats/prometheus")
     p.add_argument("--proxy-stats-dns", help="DNS names (comma-separated) whose addresses are proxies to read "
                                              "through the template: headless Services of the cached pods")
+    p.add_argument("--engine-index", help="engines' REST base URLs (comma-separated): a policy prefix matching "
+                                          "no model in their repository index gets a warning")
     p.add_argument("--log-level", default="info")
     args = vars(p.parse_args(argv))
     return {k: v for k, v in args.items() if v is not None}
@@ -69,7 +72,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Bad entries: refuse to start, say which.
         ProxyStatsReader(parse_sources(settings.proxy_stats), settings.proxy_stats_template,
                          dns_names=parse_dns_names(settings.proxy_stats_dns))
-    except (ValidationError, TokenConfigError, StatsConfigError, OSError) as exc:
+        parse_engine_urls(settings.engine_index)
+    except (ValidationError, TokenConfigError, StatsConfigError, IndexConfigError, OSError) as exc:
         print(f"meshcache-control-plane: bad configuration: {exc}", file=sys.stderr)
         return 2
     if len(tokens) == 0:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from typing import Any
 
+from . import history
 from .metrics import Metrics
 from .snapshots import ChangeError, Snapshot, SnapshotCache
 from .store import Store, StoreUnavailable, VersionConflict
@@ -41,6 +43,19 @@ class PolicyService:
             self.metrics.redis_up.set(1)
             self.metrics.writes.labels("changed" if result[1] else "unchanged").inc()
             return result
+
+    async def write(self, change: Change, actor: str, detail: str, if_match: int | None = None
+                    ) -> tuple[Snapshot, bool, list[dict[str, Any]]]:
+        """`apply`, plus the field diff the write made (`history.diff` of the snapshot it was
+        applied to and the new one; empty when nothing changed)."""
+        applied_to: list[Snapshot] = []
+
+        def tracked(cur: Snapshot, version: int) -> Snapshot:
+            applied_to.append(cur)
+            return change(cur, version)
+
+        snap, changed = await self.apply(tracked, actor, detail, if_match)
+        return snap, changed, history.diff(applied_to[-1], snap) if changed else []
 
     async def _apply(self, change: Change, actor: str, detail: str, if_match: int | None
                      ) -> tuple[Snapshot, bool]:

@@ -20,6 +20,7 @@ from meshcache.contract.filter_config import (
     MAX_HEADER_NAME_LEN,
     MAX_HEADERS,
     MAX_PREFIX_LEN,
+    POLICY_FIELD_HELP,
     PREFIX_PATTERN,
     CoalesceTimeoutMs,
     Limits,
@@ -43,40 +44,33 @@ def _no_duplicates(values: list[str]) -> list[str]:
     return values
 
 
+H = POLICY_FIELD_HELP
+
+
 class PolicySpec(BaseModel):
-    """Body of PUT /v1/policies/{model_prefix}. `generation` is managed by the server (purge)."""
+    """Body of PUT /v1/policies/{model_prefix}: the whole policy (fields not given take their
+    defaults). `generation` is managed by the server (purge)."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
     model_prefix: ModelPrefix | None = Field(
         None, description="Optional; must equal the path's model_prefix when given"
     )
-    ttl_s: TtlSeconds = Field(description="Seconds a stored response is served")
-    max_ttl_s: TtlSeconds | None = Field(None, description="Upper bound for per-response TTLs; default ttl_s")
+    ttl_s: TtlSeconds = Field(description=H["ttl_s"])
+    max_ttl_s: TtlSeconds | None = Field(None, description=H["max_ttl_s"])
     hash_headers: list[HeaderName] = Field(
-        default_factory=lambda: list(DEFAULT_HASH_HEADERS), max_length=MAX_HEADERS
+        default_factory=lambda: list(DEFAULT_HASH_HEADERS), max_length=MAX_HEADERS, description=H["hash_headers"]
     )
-    vary_headers: list[HeaderName] = Field(default_factory=list, max_length=MAX_HEADERS)
-    scope: Scope = "shared"
-    enabled: bool = True
-    ignore_fields: list[FieldName] = Field(
-        default_factory=list, max_length=LIMIT_IGNORE_FIELDS,
-        description="Top-level JSON body fields left out of the cache key (e.g. OpenAI's user, metadata)",
-    )
-    deterministic_only: bool = Field(
-        False, description="OpenAI chat/completions: bypass requests with temperature > 0 (or absent) and no seed",
-    )
-
-    coalesce_timeout_ms: CoalesceTimeoutMs = Field(
-        DEFAULT_COALESCE_TIMEOUT_MS,
-        description="Identical misses wait up to this many ms for the first one's answer, then go upstream; 0 = off",
-    )
-    stale_if_error_s: StaleSeconds = Field(
-        0, description="RFC 5861: serve an expired entry up to this many s past its TTL when upstream fails; 0 = off",
-    )
-    stale_while_revalidate_s: StaleSeconds = Field(
-        0, description="RFC 5861: serve an expired entry at once for this many s while one request refreshes it",
-    )
+    vary_headers: list[HeaderName] = Field(default_factory=list, max_length=MAX_HEADERS,
+                                           description=H["vary_headers"])
+    scope: Scope = Field("shared", description=H["scope"])
+    enabled: bool = Field(True, description=H["enabled"])
+    ignore_fields: list[FieldName] = Field(default_factory=list, max_length=LIMIT_IGNORE_FIELDS,
+                                           description=H["ignore_fields"])
+    deterministic_only: bool = Field(False, description=H["deterministic_only"])
+    coalesce_timeout_ms: CoalesceTimeoutMs = Field(DEFAULT_COALESCE_TIMEOUT_MS, description=H["coalesce_timeout_ms"])
+    stale_if_error_s: StaleSeconds = Field(0, description=H["stale_if_error_s"])
+    stale_while_revalidate_s: StaleSeconds = Field(0, description=H["stale_while_revalidate_s"])
 
     @field_validator("max_ttl_s")
     @classmethod
@@ -118,6 +112,29 @@ class PolicySpec(BaseModel):
         )
 
 
+class PolicyPatch(BaseModel):
+    """Body of PATCH /v1/policies/{model_prefix}: a JSON merge patch (RFC 7396). Only the fields
+    it names change; `null` resets a field to its default (`ttl_s` has none: it cannot be
+    removed). On a prefix without a policy it creates one from the defaults (`ttl_s` required).
+    The types are checked here; the whole patched policy is then validated as a PUT body."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model_prefix: ModelPrefix | None = Field(None, description="Optional; must equal the path's model_prefix")
+    ttl_s: TtlSeconds | None = Field(None, description=H["ttl_s"])
+    max_ttl_s: TtlSeconds | None = Field(None, description=H["max_ttl_s"])
+    hash_headers: list[HeaderName] | None = Field(None, max_length=MAX_HEADERS, description=H["hash_headers"])
+    vary_headers: list[HeaderName] | None = Field(None, max_length=MAX_HEADERS, description=H["vary_headers"])
+    scope: Scope | None = Field(None, description=H["scope"])
+    enabled: bool | None = Field(None, description=H["enabled"])
+    ignore_fields: list[FieldName] | None = Field(None, max_length=LIMIT_IGNORE_FIELDS,
+                                                  description=H["ignore_fields"])
+    deterministic_only: bool | None = Field(None, description=H["deterministic_only"])
+    coalesce_timeout_ms: CoalesceTimeoutMs | None = Field(None, description=H["coalesce_timeout_ms"])
+    stale_if_error_s: StaleSeconds | None = Field(None, description=H["stale_if_error_s"])
+    stale_while_revalidate_s: StaleSeconds | None = Field(None, description=H["stale_while_revalidate_s"])
+
+
 class PurgeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     model_prefix: ModelPrefix
@@ -138,10 +155,21 @@ class PolicyOut(BaseModel):
     policy: Policy
 
 
+class HistoryChange(BaseModel):
+    what: str = Field(description="added, removed, changed, purged or limits")
+    model_prefix: str | None
+    fields: dict[str, list[object]] = Field(description="field: [before, after]")
+
+
 class WriteResult(BaseModel):
     version: int = Field(description="The current snapshot version after the write")
     changed: bool = Field(description="False when the write equalled the current state")
     policy: Policy | None = None
+    changes: list[HistoryChange] = Field(
+        default_factory=list, description="What this write changed (the status page's diff; empty if nothing)")
+    warnings: list[str] = Field(
+        default_factory=list, description="Applied anyway, but probably not what was meant (e.g. a model_prefix "
+                                          "no engine serves a model for)")
 
 
 class SnapshotOut(BaseModel):
@@ -248,12 +276,6 @@ class StatsOut(BaseModel):
                                              "policy's, until evicted); models + this = the proxies' entries")
     unattributed_bytes: int | None = Field(None, description="Bytes of the unattributed entries")
     proxies: list[ProxyStats]
-
-
-class HistoryChange(BaseModel):
-    what: str = Field(description="added, removed, changed, purged or limits")
-    model_prefix: str | None
-    fields: dict[str, list[object]] = Field(description="field: [before, after]")
 
 
 class HistoryEntry(BaseModel):

@@ -64,6 +64,10 @@ class Settings(BaseSettings):
     proxy_stats_template: str = ""
     proxy_stats_dns: str = ""
     proxy_stats_timeout_s: float = Field(1.0, gt=0, le=30)
+    # Base URLs of the engines' REST ports (comma-separated): their repository index says which
+    # models exist, so a policy prefix matching none gets a warning (control_plane/model_index.py).
+    engine_index: str = ""
+    engine_index_timeout_s: float = Field(1.0, gt=0, le=30)
 
     @model_validator(mode="after")
     def _tls_pair(self) -> Settings:

@@ -15,7 +15,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
-from meshcache.contract.filter_config import Limits, Policy, plugin_config, plugin_config_json
+from pydantic import ValidationError
+
+from meshcache.contract.filter_config import Limits, Policy, plugin_config, plugin_config_json, policy_spec
 
 from .schemas import PolicySpec
 
@@ -32,6 +34,16 @@ class NotFound(ChangeError):
 
 class TooMany(ChangeError):
     status = 409
+
+
+class Invalid(ChangeError):
+    """The change would make an invalid policy; `errors` are pydantic's, per field."""
+
+    status = 422
+
+    def __init__(self, message: str, errors: list[dict[str, Any]]) -> None:
+        super().__init__(message)
+        self.errors = errors
 
 
 @dataclass(frozen=True)
@@ -107,14 +119,41 @@ def _derive(cur: Snapshot, version: int, author: str, action: str, policies: tup
 
 
 def put_policy(cur: Snapshot, version: int, author: str, prefix: str, spec: PolicySpec,
-               max_policies: int) -> Snapshot:
+               max_policies: int, action: str = "put") -> Snapshot:
     old = cur.policy(prefix)
     if old is None and len(cur.policies) >= max_policies:
         raise TooMany(f"policy limit reached ({max_policies}); delete one first")
     generation = old.generation if old is not None else version
     new = spec.policy(prefix, generation)
     rest = tuple(p for p in cur.policies if p.model_prefix != prefix)
-    return _derive(cur, version, author, f"put {prefix}", (*rest, new))
+    return _derive(cur, version, author, f"{action} {prefix}", (*rest, new))
+
+
+def merge_patch(target: Any, patch: Any) -> Any:
+    """RFC 7396 JSON merge patch: objects merge member by member, `null` removes a member,
+    anything else (arrays included) replaces the target."""
+    if not isinstance(patch, dict):
+        return patch
+    out = dict(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            out.pop(key, None)
+        else:
+            out[key] = merge_patch(out.get(key), value)
+    return out
+
+
+def patch_policy(cur: Snapshot, version: int, author: str, prefix: str, patch: dict[str, Any],
+                 max_policies: int) -> Snapshot:
+    """The policy with `patch` merged into it (a removed field takes its default); a prefix
+    without a policy starts from the defaults. The result is validated whole, as a PUT body."""
+    old = cur.policy(prefix)
+    base = policy_spec(old.model_dump(mode="json")) if old is not None else {}
+    try:
+        spec = PolicySpec.model_validate(merge_patch(base, patch))
+    except ValidationError as exc:
+        raise Invalid("the patched policy is invalid", exc.errors()) from exc
+    return put_policy(cur, version, author, prefix, spec, max_policies, action="patch")
 
 
 def delete_policy(cur: Snapshot, version: int, author: str, prefix: str) -> Snapshot:

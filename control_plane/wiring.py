@@ -11,6 +11,7 @@ import grpc
 from .auth import TokenTable
 from .mcp import IstioMcpRenderer, mcp_fallback
 from .metrics import Metrics
+from .model_index import ModelIndex, parse_engine_urls
 from .policy_service import PolicyService
 from .proxy_stats import ProxyStatsReader, parse_dns_names, parse_sources
 from .settings import Settings
@@ -50,6 +51,7 @@ class ControlPlane:
         self.proxy_stats = ProxyStatsReader(parse_sources(settings.proxy_stats), settings.proxy_stats_template,
                                             timeout_s=settings.proxy_stats_timeout_s,
                                             dns_names=parse_dns_names(settings.proxy_stats_dns))
+        self.model_index = ModelIndex(parse_engine_urls(settings.engine_index), settings.engine_index_timeout_s)
         self._sync_task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:

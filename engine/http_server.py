@@ -42,6 +42,7 @@ _MODEL_PATH = re.compile(
 )
 _REPOSITORY_PATH = re.compile(r"^/v2/repository/models/(?P<model>[^/]+)/(?P<action>load|unload)$")
 BINARY_HEADER = "inference-header-content-length"
+_DECIMAL = re.compile(r"[0-9]+")
 
 
 class Response:
@@ -98,6 +99,9 @@ class HttpApp:
     async def _route(self, scope: Scope, receive: Receive) -> Response:
         method, path = scope["method"], scope["path"]
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        if sum(k.lower() == BINARY_HEADER.encode() for k, _ in scope["headers"]) > 1:
+            # Servers differ on which line counts (the first, the last): refuse, don't guess.
+            raise InvalidInput(f"{BINARY_HEADER} given more than once")
         if path == "/v2/health/live":
             return self._only_get(method) or json_response({"live": True})
         if path == "/v2/health/ready":
@@ -249,7 +253,8 @@ def _split_binary(headers: dict[str, str], body: bytes) -> tuple[dict[str, Any],
     header_len = headers.get(BINARY_HEADER)
     if header_len is None:
         return _parse_json(body), b""
-    if not header_len.isdigit() or int(header_len) > len(body):
+    # ASCII digits only (str.isdigit() also takes e.g. "²", which int() then refuses).
+    if _DECIMAL.fullmatch(header_len) is None or int(header_len) > len(body):
         raise InvalidInput(f"{BINARY_HEADER} must be an integer no larger than the body ({len(body)} bytes)")
     n = int(header_len)
     return _parse_json(body[:n]), body[n:]

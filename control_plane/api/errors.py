@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -11,7 +12,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..policy_service import PreconditionFailed
 from ..schemas import ErrorOut, FieldError
-from ..snapshots import ChangeError
+from ..snapshots import ChangeError, Invalid
 from ..store import StoreUnavailable
 
 UNAVAILABLE = "policy store (Redis) unavailable: the change was not applied; retry later"
@@ -38,9 +39,10 @@ def error_response(status: int, detail: str, errors: list[FieldError] | None = N
     return JSONResponse(body, status_code=status, headers=headers)
 
 
-def field_errors(exc: RequestValidationError) -> list[FieldError]:
+def field_errors(errors: Sequence[Any]) -> list[FieldError]:
+    """pydantic's (or FastAPI's) validation errors as `FieldError`s, with plain reasons."""
     out = []
-    for e in exc.errors()[:20]:
+    for e in errors[:20]:
         loc = [str(x) for x in e.get("loc", ())]
         if loc and loc[0] in ("body", "path", "query", "header"):
             loc = loc[1:]
@@ -56,7 +58,7 @@ def field_errors(exc: RequestValidationError) -> list[FieldError]:
 
 
 async def _on_invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-    errs = field_errors(exc)
+    errs = field_errors(exc.errors())
     return error_response(422, "invalid request: " + "; ".join(f"{e.field}: {e.reason}" for e in errs), errs)
 
 
@@ -78,6 +80,9 @@ async def _on_precondition(_: Request, exc: PreconditionFailed) -> JSONResponse:
 
 
 async def _on_change(_: Request, exc: ChangeError) -> JSONResponse:
+    if isinstance(exc, Invalid):
+        errs = field_errors(exc.errors)
+        return error_response(exc.status, f"{exc}: " + "; ".join(f"{e.field}: {e.reason}" for e in errs), errs)
     return error_response(exc.status, str(exc))
 
 

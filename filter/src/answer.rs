@@ -90,7 +90,9 @@ pub fn not_modified(if_none_match: Option<&str>, entry: &Entry) -> bool {
         None => return false,
     };
     let etag = crate::decide::header(&entry.headers, "etag").map(strip_etag);
-    inm.split(',').map(str::trim).any(|t| t == "*" || strip_etag(t) == entry.response_hash || Some(strip_etag(t)) == etag)
+    // `*` is not matched: RFC 9110 §13.1.2 allows a 304 for it only on GET and HEAD, and these
+    // are POSTs (the hit is answered in full instead, as the origin would).
+    inm.split(',').map(str::trim).filter(|t| *t != "*").any(|t| strip_etag(t) == entry.response_hash || Some(strip_etag(t)) == etag)
 }
 
 fn strip_etag(t: &str) -> &str {
@@ -156,7 +158,8 @@ mod tests {
     fn conditional_matching() {
         let e = sample(1, b"{}", 5);
         assert!(not_modified(Some(&format!("\"{}\"", e.response_hash)), &e));
-        assert!(not_modified(Some("\"zzz\", *"), &e));
+        assert!(!not_modified(Some("\"zzz\", *"), &e), "* is no match on a POST (RFC 9110 13.1.2)");
+        assert!(!not_modified(Some("*"), &e));
         assert!(!not_modified(Some("\"zzz\""), &e));
         assert!(!not_modified(None, &e));
     }

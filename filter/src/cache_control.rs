@@ -121,7 +121,15 @@ pub struct Freshness<'a> {
 
 /// TTL for an upstream answer: the origin's s-maxage, else max-age, else `Expires` - `Date`
 /// (RFC 9111 §4.2.1), else the policy's; clamped to `max_ttl_s`. `now_s`: when `Date` is absent.
-pub fn response_ttl(policy: &Policy, f: &Freshness, now_s: u64) -> Result<u64, NotStored> {
+/// How long a stored answer is fresh, and whether that came from the policy's `ttl_s` (the
+/// origin said nothing): such an entry follows a later, lower `ttl_s` (see `Lifetime`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Ttl {
+    pub s: u64,
+    pub from_policy: bool,
+}
+
+pub fn response_ttl(policy: &Policy, f: &Freshness, now_s: u64) -> Result<Ttl, NotStored> {
     let cc = f.cache_control.map(parse).unwrap_or_default();
     if cc.no_store {
         return Err(NotStored::NoStore);
@@ -156,7 +164,7 @@ pub fn response_ttl(policy: &Policy, f: &Freshness, now_s: u64) -> Result<u64, N
     if ttl == 0 {
         return Err(NotStored::ZeroTtl);
     }
-    Ok(ttl)
+    Ok(Ttl { s: ttl, from_policy: origin.is_none() })
 }
 
 /// The stale windows (RFC 5861) a stored answer gets: (stale-if-error, stale-while-revalidate)
@@ -249,7 +257,7 @@ mod tests {
     }
 
     fn ttl(p: &Policy, cc: Option<&str>) -> Result<u64, NotStored> {
-        response_ttl(p, &Freshness { cache_control: cc, ..Default::default() }, 0)
+        response_ttl(p, &Freshness { cache_control: cc, ..Default::default() }, 0).map(|t| t.s)
     }
 
     #[test]
@@ -284,7 +292,7 @@ mod tests {
         assert_eq!(http_date("0"), None);
         assert_eq!(http_date("Sunday, 06-Nov-94 08:49:37 GMT"), None);
         let f = |expires: &'static [&'static str], date: Option<&'static str>, cc: Option<&'static str>| {
-            response_ttl(&p, &Freshness { cache_control: cc, expires, date }, 784_111_777)
+            response_ttl(&p, &Freshness { cache_control: cc, expires, date }, 784_111_777).map(|t| t.s)
         };
         assert_eq!(f(&["Sun, 06 Nov 1994 08:49:00 GMT"], Some(date), None), Err(NotStored::Stale), "in the past");
         assert_eq!(f(&["Sun, 06 Nov 1994 08:49:37 GMT"], None, None), Err(NotStored::Stale), "now = expired");

@@ -119,9 +119,10 @@ impl Config {
         }
     }
 
-    /// The enabled policy with the longest prefix matching `model`.
-    pub fn policy_for(&self, model: &str) -> Option<&Policy> {
-        self.policies.iter().find(|p| model.starts_with(p.model_prefix.as_str())).filter(|p| p.enabled)
+    /// The policy with the longest prefix matching `model`, enabled or not (a disabled one
+    /// keeps its models out of the cache: it does not hand them to a shorter prefix).
+    pub fn policy_matching(&self, model: &str) -> Option<&Policy> {
+        self.policies.iter().find(|p| model.starts_with(p.model_prefix.as_str()))
     }
 }
 
@@ -362,10 +363,10 @@ mod tests {
     fn longest_prefix_wins_and_disabled_means_none() {
         let c = cache(r#"{"policies": [{"model_prefix": "llama", "ttl_s": 1},
             {"model_prefix": "llama3-70b", "ttl_s": 2}, {"model_prefix": "off", "ttl_s": 3, "enabled": false}]}"#);
-        assert_eq!(c.policy_for("llama3-70b-chat").unwrap().ttl_s, 2);
-        assert_eq!(c.policy_for("llama2").unwrap().ttl_s, 1);
-        assert!(c.policy_for("mistral").is_none());
-        assert!(c.policy_for("off-model").is_none());
+        assert_eq!(c.policy_matching("llama3-70b-chat").unwrap().ttl_s, 2);
+        assert_eq!(c.policy_matching("llama2").unwrap().ttl_s, 1);
+        assert!(c.policy_matching("mistral").is_none());
+        assert!(!c.policy_matching("off-model").unwrap().enabled);
     }
 
     #[test]

@@ -6,9 +6,9 @@ use crate::config::{Config, Policy, Scope};
 use crate::entry::Entry;
 use crate::hashing::{cache_key, response_hash, KeyDigest, KeyInput};
 use crate::json;
-use crate::keybody::{self, JsonRules, KeyBody, RequestId, Splice, Unkeyable};
+use crate::keybody::{self, JsonRules, KeyBody, RequestId, Splice};
 use crate::model::{self, ModelRef, ModelSource};
-use crate::names::{COLOR_HEADER, KSERVE_BINARY_HEADER, MODEL_HEADER};
+use crate::names::{Bypass, COLOR_HEADER, KSERVE_BINARY_HEADER, MODEL_HEADER};
 
 /// Request bodies larger than this are not buffered; the request passes through uncached.
 /// Kept well under Envoy's default 1 MiB per-connection buffer (an Istio sidecar's), where a
@@ -85,12 +85,12 @@ pub fn joined(headers: &[(String, String)], name: &str) -> Option<String> {
     }
 }
 
-/// At most one value, as bytes-exact text: Ok(None) absent, Err(()) repeated or not UTF-8.
-fn single<'a>(head: &RequestHead<'a>, name: &str) -> Result<Option<&'a str>, ()> {
-    match head.exact_values(name).ok_or(())?.as_slice() {
+/// At most one value, as bytes-exact text: Ok(None) absent, Err repeated or not UTF-8.
+fn single<'a>(head: &RequestHead<'a>, name: &str) -> Result<Option<&'a str>, Bypass> {
+    match head.exact_values(name).ok_or(Bypass::HeaderBytes)?.as_slice() {
         [] => Ok(None),
         [one] => Ok(Some(*one)),
-        _ => Err(()),
+        _ => Err(Bypass::RepeatedHeader),
     }
 }
 
@@ -98,32 +98,40 @@ fn single<'a>(head: &RequestHead<'a>, name: &str) -> Result<Option<&'a str>, ()>
 pub enum HeadDecision {
     /// Not an inference request: untouched, no Cache-Status.
     Ignore,
-    /// An inference request the cache stays out of: `Cache-Status: meshcache; fwd=bypass`.
-    Bypass,
+    /// An inference request the cache stays out of: `Cache-Status: meshcache; fwd=bypass; detail=..`.
+    Bypass(Bypass),
     /// Read the whole body, then decide. `refresh`: client no-cache (skip lookup, store).
     Buffer { source: ModelSource, refresh: bool },
 }
 
 pub fn on_head(head: &RequestHead) -> HeadDecision {
     if head.method != "POST" {
-        return HeadDecision::Ignore;
+        return if model::is_inference_path(head.path) { HeadDecision::Bypass(Bypass::Method) } else { HeadDecision::Ignore };
     }
     if model::is_grpc_web(head.header("content-type")) && model::is_model_infer(head.path) {
         // grpc-web hits would need their own framing and trailers-in-body: not cached (yet).
-        return HeadDecision::Bypass;
+        return HeadDecision::Bypass(Bypass::GrpcWeb);
     }
     let source = match model::source_from_headers(head.path, head.header("content-type"), head.header(MODEL_HEADER)) {
-        Some(s) => s,
-        None => return HeadDecision::Ignore,
+        Ok(Some(s)) => s,
+        Ok(None) => return HeadDecision::Ignore,
+        Err(why) => return HeadDecision::Bypass(why),
     };
     // Headers that are part of the key must be unambiguous: Envoy's route matcher sees a
     // repeated header as its lines joined, the key would see something else.
-    if single(head, COLOR_HEADER).is_err() || single(head, MODEL_HEADER).is_err() {
-        return HeadDecision::Bypass;
+    for name in [COLOR_HEADER, MODEL_HEADER] {
+        if let Err(why) = single(head, name) {
+            return HeadDecision::Bypass(why);
+        }
+    }
+    // A compressed body is not read (the key would be over bytes the server reads otherwise).
+    let encoded = |name: &str| values(head.headers, name).iter().any(|v| !v.trim().eq_ignore_ascii_case("identity"));
+    if source != ModelSource::GrpcBody && encoded("content-encoding") {
+        return HeadDecision::Bypass(Bypass::Compressed);
     }
     let cc = joined(head.headers, "cache-control").map(|v| cache_control::parse(&v)).unwrap_or_default();
     if cc.no_store {
-        return HeadDecision::Bypass;
+        return HeadDecision::Bypass(Bypass::NoStore);
     }
     HeadDecision::Buffer { source, refresh: cc.no_cache }
 }
@@ -145,9 +153,8 @@ pub struct Cacheable {
 
 #[derive(Debug, PartialEq)]
 pub enum BodyDecision {
-    Bypass,
-    /// The body cannot be keyed: bypass, saying why (`Cache-Status: ...; detail=<why>`).
-    Unkeyable(Unkeyable),
+    /// The cache stays out, saying why (`Cache-Status: ...; fwd=bypass; detail=<why>`).
+    Bypass(Bypass),
     Cacheable(Cacheable),
 }
 
@@ -160,40 +167,45 @@ enum ReadBody<'a> {
     Grpc(keybody::GrpcRequest<'a>),
 }
 
-/// The model is None when a well-formed body names none (a plain bypass: no policy can apply).
-fn read_body<'a>(source: &ModelSource, head: &RequestHead, body: &'a [u8]) -> Result<(Option<ModelRef>, ReadBody<'a>), Unkeyable> {
+/// The model is None when a well-formed body names none (the header may then name it).
+fn read_body<'a>(source: &ModelSource, head: &RequestHead, body: &'a [u8]) -> Result<(Option<ModelRef>, ReadBody<'a>), Bypass> {
     match source {
         ModelSource::GrpcBody => {
-            let message = crate::grpc::unframe(body).ok_or(Unkeyable::Unparsable)?;
+            // Flag 1: a compressed message (`grpc-encoding`), not read.
+            if body.first() == Some(&1) {
+                return Err(Bypass::Compressed);
+            }
+            let message = crate::grpc::unframe(body).ok_or(Bypass::Unparsable)?;
             let req = keybody::grpc_request(message)?;
             let m = Some(ModelRef { name: req.model_name.clone(), version: req.model_version.clone() })
                 .filter(|m| !m.name.is_empty());
             Ok((m, ReadBody::Grpc(req)))
         }
         ModelSource::JsonBody => {
-            let members = json::object_members(body).ok_or(Unkeyable::Unparsable)?;
-            let m = model::model_from_members(body, &members);
+            let members = json::object_members(body).ok_or(Bypass::Unparsable)?;
+            let m = model::model_from_members(body, &members)?;
             Ok((m, ReadBody::Json { json_len: body.len(), binary: false, members }))
         }
         ModelSource::Header(m) => Ok((Some(m.clone()), ReadBody::Opaque)),
         ModelSource::Path(m) => {
             // KServe v2 REST: the request id is in the JSON (part) of the body.
-            let (json_len, binary) = keybody::split_binary(body, head.header(KSERVE_BINARY_HEADER))?;
-            let members = json::object_members(&body[..json_len]).ok_or(Unkeyable::Unparsable)?;
+            let lines = head.exact_values(KSERVE_BINARY_HEADER).ok_or(Bypass::BinaryLength)?;
+            let (json_len, binary) = keybody::split_binary(body, &lines)?;
+            let members = json::object_members(&body[..json_len]).ok_or(Bypass::Unparsable)?;
             Ok((Some(m.clone()), ReadBody::Json { json_len, binary, members }))
         }
     }
 }
 
 /// The keyed form of the body under the matched policy.
-fn key_body<'a>(read: ReadBody<'a>, head: &RequestHead, body: &'a [u8], policy: &Policy) -> Result<KeyBody<'a>, Unkeyable> {
+fn key_body<'a>(read: ReadBody<'a>, head: &RequestHead, body: &'a [u8], policy: &Policy) -> Result<KeyBody<'a>, Bypass> {
     let path = model::strip_query(head.path);
     match read {
         ReadBody::Grpc(req) => Ok(req.key),
         ReadBody::Opaque if policy.ignore_fields.is_empty() => Ok(KeyBody::whole(body)),
         ReadBody::Opaque => {
             // Fields to ignore only exist in a JSON body.
-            let members = json::object_members(body).ok_or(Unkeyable::Unparsable)?;
+            let members = json::object_members(body).ok_or(Bypass::Unparsable)?;
             let rules = JsonRules { request_id: false, ignore_fields: &policy.ignore_fields, deterministic_only: false };
             keybody::json_key_body(body, body.len(), false, &members, &rules)
         }
@@ -235,7 +247,7 @@ pub fn keyed_body(
     let grpc = *source == ModelSource::GrpcBody;
     let named = match single(head, MODEL_HEADER) {
         Ok(h) => h.filter(|m| !m.is_empty()),
-        Err(()) => return BodyDecision::Bypass,
+        Err(why) => return BodyDecision::Bypass(why),
     };
     let (model, read) = match read_body(source, head, body) {
         Ok((m, read)) => {
@@ -246,48 +258,49 @@ pub fn keyed_body(
             };
             match m {
                 Some(m) => (m, read),
-                None => return BodyDecision::Bypass,
+                None => return BodyDecision::Bypass(Bypass::NoModel),
             }
         }
-        Err(why) => return BodyDecision::Unkeyable(why),
+        Err(why) => return BodyDecision::Bypass(why),
     };
     // The most specific source named the model; a header naming another one is a conflict
     // (it could put one model's request under another model's policy): stay out.
     if named.map_or(false, |n| n != model.name) {
-        return BodyDecision::Bypass;
+        return BodyDecision::Bypass(Bypass::ModelConflict);
     }
-    let policy = match config.policy_for(&model.name) {
-        Some(p) => p,
-        None => return BodyDecision::Bypass,
+    let policy = match config.policy_matching(&model.name) {
+        Some(p) if p.enabled => p,
+        Some(_) => return BodyDecision::Bypass(Bypass::Disabled),
+        None => return BodyDecision::Bypass(Bypass::NoPolicy),
     };
     let principal = match policy.scope {
         // Without a peer identity there is nothing to scope by: stay out.
         Scope::Principal => match principal().filter(|p| !p.is_empty()) {
             Some(p) => Some(p),
-            None => return BodyDecision::Bypass,
+            None => return BodyDecision::Bypass(Bypass::NoIdentity),
         },
         Scope::Shared => {
             if CREDENTIAL_HEADERS.iter().any(|c| head.header(c).is_some()) {
-                return BodyDecision::Bypass;
+                return BodyDecision::Bypass(Bypass::Credentials);
             }
             None
         }
     };
     let color = match single(head, COLOR_HEADER) {
         Ok(c) => c.unwrap_or(&config.color),
-        Err(()) => return BodyDecision::Bypass,
+        Err(why) => return BodyDecision::Bypass(why),
     };
     // Vary headers are keyed on every line, byte-exact; a value that is not UTF-8 bypasses.
     let mut vary: Vec<(String, Vec<String>)> = Vec::with_capacity(policy.vary_headers.len());
     for n in &policy.vary_headers {
         match head.exact_values(n) {
             Some(v) => vary.push((n.clone(), v.into_iter().map(str::to_string).collect())),
-            None => return BodyDecision::Bypass,
+            None => return BodyDecision::Bypass(Bypass::HeaderBytes),
         }
     }
     let keyed = match key_body(read, head, body, policy) {
         Ok(k) => k,
-        Err(why) => return BodyDecision::Unkeyable(why),
+        Err(why) => return BodyDecision::Bypass(why),
     };
     let key = digest(&KeyInput {
         method: head.method,
@@ -318,8 +331,9 @@ pub fn response_storable(
     headers: &[(String, String)],
     not_utf8: &[String],
     now_ms: u64,
-) -> Result<u64, NotStored> {
-    if header(headers, "set-cookie").is_some() {
+) -> Result<cache_control::Ttl, NotStored> {
+    // RFC 2965's Set-Cookie2 (obsolete, still sent by some servers) sets state just the same.
+    if header(headers, "set-cookie").is_some() || header(headers, "set-cookie2").is_some() {
         return Err(NotStored::SetCookie);
     }
     let vary = joined(headers, "vary").unwrap_or_default();
@@ -347,7 +361,7 @@ fn is_per_response(name: &str) -> bool {
         || matches!(
             name,
             "date" | "content-length" | "transfer-encoding" | "connection" | "keep-alive" | "age"
-                | "cache-status" | "x-response-hash" | "set-cookie" | "grpc-status" | "grpc-message"
+                | "cache-status" | "x-response-hash" | "set-cookie" | "set-cookie2" | "grpc-status" | "grpc-message"
                 | "proxy-connection" | "upgrade" | "trailer" | "server"
         )
 }
@@ -366,7 +380,7 @@ pub fn build_entry(
     response_headers: &[(String, String)],
     status: u16,
     body: Vec<u8>,
-    ttl_s: u64,
+    ttl: cache_control::Ttl,
 ) -> Result<Stored, NotStored> {
     let now_ms = c.request_ms;
     let mut headers: Vec<(String, String)> = response_headers
@@ -405,7 +419,8 @@ pub fn build_entry(
         key: c.key,
         policy: crate::accounting::policy_tag(&c.policy.model_prefix),
         stored_at_ms: now_ms,
-        expires_at_ms: now_ms.saturating_add(ttl_s.saturating_mul(1000)),
+        expires_at_ms: now_ms.saturating_add(ttl.s.saturating_mul(1000)),
+        ttl_from_policy: ttl.from_policy,
         status,
         grpc: c.grpc,
         response_hash: hash,
@@ -437,6 +452,8 @@ mod tests {
         parse_plugin_config(json.as_bytes()).unwrap()
     }
 
+    const TTL5: cache_control::Ttl = cache_control::Ttl { s: 5, from_policy: true };
+
     fn hs(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
         pairs.iter().map(|(a, b)| (a.to_string(), b.to_string())).collect()
     }
@@ -462,10 +479,11 @@ mod tests {
     #[test]
     fn head_decisions() {
         let h = hs(&[("content-type", "application/json")]);
-        assert_eq!(on_head(&RequestHead { method: "GET", path: "/v2/models/m/infer", headers: &h, not_utf8: &[] }), HeadDecision::Ignore);
+        assert_eq!(on_head(&RequestHead { method: "GET", path: "/v2/models/m/infer", headers: &h, not_utf8: &[] }), HeadDecision::Bypass(Bypass::Method));
+        assert_eq!(on_head(&RequestHead { method: "GET", path: "/v2/models/m", headers: &h, not_utf8: &[] }), HeadDecision::Ignore);
         assert_eq!(on_head(&RequestHead { method: "POST", path: "/other", headers: &h, not_utf8: &[] }), HeadDecision::Ignore);
         let ns = hs(&[("cache-control", "no-store")]);
-        assert_eq!(on_head(&RequestHead { method: "POST", path: "/v2/models/m/infer", headers: &ns, not_utf8: &[] }), HeadDecision::Bypass);
+        assert_eq!(on_head(&RequestHead { method: "POST", path: "/v2/models/m/infer", headers: &ns, not_utf8: &[] }), HeadDecision::Bypass(Bypass::NoStore));
         let nc = hs(&[("cache-control", "no-cache")]);
         assert!(matches!(
             on_head(&RequestHead { method: "POST", path: "/v2/models/m/infer", headers: &nc, not_utf8: &[] }),
@@ -473,7 +491,7 @@ mod tests {
         ));
         let web = hs(&[("content-type", "application/grpc-web+proto")]);
         let infer = crate::model::GRPC_MODEL_INFER_PATH;
-        assert_eq!(on_head(&RequestHead { method: "POST", path: infer, headers: &web, not_utf8: &[] }), HeadDecision::Bypass);
+        assert_eq!(on_head(&RequestHead { method: "POST", path: infer, headers: &web, not_utf8: &[] }), HeadDecision::Bypass(Bypass::GrpcWeb));
         let grpc = hs(&[("content-type", "application/grpc")]);
         assert_eq!(
             on_head(&RequestHead { method: "POST", path: infer, headers: &grpc, not_utf8: &[] }),
@@ -484,12 +502,12 @@ mod tests {
     #[test]
     fn bypass_rules() {
         let cfg = config(r#"{"policies": [{"model_prefix": "m", "ttl_s": 5}, {"model_prefix": "p", "ttl_s": 5, "scope": "principal"}]}"#);
-        assert_eq!(decide(&cfg, "/v2/models/other/infer", &[], b"{}", None), BodyDecision::Bypass);
-        assert_eq!(decide(&cfg, "/v2/models/m/infer", &[("authorization", "Bearer x")], b"{}", None), BodyDecision::Bypass);
-        assert_eq!(decide(&cfg, "/v2/models/p/infer", &[], b"{}", None), BodyDecision::Bypass);
+        assert_eq!(decide(&cfg, "/v2/models/other/infer", &[], b"{}", None), BodyDecision::Bypass(Bypass::NoPolicy));
+        assert_eq!(decide(&cfg, "/v2/models/m/infer", &[("authorization", "Bearer x")], b"{}", None), BodyDecision::Bypass(Bypass::Credentials));
+        assert_eq!(decide(&cfg, "/v2/models/p/infer", &[], b"{}", None), BodyDecision::Bypass(Bypass::NoIdentity));
         assert!(matches!(decide(&cfg, "/v2/models/p/infer", &[("authorization", "Bearer x")], b"{}", Some("spiffe://a")), BodyDecision::Cacheable(_)));
-        assert_eq!(decide(&cfg, "/v1/chat/completions", &[], br#"{"messages": []}"#, None), BodyDecision::Bypass);
-        assert_eq!(decide(&cfg, "/v1/chat/completions", &[], br#"{"model": "m1""#, None), BodyDecision::Unkeyable(Unkeyable::Unparsable));
+        assert_eq!(decide(&cfg, "/v1/chat/completions", &[], br#"{"messages": []}"#, None), BodyDecision::Bypass(Bypass::NoModel));
+        assert_eq!(decide(&cfg, "/v1/chat/completions", &[], br#"{"model": "m1""#, None), BodyDecision::Bypass(Bypass::Unparsable));
         assert!(matches!(decide(&cfg, "/v1/chat/completions", &[], br#"{"model": "m1"}"#, None), BodyDecision::Cacheable(_)));
     }
 
@@ -545,7 +563,7 @@ mod tests {
         for twice in [[("x-traffic-color", ""), ("x-traffic-color", "blue")], [("x-traffic-color", "green"), ("x-traffic-color", "blue")],
                       [("x-model-id", "m"), ("x-model-id", "m")]] {
             let h = hs(&twice);
-            assert_eq!(on_head(&RequestHead { method: "POST", path: infer, headers: &h, not_utf8: &[] }), HeadDecision::Bypass, "{:?}", twice);
+            assert_eq!(on_head(&RequestHead { method: "POST", path: infer, headers: &h, not_utf8: &[] }), HeadDecision::Bypass(Bypass::RepeatedHeader), "{:?}", twice);
         }
         let one = key(decide(&cfg, infer, &[("x-tenant", "a")], b"{}", None));
         let two = key(decide(&cfg, infer, &[("x-tenant", "a"), ("x-tenant", "b")], b"{}", None));
@@ -560,7 +578,7 @@ mod tests {
         let flagged = vec!["x-tenant".to_string()];
         let head = RequestHead { method: "POST", path: "/v2/models/m/infer", headers: &h, not_utf8: &flagged };
         let source = ModelSource::Path(crate::model::kserve_rest_model(head.path).unwrap());
-        assert_eq!(on_body(&cfg, &head, &source, false, b"{}", || None), BodyDecision::Bypass);
+        assert_eq!(on_body(&cfg, &head, &source, false, b"{}", || None), BodyDecision::Bypass(Bypass::HeaderBytes));
         // An unrelated header that is not UTF-8 does not matter to the key.
         let other = vec!["user-agent".to_string()];
         let head = RequestHead { not_utf8: &other, ..head };
@@ -571,7 +589,7 @@ mod tests {
     fn credentials_bypass_shared_policies() {
         let cfg = config(r#"{"policies": [{"model_prefix": "m", "ttl_s": 5}, {"model_prefix": "p", "ttl_s": 5, "scope": "principal"}]}"#);
         for cred in ["authorization", "proxy-authorization", "cookie", "Cookie"] {
-            assert_eq!(decide(&cfg, "/v2/models/m/infer", &[(cred, "x")], b"{}", None), BodyDecision::Bypass, "{}", cred);
+            assert_eq!(decide(&cfg, "/v2/models/m/infer", &[(cred, "x")], b"{}", None), BodyDecision::Bypass(Bypass::Credentials), "{}", cred);
             assert!(matches!(decide(&cfg, "/v2/models/p/infer", &[(cred, "x")], b"{}", Some("spiffe://a")), BodyDecision::Cacheable(_)));
         }
     }
@@ -580,22 +598,69 @@ mod tests {
     fn model_sources_path_then_body_then_header_and_conflicts_bypass() {
         let cfg = config(r#"{"policies": [{"model_prefix": "m", "ttl_s": 5}, {"model_prefix": "other", "ttl_s": 5}]}"#);
         // Path vs header.
-        assert_eq!(decide(&cfg, "/v2/models/m/infer", &[("x-model-id", "other")], b"{}", None), BodyDecision::Bypass);
+        assert_eq!(decide(&cfg, "/v2/models/m/infer", &[("x-model-id", "other")], b"{}", None), BodyDecision::Bypass(Bypass::ModelConflict));
         assert_eq!(key(decide(&cfg, "/v2/models/m/infer", &[("x-model-id", "m")], b"{}", None)),
                    key(decide(&cfg, "/v2/models/m/infer", &[], b"{}", None)));
         // Body vs header: the body names the model; a different header is a conflict.
         let chat = br#"{"model": "m1", "messages": []}"#;
-        assert_eq!(decide(&cfg, "/v1/chat/completions", &[("x-model-id", "unpolicied")], chat, None), BodyDecision::Bypass);
+        assert_eq!(decide(&cfg, "/v1/chat/completions", &[("x-model-id", "unpolicied")], chat, None), BodyDecision::Bypass(Bypass::ModelConflict));
         assert!(matches!(decide(&cfg, "/v1/chat/completions", &[("x-model-id", "m1")], chat, None), BodyDecision::Cacheable(_)));
         // A body without a model falls back to the header.
         assert!(matches!(decide(&cfg, "/v1/chat/completions", &[("x-model-id", "m1")], br#"{"messages": []}"#, None), BodyDecision::Cacheable(_)));
     }
 
     #[test]
+    fn an_ambiguous_body_model_never_falls_back_to_the_header() {
+        let cfg = config(r#"{"policies": [{"model_prefix": "m", "ttl_s": 5}, {"model_prefix": "off", "ttl_s": 5, "enabled": false}]}"#);
+        let chat = "/v1/chat/completions";
+        for body in [&br#"{"model": "p", "model": "m", "messages": []}"#[..], br#"{"model": "m", "model": "m"}"#,
+                     br#"{"model": 3}"#, br#"{"model": null}"#, br#"{"model": ""}"#, br#"{"model": ["m"]}"#,
+                     br#"{"model": "\udc00"}"#, br#"{"m\u006fdel": "m", "model": "m"}"#] {
+            assert_eq!(decide(&cfg, chat, &[("x-model-id", "m")], body, None), BodyDecision::Bypass(Bypass::AmbiguousModel),
+                       "{}", String::from_utf8_lossy(body));
+        }
+        // Absent: the header names it; with neither, nothing does.
+        assert!(matches!(decide(&cfg, chat, &[("x-model-id", "m")], br#"{"messages": []}"#, None), BodyDecision::Cacheable(_)));
+        assert_eq!(decide(&cfg, chat, &[], br#"{"messages": []}"#, None), BodyDecision::Bypass(Bypass::NoModel));
+        // A disabled policy keeps its models out; it does not hand them to a shorter prefix.
+        assert_eq!(decide(&cfg, chat, &[], br#"{"model": "off-1"}"#, None), BodyDecision::Bypass(Bypass::Disabled));
+    }
+
+    #[test]
+    fn compressed_bodies_and_odd_binary_lengths_bypass() {
+        let cfg = config(r#"{"policies": [{"model_prefix": "m", "ttl_s": 5}]}"#);
+        let head = |h: &[(&str, &str)]| {
+            let h = hs(h);
+            on_head(&RequestHead { method: "POST", path: "/v2/models/m/infer", headers: &h, not_utf8: &[] })
+        };
+        assert_eq!(head(&[("content-encoding", "gzip")]), HeadDecision::Bypass(Bypass::Compressed));
+        assert!(matches!(head(&[("content-encoding", "identity")]), HeadDecision::Buffer { .. }));
+        let body = br#"{"inputs":[]}xyz"#;
+        let n = (body.len() - 3).to_string();
+        let bin = "inference-header-content-length";
+        assert!(matches!(decide(&cfg, "/v2/models/m/infer", &[(bin, &n)], body, None), BodyDecision::Cacheable(_)));
+        let signed = format!("+{}", n);
+        for lines in [vec![(bin, signed.as_str())], vec![(bin, n.as_str()), (bin, n.as_str())], vec![(bin, "1e1")]] {
+            assert_eq!(decide(&cfg, "/v2/models/m/infer", &lines, body, None), BodyDecision::Bypass(Bypass::BinaryLength), "{:?}", lines);
+        }
+    }
+
+    #[test]
+    fn set_cookie2_answers_are_not_stored() {
+        let cfg = config(r#"{"policies": [{"model_prefix": "m", "ttl_s": 5}]}"#);
+        let h = hs(&[("Set-Cookie2", "a=b; Version=1")]);
+        assert_eq!(response_storable(&cfg.policies[0], &h, &[], 0), Err(NotStored::SetCookie));
+        let t = response_storable(&cfg.policies[0], &hs(&[]), &[], 0).unwrap();
+        assert!(t.from_policy && t.s == 5);
+        let t = response_storable(&cfg.policies[0], &hs(&[("cache-control", "max-age=3")]), &[], 0).unwrap();
+        assert!(!t.from_policy && t.s == 3);
+    }
+
+    #[test]
     fn what_the_origin_says_decides_storing() {
         let cfg = config(r#"{"policies": [{"model_prefix": "m", "ttl_s": 5, "vary_headers": ["x-tenant"]}]}"#);
         let p = &cfg.policies[0];
-        let ok = |h: &[(&str, &str)]| response_storable(p, &hs(h), &[], 0);
+        let ok = |h: &[(&str, &str)]| response_storable(p, &hs(h), &[], 0).map(|t| t.s);
         assert_eq!(ok(&[]), Ok(5));
         assert_eq!(ok(&[("set-cookie", "a=b")]), Err(NotStored::SetCookie));
         assert_eq!(ok(&[("vary", "*")]), Err(NotStored::Vary));
@@ -618,7 +683,7 @@ mod tests {
         };
         let resp = hs(&[(":status", "200"), ("content-type", "application/json"), ("date", "x"), ("content-length", "2"), ("x-custom", "1")]);
         let c = Cacheable { request_ms: 10_000, ..c };
-        let s = build_entry(&c, &resp, 200, b"{}".to_vec(), 5).unwrap();
+        let s = build_entry(&c, &resp, 200, b"{}".to_vec(), TTL5).unwrap();
         assert_eq!(s.entry.expires_at_ms, 15_000);
         let names: Vec<&str> = s.entry.headers.iter().map(|(n, _)| n.as_str()).collect();
         assert_eq!(names, vec!["content-type", "x-custom", "etag"]);
@@ -626,7 +691,7 @@ mod tests {
         assert!(not_modified(Some(&format!("\"{}\"", s.entry.response_hash)), &s.entry));
         assert_eq!(crate::answer::freshness(&s.entry, 12_500), (3, 2));
         let with_etag = hs(&[("etag", "\"v1\"")]);
-        let s2 = build_entry(&c, &with_etag, 200, b"{}".to_vec(), 5).unwrap();
+        let s2 = build_entry(&c, &with_etag, 200, b"{}".to_vec(), TTL5).unwrap();
         assert_eq!(s2.added_etag, None);
         assert!(not_modified(Some("W/\"v1\""), &s2.entry));
     }
@@ -649,20 +714,20 @@ mod tests {
         assert_ne!(none.key, a.key, "an answer without an id never serves a request with one");
         let answer = |id: &str| format!(r#"{{"model_name":"m","model_version":"1","id":"{}","outputs":[]}}"#, id).into_bytes();
         let json = hs(&[("content-type", "application/json")]);
-        let stored = build_entry(&Cacheable { request_ms: 1000, ..a.clone() }, &json, 200, answer("a-1"), 5).unwrap();
+        let stored = build_entry(&Cacheable { request_ms: 1000, ..a.clone() }, &json, 200, answer("a-1"), TTL5).unwrap();
         assert_eq!(stored.entry.body, br#"{"model_name":"m","model_version":"1","outputs":[]}"#.to_vec());
-        let from_b = build_entry(&Cacheable { request_ms: 1000, ..b.clone() }, &json, 200, answer("b-2"), 5).unwrap();
+        let from_b = build_entry(&Cacheable { request_ms: 1000, ..b.clone() }, &json, 200, answer("b-2"), TTL5).unwrap();
         assert_eq!(stored.entry.response_hash, from_b.entry.response_hash, "the hash is id-independent");
         assert_eq!(stored.added_etag, from_b.added_etag);
         let none_h: Vec<(String, String)> = vec![];
         let hit = crate::answer::http_hit(&stored.entry, &crate::answer::HitRequest { headers: &none_h, body: b"", id: &b.request_id }, 1000);
         assert_eq!(hit.body, answer("b-2"));
         // An answer that echoes some other id is not stored.
-        let wrong = build_entry(&a, &json, 200, answer("zzz"), 5);
+        let wrong = build_entry(&a, &json, 200, answer("zzz"), TTL5);
         assert_eq!(wrong.err(), Some(NotStored::Unparsable));
         // Malformed bodies on KServe paths bypass as unparsable.
         for bad in [&b"not json"[..], br#"{"id":"a","id":"b"}"#, br#"{"id":"a""#, br#"{"id":5}"#] {
-            assert_eq!(decide(&cfg, "/v2/models/m/infer", &[], bad, None), BodyDecision::Unkeyable(Unkeyable::Unparsable));
+            assert_eq!(decide(&cfg, "/v2/models/m/infer", &[], bad, None), BodyDecision::Bypass(Bypass::Unparsable));
         }
         // x-model-id requests without key-shaping rules stay opaque (any body).
         assert!(matches!(decide(&cfg, "/v1/infer", &[("x-model-id", "m")], b"\xff raw", None), BodyDecision::Cacheable(_)));
@@ -678,7 +743,7 @@ mod tests {
         let ans_json = br#"{"id":"r1","outputs":[{"name":"y","parameters":{"binary_data_size":1}}]}"#;
         let ans = [&ans_json[..], b"\x09"].concat();
         let h = hs(&[("content-type", "application/octet-stream"), ("inference-header-content-length", &ans_json.len().to_string())]);
-        let s = build_entry(&c, &h, 200, ans.clone(), 5).unwrap();
+        let s = build_entry(&c, &h, 200, ans.clone(), TTL5).unwrap();
         let stored_len = header(&s.entry.headers, "inference-header-content-length").unwrap();
         assert_eq!(stored_len, (ans_json.len() - r#""id":"r1","#.len()).to_string());
         let none_h: Vec<(String, String)> = vec![];
@@ -715,8 +780,8 @@ mod tests {
         assert_eq!(a.key, b.key);
         assert_ne!(a.key, none.key);
         assert_eq!(b.request_id, RequestId::Spliced(b"two".to_vec()));
-        assert_eq!(decide(&cfg, path, &grpc, b"\x00\x00\x00\x00\x02\x18\x01", None), BodyDecision::Unkeyable(Unkeyable::Unparsable));
-        assert_eq!(decide(&cfg, path, &grpc, b"\x01\x00\x00\x00\x00", None), BodyDecision::Unkeyable(Unkeyable::Unparsable));
+        assert_eq!(decide(&cfg, path, &grpc, b"\x00\x00\x00\x00\x02\x18\x01", None), BodyDecision::Bypass(Bypass::Unparsable));
+        assert_eq!(decide(&cfg, path, &grpc, b"\x01\x00\x00\x00\x00", None), BodyDecision::Bypass(Bypass::Compressed));
     }
 
     #[test]
@@ -728,7 +793,7 @@ mod tests {
         let k2 = key(decide(&cfg, chat, &[], br#"{"model":"gpt-4","messages":[],"temperature":0,"user":"bob","metadata":{"x":1}}"#, None));
         assert_eq!(k1, k2);
         assert_ne!(k1, key(decide(&cfg, chat, &[], br#"{"model":"gpt-4","messages":[1],"temperature":0}"#, None)));
-        assert_eq!(decide(&cfg, chat, &[], br#"{"model":"gpt-4","messages":[],"temperature":0.8}"#, None), BodyDecision::Unkeyable(Unkeyable::Nondeterministic));
+        assert_eq!(decide(&cfg, chat, &[], br#"{"model":"gpt-4","messages":[],"temperature":0.8}"#, None), BodyDecision::Bypass(Bypass::Nondeterministic));
         assert!(matches!(decide(&cfg, chat, &[], br#"{"model":"gpt-4","messages":[],"temperature":0.8,"seed":7}"#, None), BodyDecision::Cacheable(_)));
         // Embeddings are not samples; the rule does not apply there.
         assert!(matches!(decide(&cfg, "/v1/embeddings", &[], br#"{"model":"emb-1","input":"x"}"#, None), BodyDecision::Cacheable(_)));

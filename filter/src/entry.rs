@@ -4,10 +4,13 @@ use crate::accounting::UNATTRIBUTED;
 use crate::hashing::KeyDigest;
 use crate::keybody::Splice;
 
-/// MC4 adds the stale windows (RFC 5861) at the end; MC3 the policy tag after the key. MC3 (no
-/// stale windows), MC2 (where the answer's request id goes back) and MC1 entries still decode,
-/// MC2 and MC1 with the `UNATTRIBUTED` tag.
-const MAGIC: &[u8; 3] = b"MC4";
+/// MC5 adds one byte at the end: whether the TTL came from the policy's `ttl_s`. MC4 adds the
+/// stale windows (RFC 5861) at the end; MC3 the policy tag after the key. MC4 (TTL from the
+/// origin, as far as a later `ttl_s` is concerned), MC3 (no stale windows), MC2 (where the
+/// answer's request id goes back) and MC1 entries still decode, MC2 and MC1 with the
+/// `UNATTRIBUTED` tag.
+const MAGIC: &[u8; 3] = b"MC5";
+const MAGIC_V4: &[u8; 3] = b"MC4";
 const MAGIC_V3: &[u8; 3] = b"MC3";
 const MAGIC_V2: &[u8; 3] = b"MC2";
 const MAGIC_V1: &[u8; 3] = b"MC1";
@@ -21,6 +24,9 @@ pub struct Entry {
     pub policy: u64,
     pub stored_at_ms: u64,
     pub expires_at_ms: u64,
+    /// The TTL is the policy's `ttl_s` (the origin gave no freshness): a lower `ttl_s` later
+    /// shortens this entry too (`store::Lifetime`).
+    pub ttl_from_policy: bool,
     pub status: u16,
     /// A gRPC entry's body is the response message without its 5-byte frame header.
     pub grpc: bool,
@@ -40,7 +46,7 @@ pub struct Entry {
 
 /// Whether an encoded entry's magic says it carries a policy tag (MC3 and later).
 fn tagged(magic: &[u8]) -> bool {
-    magic == MAGIC || magic == MAGIC_V3
+    magic == MAGIC || magic == MAGIC_V4 || magic == MAGIC_V3
 }
 
 impl Entry {
@@ -52,7 +58,7 @@ impl Entry {
             Some(Splice::Proto { at }) => 1 + std::mem::size_of_val(at),
             Some(Splice::Json { at, before, after, .. }) => 1 + std::mem::size_of_val(at) + 1 + 4 + before.len() + after.len(),
         };
-        3 + 32 + 8 + 8 + 8 + 2 + 1 + 1 + self.response_hash.len() + 2 + header_bytes + 4 + self.body.len() + splice + 8
+        3 + 32 + 8 + 8 + 8 + 2 + 1 + 1 + self.response_hash.len() + 2 + header_bytes + 4 + self.body.len() + splice + 8 + 1
     }
 
     pub fn encode(&self) -> Vec<u8> {
@@ -93,6 +99,7 @@ impl Entry {
         }
         out.extend_from_slice(&self.stale_if_error_s.to_be_bytes());
         out.extend_from_slice(&self.stale_while_revalidate_s.to_be_bytes());
+        out.push(self.ttl_from_policy as u8);
         out
     }
 
@@ -100,7 +107,8 @@ impl Entry {
         let mut r = Reader { buf };
         let magic = r.take(3)?;
         let v1 = magic == MAGIC_V1;
-        let v4 = magic == MAGIC;
+        let v5 = magic == MAGIC;
+        let v4 = v5 || magic == MAGIC_V4;
         let v3 = tagged(magic);
         if !v1 && !v3 && magic != MAGIC_V2 {
             return None;
@@ -147,11 +155,12 @@ impl Entry {
             None => 0,
         };
         let (stale_if_error_s, stale_while_revalidate_s) = if v4 { (r.u32()?, r.u32()?) } else { (0, 0) };
+        let ttl_from_policy = if v5 { r.take(1)?[0] != 0 } else { false };
         if !r.buf.is_empty() || at > body.len() {
             return None;
         }
         Some(Entry {
-            key, policy, stored_at_ms, expires_at_ms, status, grpc, response_hash, headers, body, splice, stale_if_error_s,
+            key, policy, stored_at_ms, expires_at_ms, ttl_from_policy, status, grpc, response_hash, headers, body, splice, stale_if_error_s,
             stale_while_revalidate_s,
         })
     }
@@ -175,7 +184,7 @@ impl Entry {
         u64::from_be_bytes(t)
     }
 
-    /// Rewrites the policy tag of an encoded MC3/MC4 entry in place.
+    /// Rewrites the policy tag of an encoded MC3, MC4 or MC5 entry in place.
     pub fn set_policy(buf: &mut [u8], tag: u64) {
         if buf.len() >= TAG_AT + 8 && tagged(&buf[..3]) {
             buf[TAG_AT..TAG_AT + 8].copy_from_slice(&tag.to_be_bytes());
@@ -221,6 +230,7 @@ pub fn sample(key_byte: u8, body: &[u8], expires_at_ms: u64) -> Entry {
         policy: crate::accounting::policy_tag("m"),
         stored_at_ms: 1000,
         expires_at_ms,
+        ttl_from_policy: false,
         status: 200,
         grpc: false,
         response_hash: "ab".repeat(32),
@@ -266,12 +276,19 @@ mod tests {
                 assert_eq!(Entry::decode(&buf[..n]), None);
             }
         }
-        // An MC3 entry is the MC4 layout without the stale windows; MC2 also lacks the policy
-        // tag, MC1 also the splice byte. MC2 and MC1 decode as unattributed (they were stored
-        // before per-policy accounting); none has stale windows.
+        // An MC4 entry is the MC5 layout without the TTL-source byte (decoded as the origin's
+        // TTL); MC3 also lacks the stale windows; MC2 also the policy tag, MC1 also the splice
+        // byte. MC2 and MC1 decode as unattributed (they were stored before per-policy
+        // accounting); none has stale windows.
+        let from_policy = Entry { ttl_from_policy: true, ..sample(4, b"{}", 9) };
+        assert_eq!(Entry::decode(&from_policy.encode()), Some(from_policy.clone()));
+        let mut v4 = from_policy.encode();
+        v4.pop();
+        v4[..3].copy_from_slice(MAGIC_V4);
+        assert_eq!(Entry::decode(&v4), Some(Entry { ttl_from_policy: false, ..from_policy }));
         let e = sample(4, b"{}", 9);
         let mut v3 = e.encode();
-        v3.truncate(v3.len() - 8);
+        v3.truncate(v3.len() - 9);
         v3[..3].copy_from_slice(MAGIC_V3);
         assert_eq!(Entry::decode(&v3), Some(e.clone()));
         assert_eq!(Entry::peek_policy(&v3), e.policy);

@@ -17,23 +17,7 @@ use crate::json::{self, Member};
 /// Longer ids stay in the key (and a gRPC hit's marker stays small).
 pub const MAX_SPLICED_ID_BYTES: usize = 256;
 
-/// Why a body cannot be keyed: the request bypasses with this as `Cache-Status` detail.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Unkeyable {
-    /// Not parseable the way the key needs (`detail=unparsable`).
-    Unparsable,
-    /// `deterministic_only` and the answer would be a sample (`detail=nondeterministic`).
-    Nondeterministic,
-}
-
-impl Unkeyable {
-    pub fn detail(self) -> &'static str {
-        match self {
-            Unkeyable::Unparsable => "unparsable",
-            Unkeyable::Nondeterministic => "nondeterministic",
-        }
-    }
-}
+use crate::names::Bypass;
 
 /// The request id as far as the key and the answer are concerned.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -95,15 +79,33 @@ pub fn is_plain_rest_id(id: &[u8]) -> bool {
         && id.iter().all(|b| b.is_ascii_alphanumeric() || b"-_.:~+=@".contains(b))
 }
 
-/// The JSON part and the binary part of a REST body (binary tensor extension).
-pub fn split_binary(body: &[u8], header: Option<&str>) -> Result<(usize, bool), Unkeyable> {
-    match header {
-        None => Ok((body.len(), false)),
-        Some(v) => match v.trim().parse::<usize>() {
-            Ok(n) if n <= body.len() => Ok((n, true)),
-            _ => Err(Unkeyable::Unparsable),
+/// The JSON part and the binary part of a REST body (binary tensor extension). `values`: every
+/// line of `inference-header-content-length`. Only one plain decimal (ASCII digits, at most 19)
+/// no larger than the body is read; servers read anything else their own way (a sign, spaces,
+/// other digits, the first or the last of repeated lines) or reject it, so it bypasses.
+pub fn split_binary(body: &[u8], values: &[&str]) -> Result<(usize, bool), Bypass> {
+    match values {
+        [] => Ok((body.len(), false)),
+        [v] => match plain_decimal(v) {
+            Some(n) if n <= body.len() as u64 => Ok((n as usize, true)),
+            _ => Err(Bypass::BinaryLength),
         },
+        _ => Err(Bypass::BinaryLength),
     }
+}
+
+/// `[0-9]{1,19}` as a number (19 digits always fit a u64), else None.
+pub fn plain_decimal(v: &str) -> Option<u64> {
+    if v.is_empty() || v.len() > 19 || !v.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    v.parse().ok()
+}
+
+/// A JSON integer token (`-?[0-9]+`, no fraction or exponent): what an integer `seed` is.
+fn is_json_integer(raw: &[u8]) -> bool {
+    let digits = raw.strip_prefix(b"-").unwrap_or(raw);
+    !digits.is_empty() && digits.iter().all(u8::is_ascii_digit)
 }
 
 /// The key body of a JSON request under `rules`, with the top-level members already scanned
@@ -114,13 +116,14 @@ pub fn json_key_body<'a>(
     binary: bool,
     members: &[Member],
     rules: &JsonRules,
-) -> Result<KeyBody<'a>, Unkeyable> {
+) -> Result<KeyBody<'a>, Bypass> {
     let json = &body[..json_len];
     let mut drop = vec![false; members.len()];
     let mut id = RequestId::None;
     let mut seen_id = false;
     let mut temperature: Option<&[u8]> = None;
     let mut seeded = false;
+    let mut seen_seed = false;
     for (i, m) in members.iter().enumerate() {
         if rules.ignore_fields.iter().any(|f| m.key_is(json, f)) {
             drop[i] = true;
@@ -129,15 +132,15 @@ pub fn json_key_body<'a>(
         if rules.request_id && m.key_is(json, "id") {
             if seen_id {
                 // Parsers disagree on duplicates (first or last wins): not keyable.
-                return Err(Unkeyable::Unparsable);
+                return Err(Bypass::Unparsable);
             }
             seen_id = true;
             let raw = m.value_raw(json);
             if raw.first() != Some(&b'"') {
                 // KServe ids are strings; what a server does with another type is its own.
-                return Err(Unkeyable::Unparsable);
+                return Err(Bypass::Unparsable);
             }
-            let decoded = json::decode_string(raw).ok_or(Unkeyable::Unparsable)?;
+            let decoded = json::decode_string(raw).ok_or(Bypass::Unparsable)?;
             if is_plain_rest_id(decoded.as_bytes()) {
                 drop[i] = true;
                 id = RequestId::Spliced(decoded.into_bytes());
@@ -149,11 +152,16 @@ pub fn json_key_body<'a>(
         if rules.deterministic_only {
             if m.key_is(json, "temperature") {
                 if temperature.is_some() {
-                    return Err(Unkeyable::Unparsable);
+                    return Err(Bypass::Unparsable);
                 }
                 temperature = Some(m.value_raw(json));
             } else if m.key_is(json, "seed") {
-                seeded = m.value_raw(json) != b"null";
+                if seen_seed {
+                    return Err(Bypass::Unparsable);
+                }
+                seen_seed = true;
+                // Only an integer seeds the sampler (false, "x", {}, 1.5 do not, or fail).
+                seeded = is_json_integer(m.value_raw(json));
             }
         }
     }
@@ -162,11 +170,11 @@ pub fn json_key_body<'a>(
             None | Some(b"null") => true,
             Some(raw) => match std::str::from_utf8(raw).ok().and_then(|t| t.parse::<f64>().ok()) {
                 Some(t) => t > 0.0,
-                None => return Err(Unkeyable::Unparsable),
+                None => return Err(Bypass::Unparsable),
             },
         };
         if sampled {
-            return Err(Unkeyable::Nondeterministic);
+            return Err(Bypass::Nondeterministic);
         }
     }
     let mut parts = json::without_members(json, members, &drop);
@@ -188,7 +196,7 @@ pub struct GrpcRequest<'a> {
 /// Parses the (unframed) ModelInferRequest's top level: fields 1/2 (model) and 3 (id). The last
 /// of repeated scalar fields wins, as in every protobuf parser; a known field with the wrong wire
 /// type, invalid UTF-8 or a malformed message is unparsable.
-pub fn grpc_request(message: &[u8]) -> Result<GrpcRequest, Unkeyable> {
+pub fn grpc_request(message: &[u8]) -> Result<GrpcRequest, Bypass> {
     let mut name: &[u8] = b"";
     let mut version: &[u8] = b"";
     let mut id: &[u8] = b"";
@@ -199,7 +207,7 @@ pub fn grpc_request(message: &[u8]) -> Result<GrpcRequest, Unkeyable> {
         let field = match fields.next() {
             None => break,
             Some(Ok(f)) => f,
-            Some(Err(())) => return Err(Unkeyable::Unparsable),
+            Some(Err(())) => return Err(Bypass::Unparsable),
         };
         let end = message.len() - fields.remaining();
         match field {
@@ -209,11 +217,11 @@ pub fn grpc_request(message: &[u8]) -> Result<GrpcRequest, Unkeyable> {
                 id = b;
                 id_spans.push((start, end));
             }
-            (1..=3, _) => return Err(Unkeyable::Unparsable),
+            (1..=3, _) => return Err(Bypass::Unparsable),
             _ => {}
         }
     }
-    let text = |b: &[u8]| std::str::from_utf8(b).map(str::to_string).map_err(|_| Unkeyable::Unparsable);
+    let text = |b: &[u8]| std::str::from_utf8(b).map(str::to_string).map_err(|_| Bypass::Unparsable);
     let (model_name, model_version) = (text(name)?, text(version)?);
     text(id)?;
     let mut parts = Vec::with_capacity(id_spans.len() + 1);
@@ -259,14 +267,15 @@ pub struct Stripped {
 /// Removes the echoed id from a JSON answer. An answer without a top-level id is stored as it
 /// is (the server does not echo ids: every caller gets the same bytes). An id other than the
 /// requester's, a repeated id or an unparsable answer is not storable.
-pub fn strip_json_answer(body: Vec<u8>, json_len_header: Option<&str>, id: &[u8]) -> Result<Stripped, Unkeyable> {
-    let (json_len, binary) = split_binary(&body, json_len_header)?;
-    let members = json::object_members(&body[..json_len]).ok_or(Unkeyable::Unparsable)?;
+pub fn strip_json_answer(body: Vec<u8>, json_len_header: Option<&str>, id: &[u8]) -> Result<Stripped, Bypass> {
+    let lines: Vec<&str> = json_len_header.into_iter().collect();
+    let (json_len, binary) = split_binary(&body, &lines).map_err(|_| Bypass::Unparsable)?;
+    let members = json::object_members(&body[..json_len]).ok_or(Bypass::Unparsable)?;
     let mut found: Option<usize> = None;
     for (i, m) in members.iter().enumerate() {
         if m.key_is(&body, "id") {
             if found.is_some() {
-                return Err(Unkeyable::Unparsable);
+                return Err(Bypass::Unparsable);
             }
             found = Some(i);
         }
@@ -279,7 +288,7 @@ pub fn strip_json_answer(body: Vec<u8>, json_len_header: Option<&str>, id: &[u8]
     let value = m.value_raw(&body);
     // A plain id is written without escapes by every encoder: the raw token is `"<id>"`.
     if value.len() != id.len() + 2 || &value[1..value.len() - 1] != id {
-        return Err(Unkeyable::Unparsable);
+        return Err(Bypass::Unparsable);
     }
     let last = i + 1 == members.len();
     let r0 = if last && i > 0 { members[i - 1].end } else { m.start };
@@ -293,17 +302,17 @@ pub fn strip_json_answer(body: Vec<u8>, json_len_header: Option<&str>, id: &[u8]
 
 /// Removes the echoed id (field 3) from a ModelInferResponse message. As for JSON: no id is
 /// stored as is; another id, a repeated id or a malformed message is not storable.
-pub fn strip_proto_answer(message: Vec<u8>, id: &[u8]) -> Result<Stripped, Unkeyable> {
+pub fn strip_proto_answer(message: Vec<u8>, id: &[u8]) -> Result<Stripped, Bypass> {
     let mut span: Option<(usize, usize)> = None;
     let mut fields = Fields::new(&message);
     loop {
         let start = message.len() - fields.remaining();
         match fields.next() {
             None => break,
-            Some(Err(())) => return Err(Unkeyable::Unparsable),
+            Some(Err(())) => return Err(Bypass::Unparsable),
             Some(Ok((3, v))) => {
                 if span.is_some() || v != Value::Bytes(id) {
-                    return Err(Unkeyable::Unparsable);
+                    return Err(Bypass::Unparsable);
                 }
                 span = Some((start, message.len() - fields.remaining()));
             }
@@ -363,8 +372,8 @@ pub fn answer_body<'s>(stored: &'s [u8], splice: Option<&Splice>, id: &RequestId
 mod tests {
     use super::*;
 
-    fn key_of(body: &[u8], rules: &JsonRules) -> Result<(Vec<u8>, RequestId), Unkeyable> {
-        let members = json::object_members(body).ok_or(Unkeyable::Unparsable)?;
+    fn key_of(body: &[u8], rules: &JsonRules) -> Result<(Vec<u8>, RequestId), Bypass> {
+        let members = json::object_members(body).ok_or(Bypass::Unparsable)?;
         let k = json_key_body(body, body.len(), false, &members, rules)?;
         Ok((k.parts.concat(), k.id))
     }
@@ -401,7 +410,7 @@ mod tests {
         let long = format!(r#"{{"id":"{}","x":1}}"#, "a".repeat(MAX_SPLICED_ID_BYTES + 1));
         assert_eq!(key_of(long.as_bytes(), &KSERVE).unwrap().1, RequestId::Kept);
         for body in [&br#"{"id":"a","id":"b","x":1}"#[..], br#"{"id":7,"x":1}"#, br#"{"id":null}"#, br#"{"id":"\ud800"}"#, br#"{"id":"a""#] {
-            assert_eq!(key_of(body, &KSERVE), Err(Unkeyable::Unparsable), "{}", String::from_utf8_lossy(body));
+            assert_eq!(key_of(body, &KSERVE), Err(Bypass::Unparsable), "{}", String::from_utf8_lossy(body));
         }
     }
 
@@ -414,9 +423,14 @@ mod tests {
         let kept = br#"{"inputs":[{"name":"x","parameters":{"binary_data_size":4}}]}"#;
         assert_eq!(k.parts.concat(), [&kept[..], b"\x01\x02\x03\x04"].concat());
         assert_eq!(k.json_len, Some(kept.len() as u64));
-        assert_eq!(split_binary(&body, Some("9999")), Err(Unkeyable::Unparsable));
-        assert_eq!(split_binary(&body, Some("x")), Err(Unkeyable::Unparsable));
-        assert_eq!(split_binary(&body, Some("3")), Ok((3, true)));
+        assert_eq!(split_binary(&body, &[]), Ok((body.len(), false)));
+        assert_eq!(split_binary(&body, &["3"]), Ok((3, true)));
+        assert_eq!(split_binary(&body, &["003"]), Ok((3, true)), "leading zeros: every server reads 3");
+        // Anything a server might read differently (or reject) is not read at all.
+        for bad in [&["9999"][..], &["x"], &["+3"], &["-3"], &[" 3"], &["3 "], &["3.0"], &[""], &["0x3"], &["\u{663}"],
+                    &["3", "3"], &["3", "4"], &["99999999999999999999"]] {
+            assert_eq!(split_binary(&body, bad), Err(Bypass::BinaryLength), "{:?}", bad);
+        }
     }
 
     #[test]
@@ -438,15 +452,24 @@ mod tests {
             (br#"{"model":"m"}"#, false),
             (br#"{"model":"m","temperature":null}"#, false),
             (br#"{"model":"m","seed":1}"#, true),
+            (br#"{"model":"m","seed":-7}"#, true),
+            // Only an integer seed makes a sample repeatable.
+            (br#"{"model":"m","seed":false}"#, false),
+            (br#"{"model":"m","seed":"x"}"#, false),
+            (br#"{"model":"m","seed":{}}"#, false),
+            (br#"{"model":"m","seed":1.5}"#, false),
+            (br#"{"model":"m","seed":1e3}"#, false),
+            (br#"{"model":"m","seed":[1]}"#, false),
         ] {
             let got = key_of(body, &det);
             assert_eq!(got.is_ok(), ok, "{}", String::from_utf8_lossy(body));
             if !ok {
-                assert_eq!(got.unwrap_err(), Unkeyable::Nondeterministic);
+                assert_eq!(got.unwrap_err(), Bypass::Nondeterministic);
             }
         }
-        assert_eq!(key_of(br#"{"temperature":"hot"}"#, &det), Err(Unkeyable::Unparsable));
-        assert_eq!(key_of(br#"{"temperature":0,"temperature":1}"#, &det), Err(Unkeyable::Unparsable));
+        assert_eq!(key_of(br#"{"temperature":"hot"}"#, &det), Err(Bypass::Unparsable));
+        assert_eq!(key_of(br#"{"temperature":0,"temperature":1}"#, &det), Err(Bypass::Unparsable));
+        assert_eq!(key_of(br#"{"temperature":1,"seed":1,"seed":null}"#, &det), Err(Bypass::Unparsable), "repeated seed");
     }
 
     fn pb_string(field: u8, s: &[u8]) -> Vec<u8> {
@@ -499,7 +522,7 @@ mod tests {
             vec![0x0b],                                         // group wire type
         ];
         for b in bad {
-            assert_eq!(grpc_request(&b), Err(Unkeyable::Unparsable), "{:?}", b);
+            assert_eq!(grpc_request(&b), Err(Bypass::Unparsable), "{:?}", b);
         }
     }
 
@@ -529,7 +552,7 @@ mod tests {
         assert_eq!(answer_body(&s.body, None, &RequestId::Spliced(b"x".to_vec())).unwrap().0, plain);
         // Another id, a repeated id, an escaped echo or broken JSON: not storable.
         for bad in [&br#"{"id":"other"}"#[..], br#"{"id":"req-1","id":"req-1"}"#, br#"{"id":"req\u002d1"}"#, br#"{"id":"req-1""#] {
-            assert_eq!(strip_json_answer(bad.to_vec(), None, b"req-1"), Err(Unkeyable::Unparsable));
+            assert_eq!(strip_json_answer(bad.to_vec(), None, b"req-1"), Err(Bypass::Unparsable));
         }
     }
 
@@ -560,9 +583,9 @@ mod tests {
         assert_eq!(answer_body(&s.body, s.splice.as_ref(), &RequestId::Spliced(long_id)).unwrap().0, want);
         let none = [pb_string(1, b"m"), outputs.clone()].concat();
         assert_eq!(strip_proto_answer(none.clone(), b"req-1").unwrap(), Stripped { body: none, splice: None });
-        assert_eq!(strip_proto_answer(pb_string(3, b"other"), b"req-1"), Err(Unkeyable::Unparsable));
-        assert_eq!(strip_proto_answer([pb_string(3, b"req-1"), pb_string(3, b"req-1")].concat(), b"req-1"), Err(Unkeyable::Unparsable));
-        assert_eq!(strip_proto_answer(vec![0x1a, 9, b'r'], b"req-1"), Err(Unkeyable::Unparsable));
+        assert_eq!(strip_proto_answer(pb_string(3, b"other"), b"req-1"), Err(Bypass::Unparsable));
+        assert_eq!(strip_proto_answer([pb_string(3, b"req-1"), pb_string(3, b"req-1")].concat(), b"req-1"), Err(Bypass::Unparsable));
+        assert_eq!(strip_proto_answer(vec![0x1a, 9, b'r'], b"req-1"), Err(Bypass::Unparsable));
         // A splice point past the stored body (corrupt entry) is refused, not a panic.
         assert_eq!(answer_body(b"ab", Some(&Splice::Proto { at: 9 }), &RequestId::Spliced(b"x".to_vec())), None);
     }

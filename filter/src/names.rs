@@ -54,7 +54,77 @@ pub fn cache_status_stale_if_error(past_s: u64, fwd_status: Option<u16>) -> Stri
     format!("meshcache; hit; {}; ttl=-{}; fwd=stale{}; detail={}", CACHE_STATUS_STALE, past_s, status, STALE_IF_ERROR_DETAIL)
 }
 
-/// A bypass whose reason is worth saying: `unparsable`, `nondeterministic`.
+/// Why the cache stays out of a request: every bypass says it as `Cache-Status: meshcache;
+/// fwd=bypass; detail=<why>` (docs/filter.md has the table).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Bypass {
+    /// Not a POST, on an inference path.
+    Method,
+    /// An inference path spelled other than the way the server routes it (trailing or doubled
+    /// slash, other case, percent-encoding): the filter cannot be sure which API it reaches.
+    Path,
+    /// grpc-web (own framing and trailers in the body).
+    GrpcWeb,
+    /// A keyed header (`x-model-id`, `x-traffic-color`) given more than once.
+    RepeatedHeader,
+    /// A keyed header whose value is not UTF-8.
+    HeaderBytes,
+    /// Client `Cache-Control: no-store`.
+    NoStore,
+    /// A compressed request body (`content-encoding`, a compressed gRPC message).
+    Compressed,
+    /// The request body is larger than the filter buffers.
+    TooBig,
+    /// No model named anywhere (body without `model`, no `x-model-id`).
+    NoModel,
+    /// The body names its model ambiguously: `model` repeated, not a non-empty string.
+    AmbiguousModel,
+    /// `x-model-id` names another model than the path or body.
+    ModelConflict,
+    /// No policy matches the model.
+    NoPolicy,
+    /// The matching policy is disabled.
+    Disabled,
+    /// `Authorization`, `Proxy-Authorization` or `Cookie` on a shared policy.
+    Credentials,
+    /// A principal-scoped policy and no peer identity (no mTLS).
+    NoIdentity,
+    /// `inference-header-content-length` other than one plain decimal no larger than the body.
+    BinaryLength,
+    /// The body cannot be read the way the key needs.
+    Unparsable,
+    /// `deterministic_only` and the answer would be a sample.
+    Nondeterministic,
+    /// This worker found the gRPC hit route missing: gRPC requests bypass.
+    NoHitRoute,
+}
+
+impl Bypass {
+    pub fn detail(self) -> &'static str {
+        match self {
+            Bypass::Method => "method",
+            Bypass::Path => "path",
+            Bypass::GrpcWeb => "grpc-web",
+            Bypass::RepeatedHeader => "repeated-header",
+            Bypass::HeaderBytes => "header-bytes",
+            Bypass::NoStore => "no-store",
+            Bypass::Compressed => "compressed",
+            Bypass::TooBig => "too-big",
+            Bypass::NoModel => "no-model",
+            Bypass::AmbiguousModel => "ambiguous-model",
+            Bypass::ModelConflict => "model-conflict",
+            Bypass::NoPolicy => "no-policy",
+            Bypass::Disabled => "disabled",
+            Bypass::Credentials => "credentials",
+            Bypass::NoIdentity => "no-identity",
+            Bypass::BinaryLength => "binary-length",
+            Bypass::Unparsable => "unparsable",
+            Bypass::Nondeterministic => "nondeterministic",
+            Bypass::NoHitRoute => "no-hit-route",
+        }
+    }
+}
+
 pub fn cache_status_bypass(detail: &str) -> String {
     format!("{}; detail={}", CACHE_STATUS_BYPASS, detail)
 }

@@ -32,6 +32,42 @@ pub trait SharedData {
     fn set(&self, key: &str, value: &[u8], cas: u32) -> bool;
 }
 
+/// What the *current* policy allows a stored entry at lookup: an entry is fresh until the
+/// earliest of its own expiry, `max_ttl_s` after it was stored and, when its TTL came from the
+/// policy (`Entry::ttl_from_policy`), `ttl_s` after it was stored. So lowering either TTL
+/// (even to 0) reaches entries already stored; raising one does not lengthen them. Past that,
+/// it is kept `keep_ms` for the stale windows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Lifetime {
+    pub keep_ms: u64,
+    pub max_ttl_ms: u64,
+    pub ttl_ms: u64,
+}
+
+impl Lifetime {
+    /// Each entry's own expiry only, kept `keep_ms` past it.
+    pub fn keeping(keep_ms: u64) -> Lifetime {
+        Lifetime { keep_ms, max_ttl_ms: u64::MAX, ttl_ms: u64::MAX }
+    }
+
+    pub fn of(policy: &crate::config::Policy) -> Lifetime {
+        Lifetime {
+            keep_ms: crate::stale::keep_ms(policy),
+            max_ttl_ms: policy.max_ttl_s.saturating_mul(1000),
+            ttl_ms: policy.ttl_s.saturating_mul(1000),
+        }
+    }
+
+    /// When `e` stops being fresh under this policy.
+    pub fn expires_at(&self, e: &Entry) -> u64 {
+        let mut at = e.expires_at_ms.min(e.stored_at_ms.saturating_add(self.max_ttl_ms));
+        if e.ttl_from_policy {
+            at = at.min(e.stored_at_ms.saturating_add(self.ttl_ms));
+        }
+        at
+    }
+}
+
 #[derive(Debug, PartialEq)]
 pub enum Lookup {
     Hit(Entry),
@@ -134,18 +170,21 @@ impl<'a, S: SharedData> Cache<'a, S> {
     }
 
     pub fn lookup(&self, key: &KeyDigest, now_ms: u64, out: &mut Outcome) -> Lookup {
-        self.lookup_keeping(key, now_ms, 0, out)
+        self.lookup_keeping(key, now_ms, Lifetime::keeping(0), out)
     }
 
-    /// Like `lookup`, but an entry expired less than `keep_ms` ago (and less than its own stale
-    /// windows) is returned as `Stale` instead of being freed.
-    pub fn lookup_keeping(&self, key: &KeyDigest, now_ms: u64, keep_ms: u64, out: &mut Outcome) -> Lookup {
-        self.lookup_at(slot_of(key, self.limits.max_entries), key, now_ms, keep_ms, out)
+    /// Like `lookup`, under the current policy's `life`: an entry expired (as `life` sees it)
+    /// less than `life.keep_ms` ago (and less than its own stale windows) is returned as
+    /// `Stale` instead of being freed.
+    pub fn lookup_keeping(&self, key: &KeyDigest, now_ms: u64, life: Lifetime, out: &mut Outcome) -> Lookup {
+        self.lookup_at(slot_of(key, self.limits.max_entries), key, now_ms, life, out)
     }
 
     /// Looks in slot `i` (where the key's owner placed it) for an entry with this key: fresh,
-    /// or expired less than `keep_ms` ago and within its stale windows.
-    pub fn lookup_at(&self, i: u32, key: &KeyDigest, now_ms: u64, keep_ms: u64, out: &mut Outcome) -> Lookup {
+    /// or expired less than `life.keep_ms` ago and within its stale windows. A returned entry's
+    /// `expires_at_ms` is its expiry under `life`.
+    pub fn lookup_at(&self, i: u32, key: &KeyDigest, now_ms: u64, life: Lifetime, out: &mut Outcome) -> Lookup {
+        let keep_ms = life.keep_ms;
         let (value, cas) = match self.data.get(&slot_key(i)) {
             Some(v) => v,
             // Not created yet (layout being set up): a store must read it again.
@@ -164,7 +203,8 @@ impl<'a, S: SharedData> Cache<'a, S> {
                 return Lookup::Miss(None);
             }
         }
-        match Entry::decode(&value) {
+        let decoded = Entry::decode(&value).map(|e| Entry { expires_at_ms: life.expires_at(&e), ..e });
+        match decoded {
             Some(e) if e.expires_at_ms > now_ms => Lookup::Hit(e),
             Some(e) if now_ms - e.expires_at_ms < keep_ms.min(stale_keep_ms(&e)) => {
                 let policy = e.policy;
@@ -418,8 +458,8 @@ pub mod tests {
         cache.reconcile(&mut out);
         let e = Entry { stale_if_error_s: 5, stale_while_revalidate_s: 2, ..entry(3, b"hello", 2000) };
         cache.insert(&e, None, &mut out).unwrap();
-        assert_eq!(cache.lookup_keeping(&key(3), 1999, 60_000, &mut out), Lookup::Hit(e.clone()));
-        let seen = match cache.lookup_keeping(&key(3), 2000, 60_000, &mut out) {
+        assert_eq!(cache.lookup_keeping(&key(3), 1999, Lifetime::keeping(60_000), &mut out), Lookup::Hit(e.clone()));
+        let seen = match cache.lookup_keeping(&key(3), 2000, Lifetime::keeping(60_000), &mut out) {
             Lookup::Stale(got, seen) => {
                 assert_eq!(got, e);
                 seen
@@ -429,14 +469,14 @@ pub mod tests {
         // A refreshed answer replaces the stale entry in place (CAS against the slot as seen).
         let fresh = Entry { stored_at_ms: 2500, ..entry(3, b"fresh", 9000) };
         cache.insert(&fresh, Some(seen), &mut out).unwrap();
-        assert_eq!(cache.lookup_keeping(&key(3), 8999, 60_000, &mut out), Lookup::Hit(fresh));
+        assert_eq!(cache.lookup_keeping(&key(3), 8999, Lifetime::keeping(60_000), &mut out), Lookup::Hit(fresh));
         assert_eq!(cache.meta().0.entries(), 1);
         assert_eq!(cache.meta().0.total_bytes(), shared.stored_bytes());
         // Past the entry's own window (5 s), or the caller's (keep_ms), it is a miss and freed.
         let e = Entry { stale_if_error_s: 5, ..entry(4, b"x", 2000) };
         cache.insert(&e, None, &mut out).unwrap();
-        assert!(matches!(cache.lookup_keeping(&key(4), 6999, 60_000, &mut out), Lookup::Stale(..)));
-        assert!(matches!(cache.lookup_keeping(&key(4), 6999, 1_000, &mut out), Lookup::Miss(None)), "caller keeps 1 s");
+        assert!(matches!(cache.lookup_keeping(&key(4), 6999, Lifetime::keeping(60_000), &mut out), Lookup::Stale(..)));
+        assert!(matches!(cache.lookup_keeping(&key(4), 6999, Lifetime::keeping(1_000), &mut out), Lookup::Miss(None)), "caller keeps 1 s");
         assert_eq!(cache.meta().0.entries(), 1);
         assert_eq!(cache.meta().0.total_bytes(), shared.stored_bytes());
     }
@@ -460,6 +500,30 @@ pub mod tests {
         assert!(out.evicted > 900);
         // The most recent entry is always retrievable.
         assert!(matches!(cache.lookup(&key(999), 0, &mut out), Lookup::Hit(_)));
+    }
+
+    #[test]
+    fn the_current_policy_lifetime_applies_to_stored_entries() {
+        // Stored at 1000 for 60 s; a policy lowered to max 10 s (and ttl 5 s) after the fact.
+        let shared = MemShared::default();
+        let l = limits(1 << 20, 16);
+        let cache = Cache { data: &shared, limits: &l };
+        let mut out = Outcome::default();
+        cache.reconcile(&mut out);
+        let lowered = Lifetime { keep_ms: 0, max_ttl_ms: 10_000, ttl_ms: 5_000 };
+        let origin = Entry { ttl_from_policy: false, ..entry(1, b"o", 61_000) };
+        let policy = Entry { ttl_from_policy: true, ..entry(2, b"p", 61_000) };
+        cache.insert(&origin, None, &mut out).unwrap();
+        cache.insert(&policy, None, &mut out).unwrap();
+        assert_eq!(lowered.expires_at(&origin), 11_000, "max_ttl_s caps every entry");
+        assert_eq!(lowered.expires_at(&policy), 6_000, "ttl_s caps entries whose TTL was the policy's");
+        assert_eq!(Lifetime { keep_ms: 0, max_ttl_ms: 0, ttl_ms: 0 }.expires_at(&origin), 1000, "0: nothing is fresh");
+        assert_eq!(Lifetime::keeping(0).expires_at(&policy), 61_000);
+        assert_eq!(Lifetime { keep_ms: 0, max_ttl_ms: 999_000, ttl_ms: 999_000 }.expires_at(&origin), 61_000, "raising never lengthens");
+        assert!(matches!(cache.lookup_keeping(&key(1), 10_999, lowered, &mut out), Lookup::Hit(e) if e.expires_at_ms == 11_000));
+        assert!(matches!(cache.lookup_keeping(&key(1), 11_000, lowered, &mut out), Lookup::Miss(_)));
+        assert!(matches!(cache.lookup_keeping(&key(2), 5_999, lowered, &mut out), Lookup::Hit(_)));
+        assert!(matches!(cache.lookup_keeping(&key(2), 6_000, lowered, &mut out), Lookup::Miss(_)));
     }
 
     #[test]
@@ -745,14 +809,14 @@ pub mod per_policy_tests {
                         let i = rng.below(lim.max_entries as u64) as u32;
                         if let Some((mut v, c)) = shared.get(&slot_key(i)) {
                             if !v.is_empty() {
-                                let splice_at = v.len() - 9; // the splice byte, before the 8 bytes of stale windows
+                                let splice_at = v.len() - 10; // the splice byte, before the stale windows (8) and the TTL source (1)
                                 v[splice_at] = 9; // no such splice form
                                 assert!(Entry::decode(&v).is_none());
                                 shared.set(&slot_key(i), &v, c);
                                 if let Some(k) = Entry::peek_key(&v) {
                                     let mut kd = [0u8; 32];
                                     kd.copy_from_slice(k);
-                                    cache.lookup_at(i, &kd, 0, 0, &mut out);
+                                    cache.lookup_at(i, &kd, 0, Lifetime::keeping(0), &mut out);
                                     assert_eq!(out.corrupt, 1);
                                 }
                             }

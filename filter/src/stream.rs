@@ -13,11 +13,11 @@ use crate::grpc;
 use crate::headermap::Headers;
 use crate::metrics::{self, count, count_policy, error};
 use crate::model::ModelSource;
-use crate::names;
+use crate::names::{self, Bypass};
 use crate::route_key;
 use crate::refresh::{self, Claim};
 use crate::stale;
-use crate::store::{Cache, Lookup, Outcome, StoreError};
+use crate::store::{Cache, Lifetime, Lookup, Outcome, StoreError};
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::rc::Rc;
@@ -206,7 +206,7 @@ enum Phase {
     /// Not ours (or failed open): untouched.
     Pass,
     /// An inference request the cache stays out of; its answer says so (and why, if known).
-    Bypass(Option<&'static str>),
+    Bypass(Bypass),
     Buffering { source: ModelSource, refresh: bool, headers: Headers },
     Miss(Cacheable),
     /// Paused while an identical request is in flight (request coalescing).
@@ -228,7 +228,7 @@ pub struct Waiting {
 
 pub struct Collecting {
     c: Cacheable,
-    ttl: u64,
+    ttl: crate::cache_control::Ttl,
     status: u16,
     headers: Vec<(String, String)>,
     /// The answer so far (absolute body offsets), while it may still be stored.
@@ -282,18 +282,14 @@ impl Stream {
         self.plugin.clone()
     }
 
-    /// The cache stays out of this request: counted, and its answer says `fwd=bypass`.
-    fn bypass(&mut self) -> u32 {
-        self.bypass_because(None)
-    }
-
-    fn bypass_because(&mut self, detail: Option<&'static str>) -> u32 {
+    /// The cache stays out of this request: counted, and its answer says `fwd=bypass` and why.
+    fn bypass(&mut self, why: Bypass) -> u32 {
         if self.is_client() {
             // The client role only routes: no routing key, the request balances normally.
             self.phase = Phase::Done;
             return CONTINUE;
         }
-        self.phase = Phase::Bypass(detail);
+        self.phase = Phase::Bypass(why);
         count(metrics::BYPASSES, 1);
         CONTINUE
     }
@@ -317,7 +313,7 @@ impl Stream {
         let head = RequestHead { method, path, headers: &headers.pairs, not_utf8: &headers.not_utf8 };
         match decide::on_head(&head) {
             HeadDecision::Ignore => CONTINUE,
-            HeadDecision::Bypass => self.bypass(),
+            HeadDecision::Bypass(why) => self.bypass(why),
             HeadDecision::Buffer { source, refresh } => {
                 if eos {
                     return self.decide_request(cfg, &headers, &source, refresh, &[]);
@@ -327,10 +323,10 @@ impl Stream {
                     return CONTINUE;
                 }
                 if cfg.role == Role::Server && source == ModelSource::GrpcBody && GRPC_HITS_BROKEN.with(|b| b.get()) {
-                    return self.bypass();
+                    return self.bypass(Bypass::NoHitRoute);
                 }
                 if decide::request_declared_too_big(decide::header(&headers.pairs, "content-length")) {
-                    return self.bypass();
+                    return self.bypass(Bypass::TooBig);
                 }
                 self.phase = Phase::Buffering { source, refresh, headers };
                 // Held headers: routing waits for the decision. Otherwise the body alone waits.
@@ -349,7 +345,7 @@ impl Stream {
             _ => return CONTINUE,
         }
         if size > decide::MAX_REQUEST_BYTES {
-            return self.bypass();
+            return self.bypass(Bypass::TooBig);
         }
         if !eos {
             return PAUSE;
@@ -391,8 +387,7 @@ impl Stream {
         }
         let principal = || abi::property(&PEER_SAN).and_then(|b| String::from_utf8(b).ok());
         let mut c = match decide::on_body(cfg, &head, source, refresh, body, principal) {
-            BodyDecision::Bypass => return self.bypass(),
-            BodyDecision::Unkeyable(why) => return self.bypass_because(Some(why.detail())),
+            BodyDecision::Bypass(why) => return self.bypass(why),
             BodyDecision::Cacheable(c) => c,
         };
         let now = abi::now_ms();
@@ -402,7 +397,7 @@ impl Stream {
         }
         let cache = Cache { data: &abi::HostShared, limits: &cfg.limits };
         let mut out = Outcome::default();
-        let found = cache.lookup_keeping(&c.key, now, stale::keep_ms(&c.policy), &mut out);
+        let found = cache.lookup_keeping(&c.key, now, Lifetime::of(&c.policy), &mut out);
         metrics::record_outcome(&out);
         let entry = match found {
             Lookup::Hit(e) => e,
@@ -658,7 +653,7 @@ impl Stream {
         let mut out = Outcome::default();
         // Keeping what stale-if-error may still use: a woken waiter must not free it.
         let cache = Cache { data: &abi::HostShared, limits: &cfg.limits };
-        let found = cache.lookup_keeping(&c.key, now, stale::keep_ms(&c.policy), &mut out);
+        let found = cache.lookup_keeping(&c.key, now, Lifetime::of(&c.policy), &mut out);
         metrics::record_outcome(&out);
         let request = HitRequest { headers: &headers, body: &[], id: &c.request_id };
         let (expired, seen) = match found {
@@ -745,12 +740,8 @@ impl Stream {
         }
         let phase = std::mem::replace(&mut self.phase, Phase::Done);
         match phase {
-            Phase::Bypass(None) => {
-                abi::set_header(Map::ResponseHeaders, names::CACHE_STATUS, names::CACHE_STATUS_BYPASS);
-                CONTINUE
-            }
-            Phase::Bypass(Some(detail)) => {
-                abi::set_header(Map::ResponseHeaders, names::CACHE_STATUS, &names::cache_status_bypass(detail));
+            Phase::Bypass(why) => {
+                abi::set_header(Map::ResponseHeaders, names::CACHE_STATUS, &names::cache_status_bypass(why.detail()));
                 CONTINUE
             }
             Phase::Miss(c) => self.start_collect(c, eos),
@@ -952,7 +943,7 @@ impl Stream {
     fn finish_store(
         &mut self,
         c: Cacheable,
-        ttl: u64,
+        ttl: crate::cache_control::Ttl,
         status: u16,
         headers: Vec<(String, String)>,
         body: Vec<u8>,

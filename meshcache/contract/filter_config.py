@@ -81,6 +81,32 @@ class Policy(BaseModel):
     stale_while_revalidate_s: StaleSeconds = 0
 
 
+# What each policy field does, in one place: the API's OpenAPI descriptions and the CLI's help.
+POLICY_FIELD_HELP: dict[str, str] = {
+    "model_prefix": "Models whose name starts with this prefix (the longest matching prefix wins)",
+    "ttl_s": "Seconds an answer is served when the engine gives no freshness (Cache-Control max-age, "
+             "Expires); lowering it also shortens entries already stored that got this TTL",
+    "max_ttl_s": "Upper bound in seconds for every entry's TTL, the engine's included (default ttl_s); "
+                 "lowering it also shortens entries already stored",
+    "generation": "Managed by the control plane: a purge gives the policy a new generation (new keys)",
+    "hash_headers": "Response headers covered by x-response-hash and the ETag (with the body)",
+    "vary_headers": "Request headers whose values split entries (every line, byte for byte)",
+    "scope": "shared: one entry for every caller; principal: entries keyed on the calling workload's "
+             "identity (the peer's SPIFFE id from mTLS, e.g. spiffe://cluster.local/ns/app/sa/web), not on "
+             "the end user; requests without a peer identity bypass",
+    "enabled": "false keeps the policy but bypasses the cache for its models (entries are not served)",
+    "ignore_fields": "Top-level JSON body fields left out of the cache key (e.g. OpenAI's user, metadata)",
+    "deterministic_only": "OpenAI chat/completions: bypass requests whose answer is a sample "
+                          "(temperature > 0 or absent, without an integer seed)",
+    "coalesce_timeout_ms": "Identical misses wait up to this many ms for the first one's answer, then go "
+                           "upstream themselves; 0 = off",
+    "stale_if_error_s": "RFC 5861: serve an expired entry up to this many s past its TTL when the engine "
+                        "fails; 0 = off",
+    "stale_while_revalidate_s": "RFC 5861: serve an expired entry at once for this many s while one request "
+                                "refreshes it; 0 = off",
+}
+
+
 def policy_spec(row: dict[str, Any]) -> dict[str, Any]:
     """The API body (PUT /v1/policies/{prefix}) that recreates a policy row as the API lists it:
     every field but the path's `model_prefix` and the server-managed `generation`."""

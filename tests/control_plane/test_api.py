@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from meshcache.contract.wasm_filter import plugin_config_json
-from meshcache.ctl import launchers
+from meshcache.ctl import launchers, procs
+from tests.engine.helpers import init_demo_models, running_engine
 from tests.helpers.control_plane import READ_TOKEN, ControlPlaneProc, start_control_plane
 
 
@@ -122,6 +124,102 @@ def test_if_match(cp: ControlPlaneProc) -> None:
     assert c.delete("/v1/policies/a", headers={"If-Match": "2"}).json()["version"] == 3
 
 
+MERGE_PATCH = {"content-type": "application/merge-patch+json"}
+
+
+def test_patch_changes_only_the_fields_it_names(cp: ControlPlaneProc) -> None:
+    c = cp.client()
+    full = {"ttl_s": 600, "max_ttl_s": 1800, "coalesce_timeout_ms": 2000, "stale_if_error_s": 600,
+            "vary_headers": ["x-tenant"]}
+    assert c.put("/v1/policies/resnet-mini", json=full).json()["version"] == 1
+    r = c.patch("/v1/policies/resnet-mini", content=json.dumps({"ttl_s": 300}), headers=MERGE_PATCH)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert (body["version"], body["changed"], r.headers["ETag"]) == (2, True, '"2"')
+    assert body["changes"] == [{"what": "changed", "model_prefix": "resnet-mini", "fields": {"ttl_s": [600, 300]}}]
+    assert body["warnings"] == []
+    kept = {k: body["policy"][k] for k in ("max_ttl_s", "coalesce_timeout_ms", "stale_if_error_s", "vary_headers",
+                                            "generation")}
+    assert kept == {"max_ttl_s": 1800, "coalesce_timeout_ms": 2000, "stale_if_error_s": 600,
+                    "vary_headers": ["x-tenant"], "generation": 1}
+    # null resets a field to its default; application/json is taken too.
+    r = c.patch("/v1/policies/resnet-mini", json={"stale_if_error_s": None, "vary_headers": None, "max_ttl_s": None})
+    assert r.status_code == 200, r.text
+    policy = r.json()["policy"]
+    assert (policy["stale_if_error_s"], policy["vary_headers"], policy["max_ttl_s"]) == (0, [], 300)
+    assert r.json()["changes"][0]["fields"] == {"max_ttl_s": [1800, 300], "stale_if_error_s": [600, 0],
+                                                 "vary_headers": [["x-tenant"], []]}
+    # The same patch again changes nothing: no new snapshot.
+    again = c.patch("/v1/policies/resnet-mini", json={"stale_if_error_s": None}).json()
+    assert (again["version"], again["changed"], again["changes"]) == (3, False, [])
+    # If-Match: only on that snapshot version.
+    stale = c.patch("/v1/policies/resnet-mini", json={"ttl_s": 1}, headers={**MERGE_PATCH, "If-Match": '"2"'})
+    assert stale.status_code == 412 and stale.headers["ETag"] == '"3"'
+    assert c.patch("/v1/policies/resnet-mini", json={"ttl_s": 250}, headers={"If-Match": '"3"'}).status_code == 200
+    # A patch that would make the policy invalid writes nothing and names the field.
+    before = c.get("/v1/policies").json()
+    for patch, field, reason in (({"max_ttl_s": 10}, "max_ttl_s", "must be at least ttl_s"),
+                                 ({"ttl_s": None}, "ttl_s", "is required"),
+                                 ({"ttl_s": "300"}, "ttl_s", "valid integer"),
+                                 ({"generation": 9}, "generation", "managed by the control plane"),
+                                 ({"scope": "user"}, "scope", "'shared' or 'principal'"),
+                                 ({"ttl_s": 5, "nope": 1}, "nope", "unknown field"),
+                                 ({"model_prefix": "other"}, "model_prefix", "path")):
+        r = c.patch("/v1/policies/resnet-mini", json=patch)
+        assert r.status_code == 422, (patch, r.text)
+        errors = r.json()["errors"]
+        assert errors and errors[0]["field"] == field and reason in errors[0]["reason"], (patch, errors)
+    for content, headers, status in ((b"[1]", MERGE_PATCH, 422), (b"{not json", MERGE_PATCH, 422),
+                                     (b'{"ttl_s": 5}', {"content-type": "text/plain"}, 415)):
+        r = c.patch("/v1/policies/resnet-mini", content=content, headers=headers)
+        assert r.status_code == status, (content, r.text)
+    assert c.get("/v1/policies").json() == before, "nothing was written"
+    # On a prefix without a policy, PATCH creates one from the defaults (ttl_s needed).
+    assert c.patch("/v1/policies/mlp", json={"enabled": False}).status_code == 422
+    created = c.patch("/v1/policies/mlp", json={"ttl_s": 30}).json()
+    assert created["policy"]["coalesce_timeout_ms"] == 5000 and created["changes"][0]["what"] == "added"
+    # PUT stays a full replace: what it leaves out takes the defaults.
+    replaced = c.put("/v1/policies/resnet-mini", json={"ttl_s": 200}).json()
+    assert replaced["policy"]["coalesce_timeout_ms"] == 5000
+    assert replaced["changes"][0]["fields"]["coalesce_timeout_ms"] == [2000, 5000]
+
+
+def test_every_policy_field_is_described_in_the_openapi_spec(shared_cp: ControlPlaneProc) -> None:
+    spec = shared_cp.client(None).get("/openapi.json").json()
+    patch = spec["paths"]["/v1/policies/{model_prefix}"]["patch"]
+    patch_schema = patch["requestBody"]["content"]["application/merge-patch+json"]["schema"]
+    for name, schema in (("PolicySpec", spec["components"]["schemas"]["PolicySpec"]), ("PolicyPatch", patch_schema)):
+        props = schema["properties"]
+        assert set(props) >= {"ttl_s", "max_ttl_s", "scope", "enabled", "coalesce_timeout_ms", "vary_headers"}
+        undocumented = [f for f, p in props.items() if len(p.get("description", "")) < 20]
+        assert not undocumented, (name, undocumented)
+        scope = props["scope"]["description"]
+        assert "workload" in scope and "SPIFFE" in scope and "not on the end user" in scope
+    assert set(patch["requestBody"]["content"]) == {"application/merge-patch+json", "application/json"}
+    assert "412" in patch["responses"] and "415" in patch["responses"]
+    assert "full replace" in spec["paths"]["/v1/policies/{model_prefix}"]["put"]["description"] or \
+        "whole policy" in spec["paths"]["/v1/policies/{model_prefix}"]["put"]["description"]
+
+
+def test_a_prefix_no_engine_serves_is_applied_with_a_warning(start_cp: Any, tmp_path: Path) -> None:
+    """The engines' repository index says which models exist: a policy whose prefix matches
+    none (a typo, most likely) is applied anyway, with a warning in the answer."""
+    with running_engine(init_demo_models(tmp_path / "models"), tmp_path / "engine") as engine:
+        unreachable = f"http://127.0.0.1:{procs.free_port()}"
+        cp = start_cp(extra_env={"MESHCACHE_CP_ENGINE_INDEX": engine.http_url})
+        c = cp.client()
+        ok = c.put("/v1/policies/resnet", json={"ttl_s": 5}).json()
+        assert ok["warnings"] == [] and ok["changed"]
+        typo = c.patch("/v1/policies/renset-mini", json={"ttl_s": 5}).json()
+        assert typo["changed"] and c.get("/v1/policies/renset-mini").status_code == 200, "applied anyway"
+        assert len(typo["warnings"]) == 1
+        assert "'renset-mini' matches no model the engines serve" in typo["warnings"][0]
+        assert "mlp-classifier" in typo["warnings"][0] and "resnet-mini" in typo["warnings"][0]
+        blind = start_cp(name="blind", extra_env={"MESHCACHE_CP_ENGINE_INDEX": unreachable})
+        r = blind.client().put("/v1/policies/text", json={"ttl_s": 5}).json()
+        assert r["changed"] and r["warnings"] and "could not read every engine's model index" in r["warnings"][0]
+
+
 def test_purge_bumps_generation_and_rollback_never_lowers_it(cp: ControlPlaneProc) -> None:
     c = cp.client()
     c.put("/v1/policies/bert", json={"ttl_s": 60})                      # v1, generation 1
@@ -145,7 +243,8 @@ def test_rollback(cp: ControlPlaneProc) -> None:
     c.put("/v1/policies/b", json={"ttl_s": 20})   # v2
     c.put("/v1/limits", json={"max_entries": 7})  # v3
     r = c.post("/v1/rollback", json={"version": 1})
-    assert r.json() == {"version": 4, "changed": True, "policy": None}
+    assert {k: r.json()[k] for k in ("version", "changed", "policy")} == {"version": 4, "changed": True, "policy": None}
+    assert [(ch["what"], ch["model_prefix"]) for ch in r.json()["changes"]] == [("removed", "b"), ("limits", None)]
     snap = c.get("/v1/snapshot").json()
     assert [p["model_prefix"] for p in snap["policies"]] == ["a"]
     assert snap["limits"]["max_entries"] == 16384 and snap["action"] == "rollback to 1"

@@ -6,10 +6,12 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import httpx
 
 from meshcache.ctl import procs
+from tests.engine.helpers import init_demo_models, running_engine
 from tests.helpers.control_plane import WRITE_TOKEN, ControlPlaneProc
 
 SCRIPT = str(Path(sys.executable).parent / "meshcache-control-plane")
@@ -67,3 +69,53 @@ def test_meshcache_policy_set_carries_coalescing_and_stale_flags(cp: ControlPlan
     header, row = listed.stdout.splitlines()[1:3]
     assert header.split()[-3:] == ["coalesce_ms", "stale_if_error_s", "stale_while_reval_s"]
     assert row.split()[0] == "resnet-mini" and row.split()[-3:] == ["250", "600", "30"]
+
+
+def test_meshcache_policy_set_changes_only_the_flags_given(start_cp: Any, tmp_path: Path) -> None:
+    """`meshcache policy set` against a real control plane (and a real engine's model index):
+    only the flags given change, the field diff applied is printed, --replace is the explicit
+    full replace, a prefix no engine serves is applied with a warning."""
+    meshcache = str(Path(sys.executable).parent / "meshcache")
+    with running_engine(init_demo_models(tmp_path / "models"), tmp_path / "engine") as engine:
+        cp = start_cp(extra_env={"MESHCACHE_CP_ENGINE_INDEX": engine.http_url})
+
+        def policy(*args: str) -> subprocess.CompletedProcess[str]:
+            return subprocess.run([meshcache, "policy", "set", *args, "--url", cp.url, "--token", WRITE_TOKEN],
+                                  capture_output=True, text=True, timeout=60)
+
+        def fields() -> dict[str, Any]:
+            with cp.client() as c:
+                return c.get("/v1/policies/resnet-mini").json()["policy"]  # type: ignore[no-any-return]
+
+        # README's two consecutive examples: the second keeps the first's max_ttl_s.
+        first = policy("resnet-mini", "--ttl", "300", "--max-ttl", "1800")
+        assert first.returncode == 0 and first.stderr == "", first.stderr
+        assert first.stdout.splitlines()[0] == "set resnet-mini: version 1"
+        assert "  ttl_s: 300" in first.stdout and "  max_ttl_s: 1800" in first.stdout
+        second = policy("resnet-mini", "--ttl", "300", "--coalesce-timeout-ms", "2000", "--stale-if-error", "600")
+        assert second.returncode == 0, second.stderr
+        assert second.stdout.splitlines() == ["set resnet-mini: version 2", "  coalesce_timeout_ms: 5000 -> 2000",
+                                              "  stale_if_error_s: 0 -> 600"]
+        now = fields()
+        assert (now["max_ttl_s"], now["coalesce_timeout_ms"], now["stale_if_error_s"]) == (1800, 2000, 600)
+        # --unset resets one field to its default; --disabled only that.
+        reset = policy("resnet-mini", "--unset", "stale_if_error_s", "--disabled")
+        assert reset.stdout.splitlines()[1:] == ["  enabled: True -> False", "  stale_if_error_s: 600 -> 0"]
+        assert (fields()["max_ttl_s"], fields()["coalesce_timeout_ms"], fields()["enabled"]) == (1800, 2000, False)
+        same = policy("resnet-mini", "--disabled")
+        assert same.stdout.strip() == "set resnet-mini: version 3 (no change)"
+        # If-Match: a stale version changes nothing.
+        stale = policy("resnet-mini", "--ttl", "5", "--if-match", "1")
+        assert stale.returncode == 1 and "412" in stale.stderr and fields()["ttl_s"] == 300
+        # The full replace is explicit, and needs the TTL.
+        assert policy("resnet-mini", "--replace", "--max-ttl", "900").returncode == 1
+        replaced = policy("resnet-mini", "--replace", "--ttl", "200")
+        assert replaced.returncode == 0 and replaced.stdout.splitlines()[0] == "replaced resnet-mini: version 4"
+        assert "  coalesce_timeout_ms: 2000 -> 5000" in replaced.stdout and fields()["max_ttl_s"] == 200
+        # Creating needs a TTL; the API says which field is missing.
+        missing = policy("text-embedder", "--stale-if-error", "5")
+        assert missing.returncode == 1 and "ttl_s: is required" in missing.stderr
+        # A prefix no engine serves a model for: applied, with a warning.
+        typo = policy("renset-mini", "--ttl", "60")
+        assert typo.returncode == 0 and typo.stdout.startswith("set renset-mini: version 5")
+        assert "warning: model_prefix 'renset-mini' matches no model the engines serve" in typo.stderr

@@ -89,7 +89,7 @@ def cache_status(r: httpx.Response) -> str:
 def test_policy_changes_take_effect_live(cp: ControlPlaneProc, sidecar: Sidecar) -> None:
     c = cp.client()
     # Before any policy exists Envoy runs its default_config: traffic flows, uncached.
-    assert cache_status(sidecar.infer("llama3-70b")) == "meshcache; fwd=bypass"
+    assert cache_status(sidecar.infer("llama3-70b")) == "meshcache; fwd=bypass; detail=no-policy"
     eventually(lambda: proxy_state(cp))  # connected, nothing pushed yet (version 0)
 
     v = c.put("/v1/policies/llama3", json={"ttl_s": 120, "max_ttl_s": 600}).json()["version"]
@@ -99,10 +99,12 @@ def test_policy_changes_take_effect_live(cp: ControlPlaneProc, sidecar: Sidecar)
     assert cache_status(sidecar.infer("llama3-70b")) in ("meshcache; hit; ttl=120", "meshcache; hit; ttl=119")
     assert sidecar.origin_calls() == calls + 1
 
-    # A TTL change keeps the generation: Envoy reuses the VM, so the stored entry still hits.
+    # A TTL change keeps the generation: Envoy reuses the VM, so the stored entry still hits,
+    # for what is left of the new, lower TTL (the current policy applies at lookup).
     v = c.put("/v1/policies/llama3", json={"ttl_s": 30}).json()["version"]
     wait_acked(cp, v)
-    assert cache_status(sidecar.infer("llama3-70b")).startswith("meshcache; hit; ttl=1")
+    lowered = cache_status(sidecar.infer("llama3-70b"))
+    assert lowered.startswith("meshcache; hit; ttl=") and int(lowered.rsplit("=", 1)[1]) <= 30, lowered
     other = b'{"inputs": [{"name": "x", "shape": [1], "datatype": "FP32", "data": [2]}]}'
     assert cache_status(sidecar.infer("llama3-8b", other)) == "meshcache; fwd=miss; stored"
     assert cache_status(sidecar.infer("llama3-8b", other)) in ("meshcache; hit; ttl=30", "meshcache; hit; ttl=29")
@@ -118,7 +120,7 @@ def test_policy_changes_take_effect_live(cp: ControlPlaneProc, sidecar: Sidecar)
     # DELETE: no policy matches, the cache stays out.
     v = c.delete("/v1/policies/llama3").json()["version"]
     wait_acked(cp, v)
-    assert cache_status(sidecar.infer("llama3-70b")) == "meshcache; fwd=bypass"
+    assert cache_status(sidecar.infer("llama3-70b")) == "meshcache; fwd=bypass; detail=no-policy"
 
     # Rollback to the first snapshot brings the policy back, with a fresh generation.
     v = c.post("/v1/rollback", json={"version": 1}).json()["version"]
@@ -129,6 +131,51 @@ def test_policy_changes_take_effect_live(cp: ControlPlaneProc, sidecar: Sidecar)
     stats = sidecar.ecds_stats()
     assert stats["config_reload"] == 5 and stats.get("config_fail", 0) == 0
 
+
+
+def test_lowering_a_ttl_or_disabling_reaches_stored_entries(cp: ControlPlaneProc, sidecar: Sidecar) -> None:
+    """Operators lower a TTL because answers went bad: the current policy's `ttl_s`, `max_ttl_s`
+    and `enabled` apply to entries already stored, not only to new ones."""
+    c = cp.client()
+    eventually(lambda: proxy_state(cp))
+    origin_max_age = b'{"inputs": [], "parameters": {"n": 1}}'
+    wait_acked(cp, c.put("/v1/policies/llama3", json={"ttl_s": 600, "max_ttl_s": 1800}).json()["version"])
+    for model, body in (("llama3-70b", BODY), ("llama3-8b", origin_max_age)):
+        headers = {"x-origin-cache-control": "max-age=1200"} if body is origin_max_age else {}
+        r = httpx.post(f"http://127.0.0.1:{sidecar.listen_port}/v2/models/{model}/infer", content=body,
+                       headers=headers, timeout=10)
+        assert cache_status(r) == "meshcache; fwd=miss; stored"
+
+    def hit_ttl(model: str, body: bytes) -> str:
+        r = httpx.post(f"http://127.0.0.1:{sidecar.listen_port}/v2/models/{model}/infer", content=body, timeout=10)
+        return cache_status(r)
+
+    def ttl_left(status: str) -> int:
+        assert status.startswith("meshcache; hit; ttl="), status
+        return int(status.rsplit("=", 1)[1])
+
+    assert 590 <= ttl_left(hit_ttl("llama3-70b", BODY)) <= 600  # the policy's 600 s
+    assert 1190 <= ttl_left(hit_ttl("llama3-8b", origin_max_age)) <= 1200  # the origin's 1200 s
+    # ttl_s lowered: entries whose TTL was the policy's follow it; max_ttl_s caps every entry.
+    wait_acked(cp, c.put("/v1/policies/llama3", json={"ttl_s": 5, "max_ttl_s": 900}).json()["version"])
+    assert 0 < ttl_left(hit_ttl("llama3-70b", BODY)) <= 5
+    assert 890 <= ttl_left(hit_ttl("llama3-8b", origin_max_age)) <= 900
+    # Disabled: nothing is served.
+    off = {"ttl_s": 5, "max_ttl_s": 900, "enabled": False}
+    wait_acked(cp, c.put("/v1/policies/llama3", json=off).json()["version"])
+    calls = sidecar.origin_calls()
+    assert hit_ttl("llama3-70b", BODY) == "meshcache; fwd=bypass; detail=disabled"
+    assert hit_ttl("llama3-8b", origin_max_age) == "meshcache; fwd=bypass; detail=disabled"
+    assert sidecar.origin_calls() == calls + 2
+    # Enabled with ttl_s 0: entries whose TTL was the policy's are over; the origin's lives on
+    # under max_ttl_s.
+    wait_acked(cp, c.put("/v1/policies/llama3", json={"ttl_s": 0, "max_ttl_s": 900}).json()["version"])
+    assert hit_ttl("llama3-70b", BODY) == "meshcache; fwd=miss; detail=ttl-zero"
+    assert 890 <= ttl_left(hit_ttl("llama3-8b", origin_max_age)) <= 900
+    # max_ttl_s 0: nothing stored is served any more.
+    wait_acked(cp, c.put("/v1/policies/llama3", json={"ttl_s": 0, "max_ttl_s": 0}).json()["version"])
+    assert hit_ttl("llama3-8b", origin_max_age) == "meshcache; fwd=miss; detail=ttl-zero"
+    assert sidecar.origin_calls() == calls + 4
 
 def test_config_the_filter_rejects_is_a_nack_and_envoy_keeps_the_last_good_one(
         tmp_path: Path, redis_server: tuple[procs.Proc, int], cp: ControlPlaneProc, sidecar: Sidecar) -> None:
@@ -180,7 +227,7 @@ def test_envoy_keeps_serving_without_the_control_plane_and_resyncs(
     eventually(lambda: proxy_state(cp)["acked_version"] == str(v), timeout=20)
     v2 = cp.client().put("/v1/policies/gpt", json={"ttl_s": 60, "enabled": False}).json()["version"]
     wait_acked(cp, v2)
-    assert cache_status(sidecar.infer("gpt-4", body)) == "meshcache; fwd=bypass"
+    assert cache_status(sidecar.infer("gpt-4", body)) == "meshcache; fwd=bypass; detail=disabled"
 
 
 

@@ -6,7 +6,9 @@ be shaped by request headers: `x-origin-status`, `x-origin-cache-control`, `x-or
 (repeatable, `Name: value` added to the answer), `x-origin-fail-first` (a name: the first
 request carrying it is answered 500, the later ones normally), `x-origin-chunked` (chunk size: chunked
 transfer coding), `x-origin-pace` (seconds between chunks or events), `x-origin-gzip`,
-`x-origin-sse` (that many `text/event-stream` events). The JSON answer echoes `x-user` and every
+`x-origin-sse` (that many `text/event-stream` events), `x-origin-read` (the answer carries `read`:
+what a server reads from the request, `server_reading.read_rest`; a request it cannot read is
+answered 400). The JSON answer echoes `x-user` and every
 `x-traffic-color` line, so an answer served to the wrong client shows. `GET /calls` returns how many POSTs were served.
 gRPC: `/inference.GRPCInferenceService/ModelInfer` answers with a protobuf message carrying the
 request's model name (field 1) and a digest of the request (field 5 bytes); metadata
@@ -33,7 +35,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import grpc
 
-from meshcache.contract.protos import grpc_predict_v2_pb2 as pb
+from tests.filter import server_reading
 
 CALLS = {"http": 0, "grpc": 0}
 LOCK = threading.Lock()
@@ -58,6 +60,9 @@ def _count(kind: str) -> None:
 
 class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
+    # Headers and body are separate writes: with Nagle's algorithm the body waits for the
+    # client's delayed ACK (~40 ms per answer on Linux).
+    disable_nagle_algorithm = True
 
     def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - stdlib signature
         pass
@@ -94,6 +99,14 @@ class Handler(BaseHTTPRequestHandler):
             return
         request_id, without_id = _split_rest_id(data)
         digest = hashlib.sha256(without_id).hexdigest()
+        read = None
+        if self.headers.get("x-origin-read"):
+            try:
+                read = server_reading.read_rest(self.path, list(self.headers.items()), data)
+            except server_reading.Unreadable as exc:
+                error = {"error": str(exc), "path": self.path}
+                self._send(400, json.dumps(error).encode(), {"Content-Type": "application/json"})
+                return
         size = self.headers.get("x-origin-size")
         if size is not None:
             body = (digest * (int(size) // 64 + 1)).encode()[: int(size)]
@@ -103,6 +116,8 @@ class Handler(BaseHTTPRequestHandler):
                       "colors": self.headers.get_all("x-traffic-color") or []}
             if route_keys := self.headers.get_all("x-meshcache-route-key"):
                 answer["route_keys"] = route_keys  # only the client role sets it; servers remove it
+            if read is not None:
+                answer["read"] = read
             if request_id is not None:
                 answer = {"id": request_id, **answer}
             body = json.dumps(answer).encode()
@@ -178,31 +193,12 @@ def _model_infer(request: bytes, context: grpc.ServicerContext) -> bytes:
         context.abort(grpc.StatusCode[code], f"origin asked to fail with {code}")
     if _first_with(metadata.get("x-origin-fail-first")):
         context.abort(grpc.StatusCode.UNAVAILABLE, "origin failed (x-origin-fail-first)")
-    parsed = pb.ModelInferRequest.FromString(request)
-    request_id = parsed.id.encode()
-    if request_id:
-        parsed.id = ""
-        request = parsed.SerializeToString(deterministic=True)
+    try:
+        parsed = server_reading.read_grpc(request)
+    except server_reading.Unreadable as exc:
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
     # Echo the model_name field (1) and the id (3), attach a digest (field 5): a deterministic answer.
-    name = parsed.model_name.encode()
-    digest = hashlib.sha256(request).digest()
-    size = int(dict(context.invocation_metadata()).get("x-origin-size", "0"))
-    payload = digest * (size // 32 + 1) if size else digest
-    payload = payload[: max(size, 32)]
-    echoed = b"\x1a" + _varint(len(request_id)) + request_id if request_id else b""
-    return b"\x0a" + bytes([len(name)]) + name + echoed + b"\x2a" + _varint(len(payload)) + payload
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        b = n & 0x7F
-        n >>= 7
-        if n:
-            out.append(b | 0x80)
-        else:
-            out.append(b)
-            return bytes(out)
+    return server_reading.grpc_answer(parsed, int(metadata.get("x-origin-size", "0")))
 
 
 class Server(ThreadingHTTPServer):

@@ -206,7 +206,7 @@ def test_requests_the_server_bypasses_get_no_key_and_balance(mesh: Mesh) -> None
     for _ in range(30):
         # Credentials on a shared policy: the server bypasses, so the client gives no key.
         r = post(alice, body(3), {"authorization": "Bearer t"})
-        assert r.headers["cache-status"] == "meshcache; fwd=bypass"
+        assert r.headers["cache-status"] == "meshcache; fwd=bypass; detail=credentials"
     bypasses = mesh.per_replica("bypasses")
     assert sum(bypasses) == 30 and sum(b > 0 for b in bypasses) >= 2, bypasses  # balanced, not pinned
     for _ in range(3):
@@ -253,6 +253,6 @@ def test_bodies_too_big_to_key_pass_unkeyed(mesh: Mesh) -> None:
     big = json.dumps({"inputs": [{"name": "x", "datatype": "BYTES", "shape": [1], "data": ["a" * 800_000]}]})
     for _ in range(3):
         r = post(alice, big)  # over the filter's 768 KiB request cap: neither side buffers it whole
-        assert r.headers["cache-status"] == "meshcache; fwd=bypass" and len(r.content) > 0
+        assert r.headers["cache-status"] == "meshcache; fwd=bypass; detail=too-big" and len(r.content) > 0
     assert mesh.routed(alice) == 0
     assert mesh.origin_calls() == 3

@@ -12,7 +12,7 @@ from tests.filter.stack import config, filter_stack, policy
 INFER = "/v2/models/m/infer"
 BODY = b'{"inputs": [{"name": "x", "shape": [1], "datatype": "FP32", "data": [1]}]}'
 STORED = "meshcache; fwd=miss; stored"
-BYPASS = "meshcache; fwd=bypass"
+BYPASS = "meshcache; fwd=bypass; detail="
 
 
 def _body(tag: str) -> bytes:
@@ -40,7 +40,7 @@ def test_repeated_keyed_headers_are_never_shared(tmp_path: Path) -> None:
                       [("x-model-id", "m"), ("x-model-id", "m")]):
             for _ in range(2):
                 r = _post(c, url, list(twice))
-                assert r.headers["cache-status"] == BYPASS, twice
+                assert r.headers["cache-status"] == BYPASS + "repeated-header", twice
         # Vary headers are keyed on every line: one tenant line is not two.
         assert _post(c, url, [("x-tenant", "a")]).headers["cache-status"] == STORED
         r = _post(c, url, [("x-tenant", "a"), ("x-tenant", "b")])
@@ -67,6 +67,14 @@ def test_upstream_vary(tmp_path: Path) -> None:
         hit = _post(c, url, [("x-tenant", "a"), *keyed])
         assert hit.headers["cache-status"].startswith("meshcache; hit")
         assert hit.headers["vary"] == "X-Tenant"
+        # Vary: x-model-id is honoured through the effective model (docs/filter.md, "Vary"): no
+        # header and a header naming the path's model share the entry; another model bypasses.
+        by_model = [("x-origin-header", "Vary: x-model-id")]
+        assert _post(c, url, by_model, body=_body("vm")).headers["cache-status"] == STORED
+        same = _post(c, url, [("x-model-id", "m"), *by_model], body=_body("vm"))
+        assert same.headers["cache-status"].startswith("meshcache; hit")
+        other = _post(c, url, [("x-model-id", "n"), *by_model], body=_body("vm"))
+        assert other.headers["cache-status"] == BYPASS + "model-conflict"
 
 
 def test_cookies_and_proxy_credentials(tmp_path: Path) -> None:
@@ -76,7 +84,7 @@ def test_cookies_and_proxy_credentials(tmp_path: Path) -> None:
         _post(c, url)  # a shared entry exists
         for cred in ("cookie", "proxy-authorization"):
             r = _post(c, url, [(cred, "session=alice")])
-            assert r.headers["cache-status"] == BYPASS, cred
+            assert r.headers["cache-status"] == BYPASS + "credentials", cred
         # An answer that sets a cookie belongs to one client: passed on, not stored.
         set_cookie = [("x-origin-header", "Set-Cookie: session=alice")]
         c.cookies.clear()
@@ -86,7 +94,13 @@ def test_cookies_and_proxy_credentials(tmp_path: Path) -> None:
         assert first.headers["set-cookie"] == "session=alice"
         second = _post(c, url, set_cookie, body=_body("other"))
         assert second.headers["cache-status"] == "meshcache; fwd=miss; detail=set-cookie"
-        assert s.origin_calls()["http"] == 1 + 2 + 2
+        # RFC 2965's Set-Cookie2 sets state just the same.
+        for _ in range(2):
+            c.cookies.clear()
+            r = _post(c, url, [("x-origin-header", "Set-Cookie2: session=alice; Version=1")], body=_body("c2"))
+            assert r.headers["cache-status"] == "meshcache; fwd=miss; detail=set-cookie"
+            assert r.headers["set-cookie2"] == "session=alice; Version=1"
+        assert s.origin_calls()["http"] == 1 + 2 + 2 + 2
 
 
 def test_model_sources_that_disagree_bypass(tmp_path: Path) -> None:
@@ -95,15 +109,56 @@ def test_model_sources_that_disagree_bypass(tmp_path: Path) -> None:
         assert _post(c, s.url(INFER)).headers["cache-status"] == STORED
         for _ in range(2):
             r = _post(c, s.url(INFER), [("x-model-id", "secret-model")])
-            assert r.headers["cache-status"] == BYPASS, "path says m, header says otherwise"
+            assert r.headers["cache-status"] == BYPASS + "model-conflict", "path says m, header says otherwise"
         chat = b'{"model": "unpolicied", "messages": []}'
         for _ in range(2):
             r = _post(c, s.url("/v1/chat/completions"), [("x-model-id", "gpt-4")], body=chat)
-            assert r.headers["cache-status"] == BYPASS, "the body names a model without a policy"
+            assert r.headers["cache-status"] == BYPASS + "model-conflict", "the body names a model without a policy"
         agreeing = b'{"model": "gpt-4", "messages": []}'
         _post(c, s.url("/v1/chat/completions"), [("x-model-id", "gpt-4")], body=agreeing)
         r = _post(c, s.url("/v1/chat/completions"), [("x-model-id", "gpt-4")], body=agreeing)
         assert r.headers["cache-status"].startswith("meshcache; hit")
+
+
+def test_an_ambiguous_body_model_never_borrows_the_header_s_policy(tmp_path: Path) -> None:
+    """A chat body whose `model` is repeated or not a non-empty string is read by the server its
+    own way (Python's json: the last one wins); the filter must not fall back to `x-model-id`
+    and put the answer under that model's policy (here a shared one, open to every caller)."""
+    cfg = config(policy("shared-m"))
+    chat = "/v1/chat/completions"
+    with filter_stack(tmp_path, cfg) as s, httpx.Client(timeout=10) as c:
+        bodies = [b'{"model": "private-p", "model": "shared-m", "messages": []}',
+                  b'{"model": "shared-m", "model": "private-p", "messages": []}',
+                  b'{"model": "shared-m", "model": "shared-m", "messages": []}',
+                  b'{"model": "shared-m", "mod\\u0065l": "private-p"}',
+                  b'{"model": 7}', b'{"model": null}', b'{"model": ""}', b'{"model": ["shared-m"]}',
+                  b'{"model": {"name": "shared-m"}}', b'{"model": "\\udc00"}']
+        for body in bodies:
+            for _ in range(2):
+                r = _post(c, s.url(chat), [("x-model-id", "shared-m")], body=body)
+                assert r.headers["cache-status"] == BYPASS + "ambiguous-model", body
+        assert s.origin_calls()["http"] == 2 * len(bodies), "every one reached the origin"
+        # A body without `model` is still named by the header; one clear `model` by the body.
+        for body in (b'{"messages": [{"model": "private-p"}]}', b'{"model": "shared-m", "messages": []}'):
+            assert _post(c, s.url(chat), [("x-model-id", "shared-m")], body=body).headers["cache-status"] == STORED
+        assert _post(c, s.url(chat), body=b'{"messages": []}').headers["cache-status"] == BYPASS + "no-model"
+
+
+def test_inference_paths_spelled_otherwise_bypass(tmp_path: Path) -> None:
+    """`/v1/chat/completions/`, `//v1/...`, other case, percent-encoding: routers may send these
+    to the chat API, where `deterministic_only` must apply; the filter does not guess: bypass."""
+    cfg = config(policy("m", deterministic_only=True))
+    sampled = b'{"model": "m", "temperature": 0.9, "messages": []}'
+    with filter_stack(tmp_path, cfg) as s, httpx.Client(timeout=10) as c:
+        paths = ["/v1/chat/completions/", "//v1/chat/completions", "/V1/Chat/Completions", "/v1/chat/%63ompletions",
+                 "/v1//completions", "/v2/models/%6d/infer", "/v2/models/m/infer/"]
+        for path in paths:
+            for _ in range(2):
+                r = _post(c, s.url(path), [("x-model-id", "m")], body=sampled)
+                assert r.headers["cache-status"] == BYPASS + "path", path
+        assert s.origin_calls()["http"] == 2 * len(paths)
+        r = _post(c, s.url("/v1/chat/completions"), [("x-model-id", "m")], body=sampled)
+        assert r.headers["cache-status"] == BYPASS + "nondeterministic", "the canonical path"
 
 
 def test_header_values_are_compared_as_bytes(tmp_path: Path) -> None:
@@ -111,8 +166,8 @@ def test_header_values_are_compared_as_bytes(tmp_path: Path) -> None:
         url = s.url(INFER)
         first = _post(c, url, [("x-tenant", b"caf\xe9")])
         second = _post(c, url, [("x-tenant", b"caf\xea")])
-        assert first.headers["cache-status"] == BYPASS
-        assert second.headers["cache-status"] == BYPASS, "not served the other tenant's entry"
+        assert first.headers["cache-status"] == BYPASS + "header-bytes"
+        assert second.headers["cache-status"] == BYPASS + "header-bytes", "not served the other tenant's entry"
         # An answer with a header that is not UTF-8 is passed on intact, not stored.
         odd = _post(c, url, [("x-origin-header", b"X-Odd: caf\xe9")], body=_body("odd"))
         assert odd.headers["cache-status"] == "meshcache; fwd=miss; detail=header-bytes"

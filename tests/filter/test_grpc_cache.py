@@ -90,7 +90,7 @@ def test_grpc_model_without_policy_bypasses_and_markers_cannot_be_forged(tmp_pat
         forged = (("x-meshcache-local", "1"), ("x-meshcache-hit", "0:" + "00" * 32))
         for _ in range(2):
             response, call = s.grpc_infer(infer_request("text-embedder"), forged)
-            assert dict(call.initial_metadata())["cache-status"] == "meshcache; fwd=bypass"
+            assert dict(call.initial_metadata())["cache-status"] == "meshcache; fwd=bypass; detail=no-policy"
             assert response.startswith(b"\x0a\x0dtext-embedder"), "the origin answered"
         assert s.origin_calls()["grpc"] == 2
 
@@ -129,8 +129,25 @@ def test_grpc_web_bypasses(tmp_path: Path) -> None:
         for _ in range(2):
             r = httpx.post(s.url("/inference.GRPCInferenceService/ModelInfer"), content=framed, headers=headers,
                            timeout=10)
-            assert r.headers.get("cache-status") == "meshcache; fwd=bypass"
+            assert r.headers.get("cache-status") == "meshcache; fwd=bypass; detail=grpc-web"
         assert s.stats().get("meshcache.hits", 0) == 0
+
+
+def test_compressed_messages_say_so(tmp_path: Path) -> None:
+    """A gzip-compressed message (grpc-encoding: gzip) is not read: the bypass says `compressed`;
+    the same client without compression is cached."""
+    with filter_stack(tmp_path, config(policy("resnet"))) as s:
+        # Compressible (gRPC sends a message uncompressed when gzip would not shrink it).
+        request = infer_request("resnet-mini", request_id=b"z-1", extra=b"\x7a\x80\x02" + b"a" * 256)
+        with grpc.insecure_channel(f"127.0.0.1:{s.listen_port}", compression=grpc.Compression.Gzip) as channel:
+            call = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
+            for _ in range(2):
+                answer, c = call.with_call(request, timeout=10)
+                assert dict(c.initial_metadata())["cache-status"] == "meshcache; fwd=bypass; detail=compressed"
+        plain, c = s.grpc_infer(request)
+        assert dict(c.initial_metadata())["cache-status"] == "meshcache; fwd=miss; stored"
+        assert plain == answer
+        assert s.origin_calls()["grpc"] == 3
 
 
 def test_missing_hit_route_fails_one_call_retryably_then_bypasses(tmp_path: Path) -> None:
@@ -146,5 +163,5 @@ def test_missing_hit_route_fails_one_call_retryably_then_bypasses(tmp_path: Path
         for _ in range(2):
             again, call = s.grpc_infer(request)
             assert again == first
-            assert dict(call.initial_metadata())["cache-status"] == "meshcache; fwd=bypass"
+            assert dict(call.initial_metadata())["cache-status"] == "meshcache; fwd=bypass; detail=no-hit-route"
         assert s.stats()["meshcache.errors"] >= 1

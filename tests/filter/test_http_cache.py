@@ -55,7 +55,7 @@ def test_model_sources_header_and_openai_body(tmp_path: Path) -> None:
             r = c.post(s.url("/v1/chat/completions"), content=chat, headers={"content-type": "application/json"})
         assert r.headers["cache-status"] == "meshcache; hit; ttl=30"
         no_model = c.post(s.url("/v1/chat/completions"), content=b'{"messages": []}')
-        assert no_model.headers["cache-status"] == "meshcache; fwd=bypass"
+        assert no_model.headers["cache-status"] == "meshcache; fwd=bypass; detail=no-model"
         assert s.origin_calls()["http"] == 3
 
 
@@ -108,12 +108,14 @@ def test_ttl_expiry_and_origin_cache_control(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("request_headers", "first_status", "then_status"),
     [
-        ({"cache-control": "no-store"}, "meshcache; fwd=bypass", "meshcache; fwd=bypass"),
+        ({"cache-control": "no-store"}, "meshcache; fwd=bypass; detail=no-store",
+         "meshcache; fwd=bypass; detail=no-store"),
         ({"x-origin-cache-control": "no-store"}, NOT_STORED + "no-store", NOT_STORED + "no-store"),
         ({"x-origin-cache-control": "private, max-age=60"}, NOT_STORED + "private", NOT_STORED + "private"),
         ({"x-origin-status": "500"}, "meshcache; fwd=miss; detail=status", "meshcache; fwd=miss; detail=status"),
         ({"x-origin-status": "404"}, "meshcache; fwd=miss; detail=status", "meshcache; fwd=miss; detail=status"),
-        ({"authorization": "Bearer t"}, "meshcache; fwd=bypass", "meshcache; fwd=bypass"),
+        ({"authorization": "Bearer t"}, "meshcache; fwd=bypass; detail=credentials",
+         "meshcache; fwd=bypass; detail=credentials"),
     ],
 )
 def test_not_cached(tmp_path: Path, request_headers: dict[str, str], first_status: str, then_status: str) -> None:
@@ -139,16 +141,18 @@ def test_client_no_cache_refreshes_the_entry(tmp_path: Path) -> None:
 def test_model_without_policy_and_non_inference_requests(tmp_path: Path) -> None:
     cfg = config(policy("m"), policy("off", enabled=False))
     with filter_stack(tmp_path, cfg) as s, httpx.Client() as c:
-        for path in ("/v2/models/other/infer", "/v2/models/off/infer"):
+        for path, why in (("/v2/models/other/infer", "no-policy"), ("/v2/models/off/infer", "disabled")):
             for _ in range(2):
                 r = c.post(s.url(path), content=BODY)
-                assert r.headers["cache-status"] == "meshcache; fwd=bypass"
+                assert r.headers["cache-status"] == f"meshcache; fwd=bypass; detail={why}"
         assert s.origin_calls()["http"] == 4
         get = c.get(s.url("/calls"))
         assert "cache-status" not in get.headers
         plain_post = c.post(s.url("/upload"), content=b"data")
         assert "cache-status" not in plain_post.headers
-        assert s.stats()["meshcache.bypasses"] == 4
+        # Another method on an inference path says why it is not cached.
+        assert c.get(s.url("/v2/models/m/infer")).headers["cache-status"] == "meshcache; fwd=bypass; detail=method"
+        assert s.stats()["meshcache.bypasses"] == 5
 
 
 def test_oversized_answers_pass_through_unstored(tmp_path: Path) -> None:
@@ -173,6 +177,12 @@ def test_if_none_match_gets_304(tmp_path: Path) -> None:
         assert r.headers["cache-status"].startswith("meshcache; hit")
         other = c.post(s.url(INFER), content=BODY, headers={"if-none-match": '"something-else"'})
         assert other.status_code == 200
+        # RFC 9110 13.1.2: `*` may be answered 304 only on GET and HEAD; a POST gets the answer.
+        for star in ("*", '"something-else", *'):
+            r = c.post(s.url(INFER), content=BODY, headers={"if-none-match": star})
+            assert r.status_code == 200, star
+            assert r.headers["cache-status"].startswith("meshcache; hit")
+            assert r.content == other.content
         # An origin ETag is kept and is what If-None-Match compares with.
         c.post(s.url(INFER), content=b'{"n": 2}', headers={"x-origin-etag": '"v7"'})
         r = c.post(s.url(INFER), content=b'{"n": 2}', headers={"x-origin-etag": '"v7"', "if-none-match": 'W/"v7"'})
@@ -186,7 +196,7 @@ def test_client_cannot_forge_internal_markers(tmp_path: Path) -> None:
         forged = {"x-meshcache-hit": "00" * 32, "x-meshcache-local": "1"}
         r = c.post(s.url("/v2/models/nopolicy/infer"), content=BODY, headers=forged)
         assert r.status_code == 200, "went to the origin"
-        assert r.headers["cache-status"] == "meshcache; fwd=bypass"
+        assert r.headers["cache-status"] == "meshcache; fwd=bypass; detail=no-policy"
         r = c.post(s.url("/upload"), content=BODY, headers=forged)
         assert r.status_code == 200
         assert s.origin_calls()["http"] == 3

@@ -102,7 +102,7 @@ def test_malformed_bodies_bypass(tmp_path: Path) -> None:
 def test_binary_extension_length_past_the_body_bypasses(tmp_path: Path) -> None:
     with filter_stack(tmp_path, config()) as s, httpx.Client() as c:
         r = c.post(s.url(INFER), content=rest_body("q"), headers={"inference-header-content-length": "9999"})
-        assert r.headers["cache-status"] == UNPARSABLE
+        assert r.headers["cache-status"] == "meshcache; fwd=bypass; detail=binary-length"
 
 
 def test_grpc_hit_answers_with_the_callers_id(tmp_path: Path) -> None:
@@ -170,3 +170,9 @@ def test_openai_ignore_fields_and_deterministic_only(tmp_path: Path) -> None:
         seeded = [c.post(s.url(chat), content=body(temperature=0.7, seed=42)) for _ in range(2)]
         assert seeded[1].headers["cache-status"].startswith("meshcache; hit")
         assert s.origin_calls()["http"] == 2 + 6 + 1
+        # Only an integer seed makes a sample repeatable: anything else is a sample.
+        for seed in (False, "x", {}, 1.5, [7]):
+            for _ in range(2):
+                r = c.post(s.url(chat), content=body(temperature=0.7, seed=seed))
+                assert r.headers["cache-status"] == "meshcache; fwd=bypass; detail=nondeterministic", seed
+        assert s.origin_calls()["http"] == 2 + 6 + 1 + 10

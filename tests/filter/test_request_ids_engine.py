@@ -90,6 +90,28 @@ def test_rest_hits_are_what_the_engine_answers_for_that_id(tmp_path: Path, engin
         assert engine_requests(engine.metrics_url, MODEL) == calls + 6  # 3 misses, 3 direct calls
 
 
+def test_binary_lengths_the_engine_reads_otherwise_bypass(tmp_path: Path, engine: Engine) -> None:
+    """`inference-header-content-length` is read only as one plain decimal, exactly what the
+    engine accepts: a sign, junk or repeated lines bypass (the engine answers those 400), so no
+    stored answer is ever served for a request the engine would refuse."""
+    with filter_stack(tmp_path, config(policy("mlp")), upstream=(engine.http_port, engine.grpc_port)) as s, \
+            httpx.Client(timeout=10) as c:
+        body, headers = _binary_body(5, "len-1")
+        n = headers["inference-header-content-length"]
+        assert c.post(s.url(INFER), content=body, headers=headers).headers["cache-status"] == \
+            "meshcache; fwd=miss; stored"
+        name = "inference-header-content-length"
+        for lines in ([(name, "+" + n)], [(name, n), (name, n)], [(name, n), (name, "0" + n)], [(name, n + "x")],
+                      [(name, n + ".0")]):
+            r = c.post(s.url(INFER), content=body, headers=lines)
+            assert r.headers["cache-status"] == "meshcache; fwd=bypass; detail=binary-length", lines
+            direct = httpx.post(f"{engine.http_url}{INFER}", content=body, headers=lines, timeout=10)
+            assert r.status_code == direct.status_code == 400, (lines, r.text)
+        # Leading zeros: one number to every reader, and the same entry.
+        r = c.post(s.url(INFER), content=body, headers={name: "00" + n})
+        assert r.status_code == 200 and r.headers["cache-status"].startswith("meshcache; hit")
+
+
 def test_grpc_hits_are_what_the_engine_answers_for_that_id(tmp_path: Path, engine: Engine) -> None:
     def request(request_id: str) -> bytes:
         r = pb.ModelInferRequest(model_name=MODEL, id=request_id)

@@ -121,4 +121,4 @@ def test_large_requests_pass(tmp_path: Path, limits: str) -> None:
         big = b'{"inputs": [], "parameters": {"pad": "' + b"x" * (2 * MiB) + b'"}}'
         r = httpx.post(s.url(INFER), content=big, timeout=30)
         assert r.status_code == 200
-        assert r.headers["cache-status"] == "meshcache; fwd=bypass"
+        assert r.headers["cache-status"] == "meshcache; fwd=bypass; detail=too-big"

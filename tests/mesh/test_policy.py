@@ -48,13 +48,13 @@ def test_ttl_purge_disable_and_delete_reach_the_mesh(mesh: Mesh) -> None:
             # Disabled: bypass (the engine answers every time).
             api.wait_acked(SERVER_NODE, api.put(MODEL, {"ttl_s": 42, "enabled": False})["version"])
             calls = default_engine_calls(mesh, MODEL)
-            assert grpc_call(app, request)[1] == "meshcache; fwd=bypass"
-            assert grpc_call(app, request)[1] == "meshcache; fwd=bypass"
+            assert grpc_call(app, request)[1] == "meshcache; fwd=bypass; detail=disabled"
+            assert grpc_call(app, request)[1] == "meshcache; fwd=bypass; detail=disabled"
             assert default_engine_calls(mesh, MODEL) == calls + 2
 
             # Deleted: no policy, no caching.
             api.wait_acked(SERVER_NODE, api.delete(MODEL)["version"])
-            assert grpc_call(app, _request(3002))[1] == "meshcache; fwd=bypass"
+            assert grpc_call(app, _request(3002))[1] == "meshcache; fwd=bypass; detail=no-policy"
         finally:
             spec = policy_spec(original)
             api.wait_acked(SERVER_NODE, api.put(MODEL, spec)["version"])

@@ -97,8 +97,8 @@ def test_every_dashboard_query_has_live_data(running_mesh: RunningMesh, promethe
         request = mlp_request(seed).SerializeToString()
         grpc_call(e["app"], request)
         grpc_call(e["app"], request)
-    assert rest_infer(e["app"], "mlp-classifier", mlp_json(9104),
-                      {"authorization": "Bearer x"}).headers["cache-status"] == "meshcache; fwd=bypass"
+    credentials = rest_infer(e["app"], "mlp-classifier", mlp_json(9104), {"authorization": "Bearer x"})
+    assert credentials.headers["cache-status"] == "meshcache; fwd=bypass; detail=credentials"
     bad = {"inputs": [{"name": "input", "shape": [1, 3], "datatype": "FP32", "data": [1, 2, 3]}]}
     assert httpx.post(f"{e['engine_http']}/v2/models/mlp-classifier/infer", json=bad, timeout=10).status_code == 400
 

@@ -3,12 +3,31 @@ policy service (compare-and-set on the snapshot version, optional If-Match)."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Response
+import json
+from typing import Any
+
+from fastapi import APIRouter, Request, Response
+from pydantic import ValidationError
 
 from ... import snapshots as changes
-from ...schemas import ErrorOut, FieldError, Limits, PoliciesOut, PolicyOut, PolicySpec, PurgeRequest, WriteResult
+from ...policy_service import Change
+from ...schemas import (
+    ErrorOut,
+    FieldError,
+    HistoryChange,
+    Limits,
+    PoliciesOut,
+    PolicyOut,
+    PolicyPatch,
+    PolicySpec,
+    PurgeRequest,
+    WriteResult,
+)
+from ...wiring import ControlPlane
 from ..dependencies import CP, IfMatch, PrefixPath, Reader, Writer, if_match_version, set_etag
-from ..errors import ERRORS, WRITE_ERRORS, ApiError
+from ..errors import ERRORS, WRITE_ERRORS, ApiError, field_errors
+
+MERGE_PATCH = "application/merge-patch+json"
 
 router = APIRouter()
 
@@ -30,36 +49,85 @@ async def get_policy(model_prefix: PrefixPath, cp: CP, _p: Reader, response: Res
     return PolicyOut(version=snap.version, policy=policy)
 
 
+async def _policy_write(cp: ControlPlane, model_prefix: str, change: Change, who: str, detail: str,
+                        if_match: str | None, response: Response) -> WriteResult:
+    snap, changed, diff = await cp.service.write(change, who, detail, if_match_version(if_match))
+    set_etag(response, snap.version)
+    return WriteResult(version=snap.version, changed=changed, policy=snap.policy(model_prefix),
+                       changes=[HistoryChange(**c) for c in diff],
+                       warnings=await cp.model_index.prefix_warnings(model_prefix))
+
+
+def _same_prefix(body_prefix: object, model_prefix: str) -> None:
+    if body_prefix is not None and body_prefix != model_prefix:
+        raise ApiError(422, "model_prefix in body differs from the path",
+                       [FieldError(field="model_prefix", reason="must equal the path's model_prefix")])
+
+
 @router.put("/v1/policies/{model_prefix:path}", responses=WRITE_ERRORS)
 async def put_policy(model_prefix: PrefixPath, spec: PolicySpec, cp: CP, who: Writer,
                      response: Response, if_match: IfMatch = None) -> WriteResult:
-    if spec.model_prefix is not None and spec.model_prefix != model_prefix:
-        raise ApiError(422, "model_prefix in body differs from the path",
-                       [FieldError(field="model_prefix", reason="must equal the path's model_prefix")])
+    """Create or replace a policy: the body is the whole policy; fields it leaves out take
+    their defaults (to change some fields only, PATCH)."""
+    _same_prefix(spec.model_prefix, model_prefix)
     max_policies = cp.settings.max_policies
-    snap, changed = await cp.service.apply(
-        lambda cur, v: changes.put_policy(cur, v, who.name, model_prefix, spec, max_policies),
-        who.name, spec.model_dump_json(exclude_none=True), if_match_version(if_match))
-    set_etag(response, snap.version)
-    return WriteResult(version=snap.version, changed=changed, policy=snap.policy(model_prefix))
+    return await _policy_write(cp, model_prefix,
+                               lambda cur, v: changes.put_policy(cur, v, who.name, model_prefix, spec, max_policies),
+                               who.name, spec.model_dump_json(exclude_none=True),
+                               if_match, response)
+
+
+_PATCH_BODY: dict[str, Any] = {
+    "requestBody": {"required": True, "content": {
+        media: {"schema": PolicyPatch.model_json_schema()} for media in (MERGE_PATCH, "application/json")}}}
+
+
+@router.patch("/v1/policies/{model_prefix:path}", responses={**WRITE_ERRORS, 415: {"model": ErrorOut}},
+              openapi_extra=_PATCH_BODY)
+async def patch_policy(model_prefix: PrefixPath, request: Request, cp: CP, who: Writer, response: Response,
+                       if_match: IfMatch = None) -> WriteResult:
+    """Change only the fields the body names (JSON merge patch, RFC 7396): `null` resets a field
+    to its default. Creates the policy from the defaults when there is none (`ttl_s` needed).
+    With `If-Match`, applied only to that snapshot version (else 412). Nothing is written when
+    the patched policy is invalid (422, per field)."""
+    media = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if media not in (MERGE_PATCH, "application/json"):
+        raise ApiError(415, f"PATCH takes {MERGE_PATCH} (RFC 7396) or application/json, not {media or 'no type'}")
+    try:
+        patch = json.loads(await request.body())
+    except ValueError as exc:
+        raise ApiError(422, f"the body is not JSON: {exc}") from exc
+    if not isinstance(patch, dict):
+        raise ApiError(422, "a policy merge patch is a JSON object: the fields to change (null resets one)")
+    try:
+        PolicyPatch.model_validate(patch)
+    except ValidationError as exc:
+        errs = field_errors(exc.errors())
+        raise ApiError(422, "invalid patch: " + "; ".join(f"{e.field}: {e.reason}" for e in errs), errs) from exc
+    _same_prefix(patch.pop("model_prefix", None), model_prefix)
+    max_policies = cp.settings.max_policies
+    return await _policy_write(
+        cp, model_prefix, lambda cur, v: changes.patch_policy(cur, v, who.name, model_prefix, patch, max_policies),
+        who.name, json.dumps(patch, sort_keys=True), if_match, response)
 
 
 @router.delete("/v1/policies/{model_prefix:path}", responses=WRITE_ERRORS)
 async def delete_policy(model_prefix: PrefixPath, cp: CP, who: Writer, response: Response,
                         if_match: IfMatch = None) -> WriteResult:
-    snap, changed = await cp.service.apply(
+    snap, changed, diff = await cp.service.write(
         lambda cur, v: changes.delete_policy(cur, v, who.name, model_prefix),
         who.name, model_prefix, if_match_version(if_match))
     set_etag(response, snap.version)
-    return WriteResult(version=snap.version, changed=changed)
+    return WriteResult(version=snap.version, changed=changed, changes=[HistoryChange(**c) for c in diff])
 
 
 @router.post("/v1/purge", responses=WRITE_ERRORS)
 async def purge(body: PurgeRequest, cp: CP, who: Writer, response: Response) -> WriteResult:
-    snap, changed = await cp.service.apply(
+    snap, changed, diff = await cp.service.write(
         lambda cur, v: changes.purge(cur, v, who.name, body.model_prefix), who.name, body.model_prefix)
     set_etag(response, snap.version)
-    return WriteResult(version=snap.version, changed=changed, policy=snap.policy(body.model_prefix))
+    return WriteResult(version=snap.version, changed=changed, policy=snap.policy(body.model_prefix),
+                       changes=[HistoryChange(**c) for c in diff])
 
 
 @router.get("/v1/limits", responses=ERRORS)
@@ -71,8 +139,8 @@ async def get_limits(cp: CP, _p: Reader, response: Response) -> Limits:
 @router.put("/v1/limits", responses=WRITE_ERRORS)
 async def put_limits(limits: Limits, cp: CP, who: Writer, response: Response,
                      if_match: IfMatch = None) -> WriteResult:
-    snap, changed = await cp.service.apply(
+    snap, changed, diff = await cp.service.write(
         lambda cur, v: changes.set_limits(cur, v, who.name, limits),
         who.name, limits.model_dump_json(), if_match_version(if_match))
     set_etag(response, snap.version)
-    return WriteResult(version=snap.version, changed=changed)
+    return WriteResult(version=snap.version, changed=changed, changes=[HistoryChange(**c) for c in diff])

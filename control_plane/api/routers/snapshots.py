@@ -8,7 +8,16 @@ from fastapi import APIRouter, Path, Query, Response
 
 from ... import history
 from ... import snapshots as changes
-from ...schemas import AuditOut, ErrorOut, HistoryEntry, HistoryOut, RollbackRequest, SnapshotOut, WriteResult
+from ...schemas import (
+    AuditOut,
+    ErrorOut,
+    HistoryChange,
+    HistoryEntry,
+    HistoryOut,
+    RollbackRequest,
+    SnapshotOut,
+    WriteResult,
+)
 from ...snapshots import Snapshot
 from ...store import StoreUnavailable
 from ..dependencies import CP, Reader, Writer, set_etag
@@ -50,10 +59,10 @@ async def do_rollback(body: RollbackRequest, cp: CP, who: Writer, response: Resp
     target = await cp.store.load(body.version)
     if target is None:
         raise ApiError(404, f"snapshot {body.version} does not exist (or is older than the retention)")
-    snap, changed = await cp.service.apply(
+    snap, changed, diff = await cp.service.write(
         lambda cur, v: changes.rollback(cur, target, v, who.name), who.name, f"to {body.version}")
     set_etag(response, snap.version)
-    return WriteResult(version=snap.version, changed=changed)
+    return WriteResult(version=snap.version, changed=changed, changes=[HistoryChange(**c) for c in diff])
 
 
 @router.get("/v1/audit", responses={**ERRORS, 503: {"model": ErrorOut}})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
@@ -46,8 +47,19 @@ class PolicyApi:
     def version(self) -> int:
         return int(self.policies()["version"])
 
-    def put(self, model_prefix: str, spec: dict[str, Any]) -> dict[str, Any]:
-        return self._call("PUT", f"/v1/policies/{model_prefix}", json=spec)  # type: ignore[no-any-return]
+    def put(self, model_prefix: str, spec: dict[str, Any], if_match: int | None = None) -> dict[str, Any]:
+        """Create or replace a whole policy (fields not in `spec` take their defaults)."""
+        headers = {"If-Match": f'"{if_match}"'} if if_match is not None else {}
+        return self._call("PUT", f"/v1/policies/{model_prefix}", json=spec,  # type: ignore[no-any-return]
+                          headers=headers)
+
+    def patch(self, model_prefix: str, patch: dict[str, Any], if_match: int | None = None) -> dict[str, Any]:
+        """Change only the fields in `patch` (JSON merge patch: None resets a field to its default)."""
+        headers = {"Content-Type": "application/merge-patch+json"}
+        if if_match is not None:
+            headers["If-Match"] = f'"{if_match}"'
+        return self._call("PATCH", f"/v1/policies/{model_prefix}",  # type: ignore[no-any-return]
+                          content=json.dumps(patch).encode(), headers=headers)
 
     def delete(self, model_prefix: str) -> dict[str, Any]:
         return self._call("DELETE", f"/v1/policies/{model_prefix}")  # type: ignore[no-any-return]

@@ -11,6 +11,7 @@ from typing import Any
 
 import httpx
 
+from meshcache.contract.filter_config import POLICY_FIELD_HELP
 from meshcache.ctl.envoy_config import LB_POLICIES
 from meshcache.ctl.mesh import state
 from meshcache.ctl.mesh.api_client import ApiError, PolicyApi
@@ -223,6 +224,51 @@ def _api(args: argparse.Namespace) -> PolicyApi:
     return PolicyApi(url, token)
 
 
+# `policy set` flags -> policy fields (None: the flag was not given).
+_SET_FLAGS = {"ttl": "ttl_s", "max_ttl": "max_ttl_s", "scope": "scope", "enabled": "enabled",
+              "hash_header": "hash_headers", "vary_header": "vary_headers", "ignore_field": "ignore_fields",
+              "deterministic_only": "deterministic_only", "coalesce_timeout_ms": "coalesce_timeout_ms",
+              "stale_if_error": "stale_if_error_s", "stale_while_revalidate": "stale_while_revalidate_s"}
+
+
+def _format_changes(result: dict[str, Any]) -> list[str]:
+    """The field diff a write applied (the status page's), one line per field."""
+    lines = []
+    for change in result.get("changes", []):
+        for name, (before, after) in change["fields"].items():
+            lines.append(f"  {name}: {after}" if change["what"] == "added" else f"  {name}: {before} -> {after}")
+    return lines
+
+
+def _policy_set(api: PolicyApi, args: argparse.Namespace) -> int:
+    """Changes only the fields whose flags are given (PATCH; a missing policy is created from the
+    defaults), or, with --replace, sets the whole policy (PUT: fields not given take defaults)."""
+    fields = {field: getattr(args, flag) for flag, field in _SET_FLAGS.items() if getattr(args, flag) is not None}
+    if args.replace:
+        if args.unset:
+            return _err("--unset resets fields of a patch; with --replace every field not given is reset")
+        if "ttl_s" not in fields:
+            return _err("--replace sets the whole policy: --ttl is required")
+        result = api.put(args.model_prefix, fields, if_match=args.if_match)
+    else:
+        overlap = set(args.unset or ()) & set(fields)
+        if overlap:
+            return _err(f"--unset {', '.join(sorted(overlap))} and a value for it at once")
+        if not fields and not args.unset:
+            return _err("nothing to change: give the fields to set (see --help)")
+        result = api.patch(args.model_prefix, {**fields, **dict.fromkeys(args.unset or ())}, if_match=args.if_match)
+    for warning in result.get("warnings", []):
+        print(f"meshcache: warning: {warning}", file=sys.stderr)
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    verb = "replaced" if args.replace else "set"
+    print(f"{verb} {args.model_prefix}: version {result['version']}" + ("" if result["changed"] else " (no change)"))
+    for line in _format_changes(result):
+        print(line)
+    return 0
+
+
 def cmd_policy(args: argparse.Namespace) -> int:
     try:
         with _api(args) as api:
@@ -241,24 +287,8 @@ def cmd_policy(args: argparse.Namespace) -> int:
                           f"{p.get('stale_if_error_s', ''):>16} {p.get('stale_while_revalidate_s', ''):>19}")
                 return 0
             if args.action == "set":
-                spec: dict[str, Any] = {"ttl_s": args.ttl, "scope": args.scope, "enabled": not args.disabled}
-                if args.max_ttl is not None:
-                    spec["max_ttl_s"] = args.max_ttl
-                if args.hash_header:
-                    spec["hash_headers"] = args.hash_header
-                if args.vary_header:
-                    spec["vary_headers"] = args.vary_header
-                if args.ignore_field:
-                    spec["ignore_fields"] = args.ignore_field
-                if args.deterministic_only:
-                    spec["deterministic_only"] = True
-                for flag, field in (("coalesce_timeout_ms", "coalesce_timeout_ms"),
-                                    ("stale_if_error", "stale_if_error_s"),
-                                    ("stale_while_revalidate", "stale_while_revalidate_s")):
-                    if getattr(args, flag) is not None:
-                        spec[field] = getattr(args, flag)
-                result = api.put(args.model_prefix, spec)
-            elif args.action == "delete":
+                return _policy_set(api, args)
+            if args.action == "delete":
                 result = api.delete(args.model_prefix)
             else:
                 result = api.purge(args.model_prefix)
@@ -268,6 +298,39 @@ def cmd_policy(args: argparse.Namespace) -> int:
             return 0
     except (ApiError, OSError) as exc:
         return _err(str(exc))
+
+
+def _add_set_flags(a: argparse.ArgumentParser) -> None:
+    h = POLICY_FIELD_HELP
+    a.add_argument("--ttl", type=int, metavar="S", help=f"ttl_s: {h['ttl_s']} (needed to create a policy)")
+    a.add_argument("--max-ttl", type=int, metavar="S", help=f"max_ttl_s: {h['max_ttl_s']}")
+    a.add_argument("--scope", choices=("shared", "principal"), help=f"scope: {h['scope']}")
+    on_off = a.add_mutually_exclusive_group()
+    on_off.add_argument("--enabled", dest="enabled", action="store_const", const=True, help="enabled: true")
+    on_off.add_argument("--disabled", dest="enabled", action="store_const", const=False,
+                        help=f"enabled: {h['enabled']}")
+    a.add_argument("--hash-header", action="append", metavar="NAME",
+                   help=f"hash_headers (repeat; the list given replaces the policy's): {h['hash_headers']}")
+    a.add_argument("--vary-header", action="append", metavar="NAME",
+                   help=f"vary_headers (repeat; replaces the list): {h['vary_headers']}")
+    a.add_argument("--ignore-field", action="append", metavar="FIELD",
+                   help=f"ignore_fields (repeat; replaces the list): {h['ignore_fields']}")
+    det = a.add_mutually_exclusive_group()
+    det.add_argument("--deterministic-only", dest="deterministic_only", action="store_const", const=True,
+                     help=f"deterministic_only: {h['deterministic_only']}")
+    det.add_argument("--no-deterministic-only", dest="deterministic_only", action="store_const", const=False,
+                     help="deterministic_only: false")
+    a.add_argument("--coalesce-timeout-ms", type=int, metavar="MS",
+                   help=f"coalesce_timeout_ms: {h['coalesce_timeout_ms']} (default 5000)")
+    a.add_argument("--stale-if-error", type=int, metavar="S", help=f"stale_if_error_s: {h['stale_if_error_s']}")
+    a.add_argument("--stale-while-revalidate", type=int, metavar="S",
+                   help=f"stale_while_revalidate_s: {h['stale_while_revalidate_s']}")
+    a.add_argument("--unset", action="append", metavar="FIELD", choices=sorted(set(_SET_FLAGS.values()) - {"ttl_s"}),
+                   help="reset a field to its default (repeat)")
+    a.add_argument("--replace", action="store_true",
+                   help="set the whole policy: every field not given takes its default (PUT)")
+    a.add_argument("--if-match", type=int, metavar="VERSION",
+                   help="apply only if the policies are still at this snapshot version (else 412)")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -300,7 +363,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
 
     policy = subparsers.add_parser("policy", help="cache policies (a client of the control-plane API)")
     actions = policy.add_subparsers(dest="action", required=True)
-    for name, helptext in (("list", "list the policies"), ("set", "create or change a policy"),
+    for name, helptext in (("list", "list the policies"),
+                           ("set", "change the fields given, keep the others (creates the policy with defaults "
+                                   "if missing); --replace sets the whole policy"),
                            ("delete", "delete a policy"), ("purge", "drop a model's cached entries")):
         a = actions.add_parser(name, help=helptext)
         _add_state_dir(a)
@@ -310,20 +375,5 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         if name != "list":
             a.add_argument("model_prefix")
         if name == "set":
-            a.add_argument("--ttl", type=int, required=True, help="seconds an entry is served")
-            a.add_argument("--max-ttl", type=int, help="upper bound for per-response TTLs")
-            a.add_argument("--scope", choices=("shared", "principal"), default="shared")
-            a.add_argument("--disabled", action="store_true", help="keep the policy but bypass the cache")
-            a.add_argument("--hash-header", action="append", help="header hashed into responses (repeat)")
-            a.add_argument("--vary-header", action="append", help="header that splits cache entries (repeat)")
-            a.add_argument("--ignore-field", action="append",
-                           help="top-level JSON body field left out of the key, e.g. user (repeat)")
-            a.add_argument("--deterministic-only", action="store_true",
-                           help="OpenAI chat/completions: bypass sampled requests (temperature > 0, no seed)")
-            a.add_argument("--coalesce-timeout-ms", type=int, metavar="MS",
-                           help="identical misses wait this long for the first one's answer (0 = off; default 5000)")
-            a.add_argument("--stale-if-error", type=int, metavar="S",
-                           help="serve an expired entry up to S seconds past its TTL when the engine fails")
-            a.add_argument("--stale-while-revalidate", type=int, metavar="S",
-                           help="serve an expired entry at once for S seconds while one request refreshes it")
+            _add_set_flags(a)
         a.set_defaults(func=cmd_policy)

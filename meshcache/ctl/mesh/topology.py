@@ -272,7 +272,9 @@ class Mesh:
                                            "--xds-tls-key", str(certs.control_plane.key),
                                            "--xds-tls-client-ca", str(certs.ca_cert),
                                            # the status page's cache counters: the sidecars' stats
-                                           "--proxy-stats", ",".join(f"{n}={u}" for n, u in self.stats_urls().items()))
+                                           "--proxy-stats", ",".join(f"{n}={u}" for n, u in self.stats_urls().items()),
+                                           # which models exist: a policy prefix matching none is warned about
+                                           "--engine-index", ",".join(self.engine_urls()))
         env = {"MESHCACHE_CP_TOKENS": f"write:mesh:{self.token}"}
         return launchers.start_control_plane(argv, env, self.config.log_dir, ports.cp_http, ports.cp_xds,
                                             ready_path="/readyz")
@@ -335,6 +337,14 @@ class Mesh:
         """Envoys that take the filter's config from the control plane."""
         nodes = [server_node(k) for k in range(1, self.config.replicas + 1)]
         return nodes + [CLIENT_NODE] if self.has_affinity() else nodes
+
+    def engine_urls(self) -> list[str]:
+        """The engines' REST base URLs (replicas, then the canary)."""
+        ports = self.config.ports
+        urls = [f"http://127.0.0.1:{ports.replica(k).engine_http}" for k in range(1, self.config.replicas + 1)]
+        if self.config.canary_color:
+            urls.append(f"http://127.0.0.1:{ports.canary_http}")
+        return urls
 
     def stats_urls(self) -> dict[str, str]:
         urls = {server_node(k): self.server_stats_url(k) for k in range(1, self.config.replicas + 1)}
