@@ -80,12 +80,25 @@ def test_what_passes_through_uncached(tmp_path: Path) -> None:
         assert len(big.content) == 20000, "the answer passes through whole"
         failed = c.post(s.url(INFER), content=BODY, headers={**JSON, "x-origin-status": "503"})
         assert failed.status_code == 503 and failed.headers["cache-status"] == "meshcache; fwd=miss"
-        big_request = c.post(s.url(INFER), content=b"[" + b"1," * 3000 + b"1]", headers=JSON)
+        big_request = c.post(s.url(INFER), content=b"[" + b"1," * 400_000 + b"1]", headers=JSON)
+        assert big_request.status_code == 200
         assert big_request.headers["cache-status"] == "meshcache; fwd=bypass; detail=too-big"
         again = [c.post(s.url(INFER), content=BODY, headers={**JSON, "x-origin-size": "20000"}),
                  c.post(s.url(INFER), content=BODY, headers={**JSON, "x-origin-status": "503"})]
         assert [r.headers["cache-status"] for r in again] == ["meshcache; fwd=miss; detail=too-big",
                                                             "meshcache; fwd=miss"], "nothing was stored"
+
+
+def test_holding_back_stays_under_envoys_default_buffer_limit(tmp_path: Path) -> None:
+    # Envoy's default 1 MiB buffer limit (an Istio sidecar's) and entries allowed up to 9 MiB: a
+    # 2 MiB answer passes through whole, never a 500 from an overflowing buffer.
+    with filter_stack(tmp_path, config(max_entry_bytes=9 * 1_048_576), buffer_limit_bytes=None, native=True) as s, \
+            httpx.Client() as c:
+        big = c.post(s.url(INFER), content=BODY, headers={**JSON, "x-origin-size": str(2 * 1_048_576)}, timeout=30)
+        assert big.status_code == 200 and len(big.content) == 2 * 1_048_576
+        assert big.headers["cache-status"] == "meshcache; fwd=miss; detail=too-big"
+        small = c.post(s.url(INFER), content=BODY, headers={**JSON, "x-origin-size": "500000"})
+        assert small.headers["cache-status"] == "meshcache; fwd=miss; stored"
 
 
 def test_workers_share_one_store(tmp_path: Path) -> None:

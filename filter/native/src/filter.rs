@@ -24,6 +24,11 @@ pub const MISS: &[u8] = b"meshcache; fwd=miss";
 pub const MISS_TOO_BIG: &[u8] = b"meshcache; fwd=miss; detail=too-big";
 pub const BYPASS: &[u8] = b"meshcache; fwd=bypass";
 pub const BYPASS_TOO_BIG: &[u8] = b"meshcache; fwd=bypass; detail=too-big";
+/// The most a stream holds back (request body to key, answer to store), whatever
+/// max_entry_bytes says: under Envoy's default 1 MiB buffer limit (an Istio sidecar's), so
+/// holding never makes Envoy fail the request. Phase 1 stores only answers it can hold; storing
+/// larger ones while they stream through is the full filter's (phase 2).
+pub const MAX_HELD_BYTES: usize = 768 * 1024;
 
 /// What the filter needs from its proxy for one stream.
 pub trait Host {
@@ -105,7 +110,7 @@ impl Stream {
     }
 
     pub fn on_request_body(&mut self, host: &mut dyn Host, end_of_stream: bool) -> Flow {
-        let max = self.config.max_entry_bytes as usize;
+        let max = MAX_HELD_BYTES;
         let (key, ttl) = match &mut self.state {
             State::Keying { hasher, ttl, seen } => {
                 host.received_body(false, &mut |chunk| {
@@ -166,7 +171,7 @@ impl Stream {
     }
 
     pub fn on_response_body(&mut self, host: &mut dyn Host, end_of_stream: bool) -> Flow {
-        let max = self.config.max_entry_bytes as usize;
+        let max = (self.config.max_entry_bytes as usize).min(MAX_HELD_BYTES);
         let seen = match &mut self.state {
             State::Storing { seen, .. } => {
                 host.received_body(true, &mut |chunk| *seen += chunk.len());
@@ -332,9 +337,14 @@ mod tests {
         let c = setup(16);
         assert_eq!(status(&exchange(&c, "/other", &[b"{}"], &[b"x"])), "-", "not an inference request");
         assert_eq!(status(&exchange(&c, "/v2/models/zz/infer", &[b"{}"], &[b"x"])), "meshcache; fwd=bypass");
-        let big_request = [b"0123456789".as_slice(); 3];
+        let chunk = vec![b'1'; 256 * 1024];
+        let big_request = [&chunk[..], &chunk[..], &chunk[..], b"1"];
         assert_eq!(status(&exchange(&c, "/v2/models/m1/infer", &big_request, &[b"x"])),
                    "meshcache; fwd=bypass; detail=too-big");
+        let c2 = setup(9 << 20);
+        let held_too_long = [&chunk[..], &chunk[..], &chunk[..], b"1"];
+        assert_eq!(status(&exchange(&c2, "/v2/models/m1/infer", &[b"{}"], &held_too_long)),
+                   "meshcache; fwd=miss; detail=too-big", "never more than MAX_HELD_BYTES held back");
         let big_answer = [b"0123456789".as_slice(); 3];
         assert_eq!(status(&exchange(&c, "/v2/models/m1/infer", &[b"{}"], &big_answer)),
                    "meshcache; fwd=miss; detail=too-big");
