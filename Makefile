@@ -11,9 +11,11 @@ setup:
 
 filter: setup
 	@filter/build.sh release
+	@filter/build.sh native
 
 test-filter: setup
 	@filter/build.sh test
+	@filter/build.sh native-test
 
 lint: setup
 	$(VENV)/bin/ruff check .
@@ -30,4 +32,4 @@ bench: setup filter
 	$(PY) -m bench.run
 
 clean:
-	rm -rf filter/target filter/dist
+	rm -rf filter/target filter/native/target filter/dist

@@ -2,9 +2,35 @@
 # Builds filter/dist/meshcache_filter.wasm (`release`) or runs the host unit tests (`test`).
 # A rustup toolchain with the wasm32 target is used when present; otherwise Debian's rustc 1.63
 # with the crates Debian packages (no crates.io here).
+# `native` builds the Envoy dynamic module filter/dist/libmeshcache_native.so and `native-test`
+# runs its unit tests: filter/native/ is its own Cargo package, built with rustup's stable
+# toolchain and pinned crates.io crates (Cargo.lock, --locked), never with the wasm toolchain.
 set -euo pipefail
 cd "$(dirname "$0")"
 mode=${1:-release}
+
+native_cargo() {
+  local cargo="${CARGO_HOME:-$HOME/.cargo}/bin/cargo"
+  if [ ! -x "$cargo" ]; then
+    echo "filter/build.sh: rustup's cargo not found at $cargo (the native module needs a stable Rust >= 1.80 from rustup)" >&2
+    exit 1
+  fi
+  (cd native && "$cargo" "$@")
+}
+
+case "$mode" in
+  native)
+    native_cargo build --quiet --locked --release
+    mkdir -p dist
+    cp native/target/release/libmeshcache_native.so dist/libmeshcache_native.so.tmp
+    mv dist/libmeshcache_native.so.tmp dist/libmeshcache_native.so
+    exit 0
+    ;;
+  native-test)
+    native_cargo test --quiet --locked
+    exit 0
+    ;;
+esac
 
 if command -v rustup >/dev/null 2>&1 && rustup target list --installed 2>/dev/null | grep -qx wasm32-unknown-unknown; then
   cargo=(cargo)
@@ -26,7 +52,7 @@ case "$mode" in
     "${cargo[@]}" test --quiet --locked --offline
     ;;
   *)
-    echo "usage: $0 [release|test]" >&2
+    echo "usage: $0 [release|test|native|native-test]" >&2
     exit 2
     ;;
 esac

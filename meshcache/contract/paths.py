@@ -8,6 +8,8 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 FILTER_WASM = REPO_ROOT / "filter" / "dist" / "meshcache_filter.wasm"
+# The Envoy dynamic module (filter/native/, `filter/build.sh native`).
+FILTER_NATIVE = REPO_ROOT / "filter" / "dist" / "libmeshcache_native.so"
 ENVOY_CONFIG_DIR = REPO_ROOT / "envoy"
 PROTO_DIR = REPO_ROOT / "proto"
 
@@ -27,3 +29,9 @@ def require_filter_wasm() -> Path:
     if not FILTER_WASM.exists():
         raise FileNotFoundError(f"{FILTER_WASM} is missing: run `make filter`")
     return FILTER_WASM
+
+
+def require_filter_native() -> Path:
+    if not FILTER_NATIVE.exists():
+        raise FileNotFoundError(f"{FILTER_NATIVE} is missing: run `make filter`")
+    return FILTER_NATIVE

@@ -36,6 +36,7 @@ import yaml
 from meshcache.contract.filter_config import DEMO_POLICIES, client_plugin_config
 from meshcache.contract.grpc_hit import grpc_hit_lua_filter, grpc_hit_routes
 from meshcache.contract.headers import COLOR_HEADER, ROUTE_KEY_HEADER
+from meshcache.contract.native_filter import native_http_filter
 from meshcache.contract.wasm_filter import (
     CLIENT_FILTER_NAME,
     FILTER_NAME,
@@ -84,6 +85,9 @@ class CacheProxy:
     # Per-connection buffer limit of the listener and upstreams; None = Envoy's default (1 MiB),
     # what an Istio sidecar runs with. The filter works under either.
     buffer_limit_bytes: int | None = BUFFER_LIMIT_BYTES
+    # The cache as an Envoy dynamic module (filter/native/, phase 1 of issue 24) instead of the
+    # Wasm filter: REST only for now (no single-pass gRPC hit step), no ECDS.
+    native_module: Path | None = None
 
 
 def _socket(address: str, port: int) -> dict[str, Any]:
@@ -307,7 +311,9 @@ def _hcm(stat_prefix: str, routes: list[dict[str, Any]], http_filters: list[dict
 def render(p: CacheProxy) -> dict[str, Any]:
     """The bootstrap as a dict (dump with yaml.safe_dump)."""
     filters: list[dict[str, Any]] = []
-    if p.with_filter:
+    if p.with_filter and p.native_module is not None:
+        filters = [native_http_filter(p.native_module, p.plugin_config)]
+    elif p.with_filter:
         filters = [_wasm_http_filter(p), grpc_hit_lua_filter()]
     chain: dict[str, Any] = {"filters": [_hcm("ingress", _routes(p), filters)]}
     if p.downstream_tls is not None:

@@ -16,7 +16,7 @@ import httpx
 import yaml
 
 from meshcache.contract.grpc_hit import GRPC_HIT_LUA_FILTER, GRPC_HIT_ROUTE
-from meshcache.contract.paths import FILTER_WASM
+from meshcache.contract.paths import FILTER_NATIVE, FILTER_WASM
 from meshcache.ctl import launchers, procs
 from meshcache.ctl.envoy_config import BUFFER_LIMIT_BYTES, CacheProxy, write
 from meshcache.ctl.pki import Identity
@@ -69,8 +69,10 @@ def filter_stack(tmp: Path, config: dict[str, Any], concurrency: int = 1,
                  buffer_limit_bytes: int | None = BUFFER_LIMIT_BYTES,
                  upstream: tuple[int, int] | None = None,
                  without_grpc_hit_route: bool = False,
-                 route_timeout_s: float | None = None) -> Iterator[Stack]:
-    """`upstream`: (HTTP, gRPC) ports of a server the caller runs (the engine) instead of the
+                 route_timeout_s: float | None = None,
+                 native: bool = False) -> Iterator[Stack]:
+    """`native`: the dynamic-module host (filter/native/, phase 1 of issue 24) instead of the
+    Wasm filter. `upstream`: (HTTP, gRPC) ports of a server the caller runs (the engine) instead of the
     test origin. `without_grpc_hit_route`: a misconfigured Envoy lacking the single-pass hit
     route and Lua filter. `route_timeout_s`: the routes' upstream timeout (Envoy answers 504,
     gRPC UNAVAILABLE, past it)."""
@@ -91,7 +93,8 @@ def filter_stack(tmp: Path, config: dict[str, Any], concurrency: int = 1,
                            grpc_upstream_port=grpc_port, wasm_path=FILTER_WASM, plugin_config=config,
                            downstream_tls=tls, allowed_peers=allowed_peers or [],
                            allow_on_headers_stop_iteration=allow_on_headers_stop_iteration,
-                           buffer_limit_bytes=buffer_limit_bytes)
+                           buffer_limit_bytes=buffer_limit_bytes,
+                           native_module=FILTER_NATIVE if native else None)
         config_path = write(proxy, tmp / "envoy.yaml")
         if without_grpc_hit_route:
             doc = yaml.safe_load(config_path.read_text())

