@@ -41,8 +41,9 @@ def crd_file() -> Path:
     path = Path(override) if override else REPO_ROOT.parent / "shared" / "istio" / ISTIO_CRDS_NAME
     if not path.is_file():
         raise FileNotFoundError(
-            f"Istio CRD schemas not found at {path}: expected ../shared/istio/{ISTIO_CRDS_NAME} relative to "
-            "the repository root (istio/api kubernetes/customresourcedefinitions.gen.yaml at v1.30.3), "
+            f"Istio CRD schemas not found at {path}: get Istio 1.30.3's CRDs (istio/api "
+            "kubernetes/customresourcedefinitions.gen.yaml at tag 1.30.3, or `helm show crds istio/base "
+            f"--version 1.30.3`) into ../shared/istio/{ISTIO_CRDS_NAME} beside the repository, "
             "or set MESHCACHE_ISTIO_CRDS to its path")
     return path
 
