@@ -64,3 +64,19 @@ if [ ! -f "$kstamp" ] || [ tests/mesh/kserve-requirements.txt -nt "$kstamp" ]; t
   .venv-kserve/bin/pip install -q -r tests/mesh/kserve-requirements.txt
   touch "$kstamp"
 fi
+
+# The real kustomize (tests/istio/test_kustomize.py checks that meshcache/ctl/istio/kustomize.py
+# builds every kustomization under istio/ to the same objects): built from its Go module once per
+# machine, outside the work tree. Go 1.26 (/usr/local/go on this project's machines).
+KUSTOMIZE_VERSION=v5.8.2
+kustomize_dir="${XDG_CACHE_HOME:-$HOME/.cache}/meshcache/tools/kustomize-$KUSTOMIZE_VERSION"
+if [ ! -x "$kustomize_dir/kustomize" ]; then
+  go_bin=$(command -v go || echo /usr/local/go/bin/go)
+  if [ ! -x "$go_bin" ]; then
+    echo "setup: Go is needed to build kustomize $KUSTOMIZE_VERSION (none on PATH or at /usr/local/go/bin/go)" >&2
+    exit 1
+  fi
+  echo "setup: building kustomize $KUSTOMIZE_VERSION into $kustomize_dir (once per machine)"
+  GOTOOLCHAIN=local GOFLAGS=-mod=mod GOBIN="$kustomize_dir" "$go_bin" install \
+    "sigs.k8s.io/kustomize/kustomize/v5@$KUSTOMIZE_VERSION"
+fi
