@@ -23,6 +23,7 @@ import copy
 from pathlib import Path
 
 import pytest
+import yaml
 
 from meshcache.ctl.cli import main
 from meshcache.ctl.istio import crossref, kustomize, render, validate
@@ -181,3 +182,21 @@ def test_a_selector_that_misses_the_pods_is_caught(tmp_path: Path, pins: render.
 def test_colours_are_for_the_own_engine_only(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["istio", "render", "--overlay", str(TRITON), "--color", "green", "--out", str(tmp_path)]) == 2
     assert "apply to meshcache's own engine only" in capsys.readouterr().err
+
+
+def test_validate_with_and_without_the_workloads(tmp_path: Path, filter_wasm: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "out"
+    assert main(["istio", "render", "--overlay", str(KSERVE), "--namespace", "ml", "--out", str(out)]) == 0
+    files = [str(p) for p in sorted(out.glob("*.yaml"))]
+    capsys.readouterr()
+    assert main(["istio", "validate", *files, "--module", str(filter_wasm)]) == 0
+    assert "cross-references of the cached workloads skipped" in capsys.readouterr().out
+    # As `kubectl get deploy,svc my-model-predictor -o yaml` prints them: a List.
+    theirs = tmp_path / "theirs.yaml"
+    theirs.write_text(yaml.safe_dump({"apiVersion": "v1", "kind": "List", "items": kserve_predictor("my-model", "ml")}))
+    assert main(["istio", "validate", *files, "--module", str(filter_wasm), "--workload", str(theirs)]) == 0
+    assert "skipped" not in capsys.readouterr().out
+    theirs.write_text(yaml.safe_dump({"apiVersion": "v1", "kind": "List", "items": kserve_predictor("iris", "ml")}))
+    assert main(["istio", "validate", *files, "--module", str(filter_wasm), "--workload", str(theirs)]) == 1
+    assert "EnvoyFilter/meshcache: selector matches no workload" in capsys.readouterr().err

@@ -84,6 +84,9 @@ def register(subparsers: Any) -> None:
     v = sub.add_parser("validate", help="validate manifest files against Istio's CRDs and Kubernetes schemas")
     v.add_argument("files", type=Path, nargs="+")
     v.add_argument("--module", type=Path, default=FILTER_WASM, help="also check the pins against this module")
+    v.add_argument("--workload", type=Path, action="append", default=[], metavar="FILE",
+                   help="your cached workloads' manifests (overlays kserve, triton; e.g. `kubectl get deploy,svc "
+                        "NAME -o yaml`), for the cross-references only (repeatable)")
     v.set_defaults(func=_validate)
 
 
@@ -152,9 +155,17 @@ def _validate(args: argparse.Namespace) -> int:
     if args.module.exists():
         image = oci.image_for(args.module)
         manifests = [o for o in objects if o["kind"] != "IstioOperator"]
-        # Partial sets (an MCP preview alone) skip the startup rules, which need the control plane.
-        errors += crossref.check_all(manifests, image.digest,
-                                     startup=any(o["kind"] == "Deployment" for o in manifests))
+        theirs = [o for f in args.workload for o in validate.load_yaml_objects(f)]
+        theirs = [i for o in theirs for i in (o.get("items", []) if o.get("kind") == "List" else [o])]
+        startup = any(o["kind"] == "Deployment" and o["metadata"]["name"] == render.CONTROL_PLANE for o in manifests)
+        if startup and not render.own_engine(manifests) and not theirs:
+            # In front of the user's servers: what selects them is checked only against them.
+            print("cross-references of the cached workloads skipped: pass their manifests with --workload FILE "
+                  "(e.g. `kubectl get deploy,svc NAME -o yaml`)")
+            errors += (crossref.check_module(manifests, image.digest) + crossref.check_startup(manifests))
+        else:
+            # Partial sets (an MCP preview alone) skip the startup rules, which need the control plane.
+            errors += crossref.check_all(manifests + theirs, image.digest, startup=startup)
     operators = [o for o in objects if o["kind"] == "IstioOperator"]
     # The fresh install's two steps carry a profile (step 1 the fewer sources); the existing-Istio
     # overlay has none and, like step 2, must add the control plane over TLS and keep k8s://.
