@@ -13,6 +13,9 @@ APT_PACKAGES=(
   libb64-0d
   # Status page and offline API docs tests (headless browser) and the dashboard test (a real Prometheus).
   chromium chromium-driver prometheus
+  # `make images` and tests/images: buildah builds the engine and control-plane images (chroot
+  # isolation, no daemon) on a Debian 12 base made by debootstrap.
+  buildah debootstrap
 )
 
 missing=()
