@@ -16,6 +16,8 @@ APT_PACKAGES=(
   # `make images` and tests/images: buildah builds the engine and control-plane images (chroot
   # isolation, no daemon) on a Debian 12 base made by debootstrap.
   buildah debootstrap
+  # tests/istio/test_oci_publish.py: the filter's OCI image pushed with skopeo to a real registry.
+  skopeo docker-registry
 )
 
 missing=()
@@ -36,6 +38,9 @@ if [ ${#missing[@]} -gt 0 ]; then
   # Same for prometheus: the dashboard test starts its own on a free port.
   if command -v systemctl >/dev/null 2>&1; then systemctl disable --now prometheus >/dev/null 2>&1 || true; fi
   service prometheus stop >/dev/null 2>&1 || true
+  # And the registry: the OCI publishing test starts its own.
+  if command -v systemctl >/dev/null 2>&1; then systemctl disable --now docker-registry >/dev/null 2>&1 || true; fi
+  service docker-registry stop >/dev/null 2>&1 || true
 fi
 
 PYTHON=${PYTHON:-python3.11}
