@@ -86,8 +86,9 @@ def triton_deployment(namespace: str, release: str = "models") -> list[Obj]:
 def _render(tmp_path: Path, overlay: Path, *args: str) -> tuple[list[Obj], list[Obj]]:
     out = tmp_path / "out"
     assert main(["istio", "render", "--overlay", str(overlay), "--out", str(out), *args]) == 0
-    return (validate.load_yaml_objects(out / "meshcache-istio.yaml"),
-            validate.load_yaml_objects(out / "mcp-preview.yaml"))
+    # The manifests with the PodMonitors (monitoring.yaml): they select the same pods.
+    return (validate.load_yaml_objects(out / "meshcache-istio.yaml") + validate.load_yaml_objects(
+        out / "monitoring.yaml"), validate.load_yaml_objects(out / "mcp-preview.yaml"))
 
 
 def _get(objects: list[Obj], kind: str, name: str) -> Obj:
@@ -126,6 +127,9 @@ def _check_in_front_of(objects: list[Obj], served: list[Obj], servers: list[Obj]
     assert env["MESHCACHE_CP_ISTIO_COLOR"] == ""
     # Nothing of meshcache's own engine, and no namespace-wide mTLS change.
     assert not {"PeerAuthentication", "VirtualService", "Gateway"} & {o["kind"] for o in objects}
+    sidecars = _get(objects, "PodMonitor", "meshcache-sidecars")
+    assert _selects(sidecars["spec"]["selector"]["matchLabels"], deployment)
+    assert "meshcache-engine" not in {o["metadata"]["name"] for o in objects if o["kind"] == "PodMonitor"}
 
 
 @pytest.mark.parametrize("overlay", [KSERVE, TRITON], ids=lambda p: p.name)

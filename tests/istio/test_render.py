@@ -169,7 +169,7 @@ def test_validate_takes_the_whole_rendered_directory(tmp_path: Path, filter_wasm
     files = sorted(str(p) for p in out.glob("*.yaml"))
     assert [Path(f).name for f in files] == sorted(
         ["namespace.yaml", "meshcache-istio.yaml", "istio-operator.yaml", "istio-operator-mcp.yaml",
-         "istio-operator-existing.yaml", "istiod-values.yaml", "mcp-preview.yaml"])
+         "istio-operator-existing.yaml", "istiod-values.yaml", "mcp-preview.yaml", "monitoring.yaml"])
     files.remove(str(out / "istiod-values.yaml"))  # Helm values, not an object
     assert main(["istio", "validate", *files, "--module", str(filter_wasm)]) == 0
     (out / "istio-operator.yaml").write_text((out / "istio-operator-mcp.yaml").read_text())

@@ -6,6 +6,7 @@ preview shows."""
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ import pytest
 from meshcache.control_plane.mcp import IstioMcpRenderer
 from meshcache.control_plane.settings import Settings
 from meshcache.ctl.cli import main
-from meshcache.ctl.istio import crossref, render, validate
+from meshcache.ctl.istio import crossref, monitoring, render, validate
 
 Obj = dict
 
@@ -184,3 +185,32 @@ def test_validate_without_the_crd_file_says_where_to_get_it(tmp_path: Path, caps
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
     assert "customresourcedefinitions.gen.yaml" in err and "MESHCACHE_ISTIO_CRDS" in err
+
+
+def test_pod_monitors_follow_the_selector_and_validate(tmp_path: Path, crds: dict) -> None:
+    """monitoring.yaml: PodMonitors (validated against the Prometheus Operator's CRD models) for the
+    cached pods' sidecars, the control plane and the engine, scraping ports those pods have, with
+    the rules that give filter and engine metrics one `model` label."""
+    objects, _, out = _render(tmp_path, "--engine-selector", "tier=inference")
+    monitors = validate.load_yaml_objects(out / "monitoring.yaml")
+    assert validate.validate_all(monitors).ok, validate.validate_all(monitors).errors
+    assert crossref.check_monitors(objects + monitors) == []
+    by_name = {m["metadata"]["name"]: m for m in monitors}
+    assert set(by_name) == {"meshcache-sidecars", "meshcache-control-plane", "meshcache-engine"}
+    sidecars = by_name["meshcache-sidecars"]["spec"]
+    assert sidecars["selector"]["matchLabels"] == {"tier": "inference"}
+    assert sidecars["podMetricsEndpoints"][0]["port"] == "http-envoy-prom"
+    assert sidecars["podMetricsEndpoints"][0]["metricRelabelings"] == monitoring.operator_rules(
+        monitoring.filter_model_rules())
+    assert by_name["meshcache-engine"]["spec"]["podMetricsEndpoints"][0]["metricRelabelings"] == \
+        monitoring.operator_rules(monitoring.server_model_rules())
+
+    broken = copy.deepcopy(monitors)
+    broken[0]["spec"]["podMetricsEndpoints"][0]["portt"] = "x"
+    broken[1]["spec"]["podMetricsEndpoints"][0]["relabelings"] = [{"action": "rewrite"}]
+    errors = validate.validate_all(broken).errors
+    assert any("podMetricsEndpoints.0.portt: unknown field" in e for e in errors), errors
+    assert any("relabelings.0.action" in e for e in errors), errors
+    wrong_port = copy.deepcopy(monitors)
+    wrong_port[2]["spec"]["podMetricsEndpoints"][0]["port"] = "metrix"
+    assert any("port 'metrix' is no port" in e for e in crossref.check_monitors(objects + wrong_port))

@@ -406,6 +406,7 @@ def _proxy_config(w: Obj) -> Obj:
 # Where an Istio sidecar serves its Envoy stats: Envoy's own Prometheus listener, or the agent's
 # merged page. Both outside the inbound traffic capture (istio-iptables -d 15090,15021,15020).
 SIDECAR_STATS_PORTS = (15090, 15020)
+SIDECAR_STATS_PORT_NAME = "http-envoy-prom"  # 15090 as Istio's injected istio-proxy container names it
 # A stat the filter always defines; Istio keeps only stats its matcher includes.
 FILTER_STAT = "wasmcustom.meshcache.hits"
 
@@ -532,9 +533,28 @@ def check_operator_steps(step1: Obj, step2: Obj) -> list[str]:
     return errors
 
 
+def check_monitors(objects: list[Obj]) -> list[str]:
+    """PodMonitors select pods here and scrape a port they have: a named container port, or the
+    sidecar's Envoy stats port on injected pods (the istio-proxy container Istio adds)."""
+    errors = []
+    for pm in _of(objects, "PodMonitor"):
+        where = f"PodMonitor/{_name(pm)}"
+        pods = _selected(objects, pm["spec"].get("selector", {}).get("matchLabels", {}))
+        if not pods:
+            errors.append(f"{where}: selector matches no workload")
+        for ep in pm["spec"].get("podMetricsEndpoints", []):
+            for w in pods:
+                names = {p.get("name") for c in w["spec"]["template"]["spec"]["containers"] for p in c.get("ports", [])}
+                if injected(w):
+                    names.add(SIDECAR_STATS_PORT_NAME)
+                if ep.get("port") not in names:
+                    errors.append(f"{where}: port {ep.get('port')!r} is no port of {w['kind']}/{_name(w)}")
+    return errors
+
+
 def check_all(objects: list[Obj], image_digest: str, elsewhere: frozenset[str] = frozenset(),
               startup: bool = True) -> list[str]:
     return (check_workloads(objects) + check_traffic(objects, elsewhere) + check_security(objects)
             + check_sidecar_annotations(objects) + check_module(objects, image_digest)
-            + check_extensions(objects, elsewhere) + check_proxy_stats(objects)
+            + check_extensions(objects, elsewhere) + check_proxy_stats(objects) + check_monitors(objects)
             + (check_startup(objects) if startup else []))

@@ -25,7 +25,7 @@ from meshcache.contract.filter_config import Limits, Policy, demo_policies, plug
 from meshcache.contract.headers import COLOR_HEADER
 from meshcache.contract.paths import FILTER_WASM, REPO_ROOT
 
-from . import kustomize
+from . import kustomize, monitoring
 
 ISTIO_DIR = REPO_ROOT / "istio"
 BASE_DIR = ISTIO_DIR / "base"
@@ -454,12 +454,25 @@ def write(objects: list[Obj], operators: tuple[Obj, Obj], mcp: list[Obj], out_di
             existing_operator(operators[1]), sort_keys=False),
         "istiod-values.yaml": HELM_VALUES_HEADER + yaml.safe_dump(istiod_values(operators[1]), sort_keys=False),
         "mcp-preview.yaml": MCP_PREVIEW_HEADER + kustomize.dump(mcp),
+        "monitoring.yaml": MONITORING_HEADER + kustomize.dump(monitors(objects)),
     }
     for name, text in files.items():
         (out_dir / name).write_text(text)
     return [out_dir / name for name in files]
 
 
+def monitors(objects: list[Obj]) -> list[Obj]:
+    """PodMonitors for what the rendered manifests run (the cached pods as the control plane selects them)."""
+    namespace = next(o["metadata"]["name"] for o in objects if o["kind"] == "Namespace")
+    return monitoring.pod_monitors(namespace, workloads_from_env(control_plane_env(objects)), own_engine(objects))
+
+
+MONITORING_HEADER = """\
+# For the Prometheus Operator (its CRDs must be installed): PodMonitors for the cached pods' sidecars
+# (the filter's stats on Envoy's :15090), the control plane and meshcache's engine, with one `model`
+# label for filter and engine metrics (deploy/README.md). Your Prometheus selects them by its
+# podMonitorSelector; the control plane's NetworkPolicy must admit it to port 8080.
+"""
 NAMESPACE_HEADER = """\
 # The namespace alone (also first in meshcache-istio.yaml): applied before the Secrets that live in it.
 """
@@ -507,6 +520,7 @@ def install_steps(opts: RenderOptions, out_dir: Path) -> str:
      kubectl -n {ns} create secret generic meshcache-cp-tokens --from-file=tokens=tokens.txt
   4. kubectl apply -f {out_dir}/meshcache-istio.yaml
      kubectl -n {ns} rollout status deploy/{CONTROL_PLANE}
+     kubectl apply -f {out_dir}/monitoring.yaml   # with the Prometheus Operator only
   5. istiod also reads the control plane:
        fresh:    istioctl install -f {out_dir}/istio-operator-mcp.yaml
        istioctl: istioctl install -f YOUR-ISTIO-OPERATOR.yaml -f {out_dir}/istio-operator-existing.yaml
