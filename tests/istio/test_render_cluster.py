@@ -214,3 +214,18 @@ def test_pod_monitors_follow_the_selector_and_validate(tmp_path: Path, crds: dic
     wrong_port = copy.deepcopy(monitors)
     wrong_port[2]["spec"]["podMetricsEndpoints"][0]["port"] = "metrix"
     assert any("port 'metrix' is no port" in e for e in crossref.check_monitors(objects + wrong_port))
+
+
+def test_control_plane_settings_reject_bad_workloads() -> None:
+    """MESHCACHE_CP_ISTIO_SELECTOR / _PORTS are checked at startup, not on the first policy change."""
+    from pydantic import ValidationError
+
+    for bad, message in [({"istio_selector": "app=bad value"}, "not a Kubernetes label value"),
+                         ({"istio_selector": "app"}, "is not KEY=VALUE"),
+                         ({"istio_http_ports": "80x"}, "must be comma-separated numbers"),
+                         ({"istio_http_ports": "", "istio_grpc_ports": ""}, "at least one REST or gRPC port")]:
+        with pytest.raises(ValidationError, match=message):
+            Settings(**bad)
+    rest_only = Settings(istio_selector="tier=inference", istio_http_ports="8080", istio_grpc_ports="",
+                         istio_service_ports="80").istio_workloads()
+    assert (dict(rest_only.labels), rest_only.ports, rest_only.service_ports) == ({"tier": "inference"}, (8080,), (80,))
