@@ -197,9 +197,7 @@ def workloads_for(opts: RenderOptions, current: Workloads, service: Obj | None) 
     Service ports (the client role's outbound listeners): the flags', else those of the engine
     Service when the build has it (meshcache's own), else the build's env."""
     ports = opts.engine_ports
-    http = current.http_ports
-    if ports.get("http"):
-        http = (ports["http"],)  # type: ignore[assignment]
+    http = (int(ports["http"]),) if ports.get("http") else current.http_ports
     grpc = current.grpc_ports
     if "grpc" in ports:
         grpc = (ports["grpc"],) if ports["grpc"] else ()
@@ -210,7 +208,7 @@ def workloads_for(opts: RenderOptions, current: Workloads, service: Obj | None) 
         svc_http = tuple(by_target[t] for t in ("http",) if t in by_target) or svc_http
         svc_grpc = tuple(by_target[t] for t in ("grpc",) if t in by_target) if grpc else ()
     if ports.get("service-http"):
-        svc_http = (ports["service-http"],)  # type: ignore[assignment]
+        svc_http = (int(ports["service-http"]),)
     if "service-grpc" in ports:
         svc_grpc = (ports["service-grpc"],) if ports["service-grpc"] else ()
     elif not grpc:
@@ -228,7 +226,7 @@ def render(opts: RenderOptions) -> list[Obj]:
     for c in opts.colors(own):
         if not COLOR_RE.match(c):
             raise ValueError(f"colour {c!r} must be a DNS label of at most 32 characters")
-    opts.allow_principals = tuple(normalize_principal(p) for p in opts.allow_principals)
+    principals = tuple(normalize_principal(p) for p in opts.allow_principals)
     for flag, image in (("--engine-image", opts.engine_image), ("--control-plane-image", opts.control_plane_image)):
         if image is not None and not IMAGE_RE.match(image):
             raise ValueError(f"{flag} {image!r} is not an image reference (registry/repository[:tag][@sha256:...])")
@@ -245,7 +243,7 @@ def render(opts: RenderOptions) -> list[Obj]:
             raise ValueError(f"--engine-selector conflicts with meshcache's engine label {', '.join(clash)}: the own "
                              "engine's pods get the selector's labels; pick other labels, or render an overlay for "
                              "your own workloads (istio/overlays/kserve, triton)")
-    customize(objects, opts, pins_for(opts), workloads, own)
+    customize(objects, opts, pins_for(opts), workloads, own, principals)
     return objects
 
 
@@ -288,7 +286,8 @@ def mcp_objects(objects: list[Obj], plugin_config: dict[str, Any]) -> list[Obj]:
 # ---- the customisations -----------------------------------------------------------------
 
 
-def customize(objects: list[Obj], opts: RenderOptions, pins: Pins, workloads: Workloads, own: bool) -> None:
+def customize(objects: list[Obj], opts: RenderOptions, pins: Pins, workloads: Workloads, own: bool,
+              principals: tuple[str, ...] = ()) -> None:
     colors = opts.colors(own)
     for obj in objects:
         _rename_namespace(obj, opts.namespace)
@@ -308,7 +307,7 @@ def customize(objects: list[Obj], opts: RenderOptions, pins: Pins, workloads: Wo
             for server in obj["spec"]["servers"]:
                 server["hosts"] = [opts.ingress_host]
         elif kind == "AuthorizationPolicy" and name == AUTHZ:
-            _authorization_policy(obj, workloads, opts.allow_principals)
+            _authorization_policy(obj, workloads, principals)
         elif kind == "Service" and name == PROXIES_SERVICE:
             obj["spec"]["selector"] = dict(workloads.labels)
 
