@@ -76,7 +76,11 @@ for image in engine control-plane; do
   dockerfile=engine/Dockerfile
   [ "$image" = control-plane ] && dockerfile=control_plane/Dockerfile
   echo "images: meshcache/$image:$tag (base $base)"
+  previous=$("$builder" images -q "meshcache/$image:$tag" 2>/dev/null | head -1 || true)
   "${build[@]}" --build-arg "BASE=$base" -f "$dockerfile" -t "meshcache/$image:$tag" .
+  # The image this tag named before, now untagged (rebuilds would pile them up).
+  current=$("$builder" images -q "meshcache/$image:$tag" | head -1)
+  if [ -n "$previous" ] && [ "$previous" != "$current" ]; then "$builder" rmi "$previous" >/dev/null 2>&1 || true; fi
 done
 echo "images: built meshcache/engine:$tag and meshcache/control-plane:$tag; push them and render with"
 echo "  meshcache istio render --engine-image REGISTRY/meshcache/engine:$tag --control-plane-image REGISTRY/meshcache/control-plane:$tag"
