@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?= -n 2
 
-.PHONY: setup filter test test-filter test-python lint demo bench clean
+.PHONY: setup filter test test-filter test-python lint demo bench clean images
 
 setup:
 	@scripts/setup.sh
@@ -28,8 +28,12 @@ test: test-filter lint test-python
 demo: setup filter
 	$(PY) -m meshcache.ctl.cli demo
 
+# The engine and control-plane images (scripts/images.sh: buildah, podman or docker; base pinned by digest).
+images: setup
+	@scripts/images.sh
+
 bench: setup filter
 	$(PY) -m bench.run
 
 clean:
-	rm -rf filter/target filter/native/target filter/dist
+	rm -rf filter/target filter/native/target filter/dist dist

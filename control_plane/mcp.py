@@ -100,9 +100,11 @@ class IstioMcpRenderer:
         sha = settings.istio_wasm_sha256 or default_sha256(url, settings.istio_module_path)
         colors = [c.strip() for c in settings.istio_color.split(",") if c.strip()] or [""]
         mode = settings.istio_mode
+        workloads = settings.istio_workloads()
 
         def build(plugin_config: dict[str, Any]) -> list[dict[str, Any]]:
-            return extensions.objects(mode, colors=colors, url=url, sha256=sha, plugin_config=plugin_config)
+            return extensions.objects(mode, colors=colors, url=url, sha256=sha, plugin_config=plugin_config,
+                                      workloads=workloads)
 
         build({})  # a bad pin or mode fails at startup, not on the first policy change
         return cls(MODE_TYPE_URL[mode], build, settings.istio_namespace, settings.istio_revision)

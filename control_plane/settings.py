@@ -9,6 +9,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from meshcache.contract.extensions import GRPC_PORT, HTTP_PORT, Workloads, parse_ports, parse_selector
 from meshcache.contract.filter_config import LIMIT_POLICIES
 from meshcache.contract.paths import FILTER_WASM
 
@@ -57,6 +58,14 @@ class Settings(BaseSettings):
     istio_wasm_sha256: str = Field("", pattern=r"^([a-f0-9]{64})?$")
     istio_module_path: Path = FILTER_WASM
     istio_revision: str = ""  # adds the `istio.io/rev` label (istiod only takes its own revision)
+    # The pods whose sidecars cache and their ports (meshcache/contract/extensions.py Workloads):
+    # `key=value,...` (empty: meshcache's own engine, app=meshcache-engine), the REST and gRPC
+    # container ports (comma-separated; an empty gRPC list: REST only) and the Service ports
+    # callers use (the client role's outbound listeners; empty: the container ports).
+    istio_selector: str = ""
+    istio_http_ports: str = str(HTTP_PORT)
+    istio_grpc_ports: str = str(GRPC_PORT)
+    istio_service_ports: str = ""
     # Where the status page reads each proxy's cache counters (Prometheus text, control_plane/
     # proxy_stats.py): `node_id=url` entries, and/or a URL template with {ip} for Istio node ids
     # and for the addresses of `proxy_stats_dns` names (headless Services of the cached pods).
@@ -75,4 +84,11 @@ class Settings(BaseSettings):
             raise ValueError("xds_tls_cert and xds_tls_key go together")
         if self.xds_tls_client_ca is not None and self.xds_tls_cert is None:
             raise ValueError("xds_tls_client_ca needs xds_tls_cert and xds_tls_key")
+        self.istio_workloads()  # a bad selector or port fails at startup
         return self
+
+    def istio_workloads(self) -> Workloads:
+        """The cached pods and ports, from istio_selector and the istio_*_ports."""
+        http, grpc = parse_ports(self.istio_http_ports), parse_ports(self.istio_grpc_ports)
+        return Workloads(parse_selector(self.istio_selector), http, grpc,
+                         parse_ports(self.istio_service_ports) or (*http, *grpc))

@@ -13,6 +13,11 @@ APT_PACKAGES=(
   libb64-0d
   # Status page and offline API docs tests (headless browser) and the dashboard test (a real Prometheus).
   chromium chromium-driver prometheus
+  # `make images` and tests/images: buildah builds the engine and control-plane images (chroot
+  # isolation, no daemon) on a Debian 12 base made by debootstrap.
+  buildah debootstrap
+  # tests/istio/test_oci_publish.py: the filter's OCI image pushed with skopeo to a real registry.
+  skopeo docker-registry
 )
 
 missing=()
@@ -33,6 +38,9 @@ if [ ${#missing[@]} -gt 0 ]; then
   # Same for prometheus: the dashboard test starts its own on a free port.
   if command -v systemctl >/dev/null 2>&1; then systemctl disable --now prometheus >/dev/null 2>&1 || true; fi
   service prometheus stop >/dev/null 2>&1 || true
+  # And the registry: the OCI publishing test starts its own.
+  if command -v systemctl >/dev/null 2>&1; then systemctl disable --now docker-registry >/dev/null 2>&1 || true; fi
+  service docker-registry stop >/dev/null 2>&1 || true
 fi
 
 PYTHON=${PYTHON:-python3.11}
@@ -63,4 +71,20 @@ if [ ! -f "$kstamp" ] || [ tests/mesh/kserve-requirements.txt -nt "$kstamp" ]; t
   .venv-kserve/bin/pip install -q --upgrade pip
   .venv-kserve/bin/pip install -q -r tests/mesh/kserve-requirements.txt
   touch "$kstamp"
+fi
+
+# The real kustomize (tests/istio/test_kustomize.py checks that meshcache/ctl/istio/kustomize.py
+# builds every kustomization under istio/ to the same objects): built from its Go module once per
+# machine, outside the work tree. Go 1.26 (/usr/local/go on this project's machines).
+KUSTOMIZE_VERSION=v5.8.2
+kustomize_dir="${XDG_CACHE_HOME:-$HOME/.cache}/meshcache/tools/kustomize-$KUSTOMIZE_VERSION"
+if [ ! -x "$kustomize_dir/kustomize" ]; then
+  go_bin=$(command -v go || echo /usr/local/go/bin/go)
+  if [ ! -x "$go_bin" ]; then
+    echo "setup: Go is needed to build kustomize $KUSTOMIZE_VERSION (none on PATH or at /usr/local/go/bin/go)" >&2
+    exit 1
+  fi
+  echo "setup: building kustomize $KUSTOMIZE_VERSION into $kustomize_dir (once per machine)"
+  GOTOOLCHAIN=local GOFLAGS=-mod=mod GOBIN="$kustomize_dir" "$go_bin" install \
+    "sigs.k8s.io/kustomize/kustomize/v5@$KUSTOMIZE_VERSION"
 fi

@@ -42,7 +42,8 @@ sort after it.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from meshcache.contract import grpc_hit
@@ -82,8 +83,80 @@ def object_name(color: str) -> str:
     return f"meshcache-{color}" if color else "meshcache"
 
 
-def selector(color: str) -> dict[str, str]:
-    return {"app": ENGINE_APP, "color": color} if color else {"app": ENGINE_APP}
+DEFAULT_SELECTOR: Mapping[str, str] = {"app": ENGINE_APP}
+# Kubernetes label syntax: an optional DNS-subdomain prefix and `/`, a name of at most 63; values
+# at most 63 (apimachinery validation.IsQualifiedName / IsValidLabelValue).
+_LABEL_NAME = r"([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)"
+LABEL_KEY_RE = re.compile(rf"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?{_LABEL_NAME}$")
+LABEL_VALUE_RE = re.compile(rf"^{_LABEL_NAME}?$")
+
+
+@dataclass(frozen=True)
+class Workloads:
+    """The pods whose sidecars cache (a label selector, the colour label added per colour) and
+    the ports the filter attaches to: their REST and gRPC container ports (inbound listeners are
+    per container port) and the Service ports callers send to (outbound listeners are per Service
+    port; the client role attaches there). meshcache's own engine by default; a KServe or Triton
+    workload with its own labels and ports otherwise."""
+
+    labels: Mapping[str, str] = field(default_factory=lambda: dict(DEFAULT_SELECTOR))
+    http_ports: tuple[int, ...] = (HTTP_PORT,)
+    grpc_ports: tuple[int, ...] = (GRPC_PORT,)
+    service_ports: tuple[int, ...] = ENGINE_PORTS
+
+    def __post_init__(self) -> None:
+        if not self.labels:
+            raise ValueError("the workload selector needs at least one label")
+        for k, v in self.labels.items():
+            if len(k) > 317 or not LABEL_KEY_RE.match(k):
+                raise ValueError(f"selector label key {k!r} is not a Kubernetes label key")
+            if not LABEL_VALUE_RE.match(v):
+                raise ValueError(f"selector label {k}={v!r}: not a Kubernetes label value (63 characters of "
+                                 "[A-Za-z0-9-_.], alphanumeric at both ends)")
+        ports = [*self.http_ports, *self.grpc_ports]
+        if not ports:
+            raise ValueError("the filter needs at least one REST or gRPC port")
+        for p in (*ports, *self.service_ports):
+            if not 1 <= p <= 65535:
+                raise ValueError(f"port {p} is not in 1..65535")
+        if len(set(ports)) != len(ports):
+            raise ValueError(f"a port is listed twice (REST {list(self.http_ports)}, gRPC {list(self.grpc_ports)})")
+
+    def selector(self, color: str) -> dict[str, str]:
+        return {**self.labels, "color": color} if color else dict(self.labels)
+
+    @property
+    def ports(self) -> tuple[int, ...]:
+        return (*self.http_ports, *self.grpc_ports)
+
+
+def parse_selector(text: str) -> dict[str, str]:
+    """`key=value,key=value` (an empty string: meshcache's own engine)."""
+    out: dict[str, str] = {}
+    for item in (i.strip() for i in text.split(",")):
+        if not item:
+            continue
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"selector entry {item!r} is not KEY=VALUE")
+        out[key.strip()] = value.strip()
+    return out or dict(DEFAULT_SELECTOR)
+
+
+def format_selector(labels: Mapping[str, str]) -> str:
+    return ",".join(f"{k}={v}" for k, v in labels.items())
+
+
+def parse_ports(text: str) -> tuple[int, ...]:
+    """`8000` or `8000,8080`; empty: none."""
+    try:
+        return tuple(int(p) for p in (i.strip() for i in text.split(",")) if p)
+    except ValueError:
+        raise ValueError(f"ports {text!r} must be comma-separated numbers") from None
+
+
+def selector(color: str, workloads: Workloads | None = None) -> dict[str, str]:
+    return (workloads or Workloads()).selector(color)
 
 
 def _check_pin(sha256: str) -> None:
@@ -101,9 +174,11 @@ def _inbound_http_filter(port: int, value: Obj) -> Obj:
 
 
 def envoy_filter(*, color: str, url: str, sha256: str, plugin_config: Obj,
-                 http_ports: Iterable[int] = (HTTP_PORT,), grpc_ports: Iterable[int] = (GRPC_PORT,)) -> Obj:
+                 workloads: Workloads | None = None) -> Obj:
     """The full mode's EnvoyFilter (no namespace: MCP names it `<ns>/<name>`, kustomize sets it)."""
     _check_pin(sha256)
+    w = workloads or Workloads()
+    http_ports, grpc_ports = w.http_ports, w.grpc_ports
     config = {**plugin_config, "color": color}
     ecds = extension_config(remote_code(url, sha256), config)
     cache_filter = ecds_http_filter(ADS_CONFIG_SOURCE, extra_type_urls=(RBAC_TYPE_URL,))
@@ -123,13 +198,14 @@ def envoy_filter(*, color: str, url: str, sha256: str, plugin_config: Obj,
         "apiVersion": "networking.istio.io/v1alpha3",
         "kind": "EnvoyFilter",
         "metadata": {"name": object_name(color)},
-        "spec": {"workloadSelector": {"labels": selector(color)}, "configPatches": patches,
+        "spec": {"workloadSelector": {"labels": w.selector(color)}, "configPatches": patches,
                  "priority": ENVOY_FILTER_PRIORITY},
     }
 
 
 def client_envoy_filter(*, url: str, sha256: str, plugin_config: Obj, ports: Iterable[int] = ENGINE_PORTS) -> Obj:
-    """The full mode's client-role EnvoyFilter (cache affinity, see the module docstring)."""
+    """The full mode's client-role EnvoyFilter (cache affinity, see the module docstring). `ports`:
+    the cached workloads' Service ports (a caller's outbound listener is per Service port)."""
     _check_pin(sha256)
     ecds = extension_config(remote_code(url, sha256), client_plugin_config(plugin_config), name=CLIENT_FILTER_NAME)
     client_filter = ecds_http_filter(ADS_CONFIG_SOURCE, extra_type_urls=(RBAC_TYPE_URL,), name=CLIENT_FILTER_NAME)
@@ -156,8 +232,9 @@ def consistent_hash() -> Obj:
 
 
 def traffic_extension(*, color: str, url: str, sha256: str, plugin_config: Obj,
-                      ports: Iterable[int] = ENGINE_PORTS, pull_secret: str = "") -> Obj:
+                      workloads: Workloads | None = None, pull_secret: str = "") -> Obj:
     _check_pin(sha256)
+    w = workloads or Workloads()
     wasm: Obj = {
         "url": url,
         "sha256": sha256,
@@ -176,22 +253,24 @@ def traffic_extension(*, color: str, url: str, sha256: str, plugin_config: Obj,
         "kind": "TrafficExtension",
         "metadata": {"name": object_name(color)},
         "spec": {
-            "selector": {"matchLabels": selector(color)},
+            "selector": {"matchLabels": w.selector(color)},
             "phase": TRAFFIC_EXTENSION_PHASE,
             "priority": TRAFFIC_EXTENSION_PRIORITY,
-            "match": [{"mode": "SERVER", "ports": [{"number": p} for p in ports]}],
+            "match": [{"mode": "SERVER", "ports": [{"number": p} for p in w.ports]}],
             "wasm": wasm,
         },
     }
 
 
-def objects(mode: str, *, colors: Iterable[str], url: str, sha256: str, plugin_config: Obj) -> list[Obj]:
+def objects(mode: str, *, colors: Iterable[str], url: str, sha256: str, plugin_config: Obj,
+            workloads: Workloads | None = None) -> list[Obj]:
     """Everything meshcache gives istiod for one policy snapshot, full state."""
     if mode not in MODES:
         raise ValueError(f"Istio mode {mode!r}: use one of {', '.join(MODES)}")
+    w = workloads or Workloads()
     build = envoy_filter if mode == "full" else traffic_extension
-    out = [build(color=c, url=url, sha256=sha256, plugin_config=plugin_config) for c in colors]
+    out = [build(color=c, url=url, sha256=sha256, plugin_config=plugin_config, workloads=w) for c in colors]
     if mode == "full":
-        out.append(client_envoy_filter(url=url, sha256=sha256, plugin_config=plugin_config))
+        out.append(client_envoy_filter(url=url, sha256=sha256, plugin_config=plugin_config, ports=w.service_ports))
     return out
 

@@ -2,8 +2,19 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 from meshcache.ctl.istio import render
 
 ISTIO_DIR = render.ISTIO_DIR
 OVERLAYS = sorted(p.parent for p in (ISTIO_DIR / "overlays").glob("*/kustomization.yaml"))
 KUSTOMIZATIONS = [render.BASE_DIR, *OVERLAYS]
+# Overlays in front of the user's own servers (no meshcache engine): cross-referenced against
+# manifests of those workloads in tests/istio/test_existing_servers.py.
+FRONT_OVERLAYS = [p for p in OVERLAYS if p.name in ("kserve", "triton")]
+OWN_ENGINE_KUSTOMIZATIONS = [p for p in KUSTOMIZATIONS if p not in FRONT_OVERLAYS]
+
+# The real kustomize, built by scripts/setup.sh (KUSTOMIZE_VERSION there).
+KUSTOMIZE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "meshcache" / "tools" / \
+    "kustomize-v5.8.2" / "kustomize"

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from meshcache.ctl.istio import crossref, kustomize, render, validate
-from tests.istio.helpers import ISTIO_DIR, KUSTOMIZATIONS
+from tests.istio.helpers import ISTIO_DIR, KUSTOMIZATIONS, OWN_ENGINE_KUSTOMIZATIONS
 
 Obj = dict
 
@@ -44,7 +44,7 @@ def test_every_file_validates(path: Path, crds: dict) -> None:
     assert report.ok, "\n".join(report.errors)
 
 
-@pytest.mark.parametrize("directory", KUSTOMIZATIONS, ids=lambda p: p.name)
+@pytest.mark.parametrize("directory", OWN_ENGINE_KUSTOMIZATIONS, ids=lambda p: p.name)
 def test_every_build_validates_and_cross_references_hold(directory: Path, crds: dict, pins: render.Pins) -> None:
     objects = kustomize.build(directory)
     kinds = {o["kind"] for o in objects}
@@ -104,7 +104,7 @@ def test_default_install_caches_grpc(pins: render.Pins) -> None:
     assert [p["patch"]["value"]["name"] for p in patches if p["applyTo"] == "HTTP_ROUTE"] == [
         "meshcache_grpc_stale", "meshcache_grpc_hit"]
     op = validate.load_yaml_objects(ISTIO_DIR / "install" / "istio-operator-mcp.yaml")[0]["spec"]["meshConfig"]
-    assert op["meshMTLS"]["minProtocolVersion"] == "TLSV1_3"
+    assert "meshMTLS" not in op  # no mesh-wide TLS change unless asked (render --mesh-tls13)
     assert [s["address"] for s in op["configSources"]] == [
         "k8s://", "xds://meshcache-control-plane.meshcache.svc.cluster.local:18000"]
     assert op["configSources"][1]["tlsSettings"]["mode"] == "SIMPLE"
@@ -395,7 +395,7 @@ def test_istio_operator_is_validated_strictly() -> None:
     op = yaml.safe_load((ISTIO_DIR / "install" / "istio-operator-mcp.yaml").read_text())
     assert validate.validate_object(op) == []
     op["spec"]["meshConfig"]["configSources"][1]["tlsSettings"]["mode"] = "TLS"
-    op["spec"]["meshConfig"]["meshMTLS"]["minProtocolVersion"] = "TLSV1_4"
+    op["spec"]["meshConfig"]["meshMTLS"] = {"minProtocolVersion": "TLSV1_4"}
     op["spec"]["meshConfig"]["configSources"].append({"address": "http://cp:18000"})
     errors = validate.validate_object(op)
     assert any("TLSV1_4" in e for e in errors) and any("http://cp:18000" in e for e in errors)

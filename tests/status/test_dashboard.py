@@ -22,6 +22,7 @@ import yaml
 
 from meshcache.contract.paths import REPO_ROOT
 from meshcache.ctl import procs
+from meshcache.ctl.istio import monitoring
 from tests.mesh.helpers import grpc_call, mlp_json, mlp_request, rest_infer
 from tests.status.helpers import RunningMesh
 
@@ -142,6 +143,14 @@ def test_every_dashboard_query_has_live_data(running_mesh: RunningMesh, promethe
     models = httpx.get(f"{prometheus}/api/v1/label/model/values",
                        params={"match[]": "meshcache_policy_hits"}, timeout=10).json()["data"]
     assert {"mlp_classifier", "resnet_mini", "text_embedder"} <= set(models)
+    # One model label across filter and engine metrics: the engine's requests join the filter's
+    # hits on `model` (the engine's own name is mlp-classifier; the scrape config rewrites it).
+    engine_models = httpx.get(f"{prometheus}/api/v1/label/model/values",
+                              params={"match[]": "meshcache_engine_requests_total"}, timeout=10).json()["data"]
+    assert "mlp_classifier" in engine_models and not [m for m in engine_models if "-" in m], engine_models
+    joined = _query(prometheus, "sum by (model) (meshcache_engine_requests_total) and on (model) "
+                                "sum by (model) (meshcache_policy_hits)")
+    assert "mlp_classifier" in {r["metric"]["model"] for r in joined}, joined
 
 
 def test_kubernetes_scrape_config_keeps_the_same_names() -> None:
@@ -151,4 +160,9 @@ def test_kubernetes_scrape_config_keeps_the_same_names() -> None:
     assert set(jobs) == {j["job_name"] for j in local["scrape_configs"]}
     sidecars = next(j for j in local["scrape_configs"] if j["job_name"] == "meshcache-sidecars")
     assert jobs["meshcache-sidecars"]["metric_relabel_configs"] == sidecars["metric_relabel_configs"]
+    # The same rules as the rendered PodMonitors (meshcache/ctl/istio/monitoring.py).
+    assert sidecars["metric_relabel_configs"] == monitoring.filter_model_rules()
+    engine = next(j for j in local["scrape_configs"] if j["job_name"] == "meshcache-engine")
+    assert engine["metric_relabel_configs"] == jobs["meshcache-engine"]["metric_relabel_configs"] == \
+        monitoring.server_model_rules()
     assert jobs["meshcache-sidecars"]["metrics_path"] == "/stats/prometheus"

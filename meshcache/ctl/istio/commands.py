@@ -25,7 +25,8 @@ def register(subparsers: Any) -> None:
                                    "of what the control plane serves istiod for a policy snapshot (from "
                                    "--control-plane, --snapshot, or else the demo policies).")
     r.add_argument("--namespace", default=render.BASE_NAMESPACE)
-    r.add_argument("--color", default=render.BASE_COLOR, help="colour of this rollout (default route)")
+    r.add_argument("--color", help=f"colour of this rollout (default route; default {render.BASE_COLOR}); "
+                                    "meshcache's own engine only")
     r.add_argument("--also-color", action="append", default=[], metavar="COLOR",
                    help="a colour already live: keep its subset and header route (repeatable)")
     r.add_argument("--overlay", type=Path, default=render.BASE_DIR,
@@ -36,13 +37,33 @@ def register(subparsers: Any) -> None:
                                           "the digest of `meshcache istio oci-layout` for the built module")
     r.add_argument("--filter-repository", default=render.FILTER_REPOSITORY, help="registry/repository of the image")
     r.add_argument("--module", type=Path, default=FILTER_WASM, help="the built filter module")
+    r.add_argument("--engine-image", help="image of meshcache's engine (default the manifests' placeholder)")
+    r.add_argument("--control-plane-image", help="image of the control plane (default the manifests' placeholder)")
+    r.add_argument("--allow-principal", action="append", default=[], metavar="PRINCIPAL",
+                   help="a caller the cached workloads' AuthorizationPolicy admits, besides meshcache-client and "
+                        "the ingress gateway (repeatable): spiffe://cluster.local/ns/NS/sa/SA, "
+                        "cluster.local/ns/NS/sa/SA or NS/SA")
+    r.add_argument("--engine-selector", action="append", default=[], metavar="KEY=VALUE",
+                   help="a pod label of the workloads whose sidecars cache (repeatable; all must match; default "
+                        "the overlay's: app=meshcache-engine in istio/base)")
+    r.add_argument("--engine-port", action="append", default=[], metavar="KEY=PORT",
+                   help="the cached workloads' container ports: http=N, grpc=N (grpc=none: REST only); and the "
+                        "ports of their Service if different: service-http=N, service-grpc=N (repeatable)")
+    r.add_argument("--engine-service", metavar="NAME",
+                   help="the Service callers use to reach the cached workloads (its DestinationRule); default the "
+                        "overlay's")
+    r.add_argument("--mesh-tls13", action="store_true",
+                   help="also set the mesh-wide meshMTLS.minProtocolVersion TLSV1_3 in the Istio install files "
+                        "(a change for every workload in the mesh; off by default)")
     src = r.add_mutually_exclusive_group()
     src.add_argument("--control-plane", metavar="URL", help="read the current snapshot from this API")
     src.add_argument("--snapshot", type=Path, metavar="FILE", help="a `GET /v1/snapshot` body or snapshot record")
     r.add_argument("--token", default=os.environ.get("MESHCACHE_TOKEN", ""),
                    help="API token for --control-plane (default $MESHCACHE_TOKEN)")
-    r.add_argument("--out", type=Path, help="directory for meshcache-istio.yaml, istio-operator.yaml (step 1), "
-                                            "istio-operator-mcp.yaml (step 2) and mcp-preview.yaml "
+    r.add_argument("--out", type=Path, help="directory for namespace.yaml, meshcache-istio.yaml, "
+                                            "istio-operator.yaml (fresh Istio, step 1), istio-operator-mcp.yaml "
+                                            "(step 2), istio-operator-existing.yaml and istiod-values.yaml (an "
+                                            "existing Istio: istioctl overlay, Helm values), mcp-preview.yaml "
                                             "(default: the manifests on stdout)")
     r.add_argument("--update-base", action="store_true",
                    help="instead: re-pin the committed istio/base to the built module")
@@ -63,6 +84,9 @@ def register(subparsers: Any) -> None:
     v = sub.add_parser("validate", help="validate manifest files against Istio's CRDs and Kubernetes schemas")
     v.add_argument("files", type=Path, nargs="+")
     v.add_argument("--module", type=Path, default=FILTER_WASM, help="also check the pins against this module")
+    v.add_argument("--workload", type=Path, action="append", default=[], metavar="FILE",
+                   help="your cached workloads' manifests (overlays kserve, triton; e.g. `kubectl get deploy,svc "
+                        "NAME -o yaml`), for the cross-references only (repeatable)")
     v.set_defaults(func=_validate)
 
 
@@ -80,11 +104,16 @@ def _render(args: argparse.Namespace) -> int:
         plugin_config = render.plugin_config_from_file(args.snapshot)
     else:
         plugin_config = render.demo_plugin_config()
-    opts = render.RenderOptions(
-        namespace=args.namespace, color=args.color, also_colors=tuple(args.also_color),
-        plugin_config=plugin_config, module_path=args.module, image_digest=args.image_digest,
-        filter_repository=args.filter_repository, source=args.overlay, ingress_host=args.ingress_host)
     try:
+        opts = render.RenderOptions(
+            namespace=args.namespace, color=args.color, also_colors=tuple(args.also_color),
+            plugin_config=plugin_config, module_path=args.module, image_digest=args.image_digest,
+            filter_repository=args.filter_repository, source=args.overlay, ingress_host=args.ingress_host,
+            engine_image=args.engine_image, control_plane_image=args.control_plane_image,
+            allow_principals=tuple(args.allow_principal),
+            engine_selector=render.parse_engine_selector(args.engine_selector) if args.engine_selector else None,
+            engine_ports=render.parse_engine_ports(args.engine_port), engine_service=args.engine_service,
+            mesh_tls13=args.mesh_tls13)
         objects = render.render(opts)
         mcp = render.mcp_objects(objects, plugin_config)
     except (ValueError, FileNotFoundError, kustomize.KustomizeError) as exc:
@@ -93,9 +122,10 @@ def _render(args: argparse.Namespace) -> int:
     if args.out is None:
         sys.stdout.write(kustomize.dump(objects))
         return 0
-    for path in render.write(objects, render.render_operators(opts), mcp, args.out):
+    for path in render.write(objects, render.render_operators(opts), mcp, args.out, opts):
         print(f"wrote {path}")
     print(render.install_steps(opts, args.out))
+    print(render.mesh_changes(opts))
     return 0
 
 
@@ -115,18 +145,37 @@ def _oci_layout(args: argparse.Namespace) -> int:
 
 
 def _validate(args: argparse.Namespace) -> int:
-    objects = [o for f in args.files for o in validate.load_yaml_objects(f)]
+    objects = [o for f in args.files for o in validate.load_yaml_objects(f) if "apiVersion" in o or "kind" in o]
+    try:
+        validate.crd_file()
+    except FileNotFoundError as exc:
+        print(f"meshcache istio validate: {exc}", file=sys.stderr)
+        return 2
     errors = validate.validate_all(objects).errors
     if args.module.exists():
         image = oci.image_for(args.module)
         manifests = [o for o in objects if o["kind"] != "IstioOperator"]
-        # Partial sets (an MCP preview alone) skip the startup rules, which need the control plane.
-        errors += crossref.check_all(manifests, image.digest,
-                                     startup=any(o["kind"] == "Deployment" for o in manifests))
+        theirs = [o for f in args.workload for o in validate.load_yaml_objects(f)]
+        theirs = [i for o in theirs for i in (o.get("items", []) if o.get("kind") == "List" else [o])]
+        startup = any(o["kind"] == "Deployment" and o["metadata"]["name"] == render.CONTROL_PLANE for o in manifests)
+        if startup and not render.own_engine(manifests) and not theirs:
+            # In front of the user's servers: what selects them is checked only against them.
+            print("cross-references of the cached workloads skipped: pass their manifests with --workload FILE "
+                  "(e.g. `kubectl get deploy,svc NAME -o yaml`)")
+            errors += (crossref.check_module(manifests, image.digest) + crossref.check_startup(manifests))
+        else:
+            # Partial sets (an MCP preview alone) skip the startup rules, which need the control plane.
+            errors += crossref.check_all(manifests + theirs, image.digest, startup=startup)
     operators = [o for o in objects if o["kind"] == "IstioOperator"]
-    if len(operators) == 2:
-        step1, step2 = sorted(operators, key=lambda o: len(o["spec"].get("meshConfig", {}).get("configSources", [])))
-        errors += crossref.check_operator_steps(step1, step2)
+    # The fresh install's two steps carry a profile (step 1 the fewer sources); the existing-Istio
+    # overlay has none and, like step 2, must add the control plane over TLS and keep k8s://.
+    fresh = sorted((o for o in operators if "profile" in o["spec"]),
+                   key=lambda o: len(o["spec"].get("meshConfig", {}).get("configSources", [])))
+    overlays = [o for o in operators if "profile" not in o["spec"]]
+    if len(fresh) == 2:
+        errors += crossref.check_operator_steps(fresh[0], fresh[1])
+    for overlay in overlays:
+        errors += crossref.check_operator_steps({"spec": {}}, overlay)
     for e in errors:
         print(e, file=sys.stderr)
     print(f"{len(objects)} objects, {len(errors)} errors")

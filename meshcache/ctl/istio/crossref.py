@@ -24,10 +24,13 @@ from .validate import validate_object
 
 Obj = dict[str, Any]
 WORKLOAD_KINDS = ("Deployment", "StatefulSet")
-PRINCIPAL_RE = re.compile(r"^cluster\.local/ns/([a-z0-9-]+)/sa/([a-z0-9-]+)$")
+# Istio's principal form: the SPIFFE id without `spiffe://` (any trust domain, cluster.local by default).
+PRINCIPAL_RE = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/ns/([a-z0-9-]+)/sa/([a-z0-9][-a-z0-9.]*)$")
 # Secrets the operator creates (docs/istio.md); everything else must be in the manifests.
 EXTERNAL_SECRETS = {"meshcache-cp-tokens", "meshcache-redis-url", "meshcache-cp-xds-tls"}
 CONTROL_PLANE = "meshcache-control-plane"
+# AuthorizationPolicy annotation: principals added by `render --allow-principal` (space-separated).
+EXTERNAL_PRINCIPALS = "meshcache.io/allowed-principals"
 XDS_PORT = 18000
 
 
@@ -164,6 +167,7 @@ def check_security(objects: list[Obj]) -> list[str]:
         for key in pol["spec"].get("portLevelMtls", {}):
             if int(key) not in ports:
                 errors.append(f"{where}: portLevelMtls port {key} is no container port of the selected pods")
+        external = set((pol["metadata"].get("annotations") or {}).get(EXTERNAL_PRINCIPALS, "").split())
         for rule in pol["spec"].get("rules", []):
             for to in rule.get("to", []):
                 for p in to["operation"].get("ports", []):
@@ -173,8 +177,11 @@ def check_security(objects: list[Obj]) -> list[str]:
                 for principal in src["source"].get("principals", []):
                     m = PRINCIPAL_RE.match(principal)
                     if not m:
-                        errors.append(f"{where}: principal {principal!r} is not cluster.local/ns/<ns>/sa/<sa>")
-                    elif m.group(1) in namespaces and m.group(2) not in accounts:
+                        errors.append(f"{where}: principal {principal!r} is not cluster.local/ns/<ns>/sa/<sa> "
+                                      "(or another trust domain's; no spiffe://)")
+                    # Identities of this namespace must exist here, except the callers' own that
+                    # `render --allow-principal` listed in the annotation (their accounts are theirs).
+                    elif m.group(2) in namespaces and m.group(3) not in accounts and principal not in external:
                         errors.append(f"{where}: principal {principal!r} names no ServiceAccount defined here")
     for np in _of(objects, "NetworkPolicy"):
         if not _selected(objects, np["spec"]["podSelector"].get("matchLabels", {})):
@@ -292,6 +299,13 @@ def check_extensions(objects: list[Obj], elsewhere: frozenset[str] = frozenset()
     return errors
 
 
+def engine_host(objects: list[Obj]) -> str:
+    """The Service callers use to reach the cached workloads: the host of the DestinationRule
+    `meshcache-engine` (meshcache's own engine, or the user's Service in overlays kserve, triton)."""
+    dr = next((d for d in _of(objects, "DestinationRule") if _name(d) == "meshcache-engine"), None)
+    return str(dr["spec"]["host"]).split(".")[0] if dr is not None else extensions.ENGINE_APP
+
+
 def _is_client_filter(ef: Obj) -> bool:
     return any(p.get("match", {}).get("context") == "SIDECAR_OUTBOUND" for p in ef["spec"]["configPatches"])
 
@@ -306,7 +320,8 @@ def _client_filter_errors(objects: list[Obj], ef: Obj) -> list[str]:
         errors.append(f"{where}: needs a workloadSelector (the callers that route by cache affinity)")
     if not spec.get("priority"):
         errors.append(f"{where}: relative patch operations need spec.priority (istioctl analyze IST0151)")
-    engine = _service_for_host(objects, extensions.ENGINE_APP)
+    host = engine_host(objects)
+    engine = _service_for_host(objects, host)
     service_ports = {p["port"] for p in engine["spec"]["ports"]} if engine is not None else set()
     ecds = {p["patch"]["value"]["name"]: p["patch"]["value"] for p in patches if p["applyTo"] == "EXTENSION_CONFIG"}
     for p in patches:
@@ -316,7 +331,7 @@ def _client_filter_errors(objects: list[Obj], ef: Obj) -> list[str]:
             errors.append(f"{where}: the client role belongs on SIDECAR_OUTBOUND chains only")
         port = p["match"].get("listener", {}).get("portNumber")
         if port not in service_ports:
-            errors.append(f"{where}: outbound port {port} is no port of Service {extensions.ENGINE_APP!r}")
+            errors.append(f"{where}: outbound port {port} is no port of Service {host!r}")
         name = p["patch"]["value"]["name"]
         if name not in ecds:
             errors.append(f"{where}: filter {name!r} takes its config by ECDS but no EXTENSION_CONFIG of that name")
@@ -329,8 +344,13 @@ def _client_filter_errors(objects: list[Obj], ef: Obj) -> list[str]:
             errors.append(f"{where}: the client role needs held request headers (allow_on_headers_stop_iteration, "
                           "hold_headers): the routing key must exist before Envoy picks a replica")
     for dr in _of(objects, "DestinationRule"):
-        if dr["spec"]["host"].split(".")[0] != extensions.ENGINE_APP:
+        if dr["spec"]["host"].split(".")[0] != host:
             continue
+        if not dr["spec"].get("subsets"):
+            lb = dr["spec"].get("trafficPolicy", {}).get("loadBalancer", {})
+            if lb.get("consistentHash", {}).get("httpHeaderName") != ROUTE_KEY_HEADER:
+                errors.append(f"DestinationRule/{_name(dr)}: does not hash on {ROUTE_KEY_HEADER} (cache affinity: "
+                              f"{where})")
         for s in dr["spec"].get("subsets", []):
             lb = s.get("trafficPolicy", {}).get("loadBalancer") or dr["spec"].get("trafficPolicy", {}).get(
                 "loadBalancer", {})
@@ -386,6 +406,7 @@ def _proxy_config(w: Obj) -> Obj:
 # Where an Istio sidecar serves its Envoy stats: Envoy's own Prometheus listener, or the agent's
 # merged page. Both outside the inbound traffic capture (istio-iptables -d 15090,15021,15020).
 SIDECAR_STATS_PORTS = (15090, 15020)
+SIDECAR_STATS_PORT_NAME = "http-envoy-prom"  # 15090 as Istio's injected istio-proxy container names it
 # A stat the filter always defines; Istio keeps only stats its matcher includes.
 FILTER_STAT = "wasmcustom.meshcache.hits"
 
@@ -512,9 +533,28 @@ def check_operator_steps(step1: Obj, step2: Obj) -> list[str]:
     return errors
 
 
+def check_monitors(objects: list[Obj]) -> list[str]:
+    """PodMonitors select pods here and scrape a port they have: a named container port, or the
+    sidecar's Envoy stats port on injected pods (the istio-proxy container Istio adds)."""
+    errors = []
+    for pm in _of(objects, "PodMonitor"):
+        where = f"PodMonitor/{_name(pm)}"
+        pods = _selected(objects, pm["spec"].get("selector", {}).get("matchLabels", {}))
+        if not pods:
+            errors.append(f"{where}: selector matches no workload")
+        for ep in pm["spec"].get("podMetricsEndpoints", []):
+            for w in pods:
+                names = {p.get("name") for c in w["spec"]["template"]["spec"]["containers"] for p in c.get("ports", [])}
+                if injected(w):
+                    names.add(SIDECAR_STATS_PORT_NAME)
+                if ep.get("port") not in names:
+                    errors.append(f"{where}: port {ep.get('port')!r} is no port of {w['kind']}/{_name(w)}")
+    return errors
+
+
 def check_all(objects: list[Obj], image_digest: str, elsewhere: frozenset[str] = frozenset(),
               startup: bool = True) -> list[str]:
     return (check_workloads(objects) + check_traffic(objects, elsewhere) + check_security(objects)
             + check_sidecar_annotations(objects) + check_module(objects, image_digest)
-            + check_extensions(objects, elsewhere) + check_proxy_stats(objects)
+            + check_extensions(objects, elsewhere) + check_proxy_stats(objects) + check_monitors(objects)
             + (check_startup(objects) if startup else []))

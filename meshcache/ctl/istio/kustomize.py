@@ -9,7 +9,13 @@ Supported in `kustomization.yaml` (anything else is an error, not silently ignor
   list is JSON 6902 (ops add/remove/replace/test, RFC 6901 paths; needs `target`); otherwise
   it is a strategic merge patch, matched by kind+name (its own or `target`). Strategic merge:
   maps merge recursively, `null` deletes a key, lists of maps that all carry `name` merge by
-  name, other lists are replaced; `$patch: delete` on the patch removes the whole object.
+  name (as kustomize v5 prints them: the patch's items first, in its order, then the others),
+  other lists are replaced; `$patch: delete` on the patch removes the whole object. A `null` in
+  the metadata of a patch with a `target` is an error: kustomize v5 writes a label set to null
+  there as the string "null" instead of deleting it (use a JSON 6902 `remove`).
+
+tests/istio/test_kustomize.py builds every kustomization under istio/ with the real kustomize too
+(sigs.k8s.io/kustomize/kustomize/v5, built by scripts/setup.sh) and compares the objects.
 """
 
 from __future__ import annotations
@@ -83,6 +89,9 @@ def _apply_patch(objects: list[Obj], entry: Obj, directory: Path) -> list[Obj]:
         for obj in hits:
             json6902(obj, body)
         return objects
+    if target and _has_null(body.get("metadata", {})):
+        raise KustomizeError(f"{directory}: a strategic merge patch with a target may not set metadata to null "
+                             "(kustomize v5 writes a label as the string \"null\"): use a JSON 6902 remove")
     kind = target.get("kind", body.get("kind"))
     name = target.get("name", body.get("metadata", {}).get("name"))
     hits = [o for o in objects if _matches(o, kind, name)]
@@ -106,16 +115,26 @@ def strategic_merge(base: Obj, patch: Obj) -> Obj:
             strategic_merge(base[key], value)
         elif isinstance(value, list) and isinstance(base.get(key), list) and _named(value) and _named(base[key]):
             by_name = {item["name"]: item for item in base[key]}
+            merged = []
             for item in value:
                 if item.get("$patch") == "delete":
-                    base[key] = [i for i in base[key] if i["name"] != item["name"]]
+                    by_name.pop(item["name"], None)
                 elif item["name"] in by_name:
-                    strategic_merge(by_name[item["name"]], item)
+                    merged.append(strategic_merge(by_name.pop(item["name"]), item))
                 else:
-                    base[key].append(copy.deepcopy(item))
+                    merged.append(copy.deepcopy(item))
+            base[key] = merged + [i for i in base[key] if i["name"] in by_name]
         else:
             base[key] = copy.deepcopy(value)
     return base
+
+
+def _has_null(node: Any) -> bool:
+    if isinstance(node, dict):
+        return any(v is None or _has_null(v) for v in node.values())
+    if isinstance(node, list):
+        return any(_has_null(v) for v in node)
+    return False
 
 
 def _named(items: list[Any]) -> bool:

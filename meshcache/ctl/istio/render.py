@@ -20,12 +20,12 @@ import httpx
 import yaml
 
 from meshcache.contract import extensions, oci
-from meshcache.contract.extensions import oci_url
+from meshcache.contract.extensions import Workloads, format_selector, oci_url, parse_ports, parse_selector
 from meshcache.contract.filter_config import Limits, Policy, demo_policies, plugin_config
 from meshcache.contract.headers import COLOR_HEADER
 from meshcache.contract.paths import FILTER_WASM, REPO_ROOT
 
-from . import kustomize
+from . import kustomize, monitoring
 
 ISTIO_DIR = REPO_ROOT / "istio"
 BASE_DIR = ISTIO_DIR / "base"
@@ -37,6 +37,12 @@ FILTER_REPOSITORY = "registry.example.com/meshcache/filter"
 ENGINE_APP = extensions.ENGINE_APP
 CONTROL_PLANE = "meshcache-control-plane"
 INGRESS_HOST = "meshcache.example.com"
+ENGINE_IMAGE_PREFIX = "registry.example.com/meshcache/engine:"
+CONTROL_PLANE_IMAGE_PREFIX = "registry.example.com/meshcache/control-plane:"
+# Objects the renderer fills in, found by name (overlays keep the names, change the content).
+AUTHZ = "meshcache-engine"
+DESTINATION_RULE = "meshcache-engine"
+PROXIES_SERVICE = "meshcache-engine-proxies"
 COLOR_RE = re.compile(r"^[a-z0-9]([-a-z0-9]{0,30}[a-z0-9])?$")
 Obj = dict[str, Any]
 
@@ -65,10 +71,72 @@ def plugin_config_from_api(url: str, token: str, timeout: float = 10.0) -> dict[
     return json.loads(body["plugin_config"])  # type: ignore[no-any-return]
 
 
+# `--allow-principal`: a SPIFFE id, Istio's principal form, or `namespace/serviceaccount`.
+_DNS_LABEL = r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?"
+_SA_NAME = r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?"
+_TRUST_DOMAIN = r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?"
+_PRINCIPAL_FORMS = (
+    re.compile(rf"^spiffe://(?P<td>{_TRUST_DOMAIN})/ns/(?P<ns>{_DNS_LABEL})/sa/(?P<sa>{_SA_NAME})$"),
+    re.compile(rf"^(?P<td>{_TRUST_DOMAIN})/ns/(?P<ns>{_DNS_LABEL})/sa/(?P<sa>{_SA_NAME})$"),
+    re.compile(rf"^(?P<ns>{_DNS_LABEL})/(?P<sa>{_SA_NAME})$"),
+)
+DEFAULT_TRUST_DOMAIN = "cluster.local"
+
+
+def normalize_principal(value: str) -> str:
+    """`spiffe://cluster.local/ns/X/sa/Y`, `cluster.local/ns/X/sa/Y` or `X/Y` -> Istio's
+    AuthorizationPolicy form `cluster.local/ns/X/sa/Y` (the SPIFFE id without `spiffe://`)."""
+    for form in _PRINCIPAL_FORMS:
+        m = form.match(value.strip())
+        if m:
+            td = m.groupdict().get("td") or DEFAULT_TRUST_DOMAIN
+            return f"{td}/ns/{m.group('ns')}/sa/{m.group('sa')}"
+    raise ValueError(f"--allow-principal {value!r}: use spiffe://<trust domain>/ns/<namespace>/sa/<serviceaccount>, "
+                     "<trust domain>/ns/<namespace>/sa/<serviceaccount> or <namespace>/<serviceaccount> "
+                     "(lowercase DNS names)")
+
+
+ENGINE_PORT_KEYS = ("http", "grpc", "service-http", "service-grpc")
+
+
+def parse_engine_ports(items: Iterable[str]) -> dict[str, int | None]:
+    """`--engine-port KEY=N` entries (KEY: http, grpc, service-http, service-grpc; `grpc=none`: no
+    gRPC port)."""
+    out: dict[str, int | None] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or key not in ENGINE_PORT_KEYS:
+            raise ValueError(f"--engine-port {item!r}: use KEY=PORT with KEY one of {', '.join(ENGINE_PORT_KEYS)}")
+        if value == "none" and key in ("grpc", "service-grpc"):
+            out[key] = None
+            continue
+        if not value.isdigit() or not 1 <= int(value) <= 65535:
+            raise ValueError(f"--engine-port {item!r}: the port must be a number in 1..65535")
+        out[key] = int(value)
+    return out
+
+
+def parse_engine_selector(items: Iterable[str]) -> dict[str, str]:
+    """`--engine-selector KEY=VALUE` entries, checked as Kubernetes labels."""
+    labels: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--engine-selector {item!r}: use KEY=VALUE (a pod label of the cached workloads)")
+        labels[key] = value
+    Workloads(labels)  # label syntax
+    return labels
+
+
+# An image reference as the container runtime takes it (registry/path[:tag][@sha256:digest]).
+IMAGE_RE = re.compile(r"^[a-z0-9]([-a-z0-9._:]*[a-z0-9])?(/[a-z0-9]([-a-z0-9._]*[a-z0-9])?)*"
+                      r"(:[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?(@sha256:[a-f0-9]{64})?$")
+
+
 @dataclass
 class RenderOptions:
     namespace: str = BASE_NAMESPACE
-    color: str = BASE_COLOR
+    color: str | None = None  # None: BASE_COLOR when the build deploys meshcache's own engine
     also_colors: tuple[str, ...] = ()  # colours already live: keep their subsets and routes
     plugin_config: dict[str, Any] = field(default_factory=demo_plugin_config)
     module_path: Path = FILTER_WASM
@@ -76,9 +144,22 @@ class RenderOptions:
     filter_repository: str = FILTER_REPOSITORY
     source: Path = BASE_DIR  # the base or an overlay directory
     ingress_host: str = INGRESS_HOST
+    engine_image: str | None = None
+    control_plane_image: str | None = None
+    allow_principals: tuple[str, ...] = ()  # added to the engine AuthorizationPolicy's callers
+    engine_selector: dict[str, str] | None = None  # None: the build's (the control plane's env)
+    engine_ports: dict[str, int | None] = field(default_factory=dict)  # parse_engine_ports()
+    engine_service: str | None = None  # the Service callers use; None: the build's DestinationRule host
+    mesh_tls13: bool = False  # IstioOperator/Helm values: meshMTLS.minProtocolVersion TLSV1_3
 
-    def colors(self) -> list[str]:
-        return [self.color, *[c for c in dict.fromkeys(self.also_colors) if c != self.color]]
+    def colors(self, own_engine: bool = True) -> list[str]:
+        if not own_engine:
+            return []
+        color = self.color or BASE_COLOR
+        return [color, *[c for c in dict.fromkeys(self.also_colors) if c != color]]
+
+    def default_color(self) -> str:
+        return self.color or BASE_COLOR
 
 
 @dataclass(frozen=True)
@@ -96,12 +177,73 @@ def pins_for(opts: RenderOptions) -> Pins:
     return Pins(digest, image.module_sha256, oci_url(opts.filter_repository, digest))
 
 
+def own_engine(objects: list[Obj]) -> bool:
+    """Whether the build deploys meshcache's own engine (colours apply) or fronts the user's
+    workloads (overlays kserve, triton: no engine Deployment, no colour labels on their pods)."""
+    return any(o["kind"] == "Deployment" and o["metadata"].get("labels", {}).get("app") == ENGINE_APP
+               for o in objects)
+
+
+def workloads_from_env(env: dict[str, str]) -> Workloads:
+    """The cached pods and ports as the control plane reads them (control_plane/settings.py)."""
+    http = parse_ports(env.get("MESHCACHE_CP_ISTIO_HTTP_PORTS", str(extensions.HTTP_PORT)))
+    grpc = parse_ports(env.get("MESHCACHE_CP_ISTIO_GRPC_PORTS", str(extensions.GRPC_PORT)))
+    return Workloads(parse_selector(env.get("MESHCACHE_CP_ISTIO_SELECTOR", "")), http, grpc,
+                     parse_ports(env.get("MESHCACHE_CP_ISTIO_SERVICE_PORTS", "")) or (*http, *grpc))
+
+
+def workloads_for(opts: RenderOptions, current: Workloads, service: Obj | None) -> Workloads:
+    """The build's workloads (its control plane's env) with the options' selector and ports. The
+    Service ports (the client role's outbound listeners): the flags', else those of the engine
+    Service when the build has it (meshcache's own), else the build's env."""
+    ports = opts.engine_ports
+    http = (int(ports["http"]),) if ports.get("http") else current.http_ports
+    grpc = current.grpc_ports
+    if "grpc" in ports:
+        grpc = (ports["grpc"],) if ports["grpc"] else ()
+    n = len(current.http_ports)
+    svc_http, svc_grpc = current.service_ports[:n], current.service_ports[n:]
+    if service is not None:
+        by_target = {p.get("targetPort"): p["port"] for p in service["spec"].get("ports", [])}
+        svc_http = tuple(by_target[t] for t in ("http",) if t in by_target) or svc_http
+        svc_grpc = tuple(by_target[t] for t in ("grpc",) if t in by_target) if grpc else ()
+    if ports.get("service-http"):
+        svc_http = (int(ports["service-http"]),)
+    if "service-grpc" in ports:
+        svc_grpc = (ports["service-grpc"],) if ports["service-grpc"] else ()
+    elif not grpc:
+        svc_grpc = ()
+    return Workloads(opts.engine_selector or dict(current.labels), http, grpc,
+                     (*svc_http, *svc_grpc) or (*http, *grpc))
+
+
 def render(opts: RenderOptions) -> list[Obj]:
-    for c in opts.colors():
+    objects = kustomize.build(opts.source)
+    own = own_engine(objects)
+    if not own and (opts.color or opts.also_colors):
+        raise ValueError(f"{opts.source} caches your own workloads, whose pods carry no meshcache colour label: "
+                         "--color/--also-color apply to meshcache's own engine only")
+    for c in opts.colors(own):
         if not COLOR_RE.match(c):
             raise ValueError(f"colour {c!r} must be a DNS label of at most 32 characters")
-    objects = kustomize.build(opts.source)
-    customize(objects, opts, pins_for(opts))
+    principals = tuple(normalize_principal(p) for p in opts.allow_principals)
+    for flag, image in (("--engine-image", opts.engine_image), ("--control-plane-image", opts.control_plane_image)):
+        if image is not None and not IMAGE_RE.match(image):
+            raise ValueError(f"{flag} {image!r} is not an image reference (registry/repository[:tag][@sha256:...])")
+    if opts.engine_service is not None and not re.match(rf"^{_DNS_LABEL}$", opts.engine_service):
+        raise ValueError(f"--engine-service {opts.engine_service!r} must be a Service name (a DNS label)")
+    service = next((o for o in objects if o["kind"] == "Service" and o["metadata"]["name"] == ENGINE_APP), None)
+    workloads = workloads_for(opts, workloads_from_env(control_plane_env(objects)), service if own else None)
+    if own:
+        engine = next(o for o in objects
+                      if o["kind"] == "Deployment" and o["metadata"]["labels"].get("app") == ENGINE_APP)
+        labels = engine["spec"]["template"]["metadata"]["labels"]
+        clash = [f"{k}={labels[k]}" for k, v in workloads.labels.items() if k in labels and labels[k] != v]
+        if clash:
+            raise ValueError(f"--engine-selector conflicts with meshcache's engine label {', '.join(clash)}: the own "
+                             "engine's pods get the selector's labels; pick other labels, or render an overlay for "
+                             "your own workloads (istio/overlays/kserve, triton)")
+    customize(objects, opts, pins_for(opts), workloads, own, principals)
     return objects
 
 
@@ -111,6 +253,9 @@ def render_operators(opts: RenderOptions) -> tuple[Obj, Obj]:
     for path in (OPERATOR_FILE, OPERATOR_MCP_FILE):
         obj = kustomize._load(path)[0]
         _rename_namespace(obj, opts.namespace)
+        if opts.mesh_tls13:  # the one mesh-wide change that is opt-in
+            obj["spec"]["meshConfig"] = {"meshMTLS": {"minProtocolVersion": "TLSV1_3"},
+                                         **obj["spec"].get("meshConfig", {})}
         out.append(obj)
     return out[0], out[1]
 
@@ -123,13 +268,14 @@ def control_plane_env(objects: list[Obj]) -> dict[str, str]:
 
 def mcp_objects(objects: list[Obj], plugin_config: dict[str, Any]) -> list[Obj]:
     """What the rendered control plane serves istiod over MCP for this policy snapshot (its mode,
-    colours and module pin come from the Deployment's environment), with the namespace set."""
+    colours, cached workloads and module pin come from the Deployment's environment), with the
+    namespace set."""
     env = control_plane_env(objects)
     namespace = next(o["metadata"]["name"] for o in objects if o["kind"] == "Namespace")
     colors = [c for c in env.get("MESHCACHE_CP_ISTIO_COLOR", "").split(",") if c] or [""]
     out = extensions.objects(env.get("MESHCACHE_CP_ISTIO_MODE", "full"), colors=colors,
                              url=env["MESHCACHE_CP_ISTIO_WASM_URL"], sha256=env["MESHCACHE_CP_ISTIO_WASM_SHA256"],
-                             plugin_config=plugin_config)
+                             plugin_config=plugin_config, workloads=workloads_from_env(env))
     for o in out:
         o["metadata"]["namespace"] = namespace
         if env.get("MESHCACHE_CP_ISTIO_REVISION"):
@@ -140,26 +286,57 @@ def mcp_objects(objects: list[Obj], plugin_config: dict[str, Any]) -> list[Obj]:
 # ---- the customisations -----------------------------------------------------------------
 
 
-def customize(objects: list[Obj], opts: RenderOptions, pins: Pins) -> None:
+def customize(objects: list[Obj], opts: RenderOptions, pins: Pins, workloads: Workloads, own: bool,
+              principals: tuple[str, ...] = ()) -> None:
+    colors = opts.colors(own)
     for obj in objects:
         _rename_namespace(obj, opts.namespace)
         kind, name = obj["kind"], obj["metadata"]["name"]
         if kind == "Deployment" and obj["metadata"].get("labels", {}).get("app") == ENGINE_APP:
-            _engine_deployment(obj, opts.color)
+            _engine_deployment(obj, opts.default_color(), workloads, opts.engine_image)
         elif kind == "Deployment" and name == CONTROL_PLANE:
-            _control_plane(obj, opts.colors(), pins)
-        elif kind == "DestinationRule" and obj["spec"]["host"] == ENGINE_APP:
-            obj["spec"]["subsets"] = [{"name": c, "labels": {"color": c},
-                                       "trafficPolicy": {"loadBalancer": extensions.consistent_hash()}}
-                                      for c in opts.colors()]
+            _control_plane(obj, colors, pins, workloads, opts.control_plane_image)
+        elif kind == "DestinationRule" and name == DESTINATION_RULE:
+            _destination_rule(obj, colors, opts.engine_service)
         elif kind == "VirtualService" and obj["spec"].get("gateways"):
             obj["spec"]["hosts"] = [opts.ingress_host]
-            obj["spec"]["http"] = virtual_service_routes(opts.colors(), opts.color, gateway=True)
+            obj["spec"]["http"] = virtual_service_routes(colors, opts.default_color(), gateway=True)
         elif kind == "VirtualService" and name == ENGINE_APP:
-            obj["spec"]["http"] = virtual_service_routes(opts.colors(), opts.color)
+            obj["spec"]["http"] = virtual_service_routes(colors, opts.default_color())
         elif kind == "Gateway":
             for server in obj["spec"]["servers"]:
                 server["hosts"] = [opts.ingress_host]
+        elif kind == "AuthorizationPolicy" and name == AUTHZ:
+            _authorization_policy(obj, workloads, principals)
+        elif kind == "Service" and name == PROXIES_SERVICE:
+            obj["spec"]["selector"] = dict(workloads.labels)
+
+
+def _destination_rule(obj: Obj, colors: list[str], host: str | None) -> None:
+    """Cache affinity: a consistent hash on the client role's key, per colour subset (own engine)
+    or for the whole host (the user's workloads, no colours)."""
+    spec = obj["spec"]
+    if host:
+        spec["host"] = host
+    if colors:
+        spec["subsets"] = [{"name": c, "labels": {"color": c},
+                            "trafficPolicy": {"loadBalancer": extensions.consistent_hash()}} for c in colors]
+    else:
+        spec.pop("subsets", None)
+        spec.setdefault("trafficPolicy", {})["loadBalancer"] = extensions.consistent_hash()
+
+
+def _authorization_policy(obj: Obj, workloads: Workloads, principals: tuple[str, ...]) -> None:
+    spec = obj["spec"]
+    if principals:  # named for review, and so `istio validate` knows their accounts live elsewhere
+        obj["metadata"].setdefault("annotations", {})["meshcache.io/allowed-principals"] = " ".join(principals)
+    spec["selector"] = {"matchLabels": dict(workloads.labels)}
+    for rule in spec.get("rules", []):
+        for src in rule.get("from", []):
+            listed = src["source"].setdefault("principals", [])
+            listed += [p for p in principals if p not in listed]
+        for to in rule.get("to", []):
+            to["operation"]["ports"] = [str(p) for p in workloads.ports]
 
 
 def _rename_namespace(obj: Obj, namespace: str) -> None:
@@ -188,12 +365,24 @@ def _rename_namespace(obj: Obj, namespace: str) -> None:
             obj[key] = fix(obj[key])
 
 
-def _engine_deployment(obj: Obj, color: str) -> None:
+def _engine_deployment(obj: Obj, color: str, workloads: Workloads, image: str | None) -> None:
     obj["metadata"]["name"] = f"{ENGINE_APP}-{color}"
     obj["metadata"]["labels"]["color"] = color
     obj["spec"]["selector"]["matchLabels"]["color"] = color
     tmpl = obj["spec"]["template"]["metadata"]
-    tmpl["labels"] |= {"color": color, "version": color}
+    # The selector's labels too, so meshcache's own engine stays among the cached pods.
+    tmpl["labels"] |= {**workloads.labels, "color": color, "version": color}
+    pod = obj["spec"]["template"]["spec"]
+    for c in [*pod.get("initContainers", []), *pod["containers"]]:
+        if image and c["image"].startswith(ENGINE_IMAGE_PREFIX):
+            c["image"] = image
+    engine = pod["containers"][0]
+    by_name = {p["name"]: p for p in engine.get("ports", [])}
+    for name, flag, ports in (("http", "--http-port", workloads.http_ports), ("grpc", "--grpc-port",
+                                                                             workloads.grpc_ports)):
+        if ports and name in by_name and by_name[name]["containerPort"] != ports[0]:
+            by_name[name]["containerPort"] = ports[0]
+            engine["args"] = [*engine.get("args", []), flag, str(ports[0])]
     ann = tmpl["annotations"]
     proxy = yaml.safe_load(ann["proxy.istio.io/config"])
     proxy["proxyMetadata"] |= {"MESHCACHE_TRAFFIC_COLOR": color, "ISTIO_META_MESHCACHE_TRAFFIC_COLOR": color}
@@ -206,11 +395,17 @@ def _set_env(container: Obj, name: str, value: str) -> None:
             e["value"] = value
 
 
-def _control_plane(obj: Obj, colors: list[str], pins: Pins) -> None:
+def _control_plane(obj: Obj, colors: list[str], pins: Pins, workloads: Workloads, image: str | None) -> None:
     for c in obj["spec"]["template"]["spec"]["containers"]:
         _set_env(c, "MESHCACHE_CP_ISTIO_COLOR", ",".join(colors))
         _set_env(c, "MESHCACHE_CP_ISTIO_WASM_URL", pins.url)
         _set_env(c, "MESHCACHE_CP_ISTIO_WASM_SHA256", pins.image_digest)
+        _set_env(c, "MESHCACHE_CP_ISTIO_SELECTOR", format_selector(workloads.labels))
+        _set_env(c, "MESHCACHE_CP_ISTIO_HTTP_PORTS", ",".join(map(str, workloads.http_ports)))
+        _set_env(c, "MESHCACHE_CP_ISTIO_GRPC_PORTS", ",".join(map(str, workloads.grpc_ports)))
+        _set_env(c, "MESHCACHE_CP_ISTIO_SERVICE_PORTS", ",".join(map(str, workloads.service_ports)))
+        if image and c["image"].startswith(CONTROL_PLANE_IMAGE_PREFIX):
+            c["image"] = image
 
 
 def virtual_service_routes(colors: Iterable[str], default: str, gateway: bool = False) -> list[Obj]:
@@ -243,36 +438,112 @@ def virtual_service_routes(colors: Iterable[str], default: str, gateway: bool = 
 # ---- output -----------------------------------------------------------------------------
 
 
-def write(objects: list[Obj], operators: tuple[Obj, Obj], mcp: list[Obj], out_dir: Path) -> list[Path]:
+def write(objects: list[Obj], operators: tuple[Obj, Obj], mcp: list[Obj], out_dir: Path,
+          opts: RenderOptions | None = None) -> list[Path]:
+    """The rendered files, in the order they are applied (install_steps)."""
+    opts = opts or RenderOptions()
     out_dir.mkdir(parents=True, exist_ok=True)
+    namespace = [o for o in objects if o["kind"] == "Namespace"]
     files = {
-        "meshcache-istio.yaml": kustomize.dump(objects),
         "istio-operator.yaml": yaml.safe_dump(operators[0], sort_keys=False),
+        "namespace.yaml": NAMESPACE_HEADER + kustomize.dump(namespace),
+        "meshcache-istio.yaml": kustomize.dump(objects),
         "istio-operator-mcp.yaml": yaml.safe_dump(operators[1], sort_keys=False),
+        "istio-operator-existing.yaml": EXISTING_OPERATOR_HEADER + yaml.safe_dump(
+            existing_operator(operators[1]), sort_keys=False),
+        "istiod-values.yaml": HELM_VALUES_HEADER + yaml.safe_dump(istiod_values(operators[1]), sort_keys=False),
         "mcp-preview.yaml": MCP_PREVIEW_HEADER + kustomize.dump(mcp),
+        "monitoring.yaml": MONITORING_HEADER + kustomize.dump(monitors(objects)),
     }
     for name, text in files.items():
         (out_dir / name).write_text(text)
     return [out_dir / name for name in files]
 
 
+def monitors(objects: list[Obj]) -> list[Obj]:
+    """PodMonitors for what the rendered manifests run (the cached pods as the control plane selects them)."""
+    namespace = next(o["metadata"]["name"] for o in objects if o["kind"] == "Namespace")
+    return monitoring.pod_monitors(namespace, workloads_from_env(control_plane_env(objects)), own_engine(objects))
+
+
+MONITORING_HEADER = """\
+# For the Prometheus Operator (its CRDs must be installed): PodMonitors for the cached pods' sidecars
+# (the filter's stats on Envoy's :15090), the control plane and meshcache's engine, with one `model`
+# label for filter and engine metrics (deploy/README.md). Your Prometheus selects them by its
+# podMonitorSelector; the control plane's NetworkPolicy must admit it to port 8080.
+"""
+NAMESPACE_HEADER = """\
+# The namespace alone (also first in meshcache-istio.yaml): applied before the Secrets that live in it.
+"""
 MCP_PREVIEW_HEADER = """\
 # What the control plane serves istiod over MCP for the rendered policy snapshot (it re-sends the
 # current one on every change). For review and `meshcache istio validate`; do not also apply it
 # with kubectl next to the MCP source, or two cache filters run.
 """
+EXISTING_OPERATOR_HEADER = """\
+# An existing Istio installed with istioctl: an overlay that only adds meshcache's config source.
+#   istioctl install -f YOUR-ISTIO-OPERATOR.yaml -f istio-operator-existing.yaml
+# (your own file first: this one adds to it). configSources replaces the default list, so k8s:// is
+# listed; if your file already sets configSources, copy your entries here too (lists are replaced).
+"""
+HELM_VALUES_HEADER = """\
+# An existing Istio installed with Helm: values for the `istiod` chart that only add meshcache's
+# config source to the mesh config.
+#   helm upgrade istiod istio/istiod -n istio-system --reuse-values -f istiod-values.yaml
+# configSources replaces the default list, so k8s:// is listed.
+"""
+
+
+def existing_operator(step2: Obj) -> Obj:
+    """An IstioOperator overlay with step 2's meshConfig only (configSources, and meshMTLS when
+    --mesh-tls13): no profile, no components, nothing else of an existing install changes."""
+    return {"apiVersion": step2["apiVersion"], "kind": "IstioOperator",
+            "metadata": {"name": step2["metadata"]["name"], "namespace": step2["metadata"]["namespace"]},
+            "spec": {"meshConfig": yaml.safe_load(yaml.safe_dump(step2["spec"]["meshConfig"]))}}
+
+
+def istiod_values(step2: Obj) -> Obj:
+    """The same meshConfig as Helm values of the istiod chart (`meshConfig:` is merged into the mesh
+    config the chart renders)."""
+    return {"meshConfig": yaml.safe_load(yaml.safe_dump(step2["spec"]["meshConfig"]))}
 
 
 def install_steps(opts: RenderOptions, out_dir: Path) -> str:
     ns = opts.namespace
-    return f"""next steps (docs/istio.md):
-  1. istioctl install -f {out_dir}/istio-operator.yaml        # Istio without the MCP source
-  2. meshcache istio xds-certs --namespace {ns} --out certs/   # then the two kubectl commands it prints
+    return f"""next steps, top to bottom (docs/istio.md):
+  1. Istio without the MCP source:
+       fresh:    istioctl install -f {out_dir}/istio-operator.yaml
+       existing: nothing yet (your istiod keeps running as it is)
+  2. kubectl apply -f {out_dir}/namespace.yaml
+  3. meshcache istio xds-certs --namespace {ns} --out certs/   # then the two kubectl commands it prints
      kubectl -n {ns} create secret generic meshcache-cp-tokens --from-file=tokens=tokens.txt
-  3. kubectl apply -f {out_dir}/meshcache-istio.yaml
+  4. kubectl apply -f {out_dir}/meshcache-istio.yaml
      kubectl -n {ns} rollout status deploy/{CONTROL_PLANE}
-  4. istioctl install -f {out_dir}/istio-operator-mcp.yaml    # istiod now also reads the control plane
+     kubectl apply -f {out_dir}/monitoring.yaml   # with the Prometheus Operator only
+  5. istiod also reads the control plane:
+       fresh:    istioctl install -f {out_dir}/istio-operator-mcp.yaml
+       istioctl: istioctl install -f YOUR-ISTIO-OPERATOR.yaml -f {out_dir}/istio-operator-existing.yaml
+       Helm:     helm upgrade istiod istio/istiod -n istio-system --reuse-values -f {out_dir}/istiod-values.yaml
 """
+
+
+def mesh_changes(opts: RenderOptions) -> str:
+    """Every mesh-wide change the install files make, in plain words."""
+    xds = f"xds://{CONTROL_PLANE}.{opts.namespace}.svc.cluster.local:18000"
+    lines = [
+        "mesh-wide changes (everything else stays as your Istio has it):",
+        f"  - meshConfig.configSources: istiod also reads {xds} (TLS, CA from the Secret "
+        "istio-system/meshcache-cp-xds-ca). The list replaces Istio's default, so k8s:// is listed too.",
+        "    istiod waits for every config source to sync before it serves xDS or sidecar injection: while the "
+        "control plane is unreachable, a restarting istiod does not become ready.",
+    ]
+    if opts.mesh_tls13:
+        lines.append("  - meshConfig.meshMTLS.minProtocolVersion: TLSV1_3 (--mesh-tls13): every sidecar's mTLS, "
+                     "mesh-wide, refuses TLS 1.2.")
+    else:
+        lines.append("  - no TLS change (mesh-wide TLS 1.3 only with --mesh-tls13).")
+    lines.append(f"  namespace {opts.namespace} only: the manifests in meshcache-istio.yaml (see docs/istio.md).")
+    return "\n".join(lines) + "\n"
 
 
 def update_base(module_path: Path = FILTER_WASM) -> list[Path]:

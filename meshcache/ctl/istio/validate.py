@@ -8,6 +8,9 @@
 - Core kinds: `kubernetes_validate` in strict mode (unknown fields are errors there too).
 - IstioOperator is not in the CRD file (istioctl validates it itself): a small schema for the
   fields meshcache sets, with Istio's enum values, also strict.
+- Prometheus Operator kinds (PodMonitor, ServiceMonitor): the models generated from its CRDs
+  (PyPI cloudcoil-models-prometheus-operator), types and enums; unknown fields are errors (what
+  the model does not keep).
 """
 
 from __future__ import annotations
@@ -41,8 +44,9 @@ def crd_file() -> Path:
     path = Path(override) if override else REPO_ROOT.parent / "shared" / "istio" / ISTIO_CRDS_NAME
     if not path.is_file():
         raise FileNotFoundError(
-            f"Istio CRD schemas not found at {path}: expected ../shared/istio/{ISTIO_CRDS_NAME} relative to "
-            "the repository root (istio/api kubernetes/customresourcedefinitions.gen.yaml at v1.30.3), "
+            f"Istio CRD schemas not found at {path}: get Istio 1.30.3's CRDs (istio/api "
+            "kubernetes/customresourcedefinitions.gen.yaml at tag 1.30.3, or `helm show crds istio/base "
+            f"--version 1.30.3`) into ../shared/istio/{ISTIO_CRDS_NAME} beside the repository, "
             "or set MESHCACHE_ISTIO_CRDS to its path")
     return path
 
@@ -235,6 +239,37 @@ ISTIO_OPERATOR_SCHEMA: dict[str, Any] = {
 }
 
 
+MONITORING_KINDS = {("monitoring.coreos.com/v1", "PodMonitor"), ("monitoring.coreos.com/v1", "ServiceMonitor")}
+
+
+def _monitoring_errors(obj: dict[str, Any]) -> list[str]:
+    import pydantic
+    from cloudcoil.models.prometheus_operator import v1 as monitoring
+
+    model = getattr(monitoring, obj["kind"])
+    try:
+        parsed = model.model_validate(obj)
+    except pydantic.ValidationError as exc:
+        return [f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()]
+    kept = parsed.model_dump(by_alias=True, exclude_unset=True, mode="json")
+    errors: list[str] = []
+    _unknown(obj, kept, "", errors)
+    return errors + _metadata_errors(obj)
+
+
+def _unknown(given: Any, kept: Any, path: str, errors: list[str]) -> None:
+    """Fields of `given` the model dropped (it ignores unknown ones) are unknown fields."""
+    if isinstance(given, dict) and isinstance(kept, dict):
+        for k, v in given.items():
+            if k not in kept:
+                errors.append(f"{path}{k}: unknown field")
+            else:
+                _unknown(v, kept[k], f"{path}{k}.", errors)
+    elif isinstance(given, list) and isinstance(kept, list):
+        for i, (g, k) in enumerate(zip(given, kept, strict=False)):
+            _unknown(g, k, f"{path}{i}.", errors)
+
+
 def validate_object(obj: dict[str, Any], crds: dict[tuple[str, str], dict[str, Any]] | None = None) -> list[str]:
     """Errors for one object (empty when valid)."""
     if not isinstance(obj, dict) or "apiVersion" not in obj or "kind" not in obj:
@@ -246,6 +281,8 @@ def validate_object(obj: dict[str, Any], crds: dict[tuple[str, str], dict[str, A
     if key == ("install.istio.io/v1alpha1", "IstioOperator"):
         v = jsonschema.Draft7Validator(ISTIO_OPERATOR_SCHEMA)
         return [f"{'.'.join(map(str, e.absolute_path)) or '(object)'}: {e.message}" for e in v.iter_errors(obj)]
+    if key in MONITORING_KINDS:
+        return _monitoring_errors(obj)
     if obj["apiVersion"].endswith(".istio.io/v1alpha1") or ".istio.io/" in obj["apiVersion"]:
         return [f"unknown Istio kind {key}: not served by Istio 1.30"]
     return _core_errors(obj)

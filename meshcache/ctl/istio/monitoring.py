@@ -1,0 +1,74 @@
+"""Prometheus for meshcache on Kubernetes: PodMonitors for the Prometheus Operator, and the one
+`model` label that filter and server metrics share.
+
+The filter's per-policy stats are named after the model (`meshcache_policy_<model>_hits` once
+Envoy's Prometheus output has turned every character outside [A-Za-z0-9_] into `_`), so the
+filter side can only ever know `mlp_classifier`; the servers label their own metrics with the
+model's real name (`mlp-classifier`: meshcache's engine, Triton's `nv_inference_*`). One value
+for both: the filter rules move the model into a `model` label, the server rules rewrite the
+server's `model` label the way Envoy rewrote the stat name. Prometheus relabelling has no
+replace-all, so each server rule replaces one such character (the last); SANITIZE_STEPS of them
+cover model names with that many. deploy/prometheus/*.yml carry the same rules
+(tests/status/test_dashboard.py checks that they are these).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from meshcache.contract.extensions import Workloads
+
+from .crossref import SIDECAR_STATS_PORT_NAME
+
+Obj = dict[str, Any]
+SANITIZE_STEPS = 8
+# Istio's injected istio-proxy container declares Envoy's Prometheus listener under this name.
+SIDECAR_STATS_PORT = SIDECAR_STATS_PORT_NAME
+_POLICY_STAT = r"meshcache_policy_(.+)_(hits|misses|entries|bytes)"
+
+
+def filter_model_rules() -> list[Obj]:
+    """Prometheus `metric_relabel_configs` for sidecar stats: the model into a `model` label."""
+    return [
+        {"source_labels": ["__name__"], "regex": _POLICY_STAT, "target_label": "model", "replacement": "$1"},
+        {"source_labels": ["__name__"], "regex": _POLICY_STAT, "target_label": "__name__",
+         "replacement": "meshcache_policy_$2"},
+    ]
+
+
+def server_model_rules() -> list[Obj]:
+    """Prometheus `metric_relabel_configs` for a server's metrics: its `model` label as the
+    filter's stat names spell the model."""
+    return [{"source_labels": ["model"], "regex": "(.*)[^A-Za-z0-9_](.*)", "target_label": "model",
+             "replacement": "${1}_${2}"} for _ in range(SANITIZE_STEPS)]
+
+
+def operator_rules(rules: list[Obj]) -> list[Obj]:
+    """The same rules as the Prometheus Operator's RelabelConfig (camelCase, explicit action)."""
+    names = {"source_labels": "sourceLabels", "target_label": "targetLabel"}
+    return [{**{names.get(k, k): v for k, v in r.items()}, "action": "replace"} for r in rules]
+
+
+def _monitor(name: str, namespace: str, selector: dict[str, str], endpoint: Obj) -> Obj:
+    return {"apiVersion": "monitoring.coreos.com/v1", "kind": "PodMonitor",
+            "metadata": {"name": name, "namespace": namespace, "labels": {"app.kubernetes.io/part-of": "meshcache"}},
+            "spec": {"selector": {"matchLabels": dict(selector)}, "podMetricsEndpoints": [endpoint]}}
+
+
+def pod_monitors(namespace: str, workloads: Workloads, own_engine: bool) -> list[Obj]:
+    """The cached pods' sidecars (the filter's stats), the control plane, and meshcache's own engine
+    when it is deployed (a user's servers keep their own monitors: add server_model_rules() to
+    their metricRelabelings)."""
+    color = [{"sourceLabels": ["__meta_kubernetes_pod_label_color"], "targetLabel": "color"}]
+    out = [
+        _monitor("meshcache-sidecars", namespace, dict(workloads.labels), {
+            "port": SIDECAR_STATS_PORT, "path": "/stats/prometheus", "relabelings": color,
+            "metricRelabelings": operator_rules(filter_model_rules())}),
+        _monitor("meshcache-control-plane", namespace, {"app": "meshcache-control-plane"},
+                 {"port": "http", "path": "/metrics"}),
+    ]
+    if own_engine:
+        out.append(_monitor("meshcache-engine", namespace, {"app": "meshcache-engine"}, {
+            "port": "metrics", "path": "/metrics", "relabelings": color,
+            "metricRelabelings": operator_rules(server_model_rules())}))
+    return out

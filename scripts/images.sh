@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# `make images`: the engine and control-plane images (engine/Dockerfile, control_plane/Dockerfile)
+# from the project's wheel, on a Debian 12 base pinned by digest.
+#
+#   MESHCACHE_BASE_IMAGE   the base, `REPO@sha256:DIGEST` (e.g. a Debian 12 slim image you verified);
+#                          default: a Debian 12 minbase built here with debootstrap from Debian's
+#                          mirror and pinned by its own digest (no registry needed).
+#   MESHCACHE_IMAGE_TAG    tag of the two images (default: the project version)
+#   MESHCACHE_BUILDER      buildah, podman or docker (default: the first found)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+builder=${MESHCACHE_BUILDER:-}
+if [ -z "$builder" ]; then
+  for b in buildah podman docker; do
+    if command -v "$b" >/dev/null 2>&1; then builder=$b; break; fi
+  done
+fi
+if [ -z "$builder" ]; then
+  echo "images: no image builder (buildah, podman or docker) on PATH; on Debian 12: apt-get install buildah" >&2
+  exit 2
+fi
+if [ "$builder" = docker ] && ! docker info >/dev/null 2>&1; then
+  echo "images: docker is installed but its daemon is not reachable; use buildah (MESHCACHE_BUILDER=buildah)" >&2
+  exit 2
+fi
+
+version=$(.venv/bin/python -c 'import tomllib; print(tomllib.load(open("pyproject.toml","rb"))["project"]["version"])')
+tag=${MESHCACHE_IMAGE_TAG:-$version}
+
+base=${MESHCACHE_BASE_IMAGE:-}
+if [ -z "$base" ]; then
+  if [ "$builder" = docker ]; then
+    echo "images: with docker, set MESHCACHE_BASE_IMAGE=REPO@sha256:DIGEST (a Debian 12 image)" >&2
+    exit 2
+  fi
+  local_base=localhost/meshcache/debian:12-debootstrap
+  if ! "$builder" inspect --type image "$local_base" >/dev/null 2>&1; then
+    command -v debootstrap >/dev/null || { echo "images: debootstrap is needed for the local base" >&2; exit 2; }
+    rootfs=$(mktemp -d)
+    trap 'rm -rf "$rootfs"' EXIT
+    echo "images: building a Debian 12 base with debootstrap (once)"
+    debootstrap --variant=minbase bookworm "$rootfs/root" http://deb.debian.org/debian >/dev/null
+    rm -rf "$rootfs"/root/var/cache/apt/archives/*.deb "$rootfs"/root/var/lib/apt/lists/*
+    tar -C "$rootfs/root" -c . | "$builder" import - "$local_base" >/dev/null
+  fi
+  digest=$("$builder" images --format '{{.Digest}}' "$local_base" | head -1)
+  base="localhost/meshcache/debian@$digest"
+fi
+case "$base" in
+  *@sha256:*) ;;
+  *) echo "images: MESHCACHE_BASE_IMAGE must be pinned by digest (REPO@sha256:DIGEST), got $base" >&2; exit 2 ;;
+esac
+
+# The wheel and every pinned dependency, fetched here with this machine's pip settings: the image
+# build itself installs offline (pip --no-index), so it needs no registry access or CA of its own.
+# The dependencies are resolved for the image's Python, Debian 12's 3.11.2 on glibc 2.36 (binary
+# wheels only). pip evaluates python_full_version markers with this interpreter's version, so
+# redis's `async-timeout; python_full_version < "3.11.3"` is named explicitly.
+rm -rf dist/wheel
+# Zip timestamps from the last commit: the same sources give the same wheel, so the builder's
+# layer cache (buildah --layers) skips the install when nothing changed.
+SOURCE_DATE_EPOCH=$(git log -1 --format=%ct 2>/dev/null || echo 315532800) \
+  .venv/bin/pip wheel -q --no-deps -w dist/wheel . 2>/dev/null
+platforms=(--platform any --platform manylinux2014_x86_64 --platform manylinux2010_x86_64 --platform manylinux1_x86_64)
+for minor in $(seq 17 36); do platforms+=(--platform "manylinux_2_${minor}_x86_64"); done
+.venv/bin/pip download -q --dest dist/wheel --only-binary=:all: --python-version 3.11.2 --implementation cp \
+  --abi cp311 --abi abi3 --abi none "${platforms[@]}" dist/wheel/meshcache-*.whl "async-timeout==5.0.1"
+case "$builder" in
+  # chroot isolation: no nested container runtime needed (works inside an unprivileged container).
+  buildah) build=(buildah bud --layers --isolation chroot --network host --ulimit "nofile=$(ulimit -Hn):$(ulimit -Hn)") ;;
+  podman) build=(podman build --network host) ;;
+  docker) build=(docker build) ;;
+esac
+for image in engine control-plane; do
+  dockerfile=engine/Dockerfile
+  [ "$image" = control-plane ] && dockerfile=control_plane/Dockerfile
+  echo "images: meshcache/$image:$tag (base $base)"
+  previous=$("$builder" images -q "meshcache/$image:$tag" 2>/dev/null | head -1 || true)
+  "${build[@]}" --build-arg "BASE=$base" -f "$dockerfile" -t "meshcache/$image:$tag" .
+  # The image this tag named before, now untagged (rebuilds would pile them up).
+  current=$("$builder" images -q "meshcache/$image:$tag" | head -1)
+  if [ -n "$previous" ] && [ "$previous" != "$current" ]; then "$builder" rmi "$previous" >/dev/null 2>&1 || true; fi
+done
+echo "images: built meshcache/engine:$tag and meshcache/control-plane:$tag; push them and render with"
+echo "  meshcache istio render --engine-image REGISTRY/meshcache/engine:$tag --control-plane-image REGISTRY/meshcache/control-plane:$tag"
