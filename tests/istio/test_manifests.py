@@ -406,3 +406,19 @@ def test_missing_crd_file_fails_with_a_clear_message(tmp_path: Path, monkeypatch
     monkeypatch.setenv("MESHCACHE_ISTIO_CRDS", str(tmp_path / "nope.yaml"))
     with pytest.raises(FileNotFoundError, match="Istio CRD schemas not found .*MESHCACHE_ISTIO_CRDS"):
         validate.crd_file()
+
+
+@pytest.mark.parametrize("directory", KUSTOMIZATIONS, ids=lambda p: p.name)
+def test_a_lost_replica_is_retried_elsewhere_and_ejected(directory: Path) -> None:
+    """Every route to the cached workloads retries connection-level failures, reset included
+    (Istio's default retryOn lacks it), and the DestinationRule ejects on local-origin failures
+    only (answers, even 5xx, never eject)."""
+    objects = kustomize.build(directory)
+    for vs in (o for o in objects if o["kind"] == "VirtualService"):
+        for route in vs["spec"]["http"]:
+            retry_on = set(route["retries"]["retryOn"].split(","))
+            assert {"connect-failure", "refused-stream", "reset"} <= retry_on and route["retries"]["attempts"] >= 1
+    [dr] = [o for o in objects if o["kind"] == "DestinationRule"]
+    outlier = dr["spec"]["trafficPolicy"]["outlierDetection"]
+    assert outlier["splitExternalLocalOriginErrors"] and outlier["consecutiveLocalOriginFailures"] >= 1
+    assert outlier["consecutive5xxErrors"] == 0

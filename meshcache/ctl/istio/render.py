@@ -408,6 +408,13 @@ def _control_plane(obj: Obj, colors: list[str], pins: Pins, workloads: Workloads
             c["image"] = image
 
 
+# A request that could not reach a replica (connection refused, reset, stream refused) is retried;
+# Istio adds the previous_hosts predicate, so the consistent hash walks on to the next replica and
+# a lost replica's keys miss there instead of failing (the DestinationRule's outlier detection then
+# ejects it). Istio's default retryOn lacks `reset`: a sidecar killed mid-request would fail it.
+RETRIES: Obj = {"attempts": 2, "retryOn": "connect-failure,refused-stream,reset,unavailable,cancelled"}
+
+
 def virtual_service_routes(colors: Iterable[str], default: str, gateway: bool = False) -> list[Obj]:
     """Header routes per colour, then the default colour. Bound to a gateway, each also names the
     port (the gateway's own port 80 is no port of the engine): gRPC to 8001, the rest to 8000."""
@@ -432,6 +439,8 @@ def virtual_service_routes(colors: Iterable[str], default: str, gateway: bool = 
         if color:
             route = {"name": name, "match": [{"headers": color}], "route": route["route"]}
         routes.append(route)
+    for route in routes:
+        route["retries"] = dict(RETRIES)
     return routes
 
 
