@@ -64,3 +64,9 @@ if [ ! -f "$kstamp" ] || [ tests/mesh/kserve-requirements.txt -nt "$kstamp" ]; t
   .venv-kserve/bin/pip install -q -r tests/mesh/kserve-requirements.txt
   touch "$kstamp"
 fi
+
+# A real istiod for tests/istiod and `meshcache up --istiod`: pilot-discovery and istioctl from the
+# pinned istio.io/istio module (scripts/istiod/module-version) with scripts/istiod/patches applied,
+# built once per machine into /var/cache/meshcache (MESHCACHE_CACHE); needs Go 1.26 (docs/istio.md,
+# "Running against a real istiod"). Quick when already built.
+scripts/build_istiod.sh >/dev/null
