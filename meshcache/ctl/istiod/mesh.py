@@ -40,6 +40,7 @@ from .server import Istiod, IstiodPorts, start_istiod, write_mesh_config
 from .sidecar import Sidecar, proxy_metadata_of, start_sidecar
 from .translate import Pod
 
+ECDS_TYPE_URL = "type.googleapis.com/envoy.config.core.v3.TypedExtensionConfig"
 CLIENT_APP = "meshcache-client"
 CLIENT_SA = "meshcache-client"
 CANARY_SERVE_VERSIONS = {"mlp-classifier": "1"}  # as the local mesh's canary: visibly different answers
@@ -82,7 +83,7 @@ class IstiodMesh:
         self.client_pod: Pod | None = None
         self.client: Sidecar | None = None
         self.cp_proc: procs.Proc | None = None
-        self.cp_http = self.cp_xds = 0
+        self.cp_http = self.cp_xds = self.redis_port = 0
         self.objects: list[dict[str, Any]] = []
         self.fs_dir = self.work / "istio-fs"
         self._deployments: dict[str, dict[str, Any]] = {}  # pod name -> its rendered Deployment
@@ -183,6 +184,7 @@ class IstiodMesh:
         cfg = self.config
         redis, redis_port = launchers.start_redis(self.work / "redis")
         self.procs.append(redis)
+        self.redis_port = redis_port
         tls_dir = self.work / "xds-tls"
         xds_tls.issue(cfg.namespace, tls_dir)
         env_of_deployment = render.control_plane_env(self.objects)
@@ -245,16 +247,28 @@ class IstiodMesh:
         return [e.sidecar for e in [*self.engines, *([self.canary] if self.canary else [])] if e.sidecar]
 
     def wait_synced(self, version: int, timeout: float = 30.0) -> None:
-        """Until every engine sidecar runs policy snapshot `version` (from istiod, over ECDS)."""
+        """Until every engine sidecar runs policy snapshot `version` (or later), from istiod over
+        ECDS: its config has that version and istiod saw the ACK (the config_dump alone also shows
+        a config the sidecar NACKed)."""
         deadline = time.monotonic() + timeout
         pending = self.server_sidecars()
         while pending and time.monotonic() < deadline:
-            pending = [sc for sc in pending if ecds_version(sc) < version]
+            pending = [sc for sc in pending if not self._acked(sc, version)]
             if pending:
                 time.sleep(0.05)
         if pending:
             raise procs.StartError(f"policy version {version} not applied by "
                                    f"{', '.join(sc.pod.name for sc in pending)} within {timeout:.0f}s")
+
+    def _acked(self, sidecar: Sidecar, version: int) -> bool:
+        if ecds_version(sidecar) < version:
+            return False
+        assert self.istiod is not None
+        for status in self.istiod.syncz():
+            if status.get("proxy") == sidecar.pod.proxy_id:
+                res = status.get("resources", {}).get(ECDS_TYPE_URL, {})
+                return bool(res.get("acked")) and res.get("acked") == res.get("sent") and not res.get("lastError")
+        return False
 
     def stop(self) -> None:
         while self.procs:

@@ -1,12 +1,12 @@
 """A sidecar configured by istiod: a stock Envoy bootstrapped the way istio-agent bootstraps one
 (tools/packaging/common/envoy_bootstrap.json), plus the SDS server pilot-agent would be.
 
-The bootstrap holds only what the agent's does: the node (id `sidecar~IP~POD.NS~NS.svc.cluster.local`,
-metadata NAMESPACE, ISTIO_VERSION, LABELS, INSTANCE_IPS, ... and the pod's `ISTIO_META_*`
-proxyMetadata), ADS to istiod (`xds-grpc`: straight to istiod's plaintext port, where the agent
-proxies it over a Unix socket), `sds-grpc` (the SDS server on a Unix socket) and the
-internal-listener bootstrap extension. Every listener, cluster, route and the filter config
-come from istiod.
+The bootstrap holds only what the agent's does: the node (id
+`sidecar~IP~POD.NS~NS.svc.cluster.local`, metadata NAMESPACE, ISTIO_VERSION, LABELS, INSTANCE_IPS,
+... and the pod's `ISTIO_META_*` proxyMetadata), ADS to istiod (`xds-grpc`; delta xDS, the agent's
+default `ISTIO_DELTA_XDS=true`; straight to istiod's plaintext port, where the agent proxies it
+over a Unix socket), `sds-grpc` (the SDS server on a Unix socket) and the internal-listener
+bootstrap extension. Every listener, cluster, route and the filter config come from istiod.
 """
 
 from __future__ import annotations
@@ -91,7 +91,8 @@ def bootstrap(pod: Pod, *, istiod_port: int, sds_socket: Path, admin_port: int,
         "dynamic_resources": {
             "lds_config": ads,
             "cds_config": ads,
-            "ads_config": {"api_type": "GRPC", "transport_api_version": "V3", "set_node_on_first_message_only": True,
+            "ads_config": {"api_type": "DELTA_GRPC", "transport_api_version": "V3",
+                           "set_node_on_first_message_only": True,
                            "grpc_services": [{"envoy_grpc": {"cluster_name": "xds-grpc"}}]},
         },
         "static_resources": {"clusters": [
