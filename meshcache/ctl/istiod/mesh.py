@@ -31,6 +31,7 @@ import httpx
 from meshcache.contract.extensions import AFFINITY_LABEL, GRPC_PORT, HTTP_PORT
 from meshcache.contract.filter_config import DEMO_POLICIES
 from meshcache.contract.paths import FILTER_WASM
+from meshcache.contract.wasm_filter import FILTER_NAME
 from meshcache.ctl import launchers, procs
 from meshcache.ctl.istio import render, xds_tls
 from meshcache.ctl.pki import CertificateAuthority, spiffe_id
@@ -40,6 +41,7 @@ from .server import Istiod, IstiodPorts, start_istiod, write_mesh_config
 from .sidecar import Sidecar, proxy_metadata_of, start_sidecar
 from .translate import Pod
 
+TRAFFIC_EXTENSION_ECDS_PREFIX = "extensions.istio.io/trafficextension/"
 ECDS_TYPE_URL = "type.googleapis.com/envoy.config.core.v3.TypedExtensionConfig"
 CLIENT_APP = "meshcache-client"
 CLIENT_SA = "meshcache-client"
@@ -286,7 +288,8 @@ def ecds_version(sidecar: Sidecar) -> int:
 
     for item in ecds_filters(sidecar):
         ecds = item.get("ecds_filter", {})
-        if ecds.get("name") != "meshcache":
+        # full mode: the EnvoyFilter's `meshcache`; basic: istiod's TrafficExtension resource
+        if not (ecds.get("name") == FILTER_NAME or ecds.get("name", "").startswith(TRAFFIC_EXTENSION_ECDS_PREFIX)):
             continue
         value = ecds.get("typed_config", {}).get("config", {}).get("configuration", {}).get("value", "")
         with contextlib.suppress(ValueError):
