@@ -1,5 +1,5 @@
-"""A real istiod (built by `make setup`) in the loop: fixtures that start the istiod mesh
-(meshcache/ctl/istiod/mesh.py) once per test module; tests use unique inputs."""
+"""A real istiod (built by `make setup`) in the loop: the mesh of tests/istiod/test_istiod.py,
+started once for the module (tests use unique inputs); other modules start their own variant."""
 
 from __future__ import annotations
 
@@ -7,21 +7,11 @@ from collections.abc import Iterator
 
 import pytest
 
-from meshcache.ctl.istiod import binary
-from meshcache.ctl.istiod.mesh import IstiodMesh, IstiodMeshConfig
-
-
-def require_istiod() -> None:
-    """One clear line when the binaries are missing (setup builds them)."""
-    try:
-        binary.require("pilot-discovery")
-        binary.require("istioctl")
-    except binary.IstiodMissing as exc:
-        pytest.fail(str(exc), pytrace=False)
+from meshcache.ctl.istiod.mesh import IstiodMesh
+from tests.istiod.helpers import istiod_mesh as start_istiod_mesh
 
 
 @pytest.fixture(scope="module")
 def istiod_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[IstiodMesh]:
-    require_istiod()
-    with IstiodMesh(IstiodMeshConfig(work_dir=tmp_path_factory.mktemp("istiod-mesh")), log=lambda _: None) as m:
+    with start_istiod_mesh(tmp_path_factory, "istiod-mesh") as m:
         yield m

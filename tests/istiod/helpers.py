@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
+from collections.abc import Iterator
 from typing import Any
 
 import grpc
 import httpx
+import pytest
 
 from meshcache.contract.headers import COLOR_HEADER
-from meshcache.ctl.istiod.mesh import IstiodMesh
+from meshcache.ctl.istiod import binary
+from meshcache.ctl.istiod.mesh import IstiodMesh, IstiodMeshConfig
 from meshcache.ctl.istiod.sidecar import Sidecar
 from meshcache.ctl.mesh.engine_metrics import engine_requests
 from tests.mesh.helpers import MODEL_INFER
@@ -20,6 +24,23 @@ ROUTER = "envoy.filters.http.router"
 ISTIO_INBOUND_ORDER = ["istio.metadata_exchange", "envoy.filters.http.ext_authz", "istio_authn",
                        "envoy.filters.http.rbac", "envoy.filters.http.grpc_stats", "envoy.filters.http.fault",
                        "envoy.filters.http.cors", "istio.stats"]
+
+
+def require_istiod() -> None:
+    """One clear line when the binaries are missing (setup builds them)."""
+    try:
+        binary.require("pilot-discovery")
+        binary.require("istioctl")
+    except binary.IstiodMissing as exc:
+        pytest.fail(str(exc), pytrace=False)
+
+
+@contextlib.contextmanager
+def istiod_mesh(tmp_path_factory: pytest.TempPathFactory, name: str, **config: Any) -> Iterator[IstiodMesh]:
+    """A mesh with a real istiod (meshcache/ctl/istiod/mesh.py) in a fresh directory."""
+    require_istiod()
+    with IstiodMesh(IstiodMeshConfig(work_dir=tmp_path_factory.mktemp(name), **config), log=lambda _: None) as m:
+        yield m
 
 
 def grpc_infer(mesh: IstiodMesh, request: bytes, color: str = "") -> tuple[bytes, str]:

@@ -8,18 +8,19 @@ from collections.abc import Iterator
 
 import pytest
 
-from meshcache.ctl.istiod.mesh import IstiodMesh, IstiodMeshConfig, ecds_filters
+from meshcache.ctl.istiod.mesh import IstiodMesh, ecds_filters
 from meshcache.ctl.mesh.engine_metrics import engine_requests
-from tests.istiod.conftest import require_istiod
-from tests.istiod.helpers import grpc_infer, rest_infer
+from tests.istiod.helpers import grpc_infer, istiod_mesh, rest_infer
 from tests.mesh.helpers import mlp_json, mlp_request
+
+# One mesh per module: keep its tests on one xdist worker (make test runs --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("istiod-test_affinity")
+
 
 
 @pytest.fixture(scope="module")
 def mesh3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[IstiodMesh]:
-    require_istiod()
-    config = IstiodMeshConfig(work_dir=tmp_path_factory.mktemp("istiod-affinity"), replicas=3, canary_color="")
-    with IstiodMesh(config, log=lambda _: None) as m:
+    with istiod_mesh(tmp_path_factory, "istiod-affinity", replicas=3, canary_color="") as m:
         yield m
 
 

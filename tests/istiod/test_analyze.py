@@ -14,7 +14,7 @@ import yaml
 from meshcache.ctl.istio import render
 from meshcache.ctl.istiod import binary
 from tests.istio.helpers import KUSTOMIZATIONS
-from tests.istiod.conftest import require_istiod
+from tests.istiod.helpers import require_istiod
 
 # code -> why it is expected (docs/istio.md "Running against a real istiod").
 EXPLAINED = {

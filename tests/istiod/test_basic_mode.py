@@ -10,19 +10,20 @@ from collections.abc import Iterator
 import pytest
 
 from meshcache.contract.extensions import GRPC_PORT, HTTP_PORT
-from meshcache.ctl.istiod.mesh import IstiodMesh, IstiodMeshConfig
-from tests.istiod.conftest import require_istiod
-from tests.istiod.helpers import ROUTER, grpc_infer, hcm, inbound_listener, main_engine_calls, rest_infer
+from meshcache.ctl.istiod.mesh import IstiodMesh
+from tests.istiod.helpers import ROUTER, grpc_infer, hcm, inbound_listener, istiod_mesh, main_engine_calls, rest_infer
 from tests.mesh.helpers import mlp_json, mlp_request
+
+# One mesh per module: keep its tests on one xdist worker (make test runs --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("istiod-test_basic_mode")
+
 
 EXTENSION = "extensions.istio.io/trafficextension/meshcache.meshcache-green"
 
 
 @pytest.fixture(scope="module")
 def basic(tmp_path_factory: pytest.TempPathFactory) -> Iterator[IstiodMesh]:
-    require_istiod()
-    config = IstiodMeshConfig(work_dir=tmp_path_factory.mktemp("istiod-basic"), mode="basic", canary_color="")
-    with IstiodMesh(config, log=lambda _: None) as m:
+    with istiod_mesh(tmp_path_factory, "istiod-basic", mode="basic", canary_color="") as m:
         yield m
 
 

@@ -12,19 +12,20 @@ from dataclasses import dataclass, field
 import httpx
 import pytest
 
-from meshcache.ctl.istiod.mesh import IstiodMesh, IstiodMeshConfig
-from tests.istiod.conftest import require_istiod
-from tests.istiod.helpers import rest_infer
+from meshcache.ctl.istiod.mesh import IstiodMesh
+from tests.istiod.helpers import istiod_mesh, rest_infer
 from tests.mesh.helpers import mlp_json
+
+# One mesh per module: keep its tests on one xdist worker (make test runs --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("istiod-test_faults")
+
 
 SEEDS = range(2600, 2608)
 
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[IstiodMesh]:
-    require_istiod()
-    config = IstiodMeshConfig(work_dir=tmp_path_factory.mktemp("istiod-faults"), canary_color="")
-    with IstiodMesh(config, log=lambda _: None) as m:
+    with istiod_mesh(tmp_path_factory, "istiod-faults", canary_color="") as m:
         yield m
 
 
@@ -83,11 +84,10 @@ def test_control_plane_restart_under_load(mesh: IstiodMesh) -> None:
     expected = warm(mesh)
     with Load(mesh, expected) as load:
         load.wait_hits(0)
-        assert mesh.cp_proc is not None
-        mesh.cp_proc.stop()
+        mesh.proc("control-plane").stop()
         during = load.hits
         load.wait_hits(during)  # served while istiod's MCP source is down
-        mesh.restart_control_plane()
+        mesh.restart("control-plane")
         put_and_sync(mesh, 121)  # istiod reconnected to the control plane and passed it on
         load.wait_hits(load.hits)
     assert not load.wrong, load.wrong[:5]
@@ -98,10 +98,10 @@ def test_istiod_restart_under_load(mesh: IstiodMesh) -> None:
     expected = warm(mesh)
     with Load(mesh, expected) as load:
         load.wait_hits(0)
-        mesh.istiod.proc.stop()
+        mesh.proc("istiod").stop()
         during = load.hits
         load.wait_hits(during)  # the sidecars keep their config without istiod
-        mesh.istiod.restart()
+        mesh.restart("istiod")
         put_and_sync(mesh, 122)  # the sidecars reconnected, and policies flow again
         after = load.hits
         load.wait_hits(after)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
+
 from meshcache.contract.extensions import GRPC_PORT, HTTP_PORT
 from meshcache.contract.filter_config import Policy
 from meshcache.contract.grpc_hit import GRPC_HIT_LUA_FILTER, GRPC_HIT_ROUTE, GRPC_STALE_ROUTE
@@ -18,8 +20,8 @@ from meshcache.contract.paths import FILTER_WASM
 from meshcache.control_plane.settings import Settings
 from meshcache.control_plane.snapshots import Snapshot
 from meshcache.control_plane.store import Store
-from meshcache.ctl.istiod.mesh import ECDS_TYPE_URL as ECDS_TYPE
 from meshcache.ctl.istiod.mesh import IstiodMesh, ecds_filters, ecds_version
+from meshcache.ctl.istiod.status import ECDS_TYPE_URL as ECDS_TYPE
 from tests.istiod.helpers import (
     ISTIO_INBOUND_ORDER,
     ROUTER,
@@ -34,6 +36,10 @@ from tests.istiod.helpers import (
     syncz_of,
 )
 from tests.mesh.helpers import eventually, mlp_json, mlp_request
+
+# One mesh per module: keep its tests on one xdist worker (make test runs --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("istiod-test_istiod")
+
 
 XDS_TYPES = ("Cluster", "Listener", "RouteConfiguration", "ClusterLoadAssignment")
 

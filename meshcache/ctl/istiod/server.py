@@ -61,8 +61,8 @@ class Istiod:
     name: str = "istiod"
 
     @property
-    def xds_address(self) -> tuple[str, int]:
-        return "127.0.0.1", self.ports.grpc
+    def debug_url(self) -> str:
+        return f"http://127.0.0.1:{self.ports.monitoring}/debug"
 
     def debug(self, path: str, timeout: float = 10.0, **params: str) -> Any:
         r = httpx.get(f"http://127.0.0.1:{self.ports.monitoring}/debug/{path}", params=params, timeout=timeout)
@@ -80,11 +80,6 @@ class Istiod:
     def configz(self) -> list[dict[str, Any]]:
         """Every config object istiod holds (all sources)."""
         return self.debug("configz") or []  # type: ignore[no-any-return]
-
-    def restart(self) -> None:
-        """Start again on the same ports and mesh config."""
-        self.proc.stop()
-        self.proc = _launch(self.name, self.mesh_config, self.ports, self.log_dir)
 
     def stop(self) -> None:
         self.proc.stop()

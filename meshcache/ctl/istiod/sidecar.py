@@ -135,6 +135,9 @@ class Sidecar:
         self.envoy.stop()
         self.envoy = _start_envoy(self.pod, self.config_path, self.admin_port, self.log_dir)
 
+    def start_sds(self) -> procs.Proc:
+        return _start_sds(self.pod, self.sds_argv, self.log_dir)
+
     def stop(self) -> None:
         self.envoy.stop()
         self.sds.stop()
@@ -152,14 +155,21 @@ def _start_envoy(pod: Pod, config_path: Path, admin_port: int, log_dir: Path) ->
     return procs.start_ready(f"sidecar-{pod.name}", argv, log_dir, [(live, 60, "LIVE (config from istiod)")])
 
 
+def _start_sds(pod: Pod, argv: list[str], log_dir: Path) -> procs.Proc:
+    socket = Path(argv[argv.index("--socket") + 1])
+    socket.unlink(missing_ok=True)  # a restart waits for the new server's socket
+    return procs.start_ready(f"sds-{pod.name}", argv, log_dir, [(socket.exists, 30, "serving SDS")])
+
+
 def start_sidecar(pod: Pod, identity: Identity, *, istiod_port: int, work_dir: Path, log_dir: Path,
-                  proxy_metadata: dict[str, str] | None = None, admin_port: int | None = None) -> Sidecar:
+                  socket: Path, proxy_metadata: dict[str, str] | None = None,
+                  admin_port: int | None = None) -> Sidecar:
+    """`socket`: the SDS server's Unix socket (a short path: at most 107 bytes)."""
     admin_port = admin_port or procs.free_port()
     work_dir.mkdir(parents=True, exist_ok=True)
-    socket = work_dir / "sds.sock"
     sds_argv = [sys.executable, "-m", "meshcache.ctl.istiod.sds", "--socket", str(socket),
                 "--cert", str(identity.cert), "--key", str(identity.key), "--ca", str(identity.ca)]
-    sds = procs.start_ready(f"sds-{pod.name}", sds_argv, log_dir, [(socket.exists, 30, "serving SDS")])
+    sds = _start_sds(pod, sds_argv, log_dir)
     config = bootstrap(pod, istiod_port=istiod_port, sds_socket=socket, admin_port=admin_port,
                        proxy_metadata=proxy_metadata)
     config_path = work_dir / "envoy.yaml"
