@@ -13,10 +13,6 @@ from meshcache.ctl.mesh.engine_metrics import engine_requests
 from tests.istiod.helpers import grpc_infer, istiod_mesh, rest_infer
 from tests.mesh.helpers import mlp_json, mlp_request
 
-# One mesh per module: keep its tests on one xdist worker (make test runs --dist loadgroup).
-pytestmark = pytest.mark.xdist_group("istiod-test_affinity")
-
-
 
 @pytest.fixture(scope="module")
 def mesh3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[IstiodMesh]:
@@ -44,8 +40,7 @@ def test_identical_requests_reach_the_replica_that_holds_the_answer(mesh3: Istio
     assert sum(added) == n, "each answer computed once in the whole mesh"
     assert sum(1 for a in added if a) >= 2, f"keys spread over the replicas: {added}"
 
-
-def test_grpc_too(mesh3: IstiodMesh) -> None:
+    # gRPC too (one test per mesh: a module's tests may land on both xdist workers).
     before = sum(per_replica(mesh3, "mlp-classifier"))
     for seed in range(6):
         request = mlp_request(seed=2450 + seed).SerializeToString()

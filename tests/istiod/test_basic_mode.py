@@ -14,10 +14,6 @@ from meshcache.ctl.istiod.mesh import IstiodMesh
 from tests.istiod.helpers import ROUTER, grpc_infer, hcm, inbound_listener, istiod_mesh, main_engine_calls, rest_infer
 from tests.mesh.helpers import mlp_json, mlp_request
 
-# One mesh per module: keep its tests on one xdist worker (make test runs --dist loadgroup).
-pytestmark = pytest.mark.xdist_group("istiod-test_basic_mode")
-
-
 EXTENSION = "extensions.istio.io/trafficextension/meshcache.meshcache-green"
 
 
@@ -27,7 +23,15 @@ def basic(tmp_path_factory: pytest.TempPathFactory) -> Iterator[IstiodMesh]:
         yield m
 
 
-def test_traffic_extension_is_placed_by_istiod_in_the_stats_phase(basic: IstiodMesh) -> None:
+def test_basic_mode_through_istiod(basic: IstiodMesh) -> None:
+    """One test per mesh (a module's tests may land on both xdist workers): placement, then REST,
+    then gRPC (which must come last: the filter stops trying gRPC hits after the first)."""
+    placement(basic)
+    rest_is_cached(basic)
+    grpc_is_not_cached(basic)
+
+
+def placement(basic: IstiodMesh) -> None:
     assert basic.istiod is not None
     kinds = {c["kind"] for c in basic.istiod.configz() if c["metadata"]["name"].startswith("meshcache")}
     assert "TrafficExtension" in kinds and "EnvoyFilter" not in kinds
@@ -40,7 +44,7 @@ def test_traffic_extension_is_placed_by_istiod_in_the_stats_phase(basic: IstiodM
         assert "meshcache.grpc_hit_body" not in names, "no gRPC hit step in basic mode"
 
 
-def test_rest_is_cached(basic: IstiodMesh) -> None:
+def rest_is_cached(basic: IstiodMesh) -> None:
     body = mlp_json(seed=2501)
     calls = main_engine_calls(basic, "mlp-classifier")
     first = rest_infer(basic, "mlp-classifier", body)
@@ -52,7 +56,7 @@ def test_rest_is_cached(basic: IstiodMesh) -> None:
     assert main_engine_calls(basic, "mlp-classifier") == calls + 1
 
 
-def test_grpc_is_not_cached(basic: IstiodMesh) -> None:
+def grpc_is_not_cached(basic: IstiodMesh) -> None:
     """What happens instead: the first repeat finds the stored answer but istiod built no hit
     route for a TrafficExtension, so the filter answers UNAVAILABLE once, logs it and bypasses gRPC
     from then on; the client's sidecar retries it (Istio's default route retries `unavailable`), so

@@ -16,10 +16,6 @@ from meshcache.ctl.istiod.mesh import IstiodMesh
 from tests.istiod.helpers import istiod_mesh, rest_infer
 from tests.mesh.helpers import mlp_json
 
-# One mesh per module: keep its tests on one xdist worker (make test runs --dist loadgroup).
-pytestmark = pytest.mark.xdist_group("istiod-test_faults")
-
-
 SEEDS = range(2600, 2608)
 
 
@@ -80,7 +76,14 @@ def put_and_sync(mesh: IstiodMesh, ttl: int) -> None:
     mesh.wait_synced(version, timeout=30)
 
 
-def test_control_plane_restart_under_load(mesh: IstiodMesh) -> None:
+def test_restarts_under_load(mesh: IstiodMesh) -> None:
+    """The control plane, then istiod (one test per mesh: a module's tests may land on both
+    xdist workers)."""
+    control_plane_restart(mesh)
+    istiod_restart(mesh)
+
+
+def control_plane_restart(mesh: IstiodMesh) -> None:
     expected = warm(mesh)
     with Load(mesh, expected) as load:
         load.wait_hits(0)
@@ -93,7 +96,7 @@ def test_control_plane_restart_under_load(mesh: IstiodMesh) -> None:
     assert not load.wrong, load.wrong[:5]
 
 
-def test_istiod_restart_under_load(mesh: IstiodMesh) -> None:
+def istiod_restart(mesh: IstiodMesh) -> None:
     assert mesh.istiod is not None
     expected = warm(mesh)
     with Load(mesh, expected) as load:

@@ -11,8 +11,6 @@ from __future__ import annotations
 import asyncio
 import time
 
-import pytest
-
 from meshcache.contract.extensions import GRPC_PORT, HTTP_PORT
 from meshcache.contract.filter_config import Policy
 from meshcache.contract.grpc_hit import GRPC_HIT_LUA_FILTER, GRPC_HIT_ROUTE, GRPC_STALE_ROUTE
@@ -36,10 +34,6 @@ from tests.istiod.helpers import (
     syncz_of,
 )
 from tests.mesh.helpers import eventually, mlp_json, mlp_request
-
-# One mesh per module: keep its tests on one xdist worker (make test runs --dist loadgroup).
-pytestmark = pytest.mark.xdist_group("istiod-test_istiod")
-
 
 XDS_TYPES = ("Cluster", "Listener", "RouteConfiguration", "ClusterLoadAssignment")
 
