@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import os
+import random
 import signal
 import sys
 import tempfile
@@ -137,6 +139,7 @@ def bench_simulated(tmp: Path, n: int, rounds: int) -> tuple[list[float], list[f
 # ---- through istiod ---------------------------------------------------------------------------
 
 ISTIOD_ECDS = "type.googleapis.com/envoy.config.core.v3.TypedExtensionConfig"
+_ttl = itertools.count(60)  # every PUT a new value: each one is a change istiod must push
 
 
 def _ecds_nonces(debug: str) -> dict[str, tuple[str, str, str]]:
@@ -154,7 +157,7 @@ def istiod_rounds(api: httpx.Client, debug: str, proxies: set[str], rounds: int,
     out = []
     for i in range(rounds):
         before = _ecds_nonces(debug)
-        r = api.put("/v1/policies/bench-model", json={"ttl_s": 60 + i % 2})
+        r = api.put("/v1/policies/bench-model", json={"ttl_s": next(_ttl)})
         returned = time.time()
         r.raise_for_status()
         deadline = time.monotonic() + 30
@@ -213,19 +216,19 @@ async def _istiod_clients_worker(port: int, n: int) -> None:
         meta.update({"NAMESPACE": "meshcache", "ISTIO_VERSION": "1.31.0", "CLUSTER_ID": "Kubernetes",
                      "LABELS": {"app": "meshcache-engine", "color": "green"}, "INSTANCE_IPS": ip, "NAME": f"sim-{k}"})
         node = base_pb2.Node(id=f"sidecar~{ip}~sim-{k}.meshcache~meshcache.svc.cluster.local", metadata=meta)
-        queue: asyncio.Queue[discovery_pb2.DeltaDiscoveryRequest] = asyncio.Queue()
-        await queue.put(discovery_pb2.DeltaDiscoveryRequest(node=node, type_url=ISTIOD_ECDS,
-                                                            resource_names_subscribe=["meshcache"]))
-
-        async def requests():  # type: ignore[no-untyped-def]  # noqa: ANN202
-            while True:
-                yield await queue.get()
-
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
-            stream = ads_pb2_grpc.AggregatedDiscoveryServiceStub(ch).DeltaAggregatedResources(requests())
-            async for resp in stream:
-                await queue.put(discovery_pb2.DeltaDiscoveryRequest(type_url=resp.type_url, response_nonce=resp.nonce))
-                ready.set()
+        while True:  # like Envoy: reconnect after a failed stream (istiod limits new streams per second)
+            try:
+                async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                    call = ads_pb2_grpc.AggregatedDiscoveryServiceStub(ch).DeltaAggregatedResources()
+                    await call.write(discovery_pb2.DeltaDiscoveryRequest(
+                        node=node, type_url=ISTIOD_ECDS, resource_names_subscribe=["meshcache"]))
+                    while (resp := await call.read()) is not grpc.aio.EOF:
+                        await call.write(discovery_pb2.DeltaDiscoveryRequest(type_url=resp.type_url,
+                                                                             response_nonce=resp.nonce))
+                        ready.set()
+            except grpc.aio.AioRpcError:
+                pass
+            await asyncio.sleep(0.5 + random.random())
 
     events = [asyncio.Event() for _ in range(n)]
     tasks = [asyncio.create_task(one(k, e)) for k, e in enumerate(events)]

@@ -9,6 +9,8 @@ APT_PACKAGES=(
   rustc cargo libstd-rust-dev-wasm32 lld-14 librust-sha2-dev librust-serde-json-dev
   # Real services and load tools for tests and benchmarks.
   redis-server wrk nghttp2-client nginx-light
+  # scripts/build_istiod.sh applies its patches to the istio.io/istio module with patch(1).
+  patch
   # Triton's perf_analyzer (shipped as a binary in the tritonclient wheel) links libb64.
   libb64-0d
   # Status page and offline API docs tests (headless browser) and the dashboard test (a real Prometheus).

@@ -153,6 +153,7 @@ class IstiodMesh:
         t0 = time.monotonic()
         self.objects, operator = self._render()
         ca = CertificateAuthority.create(name="meshcache mesh CA (istiod)")
+        self.work.mkdir(parents=True, exist_ok=True)
         write_private(self.work / "token", (self.token + "\n").encode())
         self.redis_port = procs.free_port()
         self._run("redis", lambda: launchers.start_redis(self.work / "redis", port=self.redis_port)[0])
