@@ -112,7 +112,7 @@ class IstiodMesh:
         self.certs = None  # the supervisor's certificate report: workload certificates live 24 h here
         self._deployments: dict[str, dict[str, Any]] = {}  # pod name -> its rendered Deployment
         self._admin_ports: dict[str, int] = {}  # pod name -> its sidecar's Envoy admin port
-        self._socket_dir = Path(tempfile.mkdtemp(prefix="meshcache-sds-"))
+        self._socket_dir: Path | None = None  # the SDS sockets (a short path, made at start)
 
     # ---- start -----------------------------------------------------------------------------
 
@@ -154,6 +154,7 @@ class IstiodMesh:
         self.objects, operator = self._render()
         ca = CertificateAuthority.create(name="meshcache mesh CA (istiod)")
         self.work.mkdir(parents=True, exist_ok=True)
+        self._socket_dir = Path(tempfile.mkdtemp(prefix="meshcache-sds-"))
         write_private(self.work / "token", (self.token + "\n").encode())
         self.redis_port = procs.free_port()
         self._run("redis", lambda: launchers.start_redis(self.work / "redis", port=self.redis_port)[0])
@@ -246,6 +247,7 @@ class IstiodMesh:
         work = self.work / "pods" / pod.name
         identity = ca.issue(spiffe_id(pod.namespace, pod.service_account), work / "certs", "workload")
         # Unix socket paths are limited to 107 bytes: the SDS sockets live in a short directory.
+        assert self._socket_dir is not None
         socket = self._socket_dir / f"{len(self._starters)}.sock"
         sc = start_sidecar(pod, identity, istiod_port=self.istiod.ports.grpc, work_dir=work, log_dir=self.log_dir,
                            socket=socket, proxy_metadata=proxy_metadata, admin_port=self._admin_ports.get(pod.name))
@@ -382,7 +384,8 @@ class IstiodMesh:
             p = self.procs.pop()
             with contextlib.suppress(Exception):
                 p.stop()
-        shutil.rmtree(self._socket_dir, ignore_errors=True)
+        if self._socket_dir is not None:
+            shutil.rmtree(self._socket_dir, ignore_errors=True)
 
 
 def ecds_version(sidecar: Sidecar) -> int:
