@@ -9,7 +9,12 @@ blue, one client pod; every test uses its own inputs.
 from __future__ import annotations
 
 import asyncio
+import ssl
 import time
+from pathlib import Path
+
+import httpx
+import pytest
 
 from meshcache.contract.extensions import GRPC_PORT, HTTP_PORT
 from meshcache.contract.filter_config import Policy
@@ -20,6 +25,7 @@ from meshcache.control_plane.snapshots import Snapshot
 from meshcache.control_plane.store import Store
 from meshcache.ctl.istiod.mesh import IstiodMesh, ecds_filters, ecds_version
 from meshcache.ctl.istiod.status import ECDS_TYPE_URL as ECDS_TYPE
+from meshcache.ctl.pki import spiffe_id
 from tests.istiod.helpers import (
     ISTIO_INBOUND_ORDER,
     ROUTER,
@@ -136,6 +142,28 @@ def test_blue_reaches_the_canary_through_the_rendered_routes_and_is_cached_apart
     g2, s2 = grpc_infer(mesh, request, color="blue")
     assert s1 == "meshcache; fwd=miss; stored" and s2.startswith("meshcache; hit; ttl=") and g1 == g2
     assert canary_engine_calls(mesh, "mlp-classifier") == canary_calls + 2
+
+
+def test_strict_mtls_and_the_rendered_authorization_policy(istiod_mesh: IstiodMesh, tmp_path: Path) -> None:
+    """Straight to the engine pod's port (no client sidecar): plaintext is refused (STRICT); a
+    mesh certificate of another service account is denied by the AuthorizationPolicy; the
+    allowed principal passes."""
+    mesh = istiod_mesh
+    assert mesh.ca is not None
+    url = f"https://{mesh.engines[0].pod.ip}:{HTTP_PORT}/v2/health/ready"
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(url.replace("https://", "http://"), timeout=5)
+
+    def get_as(account: str) -> httpx.Response:
+        ident = mesh.ca.issue(spiffe_id("meshcache", account), tmp_path / account, "tls")  # type: ignore[union-attr]
+        ctx = ssl.create_default_context(cafile=str(ident.ca))
+        ctx.check_hostname = False  # Istio checks the peer's SPIFFE identity, not a host name
+        ctx.load_cert_chain(str(ident.cert), str(ident.key))
+        return httpx.get(url, verify=ctx, timeout=5)
+
+    denied = get_as("intruder")
+    assert denied.status_code == 403 and "RBAC" in denied.text
+    assert get_as("meshcache-client").status_code == 200
 
 
 def test_policy_put_reaches_the_sidecars_through_istiod(istiod_mesh: IstiodMesh) -> None:

@@ -110,6 +110,7 @@ class IstiodMesh:
         self.objects: list[dict[str, Any]] = []
         self.fs_dir = self.work / "istio-fs"
         self.certs = None  # the supervisor's certificate report: workload certificates live 24 h here
+        self.ca: CertificateAuthority | None = None  # the mesh CA the sidecars' SDS serves from
         self._deployments: dict[str, dict[str, Any]] = {}  # pod name -> its rendered Deployment
         self._admin_ports: dict[str, int] = {}  # pod name -> its sidecar's Envoy admin port
         self._socket_dir: Path | None = None  # the SDS sockets (a short path, made at start)
@@ -152,7 +153,7 @@ class IstiodMesh:
         cfg = self.config
         t0 = time.monotonic()
         self.objects, operator = self._render()
-        ca = CertificateAuthority.create(name="meshcache mesh CA (istiod)")
+        ca = self.ca = CertificateAuthority.create(name="meshcache mesh CA (istiod)")
         self.work.mkdir(parents=True, exist_ok=True)
         self._socket_dir = Path(tempfile.mkdtemp(prefix="meshcache-sds-"))
         write_private(self.work / "token", (self.token + "\n").encode())
