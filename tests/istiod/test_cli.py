@@ -1,12 +1,14 @@
-"""`meshcache up --istiod`, `status` (with istiod's per-proxy sync state), `demo` and `down`
-through the console script: the local mesh with a real istiod in the middle."""
+"""`meshcache up --istiod`, `status` (with istiod's per-proxy sync state), healing, `demo` and
+`down` through the console script: the local mesh with a real istiod in the middle."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from meshcache.ctl.mesh import state
@@ -36,6 +38,17 @@ def test_up_istiod_status_demo_down(tmp_path: Path) -> None:
         assert engine["synced"] and engine["types"]["TypedExtensionConfig"] == "ACKED", engine
         text = run("status", "--state-dir", str(state_dir)).stdout
         assert "istiod sync state (/debug/syncz):" in text and "ok   meshcache-engine-green-1.meshcache" in text
+
+        # The supervisor restarts istiod (same ports); the sidecars reconnect and resync.
+        istiod = next(c for c in state.read_state(state_dir)["children"] if c["name"] == "istiod")  # type: ignore[index]
+        os.kill(istiod["pid"], signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            report = json.loads(run("status", "--json", "--state-dir", str(state_dir)).stdout)
+            if report["healthy"] and report["components"]["istiod"]["restarts"] == 1:
+                break
+            time.sleep(0.5)
+        assert report["healthy"] and report["components"]["istiod"]["restarts"] == 1, report["components"]["istiod"]
 
         demo = run("demo", "--state-dir", str(state_dir))
         assert demo.returncode == 0, demo.stdout + demo.stderr
