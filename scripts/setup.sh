@@ -9,6 +9,8 @@ APT_PACKAGES=(
   rustc cargo libstd-rust-dev-wasm32 lld-14 librust-sha2-dev librust-serde-json-dev
   # Real services and load tools for tests and benchmarks.
   redis-server wrk nghttp2-client nginx-light
+  # scripts/build_istiod.sh applies its patches to the istio.io/istio module with patch(1).
+  patch
   # Triton's perf_analyzer (shipped as a binary in the tritonclient wheel) links libb64.
   libb64-0d
   # Status page and offline API docs tests (headless browser) and the dashboard test (a real Prometheus).
@@ -88,3 +90,9 @@ if [ ! -x "$kustomize_dir/kustomize" ]; then
   GOTOOLCHAIN=local GOFLAGS=-mod=mod GOBIN="$kustomize_dir" "$go_bin" install \
     "sigs.k8s.io/kustomize/kustomize/v5@$KUSTOMIZE_VERSION"
 fi
+
+# A real istiod for tests/istiod and `meshcache up --istiod`: pilot-discovery and istioctl from the
+# pinned istio.io/istio module (scripts/istiod/module-version) with scripts/istiod/patches applied,
+# built once per machine into /var/cache/meshcache (MESHCACHE_CACHE); needs Go 1.26 (docs/istio.md,
+# "Running against a real istiod"). Quick when already built.
+scripts/build_istiod.sh >/dev/null

@@ -49,7 +49,7 @@ from typing import Any
 from meshcache.contract import grpc_hit
 from meshcache.contract.filter_config import client_plugin_config
 from meshcache.contract.headers import ROUTE_KEY_HEADER
-from meshcache.contract.wasm_filter import CLIENT_FILTER_NAME, ROOT_ID, ecds_http_filter, extension_config, remote_code
+from meshcache.contract.wasm_filter import CLIENT_FILTER_NAME, ROOT_ID, code_for, ecds_http_filter, extension_config
 
 Obj = dict[str, Any]
 MODES = ("full", "basic")
@@ -180,7 +180,7 @@ def envoy_filter(*, color: str, url: str, sha256: str, plugin_config: Obj,
     w = workloads or Workloads()
     http_ports, grpc_ports = w.http_ports, w.grpc_ports
     config = {**plugin_config, "color": color}
-    ecds = extension_config(remote_code(url, sha256), config)
+    ecds = extension_config(code_for(url, sha256), config)
     cache_filter = ecds_http_filter(ADS_CONFIG_SOURCE, extra_type_urls=(RBAC_TYPE_URL,))
     patches: list[Obj] = [{"applyTo": "EXTENSION_CONFIG", "patch": {"operation": "ADD", "value": ecds}}]
     for port in http_ports:
@@ -207,7 +207,7 @@ def client_envoy_filter(*, url: str, sha256: str, plugin_config: Obj, ports: Ite
     """The full mode's client-role EnvoyFilter (cache affinity, see the module docstring). `ports`:
     the cached workloads' Service ports (a caller's outbound listener is per Service port)."""
     _check_pin(sha256)
-    ecds = extension_config(remote_code(url, sha256), client_plugin_config(plugin_config), name=CLIENT_FILTER_NAME)
+    ecds = extension_config(code_for(url, sha256), client_plugin_config(plugin_config), name=CLIENT_FILTER_NAME)
     client_filter = ecds_http_filter(ADS_CONFIG_SOURCE, extra_type_urls=(RBAC_TYPE_URL,), name=CLIENT_FILTER_NAME)
     patches: list[Obj] = [{"applyTo": "EXTENSION_CONFIG", "patch": {"operation": "ADD", "value": ecds}}]
     for port in ports:

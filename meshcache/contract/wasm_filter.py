@@ -33,6 +33,16 @@ def remote_code(url: str, sha256: str) -> dict[str, Any]:
     return {"remote": {"http_uri": {"uri": url, "cluster": "_", "timeout": "30s"}, "sha256": sha256}}
 
 
+def code_for(url: str, sha256: str) -> dict[str, Any]:
+    """`vm_config.code` for a module URL: a `file://` URL is a file on the proxy's machine, which
+    Envoy reads itself (what istiod makes of a TrafficExtension's `file://` URL, and what
+    istio-agent hands Envoy after fetching a remote one); anything else is `remote_code`. The
+    local mesh with a real istiod uses `file://`, having no registry and no istio-agent."""
+    if url.startswith("file://"):
+        return local_code(Path(url.removeprefix("file://")))
+    return remote_code(url, sha256)
+
+
 def wasm_filter_config(
     wasm_path: Path | dict[str, Any], plugin_config: dict[str, Any], allow_on_headers_stop_iteration: bool = True
 ) -> dict[str, Any]:

@@ -38,6 +38,8 @@ def _add_state_dir(p: argparse.ArgumentParser) -> None:
 
 def format_endpoints(endpoints: dict[str, Any]) -> str:
     e = endpoints
+    if e.get("mode") == "istiod":
+        return format_istiod_endpoints(e)
     lines = [
         f"  app (gRPC + HTTP, plaintext):  {e['app']}   traffic colour {e['app_color']!r}",
         f"  control-plane API:             {e['control_plane_api']}   (write token in {e['token_file']})",
@@ -57,6 +59,18 @@ def format_endpoints(endpoints: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def format_istiod_endpoints(e: dict[str, Any]) -> str:
+    lines = [
+        f"  app (the client pod's sidecar): REST {e['app_http']}   gRPC {e['app_grpc']}   "
+        f"(Host / :authority {e['app_authority']}; x-traffic-color: {e['canary_color'] or '-'} for the canary)",
+        f"  control-plane API:             {e['control_plane_api']}   (write token in {e['token_file']})",
+        f"  control-plane MCP (for istiod): {e['control_plane_xds']}",
+        f"  istiod:                        xDS {e['istiod_xds']}   debug {e['istiod_debug']}/syncz",
+    ]
+    for proxy, sc in e["sidecars"].items():
+        lines.append(f"  sidecar {proxy:<32} pod IP {sc['ip']:<15} admin {sc['admin']}")
+    return "\n".join(lines)
+
 
 def _load_config(args: argparse.Namespace) -> MeshConfig:
     overrides: dict[str, Any] = {"state_dir": _state_dir(args)} if args.state_dir or not args.config else {}
@@ -66,8 +80,10 @@ def _load_config(args: argparse.Namespace) -> MeshConfig:
         overrides["affinity"] = False
     if getattr(args, "lb_policy", None):
         overrides["lb_policy"] = args.lb_policy
+    if getattr(args, "istiod", False):
+        overrides["istiod"] = True
     config = MeshConfig.from_file(Path(args.config), **overrides) if args.config else MeshConfig(**overrides)
-    return config.with_free_ports() if args.free_ports else config
+    return config.with_free_ports() if args.free_ports and not config.istiod else config
 
 
 def _interrupt(signum: int, _frame: object) -> None:
@@ -92,7 +108,12 @@ def cmd_up(args: argparse.Namespace) -> int:
     if current is not None:
         state.stop_mesh(config.state_dir, timeout=5)  # a stale record: stop any leftovers
     try:
-        check_prerequisites(config)  # port in use / missing binary: say so at once
+        if config.istiod:
+            from meshcache.ctl.istiod.mesh import check_prerequisites as check_istiod_prerequisites
+
+            check_istiod_prerequisites()  # missing binary: say so at once (ports are picked free)
+        else:
+            check_prerequisites(config)  # port in use / missing binary: say so at once
         config.log_dir.mkdir(parents=True, exist_ok=True)
         # Ctrl-C/SIGTERM/SIGHUP while starting: an orderly stop (follow() takes over once up). SIGINT
         # explicitly too: a shell starts background jobs with it ignored.
@@ -131,6 +152,8 @@ def cmd_down(args: argparse.Namespace) -> int:
 
 
 def _health(endpoints: dict[str, Any]) -> dict[str, bool]:
+    if endpoints.get("mode") == "istiod":
+        return _istiod_health(endpoints)
     checks = {
         "app path (client sidecar -> mTLS -> server sidecar -> engine)":
             f"http://{endpoints['app']}/v2/health/ready",
@@ -147,6 +170,35 @@ def _health(endpoints: dict[str, Any]) -> dict[str, bool]:
         except httpx.HTTPError:
             out[name] = False
     return out
+
+
+def _istiod_health(e: dict[str, Any]) -> dict[str, bool]:
+    checks = {
+        "app path (client sidecar -> mTLS -> engine sidecar -> engine, config from istiod)":
+            (f"{e['app_http']}/v2/health/ready", {"host": e["app_authority"]}),
+        "control plane": (f"{e['control_plane_api']}/readyz", {}),
+        "istiod": (f"{e['istiod_debug']}/syncz", {}),
+        **{f"sidecar {proxy}": (f"{sc['admin']}/ready", {}) for proxy, sc in e["sidecars"].items()},
+    }
+    out = {}
+    for name, (url, headers) in checks.items():
+        try:
+            out[name] = httpx.get(url, headers=headers, timeout=2).status_code == 200
+        except httpx.HTTPError:
+            out[name] = False
+    return out
+
+
+def _istiod_sync(endpoints: dict[str, Any]) -> tuple[list[dict[str, Any]] | None, str | None]:
+    """istiod's per-proxy sync state (/debug/syncz), or why not."""
+    if endpoints.get("mode") != "istiod":
+        return None, None
+    from meshcache.ctl.istiod.status import proxy_sync
+
+    try:
+        return proxy_sync(endpoints["istiod_debug"]), None
+    except (httpx.HTTPError, ValueError) as exc:
+        return None, f"istiod unreachable: {exc}"
 
 
 def _cache_stats(current: dict[str, Any]) -> tuple[dict[str, Any] | None, str | None]:
@@ -176,11 +228,19 @@ def cmd_status(args: argparse.Namespace) -> int:
                               "restarts": c.get("restarts", 0), "last_exit": c.get("last_exit", ""),
                               "note": c.get("note", "")} for c in current["children"]}
     cache, cache_error = _cache_stats(current) if current["status"] == "ready" else (None, None)
+    sync, sync_error = _istiod_sync(current.get("endpoints") or {}) if current["status"] == "ready" else (None, None)
+    if sync is not None:
+        expected = set((current.get("endpoints") or {}).get("sidecars", {}))
+        healthy = healthy and expected <= {p["proxy"] for p in sync if p["synced"]}
+    elif sync_error:
+        healthy = False
     if args.json:
         print(json.dumps({"status": current["status"], "healthy": healthy, "pid": current["pid"],
                           "processes": children, "components": components, "health": health,
                           "certificates": current.get("certificates", {}),
-                          "endpoints": current.get("endpoints"), "cache": cache, "cache_error": cache_error}))
+                          "endpoints": current.get("endpoints"), "cache": cache, "cache_error": cache_error,
+                          **({"istiod": {"proxies": sync, "error": sync_error}}
+                             if current.get("endpoints", {}).get("mode") == "istiod" else {})}))
         return 0 if healthy else 1
     print(f"mesh {current['status']} (supervisor pid {current['pid']}, state dir {state_dir})")
     for name, c in components.items():
@@ -193,6 +253,13 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"  {'ok  ' if ok else 'FAIL'} {name}")
     for name, until in current.get("certificates", {}).items():
         print(f"  certificate of the {name} valid until {until} (rotated automatically, served over SDS)")
+    if sync is not None:
+        print("istiod sync state (/debug/syncz):")
+        for p in sync:
+            types = ", ".join(f"{t} {v}" for t, v in p["types"].items())
+            print(f"  {'ok  ' if p['synced'] else 'FAIL'} {p['proxy']:<36} {types}")
+    elif sync_error:
+        print(f"istiod: {sync_error}")
     if current.get("endpoints"):
         print(format_endpoints(current["endpoints"]))
     if cache is not None:
@@ -206,7 +273,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from meshcache.ctl.mesh import demo
 
     try:
-        return demo.run(_state_dir(args))
+        return demo.run(_state_dir(args), istiod=args.istiod)
     except (MeshError, ApiError) as exc:
         return _err(str(exc))
 
@@ -344,6 +411,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
                          "the client sidecar routes by cache affinity")
     up.add_argument("--no-affinity", action="store_true", help="with --replicas: balance round robin instead")
     up.add_argument("--lb-policy", choices=LB_POLICIES, help="consistent hashing for affinity (default RING_HASH)")
+    up.add_argument("--istiod", action="store_true",
+                    help="a real istiod in the middle: control plane -> istiod (MCP) -> sidecars (docs/istio.md)")
     up.add_argument("--supervise", action="store_true", help=argparse.SUPPRESS)
     up.set_defaults(func=cmd_up)
 
@@ -359,6 +428,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
 
     demo = subparsers.add_parser("demo", help="inference through the mesh: hits, misses, TTL change, purge")
     _add_state_dir(demo)
+    demo.add_argument("--istiod", action="store_true",
+                      help="without a running mesh: start a private one with a real istiod in the middle")
     demo.set_defaults(func=cmd_demo)
 
     policy = subparsers.add_parser("policy", help="cache policies (a client of the control-plane API)")

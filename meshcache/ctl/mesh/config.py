@@ -182,6 +182,9 @@ class MeshConfig:
     replicas: int = 1
     affinity: bool = True
     lb_policy: str = "RING_HASH"
+    # A real istiod in the middle (`meshcache up --istiod`, meshcache/ctl/istiod): the control plane
+    # feeds istiod over MCP and istiod configures the sidecars; ports are then picked free.
+    istiod: bool = False
     # Seeded into the control plane on a fresh state dir (policy version 0); kept across restarts.
     policies: dict[str, dict[str, Any]] = field(default_factory=lambda: {k: dict(v) for k, v in DEMO_POLICIES.items()})
 

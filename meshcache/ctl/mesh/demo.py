@@ -59,10 +59,15 @@ class Client:
     default_color: str
     rng: np.random.Generator
     rows: list[Row] = field(default_factory=list)
+    app_grpc: str = ""  # gRPC elsewhere than `app` (the istiod mesh: the Service port 8001)
+    authority: str = ""  # Host / :authority to send (the istiod mesh: the Service name)
 
     def __post_init__(self) -> None:
-        self.http = httpx.Client(base_url=f"http://{self.app}", timeout=10)
-        self.channel = grpc.insecure_channel(self.app)
+        headers = {"host": self.authority} if self.authority else {}
+        self.http = httpx.Client(base_url=f"http://{self.app}", timeout=10, headers=headers)
+        target = self.app_grpc or self.app
+        options = [("grpc.default_authority", f"{self.authority}:{target.rsplit(':', 1)[1]}")] if self.authority else []
+        self.channel = grpc.insecure_channel(target, options=options)
         self.stub = pb_grpc.GRPCInferenceServiceStub(self.channel)
         self.stub.ServerLive(pb.ServerLiveRequest(), timeout=10)  # connect before timing anything
 
@@ -113,13 +118,23 @@ def _header(title: str) -> None:
 
 
 @contextlib.contextmanager
-def _mesh_for_demo(state_dir: Path | None) -> Iterator[tuple[dict[str, Any], str, bool]]:
+def _mesh_for_demo(state_dir: Path | None, istiod: bool = False) -> Iterator[tuple[dict[str, Any], str, bool]]:
     """(endpoints, token, started_here): a running mesh if there is one, else a private one."""
     current = state.read_state(state_dir) if state_dir else None
     if current and current.get("status") == "ready" and state.running(current):
         endpoints = current["endpoints"]
         print(f"using the mesh running in {state_dir} (pid {current['pid']})")
         yield endpoints, Path(endpoints["token_file"]).read_text().strip(), False
+        return
+    if istiod:
+        from meshcache.ctl.istiod.mesh import IstiodMesh, IstiodMeshConfig
+
+        with tempfile.TemporaryDirectory(prefix="meshcache-demo-istiod-") as tmp:
+            print("starting a local mesh with a real istiod in the middle (redis, control plane, istiod, "
+                  "engines, sidecars configured by istiod) ...")
+            with IstiodMesh(IstiodMeshConfig(work_dir=Path(tmp)), log=lambda m: print(f"  {m}")) as imesh:
+                yield imesh.endpoints(), imesh.token, True
+            print("stopped the mesh.")
         return
     with tempfile.TemporaryDirectory(prefix="meshcache-demo-") as tmp:
         config = MeshConfig(state_dir=Path(tmp)).with_free_ports()
@@ -131,27 +146,46 @@ def _mesh_for_demo(state_dir: Path | None) -> Iterator[tuple[dict[str, Any], str
         print("stopped the mesh.")
 
 
-def run(state_dir: Path | None) -> int:
-    with _mesh_for_demo(state_dir) as (endpoints, token, _started):
+def run(state_dir: Path | None, istiod: bool = False) -> int:
+    with _mesh_for_demo(state_dir, istiod) as (endpoints, token, _started):
         api = PolicyApi(endpoints["control_plane_api"], token)
-        client = Client(endpoints["app"], endpoints["app_color"], np.random.default_rng(time.time_ns()))
+        rng = np.random.default_rng(time.time_ns())
+        if endpoints.get("mode") == "istiod":
+            client = Client(endpoints["app_http"].removeprefix("http://"), endpoints["app_color"], rng,
+                            app_grpc=endpoints["app_grpc"], authority=endpoints["app_authority"])
+        else:
+            client = Client(endpoints["app"], endpoints["app_color"], rng)
         try:
-            _scenario(client, api, endpoints.get("canary_color", ""))
+            _scenario(client, api, endpoints.get("canary_color", ""), _applied_by(endpoints, api))
         finally:
             client.close()
             api.close()
     return 0
 
 
-def _apply(api: PolicyApi, change: Callable[[], dict[str, Any]], what: str) -> None:
+Waiter = tuple[Callable[[int], None], str]
+
+
+def _applied_by(endpoints: dict[str, Any], api: PolicyApi) -> Waiter:
+    """How to wait until a policy version is in the server sidecar(s), and what to call it."""
+    if endpoints.get("mode") != "istiod":
+        return (lambda version: api.wait_acked(SERVER_NODE, version)), "the server sidecar (ECDS)"
+    from meshcache.ctl.istiod.status import wait_applied
+
+    engines = {p: sc["admin"] for p, sc in endpoints["sidecars"].items() if not p.startswith("meshcache-client")}
+    return ((lambda version: wait_applied(endpoints["istiod_debug"], engines, version)),
+            "the engine sidecars (control plane -> MCP -> istiod -> ECDS, ACK seen by istiod)")
+
+
+def _apply(api: PolicyApi, change: Callable[[], dict[str, Any]], what: str, applied: Waiter) -> None:
     version = change()["version"]
     t0 = time.perf_counter()
-    api.wait_acked(SERVER_NODE, version)
-    print(f"\n{what}: policy version {version}, applied by the server sidecar in "
-          f"{(time.perf_counter() - t0) * 1000:.0f} ms (ECDS)")
+    applied[0](version)
+    print(f"\n{what}: policy version {version}, applied by {applied[1]} in "
+          f"{(time.perf_counter() - t0) * 1000:.0f} ms")
 
 
-def _scenario(c: Client, api: PolicyApi, canary: str) -> None:
+def _scenario(c: Client, api: PolicyApi, canary: str, applied: Waiter) -> None:
     inputs = {m: c.tensor(m) for m in INPUTS}
     _header("each request twice, over gRPC and REST: the first is served by the engine, the second by the cache")
     for model, x in inputs.items():
@@ -164,14 +198,15 @@ def _scenario(c: Client, api: PolicyApi, canary: str) -> None:
         c.grpc("mlp-classifier", inputs["mlp-classifier"], color=canary)
 
     before = next(p for p in api.policies()["policies"] if p["model_prefix"] == "mlp-classifier")
-    _apply(api, lambda: api.put("mlp-classifier", {"ttl_s": 30, "max_ttl_s": 30}), "TTL of mlp-classifier -> 30 s")
+    _apply(api, lambda: api.put("mlp-classifier", {"ttl_s": 30, "max_ttl_s": 30}), "TTL of mlp-classifier -> 30 s",
+           applied)
     _header("stored entries keep their TTL; new entries get 30 s")
     c.grpc("mlp-classifier", inputs["mlp-classifier"])
     fresh = c.tensor("mlp-classifier")
     c.grpc("mlp-classifier", fresh)
     c.grpc("mlp-classifier", fresh)
 
-    _apply(api, lambda: api.purge("resnet-mini"), "purge resnet-mini")
+    _apply(api, lambda: api.purge("resnet-mini"), "purge resnet-mini", applied)
     _header("after the purge the same request is a miss again, then cached anew")
     c.rest("resnet-mini", inputs["resnet-mini"])
     c.rest("resnet-mini", inputs["resnet-mini"])

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 from typing import Any, TextIO
@@ -77,7 +78,7 @@ def supervise(config: MeshConfig) -> int:
         record("starting")
 
     record("starting")
-    mesh = Mesh(config, log=log)
+    mesh = build_mesh(config, log=log)
     try:
         mesh.start()
     except _Stop as exc:
@@ -108,6 +109,17 @@ def supervise(config: MeshConfig) -> int:
     except _Stop as exc:
         _quiet_stop(mesh, config.state_dir, f"stopping ({exc})")
     return 0
+
+
+def build_mesh(config: MeshConfig, log: Callable[[str], None]) -> Any:
+    """The local mesh, or with `istiod` the one with a real istiod in the middle (same interface
+    for the supervisor: start/stop, children, endpoints, healer, certificates)."""
+    if not config.istiod:
+        return Mesh(config, log=log)
+    from meshcache.ctl.istiod.mesh import IstiodMesh, IstiodMeshConfig
+
+    return IstiodMesh(IstiodMeshConfig(work_dir=config.state_dir, replicas=config.replicas, affinity=config.affinity,
+                                       canary_color=config.canary_color, policies=config.policies), log=log)
 
 
 def _say(message: str) -> None:

@@ -1,0 +1,110 @@
+"""Requests through the istiod mesh's client sidecar, and what istiod and the sidecars report."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import httpx
+import pytest
+
+from meshcache.contract.headers import COLOR_HEADER
+from meshcache.ctl.istiod import binary
+from meshcache.ctl.istiod.mesh import IstiodMesh, IstiodMeshConfig
+from meshcache.ctl.istiod.sidecar import Sidecar
+from meshcache.ctl.mesh.engine_metrics import engine_requests
+from tests.mesh.helpers import MODEL_INFER
+
+ROUTER = "envoy.filters.http.router"
+# Istio's inbound HTTP filter order (listener_builder.go), the ones a stock Envoy runs; the
+# istio-proxy-only ones are turned off (docs/istio.md, "Running against a real istiod").
+ISTIO_INBOUND_ORDER = ["istio.metadata_exchange", "envoy.filters.http.ext_authz", "istio_authn",
+                       "envoy.filters.http.rbac", "envoy.filters.http.grpc_stats", "envoy.filters.http.fault",
+                       "envoy.filters.http.cors", "istio.stats"]
+
+
+def require_istiod() -> None:
+    """One clear line when the binaries are missing (setup builds them)."""
+    try:
+        binary.require("pilot-discovery")
+        binary.require("istioctl")
+    except binary.IstiodMissing as exc:
+        pytest.fail(str(exc), pytrace=False)
+
+
+@contextlib.contextmanager
+def istiod_mesh(tmp_path_factory: pytest.TempPathFactory, name: str, **config: Any) -> Iterator[IstiodMesh]:
+    """A mesh with a real istiod (meshcache/ctl/istiod/mesh.py) in a fresh directory."""
+    require_istiod()
+    with IstiodMesh(IstiodMeshConfig(work_dir=tmp_path_factory.mktemp(name), **config), log=lambda _: None) as m:
+        yield m
+
+
+def grpc_infer(mesh: IstiodMesh, request: bytes, color: str = "") -> tuple[bytes, str]:
+    """Raw bytes through the client sidecar (the app calls the Service name); (response, Cache-Status)."""
+    metadata = ((COLOR_HEADER, color),) if color else ()
+    with grpc.insecure_channel(mesh.app_grpc, options=[("grpc.default_authority",
+                                                         f"{mesh.service_authority}:8001")]) as channel:
+        response, call = channel.unary_unary(MODEL_INFER).with_call(request, metadata=metadata, timeout=10)
+        return response, dict(call.initial_metadata()).get("cache-status", "")
+
+
+def rest_infer(mesh: IstiodMesh, model: str, body: dict, color: str = "") -> httpx.Response:
+    headers = {"host": mesh.service_authority, **({COLOR_HEADER: color} if color else {})}
+    return httpx.post(f"{mesh.app_http}/v2/models/{model}/infer", json=body, headers=headers, timeout=10)
+
+
+def main_engine_calls(mesh: IstiodMesh, model: str) -> float:
+    return sum(engine_requests(e.engine.metrics_url, model) for e in mesh.engines)
+
+
+def canary_engine_calls(mesh: IstiodMesh, model: str) -> float:
+    assert mesh.canary is not None
+    return engine_requests(mesh.canary.engine.metrics_url, model)
+
+
+_CAMEL = re.compile(r"^[a-z][a-z0-9]*([A-Z][a-z0-9]*)+$")
+
+
+def snake_keys(node: Any) -> Any:
+    """istiod's debug config_dump is protojson (camelCase), Envoy's admin snake_case: one shape."""
+    if isinstance(node, dict):
+        return {(re.sub(r"([A-Z])", lambda m: "_" + m.group(1).lower(), k) if _CAMEL.match(k) else k): snake_keys(v)
+                for k, v in node.items()}
+    if isinstance(node, list):
+        return [snake_keys(v) for v in node]
+    return node
+
+
+def app_requests(sidecar: Sidecar, port: int) -> int:
+    """Requests the sidecar sent to its app on `port` (cluster `inbound|PORT||`, Istio's stat name)."""
+    stats = sidecar.stats(rf"^cluster\.inbound\|{port}\|\|;?\.upstream_rq_total$")
+    assert len(stats) == 1, stats
+    return next(iter(stats.values()))
+
+
+def inbound_listener(dump: dict[str, Any], port: int) -> dict[str, Any]:
+    """The bound inbound listener of `port` (the pod IP's) in an Envoy/istiod config_dump."""
+    for c in dump["configs"]:
+        if c.get("@type", "").endswith("ListenersConfigDump"):
+            for item in c.get("dynamic_listeners", []):
+                listener = item.get("active_state", {}).get("listener", {})
+                addr = listener.get("address", {}).get("socket_address", {})
+                if listener.get("traffic_direction") == "INBOUND" and addr.get("port_value") == port:
+                    return listener  # type: ignore[no-any-return]
+    raise AssertionError(f"no inbound listener on port {port}")
+
+
+def hcm(listener: dict[str, Any]) -> dict[str, Any]:
+    chains = [f["typed_config"] for fc in listener["filter_chains"] for f in fc["filters"]
+              if f["name"] == "envoy.filters.network.http_connection_manager"]
+    assert len(chains) == 1, "one (mTLS) chain per port under STRICT"
+    return chains[0]  # type: ignore[no-any-return]
+
+
+def syncz_of(mesh: IstiodMesh, sidecar: Sidecar) -> dict[str, Any]:
+    assert mesh.istiod is not None
+    return next(s for s in mesh.istiod.syncz() if s["proxy"] == sidecar.pod.proxy_id)

@@ -1,0 +1,230 @@
+"""A real istiod between the control plane and the sidecars: it reads the control plane over MCP
+(TLS, as istio/ configures it) and the translated istio/ objects from fs://, and configures stock
+Envoys (bootstrapped like istio-agent's) that serve the hits.
+
+One mesh for the module (tests/istiod/conftest.py): main colour green (default route), canary
+blue, one client pod; every test uses its own inputs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from meshcache.contract.extensions import GRPC_PORT, HTTP_PORT
+from meshcache.contract.filter_config import Policy
+from meshcache.contract.grpc_hit import GRPC_HIT_LUA_FILTER, GRPC_HIT_ROUTE, GRPC_STALE_ROUTE
+from meshcache.contract.paths import FILTER_WASM
+from meshcache.control_plane.settings import Settings
+from meshcache.control_plane.snapshots import Snapshot
+from meshcache.control_plane.store import Store
+from meshcache.ctl.istiod.mesh import IstiodMesh, ecds_filters, ecds_version
+from meshcache.ctl.istiod.status import ECDS_TYPE_URL as ECDS_TYPE
+from meshcache.ctl.pki import spiffe_id
+from tests.istiod.helpers import (
+    ISTIO_INBOUND_ORDER,
+    ROUTER,
+    app_requests,
+    canary_engine_calls,
+    grpc_infer,
+    hcm,
+    inbound_listener,
+    main_engine_calls,
+    rest_infer,
+    snake_keys,
+    syncz_of,
+)
+from tests.mesh.helpers import eventually, mlp_json, mlp_request
+
+XDS_TYPES = ("Cluster", "Listener", "RouteConfiguration", "ClusterLoadAssignment")
+
+
+def test_istiod_synced_from_the_control_plane_and_every_proxy_acked(istiod_mesh: IstiodMesh) -> None:
+    mesh = istiod_mesh
+    assert mesh.istiod is not None
+    configz = mesh.istiod.configz()
+    filters = {c["metadata"]["name"] for c in configz if c["kind"] == "EnvoyFilter"}
+    # From MCP (nothing in fs://): one per colour, and the client role's.
+    assert filters == {"meshcache-green", "meshcache-blue", "meshcache-client"}
+    kinds = {c["kind"] for c in configz}
+    assert {"ServiceEntry", "WorkloadEntry", "Sidecar", "PeerAuthentication", "AuthorizationPolicy",
+            "DestinationRule", "VirtualService"} <= kinds
+    for sc in [*mesh.server_sidecars(), mesh.client]:
+        assert sc is not None
+        status = syncz_of(mesh, sc)
+        for name, res in status["resources"].items():
+            assert res["acked"] == res["sent"] and not res.get("lastError"), (sc.pod.name, name, res)
+        assert {t.rsplit(".", 1)[1] for t in status["resources"]} >= set(XDS_TYPES)
+    for sc in mesh.server_sidecars():
+        assert syncz_of(mesh, sc)["resources"][ECDS_TYPE]["acked"], "the filter config came by ECDS"
+
+
+def test_engine_sidecar_has_the_filter_and_hit_route_in_istios_inbound_order(istiod_mesh: IstiodMesh) -> None:
+    mesh = istiod_mesh
+    assert mesh.istiod is not None
+    sc = mesh.engines[0].sidecar
+    assert sc is not None
+    # What the sidecar runs and what istiod generated for it are the same.
+    for dump in (sc.config_dump(), snake_keys(mesh.istiod.config_dump(sc.pod.proxy_id))):
+        grpc_hcm = hcm(inbound_listener(dump, GRPC_PORT))
+        names = [f["name"] for f in grpc_hcm["http_filters"]]
+        assert names[-3:] == ["meshcache", GRPC_HIT_LUA_FILTER, ROUTER], names
+        istio_part = names[:-3]
+        assert "envoy.filters.http.rbac" in istio_part, "the AuthorizationPolicy runs before the cache"
+        assert istio_part == [n for n in ISTIO_INBOUND_ORDER if n in istio_part], names
+        cache = next(f for f in grpc_hcm["http_filters"] if f["name"] == "meshcache")
+        assert "ads" in cache["config_discovery"]["config_source"]
+        route = grpc_hcm["route_config"]
+        assert route["name"] == f"inbound|{GRPC_PORT}||"
+        assert [r["name"] for r in route["virtual_hosts"][0]["routes"]][:2] == [GRPC_HIT_ROUTE, GRPC_STALE_ROUTE]
+        rest = [f["name"] for f in hcm(inbound_listener(dump, HTTP_PORT))["http_filters"]]
+        assert rest[-2:] == ["meshcache", ROUTER], rest
+    # The filter config from ECDS: the exact Wasm config (vm_id, held headers, the module file).
+    wasm = next(f["ecds_filter"]["typed_config"]["config"] for f in ecds_filters(sc)
+                if f["ecds_filter"]["name"] == "meshcache")
+    assert wasm["vm_config"]["vm_id"] == "meshcache"
+    assert wasm["vm_config"]["code"]["local"]["filename"] == str(FILTER_WASM)
+    assert wasm.get("allow_on_headers_stop_iteration") is True
+    # The client pod gets the client role only where it carries the affinity label (not here).
+    assert mesh.client is not None
+    assert not [f for f in ecds_filters(mesh.client) if f["ecds_filter"]["name"] == "meshcache-client"]
+
+
+def test_second_grpc_model_infer_is_a_single_pass_hit(istiod_mesh: IstiodMesh) -> None:
+    mesh = istiod_mesh
+    sc = mesh.engines[0].sidecar
+    assert sc is not None
+    request = mlp_request(seed=2301).SerializeToString()
+    calls = main_engine_calls(mesh, "mlp-classifier")
+    first, status1 = grpc_infer(mesh, request)
+    assert status1 == "meshcache; fwd=miss; stored"
+    upstream = app_requests(sc, GRPC_PORT)
+    second, status2 = grpc_infer(mesh, request)
+    assert status2.startswith("meshcache; hit; ttl=")
+    assert second == first
+    assert main_engine_calls(mesh, "mlp-classifier") == calls + 1
+    # Single pass: the hit never left the sidecar (no second request to the app's cluster).
+    assert app_requests(sc, GRPC_PORT) == upstream
+
+
+def test_second_rest_infer_is_a_hit(istiod_mesh: IstiodMesh) -> None:
+    mesh = istiod_mesh
+    body = mlp_json(seed=2302)
+    calls = main_engine_calls(mesh, "mlp-classifier")
+    first = rest_infer(mesh, "mlp-classifier", body)
+    assert first.status_code == 200 and first.headers["cache-status"] == "meshcache; fwd=miss; stored"
+    second = rest_infer(mesh, "mlp-classifier", body)
+    assert second.headers["cache-status"].startswith("meshcache; hit; ttl=")
+    assert second.content == first.content
+    assert main_engine_calls(mesh, "mlp-classifier") == calls + 1
+
+
+def test_blue_reaches_the_canary_through_the_rendered_routes_and_is_cached_apart(istiod_mesh: IstiodMesh) -> None:
+    mesh = istiod_mesh
+    body = mlp_json(seed=2303)
+    main = rest_infer(mesh, "mlp-classifier", body)
+    assert main.json()["model_version"] == "2", "the default route: green, the main engine"
+    canary_calls = canary_engine_calls(mesh, "mlp-classifier")
+    blue = rest_infer(mesh, "mlp-classifier", body, color="blue")
+    assert blue.headers["cache-status"] == "meshcache; fwd=miss; stored", "not the green entry"
+    assert blue.json()["model_version"] == "1", "the canary engine serves version 1"
+    again = rest_infer(mesh, "mlp-classifier", body, color="blue")
+    assert again.headers["cache-status"].startswith("meshcache; hit; ttl=") and again.content == blue.content
+    assert canary_engine_calls(mesh, "mlp-classifier") == canary_calls + 1
+    # gRPC the same way.
+    request = mlp_request(seed=2304).SerializeToString()
+    g1, s1 = grpc_infer(mesh, request, color="blue")
+    g2, s2 = grpc_infer(mesh, request, color="blue")
+    assert s1 == "meshcache; fwd=miss; stored" and s2.startswith("meshcache; hit; ttl=") and g1 == g2
+    assert canary_engine_calls(mesh, "mlp-classifier") == canary_calls + 2
+
+
+def test_strict_mtls_and_the_rendered_authorization_policy(istiod_mesh: IstiodMesh, tmp_path: Path) -> None:
+    """Straight to the engine pod's port (no client sidecar): plaintext is refused (STRICT); a
+    mesh certificate of another service account is denied by the AuthorizationPolicy; the
+    allowed principal passes."""
+    mesh = istiod_mesh
+    assert mesh.ca is not None
+    url = f"https://{mesh.engines[0].pod.ip}:{HTTP_PORT}/v2/health/ready"
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(url.replace("https://", "http://"), timeout=5)
+
+    def get_as(account: str) -> httpx.Response:
+        ident = mesh.ca.issue(spiffe_id("meshcache", account), tmp_path / account, "tls")  # type: ignore[union-attr]
+        ctx = ssl.create_default_context(cafile=str(ident.ca))
+        ctx.check_hostname = False  # Istio checks the peer's SPIFFE identity, not a host name
+        ctx.load_cert_chain(str(ident.cert), str(ident.key))
+        return httpx.get(url, verify=ctx, timeout=5)
+
+    denied = get_as("intruder")
+    assert denied.status_code == 403 and "RBAC" in denied.text
+    assert get_as("meshcache-client").status_code == 200
+
+
+def test_policy_put_reaches_the_sidecars_through_istiod(istiod_mesh: IstiodMesh) -> None:
+    mesh = istiod_mesh
+    before = {sc.pod.name: syncz_of(mesh, sc)["resources"][ECDS_TYPE]["sent"] for sc in mesh.server_sidecars()}
+    with mesh.api() as api:
+        version = api.put("/v1/policies/resnet-mini", json={"ttl_s": 120, "max_ttl_s": 1800}).json()["version"]
+    mesh.wait_synced(version, timeout=15)
+    for sc in mesh.server_sidecars():
+        res = syncz_of(mesh, sc)["resources"][ECDS_TYPE]
+        assert res["sent"] != before[sc.pod.name] and res["acked"] == res["sent"], res
+        assert ecds_version(sc) == version
+
+
+def test_purge_through_istiod(istiod_mesh: IstiodMesh) -> None:
+    mesh = istiod_mesh
+    body = mlp_json(seed=2305)
+    rest_infer(mesh, "mlp-classifier", body)
+    assert rest_infer(mesh, "mlp-classifier", body).headers["cache-status"].startswith("meshcache; hit")
+    with mesh.api() as api:
+        version = api.post("/v1/purge", json={"model_prefix": "mlp-classifier"}).json()["version"]
+    mesh.wait_synced(version, timeout=15)
+    assert rest_infer(mesh, "mlp-classifier", body).headers["cache-status"] == "meshcache; fwd=miss; stored"
+
+
+def test_a_config_the_filter_rejects_is_a_nack_istiod_reports_and_the_sidecar_keeps_the_last_good_one(
+        istiod_mesh: IstiodMesh) -> None:
+    mesh = istiod_mesh
+    sc = mesh.engines[0].sidecar
+    assert sc is not None
+    body = mlp_json(seed=2306)
+    rest_infer(mesh, "mlp-classifier", body)
+    good = ecds_version(sc)
+
+    # The API never produces such a config: write it straight into the store (max_ttl_s < ttl_s,
+    # which the filter rejects in on_configure); istiod passes it on, the sidecars NACK.
+    async def inject() -> int:
+        store = Store(Settings(redis_url=f"redis://127.0.0.1:{mesh.redis_port}/0"))
+        try:
+            cur = await store.load_current()
+            bad = Policy(model_prefix="text-embedder", ttl_s=60, max_ttl_s=5, generation=cur.version + 1)
+            keep = tuple(p for p in cur.policies if p.model_prefix != "text-embedder")
+            return await store.commit(Snapshot(version=cur.version + 1, policies=(*keep, bad), action="bad"),
+                                      cur.version, "test", "invalid on purpose")
+        finally:
+            await store.close()
+
+    bad_version = asyncio.run(inject())
+    error = eventually(lambda: syncz_of(mesh, sc)["resources"][ECDS_TYPE].get("lastError"), timeout=15)
+    assert "meshcache" in error, error
+    assert sc.stats("extension_config_discovery.http_filter.meshcache.config_fail")[
+        "extension_config_discovery.http_filter.meshcache.config_fail"] >= 1
+    assert bad_version > good
+    assert "max_ttl_s: must be at least ttl_s" in sc.envoy.log_path.read_text()
+    # The last good config (and its cache) keeps serving: had the rejected one been applied, the
+    # plugin would have failed open and answered uncached.
+    assert rest_infer(mesh, "mlp-classifier", body).headers["cache-status"].startswith("meshcache; hit")
+    # A valid change afterwards is accepted again, and istiod clears the error.
+    t0 = time.monotonic()
+    with mesh.api() as api:
+        version = api.put("/v1/policies/text-embedder", json={"ttl_s": 600, "max_ttl_s": 3600}).json()["version"]
+    mesh.wait_synced(version, timeout=15)
+    assert time.monotonic() - t0 < 15
+    eventually(lambda: not syncz_of(mesh, sc)["resources"][ECDS_TYPE].get("lastError"), timeout=10)
