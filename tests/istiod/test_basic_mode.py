@@ -72,7 +72,7 @@ def grpc_is_not_cached(basic: IstiodMesh) -> None:
     second, s2 = grpc_infer(basic, request)
     third, s3 = grpc_infer(basic, request)
     assert first == second == third
-    assert s1 == "meshcache; fwd=miss" and s2 == s3 == "meshcache; fwd=bypass", (s1, s2, s3)
+    assert s1 == "meshcache; fwd=miss" and s2 == s3 == "meshcache; fwd=bypass; detail=no-hit-route", (s1, s2, s3)
     assert main_engine_calls(basic, "mlp-classifier") == calls + 3, "every call reached the engine"
     assert sum(basic.client.stats(retries).values()) == 1, "the UNAVAILABLE was retried by the client's sidecar"
     assert "the meshcache_grpc_hit route or the meshcache.grpc_hit_body Lua filter is missing" in (
