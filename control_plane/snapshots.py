@@ -17,8 +17,6 @@ from typing import Any, Generic, TypeVar
 
 from meshcache.contract.filter_config import Limits, Policy, plugin_config, plugin_config_json
 
-from .schemas import PolicySpec
-
 
 class ChangeError(Exception):
     """A change that cannot be applied to the current snapshot (mapped to 4xx by the API)."""
@@ -106,13 +104,14 @@ def _derive(cur: Snapshot, version: int, author: str, action: str, policies: tup
     )
 
 
-def put_policy(cur: Snapshot, version: int, author: str, prefix: str, spec: PolicySpec,
-               max_policies: int) -> Snapshot:
+def put_policy(cur: Snapshot, version: int, author: str, policy: Policy, max_policies: int) -> Snapshot:
+    """Adds or replaces the policy for `policy.model_prefix`. Its `generation` is the server's,
+    whatever `policy` carries: kept for an existing prefix, the new version for a new one."""
+    prefix = policy.model_prefix
     old = cur.policy(prefix)
     if old is None and len(cur.policies) >= max_policies:
         raise TooMany(f"policy limit reached ({max_policies}); delete one first")
-    generation = old.generation if old is not None else version
-    new = spec.policy(prefix, generation)
+    new = policy.model_copy(update={"generation": old.generation if old is not None else version})
     rest = tuple(p for p in cur.policies if p.model_prefix != prefix)
     return _derive(cur, version, author, f"put {prefix}", (*rest, new))
 

@@ -37,8 +37,9 @@ async def put_policy(model_prefix: PrefixPath, spec: PolicySpec, cp: CP, who: Wr
         raise ApiError(422, "model_prefix in body differs from the path",
                        [FieldError(field="model_prefix", reason="must equal the path's model_prefix")])
     max_policies = cp.settings.max_policies
+    policy = spec.policy(model_prefix, generation=0)  # the generation is put_policy's to assign
     snap, changed = await cp.service.apply(
-        lambda cur, v: changes.put_policy(cur, v, who.name, model_prefix, spec, max_policies),
+        lambda cur, v: changes.put_policy(cur, v, who.name, policy, max_policies),
         who.name, spec.model_dump_json(exclude_none=True), if_match_version(if_match))
     set_etag(response, snap.version)
     return WriteResult(version=snap.version, changed=changed, policy=snap.policy(model_prefix))
