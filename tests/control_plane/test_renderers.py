@@ -12,8 +12,8 @@ from meshcache.contract import extensions
 from meshcache.contract.filter_config import demo_policies
 from meshcache.contract.wasm_filter import CLIENT_FILTER_NAME, FILTER_NAME, VM_ID
 from meshcache.control_plane.mcp import MODE_TYPE_URL, IstioMcpRenderer
+from meshcache.control_plane.renderers import EcdsRenderer
 from meshcache.control_plane.snapshots import Snapshot, SnapshotMemo
-from meshcache.control_plane.xds_server import EcdsRenderer
 
 
 def test_memo_builds_once_per_snapshot() -> None:
