@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from meshcache.contract.filter_config import Policy
+from meshcache.control_plane import history
 from meshcache.control_plane import snapshots as ch
 from meshcache.control_plane.schemas import PolicySpec
 from meshcache.control_plane.settings import Settings
@@ -138,6 +139,27 @@ def test_retention_audit_bound_and_restore(store_settings: Settings) -> None:
             assert await store.restore(cur) == 300
             assert await store.current_version() == 300
             assert await store.restore(Snapshot(version=10)) == 300
+        finally:
+            await store.close()
+
+    asyncio.run(scenario())
+
+
+def test_history_reads_the_longest_page_past_the_connection_pool(store_settings: Settings) -> None:
+    # More snapshots than the store's 64 pooled connections: one concurrent GET each failed
+    # ("Too many connections" -> 503), which the schemathesis run hit once its writes passed 64.
+    async def scenario() -> None:
+        store = Store(store_settings.model_copy(update={"snapshot_retention": 200}))
+        try:
+            cur = EMPTY
+            for i in range(1, history.MAX_HISTORY + 11):
+                cur = ch.put_policy(cur, i, "t", row(f"p{i % 3}", i), 10)
+                await store.commit(cur, i - 1, "t", "d")
+            page = await history.recent(store, cur, history.MAX_HISTORY)
+            assert [e["version"] for e in page] == list(range(cur.version, cur.version - history.MAX_HISTORY, -1))
+            assert all(e["diff_known"] and e["changes"][0]["fields"]["ttl_s"][1] == e["version"] for e in page)
+            assert await store.load_many([]) == []
+            assert [s.version if s else None for s in await store.load_many([3, 10_000])] == [3, None]
         finally:
             await store.close()
 
