@@ -104,16 +104,18 @@ def _derive(cur: Snapshot, version: int, author: str, action: str, policies: tup
     )
 
 
-def put_policy(cur: Snapshot, version: int, author: str, policy: Policy, max_policies: int) -> Snapshot:
+def put_policy(cur: Snapshot, version: int, author: str, policy: Policy, max_policies: int,
+               action: str = "put") -> Snapshot:
     """Adds or replaces the policy for `policy.model_prefix`. Its `generation` is the server's,
-    whatever `policy` carries: kept for an existing prefix, the new version for a new one."""
+    whatever `policy` carries: kept for an existing prefix, the new version for a new one.
+    `action` names the change in the snapshot (`put <prefix>`)."""
     prefix = policy.model_prefix
     old = cur.policy(prefix)
     if old is None and len(cur.policies) >= max_policies:
         raise TooMany(f"policy limit reached ({max_policies}); delete one first")
     new = policy.model_copy(update={"generation": old.generation if old is not None else version})
     rest = tuple(p for p in cur.policies if p.model_prefix != prefix)
-    return _derive(cur, version, author, f"put {prefix}", (*rest, new))
+    return _derive(cur, version, author, f"{action} {prefix}", (*rest, new))
 
 
 def delete_policy(cur: Snapshot, version: int, author: str, prefix: str) -> Snapshot:
