@@ -41,16 +41,24 @@ def stop_signals_interrupt() -> Iterator[None]:
 
 @contextmanager
 def deferred_stop_signals() -> Iterator[None]:
-    """The stop signals wait until the block is done (then raise KeyboardInterrupt), for a step
-    that must finish once begun, e.g. starting a child and keeping its handle, so it can always
-    be stopped. Deferred in Python, not by blocking them: a blocked mask would be inherited by
-    the child (across exec) and keep it from ever seeing SIGTERM."""
+    """The stop signals wait until the block is done, then go to the handler that was in place
+    (`up`'s KeyboardInterrupt, the supervisor's stop): for a step that must finish once begun,
+    e.g. starting a child and keeping its handle, so that it can always be stopped. Deferred in
+    Python, not by blocking them: a blocked mask would be inherited by the child (across exec)
+    and keep it from ever seeing SIGTERM. Only the main thread has handlers to defer."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
     received: list[int] = []
     previous = {s: signal.signal(s, lambda signum, _frame: received.append(signum)) for s in STOP_SIGNALS}
     try:
         yield
     finally:
         for s, handler in previous.items():
-            signal.signal(s, handler)
+            signal.signal(s, handler if handler is not None else signal.SIG_DFL)
     if received:
-        interrupt(received[0], None)
+        handler = previous[signal.Signals(received[0])]
+        if callable(handler):
+            handler(received[0], None)
+        elif handler != signal.SIG_IGN:
+            signal.raise_signal(received[0])  # the default action (SIG_DFL restored above)

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from meshcache.ctl.interrupts import deferred_stop_signals
 from meshcache.ctl.mesh import state
 from tests.mesh.helpers import mlp_json, rest_infer
 
@@ -135,6 +136,12 @@ def _drain(lines: queue.Queue[str], seen: list[str]) -> str:
     return "".join(seen)
 
 
+def _running_from(state_dir: Path) -> list[str]:
+    """Processes whose command line names the state dir (every child of the mesh but redis)."""
+    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    return [line for line in ps.splitlines() if str(state_dir) in line]
+
+
 def _catches(pid: int, *signals: signal.Signals) -> bool:
     """Whether the process has its own handler for every one of `signals` (SigCgt in /proc)."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -180,11 +187,12 @@ def test_ctrl_c_while_up_starts_leaves_nothing_and_no_traceback(tmp_path: Path) 
         out = _drain(lines, seen)
         assert "interrupted" in out and "Traceback" not in out, out
         assert state.read_state(early) is None
-        assert str(early) not in subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+        assert not _running_from(early)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=10)
+        _cleanup(early)  # what a failed run left (a supervisor runs in its own session)
 
     mid = tmp_path / "mid"
     proc, lines = _start_up(mid)
@@ -198,11 +206,28 @@ def test_ctrl_c_while_up_starts_leaves_nothing_and_no_traceback(tmp_path: Path) 
         assert "interrupted: stopping what was started" in out and "Traceback" not in out, out
         assert _all_gone(pids)
         assert state.read_state(mid) is None
+        # Nor the child being started at that moment (not yet in mesh.json): its arguments name the state dir.
+        assert not _running_from(mid)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=10)
         _cleanup(mid)
+
+
+def test_a_stop_signal_while_a_child_starts_is_handled_once_it_is_held() -> None:
+    """In process: the signal waits for the end of the step, then reaches the handler that was in
+    place (the supervisor's stop, `up`'s KeyboardInterrupt), which can then stop the child."""
+    seen: list[object] = []
+    previous = signal.signal(signal.SIGHUP, lambda signum, _frame: seen.append(signum))
+    try:
+        with deferred_stop_signals():
+            os.kill(os.getpid(), signal.SIGHUP)
+            time.sleep(0.05)  # Python runs handlers between bytecodes: it had every chance
+            seen.append("held")
+        assert seen == ["held", signal.SIGHUP]
+    finally:
+        signal.signal(signal.SIGHUP, previous)
 
 
 def test_port_in_use_is_named(tmp_path: Path) -> None:
