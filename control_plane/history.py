@@ -7,7 +7,6 @@ without a diff.
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 from .snapshots import Snapshot
@@ -48,7 +47,7 @@ async def recent(store: Store, current: Snapshot, limit: int) -> list[dict[str, 
     limit = max(1, min(limit, MAX_HISTORY))
     first = max(1, current.version - limit)  # one extra, older, to diff the oldest shown against
     versions = list(range(first, current.version))
-    loaded = await asyncio.gather(*(store.load(v) for v in versions))
+    loaded = await store.load_many(versions)
     snaps: dict[int, Snapshot] = {v: s for v, s in zip(versions, loaded, strict=True) if s is not None}
     if current.version > 0:
         snaps[current.version] = current

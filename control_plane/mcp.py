@@ -30,6 +30,7 @@ from meshcache.contract.protos.istio.extensions.v1alpha1 import traffic_extensio
 from meshcache.contract.protos.istio.mcp.v1alpha1 import metadata_pb2, resource_pb2
 from meshcache.contract.protos.istio.networking.v1alpha3 import envoy_filter_pb2
 
+from .renderers import Renderer
 from .settings import Settings
 from .snapshots import Snapshot, SnapshotMemo
 
@@ -49,7 +50,7 @@ _BODIES: dict[str, type[message.Message]] = {
 MODE_TYPE_URL = {"full": ENVOY_FILTER_TYPE_URL, "basic": TRAFFIC_EXTENSION_TYPE_URL}
 
 
-class EmptyMcpRenderer:
+class EmptyMcpRenderer(Renderer):
     """An Istio config type meshcache has nothing for: answered with no resources so istiod syncs."""
 
     always_respond = True
@@ -78,7 +79,7 @@ def default_sha256(url: str, module_path: Path) -> str:
     return sha256_hex(module_path.read_bytes())
 
 
-class IstioMcpRenderer:
+class IstioMcpRenderer(Renderer):
     """The objects of one kind (EnvoyFilter or TrafficExtension) for one snapshot, as MCP resources
     `<namespace>/<name>`; rendered once per snapshot for every stream."""
 

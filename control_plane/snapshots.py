@@ -19,8 +19,6 @@ from pydantic import ValidationError
 
 from meshcache.contract.filter_config import Limits, Policy, plugin_config, plugin_config_json, policy_spec
 
-from .schemas import PolicySpec
-
 
 class ChangeError(Exception):
     """A change that cannot be applied to the current snapshot (mapped to 4xx by the API)."""
@@ -118,13 +116,16 @@ def _derive(cur: Snapshot, version: int, author: str, action: str, policies: tup
     )
 
 
-def put_policy(cur: Snapshot, version: int, author: str, prefix: str, spec: PolicySpec,
-               max_policies: int, action: str = "put") -> Snapshot:
+def put_policy(cur: Snapshot, version: int, author: str, policy: Policy, max_policies: int,
+               action: str = "put") -> Snapshot:
+    """Adds or replaces the policy for `policy.model_prefix`. Its `generation` is the server's,
+    whatever `policy` carries: kept for an existing prefix, the new version for a new one.
+    `action` names the change in the snapshot (`put <prefix>`)."""
+    prefix = policy.model_prefix
     old = cur.policy(prefix)
     if old is None and len(cur.policies) >= max_policies:
         raise TooMany(f"policy limit reached ({max_policies}); delete one first")
-    generation = old.generation if old is not None else version
-    new = spec.policy(prefix, generation)
+    new = policy.model_copy(update={"generation": old.generation if old is not None else version})
     rest = tuple(p for p in cur.policies if p.model_prefix != prefix)
     return _derive(cur, version, author, f"{action} {prefix}", (*rest, new))
 
@@ -144,16 +145,17 @@ def merge_patch(target: Any, patch: Any) -> Any:
 
 
 def patch_policy(cur: Snapshot, version: int, author: str, prefix: str, patch: dict[str, Any],
-                 max_policies: int) -> Snapshot:
+                 max_policies: int, validate: Callable[[dict[str, Any]], Policy]) -> Snapshot:
     """The policy with `patch` merged into it (a removed field takes its default); a prefix
-    without a policy starts from the defaults. The result is validated whole, as a PUT body."""
+    without a policy starts from the defaults. `validate` checks the result whole, as a PUT body
+    (the API's schema), and builds the policy."""
     old = cur.policy(prefix)
     base = policy_spec(old.model_dump(mode="json")) if old is not None else {}
     try:
-        spec = PolicySpec.model_validate(merge_patch(base, patch))
+        policy = validate(merge_patch(base, patch))
     except ValidationError as exc:
         raise Invalid("the patched policy is invalid", exc.errors()) from exc
-    return put_policy(cur, version, author, prefix, spec, max_policies, action="patch")
+    return put_policy(cur, version, author, policy, max_policies, action="patch")
 
 
 def delete_policy(cur: Snapshot, version: int, author: str, prefix: str) -> Snapshot:

@@ -113,6 +113,15 @@ class Store:
             raw = await self.redis.get(f"{self.snapshot_prefix}{version}")
         return Snapshot.from_record(raw) if raw is not None else None
 
+    async def load_many(self, versions: list[int]) -> list[Snapshot | None]:
+        """Several snapshots in one MGET (one round trip, one pooled connection: a gather of
+        single loads needs a connection each and fails past the pool's max_connections)."""
+        if not versions:
+            return []
+        async with _unavailable_on_error(f"reading {len(versions)} snapshots"):
+            raws = await self.redis.mget([f"{self.snapshot_prefix}{v}" for v in versions])
+        return [Snapshot.from_record(raw) if raw is not None else None for raw in raws]
+
     async def load_current(self) -> Snapshot:
         # `current` moves after its snapshot is written (same script), so a short retry covers a
         # pruned-in-between race; versions only grow, so this terminates.

@@ -14,11 +14,12 @@ from .metrics import Metrics
 from .model_index import ModelIndex, parse_engine_urls
 from .policy_service import PolicyService
 from .proxy_stats import ProxyStatsReader, parse_dns_names, parse_sources
+from .renderers import EcdsRenderer
 from .settings import Settings
 from .snapshots import SnapshotCache
 from .store import Store, StoreUnavailable
 from .sync import RedisSync
-from .xds_server import EcdsRenderer, XdsServer
+from .xds_server import XdsServer
 
 log = logging.getLogger("meshcache.control_plane")
 

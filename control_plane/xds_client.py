@@ -21,7 +21,7 @@ from google.rpc import status_pb2
 
 from meshcache.contract.wasm_filter import FILTER_NAME
 
-from .xds_server import ECDS_TYPE_URL
+from .renderers import ECDS_TYPE_URL
 
 
 def plugin_config_of(resp: discovery_pb2.DiscoveryResponse) -> dict[str, Any]:

@@ -9,7 +9,7 @@ INVALID_ARGUMENT instead of grpcio's generic deserialization error.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
 import grpc
@@ -34,9 +34,13 @@ SERVICE = "inference.GRPCInferenceService"
 STREAM_IN_FLIGHT = 256
 
 
-def _param_value(param: pb.InferParameter) -> object:
+def _param_value(param: pb.InferParameter | pb.ModelRepositoryParameter) -> object:
     choice = param.WhichOneof("parameter_choice")
     return None if choice is None else getattr(param, choice)
+
+
+def _param_values(params: Mapping[str, pb.ModelRepositoryParameter]) -> dict[str, object]:
+    return {key: _param_value(param) for key, param in params.items()}
 
 
 class GrpcInferenceServicer:
@@ -50,24 +54,13 @@ class GrpcInferenceServicer:
         return pb.ServerReadyResponse(ready=self.service.ready)
 
     async def model_ready(self, request: pb.ModelReadyRequest) -> pb.ModelReadyResponse:
-        self.service.repository.get(request.name, request.version)
-        return pb.ModelReadyResponse(ready=self.service.ready)
+        return pb.ModelReadyResponse(ready=self.service.model_ready(request.name, request.version))
 
     async def server_metadata(self, request: pb.ServerMetadataRequest) -> pb.ServerMetadataResponse:
         return pb.ServerMetadataResponse(name=SERVER_NAME, version=SERVER_VERSION, extensions=EXTENSIONS)
 
     async def model_metadata(self, request: pb.ModelMetadataRequest) -> pb.ModelMetadataResponse:
-        model = self.service.repository.get(request.name, request.version)
-        entry = self.service.repository.entry(request.name)
-        cfg = model.config
-        meta = pb.ModelMetadataResponse.TensorMetadata
-        return pb.ModelMetadataResponse(
-            name=cfg.name,
-            versions=[model.version] if request.version else entry.sorted_versions(),
-            platform=cfg.platform,
-            inputs=[meta(name=s.name, datatype=s.datatype, shape=cfg.full_shape(s)) for s in cfg.inputs],
-            outputs=[meta(name=s.name, datatype=s.datatype, shape=cfg.full_shape(s)) for s in cfg.outputs],
-        )
+        return self.service.model_metadata(request.name, request.version)
 
     async def model_infer(self, request: pb.ModelInferRequest) -> pb.ModelInferResponse:
         async with self.service.request(request.model_name, "grpc") as call:
@@ -105,25 +98,13 @@ class GrpcInferenceServicer:
         return pb.RepositoryIndexResponse(models=self.service.index(request.ready))
 
     async def repository_model_load(self, request: pb.RepositoryModelLoadRequest) -> pb.RepositoryModelLoadResponse:
-        config = None
-        for key, param in request.parameters.items():
-            if key != "config":
-                raise InvalidInput(f"load parameter {key!r} is not supported; supported: 'config' (JSON ModelConfig)")
-            if param.WhichOneof("parameter_choice") != "string_param":
-                raise InvalidInput("load parameter 'config' must be a string (JSON ModelConfig)")
-            config = param.string_param
-        await self.service.load(request.model_name, config, request.repository_name)
+        await self.service.load(request.model_name, _param_values(request.parameters), request.repository_name)
         return pb.RepositoryModelLoadResponse()
 
     async def repository_model_unload(
         self, request: pb.RepositoryModelUnloadRequest
     ) -> pb.RepositoryModelUnloadResponse:
-        for key, param in request.parameters.items():
-            # The engine has no ensembles, so there are never dependents to unload.
-            if key != "unload_dependents" or param.WhichOneof("parameter_choice") != "bool_param":
-                raise InvalidInput(f"unload parameter {key!r} is not supported; supported: 'unload_dependents' "
-                                   f"(bool)")
-        await self.service.unload(request.model_name, request.repository_name)
+        await self.service.unload(request.model_name, _param_values(request.parameters), request.repository_name)
         return pb.RepositoryModelUnloadResponse()
 
     async def model_stream_infer(

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 
 import numpy as np
 from prometheus_client import Counter, Histogram
@@ -190,7 +190,46 @@ class InferenceService:
             raise NotFound(f"unknown repository {repository_name!r}; the engine serves "
                            f"{self.repository.directory}")
 
-    async def load(self, name: str, config_json: str | None = None, repository_name: str = "") -> None:
+    def model_ready(self, name: str, version: str) -> bool:
+        """Whether the model takes requests (NotFound when it is not served)."""
+        self.repository.get(name, version)
+        return self.ready
+
+    def model_metadata(self, name: str, version: str) -> pb.ModelMetadataResponse:
+        """KServe v2 model metadata; `versions` is the asked version, or every served one."""
+        model = self.repository.get(name, version)
+        cfg = model.config
+        meta = pb.ModelMetadataResponse.TensorMetadata
+        return pb.ModelMetadataResponse(
+            name=cfg.name,
+            versions=[model.version] if version else self.repository.entry(cfg.name).sorted_versions(),
+            platform=cfg.platform,
+            inputs=[meta(name=s.name, datatype=s.datatype, shape=cfg.full_shape(s)) for s in cfg.inputs],
+            outputs=[meta(name=s.name, datatype=s.datatype, shape=cfg.full_shape(s)) for s in cfg.outputs],
+        )
+
+    async def load(self, name: str, parameters: Mapping[str, object], repository_name: str = "") -> None:
+        """Triton's RepositoryModelLoad: `parameters` as plain values (the one supported,
+        `config`, is a JSON ModelConfig string that overrides config.pbtxt)."""
+        for key in parameters:
+            if key != "config":
+                raise InvalidInput(f"load parameter {key!r} is not supported; supported: 'config' "
+                                   f"(JSON ModelConfig)")
+        config = parameters.get("config")
+        if "config" in parameters and not isinstance(config, str):
+            raise InvalidInput("load parameter 'config' must be a string holding a JSON ModelConfig")
+        await self._load(name, config if isinstance(config, str) else None, repository_name)
+
+    async def unload(self, name: str, parameters: Mapping[str, object], repository_name: str = "") -> None:
+        """Triton's RepositoryModelUnload; `unload_dependents` (bool) is accepted: the engine has
+        no ensembles, so there are never dependents to unload."""
+        for key, value in parameters.items():
+            if key != "unload_dependents" or not isinstance(value, bool):
+                raise InvalidInput(f"unload parameter {key!r} is not supported; supported: "
+                                   f"'unload_dependents' (bool)")
+        await self._unload(name, repository_name)
+
+    async def _load(self, name: str, config_json: str | None = None, repository_name: str = "") -> None:
         """Loads (or reloads) a model from the repository directory without a restart. A failed
         reload keeps the served versions; a successful one swaps them once the new ones are ready."""
         self._check_control(repository_name)
@@ -210,7 +249,7 @@ class InferenceService:
             if old is not None:
                 await self._retire(old)
 
-    async def unload(self, name: str, repository_name: str = "") -> None:
+    async def _unload(self, name: str, repository_name: str = "") -> None:
         """Stops serving a model: new requests are refused at once, queued ones still finish."""
         self._check_control(repository_name)
         async with self._load_lock:

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import httpx
 
+from meshcache.ctl.interrupts import deferred_stop_signals
+
 
 def free_port() -> int:
     """A TCP port that is free on 127.0.0.1 right now."""
@@ -135,12 +137,17 @@ def start_ready(
 ) -> Proc:
     """Start a child and wait for each (check, timeout, what) in turn; a child that never gets
     ready is stopped before the error propagates, so a failed start leaves nothing behind."""
-    proc = start(name, argv, log_dir, env=env)
+    proc: Proc | None = None
     try:
+        # A stop signal while the child starts is handled once `proc` holds it (the supervisor
+        # is stopped that way mid-start): it then stops the child instead of orphaning it.
+        with deferred_stop_signals():
+            proc = start(name, argv, log_dir, env=env)
         for check, timeout, what in checks:
             wait_until(proc, check, timeout=timeout, what=what)
     except BaseException:
-        proc.stop()
+        if proc is not None:
+            proc.stop()
         raise
     return proc
 

@@ -24,7 +24,9 @@ from meshcache.control_plane.store import Store
 from meshcache.ctl import launchers, procs
 from meshcache.ctl.envoy_config import CacheProxy, write
 from tests.filter.stack import METRICS_FLUSH_S
-from tests.helpers.control_plane import ControlPlaneProc, eventually, run
+from tests.helpers.control_plane import ControlPlaneProc, run
+from tests.helpers.filter_stats import filter_stats
+from tests.helpers.wait import eventually
 
 pytestmark = pytest.mark.skipif(not FILTER_WASM.exists(), reason="filter not built (make filter)")
 
@@ -202,7 +204,9 @@ def test_config_the_filter_rejects_is_a_nack_and_envoy_keeps_the_last_good_one(
     # The filter's own reason is in Envoy's log (Envoy's NACK carries only its summary).
     assert "max_ttl_s: must be at least ttl_s" in sidecar.proc.log_path.read_text()
     assert p["acked_version"] == str(v) and not p["current"]
-    assert sidecar.ecds_stats()["config_fail"] >= 1
+    # Envoy's own count of the rejection, read from its admin port: a second observer of the NACK
+    # the control plane saw, so waited for (and read with a default), never indexed at once.
+    eventually(lambda: sidecar.ecds_stats().get("config_fail", 0) >= 1, timeout=10)
     # Envoy kept the last good config (and its cache).
     assert cache_status(sidecar.infer("bert-base")).startswith("meshcache; hit; ttl=")
 
@@ -239,14 +243,13 @@ def _body(n: int) -> bytes:
 def cache_gauges(sidecar: Sidecar) -> dict[str, int]:
     """The filter's entries/bytes gauges (per policy, unattributed, total), after one flush."""
     time.sleep(METRICS_FLUSH_S)
-    raw = launchers.envoy_stats(sidecar.admin_port, "wasmcustom.meshcache")
-    return {k.removeprefix("wasmcustom.meshcache."): v for k, v in raw.items() if k.endswith(("entries", "bytes"))}
+    return {k: v for k, v in filter_stats(sidecar.admin_port).items() if k.endswith(("entries", "bytes"))}
 
 
 def assert_adds_up(g: dict[str, int]) -> None:
     for what in ("entries", "bytes"):
-        parts = sum(v for k, v in g.items() if k.startswith("policy.") and k.endswith("." + what))
-        assert parts + g[f"unattributed.{what}"] == g[what], g
+        parts = sum(v for k, v in g.items() if k.startswith("meshcache.policy.") and k.endswith("." + what))
+        assert parts + g[f"meshcache.unattributed.{what}"] == g[f"meshcache.{what}"], g
 
 
 def test_entries_and_bytes_per_policy_through_removal_purge_and_layout_change(
@@ -255,38 +258,41 @@ def test_entries_and_bytes_per_policy_through_removal_purge_and_layout_change(
     c.put("/v1/policies/alpha", json={"ttl_s": 300})
     v = c.put("/v1/policies/beta", json={"ttl_s": 300}).json()["version"]
     wait_acked(cp, v)
-    g = eventually(lambda: (g := cache_gauges(sidecar)).get("policy.alpha.entries") == 0 and g, timeout=10)
-    assert g["policy.beta.entries"] == 0 and g["unattributed.entries"] == 0, "defined at configure time"
+    g = eventually(lambda: (g := cache_gauges(sidecar)).get("meshcache.policy.alpha.entries") == 0 and g, timeout=10)
+    assert g["meshcache.policy.beta.entries"] == 0 and g["meshcache.unattributed.entries"] == 0, \
+        "defined at configure time"
     for n in range(2):
         assert cache_status(sidecar.infer("alpha-1", _body(n))) == "meshcache; fwd=miss; stored"
     for n in range(3):
         assert cache_status(sidecar.infer("beta-7b", _body(n))) == "meshcache; fwd=miss; stored"
     g = cache_gauges(sidecar)
-    assert (g["policy.alpha.entries"], g["policy.beta.entries"], g["entries"]) == (2, 3, 5)
-    assert g["policy.alpha.bytes"] > 0 and g["policy.beta.bytes"] > g["policy.alpha.bytes"]
+    assert (g["meshcache.policy.alpha.entries"], g["meshcache.policy.beta.entries"],
+            g["meshcache.entries"]) == (2, 3, 5)
+    assert 0 < g["meshcache.policy.alpha.bytes"] < g["meshcache.policy.beta.bytes"]
     assert_adds_up(g)
 
     # Purge: a new generation, new keys; the old entries still take space under their policy.
     wait_acked(cp, c.post("/v1/purge", json={"model_prefix": "beta"}).json()["version"])
     assert cache_status(sidecar.infer("beta-7b", _body(0))) == "meshcache; fwd=miss; stored"
     g = cache_gauges(sidecar)
-    assert (g["policy.beta.entries"], g["entries"]) == (4, 6)
+    assert (g["meshcache.policy.beta.entries"], g["meshcache.entries"]) == (4, 6)
     assert_adds_up(g)
 
     # Removing a policy moves its entries to the unattributed gauges (the total is unchanged);
     # bringing it back gives them back.
-    alpha = (g["policy.alpha.entries"], g["policy.alpha.bytes"])
+    alpha = (g["meshcache.policy.alpha.entries"], g["meshcache.policy.alpha.bytes"])
     wait_acked(cp, c.delete("/v1/policies/alpha").json()["version"])
-    g = eventually(lambda: (g := cache_gauges(sidecar)).get("unattributed.entries") == 2 and g, timeout=10)
-    assert (g["policy.alpha.entries"], g["policy.alpha.bytes"]) == (0, 0)
-    assert (g["unattributed.entries"], g["unattributed.bytes"]) == alpha and g["entries"] == 6
+    g = eventually(lambda: (g := cache_gauges(sidecar)).get("meshcache.unattributed.entries") == 2 and g, timeout=10)
+    assert (g["meshcache.policy.alpha.entries"], g["meshcache.policy.alpha.bytes"]) == (0, 0)
+    assert (g["meshcache.unattributed.entries"], g["meshcache.unattributed.bytes"]) == alpha
+    assert g["meshcache.entries"] == 6
     assert_adds_up(g)
     wait_acked(cp, c.put("/v1/policies/alpha", json={"ttl_s": 300}).json()["version"])
-    g = eventually(lambda: (g := cache_gauges(sidecar)).get("policy.alpha.entries") == 2 and g, timeout=10)
-    assert g["unattributed.entries"] == 0
+    g = eventually(lambda: (g := cache_gauges(sidecar)).get("meshcache.policy.alpha.entries") == 2 and g, timeout=10)
+    assert g["meshcache.unattributed.entries"] == 0
     assert_adds_up(g)
 
     # A new slot count empties the cache: every bucket back to 0.
     wait_acked(cp, c.put("/v1/limits", json={"max_entries": 64}).json()["version"])
-    g = eventually(lambda: (g := cache_gauges(sidecar)).get("entries") == 0 and g, timeout=10)
+    g = eventually(lambda: (g := cache_gauges(sidecar)).get("meshcache.entries") == 0 and g, timeout=10)
     assert all(v == 0 for v in g.values()), g

@@ -11,9 +11,9 @@ from google.protobuf import wrappers_pb2
 from meshcache.contract import extensions
 from meshcache.contract.filter_config import demo_policies
 from meshcache.contract.wasm_filter import CLIENT_FILTER_NAME, FILTER_NAME, VM_ID
-from meshcache.control_plane.mcp import MODE_TYPE_URL, IstioMcpRenderer
+from meshcache.control_plane.mcp import MODE_TYPE_URL, IstioMcpRenderer, mcp_fallback
+from meshcache.control_plane.renderers import ECDS_TYPE_URL, EcdsRenderer, Renderer
 from meshcache.control_plane.snapshots import Snapshot, SnapshotMemo
-from meshcache.control_plane.xds_server import EcdsRenderer
 
 
 def test_memo_builds_once_per_snapshot() -> None:
@@ -73,3 +73,14 @@ def test_ecds_serves_the_client_role_with_the_same_policies() -> None:
     server, client = configs[FILTER_NAME], configs[CLIENT_FILTER_NAME]
     assert "role" not in server and client["role"] == "client" and client["hold_headers"] is True
     assert client["policies"] == server["policies"] and client["version"] == server["version"] == "5"
+
+
+def test_renderer_defaults_and_the_mcp_overrides() -> None:
+    """What the stream loop and fetch ask every renderer (no getattr): Envoy-facing renderers wait
+    for the first snapshot and version by snapshot; istiod's empty answers come always, once."""
+    ecds, empty = EcdsRenderer(Path("/m.wasm")), mcp_fallback("networking.istio.io/v1alpha3/Gateway")
+    assert empty is not None and mcp_fallback(ECDS_TYPE_URL) is None
+    never, first = Snapshot(version=0), Snapshot(version=1)
+    assert (ecds.serves(never), ecds.serves(first), ecds.version_of(first)) == (False, True, "1")
+    assert (empty.serves(never), empty.version_of(never), empty.version_of(first)) == (True, "empty", "empty")
+    assert isinstance(empty, Renderer) and isinstance(ecds, Renderer) and not ecds.always_respond

@@ -12,7 +12,8 @@ import grpc
 
 from meshcache.control_plane.xds_client import XdsClient, plugin_config_of
 from meshcache.ctl import launchers, procs
-from tests.helpers.control_plane import ControlPlaneProc, eventually, run
+from tests.helpers.control_plane import ControlPlaneProc, run
+from tests.helpers.wait import eventually
 
 
 def test_redis_outage_503_on_writes_reads_from_memory_and_recovery(

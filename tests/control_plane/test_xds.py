@@ -14,7 +14,8 @@ from google.protobuf import json_format, wrappers_pb2
 from meshcache.contract.paths import FILTER_WASM
 from meshcache.contract.wasm_filter import FILTER_NAME, ROOT_ID, VM_ID, wasm_filter_config
 from meshcache.control_plane.xds_client import XdsClient, plugin_config_of
-from tests.helpers.control_plane import ControlPlaneProc, aeventually, run
+from tests.helpers.control_plane import ControlPlaneProc, run
+from tests.helpers.wait import aeventually
 
 
 def proxies(cp: ControlPlaneProc) -> list[dict]:

@@ -181,6 +181,52 @@ def test_repository_adds_and_reloads_models_over_grpc(own_engine: tuple[Engine, 
     assert {"name": "mlp-new", "state": "UNAVAILABLE", "reason": "unloaded"} in index
 
 
+def test_load_and_unload_parameters_are_checked_alike_over_both_transports(engine: Engine) -> None:
+    """One check in the service: the same bad parameter gets the same message over REST and gRPC
+    (and nothing is loaded or unloaded)."""
+    def over_http(action: str, params: dict[str, Any]) -> tuple[int, str]:
+        r = httpx.post(f"{engine.http_url}/v2/repository/models/resnet-mini/{action}", json={"parameters": params})
+        return r.status_code, r.json()["error"]
+
+    def over_grpc(action: str, key: str, **value: Any) -> tuple[grpc.StatusCode, str]:
+        if action == "load":
+            request: Any = pb.RepositoryModelLoadRequest(model_name="resnet-mini")
+            call = engine.stub().RepositoryModelLoad
+        else:
+            request = pb.RepositoryModelUnloadRequest(model_name="resnet-mini")
+            call = engine.stub().RepositoryModelUnload
+        request.parameters[key].MergeFrom(pb.ModelRepositoryParameter(**value))
+        with pytest.raises(grpc.RpcError) as err:
+            call(request)
+        return err.value.code(), err.value.details()
+
+    bad_config = "load parameter 'config' must be a string holding a JSON ModelConfig"
+    unknown = "load parameter 'file:1/model.onnx' is not supported; supported: 'config' (JSON ModelConfig)"
+    bad_unload = "unload parameter 'unload_dependents' is not supported; supported: 'unload_dependents' (bool)"
+    assert over_http("load", {"config": 5}) == (400, bad_config)
+    assert over_grpc("load", "config", int64_param=5) == (grpc.StatusCode.INVALID_ARGUMENT, bad_config)
+    assert over_http("load", {"file:1/model.onnx": "AAAA"}) == (400, unknown)
+    assert over_grpc("load", "file:1/model.onnx", string_param="AAAA") == (grpc.StatusCode.INVALID_ARGUMENT, unknown)
+    assert over_http("unload", {"unload_dependents": "yes"}) == (400, bad_unload)
+    assert over_grpc("unload", "unload_dependents", string_param="yes") == (grpc.StatusCode.INVALID_ARGUMENT,
+                                                                             bad_unload)
+    assert httpx.get(f"{engine.http_url}/v2/models/resnet-mini/ready").status_code == 200
+
+
+def test_model_metadata_is_the_same_over_both_transports(engine: Engine) -> None:
+    for path, version in (("mlp-classifier", ""), ("mlp-classifier/versions/2", "2"), ("resnet-mini", "")):
+        over_http = httpx.get(f"{engine.http_url}/v2/models/{path}").json()
+        over_grpc = engine.stub().ModelMetadata(pb.ModelMetadataRequest(name=path.split("/")[0], version=version))
+        assert over_http == {
+            "name": over_grpc.name, "versions": list(over_grpc.versions), "platform": over_grpc.platform,
+            "inputs": [{"name": t.name, "datatype": t.datatype, "shape": list(t.shape)} for t in over_grpc.inputs],
+            "outputs": [{"name": t.name, "datatype": t.datatype, "shape": list(t.shape)} for t in over_grpc.outputs],
+        }
+    assert over_http["inputs"][0]["shape"][0] == -1  # int64 shapes stay JSON numbers, -1 = batch dimension
+    assert httpx.get(f"{engine.http_url}/v2/models/mlp-classifier").json()["versions"] == ["1", "2"]
+    assert httpx.get(f"{engine.http_url}/v2/models/mlp-classifier/versions/2").json()["versions"] == ["2"]
+
+
 def test_model_control_mode_none_refuses_load_and_unload(demo_repo: Path, tmp_path: Path) -> None:
     with running_engine(demo_repo, tmp_path, extra=["--model-control-mode", "none"]) as engine:
         r = httpx.post(f"{engine.http_url}/v2/repository/models/resnet-mini/unload")

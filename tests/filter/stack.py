@@ -20,6 +20,7 @@ from meshcache.contract.paths import FILTER_NATIVE, FILTER_WASM
 from meshcache.ctl import launchers, procs
 from meshcache.ctl.envoy_config import BUFFER_LIMIT_BYTES, CacheProxy, write
 from meshcache.ctl.pki import Identity
+from tests.helpers.filter_stats import filter_stats
 
 MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"
 DEFAULT_HASH_HEADERS = ("content-type", "x-model-id")
@@ -47,13 +48,10 @@ class Stack:
         return httpx.get(f"http://127.0.0.1:{self.http_port}/calls", timeout=5).json()
 
     def stats(self) -> dict[str, int]:
-        """The filter's own metrics, without Envoy's `wasmcustom.` prefix.
-
-        The filter hands its counters to Envoy every 200 ms (fewer VM crossings per request),
-        so wait one flush before reading."""
+        """The filter's own metrics (tests.helpers.filter_stats), after one flush: the filter
+        hands its counters to Envoy every 200 ms (fewer VM crossings per request)."""
         time.sleep(METRICS_FLUSH_S)
-        raw = launchers.envoy_stats(self.admin_port, "wasmcustom.meshcache")
-        return {k.removeprefix("wasmcustom."): v for k, v in raw.items()}
+        return filter_stats(self.admin_port)
 
     def grpc_infer(self, request: bytes, metadata: tuple[tuple[str, str], ...] = ()) -> tuple[bytes, grpc.Call]:
         with grpc.insecure_channel(f"127.0.0.1:{self.listen_port}") as channel:

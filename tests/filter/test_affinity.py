@@ -24,6 +24,7 @@ from meshcache.ctl import launchers, procs
 from meshcache.ctl.envoy_config import Affinity, CacheProxy, ClientSidecar, write
 from meshcache.ctl.pki import CertificateAuthority, Identity, spiffe_id
 from tests.filter.stack import METRICS_FLUSH_S, config, policy
+from tests.helpers.filter_stats import filter_counter
 
 REPLICAS = 3
 SERVER_ID = spiffe_id("ml", "engine")
@@ -36,10 +37,6 @@ URL = "/v2/models/m/infer"
 class Replica:
     port: int
     admin: int
-
-    def stats(self) -> dict[str, int]:
-        raw = launchers.envoy_stats(self.admin, "wasmcustom.meshcache")
-        return {k.removeprefix("wasmcustom.meshcache."): v for k, v in raw.items()}
 
 
 @dataclass
@@ -71,12 +68,11 @@ class Mesh:
     def routed(self, client: str) -> int:
         """Requests the client sidecar's filter gave a routing key."""
         time.sleep(METRICS_FLUSH_S)
-        return launchers.envoy_stats(self.client_admins[client], "wasmcustom.meshcache").get(
-            "wasmcustom.meshcache.routed", 0)
+        return filter_counter(self.client_admins[client], "meshcache.routed")
 
     def per_replica(self, what: str) -> list[int]:
         time.sleep(METRICS_FLUSH_S)
-        return [r.stats().get(what, 0) for r in self.replicas]
+        return [filter_counter(r.admin, f"meshcache.{what}") for r in self.replicas]
 
     def origin_calls(self) -> int:
         return int(httpx.get(f"http://127.0.0.1:{self.origin_port}/calls", timeout=5).json()["http"])

@@ -1,10 +1,9 @@
-"""Test helpers: a real control-plane process on free ports, API clients, and the xDS client."""
+"""Test helpers: a real control-plane process on free ports and its API clients."""
 
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Coroutine
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -60,35 +59,5 @@ def start_control_plane(log_dir: Path, redis_port: int, name: str = "control-pla
     return ControlPlaneProc(proc, http_port, xds_port, argv, env, log_dir)
 
 
-def eventually(check: Callable[[], T], timeout: float = 5.0, interval: float = 0.02) -> T:
-    """Poll `check` until it returns a truthy value (returned) or raise its last failure."""
-    deadline = time.monotonic() + timeout
-    last: BaseException | None = None
-    while time.monotonic() < deadline:
-        try:
-            value = check()
-            if value:
-                return value
-        except (AssertionError, httpx.HTTPError) as exc:
-            last = exc
-        time.sleep(interval)
-    raise AssertionError(f"condition not met within {timeout}s: {last!r}")
-
-
 def run(coro: Coroutine[Any, Any, T]) -> T:
     return asyncio.run(coro)
-
-
-async def aeventually(check: Callable[[], T], timeout: float = 5.0, interval: float = 0.02) -> T:
-    """`eventually` for async tests: the (blocking) check runs in a thread so the loop keeps going."""
-    deadline = time.monotonic() + timeout
-    last: BaseException | None = None
-    while time.monotonic() < deadline:
-        try:
-            value = await asyncio.to_thread(check)
-            if value:
-                return value
-        except (AssertionError, httpx.HTTPError) as exc:
-            last = exc
-        await asyncio.sleep(interval)
-    raise AssertionError(f"condition not met within {timeout}s: {last!r}")

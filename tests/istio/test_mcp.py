@@ -26,11 +26,12 @@ from meshcache.control_plane.mcp import (
     IstioMcpRenderer,
     mcp_fallback,
 )
+from meshcache.control_plane.renderers import EcdsRenderer
 from meshcache.control_plane.schemas import Policy
 from meshcache.control_plane.settings import Settings
 from meshcache.control_plane.snapshots import EMPTY, Snapshot
-from meshcache.control_plane.xds_server import EcdsRenderer
-from tests.helpers.control_plane import ControlPlaneProc, aeventually, run
+from tests.helpers.control_plane import ControlPlaneProc, run
+from tests.helpers.wait import aeventually
 from tests.istio import istiod_client, wire
 from tests.istio.istiod_client import ISTIOD_1_30_TYPES, IstiodLikeClient
 

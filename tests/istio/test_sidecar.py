@@ -25,7 +25,8 @@ from meshcache.ctl import envoy_config, launchers, procs
 from meshcache.ctl.istio import kustomize, render
 from meshcache.ctl.pki import CertificateAuthority, Identity, spiffe_id
 from tests.filter.stack import MODEL_INFER, infer_request
-from tests.helpers.control_plane import ControlPlaneProc, eventually, run
+from tests.helpers.control_plane import ControlPlaneProc, run
+from tests.helpers.wait import eventually
 from tests.istio import sidecar
 from tests.istio.envoyfilter_apply import UnsupportedPatch, apply
 from tests.istio.istiod_client import IstiodLikeClient

@@ -26,6 +26,7 @@ from meshcache.control_plane.store import Store
 from meshcache.ctl.istiod.mesh import IstiodMesh, ecds_filters, ecds_version
 from meshcache.ctl.istiod.status import ECDS_TYPE_URL as ECDS_TYPE
 from meshcache.ctl.pki import spiffe_id
+from tests.helpers.wait import eventually
 from tests.istiod.helpers import (
     ISTIO_INBOUND_ORDER,
     ROUTER,
@@ -39,7 +40,7 @@ from tests.istiod.helpers import (
     snake_keys,
     syncz_of,
 )
-from tests.mesh.helpers import eventually, mlp_json, mlp_request
+from tests.mesh.helpers import mlp_json, mlp_request
 
 XDS_TYPES = ("Cluster", "Listener", "RouteConfiguration", "ClusterLoadAssignment")
 
@@ -214,8 +215,8 @@ def test_a_config_the_filter_rejects_is_a_nack_istiod_reports_and_the_sidecar_ke
     bad_version = asyncio.run(inject())
     error = eventually(lambda: syncz_of(mesh, sc)["resources"][ECDS_TYPE].get("lastError"), timeout=15)
     assert "meshcache" in error, error
-    assert sc.stats("extension_config_discovery.http_filter.meshcache.config_fail")[
-        "extension_config_discovery.http_filter.meshcache.config_fail"] >= 1
+    fail = "extension_config_discovery.http_filter.meshcache.config_fail"
+    eventually(lambda: sc.stats(fail).get(fail, 0) >= 1, timeout=10)  # syncz may report before Envoy's stat shows
     assert bad_version > good
     assert "max_ttl_s: must be at least ttl_s" in sc.envoy.log_path.read_text()
     # The last good config (and its cache) keeps serving: had the rejected one been applied, the

@@ -2,21 +2,15 @@
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
-from typing import TypeVar
-
 import grpc
 import httpx
 import numpy as np
 
 from meshcache.contract.protos import grpc_predict_v2_pb2 as pb
-from meshcache.ctl import launchers
 from meshcache.ctl.mesh.engine_metrics import engine_requests
 from meshcache.ctl.mesh.topology import Mesh
 
 MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"
-T = TypeVar("T")
 
 
 def default_engine_calls(mesh: Mesh, model: str) -> float:
@@ -25,13 +19,6 @@ def default_engine_calls(mesh: Mesh, model: str) -> float:
 
 def canary_engine_calls(mesh: Mesh, model: str) -> float:
     return engine_requests(mesh.endpoints()["canary_engine_metrics"], model)
-
-
-def filter_counter(admin_port: int, name: str) -> int:
-    """One of the meshcache filter's counters (`meshcache.hits`, ...) in the sidecar whose admin
-    port this is; Envoy names them `wasmcustom.<name>`. The filter flushes them every 200 ms."""
-    full = f"wasmcustom.{name}"
-    return launchers.envoy_stats(admin_port, full).get(full, 0)
 
 
 def mlp_request(seed: int, version: str = "") -> pb.ModelInferRequest:
@@ -59,18 +46,3 @@ def rest_infer(app: str, model: str, body: dict, headers: dict[str, str] | None 
 def mlp_json(seed: int) -> dict:
     x = np.random.default_rng(seed).random(16, dtype=np.float32)
     return {"inputs": [{"name": "input", "shape": [1, 16], "datatype": "FP32", "data": x.tolist()}]}
-
-
-def eventually(check: Callable[[], T], timeout: float = 10.0) -> T:
-    deadline = time.monotonic() + timeout
-    last: object = None
-    while time.monotonic() < deadline:
-        try:
-            value = check()
-            if value:
-                return value
-            last = value
-        except (AssertionError, httpx.HTTPError) as exc:
-            last = exc
-        time.sleep(0.05)
-    raise AssertionError(f"not true within {timeout}s: {last!r}")

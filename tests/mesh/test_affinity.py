@@ -16,12 +16,12 @@ from meshcache.ctl import launchers
 from meshcache.ctl.mesh.cache_table import format_cache_table
 from meshcache.ctl.mesh.config import MeshConfig
 from meshcache.ctl.mesh.topology import CLIENT_NODE, Mesh, server_node
+from tests.helpers.filter_stats import filter_counter
+from tests.helpers.wait import eventually
 from tests.mesh.helpers import (
     MODEL_INFER,
     canary_engine_calls,
     engine_requests,
-    eventually,
-    filter_counter,
     grpc_call,
     mlp_json,
     mlp_request,

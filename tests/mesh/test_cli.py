@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from meshcache.ctl.interrupts import deferred_stop_signals
 from meshcache.ctl.mesh import state
 from tests.mesh.helpers import mlp_json, rest_infer
 
@@ -108,21 +109,54 @@ def test_up_detached_status_policy_down(tmp_path: Path) -> None:
         _cleanup(state_dir)
 
 
-def test_up_foreground_stops_everything_on_ctrl_c(tmp_path: Path) -> None:
-    state_dir = tmp_path / "state"
+def _start_up(state_dir: Path) -> tuple[subprocess.Popen[str], queue.Queue[str]]:
+    """`meshcache up` in the foreground; its output lines arrive on the queue."""
     proc = subprocess.Popen([*CLI, "up", "--free-ports", "--state-dir", str(state_dir)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: queue.Queue[str] = queue.Queue()
     threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()  # type: ignore[union-attr]
-    seen = []
+    return proc, lines
+
+
+def _wait_for_line(proc: subprocess.Popen[str], lines: queue.Queue[str], text: str, seen: list[str],
+                   timeout: float = 90) -> None:
+    deadline = time.monotonic() + timeout
+    while not any(text in line for line in seen):
+        assert time.monotonic() < deadline and proc.poll() is None, "".join(seen)
+        try:
+            seen.append(lines.get(timeout=1))
+        except queue.Empty:
+            pass
+
+
+def _drain(lines: queue.Queue[str], seen: list[str]) -> str:
+    time.sleep(0.2)  # the reader thread hands over what the exited process wrote last
+    while not lines.empty():
+        seen.append(lines.get())
+    return "".join(seen)
+
+
+def _running_from(state_dir: Path) -> list[str]:
+    """Processes whose command line names the state dir (every child of the mesh but redis)."""
+    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    return [line for line in ps.splitlines() if str(state_dir) in line]
+
+
+def _catches(pid: int, *signals: signal.Signals) -> bool:
+    """Whether the process has its own handler for every one of `signals` (SigCgt in /proc)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigCgt:"):
+            mask = int(line.split()[1], 16)
+            return all(mask >> (s - 1) & 1 for s in signals)
+    return False
+
+
+def test_up_foreground_stops_everything_on_ctrl_c(tmp_path: Path) -> None:
+    state_dir = tmp_path / "state"
+    proc, lines = _start_up(state_dir)
+    seen: list[str] = []
     try:
-        deadline = time.monotonic() + 90
-        while not any("Ctrl-C stops the mesh" in line for line in seen):
-            assert time.monotonic() < deadline and proc.poll() is None, "".join(seen)
-            try:
-                seen.append(lines.get(timeout=1))
-            except queue.Empty:
-                pass
+        _wait_for_line(proc, lines, "Ctrl-C stops the mesh", seen)
         pids = _pids(state_dir)
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=60) == 0
@@ -133,6 +167,67 @@ def test_up_foreground_stops_everything_on_ctrl_c(tmp_path: Path) -> None:
             proc.kill()
             proc.wait(timeout=10)
         _cleanup(state_dir)
+
+
+def test_ctrl_c_while_up_starts_leaves_nothing_and_no_traceback(tmp_path: Path) -> None:
+    """Ctrl-C as soon as `up` handles it (main's first line, before imports that take seconds on a
+    busy machine: a traceback before), and again while the supervisor starts the children."""
+    early = tmp_path / "early"
+    proc, lines = _start_up(early)
+    seen: list[str] = []
+    try:
+        deadline = time.monotonic() + 30
+        # SIGTERM: Python leaves it alone, so a handler for it is main's (SIGINT: in case this
+        # test runs with SIGINT ignored, which the child inherits, until `up` sets its own).
+        while not _catches(proc.pid, signal.SIGINT, signal.SIGTERM):
+            assert time.monotonic() < deadline and proc.poll() is None, _drain(lines, seen)
+            time.sleep(0.005)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 130
+        out = _drain(lines, seen)
+        assert "interrupted" in out and "Traceback" not in out, out
+        assert state.read_state(early) is None
+        assert not _running_from(early)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+        _cleanup(early)  # what a failed run left (a supervisor runs in its own session)
+
+    mid = tmp_path / "mid"
+    proc, lines = _start_up(mid)
+    seen = []
+    try:
+        _wait_for_line(proc, lines, "starting the control plane", seen)  # redis-server is up and recorded
+        pids = _pids(mid)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=90) == 130
+        out = _drain(lines, seen)
+        assert "interrupted: stopping what was started" in out and "Traceback" not in out, out
+        assert _all_gone(pids)
+        assert state.read_state(mid) is None
+        # Nor the child being started at that moment (not yet in mesh.json): its arguments name the state dir.
+        assert not _running_from(mid)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+        _cleanup(mid)
+
+
+def test_a_stop_signal_while_a_child_starts_is_handled_once_it_is_held() -> None:
+    """In process: the signal waits for the end of the step, then reaches the handler that was in
+    place (the supervisor's stop, `up`'s KeyboardInterrupt), which can then stop the child."""
+    seen: list[object] = []
+    previous = signal.signal(signal.SIGHUP, lambda signum, _frame: seen.append(signum))
+    try:
+        with deferred_stop_signals():
+            os.kill(os.getpid(), signal.SIGHUP)
+            time.sleep(0.05)  # Python runs handlers between bytecodes: it had every chance
+            seen.append("held")
+        assert seen == ["held", signal.SIGHUP]
+    finally:
+        signal.signal(signal.SIGHUP, previous)
 
 
 def test_port_in_use_is_named(tmp_path: Path) -> None:

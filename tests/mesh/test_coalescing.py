@@ -21,7 +21,8 @@ import grpc
 from meshcache.contract.filter_config import policy_spec
 from meshcache.contract.headers import CACHE_STATUS_COLLAPSED
 from meshcache.ctl.mesh.topology import SERVER_NODE, Mesh
-from tests.mesh.helpers import MODEL_INFER, default_engine_calls, filter_counter, mlp_request
+from tests.helpers.filter_stats import filter_counter
+from tests.mesh.helpers import MODEL_INFER, default_engine_calls, mlp_request
 
 MODEL = "mlp-classifier"
 STORED = "meshcache; fwd=miss; stored"

@@ -25,7 +25,7 @@ from meshcache.ctl.envoy_config import ClientSidecar, write
 from meshcache.ctl.mesh.certs import pki_dir
 from meshcache.ctl.mesh.topology import Mesh
 from meshcache.ctl.pki import CertificateAuthority, Identity, spiffe_id
-from tests.mesh.helpers import eventually
+from tests.helpers.wait import eventually
 
 REQUEST = b"GET /v2/health/ready HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n"
 

@@ -11,7 +11,8 @@ import httpx
 import pytest
 
 from meshcache.ctl import launchers, procs
-from tests.helpers.control_plane import READ_TOKEN, WRITE_TOKEN, ControlPlaneProc, eventually, start_control_plane
+from tests.helpers.control_plane import READ_TOKEN, WRITE_TOKEN, ControlPlaneProc, start_control_plane
+from tests.helpers.wait import eventually
 from tests.mesh.helpers import grpc_call, mlp_request
 from tests.status.helpers import RunningMesh, meshcache
 

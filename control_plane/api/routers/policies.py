@@ -71,8 +71,9 @@ async def put_policy(model_prefix: PrefixPath, spec: PolicySpec, cp: CP, who: Wr
     their defaults (to change some fields only, PATCH)."""
     _same_prefix(spec.model_prefix, model_prefix)
     max_policies = cp.settings.max_policies
+    policy = spec.policy(model_prefix, generation=0)  # the generation is put_policy's to assign
     return await _policy_write(cp, model_prefix,
-                               lambda cur, v: changes.put_policy(cur, v, who.name, model_prefix, spec, max_policies),
+                               lambda cur, v: changes.put_policy(cur, v, who.name, policy, max_policies),
                                who.name, spec.model_dump_json(exclude_none=True),
                                if_match, response)
 
@@ -107,7 +108,9 @@ async def patch_policy(model_prefix: PrefixPath, request: Request, cp: CP, who: 
     _same_prefix(patch.pop("model_prefix", None), model_prefix)
     max_policies = cp.settings.max_policies
     return await _policy_write(
-        cp, model_prefix, lambda cur, v: changes.patch_policy(cur, v, who.name, model_prefix, patch, max_policies),
+        cp, model_prefix,
+        lambda cur, v: changes.patch_policy(cur, v, who.name, model_prefix, patch, max_policies,
+                                            lambda d: PolicySpec.model_validate(d).policy(model_prefix, 0)),
         who.name, json.dumps(patch, sort_keys=True), if_match, response)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import signal
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,7 @@ import httpx
 
 from meshcache.contract.filter_config import POLICY_FIELD_HELP
 from meshcache.ctl.envoy_config import LB_POLICIES
+from meshcache.ctl.interrupts import INTERRUPTED, STOP_SIGNALS, deferred_stop_signals, interrupt
 from meshcache.ctl.mesh import state
 from meshcache.ctl.mesh.api_client import ApiError, PolicyApi
 from meshcache.ctl.mesh.cache_table import format_cache_table
@@ -86,28 +88,35 @@ def _load_config(args: argparse.Namespace) -> MeshConfig:
     return config.with_free_ports() if args.free_ports and not config.istiod else config
 
 
-def _interrupt(signum: int, _frame: object) -> None:
-    raise KeyboardInterrupt(signal.Signals(signum).name)
-
-
 def cmd_up(args: argparse.Namespace) -> int:
     from meshcache.ctl.mesh import supervisor
     from meshcache.ctl.mesh.topology import check_prerequisites
 
+    if args.supervise:  # internal: the background process started below (it has its own handlers)
+        try:
+            return supervisor.supervise(_load_config(args))
+        except (OSError, ValueError, TypeError) as exc:
+            return _err(f"bad configuration: {exc}")
+    # Ctrl-C/SIGTERM/SIGHUP from here until the mesh is up: an orderly stop of whatever was started
+    # (follow() takes over once up). SIGINT explicitly too: a shell starts background jobs with it
+    # ignored. main() has raised KeyboardInterrupt for them since its first line; this only adds
+    # the ignored ones.
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, interrupt)
+    proc: subprocess.Popen[bytes] | None = None
+    config: MeshConfig | None = None
     try:
-        config = _load_config(args)
-    except (OSError, ValueError, TypeError) as exc:
-        return _err(f"bad configuration: {exc}")
-    if args.supervise:  # internal: the background process started below
-        return supervisor.supervise(config)
-    current = state.read_state(config.state_dir)
-    if state.running(current):
-        assert current is not None
-        return _err(f"a mesh is already running from {config.state_dir} (pid {current['pid']}); "
-                    f"`meshcache down --state-dir {config.state_dir}` stops it")
-    if current is not None:
-        state.stop_mesh(config.state_dir, timeout=5)  # a stale record: stop any leftovers
-    try:
+        try:
+            config = _load_config(args)
+        except (OSError, ValueError, TypeError) as exc:
+            return _err(f"bad configuration: {exc}")
+        current = state.read_state(config.state_dir)
+        if state.running(current):
+            assert current is not None
+            return _err(f"a mesh is already running from {config.state_dir} (pid {current['pid']}); "
+                        f"`meshcache down --state-dir {config.state_dir}` stops it")
+        if current is not None:
+            state.stop_mesh(config.state_dir, timeout=5)  # a stale record: stop any leftovers
         if config.istiod:
             from meshcache.ctl.istiod.mesh import check_prerequisites as check_istiod_prerequisites
 
@@ -115,26 +124,32 @@ def cmd_up(args: argparse.Namespace) -> int:
         else:
             check_prerequisites(config)  # port in use / missing binary: say so at once
         config.log_dir.mkdir(parents=True, exist_ok=True)
-        # Ctrl-C/SIGTERM/SIGHUP while starting: an orderly stop (follow() takes over once up). SIGINT
-        # explicitly too: a shell starts background jobs with it ignored.
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            signal.signal(sig, _interrupt)
         follower = supervisor.LogFollower(config.log_dir / supervisor.SUPERVISOR_LOG, sys.stdout)
-        proc = supervisor.spawn(config)
-        try:
-            ready = supervisor.wait_ready(proc, config, follower)
-        except KeyboardInterrupt:
-            print("interrupted: stopping what was started ...", flush=True)
-            supervisor.stop_supervisor(proc, config)
-            return 130
+        # A signal while the supervisor starts is handled once `proc` names it, so a supervisor
+        # never runs on with nobody to stop it.
+        with deferred_stop_signals():
+            proc = supervisor.spawn(config)
+        ready = supervisor.wait_ready(proc, config, follower)
+        print(f"\nmeshcache mesh is up (state dir {config.state_dir}, supervisor pid {ready['pid']}):")
+        print(format_endpoints(ready["endpoints"]), flush=True)
+        if args.detach:
+            print(f"\nrunning in the background; stop it with: meshcache down --state-dir {config.state_dir}")
+            return 0
+        return supervisor.follow(proc, config, follower, banner="\nCtrl-C stops the mesh.")
     except MeshError as exc:
+        assert config is not None
         return _err(f"{exc}\n(all logs: {config.log_dir})")
-    print(f"\nmeshcache mesh is up (state dir {config.state_dir}, supervisor pid {ready['pid']}):")
-    print(format_endpoints(ready["endpoints"]), flush=True)
-    if args.detach:
-        print(f"\nrunning in the background; stop it with: meshcache down --state-dir {config.state_dir}")
-        return 0
-    return supervisor.follow(proc, config, follower, banner="\nCtrl-C stops the mesh.")
+    except KeyboardInterrupt:
+        # A second Ctrl-C must not cut the stop short (and leave children running).
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
+        if proc is None:
+            print("interrupted: nothing was started", flush=True)
+        else:
+            print("interrupted: stopping what was started ...", flush=True)
+            assert config is not None
+            supervisor.stop_supervisor(proc, config)
+        return INTERRUPTED
 
 
 def cmd_down(args: argparse.Namespace) -> int:

@@ -53,9 +53,9 @@ def config_to_json(config: MeshConfig) -> dict[str, Any]:
 
 
 def supervise(config: MeshConfig) -> int:
-    """The supervisor's main: start the mesh, record it, watch it, stop it on SIGTERM/SIGINT."""
-    signal.signal(signal.SIGTERM, _raise_stop)
-    signal.signal(signal.SIGINT, _raise_stop)
+    """The supervisor's main: start the mesh, record it, watch it, stop it on SIGTERM/SIGINT/SIGHUP."""
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, _raise_stop)
     me = {"pid": os.getpid(), "pid_start_time": state.process_start_time(os.getpid()),
           "state_dir": str(config.state_dir)}
     mesh: Mesh | None = None
@@ -77,9 +77,9 @@ def supervise(config: MeshConfig) -> int:
         # them even if this process is killed mid-start.
         record("starting")
 
-    record("starting")
-    mesh = build_mesh(config, log=log)
     try:
+        record("starting")
+        mesh = build_mesh(config, log=log)
         mesh.start()
     except _Stop as exc:
         _quiet_stop(mesh, config.state_dir, f"stopped during start ({exc})")
@@ -89,15 +89,16 @@ def supervise(config: MeshConfig) -> int:
         if not isinstance(exc, MeshError):
             traceback.print_exc()
         print(f"mesh failed to start: {message}", flush=True)
-        mesh.stop()
+        if mesh is not None:
+            mesh.stop()
         record("failed", error=message)
         return 1
-    ready.update(endpoints=mesh.endpoints(), started_at=time.time())
-    healer = mesh.healer(_restart_policy(config), log=_say)
-    record("ready")
-    _say("mesh is up")
-    next_cert_check = time.monotonic() + config.cert_check_interval_s
-    try:
+    try:  # from "ready" on (`up` may stop it as soon as it reads that), a stop is an orderly stop
+        ready.update(endpoints=mesh.endpoints(), started_at=time.time())
+        healer = mesh.healer(_restart_policy(config), log=_say)
+        record("ready")
+        _say("mesh is up")
+        next_cert_check = time.monotonic() + config.cert_check_interval_s
         while True:
             time.sleep(0.5)
             changed = healer.tick()
@@ -158,12 +159,13 @@ def _certificate_report(mesh: Mesh) -> dict[str, str]:
     return out
 
 
-def _quiet_stop(mesh: Mesh, state_dir: Path, message: str) -> None:
+def _quiet_stop(mesh: Mesh | None, state_dir: Path, message: str) -> None:
     # A second Ctrl-C must not interrupt the orderly stop half way.
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
     print(f"{time.strftime('%H:%M:%S')} {message}: stopping all components", flush=True)
-    mesh.stop()
+    if mesh is not None:
+        mesh.stop()
     state.clear_state(state_dir)
     print(f"{time.strftime('%H:%M:%S')} stopped", flush=True)
 

@@ -1,0 +1,54 @@
+"""The proxies connected over xDS: one `Connection` per stream, with what its client has
+acknowledged (per type URL) and its last NACK. Written by the stream loop, read by the API
+(`/v1/proxies`, `/v1/stats`)."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+from .renderers import ECDS_TYPE_URL
+
+
+@dataclass
+class Nack:
+    version: str
+    error: str
+    at: float
+
+
+@dataclass
+class Connection:
+    """One xDS stream and what its Envoy has acknowledged."""
+
+    stream_id: int
+    transport: str
+    peer: str
+    connected_since: float = field(default_factory=time.time)
+    node_id: str = ""
+    cluster: str = ""
+    acked: dict[str, tuple[str, float | None]] = field(default_factory=dict)  # type_url -> (version, at)
+    last_nack: Nack | None = None
+
+    def acked_version(self, type_url: str = ECDS_TYPE_URL) -> tuple[str, float | None]:
+        if type_url in self.acked:
+            return self.acked[type_url]
+        return next(iter(self.acked.values()), ("", None))
+
+
+class ProxyRegistry:
+    def __init__(self) -> None:
+        self._ids = itertools.count(1)
+        self.connections: dict[int, Connection] = {}
+
+    def open(self, transport: str, peer: str) -> Connection:
+        conn = Connection(stream_id=next(self._ids), transport=transport, peer=peer)
+        self.connections[conn.stream_id] = conn
+        return conn
+
+    def close(self, conn: Connection) -> None:
+        self.connections.pop(conn.stream_id, None)
+
+    def __len__(self) -> int:
+        return len(self.connections)
