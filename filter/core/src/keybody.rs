@@ -196,7 +196,7 @@ pub struct GrpcRequest<'a> {
 /// Parses the (unframed) ModelInferRequest's top level: fields 1/2 (model) and 3 (id). The last
 /// of repeated scalar fields wins, as in every protobuf parser; a known field with the wrong wire
 /// type, invalid UTF-8 or a malformed message is unparsable.
-pub fn grpc_request(message: &[u8]) -> Result<GrpcRequest, Bypass> {
+pub fn grpc_request(message: &[u8]) -> Result<GrpcRequest<'_>, Bypass> {
     let mut name: &[u8] = b"";
     let mut version: &[u8] = b"";
     let mut id: &[u8] = b"";
