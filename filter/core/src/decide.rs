@@ -367,6 +367,7 @@ fn is_per_response(name: &str) -> bool {
 }
 
 /// The answer a miss stores: its hash, the headers replayed on hits, the ETag to send now.
+#[derive(Debug)]
 pub struct Stored {
     pub entry: Entry,
     /// Some when the origin sent no ETag and the filter adds `"<hash>"`.

@@ -25,6 +25,7 @@ pub mod names;
 pub mod refresh;
 pub mod route_key;
 pub mod stale;
+pub mod storing;
 pub mod store;
 #[cfg(test)]
 mod test_rng;

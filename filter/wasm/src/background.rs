@@ -5,10 +5,10 @@
 use crate::abi::{self, Buffer, Map};
 use crate::config::Limits;
 use crate::decide::{self, Cacheable};
-use crate::grpc;
 use crate::metrics::{self, count};
 use crate::refresh;
 use crate::store::{Cache, Outcome};
+use crate::storing;
 use std::cell::RefCell;
 use std::collections::HashMap;
 
@@ -106,24 +106,9 @@ fn store(p: &Pending, body_size: usize, now: u64) -> bool {
     if body.len() != body_size {
         return false;
     }
-    let message = if p.c.grpc {
-        match grpc::unframe(&body) {
-            Some(m) => m.to_vec(),
-            None => return false,
-        }
-    } else {
-        body
-    };
-    let stored = match decide::build_entry(&p.c, &response.pairs, 200, message, ttl) {
-        Ok(s) => s,
-        Err(_) => return false,
-    };
-    if stored.entry.encoded_len() as u64 > p.limits.max_entry_bytes {
-        return false;
-    }
     let cache = Cache { data: &abi::HostShared, limits: &p.limits };
     let mut out = Outcome::default();
-    let result = cache.insert(&stored.entry, p.c.seen, &mut out);
+    let result = storing::store_answer(&cache, &p.c, &response.pairs, 200, body, ttl, &mut out);
     metrics::record_outcome(&out);
     if result.is_ok() {
         count(metrics::STORES, 1);

@@ -8,7 +8,7 @@
 // The core's modules under their old paths, so the host modules read `crate::config` etc.
 pub use meshcache_core::{
     accounting, answer, cache_control, coalesce, config, decide, entry, grpc, hashing, headermap, json, keybody,
-    model, names, refresh, route_key, stale, store,
+    model, names, refresh, route_key, stale, store, storing,
 };
 
 #[cfg(target_arch = "wasm32")]

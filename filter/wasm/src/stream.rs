@@ -17,7 +17,8 @@ use crate::names::{self, Bypass};
 use crate::route_key;
 use crate::refresh::{self, Claim};
 use crate::stale;
-use crate::store::{Cache, Lifetime, Lookup, Outcome, StoreError};
+use crate::store::{Cache, Lifetime, Lookup, Outcome};
+use crate::storing;
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::rc::Rc;
@@ -951,32 +952,13 @@ impl Stream {
     ) -> u32 {
         let headers_open = open == Open::Headers;
         let limits = self.limits();
-        let message = if c.grpc {
-            match grpc::unframe(&body) {
-                Some(m) => m.to_vec(),
-                None => return self.not_stored(c.refresh, NotStored::Error, headers_open),
-            }
-        } else {
-            body
-        };
-        if message.len() as u64 > limits.max_entry_bytes {
-            return self.not_stored(c.refresh, NotStored::TooBig, headers_open);
-        }
         let refresh = c.refresh;
-        let stored = match decide::build_entry(&c, &headers, status, message, ttl) {
-            Ok(s) => s,
-            Err(why) => return self.not_stored(refresh, why, headers_open),
-        };
-        if stored.entry.encoded_len() as u64 > limits.max_entry_bytes {
-            // The stored headers count too, not only the body.
-            return self.not_stored(refresh, NotStored::TooBig, headers_open);
-        }
         let cache = Cache { data: &abi::HostShared, limits: &limits };
         let mut out = Outcome::default();
-        let result = cache.insert(&stored.entry, c.seen, &mut out);
+        let result = storing::store_answer(&cache, &c, &headers, status, body, ttl, &mut out);
         metrics::record_outcome(&out);
         match result {
-            Ok(()) => {
+            Ok(stored) => {
                 count(metrics::STORES, 1);
                 self.release(Release::Stored);
                 self.phase = Phase::Done;
@@ -1006,8 +988,7 @@ impl Stream {
                 }
                 CONTINUE
             }
-            Err(StoreError::NoSpace) => self.not_stored(refresh, NotStored::StoreFull, headers_open),
-            Err(StoreError::Contended) => self.not_stored(refresh, NotStored::Contended, headers_open),
+            Err(why) => self.not_stored(refresh, why, headers_open),
         }
     }
 }
