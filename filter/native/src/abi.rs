@@ -62,6 +62,18 @@ pub struct ModuleHttpHeader {
     pub value_length: usize,
 }
 
+/// A header owned by Envoy's map, filled in by `get_headers`.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct EnvoyHttpHeader {
+    pub key: EnvoyBuffer,
+    pub value: EnvoyBuffer,
+}
+
+impl EnvoyHttpHeader {
+    pub const EMPTY: EnvoyHttpHeader = EnvoyHttpHeader { key: EnvoyBuffer::EMPTY, value: EnvoyBuffer::EMPTY };
+}
+
 impl ModuleHttpHeader {
     pub fn of(key: &[u8], value: &[u8]) -> ModuleHttpHeader {
         ModuleHttpHeader { key_ptr: key.as_ptr(), key_length: key.len(), value_ptr: value.as_ptr(), value_length: value.len() }
@@ -71,6 +83,7 @@ impl ModuleHttpHeader {
 // envoy_dynamic_module_type_http_header_type
 pub const REQUEST_HEADER: u32 = 0;
 pub const RESPONSE_HEADER: u32 = 2;
+pub const RESPONSE_TRAILER: u32 = 3;
 
 // envoy_dynamic_module_type_http_body_type
 pub const RECEIVED_REQUEST_BODY: u32 = 0;
@@ -102,7 +115,20 @@ extern "C" {
         optional_size: *mut usize,
     ) -> bool;
 
-    /// Replaces (or adds) header `key`.
+    /// How many entries the header map of `header_type` has (0 when there is none). In 1.40 it
+    /// returns the count (its disassembly tail-calls the map's `size()`); newer ABIs return bool
+    /// with an out-parameter.
+    pub fn envoy_dynamic_module_callback_http_get_headers_size(filter: FilterEnvoyPtr, header_type: u32) -> usize;
+
+    /// Every entry of the header map of `header_type` into `result` (room for
+    /// `get_headers_size`), valid until the hook returns or a header is set.
+    pub fn envoy_dynamic_module_callback_http_get_headers(
+        filter: FilterEnvoyPtr,
+        header_type: u32,
+        result: *mut EnvoyHttpHeader,
+    ) -> bool;
+
+    /// Replaces (or adds) header `key`; a null value removes it (1.40 has no remove_header).
     pub fn envoy_dynamic_module_callback_http_set_header(
         filter: FilterEnvoyPtr,
         header_type: u32,
