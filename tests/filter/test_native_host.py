@@ -27,14 +27,14 @@ JSON = {"content-type": "application/json"}
 
 def test_module_loads_with_the_abi_version_envoy_expects(tmp_path: Path) -> None:
     require_filter_native()
-    with filter_stack(tmp_path, config(), native=True):
+    with filter_stack(tmp_path, config(), host="native"):
         log = (tmp_path / "envoy.log").read_text()
     # Envoy only warns on a mismatched ABI version and loads the module anyway: assert the match.
     assert "Dynamic module ABI version v0.2.0 matched." in log, log[-2000:]
 
 
 def test_miss_is_stored_then_hits_come_from_the_store(tmp_path: Path) -> None:
-    with filter_stack(tmp_path, config(), native=True) as s, httpx.Client() as c:
+    with filter_stack(tmp_path, config(), host="native") as s, httpx.Client() as c:
         first = c.post(s.url(INFER), content=BODY, headers=JSON)
         assert first.status_code == 200
         assert first.headers["cache-status"] == "meshcache; fwd=miss; stored"
@@ -59,7 +59,7 @@ def test_a_body_in_many_chunks_keys_like_the_same_body_in_one(tmp_path: Path) ->
         for i in range(0, len(BODY), 7):
             yield BODY[i:i + 7]
 
-    with filter_stack(tmp_path, config(), native=True) as s, httpx.Client() as c:
+    with filter_stack(tmp_path, config(), host="native") as s, httpx.Client() as c:
         first = c.post(s.url(INFER), content=chunks(), headers=JSON)  # chunked transfer coding
         assert first.headers["cache-status"] == "meshcache; fwd=miss; stored"
         hit = c.post(s.url(INFER), content=BODY, headers=JSON)
@@ -68,7 +68,7 @@ def test_a_body_in_many_chunks_keys_like_the_same_body_in_one(tmp_path: Path) ->
 
 
 def test_what_passes_through_uncached(tmp_path: Path) -> None:
-    with filter_stack(tmp_path, config(policy("m"), max_entry_bytes=4096), native=True) as s, \
+    with filter_stack(tmp_path, config(policy("m"), max_entry_bytes=4096), host="native") as s, \
             httpx.Client() as c:
         no_policy = c.post(s.url("/v2/models/zz/infer"), content=BODY, headers=JSON)
         assert no_policy.headers["cache-status"] == "meshcache; fwd=bypass; detail=no-policy"
@@ -92,7 +92,7 @@ def test_holding_back_stays_under_envoys_default_buffer_limit(tmp_path: Path) ->
     # Envoy's default 1 MiB buffer limit (an Istio sidecar's) and entries allowed up to 9 MiB: a
     # 2 MiB answer streams through whole (never a 500 from an overflowing buffer), copied for the
     # store while it passes, and the next identical request is answered from the store.
-    with filter_stack(tmp_path, config(max_entry_bytes=9 * 1_048_576), buffer_limit_bytes=None, native=True) as s, \
+    with filter_stack(tmp_path, config(max_entry_bytes=9 * 1_048_576), buffer_limit_bytes=None, host="native") as s, \
             httpx.Client() as c:
         big = c.post(s.url(INFER), content=BODY, headers={**JSON, "x-origin-size": str(2 * 1_048_576)}, timeout=30)
         assert big.status_code == 200 and len(big.content) == 2 * 1_048_576
@@ -104,7 +104,7 @@ def test_holding_back_stays_under_envoys_default_buffer_limit(tmp_path: Path) ->
 
 
 def test_workers_share_one_store(tmp_path: Path) -> None:
-    with filter_stack(tmp_path, config(), concurrency=2, native=True) as s:
+    with filter_stack(tmp_path, config(), concurrency=2, host="native") as s:
         with httpx.Client() as c:
             stored = c.post(s.url(INFER), content=BODY, headers=JSON)
         assert stored.headers["cache-status"] == "meshcache; fwd=miss; stored"
