@@ -1,5 +1,5 @@
 //! meshcache's cache core: everything about caching that does not depend on the proxy that runs
-//! it — request reading and keys (`keybody`, `model`, `hashing`, `json`), policy (`config`),
+//! it — request reading and keys (`shaping`, `model`, `hashing`, `json`), policy (`config`),
 //! HTTP semantics (`cache_control`, `decide`, `answer`, `names`, `grpc`, `headermap`,
 //! `route_key`), entries (`entry`), store logic over a host's shared data (`store`,
 //! `accounting`), coalescing (`coalesce`) and stale rules (`stale`, `refresh`).
@@ -13,19 +13,20 @@ pub mod answer;
 pub mod cache_control;
 pub mod coalesce;
 pub mod config;
-pub mod decide;
 pub mod entry;
 pub mod grpc;
 pub mod hashing;
 pub mod headermap;
 pub mod json;
-pub mod keybody;
 pub mod model;
 pub mod names;
 pub mod refresh;
+pub mod request;
+pub mod response;
 pub mod route_key;
+pub mod shaping;
 pub mod stale;
-pub mod storing;
 pub mod store;
+pub mod storing;
 #[cfg(test)]
 mod test_rng;

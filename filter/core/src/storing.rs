@@ -2,7 +2,8 @@
 //! background stale-while-revalidate refresh's (the Wasm host) go through `store_answer`.
 
 use crate::cache_control::{NotStored, Ttl};
-use crate::decide::{self, Cacheable, Stored};
+use crate::request::Cacheable;
+use crate::response::{self, Stored};
 use crate::grpc;
 use crate::store::{Cache, Outcome, SharedData, StoreError};
 
@@ -23,7 +24,7 @@ pub fn store_answer<S: SharedData>(
     if message.len() as u64 > max {
         return Err(NotStored::TooBig);
     }
-    let stored = decide::build_entry(c, headers, status, message, ttl)?;
+    let stored = response::build_entry(c, headers, status, message, ttl)?;
     if stored.entry.encoded_len() as u64 > max {
         return Err(NotStored::TooBig);
     }
@@ -39,15 +40,15 @@ mod tests {
     use super::*;
     use crate::cache_control::Ttl;
     use crate::config::{parse_plugin_config, Limits};
-    use crate::decide::{on_body, on_head, BodyDecision, HeadDecision, RequestHead};
+    use crate::request::{classify_head, key_request, BodyDecision, HeadDecision, RequestHead};
     use crate::store::tests::MemShared;
     use crate::store::Lookup;
 
     fn cacheable(max_entry: u64) -> (Cacheable, Limits) {
         let cfg = parse_plugin_config(br#"{"policies": [{"model_prefix": "m", "ttl_s": 5}]}"#).unwrap();
         let head = RequestHead { method: "POST", path: "/v2/models/m/infer", headers: &[], not_utf8: &[] };
-        let c = match on_head(&head) {
-            HeadDecision::Buffer { source, refresh } => match on_body(&cfg, &head, &source, refresh, br#"{"inputs":[]}"#, || None) {
+        let c = match classify_head(&head) {
+            HeadDecision::Buffer { source, refresh } => match key_request(&cfg, &head, &source, refresh, br#"{"inputs":[]}"#, || None) {
                 BodyDecision::Cacheable(c) => c,
                 other => panic!("{:?}", other),
             },

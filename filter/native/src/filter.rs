@@ -14,8 +14,9 @@ use std::sync::Arc;
 use meshcache_core::answer::{self, HitRequest};
 use meshcache_core::cache_control::{NotStored, Ttl};
 use meshcache_core::config::{Config, Role};
-use meshcache_core::decide::{self, BodyDecision, Cacheable, HeadDecision, RequestHead};
-use meshcache_core::headermap::Headers;
+use meshcache_core::request::{self, BodyDecision, Cacheable, HeadDecision, RequestHead};
+use meshcache_core::headermap::{self, Headers};
+use meshcache_core::response;
 use meshcache_core::model::ModelSource;
 use meshcache_core::names::{self, Bypass};
 use meshcache_core::route_key;
@@ -108,9 +109,9 @@ impl Stream {
             return Flow::Continue; // the client role (routing key) is the Wasm host's only
         }
         let decision = {
-            let method = decide::header(&headers.pairs, ":method").unwrap_or("");
-            let path = decide::header(&headers.pairs, ":path").unwrap_or("");
-            decide::on_head(&RequestHead { method, path, headers: &headers.pairs, not_utf8: &headers.not_utf8 })
+            let method = headermap::header(&headers.pairs, ":method").unwrap_or("");
+            let path = headermap::header(&headers.pairs, ":path").unwrap_or("");
+            request::classify_head(&RequestHead { method, path, headers: &headers.pairs, not_utf8: &headers.not_utf8 })
         };
         match decision {
             HeadDecision::Ignore => Flow::Continue,
@@ -120,7 +121,7 @@ impl Stream {
                 if end_of_stream {
                     return self.decide_request(host, &headers, &source, refresh, &[]);
                 }
-                if decide::request_declared_too_big(decide::header(&headers.pairs, "content-length")) {
+                if request::request_declared_too_big(headermap::header(&headers.pairs, "content-length")) {
                     return self.bypass(Bypass::TooBig);
                 }
                 self.state = State::Buffering { source, refresh, headers, seen: 0 };
@@ -135,7 +136,7 @@ impl Stream {
             _ => return Flow::Continue,
         }
         if let State::Buffering { seen, .. } = self.state {
-            if seen > decide::MAX_REQUEST_BYTES {
+            if seen > request::MAX_REQUEST_BYTES {
                 return self.bypass(Bypass::TooBig);
             }
             if !end_of_stream {
@@ -154,10 +155,10 @@ impl Stream {
     fn decide_request(&mut self, host: &mut dyn Host, request: &Headers, source: &ModelSource, refresh: bool,
                       body: &[u8]) -> Flow {
         let headers = &request.pairs;
-        let method = decide::header(headers, ":method").unwrap_or("");
-        let path = decide::header(headers, ":path").unwrap_or("");
+        let method = headermap::header(headers, ":method").unwrap_or("");
+        let path = headermap::header(headers, ":path").unwrap_or("");
         let head = RequestHead { method, path, headers, not_utf8: &request.not_utf8 };
-        let mut c = match decide::on_body(&self.config, &head, source, refresh, body, || None) {
+        let mut c = match request::key_request(&self.config, &head, source, refresh, body, || None) {
             BodyDecision::Bypass(why) => return self.bypass(why),
             BodyDecision::Cacheable(c) => c,
         };
@@ -218,23 +219,23 @@ impl Stream {
     fn start_collect(&mut self, host: &mut dyn Host, c: Cacheable, end_of_stream: bool) -> Flow {
         let response = host.response_headers();
         let headers = response.pairs;
-        let status: u16 = decide::header(&headers, ":status").and_then(|s| s.parse().ok()).unwrap_or(0);
+        let status: u16 = headermap::header(&headers, ":status").and_then(|s| s.parse().ok()).unwrap_or(0);
         if status != 200 {
             return self.not_stored(host, c.refresh, NotStored::Status, true);
         }
-        let ttl = match decide::response_storable(&c.policy, &headers, &response.not_utf8, host.now_ms()) {
+        let ttl = match response::check_storable(&c.policy, &headers, &response.not_utf8, host.now_ms()) {
             Ok(t) => t,
             Err(why) => return self.not_stored(host, c.refresh, why, true),
         };
         let limit = self.config.limits.max_entry_bytes as usize;
-        let declared = decide::header(&headers, "content-length");
+        let declared = headermap::header(&headers, "content-length");
         if declared.and_then(|v| v.trim().parse::<usize>().ok()).map_or(false, |n| n > limit) {
             return self.not_stored(host, c.refresh, NotStored::TooBig, true);
         }
         if end_of_stream {
             return self.finish_store(host, c, ttl, status, headers, Vec::new(), Open::Headers);
         }
-        let held = self.config.hold_headers && decide::holds_answer(false, decide::header(&headers, "content-type"), declared);
+        let held = self.config.hold_headers && response::should_hold(false, headermap::header(&headers, "content-type"), declared);
         if !held {
             // The answer streams: say what is known now; it is copied and stored at its end.
             host.set_response_header(names::CACHE_STATUS, names::cache_status_forwarded(c.refresh).as_bytes());
@@ -278,7 +279,7 @@ impl Stream {
             let Collecting { c, ttl, status, headers, .. } = *k;
             return self.finish_store(host, c, ttl, status, headers, body, open);
         }
-        if k.held && k.seen <= decide::HOLD_BYTES {
+        if k.held && k.seen <= response::HOLD_BYTES {
             self.state = State::Collect(k);
             return Flow::Hold;
         }
@@ -543,7 +544,7 @@ mod tests {
     #[test]
     fn a_large_answer_streams_and_is_still_stored_whole() {
         let e = env(r#"{"policies": [{"model_prefix": "m", "ttl_s": 60}], "max_entry_bytes": 2000000}"#);
-        let part = vec![b' '; decide::HOLD_BYTES / 2 + 1];
+        let part = vec![b' '; response::HOLD_BYTES / 2 + 1];
         let mut whole = ANSWER[..ANSWER.len() - 1].to_vec();
         let chunks: Vec<Vec<u8>> = vec![whole.clone(), part.clone(), part.clone(), part.clone(), b"}".to_vec()];
         let refs: Vec<&[u8]> = chunks.iter().map(|c| &c[..]).collect();

@@ -4,7 +4,9 @@
 
 use crate::abi::{self, Buffer, Map};
 use crate::config::Limits;
-use crate::decide::{self, Cacheable};
+use crate::headermap;
+use crate::request::Cacheable;
+use crate::response;
 use crate::metrics::{self, count};
 use crate::refresh;
 use crate::store::{Cache, Outcome};
@@ -84,17 +86,17 @@ pub fn on_response(token: u32, body_size: usize) {
 /// Stores a good answer in place of the stale entry, under the same rules as a miss's.
 fn store(p: &Pending, body_size: usize, now: u64) -> bool {
     let response = abi::headers(Map::HttpCallResponseHeaders);
-    if decide::header(&response.pairs, ":status") != Some("200") {
+    if headermap::header(&response.pairs, ":status") != Some("200") {
         return false;
     }
     if p.c.grpc {
         let trailers = abi::headers(Map::HttpCallResponseTrailers);
-        let status = decide::header(&trailers.pairs, "grpc-status").or_else(|| decide::header(&response.pairs, "grpc-status"));
+        let status = headermap::header(&trailers.pairs, "grpc-status").or_else(|| headermap::header(&response.pairs, "grpc-status"));
         if status != Some("0") {
             return false;
         }
     }
-    let ttl = match decide::response_storable(&p.c.policy, &response.pairs, &response.not_utf8, now) {
+    let ttl = match response::check_storable(&p.c.policy, &response.pairs, &response.not_utf8, now) {
         Ok(t) => t,
         Err(_) => return false,
     };

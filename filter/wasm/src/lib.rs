@@ -7,8 +7,8 @@
 
 // The core's modules under their old paths, so the host modules read `crate::config` etc.
 pub use meshcache_core::{
-    accounting, answer, cache_control, coalesce, config, decide, entry, grpc, hashing, headermap, json, keybody,
-    model, names, refresh, route_key, stale, store, storing,
+    accounting, answer, cache_control, coalesce, config, entry, grpc, hashing, headermap, json, model, names, refresh,
+    request, response, route_key, shaping, stale, store, storing,
 };
 
 #[cfg(target_arch = "wasm32")]
