@@ -30,6 +30,6 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         if host == "native" and mark is not None:
             reason = mark.args[0] if mark.args else mark.kwargs.get("reason", "")
             assert reason, f"{metafunc.definition.nodeid}: wasm_only needs the reason"
-            marks = [pytest.mark.xfail(reason=f"native host: {reason}", strict=True)]
+            marks = [pytest.mark.xfail(reason=f"wasm only: {reason}", strict=True)]
         params.append(pytest.param(host, id=host, marks=marks))
     metafunc.parametrize("host", params)

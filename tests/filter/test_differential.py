@@ -24,7 +24,6 @@ from typing import Any
 
 import grpc
 import httpx
-import pytest
 
 from tests.filter import server_reading
 from tests.filter.stack import MODEL_INFER, config, filter_stack, policy
@@ -203,7 +202,6 @@ def _check_grpc(message: bytes, answer: bytes | None, code: grpc.StatusCode, sta
         assert _policy_from_ttl(status) == _policy_of(parsed.model_name), (message, status)
 
 
-@pytest.mark.wasm_only("gRPC requests pass the native host untouched (no gRPC keys or single-pass hits yet)")
 def test_the_filter_reads_requests_as_the_servers_do_or_stays_out(tmp_path: Path, host: str) -> None:
     rng = random.Random(SEED)
     rest: list[RestRequest] = []

@@ -164,6 +164,26 @@ extern "C" {
         body: ModuleBuffer,
         details: ModuleBuffer,
     );
+
+    /// Response headers sent from the request path (the decoder callbacks' encodeHeaders):
+    /// with `send_response_data` and `send_response_trailers`, a reply with trailers, which
+    /// `send_response` (sendLocalReply) cannot give (a gRPC hit's message and grpc-status 0).
+    pub fn envoy_dynamic_module_callback_http_send_response_headers(
+        filter: FilterEnvoyPtr,
+        headers: *const ModuleHttpHeader,
+        headers_size: usize,
+        end_stream: bool,
+    );
+
+    /// Response body bytes (encodeData). Envoy copies them before returning.
+    pub fn envoy_dynamic_module_callback_http_send_response_data(filter: FilterEnvoyPtr, data: ModuleBuffer, end_stream: bool);
+
+    /// Response trailers (encodeTrailers), ending the stream.
+    pub fn envoy_dynamic_module_callback_http_send_response_trailers(
+        filter: FilterEnvoyPtr,
+        trailers: *const ModuleHttpHeader,
+        trailers_size: usize,
+    );
 }
 
 /// The module's ABI version string, returned by `envoy_dynamic_module_on_program_init`.

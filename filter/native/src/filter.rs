@@ -3,9 +3,10 @@
 //! both give the same `Cache-Status`, `x-response-hash`, `ETag`, `Age` and bodies.
 //!
 //! The stream talks to Envoy only through `Host` (lib.rs implements it over the dynamic-module
-//! ABI; the tests below over a fake). What this host does not do yet answers as the Wasm host
-//! does when the feature is off: gRPC requests and the client role pass untouched (no
-//! `Cache-Status`), requests are not coalesced, expired entries are not served stale (the
+//! ABI; the tests below over a fake). gRPC hits are answered in one pass with headers, the
+//! framed message and a `grpc-status: 0` trailer (no hit route or Lua step, unlike the Wasm
+//! host). What this host does not do yet answers as the Wasm host does when the feature is off:
+//! the client role passes untouched (no routing key), requests are not coalesced, expired entries are not served stale (the
 //! request is forwarded and its answer replaces the entry), a principal-scoped policy sees no
 //! peer identity (`detail=no-identity`).
 
@@ -14,6 +15,7 @@ use std::sync::Arc;
 use meshcache_core::answer::{self, HitRequest};
 use meshcache_core::cache_control::{NotStored, Ttl};
 use meshcache_core::config::{Config, Role};
+use meshcache_core::grpc;
 use meshcache_core::request::{self, BodyDecision, Cacheable, HeadDecision, RequestHead};
 use meshcache_core::headermap::{self, Headers};
 use meshcache_core::response;
@@ -38,6 +40,9 @@ pub trait Host {
     /// Visits the whole body seen so far (what was held back plus what arrived now), once each.
     fn whole_body(&self, response: bool, f: &mut dyn FnMut(&[u8]));
     fn send_response(&mut self, status: u32, headers: &[(&str, &[u8])], body: &[u8]);
+    /// A reply with trailers (a gRPC hit): headers (with `:status`), body, trailers.
+    fn send_response_with_trailers(&mut self, headers: &[(&str, &[u8])], body: &[u8], trailers: &[(&str, &[u8])]);
+    fn response_trailers(&self) -> Headers;
     /// Wall clock, milliseconds since the epoch (entries record when they were stored).
     fn now_ms(&self) -> u64;
 }
@@ -116,7 +121,6 @@ impl Stream {
         match decision {
             HeadDecision::Ignore => Flow::Continue,
             HeadDecision::Bypass(why) => self.bypass(why),
-            HeadDecision::Buffer { source: ModelSource::GrpcBody, .. } => Flow::Continue,
             HeadDecision::Buffer { source, refresh } => {
                 if end_of_stream {
                     return self.decide_request(host, &headers, &source, refresh, &[]);
@@ -180,9 +184,17 @@ impl Stream {
                 return self.miss(c);
             }
         };
-        let reply = answer::http_hit(&entry, &HitRequest { headers, body, id: &c.request_id }, now);
-        let h: Vec<(&str, &[u8])> = reply.headers.iter().map(|(n, v)| (n.as_str(), v.as_bytes())).collect();
+        let request = HitRequest { headers, body, id: &c.request_id };
         self.state = State::Done;
+        if c.grpc {
+            let reply = answer::grpc_hit(&entry, &request, now);
+            let mut h: Vec<(&str, &[u8])> = vec![(":status", b"200")];
+            h.extend(reply.headers.iter().map(|(n, v)| (n.as_str(), v.as_bytes())));
+            host.send_response_with_trailers(&h, &grpc::frame(&reply.body), &[("grpc-status", b"0")]);
+            return Flow::Stop;
+        }
+        let reply = answer::http_hit(&entry, &request, now);
+        let h: Vec<(&str, &[u8])> = reply.headers.iter().map(|(n, v)| (n.as_str(), v.as_bytes())).collect();
         host.send_response(reply.status as u32, &h, &reply.body);
         Flow::Stop
     }
@@ -223,11 +235,15 @@ impl Stream {
         if status != 200 {
             return self.not_stored(host, c.refresh, NotStored::Status, true);
         }
+        if c.grpc && (end_of_stream || headermap::header(&headers, "grpc-status").is_some()) {
+            // Trailers-only gRPC responses are errors (or empty): nothing to store.
+            return self.not_stored(host, c.refresh, NotStored::GrpcStatus, true);
+        }
         let ttl = match response::check_storable(&c.policy, &headers, &response.not_utf8, host.now_ms()) {
             Ok(t) => t,
             Err(why) => return self.not_stored(host, c.refresh, why, true),
         };
-        let limit = self.config.limits.max_entry_bytes as usize;
+        let limit = self.limit(&c);
         let declared = headermap::header(&headers, "content-length");
         if declared.and_then(|v| v.trim().parse::<usize>().ok()).map_or(false, |n| n > limit) {
             return self.not_stored(host, c.refresh, NotStored::TooBig, true);
@@ -235,7 +251,7 @@ impl Stream {
         if end_of_stream {
             return self.finish_store(host, c, ttl, status, headers, Vec::new(), Open::Headers);
         }
-        let held = self.config.hold_headers && response::should_hold(false, headermap::header(&headers, "content-type"), declared);
+        let held = self.config.hold_headers && response::should_hold(c.grpc, headermap::header(&headers, "content-type"), declared);
         if !held {
             // The answer streams: say what is known now; it is copied and stored at its end.
             host.set_response_header(names::CACHE_STATUS, names::cache_status_forwarded(c.refresh).as_bytes());
@@ -258,7 +274,7 @@ impl Stream {
                 return Flow::Continue;
             }
         };
-        let limit = self.config.limits.max_entry_bytes as usize;
+        let limit = self.limit(&k.c);
         {
             let Collecting { copy, seen, held, .. } = &mut *k;
             let mut arrived = 0;
@@ -274,6 +290,10 @@ impl Stream {
             return self.not_stored(host, k.c.refresh, NotStored::TooBig, k.held);
         }
         if end_of_stream {
+            if k.c.grpc {
+                // A gRPC answer without trailers has no grpc-status: not a success we can store.
+                return self.not_stored(host, k.c.refresh, NotStored::GrpcStatus, k.held);
+            }
             let open = if k.held { Open::Headers } else { Open::Closed };
             let body = self.take_body(host, &mut k);
             let Collecting { c, ttl, status, headers, .. } = *k;
@@ -293,6 +313,11 @@ impl Stream {
         Flow::Continue
     }
 
+    /// What a miss's answer may grow to and still be stored (a gRPC message's frame on top).
+    fn limit(&self, c: &Cacheable) -> usize {
+        self.config.limits.max_entry_bytes as usize + if c.grpc { 5 } else { 0 }
+    }
+
     /// The answer so far: Envoy's held buffer while held, the copy once it streamed.
     fn take_body(&self, host: &mut dyn Host, k: &mut Collecting) -> Vec<u8> {
         if !k.held {
@@ -307,6 +332,9 @@ impl Stream {
         match std::mem::replace(&mut self.state, State::Done) {
             State::Collect(mut k) => {
                 let open = if k.held { Open::Headers } else { Open::Trailers };
+                if k.c.grpc && headermap::header(&host.response_trailers().pairs, "grpc-status") != Some("0") {
+                    return self.not_stored(host, k.c.refresh, NotStored::GrpcStatus, k.held);
+                }
                 let body = self.take_body(host, &mut k);
                 let Collecting { c, ttl, status, headers, .. } = *k;
                 self.finish_store(host, c, ttl, status, headers, body, open)
@@ -365,6 +393,7 @@ mod tests {
         held: Vec<Vec<u8>>,
         received: Vec<Vec<u8>>,
         sent: RefCell<Option<(u32, Vec<(String, String)>, Vec<u8>)>>,
+        sent_trailers: Vec<(String, String)>,
         now: Cell<u64>,
     }
 
@@ -402,6 +431,15 @@ mod tests {
         fn send_response(&mut self, status: u32, headers: &[(&str, &[u8])], body: &[u8]) {
             let h = headers.iter().map(|(n, v)| (n.to_string(), String::from_utf8(v.to_vec()).unwrap())).collect();
             *self.sent.borrow_mut() = Some((status, h, body.to_vec()));
+        }
+        fn send_response_with_trailers(&mut self, headers: &[(&str, &[u8])], body: &[u8], trailers: &[(&str, &[u8])]) {
+            let status = headers.iter().find(|(n, _)| *n == ":status").map_or(0, |(_, v)| std::str::from_utf8(v).unwrap().parse().unwrap());
+            let rest: Vec<(&str, &[u8])> = headers.iter().filter(|(n, _)| *n != ":status").cloned().collect();
+            self.send_response(status, &rest, body);
+            self.sent_trailers = trailers.iter().map(|(n, v)| (n.to_string(), String::from_utf8(v.to_vec()).unwrap())).collect();
+        }
+        fn response_trailers(&self) -> Headers {
+            Headers { pairs: self.trailers.clone(), not_utf8: Vec::new() }
         }
         fn now_ms(&self) -> u64 {
             self.now.get()
@@ -580,5 +618,56 @@ mod tests {
         let purged = Env { config: Arc::new(parse_plugin_config(br#"{"policies": [{"model_prefix": "m", "ttl_s": 60, "generation": 2}]}"#).unwrap()),
                            shared: e.shared.clone(), now: e.now };
         assert_eq!(status(&exchange(&purged, INFER, &[], &[BODY], &[ANSWER], &[])), "meshcache; fwd=miss; stored");
+    }
+    fn framed(message: &[u8]) -> Vec<u8> {
+        let mut f = vec![0u8];
+        f.extend_from_slice(&(message.len() as u32).to_be_bytes());
+        f.extend_from_slice(message);
+        f
+    }
+
+    /// A unary ModelInfer through the stream: request headers and framed body, then (unless
+    /// answered) the origin's headers, framed message and `grpc_status` trailer.
+    fn grpc_exchange(e: &Env, grpc_status: &str) -> (Fake, Stream) {
+        let mut h = Fake::default();
+        h.now.set(e.now);
+        h.req = [(":method", "POST"), (":path", "/inference.GRPCInferenceService/ModelInfer"),
+                 ("content-type", "application/grpc")]
+            .iter()
+            .map(|(n, v)| (n.to_string(), v.to_string()))
+            .collect();
+        let mut s = Stream::new(e.config.clone(), e.shared.clone());
+        assert_eq!(s.on_request_headers(&mut h, false), Flow::Hold);
+        h.received = vec![framed(b"\x0a\x01m")]; // ModelInferRequest { model_name: "m" }
+        if s.on_request_body(&mut h, true) == Flow::Stop {
+            return (h, s);
+        }
+        h.received.clear();
+        h.resp = vec![(":status".into(), "200".into()), ("content-type".into(), "application/grpc".into())];
+        assert_eq!(s.on_response_headers(&mut h, false), Flow::Hold, "a unary gRPC answer is held");
+        h.received = vec![framed(b"\x0a\x01m\x12\x011")];
+        assert_eq!(s.on_response_body(&mut h, false), Flow::Hold);
+        h.held = std::mem::take(&mut h.received);
+        h.trailers = vec![("grpc-status".into(), grpc_status.into())];
+        s.on_response_trailers(&mut h);
+        (h, s)
+    }
+
+    #[test]
+    fn grpc_misses_store_on_a_zero_status_and_hits_answer_in_one_pass_with_trailers() {
+        let e = env(r#"{"policies": [{"model_prefix": "m", "ttl_s": 60}]}"#);
+        let (failed, _) = grpc_exchange(&e, "13");
+        assert_eq!(get(&failed.resp, "cache-status").unwrap(), "meshcache; fwd=miss; detail=grpc-status");
+        let (miss, _) = grpc_exchange(&e, "0");
+        assert_eq!(get(&miss.resp, "cache-status").unwrap(), "meshcache; fwd=miss; stored");
+        let hash = get(&miss.resp, "x-response-hash").unwrap();
+        let (hit, _) = grpc_exchange(&e, "0");
+        let sent = hit.sent.borrow().clone().expect("answered from the store");
+        assert_eq!(sent.0, 200);
+        assert_eq!(sent.2, framed(b"\x0a\x01m\x12\x011"), "the stored message, framed");
+        assert_eq!(get(&sent.1, "content-type").unwrap(), "application/grpc");
+        assert_eq!(get(&sent.1, "x-response-hash").unwrap(), hash);
+        assert!(get(&sent.1, "cache-status").unwrap().starts_with("meshcache; hit"));
+        assert_eq!(hit.sent_trailers, vec![("grpc-status".to_string(), "0".to_string())]);
     }
 }

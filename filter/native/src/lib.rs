@@ -147,6 +147,21 @@ impl Host for EnvoyHost {
         }
     }
 
+    fn send_response_with_trailers(&mut self, headers: &[(&str, &[u8])], body: &[u8], trailers: &[(&str, &[u8])]) {
+        let hs: Vec<ModuleHttpHeader> = headers.iter().map(|(k, v)| ModuleHttpHeader::of(k.as_bytes(), v)).collect();
+        let ts: Vec<ModuleHttpHeader> = trailers.iter().map(|(k, v)| ModuleHttpHeader::of(k.as_bytes(), v)).collect();
+        // SAFETY: as in `headers`; Envoy copies headers, body and trailers before returning.
+        unsafe {
+            envoy_dynamic_module_callback_http_send_response_headers(self.ptr, hs.as_ptr(), hs.len(), false);
+            envoy_dynamic_module_callback_http_send_response_data(self.ptr, ModuleBuffer::of(body), false);
+            envoy_dynamic_module_callback_http_send_response_trailers(self.ptr, ts.as_ptr(), ts.len());
+        }
+    }
+
+    fn response_trailers(&self) -> Headers {
+        self.headers(RESPONSE_TRAILER)
+    }
+
     fn now_ms(&self) -> u64 {
         SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
     }
