@@ -17,7 +17,6 @@ NOT_STORED = "meshcache; fwd=miss; detail="
 BODY = b'{"inputs": [{"name": "x", "shape": [1, 2], "datatype": "FP32", "data": [1, 2]}]}'
 
 
-@pytest.mark.wasm_only("the native host defines no Envoy metrics yet (meshcache.* counters and gauges)")
 def test_second_identical_request_is_a_hit_and_origin_is_not_called(tmp_path: Path, host: str) -> None:
     with filter_stack(tmp_path, config(), host=host) as s, httpx.Client() as c:
         first = c.post(s.url(INFER), content=BODY, headers={"content-type": "application/json"})
@@ -140,7 +139,6 @@ def test_client_no_cache_refreshes_the_entry(tmp_path: Path, host: str) -> None:
         assert s.origin_calls()["http"] == 2
 
 
-@pytest.mark.wasm_only("the native host defines no Envoy metrics yet (meshcache.* counters and gauges)")
 def test_model_without_policy_and_non_inference_requests(tmp_path: Path, host: str) -> None:
     cfg = config(policy("m"), policy("off", enabled=False))
     with filter_stack(tmp_path, cfg, host=host) as s, httpx.Client() as c:
@@ -217,7 +215,6 @@ def test_all_workers_share_one_cache(tmp_path: Path, host: str) -> None:
         assert s.origin_calls()["http"] == 1
 
 
-@pytest.mark.wasm_only("the native host defines no Envoy metrics yet (meshcache.* counters and gauges)")
 def test_memory_bound_holds_after_filling_past_the_limit(tmp_path: Path, host: str) -> None:
     cfg = config(max_entries=8, max_total_bytes=16384, max_entry_bytes=4096)
     with filter_stack(tmp_path, cfg, host=host) as s, httpx.Client() as c:
@@ -235,7 +232,6 @@ def test_memory_bound_holds_after_filling_past_the_limit(tmp_path: Path, host: s
         assert r.headers["cache-status"].startswith("meshcache; hit")
 
 
-@pytest.mark.wasm_only("the native host defines no Envoy metrics yet (meshcache.* counters and gauges)")
 def test_concurrent_misses_for_one_key_store_once_and_account_exactly(tmp_path: Path, host: str) -> None:
     # Coalescing off: the three misses go upstream together and race to store.
     with filter_stack(tmp_path, config(policy("m", coalesce_timeout_ms=0)), host=host) as s:
@@ -266,7 +262,6 @@ def test_invalid_configuration_is_rejected_with_the_field_named(tmp_path: Path, 
     )
 
 
-@pytest.mark.wasm_only("the native host defines no Envoy metrics yet (meshcache.* counters and gauges)")
 def test_entries_and_bytes_per_policy_add_up_under_two_workers(tmp_path: Path, host: str) -> None:
     """Two Envoy workers race stores of the same keys for two policies (and evict, the store being
     small): the per-policy gauges always add up to the totals, nothing is unattributed."""

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import grpc
 import httpx
-import pytest
 
 from tests.filter.stack import config, filter_stack, infer_request, policy
 
@@ -26,7 +25,6 @@ def rest_body(request_id: str | None, inputs: list[dict] = INPUTS) -> bytes:
     return json.dumps(body).encode()
 
 
-@pytest.mark.wasm_only("the native host defines no Envoy metrics yet (meshcache.* counters and gauges)")
 def test_rest_hit_answers_with_the_callers_id(tmp_path: Path, host: str) -> None:
     with filter_stack(tmp_path, config(), host=host) as s, httpx.Client() as c:
         first = c.post(s.url(INFER), content=rest_body("req-a"))
@@ -83,7 +81,6 @@ def test_ids_the_filter_cannot_reencode_are_cached_per_id(tmp_path: Path, host: 
         assert s.origin_calls()["http"] == 3
 
 
-@pytest.mark.wasm_only("the native host defines no Envoy metrics yet (meshcache.* counters and gauges)")
 def test_malformed_bodies_bypass(tmp_path: Path, host: str) -> None:
     with filter_stack(tmp_path, config(), host=host) as s, httpx.Client() as c:
         bad = [

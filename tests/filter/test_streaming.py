@@ -24,7 +24,6 @@ def _body(tag: str) -> bytes:
     return b'{"parameters": {"tag": "%s"}, "inputs": []}' % tag.encode()
 
 
-@pytest.mark.wasm_only("the native host defines no Envoy metrics yet (meshcache.* counters and gauges)")
 @pytest.mark.parametrize("limits", LIMITS)
 def test_answers_of_any_size_pass_and_cacheable_ones_are_stored(tmp_path: Path, limits: str, host: str) -> None:
     cfg = config(policy("m"), max_entry_bytes=9 * MiB, max_total_bytes=64 * MiB)

@@ -103,6 +103,9 @@ pub const BODY_STOP_ITERATION_NO_BUFFER: u32 = 3;
 // envoy_dynamic_module_type_on_http_filter_{request,response}_trailers_status
 pub const TRAILERS_CONTINUE: u32 = 0;
 
+// envoy_dynamic_module_type_metrics_result
+pub const METRICS_SUCCESS: u32 = 0;
+
 extern "C" {
     /// The `index`-th value of header `key` (lower case) into `result`; `optional_size`, when not
     /// null, receives how many values the header has. False when there is no such value.
@@ -177,6 +180,44 @@ extern "C" {
 
     /// Response body bytes (encodeData). Envoy copies them before returning.
     pub fn envoy_dynamic_module_callback_http_send_response_data(filter: FilterEnvoyPtr, data: ModuleBuffer, end_stream: bool);
+
+    /// Defines a counter (at config creation; Envoy freezes stat creation after it) under the
+    /// module's metrics namespace; `labels` may be empty. In 1.40 the label names are part of
+    /// `define_counter` (6 arguments; older ABIs had a separate `_vec` family).
+    pub fn envoy_dynamic_module_callback_http_filter_config_define_counter(
+        config: ConfigEnvoyPtr,
+        name: ModuleBuffer,
+        label_names: *const ModuleBuffer,
+        label_names_size: usize,
+        id: *mut usize,
+    ) -> u32;
+
+    /// As `define_counter`, for a gauge.
+    pub fn envoy_dynamic_module_callback_http_filter_config_define_gauge(
+        config: ConfigEnvoyPtr,
+        name: ModuleBuffer,
+        label_names: *const ModuleBuffer,
+        label_names_size: usize,
+        id: *mut usize,
+    ) -> u32;
+
+    /// Adds `value` to a defined counter (label values as defined: none here).
+    pub fn envoy_dynamic_module_callback_http_filter_increment_counter(
+        filter: FilterEnvoyPtr,
+        id: usize,
+        label_values: *const ModuleBuffer,
+        label_values_size: usize,
+        value: u64,
+    ) -> u32;
+
+    /// Sets a defined gauge.
+    pub fn envoy_dynamic_module_callback_http_filter_set_gauge(
+        filter: FilterEnvoyPtr,
+        id: usize,
+        label_values: *const ModuleBuffer,
+        label_values_size: usize,
+        value: u64,
+    ) -> u32;
 
     /// Response trailers (encodeTrailers), ending the stream.
     pub fn envoy_dynamic_module_callback_http_send_response_trailers(

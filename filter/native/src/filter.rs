@@ -17,7 +17,9 @@ use meshcache_core::cache_control::{NotStored, Ttl};
 use meshcache_core::config::{Config, Role};
 use meshcache_core::grpc;
 use meshcache_core::request::{self, BodyDecision, Cacheable, HeadDecision, RequestHead};
+use meshcache_core::accounting::{attribute, policy_tag};
 use meshcache_core::headermap::{self, Headers};
+use meshcache_core::metric_names;
 use meshcache_core::response;
 use meshcache_core::model::ModelSource;
 use meshcache_core::names::{self, Bypass};
@@ -45,6 +47,9 @@ pub trait Host {
     fn response_trailers(&self) -> Headers;
     /// Wall clock, milliseconds since the epoch (entries record when they were stored).
     fn now_ms(&self) -> u64;
+    /// Adds to a counter (`meshcache_core::metric_names`).
+    fn count(&mut self, name: &str, n: u64);
+    fn set_gauge(&mut self, name: &str, value: u64);
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -99,9 +104,41 @@ impl Stream {
         Stream { config, shared, state: State::Pass }
     }
 
-    fn bypass(&mut self, why: Bypass) -> Flow {
+    fn bypass(&mut self, host: &mut dyn Host, why: Bypass) -> Flow {
+        host.count(metric_names::BYPASSES, 1);
         self.state = State::Bypass(why);
         Flow::Continue
+    }
+
+    fn record_outcome(host: &mut dyn Host, out: &Outcome) {
+        if out.evicted > 0 {
+            host.count(metric_names::EVICTIONS, out.evicted as u64);
+        }
+        if out.corrupt > 0 {
+            host.count(metric_names::ERRORS, out.corrupt as u64);
+        }
+    }
+
+    /// Entries and bytes, cache-wide and per policy, from the accounting record. Under one lock
+    /// per process: the last writer reads the newest record, so the gauges end at its value.
+    fn record_gauges(&self, host: &mut dyn Host) {
+        let _one_at_a_time = self.shared.gauges.lock().unwrap_or_else(|p| p.into_inner());
+        let (meta, _) = Cache::read_only(&*self.shared).meta();
+        host.set_gauge(metric_names::ENTRIES, meta.entries());
+        host.set_gauge(metric_names::BYTES, meta.total_bytes());
+        let named: Vec<(u64, String)> = self
+            .config
+            .policies
+            .iter()
+            .map(|p| (policy_tag(&p.model_prefix), metric_names::safe_name(&p.model_prefix)))
+            .collect();
+        let got = attribute(&meta, &named);
+        host.set_gauge(metric_names::UNATTRIBUTED_ENTRIES, got.unattributed.0);
+        host.set_gauge(metric_names::UNATTRIBUTED_BYTES, got.unattributed.1);
+        for (name, (entries, bytes)) in &got.per_name {
+            host.set_gauge(&format!("meshcache.policy.{}.entries", name), *entries);
+            host.set_gauge(&format!("meshcache.policy.{}.bytes", name), *bytes);
+        }
     }
 
     pub fn on_request_headers(&mut self, host: &mut dyn Host, end_of_stream: bool) -> Flow {
@@ -120,13 +157,13 @@ impl Stream {
         };
         match decision {
             HeadDecision::Ignore => Flow::Continue,
-            HeadDecision::Bypass(why) => self.bypass(why),
+            HeadDecision::Bypass(why) => self.bypass(host, why),
             HeadDecision::Buffer { source, refresh } => {
                 if end_of_stream {
                     return self.decide_request(host, &headers, &source, refresh, &[]);
                 }
                 if request::request_declared_too_big(headermap::header(&headers.pairs, "content-length")) {
-                    return self.bypass(Bypass::TooBig);
+                    return self.bypass(host, Bypass::TooBig);
                 }
                 self.state = State::Buffering { source, refresh, headers, seen: 0 };
                 Flow::Hold
@@ -141,7 +178,7 @@ impl Stream {
         }
         if let State::Buffering { seen, .. } = self.state {
             if seen > request::MAX_REQUEST_BYTES {
-                return self.bypass(Bypass::TooBig);
+                return self.bypass(host, Bypass::TooBig);
             }
             if !end_of_stream {
                 return Flow::Hold;
@@ -163,27 +200,32 @@ impl Stream {
         let path = headermap::header(headers, ":path").unwrap_or("");
         let head = RequestHead { method, path, headers, not_utf8: &request.not_utf8 };
         let mut c = match request::key_request(&self.config, &head, source, refresh, body, || None) {
-            BodyDecision::Bypass(why) => return self.bypass(why),
+            BodyDecision::Bypass(why) => return self.bypass(host, why),
             BodyDecision::Cacheable(c) => c,
         };
         let now = host.now_ms();
         c.request_ms = now;
         if c.refresh {
-            return self.miss(c);
+            return self.miss(host, c);
         }
         let cache = Cache { data: &*self.shared, limits: &self.config.limits };
-        let entry = match cache.lookup_keeping(&c.key, now, Lifetime::of(&c.policy), &mut Outcome::default()) {
+        let mut out = Outcome::default();
+        let found = cache.lookup_keeping(&c.key, now, Lifetime::of(&c.policy), &mut out);
+        Self::record_outcome(host, &out);
+        let entry = match found {
             Lookup::Hit(e) => e,
             Lookup::Miss(seen) => {
                 c.seen = seen;
-                return self.miss(c);
+                return self.miss(host, c);
             }
             Lookup::Stale(_, seen) => {
                 // Forwarded; a fresh answer replaces the expired entry where it is.
                 c.seen = Some(seen);
-                return self.miss(c);
+                return self.miss(host, c);
             }
         };
+        host.count(metric_names::HITS, 1);
+        host.count(&metric_names::policy_metric(&c.policy.model_prefix, "hits"), 1);
         let request = HitRequest { headers, body, id: &c.request_id };
         self.state = State::Done;
         if c.grpc {
@@ -199,7 +241,9 @@ impl Stream {
         Flow::Stop
     }
 
-    fn miss(&mut self, c: Cacheable) -> Flow {
+    fn miss(&mut self, host: &mut dyn Host, c: Cacheable) -> Flow {
+        host.count(metric_names::MISSES, 1);
+        host.count(&metric_names::policy_metric(&c.policy.model_prefix, "misses"), 1);
         self.state = State::Miss(Box::new(c));
         Flow::Continue
     }
@@ -351,8 +395,13 @@ impl Stream {
                     body: Vec<u8>, open: Open) -> Flow {
         let cache = Cache { data: &*self.shared, limits: &self.config.limits };
         let refresh = c.refresh;
-        match storing::store_answer(&cache, &c, &headers, status, body, ttl, &mut Outcome::default()) {
+        let mut out = Outcome::default();
+        let result = storing::store_answer(&cache, &c, &headers, status, body, ttl, &mut out);
+        Self::record_outcome(host, &out);
+        match result {
             Ok(stored) => {
+                host.count(metric_names::STORES, 1);
+                self.record_gauges(host);
                 self.state = State::Done;
                 match open {
                     Open::Closed => {}
@@ -395,6 +444,8 @@ mod tests {
         sent: RefCell<Option<(u32, Vec<(String, String)>, Vec<u8>)>>,
         sent_trailers: Vec<(String, String)>,
         now: Cell<u64>,
+        counts: std::collections::HashMap<String, u64>,
+        gauges: std::collections::HashMap<String, u64>,
     }
 
     fn get(h: &[(String, String)], name: &str) -> Option<String> {
@@ -443,6 +494,12 @@ mod tests {
         }
         fn now_ms(&self) -> u64 {
             self.now.get()
+        }
+        fn count(&mut self, name: &str, n: u64) {
+            *self.counts.entry(name.to_string()).or_default() += n;
+        }
+        fn set_gauge(&mut self, name: &str, value: u64) {
+            self.gauges.insert(name.to_string(), value);
         }
     }
 
@@ -520,6 +577,12 @@ mod tests {
         let mut e = env(r#"{"policies": [{"model_prefix": "m", "ttl_s": 60}]}"#);
         let miss = exchange(&e, INFER, &[], &[BODY], &[ANSWER], &[]);
         assert_eq!(status(&miss), "meshcache; fwd=miss; stored");
+        assert_eq!((miss.counts["meshcache.misses"], miss.counts["meshcache.policy.m.misses"]), (1, 1));
+        assert_eq!(miss.counts["meshcache.stores"], 1);
+        assert_eq!(miss.gauges["meshcache.entries"], 1);
+        assert_eq!(miss.gauges["meshcache.policy.m.entries"], 1);
+        assert_eq!(miss.gauges["meshcache.bytes"], miss.gauges["meshcache.policy.m.bytes"]);
+        assert!(miss.gauges["meshcache.bytes"] > ANSWER.len() as u64);
         let hash = get(&miss.resp, "x-response-hash").unwrap();
         assert_eq!(hash.len(), 64);
         assert_eq!(get(&miss.resp, "etag").unwrap(), format!("\"{}\"", hash));
@@ -527,6 +590,7 @@ mod tests {
         e.now += 2_500;
         let hit = exchange(&e, INFER, &[], &[&BODY[..9], &BODY[9..]], &[], &[]);
         let sent = hit.sent.borrow().clone().unwrap();
+        assert_eq!((hit.counts["meshcache.hits"], hit.counts["meshcache.policy.m.hits"]), (1, 1));
         assert_eq!(sent.0, 200);
         assert_eq!(sent.2, ANSWER, "the caller's request id goes back in");
         assert_eq!(get(&sent.1, "cache-status").unwrap(), "meshcache; hit; ttl=58");

@@ -11,6 +11,7 @@
 
 pub mod abi;
 pub mod filter;
+pub mod metrics;
 pub mod store;
 
 use std::os::raw::{c_char, c_void};
@@ -23,6 +24,7 @@ use filter::{Flow, Host, Stream};
 use meshcache_core::config::{parse_plugin_config, Config};
 use meshcache_core::headermap::Headers;
 use meshcache_core::store::{Cache, Outcome};
+use metrics::Metrics;
 use store::Shared;
 
 static SHARED: OnceLock<Arc<Shared>> = OnceLock::new();
@@ -30,15 +32,23 @@ static SHARED: OnceLock<Arc<Shared>> = OnceLock::new();
 struct FilterConfig {
     config: Arc<Config>,
     shared: Arc<Shared>,
+    metrics: Arc<Metrics>,
 }
 
-struct EnvoyHost {
+/// What Envoy's module pointer for a stream points at: the flow, and the stats it counts into.
+struct StreamContext {
+    stream: Stream,
+    metrics: Arc<Metrics>,
+}
+
+struct EnvoyHost<'m> {
     ptr: FilterEnvoyPtr,
+    metrics: &'m Metrics,
 }
 
 const INLINE_CHUNKS: usize = 16;
 
-impl EnvoyHost {
+impl EnvoyHost<'_> {
     fn headers(&self, kind: u32) -> Headers {
         let mut out = Headers::default();
         // SAFETY: `ptr` is the stream Envoy passed to the running hook; the entries stay valid
@@ -98,7 +108,7 @@ impl EnvoyHost {
     }
 }
 
-impl Host for EnvoyHost {
+impl Host for EnvoyHost<'_> {
     fn request_headers(&self) -> Headers {
         self.headers(REQUEST_HEADER)
     }
@@ -162,6 +172,16 @@ impl Host for EnvoyHost {
         self.headers(RESPONSE_TRAILER)
     }
 
+    fn count(&mut self, name: &str, n: u64) {
+        // SAFETY: as in `headers`.
+        unsafe { self.metrics.count(self.ptr, name, n) }
+    }
+
+    fn set_gauge(&mut self, name: &str, value: u64) {
+        // SAFETY: as in `headers`.
+        unsafe { self.metrics.set_gauge(self.ptr, name, value) }
+    }
+
     fn now_ms(&self) -> u64 {
         SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
     }
@@ -170,8 +190,8 @@ impl Host for EnvoyHost {
 /// Runs a stream hook; a panic fails the stream open.
 unsafe fn with_stream(envoy: FilterEnvoyPtr, module: FilterModulePtr, f: impl FnOnce(&mut Stream, &mut EnvoyHost) -> Flow)
     -> Flow {
-    let stream = &mut *(module as *mut Stream);
-    let mut host = EnvoyHost { ptr: envoy };
+    let StreamContext { stream, metrics } = &mut *(module as *mut StreamContext);
+    let mut host = EnvoyHost { ptr: envoy, metrics };
     match catch_unwind(AssertUnwindSafe(|| f(stream, &mut host))) {
         Ok(flow) => flow,
         Err(_) => {
@@ -207,7 +227,7 @@ pub extern "C" fn envoy_dynamic_module_on_program_init() -> *const c_char {
 /// Called by Envoy with buffers valid for the call.
 #[no_mangle]
 pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_new(
-    _config_envoy: ConfigEnvoyPtr,
+    config_envoy: ConfigEnvoyPtr,
     _name: EnvoyBuffer,
     config: EnvoyBuffer,
 ) -> ConfigModulePtr {
@@ -217,7 +237,8 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_new(
             let shared = SHARED.get_or_init(|| Arc::new(Shared::default())).clone();
             // The slots and accounting record for this config's limits (a shrink evicts).
             Cache { data: &*shared, limits: &c.limits }.reconcile(&mut Outcome::default());
-            Box::into_raw(Box::new(FilterConfig { config: Arc::new(c), shared })) as ConfigModulePtr
+            let metrics = Arc::new(Metrics::define(config_envoy, &c));
+            Box::into_raw(Box::new(FilterConfig { config: Arc::new(c), shared, metrics })) as ConfigModulePtr
         }
         Err(e) => {
             eprintln!("meshcache native filter: {}", e);
@@ -240,14 +261,15 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_destroy(conf
 pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_new(config: ConfigModulePtr, _envoy: FilterEnvoyPtr)
     -> FilterModulePtr {
     let c = &*(config as *const FilterConfig);
-    Box::into_raw(Box::new(Stream::new(c.config.clone(), c.shared.clone()))) as FilterModulePtr
+    let stream = Stream::new(c.config.clone(), c.shared.clone());
+    Box::into_raw(Box::new(StreamContext { stream, metrics: c.metrics.clone() })) as FilterModulePtr
 }
 
 /// # Safety
 /// `module` is a pointer returned by `envoy_dynamic_module_on_http_filter_new`.
 #[no_mangle]
 pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_destroy(module: FilterModulePtr) {
-    drop(Box::from_raw(module as *mut Stream));
+    drop(Box::from_raw(module as *mut StreamContext));
 }
 
 /// # Safety

@@ -18,11 +18,17 @@ const SHARDS: usize = 16;
 pub struct Shared {
     shards: [Mutex<HashMap<String, (Vec<u8>, u32)>>; SHARDS],
     next_cas: AtomicU32,
+    /// Held while the gauges are read from the accounting record and set (metrics).
+    pub gauges: Mutex<()>,
 }
 
 impl Default for Shared {
     fn default() -> Self {
-        Shared { shards: std::array::from_fn(|_| Mutex::new(HashMap::new())), next_cas: AtomicU32::new(1) }
+        Shared {
+            shards: std::array::from_fn(|_| Mutex::new(HashMap::new())),
+            next_cas: AtomicU32::new(1),
+            gauges: Mutex::new(()),
+        }
     }
 }
 
