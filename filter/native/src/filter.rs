@@ -5,16 +5,20 @@
 //! The stream talks to Envoy only through `Host` (lib.rs implements it over the dynamic-module
 //! ABI; the tests below over a fake). gRPC hits are answered in one pass with headers, the
 //! framed message and a `grpc-status: 0` trailer (no hit route or Lua step, unlike the Wasm
-//! host). What this host does not do yet answers as the Wasm host does when the feature is off:
-//! the client role passes untouched (no routing key), requests are not coalesced, expired entries are not served stale (the
-//! request is forwarded and its answer replaces the entry), a principal-scoped policy sees no
-//! peer identity (`detail=no-identity`).
+//! host); HTTP stale-if-error answers an origin error with the expired entry. What this host
+//! does not do yet answers as the Wasm host does when the feature is off: the client role
+//! passes untouched (no routing key), requests are not coalesced, gRPC stale-if-error and
+//! stale-while-revalidate are not served (the request is forwarded and its answer replaces the
+//! entry), a principal-scoped policy sees no peer identity (`detail=no-identity`).
 
 use std::sync::Arc;
 
 use meshcache_core::answer::{self, HitRequest};
 use meshcache_core::cache_control::{NotStored, Ttl};
-use meshcache_core::config::{Config, Role};
+use meshcache_core::config::{Config, Policy, Role};
+use meshcache_core::entry::Entry;
+use meshcache_core::shaping::RequestId;
+use meshcache_core::stale;
 use meshcache_core::grpc;
 use meshcache_core::request::{self, BodyDecision, Cacheable, HeadDecision, RequestHead};
 use meshcache_core::accounting::{attribute, policy_tag};
@@ -93,15 +97,26 @@ enum State {
     Done,
 }
 
+/// An expired entry a forwarded HTTP request may be answered with if the origin fails
+/// (stale-if-error), read whole at lookup.
+struct Fallback {
+    entry: Entry,
+    policy: Policy,
+    /// Request headers and id, for the answer (If-None-Match, the caller's id).
+    headers: Vec<(String, String)>,
+    id: RequestId,
+}
+
 pub struct Stream {
     config: Arc<Config>,
     shared: Arc<Shared>,
     state: State,
+    fallback: Option<Box<Fallback>>,
 }
 
 impl Stream {
     pub fn new(config: Arc<Config>, shared: Arc<Shared>) -> Stream {
-        Stream { config, shared, state: State::Pass }
+        Stream { config, shared, state: State::Pass, fallback: None }
     }
 
     fn bypass(&mut self, host: &mut dyn Host, why: Bypass) -> Flow {
@@ -110,12 +125,17 @@ impl Stream {
         Flow::Continue
     }
 
-    fn record_outcome(host: &mut dyn Host, out: &Outcome) {
+    /// What a lookup or store freed on the way (evicted, expired, unreadable): counted, and the
+    /// gauges follow the space given back.
+    fn record_outcome(&self, host: &mut dyn Host, out: &Outcome) {
         if out.evicted > 0 {
             host.count(metric_names::EVICTIONS, out.evicted as u64);
         }
         if out.corrupt > 0 {
             host.count(metric_names::ERRORS, out.corrupt as u64);
+        }
+        if out.evicted > 0 || out.corrupt > 0 {
+            self.record_gauges(host);
         }
     }
 
@@ -211,16 +231,22 @@ impl Stream {
         let cache = Cache { data: &*self.shared, limits: &self.config.limits };
         let mut out = Outcome::default();
         let found = cache.lookup_keeping(&c.key, now, Lifetime::of(&c.policy), &mut out);
-        Self::record_outcome(host, &out);
+        self.record_outcome(host, &out);
         let entry = match found {
             Lookup::Hit(e) => e,
             Lookup::Miss(seen) => {
                 c.seen = seen;
                 return self.miss(host, c);
             }
-            Lookup::Stale(_, seen) => {
-                // Forwarded; a fresh answer replaces the expired entry where it is.
+            Lookup::Stale(e, seen) => {
+                // Forwarded; a fresh answer replaces the expired entry where it is. If
+                // stale-if-error may use the entry (HTTP only here), it stands by.
                 c.seen = Some(seen);
+                let if_error = stale::stale_use(&e, &c.policy, now).map_or(false, |u| u.if_error);
+                if if_error && !c.grpc {
+                    let fallback = Fallback { entry: e, policy: c.policy.clone(), headers: headers.to_vec(), id: c.request_id.clone() };
+                    self.fallback = Some(Box::new(fallback));
+                }
                 return self.miss(host, c);
             }
         };
@@ -257,6 +283,12 @@ impl Stream {
     }
 
     pub fn on_response_headers(&mut self, host: &mut dyn Host, end_of_stream: bool) -> Flow {
+        if let Some(f) = self.fallback.take() {
+            if self.stale_if_error(host, &f) {
+                self.state = State::Done;
+                return Flow::Stop;
+            }
+        }
         match std::mem::replace(&mut self.state, State::Done) {
             State::Bypass(why) => {
                 host.set_response_header(names::CACHE_STATUS, names::cache_status_bypass(why.detail()).as_bytes());
@@ -270,6 +302,29 @@ impl Stream {
                 Flow::Continue
             }
         }
+    }
+
+    /// The origin (or Envoy for it: unreachable, timed out) answered with an error and an
+    /// expired entry may stand in for it: answer with the entry instead (a local reply in the
+    /// response path goes straight to the client; the error is dropped). False: it passes.
+    fn stale_if_error(&mut self, host: &mut dyn Host, f: &Fallback) -> bool {
+        let response = host.response_headers();
+        let status: u16 = headermap::header(&response.pairs, ":status").and_then(|s| s.parse().ok()).unwrap_or(0);
+        if !stale::is_origin_error(status, headermap::header(&response.pairs, "grpc-status")) {
+            return false;
+        }
+        let now = host.now_ms();
+        let u = match stale::stale_use(&f.entry, &f.policy, now).filter(|u| u.if_error) {
+            Some(u) => u,
+            None => return false,
+        };
+        let request = HitRequest { headers: &f.headers, body: b"", id: &f.id };
+        let mut reply = answer::http_hit(&f.entry, &request, now);
+        answer::set_cache_status(&mut reply, names::cache_status_stale_if_error(u.past_s(), Some(status)));
+        let h: Vec<(&str, &[u8])> = reply.headers.iter().map(|(n, v)| (n.as_str(), v.as_bytes())).collect();
+        host.count(metric_names::STALE_IF_ERROR, 1);
+        host.send_response(reply.status as u32, &h, &reply.body);
+        true
     }
 
     fn start_collect(&mut self, host: &mut dyn Host, c: Cacheable, end_of_stream: bool) -> Flow {
@@ -397,7 +452,7 @@ impl Stream {
         let refresh = c.refresh;
         let mut out = Outcome::default();
         let result = storing::store_answer(&cache, &c, &headers, status, body, ttl, &mut out);
-        Self::record_outcome(host, &out);
+        self.record_outcome(host, &out);
         match result {
             Ok(stored) => {
                 host.count(metric_names::STORES, 1);
@@ -667,6 +722,7 @@ mod tests {
         e.now += 61_000;
         let expired = exchange(&e, INFER, &[], &[BODY], &[ANSWER], &[]);
         assert_eq!(status(&expired), "meshcache; fwd=miss; stored");
+        assert_eq!(expired.counts["meshcache.evictions"], 1, "the expired entry was freed at lookup");
         let hit = exchange(&e, INFER, &[], &[BODY], &[], &[]);
         assert!(status(&hit).starts_with("meshcache; hit"));
         let lower = Env { config: Arc::new(parse_plugin_config(br#"{"policies": [{"model_prefix": "m", "ttl_s": 0}]}"#).unwrap()),
@@ -733,5 +789,25 @@ mod tests {
         assert_eq!(get(&sent.1, "x-response-hash").unwrap(), hash);
         assert!(get(&sent.1, "cache-status").unwrap().starts_with("meshcache; hit"));
         assert_eq!(hit.sent_trailers, vec![("grpc-status".to_string(), "0".to_string())]);
+    }
+    #[test]
+    fn an_origin_error_is_answered_with_the_expired_entry_within_stale_if_error() {
+        let mut e = env(r#"{"policies": [{"model_prefix": "m", "ttl_s": 1, "stale_if_error_s": 30}]}"#);
+        exchange(&e, INFER, &[], &[BODY], &[ANSWER], &[]);
+        e.now += 3_000;
+        let mut h = Fake::default();
+        h.now.set(e.now);
+        h.req = vec![(":method".into(), "POST".into()), (":path".into(), INFER.into())];
+        let mut s = Stream::new(e.config.clone(), e.shared.clone());
+        s.on_request_headers(&mut h, false);
+        h.received = vec![BODY.to_vec()];
+        assert_eq!(s.on_request_body(&mut h, true), Flow::Continue, "expired: forwarded");
+        h.resp = vec![(":status".into(), "503".into())];
+        assert_eq!(s.on_response_headers(&mut h, false), Flow::Stop);
+        let sent = h.sent.borrow().clone().expect("the stale answer");
+        assert_eq!(sent.2, ANSWER);
+        assert_eq!(get(&sent.1, "cache-status").unwrap(),
+                   "meshcache; hit; stale; ttl=-2; fwd=stale; fwd-status=503; detail=stale-if-error");
+        assert_eq!(h.counts["meshcache.stale_if_error"], 1);
     }
 }
