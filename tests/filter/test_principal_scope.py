@@ -6,7 +6,6 @@ import ssl
 from pathlib import Path
 
 import httpx
-import pytest
 
 from meshcache.ctl.pki import CertificateAuthority, Identity, spiffe_id
 from tests.filter.stack import config, filter_stack, policy
@@ -20,8 +19,6 @@ def _client(identity: Identity) -> httpx.Client:
     return httpx.Client(verify=ctx)
 
 
-@pytest.mark.wasm_only("the native host does not read the peer's URI SAN yet: "
-                       "principal-scoped policies bypass there (detail=no-identity)")
 def test_entries_are_separated_by_peer_identity(tmp_path: Path, host: str) -> None:
     ca = CertificateAuthority.create()
     server = ca.issue(spiffe_id("ml", "engine"), tmp_path / "pki", "server")

@@ -103,6 +103,10 @@ pub const BODY_STOP_ITERATION_NO_BUFFER: u32 = 3;
 // envoy_dynamic_module_type_on_http_filter_{request,response}_trailers_status
 pub const TRAILERS_CONTINUE: u32 = 0;
 
+// envoy_dynamic_module_type_attribute_id: connection.uri_san_peer_certificate (the 38th entry;
+// 1.40's get_attribute_string switches over ids 0..=41).
+pub const ATTRIBUTE_CONNECTION_URI_SAN_PEER_CERTIFICATE: u32 = 37;
+
 // envoy_dynamic_module_type_metrics_result
 pub const METRICS_SUCCESS: u32 = 0;
 
@@ -218,6 +222,15 @@ extern "C" {
         label_values_size: usize,
         value: u64,
     ) -> u32;
+
+    /// A string attribute of the stream (Envoy's attribute vocabulary) into `result`, valid
+    /// until the hook returns; false when it has none. 1.40 takes one out-pointer to a buffer
+    /// struct (its disassembly writes pointer and length through the third argument).
+    pub fn envoy_dynamic_module_callback_http_filter_get_attribute_string(
+        filter: FilterEnvoyPtr,
+        attribute_id: u32,
+        result: *mut EnvoyBuffer,
+    ) -> bool;
 
     /// Response trailers (encodeTrailers), ending the stream.
     pub fn envoy_dynamic_module_callback_http_send_response_trailers(

@@ -9,7 +9,7 @@
 //! does not do yet answers as the Wasm host does when the feature is off: the client role
 //! passes untouched (no routing key), requests are not coalesced, gRPC stale-if-error and
 //! stale-while-revalidate are not served (the request is forwarded and its answer replaces the
-//! entry), a principal-scoped policy sees no peer identity (`detail=no-identity`).
+//! entry).
 
 use std::sync::Arc;
 
@@ -51,6 +51,8 @@ pub trait Host {
     fn response_trailers(&self) -> Headers;
     /// Wall clock, milliseconds since the epoch (entries record when they were stored).
     fn now_ms(&self) -> u64;
+    /// The peer's identity (its certificate's URI SAN), for principal-scoped policies.
+    fn peer_identity(&self) -> Option<String>;
     /// Adds to a counter (`meshcache_core::metric_names`).
     fn count(&mut self, name: &str, n: u64);
     fn set_gauge(&mut self, name: &str, value: u64);
@@ -219,7 +221,9 @@ impl Stream {
         let method = headermap::header(headers, ":method").unwrap_or("");
         let path = headermap::header(headers, ":path").unwrap_or("");
         let head = RequestHead { method, path, headers, not_utf8: &request.not_utf8 };
-        let mut c = match request::key_request(&self.config, &head, source, refresh, body, || None) {
+        // The peer identity is asked for only when the matched policy scopes by it.
+        let principal = || host.peer_identity();
+        let mut c = match request::key_request(&self.config, &head, source, refresh, body, principal) {
             BodyDecision::Bypass(why) => return self.bypass(host, why),
             BodyDecision::Cacheable(c) => c,
         };
@@ -500,6 +504,7 @@ mod tests {
         sent_trailers: Vec<(String, String)>,
         now: Cell<u64>,
         counts: std::collections::HashMap<String, u64>,
+        peer: Option<String>,
         gauges: std::collections::HashMap<String, u64>,
     }
 
@@ -549,6 +554,9 @@ mod tests {
         }
         fn now_ms(&self) -> u64 {
             self.now.get()
+        }
+        fn peer_identity(&self) -> Option<String> {
+            self.peer.clone()
         }
         fn count(&mut self, name: &str, n: u64) {
             *self.counts.entry(name.to_string()).or_default() += n;
@@ -809,5 +817,31 @@ mod tests {
         assert_eq!(get(&sent.1, "cache-status").unwrap(),
                    "meshcache; hit; stale; ttl=-2; fwd=stale; fwd-status=503; detail=stale-if-error");
         assert_eq!(h.counts["meshcache.stale_if_error"], 1);
+    }
+    /// `exchange` with the peer's identity set.
+    fn exchange_as(e: &Env, peer: Option<&str>) -> Fake {
+        let mut h = Fake { peer: peer.map(str::to_string), ..Fake::default() };
+        h.now.set(e.now);
+        h.req = vec![(":method".into(), "POST".into()), (":path".into(), INFER.into())];
+        let mut s = Stream::new(e.config.clone(), e.shared.clone());
+        s.on_request_headers(&mut h, false);
+        h.received = vec![BODY.to_vec()];
+        if s.on_request_body(&mut h, true) == Flow::Stop {
+            return h;
+        }
+        h.received = vec![ANSWER.to_vec()];
+        h.resp = vec![(":status".into(), "200".into()), ("content-length".into(), ANSWER.len().to_string())];
+        s.on_response_headers(&mut h, false);
+        s.on_response_body(&mut h, true);
+        h
+    }
+
+    #[test]
+    fn a_principal_scoped_policy_keeps_each_peers_entries_apart() {
+        let e = env(r#"{"policies": [{"model_prefix": "m", "ttl_s": 60, "scope": "principal"}]}"#);
+        assert_eq!(status(&exchange_as(&e, Some("spiffe://a"))), "meshcache; fwd=miss; stored");
+        assert!(status(&exchange_as(&e, Some("spiffe://a"))).starts_with("meshcache; hit"));
+        assert_eq!(status(&exchange_as(&e, Some("spiffe://b"))), "meshcache; fwd=miss; stored", "another peer, another entry");
+        assert_eq!(status(&exchange_as(&e, None)), "meshcache; fwd=bypass; detail=no-identity");
     }
 }

@@ -172,6 +172,17 @@ impl Host for EnvoyHost<'_> {
         self.headers(RESPONSE_TRAILER)
     }
 
+    fn peer_identity(&self) -> Option<String> {
+        let mut out = EnvoyBuffer::EMPTY;
+        // SAFETY: as in `headers`; the value is copied out before the hook returns.
+        unsafe {
+            envoy_dynamic_module_callback_http_filter_get_attribute_string(
+                self.ptr, ATTRIBUTE_CONNECTION_URI_SAN_PEER_CERTIFICATE, &mut out)
+                .then(|| String::from_utf8(out.as_slice().to_vec()).ok())
+                .flatten()
+        }
+    }
+
     fn count(&mut self, name: &str, n: u64) {
         // SAFETY: as in `headers`.
         unsafe { self.metrics.count(self.ptr, name, n) }
