@@ -12,9 +12,9 @@ to round. Besides req/s, each Envoy's CPU time per request (user + system), whic
 with the machine's other load. Prints its table (and `--json` writes the raw rounds); it does
 not touch docs/benchmarks.md.
 
-The native filter keys on a throwaway sha256 over (path, body) and does far less than the Wasm
-filter on a miss (no response hash, no ETag, no request-id handling, no coalescing): its miss
-numbers bound what a native miss can cost, they are not the full filter's.
+The native filter runs the same cache core as the Wasm filter (keys, request ids, response hash,
+ETag, the same store); it does not coalesce misses yet (filter/native/DESIGN.md, phase 2
+status). Numbers from before phase 2 (a throwaway key and store) are not comparable.
 """
 
 from __future__ import annotations

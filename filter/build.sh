@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# Builds filter/dist/meshcache_filter.wasm (`release`) or runs the host unit tests (`test`).
-# A rustup toolchain with the wasm32 target is used when present; otherwise Debian's rustc 1.63
-# with the crates Debian packages (no crates.io here).
+# Builds filter/dist/meshcache_filter.wasm (`release`) or runs the unit tests of the core and the
+# Wasm host (`test`): the workspace filter/Cargo.toml (core/, wasm/). A rustup toolchain with the
+# wasm32 target is used when present; otherwise Debian's rustc 1.63 with the crates Debian
+# packages (no crates.io here).
 # `native` builds the Envoy dynamic module filter/dist/libmeshcache_native.so and `native-test`
-# runs its unit tests: filter/native/ is its own Cargo package, built with rustup's stable
-# toolchain and pinned crates.io crates (Cargo.lock, --locked), never with the wasm toolchain.
+# runs its unit tests and the core's again: filter/native/ is its own Cargo package (depending on
+# core/ by path), built with rustup's stable toolchain and pinned crates.io crates (its own
+# Cargo.lock, --locked), never with the wasm toolchain.
 set -euo pipefail
 cd "$(dirname "$0")"
 mode=${1:-release}
@@ -27,7 +29,7 @@ case "$mode" in
     exit 0
     ;;
   native-test)
-    native_cargo test --quiet --locked
+    native_cargo test --quiet --locked -p meshcache-native -p meshcache-core
     exit 0
     ;;
 esac

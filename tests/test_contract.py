@@ -1,6 +1,6 @@
 """The Python contract against the filter's Rust source: limits, defaults, field and header names.
 
-filter/src/config.rs (and the header constants elsewhere in filter/src) are parsed (constants,
+filter/core/src/config.rs (and the header constants elsewhere in the core and the Wasm host) are parsed (constants,
 string literals), so a value changed on one side only fails here instead of at runtime in Envoy."""
 
 from __future__ import annotations
@@ -13,8 +13,10 @@ from meshcache.contract import filter_config as fc
 from meshcache.contract import grpc_hit, headers
 from meshcache.contract.paths import REPO_ROOT
 
-CONFIG_RS = (REPO_ROOT / "filter" / "src" / "config.rs").read_text()
-FILTER_SOURCES = "\n".join(p.read_text() for p in sorted((REPO_ROOT / "filter" / "src").glob("*.rs")))
+CONFIG_RS = (REPO_ROOT / "filter" / "core" / "src" / "config.rs").read_text()
+FILTER_SOURCES = "\n".join(
+    p.read_text() for crate in ("core", "wasm") for p in sorted((REPO_ROOT / "filter" / crate / "src").glob("*.rs"))
+)
 # Rust constant in config.rs -> the Python name that mirrors it.
 MIRRORED = {
     "DEFAULT_MAX_ENTRY_BYTES": "DEFAULT_MAX_ENTRY_BYTES",

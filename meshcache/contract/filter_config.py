@@ -1,4 +1,4 @@
-"""The filter's plugin configuration (parsed by filter/src/config.rs), defined once in Python.
+"""The filter's plugin configuration (parsed by filter/core/src/config.rs), defined once in Python.
 
 Field names are those of `Policy` and `Limits` plus the top-level `version`, `color`,
 `hold_headers` and `policies`. The defaults and limits below are the filter's own constants;
@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-# ---- the filter's constants (filter/src/config.rs) -----------------------------------------
+# ---- the filter's constants (filter/core/src/config.rs) -----------------------------------------
 DEFAULT_MAX_ENTRY_BYTES = 1_048_576
 DEFAULT_MAX_TOTAL_BYTES = 67_108_864
 DEFAULT_MAX_ENTRIES = 16_384

@@ -1,6 +1,6 @@
 """HTTP header names the filter, the Envoy configs, Istio's routes and the tools share.
 
-The filter's own copies are in filter/src/names.rs (tests/test_contract.py compares them)."""
+The filter's own copies are in filter/core/src/names.rs (tests/test_contract.py compares them)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The Envoy config that runs meshcache as a dynamic module (`filter/native/`, phase 1 of issue 24).
+"""The Envoy config that runs meshcache as a dynamic module (`filter/native/`, issue 24).
 
 `envoy.filters.http.dynamic_modules` loads `filter/dist/libmeshcache_native.so` (Envoy 1.40's
 dynamic-module ABI) and hands it the same plugin configuration JSON as the Wasm filter, carried as
@@ -15,12 +15,16 @@ from .wasm_filter import FILTER_NAME
 
 DYNAMIC_MODULE_TYPE_URL = "type.googleapis.com/envoy.extensions.filters.http.dynamic_modules.v3.DynamicModuleFilter"
 MODULE_FILTER_NAME = "meshcache"  # the filter name the module is asked for (`filter_name`)
+# The module's stats go under this namespace: the Wasm filter's prefix, so both hosts' stats read
+# `wasmcustom.meshcache.*` (one set of names for stats readers, the status page, dashboards).
+METRICS_NAMESPACE = "wasmcustom"
 
 
 def native_filter_config(module_path: Path, plugin_config: dict[str, Any]) -> dict[str, Any]:
     """`DynamicModuleFilter` as proto-JSON (without the @type)."""
     return {
-        "dynamic_module_config": {"module": {"local": {"filename": str(module_path)}}},
+        "dynamic_module_config": {"module": {"local": {"filename": str(module_path)}},
+                                  "metrics_namespace": METRICS_NAMESPACE},
         "filter_name": MODULE_FILTER_NAME,
         "filter_config": {
             "@type": "type.googleapis.com/google.protobuf.StringValue",

@@ -85,7 +85,7 @@ class CacheProxy:
     # Per-connection buffer limit of the listener and upstreams; None = Envoy's default (1 MiB),
     # what an Istio sidecar runs with. The filter works under either.
     buffer_limit_bytes: int | None = BUFFER_LIMIT_BYTES
-    # The cache as an Envoy dynamic module (filter/native/, phase 1 of issue 24) instead of the
+    # The cache as an Envoy dynamic module (filter/native/, issue 24) instead of the
     # Wasm filter: REST only for now (no single-pass gRPC hit step), no ECDS.
     native_module: Path | None = None
 

@@ -68,12 +68,15 @@ def filter_stack(tmp: Path, config: dict[str, Any], concurrency: int = 1,
                  upstream: tuple[int, int] | None = None,
                  without_grpc_hit_route: bool = False,
                  route_timeout_s: float | None = None,
-                 native: bool = False) -> Iterator[Stack]:
-    """`native`: the dynamic-module host (filter/native/, phase 1 of issue 24) instead of the
-    Wasm filter. `upstream`: (HTTP, gRPC) ports of a server the caller runs (the engine) instead of the
-    test origin. `without_grpc_hit_route`: a misconfigured Envoy lacking the single-pass hit
-    route and Lua filter. `route_timeout_s`: the routes' upstream timeout (Envoy answers 504,
-    gRPC UNAVAILABLE, past it)."""
+                 host: str = "wasm") -> Iterator[Stack]:
+    """`host`: which host of the cache core runs it, `wasm` (the proxy-wasm filter) or `native`
+    (the Envoy dynamic module, filter/native/; see conftest.py). `upstream`: (HTTP, gRPC) ports
+    of a server the caller runs (the engine) instead of the test origin.
+    `without_grpc_hit_route`: a misconfigured Envoy lacking the single-pass hit route and Lua
+    filter. `route_timeout_s`: the routes' upstream timeout (Envoy answers 504, gRPC UNAVAILABLE,
+    past it)."""
+    if host not in ("wasm", "native"):
+        raise ValueError(f"host: wasm or native, not {host!r}")
     listen_port, admin_port = procs.free_port(), procs.free_port()
     started: list[procs.Proc] = []
     origin: procs.Proc | None = None
@@ -92,7 +95,7 @@ def filter_stack(tmp: Path, config: dict[str, Any], concurrency: int = 1,
                            downstream_tls=tls, allowed_peers=allowed_peers or [],
                            allow_on_headers_stop_iteration=allow_on_headers_stop_iteration,
                            buffer_limit_bytes=buffer_limit_bytes,
-                           native_module=FILTER_NATIVE if native else None)
+                           native_module=FILTER_NATIVE if host == "native" else None)
         config_path = write(proxy, tmp / "envoy.yaml")
         if without_grpc_hit_route:
             doc = yaml.safe_load(config_path.read_text())

@@ -27,9 +27,9 @@ def _post(c: httpx.Client, url: str, headers: list[tuple[str, str | bytes]] | No
     return r
 
 
-def test_repeated_keyed_headers_are_never_shared(tmp_path: Path) -> None:
+def test_repeated_keyed_headers_are_never_shared(tmp_path: Path, host: str) -> None:
     cfg = config(policy("m", vary_headers=["x-tenant"]), color="green")
-    with filter_stack(tmp_path, cfg) as s, httpx.Client(timeout=10) as c:
+    with filter_stack(tmp_path, cfg, host=host) as s, httpx.Client(timeout=10) as c:
         url = s.url(INFER)
         # Entries for the plain colours exist...
         assert _post(c, url, [("x-traffic-color", "blue")]).headers["cache-status"] == STORED
@@ -50,8 +50,9 @@ def test_repeated_keyed_headers_are_never_shared(tmp_path: Path) -> None:
         assert s.origin_calls()["http"] == 2 + 3 * 2 + 2
 
 
-def test_upstream_vary(tmp_path: Path) -> None:
-    with filter_stack(tmp_path, config(policy("m", vary_headers=["x-tenant"]))) as s, httpx.Client(timeout=10) as c:
+def test_upstream_vary(tmp_path: Path, host: str) -> None:
+    with filter_stack(tmp_path, config(policy("m", vary_headers=["x-tenant"])), host=host) as s, \
+            httpx.Client(timeout=10) as c:
         url = s.url(INFER)
         cases = [("x-user", "meshcache; fwd=miss; detail=vary"), ("*", "meshcache; fwd=miss; detail=vary"),
                  ("Accept-Encoding", "meshcache; fwd=miss; detail=vary")]
@@ -77,9 +78,9 @@ def test_upstream_vary(tmp_path: Path) -> None:
         assert other.headers["cache-status"] == BYPASS + "model-conflict"
 
 
-def test_cookies_and_proxy_credentials(tmp_path: Path) -> None:
+def test_cookies_and_proxy_credentials(tmp_path: Path, host: str) -> None:
     cfg = config(policy("m"))
-    with filter_stack(tmp_path, cfg) as s, httpx.Client(timeout=10) as c:
+    with filter_stack(tmp_path, cfg, host=host) as s, httpx.Client(timeout=10) as c:
         url = s.url(INFER)
         _post(c, url)  # a shared entry exists
         for cred in ("cookie", "proxy-authorization"):
@@ -103,9 +104,9 @@ def test_cookies_and_proxy_credentials(tmp_path: Path) -> None:
         assert s.origin_calls()["http"] == 1 + 2 + 2 + 2
 
 
-def test_model_sources_that_disagree_bypass(tmp_path: Path) -> None:
+def test_model_sources_that_disagree_bypass(tmp_path: Path, host: str) -> None:
     cfg = config(policy("m"), policy("gpt"))
-    with filter_stack(tmp_path, cfg) as s, httpx.Client(timeout=10) as c:
+    with filter_stack(tmp_path, cfg, host=host) as s, httpx.Client(timeout=10) as c:
         assert _post(c, s.url(INFER)).headers["cache-status"] == STORED
         for _ in range(2):
             r = _post(c, s.url(INFER), [("x-model-id", "secret-model")])
@@ -120,13 +121,13 @@ def test_model_sources_that_disagree_bypass(tmp_path: Path) -> None:
         assert r.headers["cache-status"].startswith("meshcache; hit")
 
 
-def test_an_ambiguous_body_model_never_borrows_the_header_s_policy(tmp_path: Path) -> None:
+def test_an_ambiguous_body_model_never_borrows_the_header_s_policy(tmp_path: Path, host: str) -> None:
     """A chat body whose `model` is repeated or not a non-empty string is read by the server its
     own way (Python's json: the last one wins); the filter must not fall back to `x-model-id`
     and put the answer under that model's policy (here a shared one, open to every caller)."""
     cfg = config(policy("shared-m"))
     chat = "/v1/chat/completions"
-    with filter_stack(tmp_path, cfg) as s, httpx.Client(timeout=10) as c:
+    with filter_stack(tmp_path, cfg, host=host) as s, httpx.Client(timeout=10) as c:
         bodies = [b'{"model": "private-p", "model": "shared-m", "messages": []}',
                   b'{"model": "shared-m", "model": "private-p", "messages": []}',
                   b'{"model": "shared-m", "model": "shared-m", "messages": []}',
@@ -144,12 +145,12 @@ def test_an_ambiguous_body_model_never_borrows_the_header_s_policy(tmp_path: Pat
         assert _post(c, s.url(chat), body=b'{"messages": []}').headers["cache-status"] == BYPASS + "no-model"
 
 
-def test_inference_paths_spelled_otherwise_bypass(tmp_path: Path) -> None:
+def test_inference_paths_spelled_otherwise_bypass(tmp_path: Path, host: str) -> None:
     """`/v1/chat/completions/`, `//v1/...`, other case, percent-encoding: routers may send these
     to the chat API, where `deterministic_only` must apply; the filter does not guess: bypass."""
     cfg = config(policy("m", deterministic_only=True))
     sampled = b'{"model": "m", "temperature": 0.9, "messages": []}'
-    with filter_stack(tmp_path, cfg) as s, httpx.Client(timeout=10) as c:
+    with filter_stack(tmp_path, cfg, host=host) as s, httpx.Client(timeout=10) as c:
         paths = ["/v1/chat/completions/", "//v1/chat/completions", "/V1/Chat/Completions", "/v1/chat/%63ompletions",
                  "/v1//completions", "/v2/models/%6d/infer", "/v2/models/m/infer/"]
         for path in paths:
@@ -161,8 +162,9 @@ def test_inference_paths_spelled_otherwise_bypass(tmp_path: Path) -> None:
         assert r.headers["cache-status"] == BYPASS + "nondeterministic", "the canonical path"
 
 
-def test_header_values_are_compared_as_bytes(tmp_path: Path) -> None:
-    with filter_stack(tmp_path, config(policy("m", vary_headers=["x-tenant"]))) as s, httpx.Client(timeout=10) as c:
+def test_header_values_are_compared_as_bytes(tmp_path: Path, host: str) -> None:
+    with filter_stack(tmp_path, config(policy("m", vary_headers=["x-tenant"])), host=host) as s, \
+            httpx.Client(timeout=10) as c:
         url = s.url(INFER)
         first = _post(c, url, [("x-tenant", b"caf\xe9")])
         second = _post(c, url, [("x-tenant", b"caf\xea")])
@@ -175,8 +177,9 @@ def test_header_values_are_compared_as_bytes(tmp_path: Path) -> None:
         assert s.origin_calls()["http"] == 3
 
 
-def test_freshness_and_entry_size(tmp_path: Path) -> None:
-    with filter_stack(tmp_path, config(policy("m"), max_entry_bytes=1300)) as s, httpx.Client(timeout=10) as c:
+def test_freshness_and_entry_size(tmp_path: Path, host: str) -> None:
+    with filter_stack(tmp_path, config(policy("m"), max_entry_bytes=1300), host=host) as s, \
+            httpx.Client(timeout=10) as c:
         url = s.url(INFER)
         stale = [("x-origin-header", "Expires: Thu, 01 Jan 1970 00:00:00 GMT")]
         for shaping in (stale, [("x-origin-header", "Expires: 0")], [("x-origin-cache-control", "max-age=abc")]):

@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 
 import grpc
 import httpx
+import pytest
 
 from meshcache.contract.headers import CACHE_STATUS_COLLAPSED
 from meshcache.ctl import launchers
@@ -78,8 +79,9 @@ def coalescing(**fields: Any) -> dict[str, Any]:
     return config(policy("m", **fields), policy("resnet", **fields))
 
 
-def test_32_identical_http_misses_make_one_origin_call_on_both_workers(tmp_path: Path) -> None:
-    with filter_stack(tmp_path, coalescing(coalesce_timeout_ms=10_000), concurrency=2) as s:
+@pytest.mark.wasm_only("request coalescing: the native host sends identical misses upstream each")
+def test_32_identical_http_misses_make_one_origin_call_on_both_workers(tmp_path: Path, host: str) -> None:
+    with filter_stack(tmp_path, coalescing(coalesce_timeout_ms=10_000), concurrency=2, host=host) as s:
         answers = at_once(32, posts(s, body(), {"x-origin-delay": "1.5"}))
         assert [r.status_code for r in answers] == [200] * 32
         assert len({r.content for r in answers}) == 1, "32 identical answers"
@@ -95,8 +97,9 @@ def test_32_identical_http_misses_make_one_origin_call_on_both_workers(tmp_path:
         assert post(s, body()).headers["cache-status"].startswith("meshcache; hit; ttl=")
 
 
-def test_32_identical_grpc_misses_make_one_origin_call(tmp_path: Path) -> None:
-    with filter_stack(tmp_path, coalescing(coalesce_timeout_ms=10_000), concurrency=2) as s:
+@pytest.mark.wasm_only("request coalescing: the native host sends identical misses upstream each")
+def test_32_identical_grpc_misses_make_one_origin_call(tmp_path: Path, host: str) -> None:
+    with filter_stack(tmp_path, coalescing(coalesce_timeout_ms=10_000), concurrency=2, host=host) as s:
         answers = at_once(32, grpc_calls(s, lambda i: infer_request("resnet-mini"), (("x-origin-delay", "1.5"),)))
         assert len({message for message, _ in answers}) == 1, "32 identical messages"
         assert answers[0][0].startswith(b"\x0a\x0bresnet-mini")
@@ -107,8 +110,9 @@ def test_32_identical_grpc_misses_make_one_origin_call(tmp_path: Path) -> None:
         assert s.stats()["meshcache.coalesce.served"] == 31
 
 
-def test_grpc_waiters_keep_their_own_request_ids(tmp_path: Path) -> None:
-    with filter_stack(tmp_path, coalescing(), concurrency=2) as s:
+@pytest.mark.wasm_only("request coalescing: the native host sends identical misses upstream each")
+def test_grpc_waiters_keep_their_own_request_ids(tmp_path: Path, host: str) -> None:
+    with filter_stack(tmp_path, coalescing(), concurrency=2, host=host) as s:
         answers = at_once(8, grpc_calls(s, lambda i: infer_request("resnet-mini", request_id=b"id-%d" % i),
                                         (("x-origin-delay", "1"),)))
         for i, (message, _) in enumerate(answers):
@@ -117,8 +121,9 @@ def test_grpc_waiters_keep_their_own_request_ids(tmp_path: Path) -> None:
         assert s.origin_calls()["grpc"] == 1
 
 
-def test_a_waiter_gives_up_after_coalesce_timeout_ms_and_goes_upstream(tmp_path: Path) -> None:
-    with filter_stack(tmp_path, coalescing(coalesce_timeout_ms=200), concurrency=2) as s:
+@pytest.mark.wasm_only("request coalescing: the native host sends identical misses upstream each")
+def test_a_waiter_gives_up_after_coalesce_timeout_ms_and_goes_upstream(tmp_path: Path, host: str) -> None:
+    with filter_stack(tmp_path, coalescing(coalesce_timeout_ms=200), concurrency=2, host=host) as s:
         answers = at_once(4, posts(s, body(1), {"x-origin-delay": "1.5"}))
         assert [r.status_code for r in answers] == [200] * 4
         assert len({r.content for r in answers}) == 1
@@ -129,8 +134,9 @@ def test_a_waiter_gives_up_after_coalesce_timeout_ms_and_goes_upstream(tmp_path:
         assert stats["meshcache.coalesce.served"] == 0
 
 
-def test_leader_failure_hands_over_to_one_new_leader_and_waiters_are_answered(tmp_path: Path) -> None:
-    with filter_stack(tmp_path, coalescing(), concurrency=2) as s:
+@pytest.mark.wasm_only("request coalescing: the native host sends identical misses upstream each")
+def test_leader_failure_hands_over_to_one_new_leader_and_waiters_are_answered(tmp_path: Path, host: str) -> None:
+    with filter_stack(tmp_path, coalescing(), concurrency=2, host=host) as s:
         headers = {"x-origin-delay": "1", "x-origin-fail-first": "leader"}
         answers = at_once(16, posts(s, body(2), headers))
         codes = Counter(r.status_code for r in answers)
@@ -143,8 +149,9 @@ def test_leader_failure_hands_over_to_one_new_leader_and_waiters_are_answered(tm
         assert stats["meshcache.coalesce.released"] >= 15 and stats["meshcache.coalesce.served"] == 14
 
 
-def test_grpc_leader_failure_is_retried_by_one_waiter(tmp_path: Path) -> None:
-    with filter_stack(tmp_path, coalescing(), concurrency=2) as s:
+@pytest.mark.wasm_only("request coalescing: the native host sends identical misses upstream each")
+def test_grpc_leader_failure_is_retried_by_one_waiter(tmp_path: Path, host: str) -> None:
+    with filter_stack(tmp_path, coalescing(), concurrency=2, host=host) as s:
         meta = (("x-origin-delay", "1"), ("x-origin-fail-first", "grpc-leader"))
         one = grpc_calls(s, lambda i: infer_request("resnet-mini"), meta)
 
@@ -161,8 +168,9 @@ def test_grpc_leader_failure_is_retried_by_one_waiter(tmp_path: Path) -> None:
         assert s.origin_calls()["grpc"] == 2
 
 
-def test_an_uncacheable_answer_sends_every_waiter_upstream(tmp_path: Path) -> None:
-    with filter_stack(tmp_path, coalescing(), concurrency=2) as s:
+@pytest.mark.wasm_only("request coalescing: the native host sends identical misses upstream each")
+def test_an_uncacheable_answer_sends_every_waiter_upstream(tmp_path: Path, host: str) -> None:
+    with filter_stack(tmp_path, coalescing(), concurrency=2, host=host) as s:
         answers = at_once(6, posts(s, body(3), {"x-origin-delay": "1", "x-origin-cache-control": "no-store"}))
         assert [r.status_code for r in answers] == [200] * 6
         assert {r.headers["cache-status"] for r in answers} == {"meshcache; fwd=miss; detail=no-store"}
@@ -171,8 +179,9 @@ def test_an_uncacheable_answer_sends_every_waiter_upstream(tmp_path: Path) -> No
         assert stats["meshcache.coalesce.released"] == stats["meshcache.coalesce.waits"] == 5
 
 
-def test_a_leader_whose_client_goes_away_releases_its_waiters(tmp_path: Path) -> None:
-    with filter_stack(tmp_path, coalescing(), concurrency=2) as s:
+@pytest.mark.wasm_only("request coalescing: the native host sends identical misses upstream each")
+def test_a_leader_whose_client_goes_away_releases_its_waiters(tmp_path: Path, host: str) -> None:
+    with filter_stack(tmp_path, coalescing(), concurrency=2, host=host) as s:
         headers = {"x-origin-delay": "1.5"}
         leader = threading.Thread(target=lambda: _gives_up(s, body(4), headers))
         leader.start()
@@ -192,12 +201,13 @@ def _gives_up(s: Stack, content: bytes, headers: dict[str, str]) -> None:
     raise AssertionError("the leader was expected to time out on the client side")
 
 
-def test_without_held_headers_waiters_are_answered_too(tmp_path: Path) -> None:
+@pytest.mark.wasm_only("request coalescing: the native host sends identical misses upstream each")
+def test_without_held_headers_waiters_are_answered_too(tmp_path: Path, host: str) -> None:
     """Istio's WasmPlugin mode: the request headers have gone upstream; waiters pause their body
     and are answered by a local reply (Envoy resets their started upstream requests), HTTP and
     gRPC."""
     cfg = config(policy("m"), hold_headers=False)
-    with filter_stack(tmp_path, cfg, concurrency=2, allow_on_headers_stop_iteration=False) as s:
+    with filter_stack(tmp_path, cfg, concurrency=2, allow_on_headers_stop_iteration=False, host=host) as s:
         answers = at_once(8, posts(s, body(7), {"x-origin-delay": "1"}))
         assert [r.status_code for r in answers] == [200] * 8
         assert len({r.content for r in answers}) == 1
@@ -211,8 +221,8 @@ def test_without_held_headers_waiters_are_answered_too(tmp_path: Path) -> None:
         assert s.origin_calls()["grpc"] == 1
 
 
-def test_coalesce_timeout_ms_0_turns_it_off(tmp_path: Path) -> None:
-    with filter_stack(tmp_path, coalescing(coalesce_timeout_ms=0), concurrency=2) as s:
+def test_coalesce_timeout_ms_0_turns_it_off(tmp_path: Path, host: str) -> None:
+    with filter_stack(tmp_path, coalescing(coalesce_timeout_ms=0), concurrency=2, host=host) as s:
         answers = at_once(8, posts(s, body(5), {"x-origin-delay": "1"}))
         # Identical answers stored at once: one store wins the slot, the others say so.
         assert {r.headers["cache-status"] for r in answers} <= {STORED, "meshcache; fwd=miss; detail=contended"}
@@ -220,8 +230,8 @@ def test_coalesce_timeout_ms_0_turns_it_off(tmp_path: Path) -> None:
         assert s.stats()["meshcache.coalesce.waits"] == 0
 
 
-def test_distinct_keys_are_not_coalesced(tmp_path: Path) -> None:
-    with filter_stack(tmp_path, coalescing(), concurrency=2) as s:
+def test_distinct_keys_are_not_coalesced(tmp_path: Path, host: str) -> None:
+    with filter_stack(tmp_path, coalescing(), concurrency=2, host=host) as s:
         answers = at_once(12, lambda i, ready: posts(s, body(100 + i), {"x-origin-delay": "1"})(i, ready))
         assert {r.headers["cache-status"] for r in answers} == {STORED}
         assert len({r.content for r in answers}) == 12
@@ -229,11 +239,12 @@ def test_distinct_keys_are_not_coalesced(tmp_path: Path) -> None:
         assert s.stats()["meshcache.coalesce.waits"] == 0
 
 
-def test_waiters_past_the_per_key_bound_go_upstream_and_are_counted(tmp_path: Path) -> None:
+@pytest.mark.wasm_only("request coalescing: the native host sends identical misses upstream each")
+def test_waiters_past_the_per_key_bound_go_upstream_and_are_counted(tmp_path: Path, host: str) -> None:
     """An attacker (or a stampede) sending many identical requests cannot park more than the
     bound per key and worker: the rest go upstream at once, counted as overflow."""
     n = 200
-    with filter_stack(tmp_path, coalescing(), concurrency=2) as s:
+    with filter_stack(tmp_path, coalescing(), concurrency=2, host=host) as s:
         answers = at_once(n, posts(s, body(6), {"x-origin-delay": "3"}))
         assert [r.status_code for r in answers] == [200] * n
         assert len({r.content for r in answers}) == 1
@@ -245,9 +256,10 @@ def test_waiters_past_the_per_key_bound_go_upstream_and_are_counted(tmp_path: Pa
         assert stats["meshcache.coalesce.served"] == waits
 
 
-def test_an_expired_hot_entry_is_refreshed_by_one_request(tmp_path: Path) -> None:
+@pytest.mark.wasm_only("request coalescing: the native host sends identical misses upstream each")
+def test_an_expired_hot_entry_is_refreshed_by_one_request(tmp_path: Path, host: str) -> None:
     """A popular entry's expiry is a stampede too: its refresh is coalesced like a miss."""
-    with filter_stack(tmp_path, coalescing(), concurrency=2) as s:
+    with filter_stack(tmp_path, coalescing(), concurrency=2, host=host) as s:
         first = post(s, body(8), {"x-origin-cache-control": "max-age=1"})
         assert first.headers["cache-status"] == STORED
         time.sleep(1.2)
@@ -256,10 +268,11 @@ def test_an_expired_hot_entry_is_refreshed_by_one_request(tmp_path: Path) -> Non
         assert s.origin_calls()["http"] == 2
 
 
-def test_when_the_refresh_fails_every_waiter_gets_the_stale_entry(tmp_path: Path) -> None:
+@pytest.mark.wasm_only("request coalescing: the native host sends identical misses upstream each")
+def test_when_the_refresh_fails_every_waiter_gets_the_stale_entry(tmp_path: Path, host: str) -> None:
     """stale-if-error with coalescing: the one request that went upstream met the origin's 503
     and was answered from the expired entry; its waiters are answered from it too."""
-    with filter_stack(tmp_path, coalescing(stale_if_error_s=30), concurrency=2) as s:
+    with filter_stack(tmp_path, coalescing(stale_if_error_s=30), concurrency=2, host=host) as s:
         first = post(s, body(9), {"x-origin-cache-control": "max-age=1"})
         time.sleep(1.2)
         answers = at_once(8, posts(s, body(9), {"x-origin-delay": "1", "x-origin-status": "503"}))
@@ -274,8 +287,9 @@ def test_when_the_refresh_fails_every_waiter_gets_the_stale_entry(tmp_path: Path
         assert (stats["meshcache.stale_if_error"], stats["meshcache.coalesce.served"]) == (8, 7)
 
 
-def test_grpc_waiters_get_the_stale_message_when_the_refresh_fails(tmp_path: Path) -> None:
-    with filter_stack(tmp_path, config(policy("resnet", ttl_s=1, stale_if_error_s=30)), concurrency=2) as s:
+@pytest.mark.wasm_only("request coalescing: the native host sends identical misses upstream each")
+def test_grpc_waiters_get_the_stale_message_when_the_refresh_fails(tmp_path: Path, host: str) -> None:
+    with filter_stack(tmp_path, config(policy("resnet", ttl_s=1, stale_if_error_s=30)), concurrency=2, host=host) as s:
         request = infer_request("resnet-mini")
         first, _ = s.grpc_infer(request)
         time.sleep(1.2)

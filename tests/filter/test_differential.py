@@ -202,14 +202,14 @@ def _check_grpc(message: bytes, answer: bytes | None, code: grpc.StatusCode, sta
         assert _policy_from_ttl(status) == _policy_of(parsed.model_name), (message, status)
 
 
-def test_the_filter_reads_requests_as_the_servers_do_or_stays_out(tmp_path: Path) -> None:
+def test_the_filter_reads_requests_as_the_servers_do_or_stays_out(tmp_path: Path, host: str) -> None:
     rng = random.Random(SEED)
     rest: list[RestRequest] = []
     for _ in range(REST_REQUESTS):
         rest.append(_rest_variant(rng, rng.choice(rest)) if rest and rng.random() < 0.3 else _rest_request(rng))
     grpc_requests = [(_grpc_request(rng), rng.random() < 0.1) for _ in range(GRPC_REQUESTS)]
     tally: Counter[str] = Counter()
-    with filter_stack(tmp_path, config(*POLICIES)) as s, httpx.Client(timeout=10) as c:
+    with filter_stack(tmp_path, config(*POLICIES), host=host) as s, httpx.Client(timeout=10) as c:
         for req in rest:
             for n in range(2):  # the second one hits when the first was stored: its TTL names the policy
                 r = c.post(s.url(req.path), content=req.body, headers=req.headers)

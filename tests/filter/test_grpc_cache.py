@@ -27,8 +27,8 @@ def _envoy_clusters(s: Stack) -> str:
 
 
 @pytest.mark.parametrize("limits", LIMITS)
-def test_grpc_hit_returns_full_message_without_calling_origin(tmp_path: Path, limits: str) -> None:
-    with filter_stack(tmp_path, config(policy("resnet")), buffer_limit_bytes=LIMITS[limits]) as s:
+def test_grpc_hit_returns_full_message_without_calling_origin(tmp_path: Path, limits: str, host: str) -> None:
+    with filter_stack(tmp_path, config(policy("resnet")), buffer_limit_bytes=LIMITS[limits], host=host) as s:
         request = infer_request("resnet-mini")
         first, call1 = s.grpc_infer(request)
         md1 = dict(call1.initial_metadata())
@@ -50,9 +50,9 @@ def test_grpc_hit_returns_full_message_without_calling_origin(tmp_path: Path, li
 
 @pytest.mark.parametrize("limits", LIMITS)
 @pytest.mark.parametrize("size", [0, 47, 700_000, 3_000_000])
-def test_grpc_hit_message_sizes_exact_bytes(tmp_path: Path, limits: str, size: int) -> None:
+def test_grpc_hit_message_sizes_exact_bytes(tmp_path: Path, limits: str, size: int, host: str) -> None:
     cfg = config(policy("resnet"), max_entry_bytes=4 * 1_048_576)
-    with filter_stack(tmp_path, cfg, buffer_limit_bytes=LIMITS[limits]) as s:
+    with filter_stack(tmp_path, cfg, buffer_limit_bytes=LIMITS[limits], host=host) as s:
         meta = (("x-origin-size", str(size)),)
         first, call1 = s.grpc_infer(infer_request("resnet-mini"), meta)
         assert len(first) >= max(size, 32)
@@ -62,8 +62,8 @@ def test_grpc_hit_message_sizes_exact_bytes(tmp_path: Path, limits: str, size: i
         assert s.origin_calls()["grpc"] == 1
 
 
-def test_grpc_version_and_model_fields_key_the_entry(tmp_path: Path) -> None:
-    with filter_stack(tmp_path, config(policy("resnet"))) as s:
+def test_grpc_version_and_model_fields_key_the_entry(tmp_path: Path, host: str) -> None:
+    with filter_stack(tmp_path, config(policy("resnet")), host=host) as s:
         requests = [infer_request("resnet-mini"), infer_request("resnet-mini", "2"), infer_request("resnet-big")]
         for r in requests:
             _, call = s.grpc_infer(r)
@@ -74,8 +74,8 @@ def test_grpc_version_and_model_fields_key_the_entry(tmp_path: Path) -> None:
         assert s.origin_calls()["grpc"] == 3
 
 
-def test_grpc_errors_are_not_stored(tmp_path: Path) -> None:
-    with filter_stack(tmp_path, config(policy("resnet"))) as s:
+def test_grpc_errors_are_not_stored(tmp_path: Path, host: str) -> None:
+    with filter_stack(tmp_path, config(policy("resnet")), host=host) as s:
         for _ in range(2):
             with pytest.raises(grpc.RpcError) as err:
                 s.grpc_infer(infer_request("resnet-mini"), (("x-origin-grpc-fail", "1"),))
@@ -85,8 +85,8 @@ def test_grpc_errors_are_not_stored(tmp_path: Path) -> None:
         assert s.stats().get("meshcache.stores", 0) == 0
 
 
-def test_grpc_model_without_policy_bypasses_and_markers_cannot_be_forged(tmp_path: Path) -> None:
-    with filter_stack(tmp_path, config(policy("resnet"))) as s:
+def test_grpc_model_without_policy_bypasses_and_markers_cannot_be_forged(tmp_path: Path, host: str) -> None:
+    with filter_stack(tmp_path, config(policy("resnet")), host=host) as s:
         forged = (("x-meshcache-local", "1"), ("x-meshcache-hit", "0:" + "00" * 32))
         for _ in range(2):
             response, call = s.grpc_infer(infer_request("text-embedder"), forged)
@@ -95,12 +95,12 @@ def test_grpc_model_without_policy_bypasses_and_markers_cannot_be_forged(tmp_pat
         assert s.origin_calls()["grpc"] == 2
 
 
-def test_grpc_hits_never_fail_under_eviction_churn(tmp_path: Path) -> None:
+def test_grpc_hits_never_fail_under_eviction_churn(tmp_path: Path, host: str) -> None:
     """Many concurrent calls over more distinct requests than the cache has slots: entries are
     evicted between one call's lookup and another's, and every call still gets the right answer
     (the internal-listener design failed 92 of 1,500 calls here with UNKNOWN)."""
     cfg = config(policy("resnet"), max_entries=4, max_total_bytes=4 * 1200, max_entry_bytes=1200)
-    with filter_stack(tmp_path, cfg, concurrency=2) as s:
+    with filter_stack(tmp_path, cfg, concurrency=2, host=host) as s:
         requests = [infer_request("resnet-mini", version=f"r{i}") for i in range(24)]
         expected = {}
         with grpc.insecure_channel(f"127.0.0.1:{s.listen_port}") as channel:
@@ -121,8 +121,8 @@ def test_grpc_hits_never_fail_under_eviction_churn(tmp_path: Path) -> None:
         assert sum(not st.startswith("meshcache; hit") for st in statuses) > 0, "churn happened"
 
 
-def test_grpc_web_bypasses(tmp_path: Path) -> None:
-    with filter_stack(tmp_path, config(policy("resnet"))) as s:
+def test_grpc_web_bypasses(tmp_path: Path, host: str) -> None:
+    with filter_stack(tmp_path, config(policy("resnet")), host=host) as s:
         message = infer_request("resnet-mini")
         framed = b"\x00" + len(message).to_bytes(4, "big") + message
         headers = {"content-type": "application/grpc-web+proto", "x-grpc-web": "1"}
@@ -133,10 +133,10 @@ def test_grpc_web_bypasses(tmp_path: Path) -> None:
         assert s.stats().get("meshcache.hits", 0) == 0
 
 
-def test_compressed_messages_say_so(tmp_path: Path) -> None:
+def test_compressed_messages_say_so(tmp_path: Path, host: str) -> None:
     """A gzip-compressed message (grpc-encoding: gzip) is not read: the bypass says `compressed`;
     the same client without compression is cached."""
-    with filter_stack(tmp_path, config(policy("resnet"))) as s:
+    with filter_stack(tmp_path, config(policy("resnet")), host=host) as s:
         # Compressible (gRPC sends a message uncompressed when gzip would not shrink it).
         request = infer_request("resnet-mini", request_id=b"z-1", extra=b"\x7a\x80\x02" + b"a" * 256)
         with grpc.insecure_channel(f"127.0.0.1:{s.listen_port}", compression=grpc.Compression.Gzip) as channel:
@@ -152,7 +152,8 @@ def test_compressed_messages_say_so(tmp_path: Path) -> None:
 
 def test_missing_hit_route_fails_one_call_retryably_then_bypasses(tmp_path: Path) -> None:
     """An Envoy without the hit route or Lua filter cannot give a hit its body: that call gets
-    UNAVAILABLE (never OK without a message), and gRPC requests bypass from then on."""
+    UNAVAILABLE (never OK without a message), and gRPC requests bypass from then on. The Wasm
+    host's only: the native host answers gRPC hits itself, without the route."""
     with filter_stack(tmp_path, config(policy("resnet")), without_grpc_hit_route=True) as s:
         request = infer_request("resnet-mini")
         first, _ = s.grpc_infer(request)

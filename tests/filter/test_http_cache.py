@@ -17,8 +17,8 @@ NOT_STORED = "meshcache; fwd=miss; detail="
 BODY = b'{"inputs": [{"name": "x", "shape": [1, 2], "datatype": "FP32", "data": [1, 2]}]}'
 
 
-def test_second_identical_request_is_a_hit_and_origin_is_not_called(tmp_path: Path) -> None:
-    with filter_stack(tmp_path, config()) as s, httpx.Client() as c:
+def test_second_identical_request_is_a_hit_and_origin_is_not_called(tmp_path: Path, host: str) -> None:
+    with filter_stack(tmp_path, config(), host=host) as s, httpx.Client() as c:
         first = c.post(s.url(INFER), content=BODY, headers={"content-type": "application/json"})
         assert first.status_code == 200
         assert first.headers["cache-status"] == "meshcache; fwd=miss; stored"
@@ -44,9 +44,9 @@ def test_second_identical_request_is_a_hit_and_origin_is_not_called(tmp_path: Pa
         assert stats["meshcache.bytes"] > len(first.content)
 
 
-def test_model_sources_header_and_openai_body(tmp_path: Path) -> None:
+def test_model_sources_header_and_openai_body(tmp_path: Path, host: str) -> None:
     cfg = config(policy("m"), policy("gpt", ttl_s=30))
-    with filter_stack(tmp_path, cfg) as s, httpx.Client() as c:
+    with filter_stack(tmp_path, cfg, host=host) as s, httpx.Client() as c:
         for _ in range(2):
             r = c.post(s.url("/v1/infer"), content=b'{"input": [1], "shape": [1]}', headers={"x-model-id": "m-small"})
         assert r.headers["cache-status"] == "meshcache; hit; ttl=60"
@@ -59,9 +59,9 @@ def test_model_sources_header_and_openai_body(tmp_path: Path) -> None:
         assert s.origin_calls()["http"] == 3
 
 
-def test_what_shapes_the_answer_gets_its_own_entry(tmp_path: Path) -> None:
+def test_what_shapes_the_answer_gets_its_own_entry(tmp_path: Path, host: str) -> None:
     cfg = config(policy("m", vary_headers=["x-tenant"]), color="inference-2026")
-    with filter_stack(tmp_path, cfg) as s, httpx.Client() as c:
+    with filter_stack(tmp_path, cfg, host=host) as s, httpx.Client() as c:
         variants = [
             ("/v2/models/m/infer", BODY, {}),
             ("/v2/models/m/infer", BODY + b" ", {}),
@@ -86,9 +86,9 @@ def test_what_shapes_the_answer_gets_its_own_entry(tmp_path: Path) -> None:
         assert s.origin_calls()["http"] == len(variants)
 
 
-def test_ttl_expiry_and_origin_cache_control(tmp_path: Path) -> None:
+def test_ttl_expiry_and_origin_cache_control(tmp_path: Path, host: str) -> None:
     cfg = config(policy("short", ttl_s=1), policy("m", ttl_s=60, max_ttl_s=120))
-    with filter_stack(tmp_path, cfg) as s, httpx.Client() as c:
+    with filter_stack(tmp_path, cfg, host=host) as s, httpx.Client() as c:
         url = s.url("/v2/models/short/infer")
         assert c.post(url, content=BODY).headers["cache-status"] == "meshcache; fwd=miss; stored"
         assert c.post(url, content=BODY).headers["cache-status"] == "meshcache; hit; ttl=1"
@@ -118,8 +118,9 @@ def test_ttl_expiry_and_origin_cache_control(tmp_path: Path) -> None:
          "meshcache; fwd=bypass; detail=credentials"),
     ],
 )
-def test_not_cached(tmp_path: Path, request_headers: dict[str, str], first_status: str, then_status: str) -> None:
-    with filter_stack(tmp_path, config()) as s, httpx.Client() as c:
+def test_not_cached(tmp_path: Path, request_headers: dict[str, str], first_status: str, then_status: str,
+                    host: str) -> None:
+    with filter_stack(tmp_path, config(), host=host) as s, httpx.Client() as c:
         first = c.post(s.url(INFER), content=BODY, headers=request_headers)
         second = c.post(s.url(INFER), content=BODY, headers=request_headers)
         assert first.headers["cache-status"] == first_status
@@ -129,8 +130,8 @@ def test_not_cached(tmp_path: Path, request_headers: dict[str, str], first_statu
         assert s.origin_calls()["http"] == 2
 
 
-def test_client_no_cache_refreshes_the_entry(tmp_path: Path) -> None:
-    with filter_stack(tmp_path, config()) as s, httpx.Client() as c:
+def test_client_no_cache_refreshes_the_entry(tmp_path: Path, host: str) -> None:
+    with filter_stack(tmp_path, config(), host=host) as s, httpx.Client() as c:
         assert c.post(s.url(INFER), content=BODY).headers["cache-status"] == "meshcache; fwd=miss; stored"
         r = c.post(s.url(INFER), content=BODY, headers={"cache-control": "no-cache"})
         assert r.headers["cache-status"] == "meshcache; fwd=request; stored"
@@ -138,9 +139,9 @@ def test_client_no_cache_refreshes_the_entry(tmp_path: Path) -> None:
         assert s.origin_calls()["http"] == 2
 
 
-def test_model_without_policy_and_non_inference_requests(tmp_path: Path) -> None:
+def test_model_without_policy_and_non_inference_requests(tmp_path: Path, host: str) -> None:
     cfg = config(policy("m"), policy("off", enabled=False))
-    with filter_stack(tmp_path, cfg) as s, httpx.Client() as c:
+    with filter_stack(tmp_path, cfg, host=host) as s, httpx.Client() as c:
         for path, why in (("/v2/models/other/infer", "no-policy"), ("/v2/models/off/infer", "disabled")):
             for _ in range(2):
                 r = c.post(s.url(path), content=BODY)
@@ -155,8 +156,8 @@ def test_model_without_policy_and_non_inference_requests(tmp_path: Path) -> None
         assert s.stats()["meshcache.bypasses"] == 5
 
 
-def test_oversized_answers_pass_through_unstored(tmp_path: Path) -> None:
-    with filter_stack(tmp_path, config(max_entry_bytes=1000)) as s, httpx.Client() as c:
+def test_oversized_answers_pass_through_unstored(tmp_path: Path, host: str) -> None:
+    with filter_stack(tmp_path, config(max_entry_bytes=1000), host=host) as s, httpx.Client() as c:
         for _ in range(2):
             r = c.post(s.url(INFER), content=BODY, headers={"x-origin-size": "5000"})
             assert r.status_code == 200
@@ -167,8 +168,8 @@ def test_oversized_answers_pass_through_unstored(tmp_path: Path) -> None:
         assert s.origin_calls()["http"] == 3
 
 
-def test_if_none_match_gets_304(tmp_path: Path) -> None:
-    with filter_stack(tmp_path, config()) as s, httpx.Client() as c:
+def test_if_none_match_gets_304(tmp_path: Path, host: str) -> None:
+    with filter_stack(tmp_path, config(), host=host) as s, httpx.Client() as c:
         etag = c.post(s.url(INFER), content=BODY).headers["etag"]
         r = c.post(s.url(INFER), content=BODY, headers={"if-none-match": etag})
         assert r.status_code == 304
@@ -190,8 +191,8 @@ def test_if_none_match_gets_304(tmp_path: Path) -> None:
         assert r.headers["etag"] == '"v7"'
 
 
-def test_client_cannot_forge_internal_markers(tmp_path: Path) -> None:
-    with filter_stack(tmp_path, config()) as s, httpx.Client() as c:
+def test_client_cannot_forge_internal_markers(tmp_path: Path, host: str) -> None:
+    with filter_stack(tmp_path, config(), host=host) as s, httpx.Client() as c:
         first = c.post(s.url(INFER), content=BODY)
         forged = {"x-meshcache-hit": "00" * 32, "x-meshcache-local": "1"}
         r = c.post(s.url("/v2/models/nopolicy/infer"), content=BODY, headers=forged)
@@ -203,8 +204,8 @@ def test_client_cannot_forge_internal_markers(tmp_path: Path) -> None:
         assert first.status_code == 200
 
 
-def test_all_workers_share_one_cache(tmp_path: Path) -> None:
-    with filter_stack(tmp_path, config(), concurrency=2) as s:
+def test_all_workers_share_one_cache(tmp_path: Path, host: str) -> None:
+    with filter_stack(tmp_path, config(), concurrency=2, host=host) as s:
         assert httpx.post(s.url(INFER), content=BODY).headers["cache-status"] == "meshcache; fwd=miss; stored"
         statuses = set()
         for _ in range(12):
@@ -214,9 +215,9 @@ def test_all_workers_share_one_cache(tmp_path: Path) -> None:
         assert s.origin_calls()["http"] == 1
 
 
-def test_memory_bound_holds_after_filling_past_the_limit(tmp_path: Path) -> None:
+def test_memory_bound_holds_after_filling_past_the_limit(tmp_path: Path, host: str) -> None:
     cfg = config(max_entries=8, max_total_bytes=16384, max_entry_bytes=4096)
-    with filter_stack(tmp_path, cfg) as s, httpx.Client() as c:
+    with filter_stack(tmp_path, cfg, host=host) as s, httpx.Client() as c:
         for i in range(40):
             r = c.post(s.url(INFER), content=f'{{"request": {i}}}'.encode(), headers={"x-origin-size": "1500"})
             assert r.headers["cache-status"] == "meshcache; fwd=miss; stored"
@@ -231,9 +232,9 @@ def test_memory_bound_holds_after_filling_past_the_limit(tmp_path: Path) -> None
         assert r.headers["cache-status"].startswith("meshcache; hit")
 
 
-def test_concurrent_misses_for_one_key_store_once_and_account_exactly(tmp_path: Path) -> None:
+def test_concurrent_misses_for_one_key_store_once_and_account_exactly(tmp_path: Path, host: str) -> None:
     # Coalescing off: the three misses go upstream together and race to store.
-    with filter_stack(tmp_path, config(policy("m", coalesce_timeout_ms=0))) as s:
+    with filter_stack(tmp_path, config(policy("m", coalesce_timeout_ms=0)), host=host) as s:
         shaping = {"x-origin-size": "500", "x-origin-delay": "0.6"}
         with ThreadPoolExecutor(3) as pool:
             statuses = sorted(pool.map(
@@ -250,25 +251,25 @@ def test_concurrent_misses_for_one_key_store_once_and_account_exactly(tmp_path: 
         assert two["meshcache.bytes"] == 2 * one["meshcache.bytes"]
 
 
-def test_invalid_configuration_is_rejected_with_the_field_named(tmp_path: Path) -> None:
+def test_invalid_configuration_is_rejected_with_the_field_named(tmp_path: Path, host: str) -> None:
     from meshcache.ctl.procs import StartError
 
     bad = config(policy("m", ttl_s=10, max_ttl_s=5))
-    with pytest.raises(StartError) as err, filter_stack(tmp_path, bad):
+    with pytest.raises(StartError) as err, filter_stack(tmp_path, bad, host=host):
         pass
     assert "invalid plugin configuration: policies[0].max_ttl_s: must be at least ttl_s" in str(err.value) or (
         "policies[0].max_ttl_s" in (tmp_path / "envoy.log").read_text()
     )
 
 
-def test_entries_and_bytes_per_policy_add_up_under_two_workers(tmp_path: Path) -> None:
+def test_entries_and_bytes_per_policy_add_up_under_two_workers(tmp_path: Path, host: str) -> None:
     """Two Envoy workers race stores of the same keys for two policies (and evict, the store being
     small): the per-policy gauges always add up to the totals, nothing is unattributed."""
     cfg = config(policy("m"), policy("gpt", ttl_s=30), max_entries=32, max_total_bytes=48 * 1024,
                  max_entry_bytes=4096)
     bodies = [(f"/v2/models/{model}/infer", f'{{"request": {i}}}'.encode()) for i in range(40)
               for model in ("m-small", "gpt-mini")]
-    with filter_stack(tmp_path, cfg, concurrency=2) as s, ThreadPoolExecutor(8) as pool:
+    with filter_stack(tmp_path, cfg, concurrency=2, host=host) as s, ThreadPoolExecutor(8) as pool:
         def send(item: tuple[str, bytes]) -> str:
             path, body = item
             r = httpx.post(s.url(path), content=body, headers={"x-origin-size": "700"}, timeout=10)

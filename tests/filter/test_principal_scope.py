@@ -19,13 +19,13 @@ def _client(identity: Identity) -> httpx.Client:
     return httpx.Client(verify=ctx)
 
 
-def test_entries_are_separated_by_peer_identity(tmp_path: Path) -> None:
+def test_entries_are_separated_by_peer_identity(tmp_path: Path, host: str) -> None:
     ca = CertificateAuthority.create()
     server = ca.issue(spiffe_id("ml", "engine"), tmp_path / "pki", "server")
     alice = ca.issue(spiffe_id("team-a", "app"), tmp_path / "pki", "alice")
     bob = ca.issue(spiffe_id("team-b", "app"), tmp_path / "pki", "bob")
     cfg = config(policy("private", scope="principal"), policy("shared"))
-    with filter_stack(tmp_path, cfg, tls=server) as s, _client(alice) as a, _client(bob) as b:
+    with filter_stack(tmp_path, cfg, tls=server, host=host) as s, _client(alice) as a, _client(bob) as b:
         url = f"https://localhost:{s.listen_port}/v2/models/private/infer"
         # Authorization does not bypass a principal-scoped policy: the entry is the caller's own.
         auth = {"authorization": "Bearer token"}

@@ -25,8 +25,8 @@ def rest_body(request_id: str | None, inputs: list[dict] = INPUTS) -> bytes:
     return json.dumps(body).encode()
 
 
-def test_rest_hit_answers_with_the_callers_id(tmp_path: Path) -> None:
-    with filter_stack(tmp_path, config()) as s, httpx.Client() as c:
+def test_rest_hit_answers_with_the_callers_id(tmp_path: Path, host: str) -> None:
+    with filter_stack(tmp_path, config(), host=host) as s, httpx.Client() as c:
         first = c.post(s.url(INFER), content=rest_body("req-a"))
         assert first.headers["cache-status"] == "meshcache; fwd=miss; stored"
         assert first.json()["id"] == "req-a"
@@ -52,8 +52,8 @@ def test_rest_hit_answers_with_the_callers_id(tmp_path: Path) -> None:
         assert s.stats()["meshcache.hits"] == 3
 
 
-def test_no_id_in_means_no_id_out(tmp_path: Path) -> None:
-    with filter_stack(tmp_path, config()) as s, httpx.Client() as c:
+def test_no_id_in_means_no_id_out(tmp_path: Path, host: str) -> None:
+    with filter_stack(tmp_path, config(), host=host) as s, httpx.Client() as c:
         with_id = c.post(s.url(INFER), content=rest_body("first"))
         assert with_id.headers["cache-status"] == "meshcache; fwd=miss; stored"
         # Same inputs without an id: the answer stored with an id must not serve it.
@@ -70,8 +70,8 @@ def test_no_id_in_means_no_id_out(tmp_path: Path) -> None:
         assert s.origin_calls()["http"] == 2
 
 
-def test_ids_the_filter_cannot_reencode_are_cached_per_id(tmp_path: Path) -> None:
-    with filter_stack(tmp_path, config()) as s, httpx.Client() as c:
+def test_ids_the_filter_cannot_reencode_are_cached_per_id(tmp_path: Path, host: str) -> None:
+    with filter_stack(tmp_path, config(), host=host) as s, httpx.Client() as c:
         for request_id in ("caf\u00e9", "with space", ""):
             first = c.post(s.url(INFER), content=rest_body(request_id))
             assert first.headers["cache-status"] == "meshcache; fwd=miss; stored", request_id
@@ -81,8 +81,8 @@ def test_ids_the_filter_cannot_reencode_are_cached_per_id(tmp_path: Path) -> Non
         assert s.origin_calls()["http"] == 3
 
 
-def test_malformed_bodies_bypass(tmp_path: Path) -> None:
-    with filter_stack(tmp_path, config()) as s, httpx.Client() as c:
+def test_malformed_bodies_bypass(tmp_path: Path, host: str) -> None:
+    with filter_stack(tmp_path, config(), host=host) as s, httpx.Client() as c:
         bad = [
             b'{"id": "a", "inputs": [',
             b'{"id": "a", "id": "b", "inputs": []}',
@@ -99,14 +99,14 @@ def test_malformed_bodies_bypass(tmp_path: Path) -> None:
         assert s.stats()["meshcache.bypasses"] == 2 * len(bad)
 
 
-def test_binary_extension_length_past_the_body_bypasses(tmp_path: Path) -> None:
-    with filter_stack(tmp_path, config()) as s, httpx.Client() as c:
+def test_binary_extension_length_past_the_body_bypasses(tmp_path: Path, host: str) -> None:
+    with filter_stack(tmp_path, config(), host=host) as s, httpx.Client() as c:
         r = c.post(s.url(INFER), content=rest_body("q"), headers={"inference-header-content-length": "9999"})
         assert r.headers["cache-status"] == "meshcache; fwd=bypass; detail=binary-length"
 
 
-def test_grpc_hit_answers_with_the_callers_id(tmp_path: Path) -> None:
-    with filter_stack(tmp_path, config(policy("resnet"))) as s:
+def test_grpc_hit_answers_with_the_callers_id(tmp_path: Path, host: str) -> None:
+    with filter_stack(tmp_path, config(policy("resnet")), host=host) as s:
         first, call1 = s.grpc_infer(infer_request("resnet-mini", request_id=b"grpc-1"))
         md1 = dict(call1.initial_metadata())
         assert md1["cache-status"] == "meshcache; fwd=miss; stored"
@@ -135,8 +135,8 @@ def test_grpc_hit_answers_with_the_callers_id(tmp_path: Path) -> None:
         assert s.origin_calls()["grpc"] == 3, "two misses and the direct call"
 
 
-def test_grpc_malformed_requests_bypass(tmp_path: Path) -> None:
-    with filter_stack(tmp_path, config(policy("resnet"))) as s:
+def test_grpc_malformed_requests_bypass(tmp_path: Path, host: str) -> None:
+    with filter_stack(tmp_path, config(policy("resnet")), host=host) as s:
         # Field 3 (id) sent as a varint: a protobuf parser would not read it as the id.
         odd = infer_request("resnet-mini") + b"\x18\x05"
         for _ in range(2):
@@ -148,14 +148,14 @@ def test_grpc_malformed_requests_bypass(tmp_path: Path) -> None:
             assert status == UNPARSABLE
 
 
-def test_openai_ignore_fields_and_deterministic_only(tmp_path: Path) -> None:
+def test_openai_ignore_fields_and_deterministic_only(tmp_path: Path, host: str) -> None:
     cfg = config(policy("gpt", ignore_fields=["user", "metadata"], deterministic_only=True))
     chat = "/v1/chat/completions"
 
     def body(**fields: object) -> bytes:
         return json.dumps({"model": "gpt-mini", "messages": [{"role": "user", "content": "hi"}], **fields}).encode()
 
-    with filter_stack(tmp_path, cfg) as s, httpx.Client() as c:
+    with filter_stack(tmp_path, cfg, host=host) as s, httpx.Client() as c:
         first = c.post(s.url(chat), content=body(temperature=0, user="alice"))
         assert first.headers["cache-status"] == "meshcache; fwd=miss; stored"
         other_user = c.post(s.url(chat), content=body(temperature=0, user="bob", metadata={"trace": "t-1"}))

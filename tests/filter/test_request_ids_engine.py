@@ -57,8 +57,8 @@ def _binary_body(seed: int, request_id: str) -> tuple[bytes, dict[str, str]]:
     return header + raw, {"inference-header-content-length": str(len(header))}
 
 
-def test_rest_hits_are_what_the_engine_answers_for_that_id(tmp_path: Path, engine: Engine) -> None:
-    with filter_stack(tmp_path, config(policy("mlp")), upstream=(engine.http_port, engine.grpc_port)) as s, \
+def test_rest_hits_are_what_the_engine_answers_for_that_id(tmp_path: Path, engine: Engine, host: str) -> None:
+    with filter_stack(tmp_path, config(policy("mlp")), upstream=(engine.http_port, engine.grpc_port), host=host) as s, \
             httpx.Client(timeout=10) as c:
         calls = engine_requests(engine.metrics_url, MODEL)
         first = c.post(s.url(INFER), content=_json_body(1, "rest-1"))
@@ -90,11 +90,11 @@ def test_rest_hits_are_what_the_engine_answers_for_that_id(tmp_path: Path, engin
         assert engine_requests(engine.metrics_url, MODEL) == calls + 6  # 3 misses, 3 direct calls
 
 
-def test_binary_lengths_the_engine_reads_otherwise_bypass(tmp_path: Path, engine: Engine) -> None:
+def test_binary_lengths_the_engine_reads_otherwise_bypass(tmp_path: Path, engine: Engine, host: str) -> None:
     """`inference-header-content-length` is read only as one plain decimal, exactly what the
     engine accepts: a sign, junk or repeated lines bypass (the engine answers those 400), so no
     stored answer is ever served for a request the engine would refuse."""
-    with filter_stack(tmp_path, config(policy("mlp")), upstream=(engine.http_port, engine.grpc_port)) as s, \
+    with filter_stack(tmp_path, config(policy("mlp")), upstream=(engine.http_port, engine.grpc_port), host=host) as s, \
             httpx.Client(timeout=10) as c:
         body, headers = _binary_body(5, "len-1")
         n = headers["inference-header-content-length"]
@@ -112,14 +112,14 @@ def test_binary_lengths_the_engine_reads_otherwise_bypass(tmp_path: Path, engine
         assert r.status_code == 200 and r.headers["cache-status"].startswith("meshcache; hit")
 
 
-def test_grpc_hits_are_what_the_engine_answers_for_that_id(tmp_path: Path, engine: Engine) -> None:
+def test_grpc_hits_are_what_the_engine_answers_for_that_id(tmp_path: Path, engine: Engine, host: str) -> None:
     def request(request_id: str) -> bytes:
         r = pb.ModelInferRequest(model_name=MODEL, id=request_id)
         r.inputs.add(name="input", datatype="FP32", shape=[1, 16])
         r.raw_input_contents.append(_x(3).tobytes())
         return r.SerializeToString()
 
-    with filter_stack(tmp_path, config(policy("mlp")), upstream=(engine.http_port, engine.grpc_port)) as s:
+    with filter_stack(tmp_path, config(policy("mlp")), upstream=(engine.http_port, engine.grpc_port), host=host) as s:
         calls = engine_requests(engine.metrics_url, MODEL)
         first, call1 = s.grpc_infer(request("g-1"))
         assert dict(call1.initial_metadata())["cache-status"] == "meshcache; fwd=miss; stored"
@@ -134,9 +134,9 @@ def test_grpc_hits_are_what_the_engine_answers_for_that_id(tmp_path: Path, engin
         assert md2["x-response-hash"] == dict(call1.initial_metadata())["x-response-hash"]
 
 
-def test_triton_clients_get_their_own_ids(tmp_path: Path, engine: Engine) -> None:
+def test_triton_clients_get_their_own_ids(tmp_path: Path, engine: Engine, host: str) -> None:
     x = _x(4)
-    with filter_stack(tmp_path, config(policy("mlp")), upstream=(engine.http_port, engine.grpc_port)) as s:
+    with filter_stack(tmp_path, config(policy("mlp")), upstream=(engine.http_port, engine.grpc_port), host=host) as s:
         calls = engine_requests(engine.metrics_url, MODEL)
         http_client = triton_http.InferenceServerClient(f"127.0.0.1:{s.listen_port}")
         grpc_client = triton_grpc.InferenceServerClient(f"127.0.0.1:{s.listen_port}")

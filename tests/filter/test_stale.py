@@ -28,9 +28,10 @@ def _wait_past(seconds: float, since: float) -> None:
 
 
 @pytest.mark.parametrize("held", [True, False], ids=["held-headers", "istio-style"])
-def test_http_5xx_after_ttl_serves_stale_within_the_window_then_the_error(tmp_path: Path, held: bool) -> None:
+def test_http_5xx_after_ttl_serves_stale_within_the_window_then_the_error(tmp_path: Path, held: bool,
+                                                                          host: str) -> None:
     cfg = config(policy(stale_if_error_s=2), hold_headers=held)
-    with filter_stack(tmp_path, cfg, allow_on_headers_stop_iteration=held) as s, httpx.Client() as c:
+    with filter_stack(tmp_path, cfg, allow_on_headers_stop_iteration=held, host=host) as s, httpx.Client() as c:
         stored_at = time.monotonic()
         first = _post(c, s.url(INFER), **TTL)
         assert first.headers["cache-status"].startswith("meshcache; fwd=miss")
@@ -54,10 +55,11 @@ def test_http_5xx_after_ttl_serves_stale_within_the_window_then_the_error(tmp_pa
         assert s.stats()["meshcache.stale_if_error"] == 2
 
 
-def test_unreachable_or_timed_out_origin_serves_stale(tmp_path: Path) -> None:
+def test_unreachable_or_timed_out_origin_serves_stale(tmp_path: Path, host: str) -> None:
     """Envoy's own answers for the upstream (504 timeout, 503 connect failure) pass through the
     filter's response callbacks like the origin's."""
-    with filter_stack(tmp_path, config(policy(stale_if_error_s=30)), route_timeout_s=1.0) as s, httpx.Client() as c:
+    with filter_stack(tmp_path, config(policy(stale_if_error_s=30)), route_timeout_s=1.0, host=host) as s, \
+            httpx.Client() as c:
         stored_at = time.monotonic()
         first = _post(c, s.url(INFER), **TTL)
         _wait_past(1.2, stored_at)
@@ -82,10 +84,12 @@ def _grpc_code(s: Stack, request: bytes, metadata: tuple[tuple[str, str], ...]) 
     return err.value.code()  # type: ignore[no-any-return]
 
 
+@pytest.mark.wasm_only("gRPC stale-if-error: the native host passes gRPC errors (no stale message)")
 @pytest.mark.parametrize("held", [True, False], ids=["held-headers", "istio-style"])
-def test_grpc_unavailable_after_ttl_serves_the_stored_message_byte_identical(tmp_path: Path, held: bool) -> None:
+def test_grpc_unavailable_after_ttl_serves_the_stored_message_byte_identical(tmp_path: Path, held: bool,
+                                                                              host: str) -> None:
     cfg = config(policy("resnet", ttl_s=1, stale_if_error_s=2), hold_headers=held)
-    with filter_stack(tmp_path, cfg, allow_on_headers_stop_iteration=held) as s:
+    with filter_stack(tmp_path, cfg, allow_on_headers_stop_iteration=held, host=host) as s:
         request = infer_request("resnet-mini")
         stored_at = time.monotonic()
         first, call = s.grpc_infer(request)
@@ -106,8 +110,9 @@ def test_grpc_unavailable_after_ttl_serves_the_stored_message_byte_identical(tmp
         assert s.stats()["meshcache.stale_if_error"] == 1
 
 
-def test_grpc_origin_unreachable_serves_stale(tmp_path: Path) -> None:
-    with filter_stack(tmp_path, config(policy("resnet", ttl_s=1, stale_if_error_s=30))) as s:
+@pytest.mark.wasm_only("gRPC stale-if-error: the native host passes gRPC errors (no stale message)")
+def test_grpc_origin_unreachable_serves_stale(tmp_path: Path, host: str) -> None:
+    with filter_stack(tmp_path, config(policy("resnet", ttl_s=1, stale_if_error_s=30)), host=host) as s:
         request = infer_request("resnet-mini")
         stored_at = time.monotonic()
         first, _ = s.grpc_infer(request)
@@ -120,11 +125,12 @@ def test_grpc_origin_unreachable_serves_stale(tmp_path: Path) -> None:
         assert _grpc_code(s, infer_request("resnet-other"), ()) == grpc.StatusCode.UNAVAILABLE
 
 
+@pytest.mark.wasm_only("stale-while-revalidate: the native host forwards expired entries (no background refresh)")
 @pytest.mark.parametrize("held", [True, False], ids=["held-headers", "istio-style"])
 def test_stale_while_revalidate_answers_at_once_and_one_background_request_refreshes(
-    tmp_path: Path, held: bool) -> None:
+    tmp_path: Path, held: bool, host: str) -> None:
     cfg = config(policy(stale_while_revalidate_s=30), hold_headers=held)
-    with filter_stack(tmp_path, cfg, allow_on_headers_stop_iteration=held) as s, httpx.Client() as c:
+    with filter_stack(tmp_path, cfg, allow_on_headers_stop_iteration=held, host=host) as s, httpx.Client() as c:
         stored_at = time.monotonic()
         first = _post(c, s.url(INFER), **TTL)
         assert json.loads(first.content)["user"] == ""
@@ -153,9 +159,10 @@ def test_stale_while_revalidate_answers_at_once_and_one_background_request_refre
         assert stats["meshcache.refresh_failures"] == 0
 
 
-def test_failed_background_refresh_forwards_the_next_request(tmp_path: Path) -> None:
+@pytest.mark.wasm_only("stale-while-revalidate: the native host forwards expired entries (no background refresh)")
+def test_failed_background_refresh_forwards_the_next_request(tmp_path: Path, host: str) -> None:
     cfg = config(policy(stale_while_revalidate_s=30, stale_if_error_s=30))
-    with filter_stack(tmp_path, cfg) as s, httpx.Client() as c:
+    with filter_stack(tmp_path, cfg, host=host) as s, httpx.Client() as c:
         stored_at = time.monotonic()
         first = _post(c, s.url(INFER), **TTL)
         _wait_past(1.2, stored_at)
@@ -175,8 +182,9 @@ def test_failed_background_refresh_forwards_the_next_request(tmp_path: Path) -> 
         assert after.headers["cache-status"].endswith("; detail=stale-while-revalidate"), "lock freed again"
 
 
-def test_grpc_stale_while_revalidate(tmp_path: Path) -> None:
-    with filter_stack(tmp_path, config(policy("resnet", ttl_s=1, stale_while_revalidate_s=30))) as s:
+@pytest.mark.wasm_only("stale-while-revalidate: the native host forwards expired entries (no background refresh)")
+def test_grpc_stale_while_revalidate(tmp_path: Path, host: str) -> None:
+    with filter_stack(tmp_path, config(policy("resnet", ttl_s=1, stale_while_revalidate_s=30)), host=host) as s:
         request = infer_request("resnet-mini")
         stored_at = time.monotonic()
         first, _ = s.grpc_infer(request)
@@ -196,8 +204,8 @@ def test_grpc_stale_while_revalidate(tmp_path: Path) -> None:
         assert s.origin_calls()["grpc"] == 2
 
 
-def test_window_zero_is_the_old_behaviour(tmp_path: Path) -> None:
-    with filter_stack(tmp_path, config(policy())) as s, httpx.Client() as c:
+def test_window_zero_is_the_old_behaviour(tmp_path: Path, host: str) -> None:
+    with filter_stack(tmp_path, config(policy()), host=host) as s, httpx.Client() as c:
         stored_at = time.monotonic()
         _post(c, s.url(INFER), **TTL)
         _wait_past(1.2, stored_at)
@@ -209,8 +217,8 @@ def test_window_zero_is_the_old_behaviour(tmp_path: Path) -> None:
         assert stats["meshcache.stale_if_error"] == 0 and stats["meshcache.stale_while_revalidate"] == 0
 
 
-def test_upstream_stale_if_error_is_honoured_and_clamped_by_the_policy(tmp_path: Path) -> None:
-    with filter_stack(tmp_path, config(policy(stale_if_error_s=2))) as s, httpx.Client() as c:
+def test_upstream_stale_if_error_is_honoured_and_clamped_by_the_policy(tmp_path: Path, host: str) -> None:
+    with filter_stack(tmp_path, config(policy(stale_if_error_s=2)), host=host) as s, httpx.Client() as c:
         # The origin allows 1 s and 3600 s for two keys; the policy allows 2 s.
         cc = "x-origin-cache-control"
         short = c.post(s.url(INFER), content=b'{"a": 1}', headers={**JSON, cc: "max-age=1, stale-if-error=1"})
@@ -228,11 +236,12 @@ def test_upstream_stale_if_error_is_honoured_and_clamped_by_the_policy(tmp_path:
         assert r.status_code == 503, "the policy's 2 s clamp the origin's 3600 s"
 
 
-def test_grpc_stale_large_message_under_envoy_default_limits_carries_the_callers_id(tmp_path: Path) -> None:
+@pytest.mark.wasm_only("gRPC stale-if-error: the native host passes gRPC errors (no stale message)")
+def test_grpc_stale_large_message_under_envoy_default_limits_carries_the_callers_id(tmp_path: Path, host: str) -> None:
     """Envoy's default 1 MiB buffers (an Istio sidecar's); the stored answer's request id is
     replaced by the caller's, as on hits."""
     cfg = config(policy("resnet", ttl_s=1, stale_if_error_s=30))
-    with filter_stack(tmp_path, cfg, buffer_limit_bytes=LIMITS["envoy-default"]) as s:
+    with filter_stack(tmp_path, cfg, buffer_limit_bytes=LIMITS["envoy-default"], host=host) as s:
         size = (("x-origin-size", "700000"),)
         stored_at = time.monotonic()
         first, _ = s.grpc_infer(infer_request("resnet-mini", request_id=b"r-1"), size)

@@ -25,9 +25,9 @@ def _body(tag: str) -> bytes:
 
 
 @pytest.mark.parametrize("limits", LIMITS)
-def test_answers_of_any_size_pass_and_cacheable_ones_are_stored(tmp_path: Path, limits: str) -> None:
+def test_answers_of_any_size_pass_and_cacheable_ones_are_stored(tmp_path: Path, limits: str, host: str) -> None:
     cfg = config(policy("m"), max_entry_bytes=9 * MiB, max_total_bytes=64 * MiB)
-    with filter_stack(tmp_path, cfg, buffer_limit_bytes=LIMITS[limits]) as s, httpx.Client(timeout=60) as c:
+    with filter_stack(tmp_path, cfg, buffer_limit_bytes=LIMITS[limits], host=host) as s, httpx.Client(timeout=60) as c:
         for size in (MiB, 3 * MiB, 8 * MiB):
             shaping = {"x-origin-size": str(size)}
             first = c.post(s.url(INFER), content=_body(str(size)), headers=shaping)
@@ -51,9 +51,9 @@ def test_answers_of_any_size_pass_and_cacheable_ones_are_stored(tmp_path: Path, 
 
 
 @pytest.mark.parametrize("limits", LIMITS)
-def test_chunked_paced_and_gzip_answers(tmp_path: Path, limits: str) -> None:
+def test_chunked_paced_and_gzip_answers(tmp_path: Path, limits: str, host: str) -> None:
     cfg = config(policy("m"), max_entry_bytes=4 * MiB)
-    with filter_stack(tmp_path, cfg, buffer_limit_bytes=LIMITS[limits]) as s, httpx.Client(timeout=60) as c:
+    with filter_stack(tmp_path, cfg, buffer_limit_bytes=LIMITS[limits], host=host) as s, httpx.Client(timeout=60) as c:
         shapes = [
             {"x-origin-size": str(2 * MiB), "x-origin-chunked": "65536", "x-origin-pace": "0.01"},
             {"x-origin-size": "3000", "x-origin-chunked": "7", "x-origin-pace": "0.001"},
@@ -75,9 +75,9 @@ def test_chunked_paced_and_gzip_answers(tmp_path: Path, limits: str) -> None:
 
 
 @pytest.mark.parametrize("limits", LIMITS)
-def test_sse_miss_streams_and_hit_replays_byte_for_byte(tmp_path: Path, limits: str) -> None:
+def test_sse_miss_streams_and_hit_replays_byte_for_byte(tmp_path: Path, limits: str, host: str) -> None:
     chat = b'{"model": "gpt-mini", "stream": true, "messages": [{"role": "user", "content": "hi"}]}'
-    with filter_stack(tmp_path, config(policy("gpt")), buffer_limit_bytes=LIMITS[limits]) as s:
+    with filter_stack(tmp_path, config(policy("gpt")), buffer_limit_bytes=LIMITS[limits], host=host) as s:
         shaping = {"x-origin-sse": "4", "x-origin-pace": "0.5", "content-type": "application/json"}
         with httpx.Client(timeout=30) as c, c.stream("POST", s.url("/v1/chat/completions"), content=chat,
                                                      headers=shaping) as r:
@@ -101,9 +101,9 @@ def test_sse_miss_streams_and_hit_replays_byte_for_byte(tmp_path: Path, limits: 
 
 
 @pytest.mark.parametrize("limits", LIMITS)
-def test_grpc_streamed_miss_carries_the_hash_in_trailers(tmp_path: Path, limits: str) -> None:
+def test_grpc_streamed_miss_carries_the_hash_in_trailers(tmp_path: Path, limits: str, host: str) -> None:
     cfg = config(policy("resnet"), max_entry_bytes=4 * MiB)
-    with filter_stack(tmp_path, cfg, buffer_limit_bytes=LIMITS[limits]) as s:
+    with filter_stack(tmp_path, cfg, buffer_limit_bytes=LIMITS[limits], host=host) as s:
         meta = (("x-origin-size", str(3 * MiB)),)
         first, call = s.grpc_infer(infer_request("resnet-mini"), meta)
         assert call.code() == grpc.StatusCode.OK
@@ -116,8 +116,8 @@ def test_grpc_streamed_miss_carries_the_hash_in_trailers(tmp_path: Path, limits:
 
 
 @pytest.mark.parametrize("limits", LIMITS)
-def test_large_requests_pass(tmp_path: Path, limits: str) -> None:
-    with filter_stack(tmp_path, config(policy("m")), buffer_limit_bytes=LIMITS[limits]) as s:
+def test_large_requests_pass(tmp_path: Path, limits: str, host: str) -> None:
+    with filter_stack(tmp_path, config(policy("m")), buffer_limit_bytes=LIMITS[limits], host=host) as s:
         big = b'{"inputs": [], "parameters": {"pad": "' + b"x" * (2 * MiB) + b'"}}'
         r = httpx.post(s.url(INFER), content=big, timeout=30)
         assert r.status_code == 200

@@ -14,10 +14,10 @@ BODY = b'{"inputs": [{"name": "x", "shape": [1], "datatype": "FP32", "data": [3]
 
 
 @pytest.mark.parametrize("limits", LIMITS)
-def test_http_and_grpc_are_cached_without_hanging(tmp_path: Path, limits: str) -> None:
+def test_http_and_grpc_are_cached_without_hanging(tmp_path: Path, limits: str, host: str) -> None:
     cfg = config(policy("m"), hold_headers=False)
     with filter_stack(tmp_path, cfg, allow_on_headers_stop_iteration=False,
-                      buffer_limit_bytes=LIMITS[limits]) as s, httpx.Client(timeout=5) as c:
+                      buffer_limit_bytes=LIMITS[limits], host=host) as s, httpx.Client(timeout=5) as c:
         first = c.post(s.url("/v2/models/m/infer"), content=BODY)
         assert first.status_code == 200
         # The miss's headers went out before its body was read: whether it is stored is not

@@ -62,6 +62,18 @@ pub struct ModuleHttpHeader {
     pub value_length: usize,
 }
 
+/// A header owned by Envoy's map, filled in by `get_headers`.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct EnvoyHttpHeader {
+    pub key: EnvoyBuffer,
+    pub value: EnvoyBuffer,
+}
+
+impl EnvoyHttpHeader {
+    pub const EMPTY: EnvoyHttpHeader = EnvoyHttpHeader { key: EnvoyBuffer::EMPTY, value: EnvoyBuffer::EMPTY };
+}
+
 impl ModuleHttpHeader {
     pub fn of(key: &[u8], value: &[u8]) -> ModuleHttpHeader {
         ModuleHttpHeader { key_ptr: key.as_ptr(), key_length: key.len(), value_ptr: value.as_ptr(), value_length: value.len() }
@@ -71,6 +83,7 @@ impl ModuleHttpHeader {
 // envoy_dynamic_module_type_http_header_type
 pub const REQUEST_HEADER: u32 = 0;
 pub const RESPONSE_HEADER: u32 = 2;
+pub const RESPONSE_TRAILER: u32 = 3;
 
 // envoy_dynamic_module_type_http_body_type
 pub const RECEIVED_REQUEST_BODY: u32 = 0;
@@ -90,6 +103,13 @@ pub const BODY_STOP_ITERATION_NO_BUFFER: u32 = 3;
 // envoy_dynamic_module_type_on_http_filter_{request,response}_trailers_status
 pub const TRAILERS_CONTINUE: u32 = 0;
 
+// envoy_dynamic_module_type_attribute_id: connection.uri_san_peer_certificate (the 38th entry;
+// 1.40's get_attribute_string switches over ids 0..=41).
+pub const ATTRIBUTE_CONNECTION_URI_SAN_PEER_CERTIFICATE: u32 = 37;
+
+// envoy_dynamic_module_type_metrics_result
+pub const METRICS_SUCCESS: u32 = 0;
+
 extern "C" {
     /// The `index`-th value of header `key` (lower case) into `result`; `optional_size`, when not
     /// null, receives how many values the header has. False when there is no such value.
@@ -102,7 +122,20 @@ extern "C" {
         optional_size: *mut usize,
     ) -> bool;
 
-    /// Replaces (or adds) header `key`.
+    /// How many entries the header map of `header_type` has (0 when there is none). In 1.40 it
+    /// returns the count (its disassembly tail-calls the map's `size()`); newer ABIs return bool
+    /// with an out-parameter.
+    pub fn envoy_dynamic_module_callback_http_get_headers_size(filter: FilterEnvoyPtr, header_type: u32) -> usize;
+
+    /// Every entry of the header map of `header_type` into `result` (room for
+    /// `get_headers_size`), valid until the hook returns or a header is set.
+    pub fn envoy_dynamic_module_callback_http_get_headers(
+        filter: FilterEnvoyPtr,
+        header_type: u32,
+        result: *mut EnvoyHttpHeader,
+    ) -> bool;
+
+    /// Replaces (or adds) header `key`; a null value removes it (1.40 has no remove_header).
     pub fn envoy_dynamic_module_callback_http_set_header(
         filter: FilterEnvoyPtr,
         header_type: u32,
@@ -137,6 +170,73 @@ extern "C" {
         headers_size: usize,
         body: ModuleBuffer,
         details: ModuleBuffer,
+    );
+
+    /// Response headers sent from the request path (the decoder callbacks' encodeHeaders):
+    /// with `send_response_data` and `send_response_trailers`, a reply with trailers, which
+    /// `send_response` (sendLocalReply) cannot give (a gRPC hit's message and grpc-status 0).
+    pub fn envoy_dynamic_module_callback_http_send_response_headers(
+        filter: FilterEnvoyPtr,
+        headers: *const ModuleHttpHeader,
+        headers_size: usize,
+        end_stream: bool,
+    );
+
+    /// Response body bytes (encodeData). Envoy copies them before returning.
+    pub fn envoy_dynamic_module_callback_http_send_response_data(filter: FilterEnvoyPtr, data: ModuleBuffer, end_stream: bool);
+
+    /// Defines a counter (at config creation; Envoy freezes stat creation after it) under the
+    /// module's metrics namespace; `labels` may be empty. In 1.40 the label names are part of
+    /// `define_counter` (6 arguments; older ABIs had a separate `_vec` family).
+    pub fn envoy_dynamic_module_callback_http_filter_config_define_counter(
+        config: ConfigEnvoyPtr,
+        name: ModuleBuffer,
+        label_names: *const ModuleBuffer,
+        label_names_size: usize,
+        id: *mut usize,
+    ) -> u32;
+
+    /// As `define_counter`, for a gauge.
+    pub fn envoy_dynamic_module_callback_http_filter_config_define_gauge(
+        config: ConfigEnvoyPtr,
+        name: ModuleBuffer,
+        label_names: *const ModuleBuffer,
+        label_names_size: usize,
+        id: *mut usize,
+    ) -> u32;
+
+    /// Adds `value` to a defined counter (label values as defined: none here).
+    pub fn envoy_dynamic_module_callback_http_filter_increment_counter(
+        filter: FilterEnvoyPtr,
+        id: usize,
+        label_values: *const ModuleBuffer,
+        label_values_size: usize,
+        value: u64,
+    ) -> u32;
+
+    /// Sets a defined gauge.
+    pub fn envoy_dynamic_module_callback_http_filter_set_gauge(
+        filter: FilterEnvoyPtr,
+        id: usize,
+        label_values: *const ModuleBuffer,
+        label_values_size: usize,
+        value: u64,
+    ) -> u32;
+
+    /// A string attribute of the stream (Envoy's attribute vocabulary) into `result`, valid
+    /// until the hook returns; false when it has none. 1.40 takes one out-pointer to a buffer
+    /// struct (its disassembly writes pointer and length through the third argument).
+    pub fn envoy_dynamic_module_callback_http_filter_get_attribute_string(
+        filter: FilterEnvoyPtr,
+        attribute_id: u32,
+        result: *mut EnvoyBuffer,
+    ) -> bool;
+
+    /// Response trailers (encodeTrailers), ending the stream.
+    pub fn envoy_dynamic_module_callback_http_send_response_trailers(
+        filter: FilterEnvoyPtr,
+        trailers: *const ModuleHttpHeader,
+        trailers_size: usize,
     );
 }
 

@@ -1,46 +1,61 @@
-//! One HTTP stream through the phase-1 cache: POST KServe v2 REST inference requests under a
-//! policy are keyed, looked up in the process-wide store, answered from it (a local reply), or
-//! forwarded and their 200 answers stored.
+//! One HTTP stream through the cache core (`meshcache-core`): the same request reading, keys,
+//! policies, HTTP semantics, answers and store as the Wasm host (filter/wasm/src/stream.rs), so
+//! both give the same `Cache-Status`, `x-response-hash`, `ETag`, `Age` and bodies.
 //!
-//! The stream talks to Envoy only through `Host` (lib.rs implements it over the ABI; the tests
-//! below over a fake), the shape phase 2 gives the shared core (DESIGN.md).
-//!
-//! THROWAWAY KEYING (phase 1 only): the key is sha256(path, 0x00, body) — no model/version
-//! parsing of the body, no colour, vary headers, principal scope or ignored fields. Phase 2
-//! replaces it with the core's key (filter/src/keybody.rs and decide.rs today).
+//! The stream talks to Envoy only through `Host` (lib.rs implements it over the dynamic-module
+//! ABI; the tests below over a fake). gRPC hits are answered in one pass with headers, the
+//! framed message and a `grpc-status: 0` trailer (no hit route or Lua step, unlike the Wasm
+//! host); HTTP stale-if-error answers an origin error with the expired entry. What this host
+//! does not do yet answers as the Wasm host does when the feature is off: the client role
+//! passes untouched (no routing key), requests are not coalesced, gRPC stale-if-error and
+//! stale-while-revalidate are not served (the request is forwarded and its answer replaces the
+//! entry).
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
 
-use sha2::{Digest, Sha256};
+use meshcache_core::answer::{self, HitRequest};
+use meshcache_core::cache_control::{NotStored, Ttl};
+use meshcache_core::config::{Config, Policy, Role};
+use meshcache_core::entry::Entry;
+use meshcache_core::shaping::RequestId;
+use meshcache_core::stale;
+use meshcache_core::grpc;
+use meshcache_core::request::{self, BodyDecision, Cacheable, HeadDecision, RequestHead};
+use meshcache_core::accounting::{attribute, policy_tag};
+use meshcache_core::headermap::{self, Headers};
+use meshcache_core::metric_names;
+use meshcache_core::response;
+use meshcache_core::model::ModelSource;
+use meshcache_core::names::{self, Bypass};
+use meshcache_core::route_key;
+use meshcache_core::store::{Cache, Lifetime, Lookup, Outcome};
+use meshcache_core::storing;
 
-use crate::config::{infer_model, Config};
-use crate::store::{Entry, Key, Store, Stored};
-
-pub const CACHE_STATUS: &str = "cache-status";
-pub const HIT_PREFIX: &str = "meshcache; hit; ttl=";
-pub const MISS_STORED: &[u8] = b"meshcache; fwd=miss; stored";
-pub const MISS: &[u8] = b"meshcache; fwd=miss";
-pub const MISS_TOO_BIG: &[u8] = b"meshcache; fwd=miss; detail=too-big";
-pub const BYPASS: &[u8] = b"meshcache; fwd=bypass";
-pub const BYPASS_TOO_BIG: &[u8] = b"meshcache; fwd=bypass; detail=too-big";
-/// The most a stream holds back (request body to key, answer to store), whatever
-/// max_entry_bytes says: under Envoy's default 1 MiB buffer limit (an Istio sidecar's), so
-/// holding never makes Envoy fail the request. Phase 1 stores only answers it can hold; storing
-/// larger ones while they stream through is the full filter's (phase 2).
-pub const MAX_HELD_BYTES: usize = 768 * 1024;
+use crate::store::Shared;
 
 /// What the filter needs from its proxy for one stream.
 pub trait Host {
-    fn request_header(&self, name: &str) -> Option<&[u8]>;
-    fn response_header(&self, name: &str) -> Option<&[u8]>;
+    fn request_headers(&self) -> Headers;
+    fn response_headers(&self) -> Headers;
+    fn remove_request_header(&mut self, name: &str);
     fn set_response_header(&mut self, name: &str, value: &[u8]);
+    /// In the response trailers hook: sets a trailer.
+    fn set_response_trailer(&mut self, name: &str, value: &[u8]);
     /// Visits the body bytes that arrived with this callback.
     fn received_body(&self, response: bool, f: &mut dyn FnMut(&[u8]));
     /// Visits the whole body seen so far (what was held back plus what arrived now), once each.
     fn whole_body(&self, response: bool, f: &mut dyn FnMut(&[u8]));
     fn send_response(&mut self, status: u32, headers: &[(&str, &[u8])], body: &[u8]);
-    fn now(&self) -> Instant;
+    /// A reply with trailers (a gRPC hit): headers (with `:status`), body, trailers.
+    fn send_response_with_trailers(&mut self, headers: &[(&str, &[u8])], body: &[u8], trailers: &[(&str, &[u8])]);
+    fn response_trailers(&self) -> Headers;
+    /// Wall clock, milliseconds since the epoch (entries record when they were stored).
+    fn now_ms(&self) -> u64;
+    /// The peer's identity (its certificate's URI SAN), for principal-scoped policies.
+    fn peer_identity(&self) -> Option<String>;
+    /// Adds to a counter (`meshcache_core::metric_names`).
+    fn count(&mut self, name: &str, n: u64);
+    fn set_gauge(&mut self, name: &str, value: u64);
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -52,161 +67,415 @@ pub enum Flow {
     Stop,
 }
 
+/// Where the outcome of a store can still be written.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Open {
+    Headers,
+    Trailers,
+    Closed,
+}
+
+struct Collecting {
+    c: Cacheable,
+    ttl: Ttl,
+    status: u16,
+    headers: Vec<(String, String)>,
+    /// The answer so far, once it streams (while held, Envoy keeps it: read whole at the end).
+    copy: Vec<u8>,
+    /// Bytes seen so far.
+    seen: usize,
+    /// Response headers not yet sent: they can still say `stored` and carry the hash.
+    held: bool,
+}
+
 enum State {
-    /// Not ours: no header, no work.
-    Ignore,
-    /// Passed through with this Cache-Status.
-    Pass(&'static [u8]),
-    /// Reading the request body into the key.
-    Keying { hasher: Sha256, ttl: Duration, seen: usize },
-    /// Forwarded; the answer is stored if it qualifies.
-    Miss { key: Key, ttl: Duration },
-    /// Holding the answer back until it is complete.
-    Storing { key: Key, ttl: Duration, content_type: Box<[u8]>, seen: usize },
-    /// Answered locally.
-    Hit,
+    /// Not ours (or failed open): untouched.
+    Pass,
+    /// An inference request the cache stays out of; its answer says so and why.
+    Bypass(Bypass),
+    Buffering { source: ModelSource, refresh: bool, headers: Headers, seen: usize },
+    Miss(Box<Cacheable>),
+    Collect(Box<Collecting>),
     Done,
+}
+
+/// An expired entry a forwarded HTTP request may be answered with if the origin fails
+/// (stale-if-error), read whole at lookup.
+struct Fallback {
+    entry: Entry,
+    policy: Policy,
+    /// Request headers and id, for the answer (If-None-Match, the caller's id).
+    headers: Vec<(String, String)>,
+    id: RequestId,
 }
 
 pub struct Stream {
     config: Arc<Config>,
-    store: Arc<Store>,
+    shared: Arc<Shared>,
     state: State,
+    fallback: Option<Box<Fallback>>,
 }
 
 impl Stream {
-    pub fn new(config: Arc<Config>, store: Arc<Store>) -> Stream {
-        Stream { config, store, state: State::Ignore }
+    pub fn new(config: Arc<Config>, shared: Arc<Shared>) -> Stream {
+        Stream { config, shared, state: State::Pass, fallback: None }
+    }
+
+    fn bypass(&mut self, host: &mut dyn Host, why: Bypass) -> Flow {
+        host.count(metric_names::BYPASSES, 1);
+        self.state = State::Bypass(why);
+        Flow::Continue
+    }
+
+    /// What a lookup or store freed on the way (evicted, expired, unreadable): counted, and the
+    /// gauges follow the space given back.
+    fn record_outcome(&self, host: &mut dyn Host, out: &Outcome) {
+        if out.evicted > 0 {
+            host.count(metric_names::EVICTIONS, out.evicted as u64);
+        }
+        if out.corrupt > 0 {
+            host.count(metric_names::ERRORS, out.corrupt as u64);
+        }
+        if out.evicted > 0 || out.corrupt > 0 {
+            self.record_gauges(host);
+        }
+    }
+
+    /// Entries and bytes, cache-wide and per policy, from the accounting record. Under one lock
+    /// per process: the last writer reads the newest record, so the gauges end at its value.
+    fn record_gauges(&self, host: &mut dyn Host) {
+        let _one_at_a_time = self.shared.gauges.lock().unwrap_or_else(|p| p.into_inner());
+        let (meta, _) = Cache::read_only(&*self.shared).meta();
+        host.set_gauge(metric_names::ENTRIES, meta.entries());
+        host.set_gauge(metric_names::BYTES, meta.total_bytes());
+        let named: Vec<(u64, String)> = self
+            .config
+            .policies
+            .iter()
+            .map(|p| (policy_tag(&p.model_prefix), metric_names::safe_name(&p.model_prefix)))
+            .collect();
+        let got = attribute(&meta, &named);
+        host.set_gauge(metric_names::UNATTRIBUTED_ENTRIES, got.unattributed.0);
+        host.set_gauge(metric_names::UNATTRIBUTED_BYTES, got.unattributed.1);
+        for (name, (entries, bytes)) in &got.per_name {
+            host.set_gauge(&format!("meshcache.policy.{}.entries", name), *entries);
+            host.set_gauge(&format!("meshcache.policy.{}.bytes", name), *bytes);
+        }
     }
 
     pub fn on_request_headers(&mut self, host: &mut dyn Host, end_of_stream: bool) -> Flow {
-        if host.request_header(":method") != Some(b"POST") {
-            return Flow::Continue;
+        let mut headers = host.request_headers();
+        // A routing key the caller sent is dropped before anything reads the headers.
+        if route_key::strip(&mut headers) {
+            host.remove_request_header(names::ROUTE_KEY_HEADER);
         }
-        let path = match host.request_header(":path") {
-            Some(p) => p,
-            None => return Flow::Continue,
+        if self.config.role == Role::Client {
+            return Flow::Continue; // the client role (routing key) is the Wasm host's only
+        }
+        let decision = {
+            let method = headermap::header(&headers.pairs, ":method").unwrap_or("");
+            let path = headermap::header(&headers.pairs, ":path").unwrap_or("");
+            request::classify_head(&RequestHead { method, path, headers: &headers.pairs, not_utf8: &headers.not_utf8 })
         };
-        let model = match infer_model(path) {
-            Some(m) => m,
-            None => return Flow::Continue,
-        };
-        let ttl = match self.config.policy(model) {
-            Some(p) => Duration::from_secs(p.ttl_s),
-            None => {
-                self.state = State::Pass(BYPASS);
-                return Flow::Continue;
+        match decision {
+            HeadDecision::Ignore => Flow::Continue,
+            HeadDecision::Bypass(why) => self.bypass(host, why),
+            HeadDecision::Buffer { source, refresh } => {
+                if end_of_stream {
+                    return self.decide_request(host, &headers, &source, refresh, &[]);
+                }
+                if request::request_declared_too_big(headermap::header(&headers.pairs, "content-length")) {
+                    return self.bypass(host, Bypass::TooBig);
+                }
+                self.state = State::Buffering { source, refresh, headers, seen: 0 };
+                Flow::Hold
             }
-        };
-        if end_of_stream {
-            self.state = State::Pass(BYPASS); // no body to key
-            return Flow::Continue;
         }
-        let mut hasher = Sha256::new();
-        hasher.update(path);
-        hasher.update([0u8]);
-        self.state = State::Keying { hasher, ttl, seen: 0 };
-        Flow::Hold
     }
 
     pub fn on_request_body(&mut self, host: &mut dyn Host, end_of_stream: bool) -> Flow {
-        let max = MAX_HELD_BYTES;
-        let (key, ttl) = match &mut self.state {
-            State::Keying { hasher, ttl, seen } => {
-                host.received_body(false, &mut |chunk| {
-                    *seen += chunk.len();
-                    hasher.update(chunk);
-                });
-                if *seen > max {
-                    self.state = State::Pass(BYPASS_TOO_BIG);
-                    return Flow::Continue;
-                }
-                if !end_of_stream {
-                    return Flow::Hold;
-                }
-                let ttl = *ttl;
-                let hasher = std::mem::replace(hasher, Sha256::new());
-                let key: Key = hasher.finalize().into();
-                (key, ttl)
+        match &mut self.state {
+            State::Buffering { seen, .. } => host.received_body(false, &mut |chunk| *seen += chunk.len()),
+            _ => return Flow::Continue,
+        }
+        if let State::Buffering { seen, .. } = self.state {
+            if seen > request::MAX_REQUEST_BYTES {
+                return self.bypass(host, Bypass::TooBig);
             }
+            if !end_of_stream {
+                return Flow::Hold;
+            }
+        }
+        let (source, refresh, headers, seen) = match std::mem::replace(&mut self.state, State::Pass) {
+            State::Buffering { source, refresh, headers, seen } => (source, refresh, headers, seen),
             _ => return Flow::Continue,
         };
-        let now = host.now();
-        match self.store.get(&key, now) {
-            Some(entry) => {
-                self.state = State::Hit;
-                // Whole seconds left, rounded up (as the Wasm filter's ttl=).
-                let left = (entry.expires_at.saturating_duration_since(now).as_millis() as u64 + 999) / 1000;
-                let age = now.saturating_duration_since(entry.stored_at).as_secs();
-                let status = format!("{}{}", HIT_PREFIX, left);
-                let age = age.to_string();
-                host.send_response(200, &[("content-type", &entry.content_type), (CACHE_STATUS, status.as_bytes()),
-                                          ("age", age.as_bytes())], &entry.body);
-                Flow::Stop
+        let mut body = Vec::with_capacity(seen);
+        host.whole_body(false, &mut |chunk| body.extend_from_slice(chunk));
+        self.decide_request(host, &headers, &source, refresh, &body)
+    }
+
+    fn decide_request(&mut self, host: &mut dyn Host, request: &Headers, source: &ModelSource, refresh: bool,
+                      body: &[u8]) -> Flow {
+        let headers = &request.pairs;
+        let method = headermap::header(headers, ":method").unwrap_or("");
+        let path = headermap::header(headers, ":path").unwrap_or("");
+        let head = RequestHead { method, path, headers, not_utf8: &request.not_utf8 };
+        // The peer identity is asked for only when the matched policy scopes by it.
+        let principal = || host.peer_identity();
+        let mut c = match request::key_request(&self.config, &head, source, refresh, body, principal) {
+            BodyDecision::Bypass(why) => return self.bypass(host, why),
+            BodyDecision::Cacheable(c) => c,
+        };
+        let now = host.now_ms();
+        c.request_ms = now;
+        if c.refresh {
+            return self.miss(host, c);
+        }
+        let cache = Cache { data: &*self.shared, limits: &self.config.limits };
+        let mut out = Outcome::default();
+        let found = cache.lookup_keeping(&c.key, now, Lifetime::of(&c.policy), &mut out);
+        self.record_outcome(host, &out);
+        let entry = match found {
+            Lookup::Hit(e) => e,
+            Lookup::Miss(seen) => {
+                c.seen = seen;
+                return self.miss(host, c);
             }
-            None => {
-                self.state = State::Miss { key, ttl };
+            Lookup::Stale(e, seen) => {
+                // Forwarded; a fresh answer replaces the expired entry where it is. If
+                // stale-if-error may use the entry (HTTP only here), it stands by.
+                c.seen = Some(seen);
+                let if_error = stale::stale_use(&e, &c.policy, now).map_or(false, |u| u.if_error);
+                if if_error && !c.grpc {
+                    let fallback = Fallback { entry: e, policy: c.policy.clone(), headers: headers.to_vec(), id: c.request_id.clone() };
+                    self.fallback = Some(Box::new(fallback));
+                }
+                return self.miss(host, c);
+            }
+        };
+        host.count(metric_names::HITS, 1);
+        host.count(&metric_names::policy_metric(&c.policy.model_prefix, "hits"), 1);
+        let request = HitRequest { headers, body, id: &c.request_id };
+        self.state = State::Done;
+        if c.grpc {
+            let reply = answer::grpc_hit(&entry, &request, now);
+            let mut h: Vec<(&str, &[u8])> = vec![(":status", b"200")];
+            h.extend(reply.headers.iter().map(|(n, v)| (n.as_str(), v.as_bytes())));
+            host.send_response_with_trailers(&h, &grpc::frame(&reply.body), &[("grpc-status", b"0")]);
+            return Flow::Stop;
+        }
+        let reply = answer::http_hit(&entry, &request, now);
+        let h: Vec<(&str, &[u8])> = reply.headers.iter().map(|(n, v)| (n.as_str(), v.as_bytes())).collect();
+        host.send_response(reply.status as u32, &h, &reply.body);
+        Flow::Stop
+    }
+
+    fn miss(&mut self, host: &mut dyn Host, c: Cacheable) -> Flow {
+        host.count(metric_names::MISSES, 1);
+        host.count(&metric_names::policy_metric(&c.policy.model_prefix, "misses"), 1);
+        self.state = State::Miss(Box::new(c));
+        Flow::Continue
+    }
+
+    fn not_stored(&mut self, host: &mut dyn Host, refresh: bool, why: NotStored, headers_open: bool) -> Flow {
+        if headers_open {
+            host.set_response_header(names::CACHE_STATUS, names::cache_status_not_stored(refresh, why).as_bytes());
+        }
+        self.state = State::Done;
+        Flow::Continue
+    }
+
+    pub fn on_response_headers(&mut self, host: &mut dyn Host, end_of_stream: bool) -> Flow {
+        if let Some(f) = self.fallback.take() {
+            if self.stale_if_error(host, &f) {
+                self.state = State::Done;
+                return Flow::Stop;
+            }
+        }
+        match std::mem::replace(&mut self.state, State::Done) {
+            State::Bypass(why) => {
+                host.set_response_header(names::CACHE_STATUS, names::cache_status_bypass(why.detail()).as_bytes());
+                Flow::Continue
+            }
+            State::Miss(c) => self.start_collect(host, *c, end_of_stream),
+            // Answered before the request body ended (Envoy or the origin): it passes as it is.
+            State::Buffering { .. } => Flow::Continue,
+            other => {
+                self.state = other;
                 Flow::Continue
             }
         }
     }
 
-    pub fn on_response_headers(&mut self, host: &mut dyn Host, end_of_stream: bool) -> Flow {
-        match std::mem::replace(&mut self.state, State::Done) {
-            State::Pass(status) => host.set_response_header(CACHE_STATUS, status),
-            State::Miss { key, ttl } => {
-                if host.response_header(":status") != Some(b"200") || end_of_stream {
-                    host.set_response_header(CACHE_STATUS, MISS);
-                } else {
-                    let content_type = host.response_header("content-type").unwrap_or(b"").into();
-                    self.state = State::Storing { key, ttl, content_type, seen: 0 };
-                    return Flow::Hold;
-                }
-            }
-            State::Hit => self.state = State::Hit,
-            State::Keying { .. } => host.set_response_header(CACHE_STATUS, MISS), // answered before the body ended
-            other => self.state = other,
+    /// The origin (or Envoy for it: unreachable, timed out) answered with an error and an
+    /// expired entry may stand in for it: answer with the entry instead (a local reply in the
+    /// response path goes straight to the client; the error is dropped). False: it passes.
+    fn stale_if_error(&mut self, host: &mut dyn Host, f: &Fallback) -> bool {
+        let response = host.response_headers();
+        let status: u16 = headermap::header(&response.pairs, ":status").and_then(|s| s.parse().ok()).unwrap_or(0);
+        if !stale::is_origin_error(status, headermap::header(&response.pairs, "grpc-status")) {
+            return false;
         }
-        Flow::Continue
+        let now = host.now_ms();
+        let u = match stale::stale_use(&f.entry, &f.policy, now).filter(|u| u.if_error) {
+            Some(u) => u,
+            None => return false,
+        };
+        let request = HitRequest { headers: &f.headers, body: b"", id: &f.id };
+        let mut reply = answer::http_hit(&f.entry, &request, now);
+        answer::set_cache_status(&mut reply, names::cache_status_stale_if_error(u.past_s(), Some(status)));
+        let h: Vec<(&str, &[u8])> = reply.headers.iter().map(|(n, v)| (n.as_str(), v.as_bytes())).collect();
+        host.count(metric_names::STALE_IF_ERROR, 1);
+        host.send_response(reply.status as u32, &h, &reply.body);
+        true
     }
 
-    pub fn on_response_body(&mut self, host: &mut dyn Host, end_of_stream: bool) -> Flow {
-        let max = (self.config.max_entry_bytes as usize).min(MAX_HELD_BYTES);
-        let seen = match &mut self.state {
-            State::Storing { seen, .. } => {
-                host.received_body(true, &mut |chunk| *seen += chunk.len());
-                *seen
-            }
-            _ => return Flow::Continue,
-        };
-        if seen > max {
-            self.state = State::Done;
-            host.set_response_header(CACHE_STATUS, MISS_TOO_BIG);
-            return Flow::Continue;
+    fn start_collect(&mut self, host: &mut dyn Host, c: Cacheable, end_of_stream: bool) -> Flow {
+        let response = host.response_headers();
+        let headers = response.pairs;
+        let status: u16 = headermap::header(&headers, ":status").and_then(|s| s.parse().ok()).unwrap_or(0);
+        if status != 200 {
+            return self.not_stored(host, c.refresh, NotStored::Status, true);
         }
-        if !end_of_stream {
+        if c.grpc && (end_of_stream || headermap::header(&headers, "grpc-status").is_some()) {
+            // Trailers-only gRPC responses are errors (or empty): nothing to store.
+            return self.not_stored(host, c.refresh, NotStored::GrpcStatus, true);
+        }
+        let ttl = match response::check_storable(&c.policy, &headers, &response.not_utf8, host.now_ms()) {
+            Ok(t) => t,
+            Err(why) => return self.not_stored(host, c.refresh, why, true),
+        };
+        let limit = self.limit(&c);
+        let declared = headermap::header(&headers, "content-length");
+        if declared.and_then(|v| v.trim().parse::<usize>().ok()).map_or(false, |n| n > limit) {
+            return self.not_stored(host, c.refresh, NotStored::TooBig, true);
+        }
+        if end_of_stream {
+            return self.finish_store(host, c, ttl, status, headers, Vec::new(), Open::Headers);
+        }
+        let held = self.config.hold_headers && response::should_hold(c.grpc, headermap::header(&headers, "content-type"), declared);
+        if !held {
+            // The answer streams: say what is known now; it is copied and stored at its end.
+            host.set_response_header(names::CACHE_STATUS, names::cache_status_forwarded(c.refresh).as_bytes());
+        }
+        self.state = State::Collect(Box::new(Collecting { c, ttl, status, headers, copy: Vec::new(), seen: 0, held }));
+        if held {
+            Flow::Hold
+        } else {
+            Flow::Continue
+        }
+    }
+
+    /// The answer's body passes (or is held while small); it is kept for the store up to
+    /// `max_entry_bytes`.
+    pub fn on_response_body(&mut self, host: &mut dyn Host, end_of_stream: bool) -> Flow {
+        let mut k = match std::mem::replace(&mut self.state, State::Done) {
+            State::Collect(k) => k,
+            other => {
+                self.state = other;
+                return Flow::Continue;
+            }
+        };
+        let limit = self.limit(&k.c);
+        {
+            let Collecting { copy, seen, held, .. } = &mut *k;
+            let mut arrived = 0;
+            host.received_body(true, &mut |chunk| {
+                arrived += chunk.len();
+                if !*held && copy.len() + chunk.len() <= limit {
+                    copy.extend_from_slice(chunk);
+                }
+            });
+            *seen += arrived;
+        }
+        if k.seen > limit {
+            return self.not_stored(host, k.c.refresh, NotStored::TooBig, k.held);
+        }
+        if end_of_stream {
+            if k.c.grpc {
+                // A gRPC answer without trailers has no grpc-status: not a success we can store.
+                return self.not_stored(host, k.c.refresh, NotStored::GrpcStatus, k.held);
+            }
+            let open = if k.held { Open::Headers } else { Open::Closed };
+            let body = self.take_body(host, &mut k);
+            let Collecting { c, ttl, status, headers, .. } = *k;
+            return self.finish_store(host, c, ttl, status, headers, body, open);
+        }
+        if k.held && k.seen <= response::HOLD_BYTES {
+            self.state = State::Collect(k);
             return Flow::Hold;
         }
-        if let State::Storing { key, ttl, content_type, seen } = std::mem::replace(&mut self.state, State::Done) {
-            let mut body = Vec::with_capacity(seen);
-            host.whole_body(true, &mut |chunk| body.extend_from_slice(chunk));
-            let now = host.now();
-            let entry = Entry { body: body.into_boxed_slice(), content_type, stored_at: now, expires_at: now + ttl };
-            let status = match self.store.insert(key, entry) {
-                Stored::Stored { .. } => MISS_STORED,
-                Stored::TooBig => MISS_TOO_BIG,
-            };
-            host.set_response_header(CACHE_STATUS, status);
+        if k.held {
+            // Grown past what a miss holds back: copy what Envoy held, let it stream from here.
+            host.set_response_header(names::CACHE_STATUS, names::cache_status_forwarded(k.c.refresh).as_bytes());
+            k.copy = self.take_body(host, &mut k);
+            k.held = false;
         }
+        self.state = State::Collect(k);
         Flow::Continue
     }
 
-    /// Trailers end a held answer: let the held headers go (an answer with trailers is not
-    /// stored in phase 1).
-    pub fn on_response_trailers(&mut self, host: &mut dyn Host) {
-        if let State::Storing { .. } = self.state {
-            self.state = State::Done;
-            host.set_response_header(CACHE_STATUS, MISS);
+    /// What a miss's answer may grow to and still be stored (a gRPC message's frame on top).
+    fn limit(&self, c: &Cacheable) -> usize {
+        self.config.limits.max_entry_bytes as usize + if c.grpc { 5 } else { 0 }
+    }
+
+    /// The answer so far: Envoy's held buffer while held, the copy once it streamed.
+    fn take_body(&self, host: &mut dyn Host, k: &mut Collecting) -> Vec<u8> {
+        if !k.held {
+            return std::mem::take(&mut k.copy);
+        }
+        let mut body = Vec::with_capacity(k.seen);
+        host.whole_body(true, &mut |chunk| body.extend_from_slice(chunk));
+        body
+    }
+
+    pub fn on_response_trailers(&mut self, host: &mut dyn Host) -> Flow {
+        match std::mem::replace(&mut self.state, State::Done) {
+            State::Collect(mut k) => {
+                let open = if k.held { Open::Headers } else { Open::Trailers };
+                if k.c.grpc && headermap::header(&host.response_trailers().pairs, "grpc-status") != Some("0") {
+                    return self.not_stored(host, k.c.refresh, NotStored::GrpcStatus, k.held);
+                }
+                let body = self.take_body(host, &mut k);
+                let Collecting { c, ttl, status, headers, .. } = *k;
+                self.finish_store(host, c, ttl, status, headers, body, open)
+            }
+            other => {
+                self.state = other;
+                Flow::Continue
+            }
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn finish_store(&mut self, host: &mut dyn Host, c: Cacheable, ttl: Ttl, status: u16, headers: Vec<(String, String)>,
+                    body: Vec<u8>, open: Open) -> Flow {
+        let cache = Cache { data: &*self.shared, limits: &self.config.limits };
+        let refresh = c.refresh;
+        let mut out = Outcome::default();
+        let result = storing::store_answer(&cache, &c, &headers, status, body, ttl, &mut out);
+        self.record_outcome(host, &out);
+        match result {
+            Ok(stored) => {
+                host.count(metric_names::STORES, 1);
+                self.record_gauges(host);
+                self.state = State::Done;
+                match open {
+                    Open::Closed => {}
+                    Open::Trailers => host.set_response_trailer(names::HASH_HEADER, stored.entry.response_hash.as_bytes()),
+                    Open::Headers => {
+                        host.set_response_header(names::HASH_HEADER, stored.entry.response_hash.as_bytes());
+                        host.set_response_header(names::CACHE_STATUS, names::cache_status_stored(refresh).as_bytes());
+                        if let Some(etag) = &stored.added_etag {
+                            host.set_response_header("etag", etag.as_bytes());
+                        }
+                    }
+                }
+                Flow::Continue
+            }
+            Err(why) => self.not_stored(host, refresh, why, open == Open::Headers),
         }
     }
 
@@ -219,28 +488,50 @@ impl Stream {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::cell::RefCell;
+    use meshcache_core::config::parse_plugin_config;
+    use std::cell::{Cell, RefCell};
 
+    /// One exchange's worth of Envoy: request and response headers, the body chunks of the
+    /// current callback, what Envoy holds back, and what the filter sent or set.
     #[derive(Default)]
     struct Fake {
-        req: Vec<(String, Vec<u8>)>,
-        resp: Vec<(String, Vec<u8>)>,
+        req: Vec<(String, String)>,
+        resp: Vec<(String, String)>,
+        trailers: Vec<(String, String)>,
         held: Vec<Vec<u8>>,
         received: Vec<Vec<u8>>,
-        sent: RefCell<Option<(u32, Vec<(String, Vec<u8>)>, Vec<u8>)>>,
-        now: Option<Instant>,
+        sent: RefCell<Option<(u32, Vec<(String, String)>, Vec<u8>)>>,
+        sent_trailers: Vec<(String, String)>,
+        now: Cell<u64>,
+        counts: std::collections::HashMap<String, u64>,
+        peer: Option<String>,
+        gauges: std::collections::HashMap<String, u64>,
+    }
+
+    fn get(h: &[(String, String)], name: &str) -> Option<String> {
+        h.iter().find(|(n, _)| n == name).map(|(_, v)| v.clone())
+    }
+
+    fn set(h: &mut Vec<(String, String)>, name: &str, value: &[u8]) {
+        h.retain(|(n, _)| n != name);
+        h.push((name.to_string(), String::from_utf8(value.to_vec()).unwrap()));
     }
 
     impl Host for Fake {
-        fn request_header(&self, name: &str) -> Option<&[u8]> {
-            self.req.iter().find(|(k, _)| k == name).map(|(_, v)| &v[..])
+        fn request_headers(&self) -> Headers {
+            Headers { pairs: self.req.clone(), not_utf8: Vec::new() }
         }
-        fn response_header(&self, name: &str) -> Option<&[u8]> {
-            self.resp.iter().find(|(k, _)| k == name).map(|(_, v)| &v[..])
+        fn response_headers(&self) -> Headers {
+            Headers { pairs: self.resp.clone(), not_utf8: Vec::new() }
+        }
+        fn remove_request_header(&mut self, name: &str) {
+            self.req.retain(|(n, _)| n != name);
         }
         fn set_response_header(&mut self, name: &str, value: &[u8]) {
-            self.resp.retain(|(k, _)| k != name);
-            self.resp.push((name.into(), value.into()));
+            set(&mut self.resp, name, value);
+        }
+        fn set_response_trailer(&mut self, name: &str, value: &[u8]) {
+            set(&mut self.trailers, name, value);
         }
         fn received_body(&self, _response: bool, f: &mut dyn FnMut(&[u8])) {
             self.received.iter().for_each(|c| f(c));
@@ -249,124 +540,308 @@ mod tests {
             self.held.iter().chain(self.received.iter()).for_each(|c| f(c));
         }
         fn send_response(&mut self, status: u32, headers: &[(&str, &[u8])], body: &[u8]) {
-            let hs = headers.iter().map(|(k, v)| (k.to_string(), v.to_vec())).collect();
-            *self.sent.borrow_mut() = Some((status, hs, body.to_vec()));
+            let h = headers.iter().map(|(n, v)| (n.to_string(), String::from_utf8(v.to_vec()).unwrap())).collect();
+            *self.sent.borrow_mut() = Some((status, h, body.to_vec()));
         }
-        fn now(&self) -> Instant {
-            self.now.unwrap_or_else(Instant::now)
+        fn send_response_with_trailers(&mut self, headers: &[(&str, &[u8])], body: &[u8], trailers: &[(&str, &[u8])]) {
+            let status = headers.iter().find(|(n, _)| *n == ":status").map_or(0, |(_, v)| std::str::from_utf8(v).unwrap().parse().unwrap());
+            let rest: Vec<(&str, &[u8])> = headers.iter().filter(|(n, _)| *n != ":status").cloned().collect();
+            self.send_response(status, &rest, body);
+            self.sent_trailers = trailers.iter().map(|(n, v)| (n.to_string(), String::from_utf8(v.to_vec()).unwrap())).collect();
+        }
+        fn response_trailers(&self) -> Headers {
+            Headers { pairs: self.trailers.clone(), not_utf8: Vec::new() }
+        }
+        fn now_ms(&self) -> u64 {
+            self.now.get()
+        }
+        fn peer_identity(&self) -> Option<String> {
+            self.peer.clone()
+        }
+        fn count(&mut self, name: &str, n: u64) {
+            *self.counts.entry(name.to_string()).or_default() += n;
+        }
+        fn set_gauge(&mut self, name: &str, value: u64) {
+            self.gauges.insert(name.to_string(), value);
         }
     }
 
-    fn setup(max_entry: u64) -> (Arc<Config>, Arc<Store>) {
-        let config = crate::config::parse(format!(
-            r#"{{"max_entry_bytes": {}, "max_total_bytes": 16777216, "policies": [{{"model_prefix": "m", "ttl_s": 60}}]}}"#,
-            max_entry).as_bytes()).unwrap();
-        let store = Arc::new(Store::new(config.max_total_bytes as usize, config.max_entry_bytes as usize));
-        (Arc::new(config), store)
+    struct Env {
+        config: Arc<Config>,
+        shared: Arc<Shared>,
+        now: u64,
     }
 
-    fn request(path: &str) -> Fake {
-        Fake { req: vec![(":method".into(), b"POST".to_vec()), (":path".into(), path.as_bytes().to_vec())],
-               ..Fake::default() }
+    fn env(json: &str) -> Env {
+        let config = Arc::new(parse_plugin_config(json.as_bytes()).unwrap());
+        let shared = Arc::new(Shared::default());
+        Cache { data: &*shared, limits: &config.limits }.reconcile(&mut Outcome::default());
+        Env { config, shared, now: 1_700_000_000_000 }
     }
 
-    /// Sends `chunks` as the request body, then (if forwarded) an answer in `answer` chunks.
-    fn exchange(c: &(Arc<Config>, Arc<Store>), path: &str, chunks: &[&[u8]], answer: &[&[u8]]) -> Fake {
-        let mut s = Stream::new(c.0.clone(), c.1.clone());
-        let mut h = request(path);
-        if s.on_request_headers(&mut h, false) == Flow::Continue {
-            h.received = chunks.iter().map(|c| c.to_vec()).collect();
-            s.on_request_body(&mut h, true);
-        } else {
-            for (i, chunk) in chunks.iter().enumerate() {
-                h.received = vec![chunk.to_vec()];
-                let last = i + 1 == chunks.len();
-                let flow = s.on_request_body(&mut h, last);
-                if flow == Flow::Stop {
-                    return h;
-                }
-                if flow == Flow::Hold {
-                    h.held.push(chunk.to_vec());
-                }
+    const INFER: &str = "/v2/models/m/infer";
+    const BODY: &[u8] = br#"{"id":"a","inputs":[{"name":"x","shape":[1],"datatype":"FP32","data":[1]}]}"#;
+
+    /// Drives one exchange: request headers, the request body in `chunks`, and (unless answered
+    /// locally) the origin's 200 answer in `answer` chunks with `extra` response headers.
+    fn exchange(e: &Env, path: &str, req_headers: &[(&str, &str)], chunks: &[&[u8]], answer: &[&[u8]],
+                extra: &[(&str, &str)]) -> Fake {
+        let mut h = Fake::default();
+        h.now.set(e.now);
+        h.req = [(":method", "POST"), (":path", path), ("content-type", "application/json")]
+            .iter()
+            .chain(req_headers)
+            .map(|(n, v)| (n.to_string(), v.to_string()))
+            .collect();
+        let mut s = Stream::new(e.config.clone(), e.shared.clone());
+        let mut flow = s.on_request_headers(&mut h, chunks.is_empty());
+        for (i, c) in chunks.iter().enumerate() {
+            if flow == Flow::Hold {
+                let r = std::mem::take(&mut h.received);
+                h.held.extend(r);
             }
+            h.received = vec![c.to_vec()];
+            flow = s.on_request_body(&mut h, i + 1 == chunks.len());
+        }
+        if h.sent.borrow().is_some() {
+            return h;
         }
         h.held.clear();
         h.received.clear();
-        h.resp = vec![(":status".into(), b"200".to_vec()), ("content-type".into(), b"application/json".to_vec())];
-        if s.on_response_headers(&mut h, answer.is_empty()) == Flow::Hold {
-            for (i, chunk) in answer.iter().enumerate() {
-                h.received = vec![chunk.to_vec()];
-                if s.on_response_body(&mut h, i + 1 == answer.len()) == Flow::Hold {
-                    h.held.push(chunk.to_vec());
-                }
+        let len: usize = answer.iter().map(|c| c.len()).sum();
+        h.resp = [(":status", "200"), ("content-type", "application/json"), ("content-length", &len.to_string())]
+            .iter()
+            .chain(extra)
+            .map(|(n, v)| (n.to_string(), v.to_string()))
+            .collect();
+        let mut flow = s.on_response_headers(&mut h, answer.is_empty());
+        for (i, c) in answer.iter().enumerate() {
+            if flow == Flow::Hold {
+                let r = std::mem::take(&mut h.received);
+                h.held.extend(r);
             }
+            h.received = vec![c.to_vec()];
+            flow = s.on_response_body(&mut h, i + 1 == answer.len());
         }
         h
     }
 
     fn status(h: &Fake) -> String {
-        String::from_utf8(h.response_header(CACHE_STATUS).unwrap_or(b"-").to_vec()).unwrap()
+        match &*h.sent.borrow() {
+            Some((_, headers, _)) => get(headers, "cache-status").unwrap_or_default(),
+            None => get(&h.resp, "cache-status").unwrap_or_default(),
+        }
     }
 
+    const ANSWER: &[u8] = br#"{"id":"a","outputs":[{"name":"y","data":[2]}]}"#;
+
     #[test]
-    fn miss_stores_then_hit_answers_from_the_store() {
-        let c = setup(1 << 20);
-        let miss = exchange(&c, "/v2/models/m1/infer", &[b"{\"a\":", b"1}"], &[b"{\"out\":", b"[1,2]}"]);
+    fn a_miss_is_stored_with_hash_and_etag_then_hits_answer_with_age() {
+        let mut e = env(r#"{"policies": [{"model_prefix": "m", "ttl_s": 60}]}"#);
+        let miss = exchange(&e, INFER, &[], &[BODY], &[ANSWER], &[]);
         assert_eq!(status(&miss), "meshcache; fwd=miss; stored");
-        let hit = exchange(&c, "/v2/models/m1/infer", &[b"{\"a\":1}"], &[]);
-        let (code, headers, body) = hit.sent.borrow().clone().expect("a local reply");
-        assert_eq!(code, 200);
-        assert_eq!(body, b"{\"out\":[1,2]}", "the chunks held back and the last one, once each");
-        let get = |n: &str| headers.iter().find(|(k, _)| k == n).map(|(_, v)| String::from_utf8(v.clone()).unwrap());
-        assert_eq!(get("content-type").as_deref(), Some("application/json"));
-        assert!(get(CACHE_STATUS).unwrap().starts_with("meshcache; hit; ttl="));
+        assert_eq!((miss.counts["meshcache.misses"], miss.counts["meshcache.policy.m.misses"]), (1, 1));
+        assert_eq!(miss.counts["meshcache.stores"], 1);
+        assert_eq!(miss.gauges["meshcache.entries"], 1);
+        assert_eq!(miss.gauges["meshcache.policy.m.entries"], 1);
+        assert_eq!(miss.gauges["meshcache.bytes"], miss.gauges["meshcache.policy.m.bytes"]);
+        assert!(miss.gauges["meshcache.bytes"] > ANSWER.len() as u64);
+        let hash = get(&miss.resp, "x-response-hash").unwrap();
+        assert_eq!(hash.len(), 64);
+        assert_eq!(get(&miss.resp, "etag").unwrap(), format!("\"{}\"", hash));
+
+        e.now += 2_500;
+        let hit = exchange(&e, INFER, &[], &[&BODY[..9], &BODY[9..]], &[], &[]);
+        let sent = hit.sent.borrow().clone().unwrap();
+        assert_eq!((hit.counts["meshcache.hits"], hit.counts["meshcache.policy.m.hits"]), (1, 1));
+        assert_eq!(sent.0, 200);
+        assert_eq!(sent.2, ANSWER, "the caller's request id goes back in");
+        assert_eq!(get(&sent.1, "cache-status").unwrap(), "meshcache; hit; ttl=58");
+        assert_eq!(get(&sent.1, "age").unwrap(), "2");
+        assert_eq!(get(&sent.1, "x-response-hash").unwrap(), hash);
+        assert_eq!(get(&sent.1, "etag").unwrap(), format!("\"{}\"", hash));
+
+        // Another request id: the same entry, the caller's id in the answer.
+        let b = BODY.replace_id("b");
+        let other = exchange(&e, INFER, &[], &[&b[..]], &[], &[]);
+        let sent = other.sent.borrow().clone().unwrap();
+        assert_eq!(sent.2, ANSWER.replace_id("b"));
+
+        // If-None-Match with the ETag: 304, no body.
+        let inm = exchange(&e, INFER, &[("if-none-match", &format!("\"{}\"", hash))], &[BODY], &[], &[]);
+        assert_eq!(inm.sent.borrow().as_ref().unwrap().0, 304);
+    }
+
+    trait ReplaceId {
+        fn replace_id(&self, id: &str) -> Vec<u8>;
+    }
+
+    impl ReplaceId for [u8] {
+        fn replace_id(&self, id: &str) -> Vec<u8> {
+            String::from_utf8(self.to_vec()).unwrap().replacen("\"a\"", &format!("\"{}\"", id), 1).into_bytes()
+        }
     }
 
     #[test]
-    fn the_key_covers_path_and_body() {
-        let c = setup(1 << 20);
-        exchange(&c, "/v2/models/m1/infer", &[b"{}"], &[b"A"]);
-        assert_eq!(status(&exchange(&c, "/v2/models/m2/infer", &[b"{}"], &[b"B"])), "meshcache; fwd=miss; stored");
-        assert_eq!(status(&exchange(&c, "/v2/models/m1/infer", &[b"{ }"], &[b"C"])), "meshcache; fwd=miss; stored");
-        let hit = exchange(&c, "/v2/models/m1/infer", &[b"{", b"}"], &[]);
-        assert_eq!(hit.sent.borrow().as_ref().unwrap().2, b"A", "chunking does not change the key");
+    fn bypasses_say_why_and_ignored_requests_get_no_header() {
+        let e = env(r#"{"policies": [{"model_prefix": "m", "ttl_s": 60}]}"#);
+        assert_eq!(status(&exchange(&e, "/v2/models/zz/infer", &[], &[BODY], &[ANSWER], &[])),
+                   "meshcache; fwd=bypass; detail=no-policy");
+        assert_eq!(status(&exchange(&e, INFER, &[("cache-control", "no-store")], &[BODY], &[ANSWER], &[])),
+                   "meshcache; fwd=bypass; detail=no-store");
+        assert_eq!(status(&exchange(&e, INFER, &[], &[b"{not json"], &[ANSWER], &[])),
+                   "meshcache; fwd=bypass; detail=unparsable");
+        assert_eq!(status(&exchange(&e, "/healthz", &[], &[BODY], &[ANSWER], &[])), "");
     }
 
     #[test]
-    fn what_is_not_cached() {
-        let c = setup(16);
-        assert_eq!(status(&exchange(&c, "/other", &[b"{}"], &[b"x"])), "-", "not an inference request");
-        assert_eq!(status(&exchange(&c, "/v2/models/zz/infer", &[b"{}"], &[b"x"])), "meshcache; fwd=bypass");
-        let chunk = vec![b'1'; 256 * 1024];
-        let big_request = [&chunk[..], &chunk[..], &chunk[..], b"1"];
-        assert_eq!(status(&exchange(&c, "/v2/models/m1/infer", &big_request, &[b"x"])),
-                   "meshcache; fwd=bypass; detail=too-big");
-        let c2 = setup(9 << 20);
-        let held_too_long = [&chunk[..], &chunk[..], &chunk[..], b"1"];
-        assert_eq!(status(&exchange(&c2, "/v2/models/m1/infer", &[b"{}"], &held_too_long)),
-                   "meshcache; fwd=miss; detail=too-big", "never more than MAX_HELD_BYTES held back");
-        let big_answer = [b"0123456789".as_slice(); 3];
-        assert_eq!(status(&exchange(&c, "/v2/models/m1/infer", &[b"{}"], &big_answer)),
-                   "meshcache; fwd=miss; detail=too-big");
-        assert_eq!(c.1.usage().0, 0);
-        // A GET is never ours.
-        let mut s = Stream::new(c.0.clone(), c.1.clone());
-        let mut h = request("/v2/models/m1/infer");
-        h.req[0].1 = b"GET".to_vec();
-        assert_eq!(s.on_request_headers(&mut h, true), Flow::Continue);
+    fn answers_the_policy_or_origin_refuses_are_not_stored() {
+        let e = env(r#"{"policies": [{"model_prefix": "m", "ttl_s": 60}], "max_entry_bytes": 1024}"#);
+        let no_store = exchange(&e, INFER, &[], &[BODY], &[ANSWER], &[("cache-control", "no-store")]);
+        assert_eq!(status(&no_store), "meshcache; fwd=miss; detail=no-store");
+        assert!(get(&no_store.resp, "x-response-hash").is_none());
+        let big = vec![b' '; 2000];
+        assert_eq!(status(&exchange(&e, INFER, &[], &[BODY], &[&big], &[])), "meshcache; fwd=miss; detail=too-big");
+        let again = exchange(&e, INFER, &[], &[BODY], &[ANSWER], &[]);
+        assert_eq!(status(&again), "meshcache; fwd=miss; stored", "nothing was stored before");
     }
 
     #[test]
-    fn non_200_answers_are_not_stored() {
-        let c = setup(1 << 20);
-        let mut s = Stream::new(c.0.clone(), c.1.clone());
-        let mut h = request("/v2/models/m1/infer");
+    fn a_large_answer_streams_and_is_still_stored_whole() {
+        let e = env(r#"{"policies": [{"model_prefix": "m", "ttl_s": 60}], "max_entry_bytes": 2000000}"#);
+        let part = vec![b' '; response::HOLD_BYTES / 2 + 1];
+        let mut whole = ANSWER[..ANSWER.len() - 1].to_vec();
+        let chunks: Vec<Vec<u8>> = vec![whole.clone(), part.clone(), part.clone(), part.clone(), b"}".to_vec()];
+        let refs: Vec<&[u8]> = chunks.iter().map(|c| &c[..]).collect();
+        let miss = exchange(&e, INFER, &[], &[BODY], &refs, &[]);
+        // Held until it outgrew HOLD_BYTES, then streamed: the headers said so, the store happened.
+        assert_eq!(status(&miss), "meshcache; fwd=miss");
+        whole = chunks.concat();
+        let hit = exchange(&e, INFER, &[], &[BODY], &[], &[]);
+        let sent = hit.sent.borrow().clone().unwrap();
+        assert_eq!(sent.2, whole);
+        assert_eq!(get(&sent.1, "x-response-hash").unwrap().len(), 64);
+    }
+
+    #[test]
+    fn an_expired_entry_is_replaced_and_a_lower_policy_ttl_reaches_stored_entries() {
+        let mut e = env(r#"{"policies": [{"model_prefix": "m", "ttl_s": 60}]}"#);
+        exchange(&e, INFER, &[], &[BODY], &[ANSWER], &[]);
+        e.now += 61_000;
+        let expired = exchange(&e, INFER, &[], &[BODY], &[ANSWER], &[]);
+        assert_eq!(status(&expired), "meshcache; fwd=miss; stored");
+        assert_eq!(expired.counts["meshcache.evictions"], 1, "the expired entry was freed at lookup");
+        let hit = exchange(&e, INFER, &[], &[BODY], &[], &[]);
+        assert!(status(&hit).starts_with("meshcache; hit"));
+        let lower = Env { config: Arc::new(parse_plugin_config(br#"{"policies": [{"model_prefix": "m", "ttl_s": 0}]}"#).unwrap()),
+                          shared: e.shared.clone(), now: e.now + 1 };
+        assert!(!status(&exchange(&lower, INFER, &[], &[BODY], &[ANSWER], &[])).contains("hit"));
+    }
+
+    #[test]
+    fn a_purge_generation_is_a_new_key() {
+        let e = env(r#"{"policies": [{"model_prefix": "m", "ttl_s": 60, "generation": 1}]}"#);
+        exchange(&e, INFER, &[], &[BODY], &[ANSWER], &[]);
+        assert!(status(&exchange(&e, INFER, &[], &[BODY], &[], &[])).contains("hit"));
+        let purged = Env { config: Arc::new(parse_plugin_config(br#"{"policies": [{"model_prefix": "m", "ttl_s": 60, "generation": 2}]}"#).unwrap()),
+                           shared: e.shared.clone(), now: e.now };
+        assert_eq!(status(&exchange(&purged, INFER, &[], &[BODY], &[ANSWER], &[])), "meshcache; fwd=miss; stored");
+    }
+    fn framed(message: &[u8]) -> Vec<u8> {
+        let mut f = vec![0u8];
+        f.extend_from_slice(&(message.len() as u32).to_be_bytes());
+        f.extend_from_slice(message);
+        f
+    }
+
+    /// A unary ModelInfer through the stream: request headers and framed body, then (unless
+    /// answered) the origin's headers, framed message and `grpc_status` trailer.
+    fn grpc_exchange(e: &Env, grpc_status: &str) -> (Fake, Stream) {
+        let mut h = Fake::default();
+        h.now.set(e.now);
+        h.req = [(":method", "POST"), (":path", "/inference.GRPCInferenceService/ModelInfer"),
+                 ("content-type", "application/grpc")]
+            .iter()
+            .map(|(n, v)| (n.to_string(), v.to_string()))
+            .collect();
+        let mut s = Stream::new(e.config.clone(), e.shared.clone());
+        assert_eq!(s.on_request_headers(&mut h, false), Flow::Hold);
+        h.received = vec![framed(b"\x0a\x01m")]; // ModelInferRequest { model_name: "m" }
+        if s.on_request_body(&mut h, true) == Flow::Stop {
+            return (h, s);
+        }
+        h.received.clear();
+        h.resp = vec![(":status".into(), "200".into()), ("content-type".into(), "application/grpc".into())];
+        assert_eq!(s.on_response_headers(&mut h, false), Flow::Hold, "a unary gRPC answer is held");
+        h.received = vec![framed(b"\x0a\x01m\x12\x011")];
+        assert_eq!(s.on_response_body(&mut h, false), Flow::Hold);
+        h.held = std::mem::take(&mut h.received);
+        h.trailers = vec![("grpc-status".into(), grpc_status.into())];
+        s.on_response_trailers(&mut h);
+        (h, s)
+    }
+
+    #[test]
+    fn grpc_misses_store_on_a_zero_status_and_hits_answer_in_one_pass_with_trailers() {
+        let e = env(r#"{"policies": [{"model_prefix": "m", "ttl_s": 60}]}"#);
+        let (failed, _) = grpc_exchange(&e, "13");
+        assert_eq!(get(&failed.resp, "cache-status").unwrap(), "meshcache; fwd=miss; detail=grpc-status");
+        let (miss, _) = grpc_exchange(&e, "0");
+        assert_eq!(get(&miss.resp, "cache-status").unwrap(), "meshcache; fwd=miss; stored");
+        let hash = get(&miss.resp, "x-response-hash").unwrap();
+        let (hit, _) = grpc_exchange(&e, "0");
+        let sent = hit.sent.borrow().clone().expect("answered from the store");
+        assert_eq!(sent.0, 200);
+        assert_eq!(sent.2, framed(b"\x0a\x01m\x12\x011"), "the stored message, framed");
+        assert_eq!(get(&sent.1, "content-type").unwrap(), "application/grpc");
+        assert_eq!(get(&sent.1, "x-response-hash").unwrap(), hash);
+        assert!(get(&sent.1, "cache-status").unwrap().starts_with("meshcache; hit"));
+        assert_eq!(hit.sent_trailers, vec![("grpc-status".to_string(), "0".to_string())]);
+    }
+    #[test]
+    fn an_origin_error_is_answered_with_the_expired_entry_within_stale_if_error() {
+        let mut e = env(r#"{"policies": [{"model_prefix": "m", "ttl_s": 1, "stale_if_error_s": 30}]}"#);
+        exchange(&e, INFER, &[], &[BODY], &[ANSWER], &[]);
+        e.now += 3_000;
+        let mut h = Fake::default();
+        h.now.set(e.now);
+        h.req = vec![(":method".into(), "POST".into()), (":path".into(), INFER.into())];
+        let mut s = Stream::new(e.config.clone(), e.shared.clone());
         s.on_request_headers(&mut h, false);
-        h.received = vec![b"{}".to_vec()];
-        assert_eq!(s.on_request_body(&mut h, true), Flow::Continue);
-        h.resp = vec![(":status".into(), b"503".to_vec())];
-        assert_eq!(s.on_response_headers(&mut h, false), Flow::Continue);
-        assert_eq!(status(&h), "meshcache; fwd=miss");
-        assert_eq!(c.1.usage().0, 0);
+        h.received = vec![BODY.to_vec()];
+        assert_eq!(s.on_request_body(&mut h, true), Flow::Continue, "expired: forwarded");
+        h.resp = vec![(":status".into(), "503".into())];
+        assert_eq!(s.on_response_headers(&mut h, false), Flow::Stop);
+        let sent = h.sent.borrow().clone().expect("the stale answer");
+        assert_eq!(sent.2, ANSWER);
+        assert_eq!(get(&sent.1, "cache-status").unwrap(),
+                   "meshcache; hit; stale; ttl=-2; fwd=stale; fwd-status=503; detail=stale-if-error");
+        assert_eq!(h.counts["meshcache.stale_if_error"], 1);
+    }
+    /// `exchange` with the peer's identity set.
+    fn exchange_as(e: &Env, peer: Option<&str>) -> Fake {
+        let mut h = Fake { peer: peer.map(str::to_string), ..Fake::default() };
+        h.now.set(e.now);
+        h.req = vec![(":method".into(), "POST".into()), (":path".into(), INFER.into())];
+        let mut s = Stream::new(e.config.clone(), e.shared.clone());
+        s.on_request_headers(&mut h, false);
+        h.received = vec![BODY.to_vec()];
+        if s.on_request_body(&mut h, true) == Flow::Stop {
+            return h;
+        }
+        h.received = vec![ANSWER.to_vec()];
+        h.resp = vec![(":status".into(), "200".into()), ("content-length".into(), ANSWER.len().to_string())];
+        s.on_response_headers(&mut h, false);
+        s.on_response_body(&mut h, true);
+        h
+    }
+
+    #[test]
+    fn a_principal_scoped_policy_keeps_each_peers_entries_apart() {
+        let e = env(r#"{"policies": [{"model_prefix": "m", "ttl_s": 60, "scope": "principal"}]}"#);
+        assert_eq!(status(&exchange_as(&e, Some("spiffe://a"))), "meshcache; fwd=miss; stored");
+        assert!(status(&exchange_as(&e, Some("spiffe://a"))).starts_with("meshcache; hit"));
+        assert_eq!(status(&exchange_as(&e, Some("spiffe://b"))), "meshcache; fwd=miss; stored", "another peer, another entry");
+        assert_eq!(status(&exchange_as(&e, None)), "meshcache; fwd=bypass; detail=no-identity");
     }
 }

@@ -1,54 +1,93 @@
-//! meshcache as an Envoy dynamic module (`envoy.filters.http.dynamic_modules`), phase 1.
+//! meshcache as an Envoy dynamic module (`envoy.filters.http.dynamic_modules`): the second host
+//! of the cache core (`meshcache-core`; the first is the proxy-wasm filter, filter/wasm).
 //!
 //! This file is the host: the `envoy_dynamic_module_on_*` hooks Envoy calls, and `EnvoyHost`,
 //! the `filter::Host` over Envoy's callbacks (abi.rs). Every hook catches panics: a bug fails
 //! open (the request passes through), it never unwinds into Envoy.
 //!
 //! The store is process-wide: one per Envoy process, shared by every worker and every filter
-//! config (an ECDS update replaces the config, not the cached entries), created with the first
-//! config's limits.
+//! config (an ECDS update replaces the config, not the cached entries); each new config
+//! reconciles it to its limits, as the Wasm filter's root context does with shared data.
 
 pub mod abi;
-pub mod config;
 pub mod filter;
+pub mod metrics;
 pub mod store;
 
 use std::os::raw::{c_char, c_void};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Arc, OnceLock};
-use std::time::Instant;
+use std::time::{SystemTime, UNIX_EPOCH};
 
 use abi::*;
 use filter::{Flow, Host, Stream};
-use store::Store;
+use meshcache_core::config::{parse_plugin_config, Config};
+use meshcache_core::headermap::Headers;
+use meshcache_core::store::{Cache, Outcome};
+use metrics::Metrics;
+use store::Shared;
 
-static STORE: OnceLock<Arc<Store>> = OnceLock::new();
+static SHARED: OnceLock<Arc<Shared>> = OnceLock::new();
 
 struct FilterConfig {
-    config: Arc<config::Config>,
-    store: Arc<Store>,
+    config: Arc<Config>,
+    shared: Arc<Shared>,
+    metrics: Arc<Metrics>,
 }
 
-struct EnvoyHost {
+/// What Envoy's module pointer for a stream points at: the flow, and the stats it counts into.
+struct StreamContext {
+    stream: Stream,
+    metrics: Arc<Metrics>,
+}
+
+struct EnvoyHost<'m> {
     ptr: FilterEnvoyPtr,
+    metrics: &'m Metrics,
 }
 
 const INLINE_CHUNKS: usize = 16;
 
-impl EnvoyHost {
-    fn header(&self, kind: u32, name: &str) -> Option<&[u8]> {
-        let mut out = EnvoyBuffer::EMPTY;
-        // SAFETY: `ptr` is the stream Envoy passed to the running hook; the value stays valid
-        // for the rest of that hook, which is as long as `&self` can be borrowed.
+impl EnvoyHost<'_> {
+    fn headers(&self, kind: u32) -> Headers {
+        let mut out = Headers::default();
+        // SAFETY: `ptr` is the stream Envoy passed to the running hook; the entries stay valid
+        // for the rest of that hook and are copied out before it returns; `all` has room for
+        // the count Envoy reported just before.
         unsafe {
-            envoy_dynamic_module_callback_http_get_header(self.ptr, kind, ModuleBuffer::of(name.as_bytes()), &mut out, 0,
-                                                          std::ptr::null_mut())
-                .then(|| out.as_slice())
+            let n = envoy_dynamic_module_callback_http_get_headers_size(self.ptr, kind);
+            if n == 0 {
+                return out;
+            }
+            let mut all = vec![EnvoyHttpHeader::EMPTY; n];
+            if !envoy_dynamic_module_callback_http_get_headers(self.ptr, kind, all.as_mut_ptr()) {
+                return out;
+            }
+            out.pairs.reserve(n);
+            for h in &all {
+                let (k, v) = (h.key.as_slice(), h.value.as_slice());
+                // As the Wasm host's header map: text, lossy for bytes that are not UTF-8, whose
+                // names are listed so nothing trusts their text (keys bypass, answers not stored).
+                let name = String::from_utf8_lossy(k).to_ascii_lowercase();
+                if std::str::from_utf8(k).is_err() || std::str::from_utf8(v).is_err() {
+                    out.not_utf8.push(name.clone());
+                }
+                out.pairs.push((name, String::from_utf8_lossy(v).into_owned()));
+            }
+        }
+        out
+    }
+
+    fn set(&mut self, kind: u32, name: &str, value: Option<&[u8]>) {
+        let value = value.map_or(ModuleBuffer { ptr: std::ptr::null(), length: 0 }, ModuleBuffer::of);
+        // SAFETY: as in `headers`.
+        unsafe {
+            envoy_dynamic_module_callback_http_set_header(self.ptr, kind, ModuleBuffer::of(name.as_bytes()), value);
         }
     }
 
     fn visit(&self, body_type: u32, f: &mut dyn FnMut(&[u8])) {
-        // SAFETY: as in `header`; `chunks` has room for the count Envoy reported just before.
+        // SAFETY: as in `headers`; `chunks` has room for the count Envoy reported just before.
         unsafe {
             let n = envoy_dynamic_module_callback_http_get_body_chunks_size(self.ptr, body_type);
             if n == 0 {
@@ -69,21 +108,25 @@ impl EnvoyHost {
     }
 }
 
-impl Host for EnvoyHost {
-    fn request_header(&self, name: &str) -> Option<&[u8]> {
-        self.header(REQUEST_HEADER, name)
+impl Host for EnvoyHost<'_> {
+    fn request_headers(&self) -> Headers {
+        self.headers(REQUEST_HEADER)
     }
 
-    fn response_header(&self, name: &str) -> Option<&[u8]> {
-        self.header(RESPONSE_HEADER, name)
+    fn response_headers(&self) -> Headers {
+        self.headers(RESPONSE_HEADER)
+    }
+
+    fn remove_request_header(&mut self, name: &str) {
+        self.set(REQUEST_HEADER, name, None);
     }
 
     fn set_response_header(&mut self, name: &str, value: &[u8]) {
-        // SAFETY: as in `header`.
-        unsafe {
-            envoy_dynamic_module_callback_http_set_header(self.ptr, RESPONSE_HEADER, ModuleBuffer::of(name.as_bytes()),
-                                                          ModuleBuffer::of(value));
-        }
+        self.set(RESPONSE_HEADER, name, Some(value));
+    }
+
+    fn set_response_trailer(&mut self, name: &str, value: &[u8]) {
+        self.set(RESPONSE_TRAILER, name, Some(value));
     }
 
     fn received_body(&self, response: bool, f: &mut dyn FnMut(&[u8])) {
@@ -91,7 +134,7 @@ impl Host for EnvoyHost {
     }
 
     fn whole_body(&self, response: bool, f: &mut dyn FnMut(&[u8])) {
-        // SAFETY: as in `header`.
+        // SAFETY: as in `headers`.
         let received_is_held = unsafe {
             if response {
                 envoy_dynamic_module_callback_http_received_buffered_response_body(self.ptr)
@@ -107,23 +150,59 @@ impl Host for EnvoyHost {
 
     fn send_response(&mut self, status: u32, headers: &[(&str, &[u8])], body: &[u8]) {
         let hs: Vec<ModuleHttpHeader> = headers.iter().map(|(k, v)| ModuleHttpHeader::of(k.as_bytes(), v)).collect();
-        // SAFETY: as in `header`; Envoy copies headers and body before returning.
+        // SAFETY: as in `headers`; Envoy copies headers and body before returning.
         unsafe {
             envoy_dynamic_module_callback_http_send_response(self.ptr, status, hs.as_ptr(), hs.len(), ModuleBuffer::of(body),
                                                              ModuleBuffer::of(b"meshcache_hit"));
         }
     }
 
-    fn now(&self) -> Instant {
-        Instant::now()
+    fn send_response_with_trailers(&mut self, headers: &[(&str, &[u8])], body: &[u8], trailers: &[(&str, &[u8])]) {
+        let hs: Vec<ModuleHttpHeader> = headers.iter().map(|(k, v)| ModuleHttpHeader::of(k.as_bytes(), v)).collect();
+        let ts: Vec<ModuleHttpHeader> = trailers.iter().map(|(k, v)| ModuleHttpHeader::of(k.as_bytes(), v)).collect();
+        // SAFETY: as in `headers`; Envoy copies headers, body and trailers before returning.
+        unsafe {
+            envoy_dynamic_module_callback_http_send_response_headers(self.ptr, hs.as_ptr(), hs.len(), false);
+            envoy_dynamic_module_callback_http_send_response_data(self.ptr, ModuleBuffer::of(body), false);
+            envoy_dynamic_module_callback_http_send_response_trailers(self.ptr, ts.as_ptr(), ts.len());
+        }
+    }
+
+    fn response_trailers(&self) -> Headers {
+        self.headers(RESPONSE_TRAILER)
+    }
+
+    fn peer_identity(&self) -> Option<String> {
+        let mut out = EnvoyBuffer::EMPTY;
+        // SAFETY: as in `headers`; the value is copied out before the hook returns.
+        unsafe {
+            envoy_dynamic_module_callback_http_filter_get_attribute_string(
+                self.ptr, ATTRIBUTE_CONNECTION_URI_SAN_PEER_CERTIFICATE, &mut out)
+                .then(|| String::from_utf8(out.as_slice().to_vec()).ok())
+                .flatten()
+        }
+    }
+
+    fn count(&mut self, name: &str, n: u64) {
+        // SAFETY: as in `headers`.
+        unsafe { self.metrics.count(self.ptr, name, n) }
+    }
+
+    fn set_gauge(&mut self, name: &str, value: u64) {
+        // SAFETY: as in `headers`.
+        unsafe { self.metrics.set_gauge(self.ptr, name, value) }
+    }
+
+    fn now_ms(&self) -> u64 {
+        SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
     }
 }
 
 /// Runs a stream hook; a panic fails the stream open.
 unsafe fn with_stream(envoy: FilterEnvoyPtr, module: FilterModulePtr, f: impl FnOnce(&mut Stream, &mut EnvoyHost) -> Flow)
     -> Flow {
-    let stream = &mut *(module as *mut Stream);
-    let mut host = EnvoyHost { ptr: envoy };
+    let StreamContext { stream, metrics } = &mut *(module as *mut StreamContext);
+    let mut host = EnvoyHost { ptr: envoy, metrics };
     match catch_unwind(AssertUnwindSafe(|| f(stream, &mut host))) {
         Ok(flow) => flow,
         Err(_) => {
@@ -159,20 +238,21 @@ pub extern "C" fn envoy_dynamic_module_on_program_init() -> *const c_char {
 /// Called by Envoy with buffers valid for the call.
 #[no_mangle]
 pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_new(
-    _config_envoy: ConfigEnvoyPtr,
+    config_envoy: ConfigEnvoyPtr,
     _name: EnvoyBuffer,
     config: EnvoyBuffer,
 ) -> ConfigModulePtr {
     let bytes = config.as_slice();
-    let made = catch_unwind(|| match config::parse(bytes) {
+    let made = catch_unwind(|| match parse_plugin_config(bytes) {
         Ok(c) => {
-            let store = STORE
-                .get_or_init(|| Arc::new(Store::new(c.max_total_bytes as usize, c.max_entry_bytes as usize)))
-                .clone();
-            Box::into_raw(Box::new(FilterConfig { config: Arc::new(c), store })) as ConfigModulePtr
+            let shared = SHARED.get_or_init(|| Arc::new(Shared::default())).clone();
+            // The slots and accounting record for this config's limits (a shrink evicts).
+            Cache { data: &*shared, limits: &c.limits }.reconcile(&mut Outcome::default());
+            let metrics = Arc::new(Metrics::define(config_envoy, &c));
+            Box::into_raw(Box::new(FilterConfig { config: Arc::new(c), shared, metrics })) as ConfigModulePtr
         }
         Err(e) => {
-            eprintln!("meshcache native filter: invalid config: {}", e);
+            eprintln!("meshcache native filter: {}", e);
             std::ptr::null()
         }
     });
@@ -192,14 +272,15 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_destroy(conf
 pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_new(config: ConfigModulePtr, _envoy: FilterEnvoyPtr)
     -> FilterModulePtr {
     let c = &*(config as *const FilterConfig);
-    Box::into_raw(Box::new(Stream::new(c.config.clone(), c.store.clone()))) as FilterModulePtr
+    let stream = Stream::new(c.config.clone(), c.shared.clone());
+    Box::into_raw(Box::new(StreamContext { stream, metrics: c.metrics.clone() })) as FilterModulePtr
 }
 
 /// # Safety
 /// `module` is a pointer returned by `envoy_dynamic_module_on_http_filter_new`.
 #[no_mangle]
 pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_destroy(module: FilterModulePtr) {
-    drop(Box::from_raw(module as *mut Stream));
+    drop(Box::from_raw(module as *mut StreamContext));
 }
 
 /// # Safety
@@ -247,10 +328,7 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_response_body(
 #[no_mangle]
 pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_response_trailers(
     envoy: FilterEnvoyPtr, module: FilterModulePtr) -> u32 {
-    with_stream(envoy, module, |s, h| {
-        s.on_response_trailers(h);
-        Flow::Continue
-    });
+    with_stream(envoy, module, |s, h| s.on_response_trailers(h));
     TRAILERS_CONTINUE
 }
 

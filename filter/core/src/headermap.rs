@@ -17,6 +17,27 @@ pub fn decode_headers(b: &[u8]) -> Headers {
     Headers { pairs, not_utf8 }
 }
 
+
+/// The first value of a header (lowercase `name`, compared case-insensitively).
+pub fn header<'h>(headers: &'h [(String, String)], name: &str) -> Option<&'h str> {
+    headers.iter().find(|(n, _)| n.eq_ignore_ascii_case(name)).map(|(_, v)| v.as_str())
+}
+
+/// Every value of a header, in order (a repeated header is several lines).
+pub fn values<'h>(headers: &'h [(String, String)], name: &str) -> Vec<&'h str> {
+    headers.iter().filter(|(n, _)| n.eq_ignore_ascii_case(name)).map(|(_, v)| v.as_str()).collect()
+}
+
+/// All lines of a list-valued header joined with "," (RFC 9110 §5.3), None when absent.
+pub fn joined(headers: &[(String, String)], name: &str) -> Option<String> {
+    let v = values(headers, name);
+    if v.is_empty() {
+        None
+    } else {
+        Some(v.join(","))
+    }
+}
+
 /// Decodes the ABI's serialized map: count, (key_len, value_len)*, then NUL-terminated bytes.
 pub fn deserialize_map(b: &[u8]) -> Vec<(String, String)> {
     deserialize_with(b, &mut |_: &str| {})

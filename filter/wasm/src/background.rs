@@ -4,11 +4,13 @@
 
 use crate::abi::{self, Buffer, Map};
 use crate::config::Limits;
-use crate::decide::{self, Cacheable};
-use crate::grpc;
+use crate::headermap;
+use crate::request::Cacheable;
+use crate::response;
 use crate::metrics::{self, count};
 use crate::refresh;
 use crate::store::{Cache, Outcome};
+use crate::storing;
 use std::cell::RefCell;
 use std::collections::HashMap;
 
@@ -84,17 +86,17 @@ pub fn on_response(token: u32, body_size: usize) {
 /// Stores a good answer in place of the stale entry, under the same rules as a miss's.
 fn store(p: &Pending, body_size: usize, now: u64) -> bool {
     let response = abi::headers(Map::HttpCallResponseHeaders);
-    if decide::header(&response.pairs, ":status") != Some("200") {
+    if headermap::header(&response.pairs, ":status") != Some("200") {
         return false;
     }
     if p.c.grpc {
         let trailers = abi::headers(Map::HttpCallResponseTrailers);
-        let status = decide::header(&trailers.pairs, "grpc-status").or_else(|| decide::header(&response.pairs, "grpc-status"));
+        let status = headermap::header(&trailers.pairs, "grpc-status").or_else(|| headermap::header(&response.pairs, "grpc-status"));
         if status != Some("0") {
             return false;
         }
     }
-    let ttl = match decide::response_storable(&p.c.policy, &response.pairs, &response.not_utf8, now) {
+    let ttl = match response::check_storable(&p.c.policy, &response.pairs, &response.not_utf8, now) {
         Ok(t) => t,
         Err(_) => return false,
     };
@@ -106,24 +108,9 @@ fn store(p: &Pending, body_size: usize, now: u64) -> bool {
     if body.len() != body_size {
         return false;
     }
-    let message = if p.c.grpc {
-        match grpc::unframe(&body) {
-            Some(m) => m.to_vec(),
-            None => return false,
-        }
-    } else {
-        body
-    };
-    let stored = match decide::build_entry(&p.c, &response.pairs, 200, message, ttl) {
-        Ok(s) => s,
-        Err(_) => return false,
-    };
-    if stored.entry.encoded_len() as u64 > p.limits.max_entry_bytes {
-        return false;
-    }
     let cache = Cache { data: &abi::HostShared, limits: &p.limits };
     let mut out = Outcome::default();
-    let result = cache.insert(&stored.entry, p.c.seen, &mut out);
+    let result = storing::store_answer(&cache, &p.c, &response.pairs, 200, body, ttl, &mut out);
     metrics::record_outcome(&out);
     if result.is_ok() {
         count(metrics::STORES, 1);

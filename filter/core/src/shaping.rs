@@ -42,16 +42,16 @@ impl RequestId {
 
 /// The keyed form of a body: slices of the original, in order, with the left-out parts gone.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct KeyBody<'a> {
+pub struct KeyedBytes<'a> {
     pub parts: Vec<&'a [u8]>,
     /// With the binary tensor extension: the kept JSON part's length (where binary data starts).
     pub json_len: Option<u64>,
     pub id: RequestId,
 }
 
-impl<'a> KeyBody<'a> {
-    pub fn whole(body: &'a [u8]) -> KeyBody<'a> {
-        KeyBody { parts: vec![body], json_len: None, id: RequestId::None }
+impl<'a> KeyedBytes<'a> {
+    pub fn whole(body: &'a [u8]) -> KeyedBytes<'a> {
+        KeyedBytes { parts: vec![body], json_len: None, id: RequestId::None }
     }
     /// Separates keys of different id handling, so an answer stored without an id never
     /// serves a request that had one (and the reverse).
@@ -110,13 +110,13 @@ fn is_json_integer(raw: &[u8]) -> bool {
 
 /// The key body of a JSON request under `rules`, with the top-level members already scanned
 /// (the caller may have read the model from them).
-pub fn json_key_body<'a>(
+pub fn shape_json<'a>(
     body: &'a [u8],
     json_len: usize,
     binary: bool,
     members: &[Member],
     rules: &JsonRules,
-) -> Result<KeyBody<'a>, Bypass> {
+) -> Result<KeyedBytes<'a>, Bypass> {
     let json = &body[..json_len];
     let mut drop = vec![false; members.len()];
     let mut id = RequestId::None;
@@ -182,7 +182,7 @@ pub fn json_key_body<'a>(
     if binary && json_len < body.len() {
         parts.push(&body[json_len..]);
     }
-    Ok(KeyBody { parts, json_len: if binary { Some(kept_json as u64) } else { None }, id })
+    Ok(KeyedBytes { parts, json_len: if binary { Some(kept_json as u64) } else { None }, id })
 }
 
 /// A gRPC ModelInferRequest read for the key: the model, and the body without the id.
@@ -190,13 +190,13 @@ pub fn json_key_body<'a>(
 pub struct GrpcRequest<'a> {
     pub model_name: String,
     pub model_version: String,
-    pub key: KeyBody<'a>,
+    pub key: KeyedBytes<'a>,
 }
 
 /// Parses the (unframed) ModelInferRequest's top level: fields 1/2 (model) and 3 (id). The last
 /// of repeated scalar fields wins, as in every protobuf parser; a known field with the wrong wire
 /// type, invalid UTF-8 or a malformed message is unparsable.
-pub fn grpc_request(message: &[u8]) -> Result<GrpcRequest, Bypass> {
+pub fn grpc_request(message: &[u8]) -> Result<GrpcRequest<'_>, Bypass> {
     let mut name: &[u8] = b"";
     let mut version: &[u8] = b"";
     let mut id: &[u8] = b"";
@@ -241,9 +241,9 @@ pub fn grpc_request(message: &[u8]) -> Result<GrpcRequest, Bypass> {
         RequestId::Spliced(id.to_vec())
     } else {
         // Kept in the key: the id fields go back in.
-        return Ok(GrpcRequest { model_name, model_version, key: KeyBody { parts: vec![message], json_len: None, id: RequestId::Kept } });
+        return Ok(GrpcRequest { model_name, model_version, key: KeyedBytes { parts: vec![message], json_len: None, id: RequestId::Kept } });
     };
-    Ok(GrpcRequest { model_name, model_version, key: KeyBody { parts, json_len: None, id } })
+    Ok(GrpcRequest { model_name, model_version, key: KeyedBytes { parts, json_len: None, id } })
 }
 
 /// Where a stored answer's id was, so a hit can put the requester's id back.
@@ -374,7 +374,7 @@ mod tests {
 
     fn key_of(body: &[u8], rules: &JsonRules) -> Result<(Vec<u8>, RequestId), Bypass> {
         let members = json::object_members(body).ok_or(Bypass::Unparsable)?;
-        let k = json_key_body(body, body.len(), false, &members, rules)?;
+        let k = shape_json(body, body.len(), false, &members, rules)?;
         Ok((k.parts.concat(), k.id))
     }
 
@@ -419,7 +419,7 @@ mod tests {
         let json = br#"{"id":"r1","inputs":[{"name":"x","parameters":{"binary_data_size":4}}]}"#;
         let body = [&json[..], b"\x01\x02\x03\x04"].concat();
         let members = json::object_members(json).unwrap();
-        let k = json_key_body(&body, json.len(), true, &members, &KSERVE).unwrap();
+        let k = shape_json(&body, json.len(), true, &members, &KSERVE).unwrap();
         let kept = br#"{"inputs":[{"name":"x","parameters":{"binary_data_size":4}}]}"#;
         assert_eq!(k.parts.concat(), [&kept[..], b"\x01\x02\x03\x04"].concat());
         assert_eq!(k.json_len, Some(kept.len() as u64));
@@ -638,7 +638,7 @@ mod tests {
             let t = std::time::Instant::now();
             for _ in 0..n {
                 let members = json::object_members(request).unwrap();
-                let k = json_key_body(request, request.len(), false, &members, &KSERVE).unwrap();
+                let k = shape_json(request, request.len(), false, &members, &KSERVE).unwrap();
                 assert!(!k.parts.is_empty());
             }
             let key_us = t.elapsed().as_secs_f64() * 1e6 / n as f64;

@@ -1,14 +1,16 @@
-//! Per-request decisions in plain Rust: which requests are cacheable, their key, how a hit is
-//! answered and what a miss stores. The proxy-wasm glue only gathers inputs and applies these.
+//! Request decisions (the request half of what Envoy's cache filter calls its cache policy):
+//! which requests the cache takes part in, from their headers (`classify_head`), and their key
+//! once the body is read (`key_request`: the model, the policy, the key-shaped body, the
+//! bypass reasons). The response half is `response`; the hosts gather inputs and apply both.
 
-use crate::cache_control::{self, Freshness, NotStored};
+use crate::cache_control;
 use crate::config::{Config, Policy, Scope};
-use crate::entry::Entry;
-use crate::hashing::{cache_key, response_hash, KeyDigest, KeyInput};
+use crate::hashing::{cache_key, KeyDigest, KeyInput};
+use crate::headermap::{joined, values};
 use crate::json;
-use crate::keybody::{self, JsonRules, KeyBody, RequestId, Splice};
 use crate::model::{self, ModelRef, ModelSource};
 use crate::names::{Bypass, COLOR_HEADER, KSERVE_BINARY_HEADER, MODEL_HEADER};
+use crate::shaping::{self, JsonRules, KeyedBytes, RequestId};
 
 /// Request bodies larger than this are not buffered; the request passes through uncached.
 /// Kept well under Envoy's default 1 MiB per-connection buffer (an Istio sidecar's), where a
@@ -21,23 +23,6 @@ pub fn request_declared_too_big(content_length: Option<&str>) -> bool {
     content_length.and_then(|n| n.trim().parse::<u64>().ok()).map_or(false, |n| n > MAX_REQUEST_BYTES as u64)
 }
 
-/// A miss whose answer arrives whole and small is held until its end, so its headers can say
-/// `stored` and carry the hash; larger or streamed answers flow through at once (copied for
-/// the store). Well under Envoy's default 1 MiB buffer.
-pub const HOLD_BYTES: usize = 256 * 1024;
-
-/// Whether a miss's answer starts out held (see `HOLD_BYTES`): never an event stream; gRPC
-/// (unary ModelInfer, one message) until it grows past `HOLD_BYTES`; HTTP only when its
-/// declared length is within `HOLD_BYTES` (an answer without a length may be paced).
-pub fn holds_answer(grpc: bool, content_type: Option<&str>, content_length: Option<&str>) -> bool {
-    if content_type.map_or(false, |ct| ct.trim_start().to_ascii_lowercase().starts_with("text/event-stream")) {
-        return false;
-    }
-    if grpc {
-        return true;
-    }
-    content_length.and_then(|n| n.trim().parse::<usize>().ok()).map_or(false, |n| n <= HOLD_BYTES)
-}
 
 /// Request headers that make a shared answer someone's own: with any of them, a request
 /// bypasses unless its policy scopes entries by principal.
@@ -54,7 +39,7 @@ pub struct RequestHead<'a> {
 
 impl<'a> RequestHead<'a> {
     pub fn header(&self, name: &str) -> Option<&'a str> {
-        header(self.headers, name)
+        crate::headermap::header(self.headers, name)
     }
 
     /// Every value of `name`, or None when a value is not UTF-8 (its text is not its bytes).
@@ -66,24 +51,6 @@ impl<'a> RequestHead<'a> {
     }
 }
 
-pub fn header<'h>(headers: &'h [(String, String)], name: &str) -> Option<&'h str> {
-    headers.iter().find(|(n, _)| n.eq_ignore_ascii_case(name)).map(|(_, v)| v.as_str())
-}
-
-/// Every value of a header, in order (a repeated header is several lines).
-pub fn values<'h>(headers: &'h [(String, String)], name: &str) -> Vec<&'h str> {
-    headers.iter().filter(|(n, _)| n.eq_ignore_ascii_case(name)).map(|(_, v)| v.as_str()).collect()
-}
-
-/// All lines of a list-valued header joined with "," (RFC 9110 §5.3), None when absent.
-pub fn joined(headers: &[(String, String)], name: &str) -> Option<String> {
-    let v = values(headers, name);
-    if v.is_empty() {
-        None
-    } else {
-        Some(v.join(","))
-    }
-}
 
 /// At most one value, as bytes-exact text: Ok(None) absent, Err repeated or not UTF-8.
 fn single<'a>(head: &RequestHead<'a>, name: &str) -> Result<Option<&'a str>, Bypass> {
@@ -104,7 +71,7 @@ pub enum HeadDecision {
     Buffer { source: ModelSource, refresh: bool },
 }
 
-pub fn on_head(head: &RequestHead) -> HeadDecision {
+pub fn classify_head(head: &RequestHead) -> HeadDecision {
     if head.method != "POST" {
         return if model::is_inference_path(head.path) { HeadDecision::Bypass(Bypass::Method) } else { HeadDecision::Ignore };
     }
@@ -164,7 +131,7 @@ enum ReadBody<'a> {
     Opaque,
     /// A JSON object (with the binary extension: only the JSON part) and its top-level members.
     Json { json_len: usize, binary: bool, members: Vec<json::Member> },
-    Grpc(keybody::GrpcRequest<'a>),
+    Grpc(shaping::GrpcRequest<'a>),
 }
 
 /// The model is None when a well-formed body names none (the header may then name it).
@@ -176,7 +143,7 @@ fn read_body<'a>(source: &ModelSource, head: &RequestHead, body: &'a [u8]) -> Re
                 return Err(Bypass::Compressed);
             }
             let message = crate::grpc::unframe(body).ok_or(Bypass::Unparsable)?;
-            let req = keybody::grpc_request(message)?;
+            let req = shaping::grpc_request(message)?;
             let m = Some(ModelRef { name: req.model_name.clone(), version: req.model_version.clone() })
                 .filter(|m| !m.name.is_empty());
             Ok((m, ReadBody::Grpc(req)))
@@ -190,7 +157,7 @@ fn read_body<'a>(source: &ModelSource, head: &RequestHead, body: &'a [u8]) -> Re
         ModelSource::Path(m) => {
             // KServe v2 REST: the request id is in the JSON (part) of the body.
             let lines = head.exact_values(KSERVE_BINARY_HEADER).ok_or(Bypass::BinaryLength)?;
-            let (json_len, binary) = keybody::split_binary(body, &lines)?;
+            let (json_len, binary) = shaping::split_binary(body, &lines)?;
             let members = json::object_members(&body[..json_len]).ok_or(Bypass::Unparsable)?;
             Ok((Some(m.clone()), ReadBody::Json { json_len, binary, members }))
         }
@@ -198,16 +165,16 @@ fn read_body<'a>(source: &ModelSource, head: &RequestHead, body: &'a [u8]) -> Re
 }
 
 /// The keyed form of the body under the matched policy.
-fn key_body<'a>(read: ReadBody<'a>, head: &RequestHead, body: &'a [u8], policy: &Policy) -> Result<KeyBody<'a>, Bypass> {
+fn shape_body<'a>(read: ReadBody<'a>, head: &RequestHead, body: &'a [u8], policy: &Policy) -> Result<KeyedBytes<'a>, Bypass> {
     let path = model::strip_query(head.path);
     match read {
         ReadBody::Grpc(req) => Ok(req.key),
-        ReadBody::Opaque if policy.ignore_fields.is_empty() => Ok(KeyBody::whole(body)),
+        ReadBody::Opaque if policy.ignore_fields.is_empty() => Ok(KeyedBytes::whole(body)),
         ReadBody::Opaque => {
             // Fields to ignore only exist in a JSON body.
             let members = json::object_members(body).ok_or(Bypass::Unparsable)?;
             let rules = JsonRules { request_id: false, ignore_fields: &policy.ignore_fields, deterministic_only: false };
-            keybody::json_key_body(body, body.len(), false, &members, &rules)
+            shaping::shape_json(body, body.len(), false, &members, &rules)
         }
         ReadBody::Json { json_len, binary, members } => {
             let rules = JsonRules {
@@ -216,12 +183,12 @@ fn key_body<'a>(read: ReadBody<'a>, head: &RequestHead, body: &'a [u8], policy: 
                 // Sampling parameters belong to the OpenAI text-generation APIs.
                 deterministic_only: policy.deterministic_only && model::is_sampling_path(path),
             };
-            keybody::json_key_body(body, json_len, binary, &members, &rules)
+            shaping::shape_json(body, json_len, binary, &members, &rules)
         }
     }
 }
 
-pub fn on_body(
+pub fn key_request(
     config: &Config,
     head: &RequestHead,
     source: &ModelSource,
@@ -230,12 +197,12 @@ pub fn on_body(
     // The peer identity costs a host call: asked for only when the matched policy scopes by it.
     principal: impl FnOnce() -> Option<String>,
 ) -> BodyDecision {
-    keyed_body(config, head, source, refresh, body, principal, cache_key)
+    key_request_with(config, head, source, refresh, body, principal, cache_key)
 }
 
-/// `on_body` with the key digest chosen by the caller: the cache key, or the client role's
+/// `key_request` with the key digest chosen by the caller: the cache key, or the client role's
 /// routing key (`route_key`), so both sides take exactly the same bypass decisions.
-pub fn keyed_body(
+pub fn key_request_with(
     config: &Config,
     head: &RequestHead,
     source: &ModelSource,
@@ -298,7 +265,7 @@ pub fn keyed_body(
             None => return BodyDecision::Bypass(Bypass::HeaderBytes),
         }
     }
-    let keyed = match key_body(read, head, body, policy) {
+    let keyed = match shape_body(read, head, body, policy) {
         Ok(k) => k,
         Err(why) => return BodyDecision::Bypass(why),
     };
@@ -317,134 +284,13 @@ pub fn keyed_body(
     BodyDecision::Cacheable(Cacheable { key, policy: policy.clone(), grpc, refresh, seen: None, request_ms: 0, request_id })
 }
 
-/// Request headers a stored answer may vary on without losing correctness: those the key has.
-fn keyed(policy: &Policy, name: &str) -> bool {
-    name == COLOR_HEADER || name == MODEL_HEADER || policy.vary_headers.iter().any(|v| v == name)
-}
-
-/// Whether an origin answer may be stored, and for how long (the status is checked before).
-/// `Vary` (RFC 9111 §4.1): `*` is never stored; other names are fine only when the key already
-/// includes them (policy `vary_headers`, the colour, the model header), since a stored answer
-/// is then only reused for requests that agree on them. Otherwise `detail=vary`.
-pub fn response_storable(
-    policy: &Policy,
-    headers: &[(String, String)],
-    not_utf8: &[String],
-    now_ms: u64,
-) -> Result<cache_control::Ttl, NotStored> {
-    // RFC 2965's Set-Cookie2 (obsolete, still sent by some servers) sets state just the same.
-    if header(headers, "set-cookie").is_some() || header(headers, "set-cookie2").is_some() {
-        return Err(NotStored::SetCookie);
-    }
-    let vary = joined(headers, "vary").unwrap_or_default();
-    for name in vary.split(',').map(str::trim).filter(|n| !n.is_empty()) {
-        if name == "*" || !keyed(policy, &name.to_ascii_lowercase()) {
-            return Err(NotStored::Vary);
-        }
-    }
-    let cc = joined(headers, "cache-control");
-    let expires = values(headers, "expires");
-    let freshness = Freshness { cache_control: cc.as_deref(), expires: &expires, date: header(headers, "date") };
-    let ttl = cache_control::response_ttl(policy, &freshness, now_ms / 1000)?;
-    // Checked last: a header the filter cannot replay byte for byte (checked after the
-    // origin's own reasons, which are more useful to report).
-    if !not_utf8.is_empty() {
-        return Err(NotStored::HeaderBytes);
-    }
-    Ok(ttl)
-}
-
-/// Response headers that belong to one transmission, not to the cached answer.
-fn is_per_response(name: &str) -> bool {
-    name.starts_with(':')
-        || name.starts_with("x-envoy-")
-        || matches!(
-            name,
-            "date" | "content-length" | "transfer-encoding" | "connection" | "keep-alive" | "age"
-                | "cache-status" | "x-response-hash" | "set-cookie" | "set-cookie2" | "grpc-status" | "grpc-message"
-                | "proxy-connection" | "upgrade" | "trailer" | "server"
-        )
-}
-
-/// The answer a miss stores: its hash, the headers replayed on hits, the ETag to send now.
-pub struct Stored {
-    pub entry: Entry,
-    /// Some when the origin sent no ETag and the filter adds `"<hash>"`.
-    pub added_etag: Option<String>,
-}
-
-/// `body` is the answer as sent (a gRPC message without its frame). The echoed request id is
-/// taken out, and the hash covers the answer without it: the same for every caller.
-pub fn build_entry(
-    c: &Cacheable,
-    response_headers: &[(String, String)],
-    status: u16,
-    body: Vec<u8>,
-    ttl: cache_control::Ttl,
-) -> Result<Stored, NotStored> {
-    let now_ms = c.request_ms;
-    let mut headers: Vec<(String, String)> = response_headers
-        .iter()
-        .filter(|(n, _)| !is_per_response(&n.to_ascii_lowercase()))
-        .map(|(n, v)| (n.to_ascii_lowercase(), v.clone()))
-        .collect();
-    let stripped = match &c.request_id {
-        RequestId::Spliced(id) if c.grpc => keybody::strip_proto_answer(body, id),
-        RequestId::Spliced(id) => keybody::strip_json_answer(body, header(&headers, KSERVE_BINARY_HEADER), id),
-        _ => Ok(keybody::Stripped { body, splice: None }),
-    };
-    let keybody::Stripped { body, splice } = stripped.map_err(|_| NotStored::Unparsable)?;
-    let hash = if let Some(Splice::Json { json_len_header: true, before, after, .. }) = &splice {
-        // The binary extension's JSON length is stored (and hashed) for the answer without its id.
-        let removed = before.len() + after.len() + c.request_id_len();
-        for (n, v) in headers.iter_mut() {
-            if n == KSERVE_BINARY_HEADER {
-                *v = v.parse::<usize>().ok().and_then(|x| x.checked_sub(removed)).ok_or(NotStored::Unparsable)?.to_string();
-            }
-        }
-        response_hash(&body, &headers, &c.policy.hash_headers)
-    } else {
-        response_hash(&body, response_headers, &c.policy.hash_headers)
-    };
-    let added_etag = if header(&headers, "etag").is_none() {
-        let etag = format!("\"{}\"", hash);
-        headers.push(("etag".to_string(), etag.clone()));
-        Some(etag)
-    } else {
-        None
-    };
-    let (stale_if_error_s, stale_while_revalidate_s) =
-        cache_control::stale_windows(&c.policy, joined(response_headers, "cache-control").as_deref());
-    let entry = Entry {
-        key: c.key,
-        policy: crate::accounting::policy_tag(&c.policy.model_prefix),
-        stored_at_ms: now_ms,
-        expires_at_ms: now_ms.saturating_add(ttl.s.saturating_mul(1000)),
-        ttl_from_policy: ttl.from_policy,
-        status,
-        grpc: c.grpc,
-        response_hash: hash,
-        headers,
-        body,
-        splice,
-        stale_if_error_s,
-        stale_while_revalidate_s,
-    };
-    Ok(Stored { entry, added_etag })
-}
-
-impl Cacheable {
-    fn request_id_len(&self) -> usize {
-        match &self.request_id {
-            RequestId::Spliced(id) => id.len(),
-            _ => 0,
-        }
-    }
-}
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cache_control::NotStored;
+    use crate::headermap::header;
+    use crate::response::{build_entry, check_storable, should_hold};
     use crate::answer::not_modified;
     use crate::config::parse_plugin_config;
 
@@ -461,9 +307,9 @@ mod tests {
     fn decide(cfg: &Config, path: &str, headers: &[(&str, &str)], body: &[u8], principal: Option<&str>) -> BodyDecision {
         let h = hs(headers);
         let head = RequestHead { method: "POST", path, headers: &h, not_utf8: &[] };
-        match on_head(&head) {
+        match classify_head(&head) {
             HeadDecision::Buffer { source, refresh } => {
-                on_body(cfg, &head, &source, refresh, body, || principal.map(str::to_string))
+                key_request(cfg, &head, &source, refresh, body, || principal.map(str::to_string))
             }
             other => panic!("{:?}", other),
         }
@@ -479,22 +325,22 @@ mod tests {
     #[test]
     fn head_decisions() {
         let h = hs(&[("content-type", "application/json")]);
-        assert_eq!(on_head(&RequestHead { method: "GET", path: "/v2/models/m/infer", headers: &h, not_utf8: &[] }), HeadDecision::Bypass(Bypass::Method));
-        assert_eq!(on_head(&RequestHead { method: "GET", path: "/v2/models/m", headers: &h, not_utf8: &[] }), HeadDecision::Ignore);
-        assert_eq!(on_head(&RequestHead { method: "POST", path: "/other", headers: &h, not_utf8: &[] }), HeadDecision::Ignore);
+        assert_eq!(classify_head(&RequestHead { method: "GET", path: "/v2/models/m/infer", headers: &h, not_utf8: &[] }), HeadDecision::Bypass(Bypass::Method));
+        assert_eq!(classify_head(&RequestHead { method: "GET", path: "/v2/models/m", headers: &h, not_utf8: &[] }), HeadDecision::Ignore);
+        assert_eq!(classify_head(&RequestHead { method: "POST", path: "/other", headers: &h, not_utf8: &[] }), HeadDecision::Ignore);
         let ns = hs(&[("cache-control", "no-store")]);
-        assert_eq!(on_head(&RequestHead { method: "POST", path: "/v2/models/m/infer", headers: &ns, not_utf8: &[] }), HeadDecision::Bypass(Bypass::NoStore));
+        assert_eq!(classify_head(&RequestHead { method: "POST", path: "/v2/models/m/infer", headers: &ns, not_utf8: &[] }), HeadDecision::Bypass(Bypass::NoStore));
         let nc = hs(&[("cache-control", "no-cache")]);
         assert!(matches!(
-            on_head(&RequestHead { method: "POST", path: "/v2/models/m/infer", headers: &nc, not_utf8: &[] }),
+            classify_head(&RequestHead { method: "POST", path: "/v2/models/m/infer", headers: &nc, not_utf8: &[] }),
             HeadDecision::Buffer { refresh: true, .. }
         ));
         let web = hs(&[("content-type", "application/grpc-web+proto")]);
         let infer = crate::model::GRPC_MODEL_INFER_PATH;
-        assert_eq!(on_head(&RequestHead { method: "POST", path: infer, headers: &web, not_utf8: &[] }), HeadDecision::Bypass(Bypass::GrpcWeb));
+        assert_eq!(classify_head(&RequestHead { method: "POST", path: infer, headers: &web, not_utf8: &[] }), HeadDecision::Bypass(Bypass::GrpcWeb));
         let grpc = hs(&[("content-type", "application/grpc")]);
         assert_eq!(
-            on_head(&RequestHead { method: "POST", path: infer, headers: &grpc, not_utf8: &[] }),
+            classify_head(&RequestHead { method: "POST", path: infer, headers: &grpc, not_utf8: &[] }),
             HeadDecision::Buffer { source: ModelSource::GrpcBody, refresh: false }
         );
     }
@@ -521,10 +367,10 @@ mod tests {
             Some("spiffe://cluster.local/ns/a/sa/x".to_string())
         };
         let shared = RequestHead { method: "POST", path: "/v2/models/m/infer", headers: &h, not_utf8: &[] };
-        assert!(matches!(on_body(&cfg, &shared, &ModelSource::Path(crate::model::kserve_rest_model(shared.path).unwrap()), false, b"{}", ask), BodyDecision::Cacheable(_)));
+        assert!(matches!(key_request(&cfg, &shared, &ModelSource::Path(crate::model::kserve_rest_model(shared.path).unwrap()), false, b"{}", ask), BodyDecision::Cacheable(_)));
         assert_eq!(asked.get(), 0);
         let scoped = RequestHead { method: "POST", path: "/v2/models/p/infer", headers: &h, not_utf8: &[] };
-        assert!(matches!(on_body(&cfg, &scoped, &ModelSource::Path(crate::model::kserve_rest_model(scoped.path).unwrap()), false, b"{}", ask), BodyDecision::Cacheable(_)));
+        assert!(matches!(key_request(&cfg, &scoped, &ModelSource::Path(crate::model::kserve_rest_model(scoped.path).unwrap()), false, b"{}", ask), BodyDecision::Cacheable(_)));
         assert_eq!(asked.get(), 1);
     }
 
@@ -548,12 +394,12 @@ mod tests {
 
     #[test]
     fn which_answers_are_held() {
-        assert!(holds_answer(false, Some("application/json"), Some("1000")));
-        assert!(!holds_answer(false, Some("application/json"), Some("300000")));
-        assert!(!holds_answer(false, Some("application/json"), None), "no length: may be paced");
-        assert!(!holds_answer(false, Some("Text/Event-Stream; charset=utf-8"), Some("10")));
-        assert!(holds_answer(true, Some("application/grpc"), None));
-        assert!(!holds_answer(false, None, Some("x")));
+        assert!(should_hold(false, Some("application/json"), Some("1000")));
+        assert!(!should_hold(false, Some("application/json"), Some("300000")));
+        assert!(!should_hold(false, Some("application/json"), None), "no length: may be paced");
+        assert!(!should_hold(false, Some("Text/Event-Stream; charset=utf-8"), Some("10")));
+        assert!(should_hold(true, Some("application/grpc"), None));
+        assert!(!should_hold(false, None, Some("x")));
     }
 
     #[test]
@@ -563,7 +409,7 @@ mod tests {
         for twice in [[("x-traffic-color", ""), ("x-traffic-color", "blue")], [("x-traffic-color", "green"), ("x-traffic-color", "blue")],
                       [("x-model-id", "m"), ("x-model-id", "m")]] {
             let h = hs(&twice);
-            assert_eq!(on_head(&RequestHead { method: "POST", path: infer, headers: &h, not_utf8: &[] }), HeadDecision::Bypass(Bypass::RepeatedHeader), "{:?}", twice);
+            assert_eq!(classify_head(&RequestHead { method: "POST", path: infer, headers: &h, not_utf8: &[] }), HeadDecision::Bypass(Bypass::RepeatedHeader), "{:?}", twice);
         }
         let one = key(decide(&cfg, infer, &[("x-tenant", "a")], b"{}", None));
         let two = key(decide(&cfg, infer, &[("x-tenant", "a"), ("x-tenant", "b")], b"{}", None));
@@ -578,11 +424,11 @@ mod tests {
         let flagged = vec!["x-tenant".to_string()];
         let head = RequestHead { method: "POST", path: "/v2/models/m/infer", headers: &h, not_utf8: &flagged };
         let source = ModelSource::Path(crate::model::kserve_rest_model(head.path).unwrap());
-        assert_eq!(on_body(&cfg, &head, &source, false, b"{}", || None), BodyDecision::Bypass(Bypass::HeaderBytes));
+        assert_eq!(key_request(&cfg, &head, &source, false, b"{}", || None), BodyDecision::Bypass(Bypass::HeaderBytes));
         // An unrelated header that is not UTF-8 does not matter to the key.
         let other = vec!["user-agent".to_string()];
         let head = RequestHead { not_utf8: &other, ..head };
-        assert!(matches!(on_body(&cfg, &head, &source, false, b"{}", || None), BodyDecision::Cacheable(_)));
+        assert!(matches!(key_request(&cfg, &head, &source, false, b"{}", || None), BodyDecision::Cacheable(_)));
     }
 
     #[test]
@@ -631,7 +477,7 @@ mod tests {
         let cfg = config(r#"{"policies": [{"model_prefix": "m", "ttl_s": 5}]}"#);
         let head = |h: &[(&str, &str)]| {
             let h = hs(h);
-            on_head(&RequestHead { method: "POST", path: "/v2/models/m/infer", headers: &h, not_utf8: &[] })
+            classify_head(&RequestHead { method: "POST", path: "/v2/models/m/infer", headers: &h, not_utf8: &[] })
         };
         assert_eq!(head(&[("content-encoding", "gzip")]), HeadDecision::Bypass(Bypass::Compressed));
         assert!(matches!(head(&[("content-encoding", "identity")]), HeadDecision::Buffer { .. }));
@@ -649,10 +495,10 @@ mod tests {
     fn set_cookie2_answers_are_not_stored() {
         let cfg = config(r#"{"policies": [{"model_prefix": "m", "ttl_s": 5}]}"#);
         let h = hs(&[("Set-Cookie2", "a=b; Version=1")]);
-        assert_eq!(response_storable(&cfg.policies[0], &h, &[], 0), Err(NotStored::SetCookie));
-        let t = response_storable(&cfg.policies[0], &hs(&[]), &[], 0).unwrap();
+        assert_eq!(check_storable(&cfg.policies[0], &h, &[], 0), Err(NotStored::SetCookie));
+        let t = check_storable(&cfg.policies[0], &hs(&[]), &[], 0).unwrap();
         assert!(t.from_policy && t.s == 5);
-        let t = response_storable(&cfg.policies[0], &hs(&[("cache-control", "max-age=3")]), &[], 0).unwrap();
+        let t = check_storable(&cfg.policies[0], &hs(&[("cache-control", "max-age=3")]), &[], 0).unwrap();
         assert!(!t.from_policy && t.s == 3);
     }
 
@@ -660,7 +506,7 @@ mod tests {
     fn what_the_origin_says_decides_storing() {
         let cfg = config(r#"{"policies": [{"model_prefix": "m", "ttl_s": 5, "vary_headers": ["x-tenant"]}]}"#);
         let p = &cfg.policies[0];
-        let ok = |h: &[(&str, &str)]| response_storable(p, &hs(h), &[], 0).map(|t| t.s);
+        let ok = |h: &[(&str, &str)]| check_storable(p, &hs(h), &[], 0).map(|t| t.s);
         assert_eq!(ok(&[]), Ok(5));
         assert_eq!(ok(&[("set-cookie", "a=b")]), Err(NotStored::SetCookie));
         assert_eq!(ok(&[("vary", "*")]), Err(NotStored::Vary));
@@ -671,7 +517,7 @@ mod tests {
         assert_eq!(ok(&[("cache-control", "max-age=60"), ("cache-control", "private")]), Err(NotStored::Private));
         assert_eq!(ok(&[("expires", "0")]), Err(NotStored::Stale));
         assert_eq!(ok(&[("cache-control", "max-age=abc")]), Err(NotStored::Stale));
-        assert_eq!(response_storable(p, &hs(&[("x-odd", "?")]), &["x-odd".to_string()], 0), Err(NotStored::HeaderBytes));
+        assert_eq!(check_storable(p, &hs(&[("x-odd", "?")]), &["x-odd".to_string()], 0), Err(NotStored::HeaderBytes));
     }
 
     #[test]

@@ -20,7 +20,7 @@ pub struct ModelRef {
 
 /// Where the model name will come from, decided from the request headers alone. The most
 /// specific source wins: the path, then the body, then the `x-model-id` header; a request whose
-/// sources disagree bypasses (see `decide::on_body`).
+/// sources disagree bypasses (see `request::key_request`).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum ModelSource {
     /// KServe v2 REST path `/v2/models/{m}[/versions/{v}]/infer`.

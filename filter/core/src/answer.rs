@@ -6,7 +6,7 @@
 
 use crate::entry::Entry;
 use std::borrow::Cow;
-use crate::keybody::{self, RequestId, Splice};
+use crate::shaping::{self, RequestId, Splice};
 use crate::names::{cache_status_hit, CACHE_STATUS, HASH_HEADER, KSERVE_BINARY_HEADER};
 
 /// What the filter knows about the request it answers from the cache.
@@ -21,7 +21,7 @@ pub struct HitRequest<'a> {
 
 impl<'a> HitRequest<'a> {
     fn header(&self, name: &str) -> Option<&'a str> {
-        crate::decide::header(self.headers, name)
+        crate::headermap::header(self.headers, name)
     }
 }
 
@@ -65,7 +65,7 @@ pub fn set_cache_status(answer: &mut HitAnswer, value: String) {
 /// the JSON part (for the binary extension's length header).
 pub fn hit_message<'e>(entry: &'e Entry, request: &HitRequest) -> (Cow<'e, [u8]>, usize) {
     // The splice point was checked against the body when the entry was decoded.
-    keybody::answer_body(&entry.body, entry.splice.as_ref(), request.id).unwrap_or((Cow::Borrowed(&entry.body), 0))
+    shaping::answer_body(&entry.body, entry.splice.as_ref(), request.id).unwrap_or((Cow::Borrowed(&entry.body), 0))
 }
 
 /// The stored headers for this hit: the binary extension's JSON length grows with the id.
@@ -89,7 +89,7 @@ pub fn not_modified(if_none_match: Option<&str>, entry: &Entry) -> bool {
         Some(v) => v,
         None => return false,
     };
-    let etag = crate::decide::header(&entry.headers, "etag").map(strip_etag);
+    let etag = crate::headermap::header(&entry.headers, "etag").map(strip_etag);
     // `*` is not matched: RFC 9110 §13.1.2 allows a 304 for it only on GET and HEAD, and these
     // are POSTs (the hit is answered in full instead, as the origin would).
     inm.split(',').map(str::trim).filter(|t| *t != "*").any(|t| strip_etag(t) == entry.response_hash || Some(strip_etag(t)) == etag)
@@ -103,7 +103,7 @@ fn strip_etag(t: &str) -> &str {
 pub fn http_hit<'e>(entry: &'e Entry, request: &HitRequest, now_ms: u64) -> HitAnswer<'e> {
     let mut headers = hit_headers(entry, now_ms);
     if not_modified(request.header("if-none-match"), entry) {
-        if let Some(etag) = crate::decide::header(&entry.headers, "etag") {
+        if let Some(etag) = crate::headermap::header(&entry.headers, "etag") {
             headers.push(("etag".to_string(), etag.to_string()));
         }
         return HitAnswer { status: 304, headers, body: Cow::Borrowed(&[]) };
@@ -118,7 +118,7 @@ pub fn http_hit<'e>(entry: &'e Entry, request: &HitRequest, now_ms: u64) -> HitA
 pub fn grpc_hit<'e>(entry: &'e Entry, request: &HitRequest, now_ms: u64) -> HitAnswer<'e> {
     let (body, grown) = hit_message(entry, request);
     let mut all = stored_headers(entry, grown);
-    if crate::decide::header(&all, "content-type").is_none() {
+    if crate::headermap::header(&all, "content-type").is_none() {
         all.insert(0, ("content-type".to_string(), "application/grpc".to_string()));
     }
     all.extend(hit_headers(entry, now_ms));

@@ -4,41 +4,12 @@
 use crate::abi::{self, LogLevel, MetricKind};
 use crate::accounting::{attribute, policy_tag};
 use crate::config::LIMIT_POLICIES;
+pub use crate::metric_names::*;
 use crate::store::{Meta, Outcome};
 use std::cell::RefCell;
 use std::collections::{BTreeSet, HashMap};
 
 pub const FLUSH_MS: u32 = 200;
-
-pub const HITS: &str = "meshcache.hits";
-pub const MISSES: &str = "meshcache.misses";
-pub const BYPASSES: &str = "meshcache.bypasses";
-pub const STORES: &str = "meshcache.stores";
-pub const EVICTIONS: &str = "meshcache.evictions";
-pub const ERRORS: &str = "meshcache.errors";
-/// Client role: requests given a routing key.
-pub const ROUTED: &str = "meshcache.routed";
-
-pub const ENTRIES: &str = "meshcache.entries";
-pub const BYTES: &str = "meshcache.bytes";
-/// Entries and bytes no configured policy claims (see accounting.rs).
-pub const UNATTRIBUTED_ENTRIES: &str = "meshcache.unattributed.entries";
-pub const UNATTRIBUTED_BYTES: &str = "meshcache.unattributed.bytes";
-/// RFC 5861: expired entries served because the origin failed / while one request refreshes
-/// them; background refreshes started and failed.
-pub const STALE_IF_ERROR: &str = "meshcache.stale_if_error";
-pub const STALE_WHILE_REVALIDATE: &str = "meshcache.stale_while_revalidate";
-pub const REFRESHES: &str = "meshcache.refreshes";
-pub const REFRESH_FAILURES: &str = "meshcache.refresh_failures";
-/// Request coalescing: a miss paused to wait for an identical request in flight; a waiter
-/// answered from the entry its leader stored; a waiter that gave up at `coalesce_timeout_ms`;
-/// a waiter woken without an entry (the leader's answer was not stored); a miss that could not
-/// wait (waiter bounds, a lock slot busy with another key) and went upstream at once.
-pub const COALESCE_WAITS: &str = "meshcache.coalesce.waits";
-pub const COALESCE_SERVED: &str = "meshcache.coalesce.served";
-pub const COALESCE_TIMEOUTS: &str = "meshcache.coalesce.timeouts";
-pub const COALESCE_RELEASED: &str = "meshcache.coalesce.released";
-pub const COALESCE_OVERFLOW: &str = "meshcache.coalesce.overflow";
 
 thread_local! {
     static IDS: RefCell<HashMap<String, u32>> = RefCell::new(HashMap::new());
@@ -74,22 +45,8 @@ pub fn count(name: &str, n: u64) {
     });
 }
 
-const COUNTERS: [&str; 16] = [
-    HITS, MISSES, BYPASSES, STORES, EVICTIONS, ERRORS, ROUTED, STALE_IF_ERROR, STALE_WHILE_REVALIDATE, REFRESHES,
-    REFRESH_FAILURES, COALESCE_WAITS, COALESCE_SERVED, COALESCE_TIMEOUTS, COALESCE_RELEASED, COALESCE_OVERFLOW,
-];
-const POLICY_COUNTERS: [&str; 2] = ["hits", "misses"];
-const POLICY_GAUGES_OF: [&str; 2] = ["entries", "bytes"];
 
-/// The prefix reduced to characters safe in a stat name.
-fn safe_name(prefix: &str) -> String {
-    prefix.chars().map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '_' { c } else { '_' }).collect()
-}
 
-/// The per-policy counter's or gauge's name.
-fn policy_metric(prefix: &str, what: &str) -> String {
-    format!("meshcache.policy.{}.{}", safe_name(prefix), what)
-}
 
 fn tag_of(prefix: &str) -> u64 {
     TAGS.with(|t| {

@@ -1,6 +1,6 @@
 //! Cache keys and response hashes (sha256).
 
-use crate::keybody::KeyBody;
+use crate::shaping::KeyedBytes;
 use sha2::{Digest, Sha256};
 
 pub type KeyDigest = [u8; 32];
@@ -18,7 +18,7 @@ pub struct KeyInput<'a> {
     /// The peer's URI SAN when the policy's scope is "principal".
     pub principal: Option<&'a str>,
     /// The body as keyed: the request id and ignored fields left out.
-    pub body: &'a KeyBody<'a>,
+    pub body: &'a KeyedBytes<'a>,
 }
 
 fn field(h: &mut Sha256, bytes: &[u8]) {
@@ -111,7 +111,7 @@ pub fn unhex(s: &str) -> Option<Vec<u8>> {
 mod tests {
     use super::*;
 
-    fn base<'a>(body: &'a KeyBody<'a>, vary: &'a [(String, Vec<String>)]) -> KeyInput<'a> {
+    fn base<'a>(body: &'a KeyedBytes<'a>, vary: &'a [(String, Vec<String>)]) -> KeyInput<'a> {
         KeyInput {
             method: "POST", path: "/v2/models/m/infer", model: "m", version: "", generation: 0, color: "",
             vary, principal: None, body,
@@ -120,15 +120,15 @@ mod tests {
 
     #[test]
     fn body_forms_are_separated() {
-        use crate::keybody::RequestId;
+        use crate::shaping::RequestId;
         let none: Vec<(String, Vec<String>)> = vec![];
-        let whole = KeyBody::whole(b"{\"a\":1}");
-        let split = KeyBody { parts: vec![b"{\"a\"", b":1}"], json_len: None, id: RequestId::None };
+        let whole = KeyedBytes::whole(b"{\"a\":1}");
+        let split = KeyedBytes { parts: vec![b"{\"a\"", b":1}"], json_len: None, id: RequestId::None };
         assert_eq!(cache_key(&base(&whole, &none)), cache_key(&base(&split, &none)), "parts hash as their concatenation");
-        let spliced = KeyBody { id: RequestId::Spliced(b"x".to_vec()), ..whole.clone() };
-        let other_id = KeyBody { id: RequestId::Spliced(b"y".to_vec()), ..whole.clone() };
-        let kept = KeyBody { id: RequestId::Kept, ..whole.clone() };
-        let binary = KeyBody { json_len: Some(7), ..whole.clone() };
+        let spliced = KeyedBytes { id: RequestId::Spliced(b"x".to_vec()), ..whole.clone() };
+        let other_id = KeyedBytes { id: RequestId::Spliced(b"y".to_vec()), ..whole.clone() };
+        let kept = KeyedBytes { id: RequestId::Kept, ..whole.clone() };
+        let binary = KeyedBytes { json_len: Some(7), ..whole.clone() };
         let k = cache_key(&base(&whole, &none));
         assert_eq!(cache_key(&base(&spliced, &none)), cache_key(&base(&other_id, &none)), "the id itself is not keyed");
         for v in [&spliced, &kept, &binary] {
@@ -140,7 +140,7 @@ mod tests {
     #[test]
     fn every_component_changes_the_key() {
         let none: Vec<(String, Vec<String>)> = vec![];
-        let (x, y) = (KeyBody::whole(b"x"), KeyBody::whole(b"y"));
+        let (x, y) = (KeyedBytes::whole(b"x"), KeyedBytes::whole(b"y"));
         let k0 = cache_key(&base(&x, &none));
         assert_eq!(k0, cache_key(&base(&x, &none)));
         let mut variants = vec![];
@@ -175,7 +175,7 @@ mod tests {
     #[test]
     fn field_boundaries_are_unambiguous() {
         let none: Vec<(String, Vec<String>)> = vec![];
-        let empty = KeyBody::whole(b"");
+        let empty = KeyedBytes::whole(b"");
         let a = cache_key(&KeyInput { model: "ab", version: "c", ..base(&empty, &none) });
         let b = cache_key(&KeyInput { model: "a", version: "bc", ..base(&empty, &none) });
         assert_ne!(a, b);

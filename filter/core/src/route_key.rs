@@ -8,7 +8,7 @@
 //! and the policy generation (a purge must not reshuffle the replicas).
 
 use crate::config::Config;
-use crate::decide::{self, BodyDecision, RequestHead};
+use crate::request::{self, BodyDecision, RequestHead};
 use crate::hashing::{cache_key, hex, KeyDigest, KeyInput};
 use crate::headermap::Headers;
 use crate::model::ModelSource;
@@ -38,7 +38,7 @@ fn route_digest(k: &KeyInput) -> KeyDigest {
 /// The routing key of a whole request, or None when the server would bypass it.
 pub fn route_key(config: &Config, head: &RequestHead, source: &ModelSource, refresh: bool, body: &[u8]) -> Option<String> {
     let any = || Some(ANY_PRINCIPAL.to_string());
-    match decide::keyed_body(config, head, source, refresh, body, any, route_digest) {
+    match request::key_request_with(config, head, source, refresh, body, any, route_digest) {
         BodyDecision::Cacheable(c) => Some(hex(&c.key)[..ROUTE_KEY_LEN].to_string()),
         _ => None,
     }
@@ -56,8 +56,8 @@ pub fn strip(headers: &mut Headers) -> bool {
 mod tests {
     use super::*;
     use crate::config::parse_plugin_config;
-    use crate::decide::on_head;
-    use crate::decide::HeadDecision;
+    use crate::request::classify_head;
+    use crate::request::HeadDecision;
 
     const POLICIES: &str = r#"{"role": "client", "policies": [{"model_prefix": "m", "ttl_s": 60, "ignore_fields": ["user"]},
         {"model_prefix": "p", "ttl_s": 60, "scope": "principal"}, {"model_prefix": "v", "ttl_s": 60, "vary_headers": ["x-tenant"]}]}"#;
@@ -77,7 +77,7 @@ mod tests {
     fn key_of(cfg: &Config, path: &str, extra: &[(&str, &str)], body: &str) -> Option<String> {
         let headers = pairs(extra);
         let head = RequestHead { method: "POST", path, headers: &headers, not_utf8: &[] };
-        match on_head(&head) {
+        match classify_head(&head) {
             HeadDecision::Buffer { source, refresh } => route_key(cfg, &head, &source, refresh, body.as_bytes()),
             _ => None,
         }

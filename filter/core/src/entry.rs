@@ -2,7 +2,7 @@
 
 use crate::accounting::UNATTRIBUTED;
 use crate::hashing::KeyDigest;
-use crate::keybody::Splice;
+use crate::shaping::Splice;
 
 /// MC5 adds one byte at the end: whether the TTL came from the policy's `ttl_s`. MC4 adds the
 /// stale windows (RFC 5861) at the end; MC3 the policy tag after the key. MC4 (TTL from the

@@ -8,16 +8,18 @@ use crate::background;
 use crate::cache_control::NotStored;
 use crate::coalesce::{self, Join, LockTable, Release, Ticket, Waiters};
 use crate::config::{Config, Limits, Role};
-use crate::decide::{self, BodyDecision, Cacheable, HeadDecision, RequestHead};
+use crate::request::{self, BodyDecision, Cacheable, HeadDecision, RequestHead};
 use crate::grpc;
-use crate::headermap::Headers;
+use crate::headermap::{self, Headers};
+use crate::response;
 use crate::metrics::{self, count, count_policy, error};
 use crate::model::ModelSource;
 use crate::names::{self, Bypass};
 use crate::route_key;
 use crate::refresh::{self, Claim};
 use crate::stale;
-use crate::store::{Cache, Lifetime, Lookup, Outcome, StoreError};
+use crate::store::{Cache, Lifetime, Lookup, Outcome};
+use crate::storing;
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::rc::Rc;
@@ -212,7 +214,7 @@ enum Phase {
     /// Paused while an identical request is in flight (request coalescing).
     Waiting(Box<Waiting>),
     /// A storable miss whose answer is passing: copied for the store while it streams (or
-    /// while held, see `decide::holds_answer`).
+    /// while held, see `response::should_hold`).
     Collect(Box<Collecting>),
     /// A gRPC error the stale route's Lua step gave a body, not replaced: its status moves
     /// from the headers to trailers at the end of that (empty) body.
@@ -273,7 +275,7 @@ struct Fallback {
     policy: crate::config::Policy,
     /// Request headers and id, for the answer (If-None-Match, the caller's id).
     headers: Vec<(String, String)>,
-    id: crate::keybody::RequestId,
+    id: crate::shaping::RequestId,
     grpc: bool,
 }
 
@@ -308,10 +310,10 @@ impl Stream {
         if route_key::strip(&mut headers) {
             abi::remove_header(Map::RequestHeaders, names::ROUTE_KEY_HEADER);
         }
-        let method = decide::header(&headers.pairs, ":method").unwrap_or("");
-        let path = decide::header(&headers.pairs, ":path").unwrap_or("");
+        let method = headermap::header(&headers.pairs, ":method").unwrap_or("");
+        let path = headermap::header(&headers.pairs, ":path").unwrap_or("");
         let head = RequestHead { method, path, headers: &headers.pairs, not_utf8: &headers.not_utf8 };
-        match decide::on_head(&head) {
+        match request::classify_head(&head) {
             HeadDecision::Ignore => CONTINUE,
             HeadDecision::Bypass(why) => self.bypass(why),
             HeadDecision::Buffer { source, refresh } => {
@@ -325,7 +327,7 @@ impl Stream {
                 if cfg.role == Role::Server && source == ModelSource::GrpcBody && GRPC_HITS_BROKEN.with(|b| b.get()) {
                     return self.bypass(Bypass::NoHitRoute);
                 }
-                if decide::request_declared_too_big(decide::header(&headers.pairs, "content-length")) {
+                if request::request_declared_too_big(headermap::header(&headers.pairs, "content-length")) {
                     return self.bypass(Bypass::TooBig);
                 }
                 self.phase = Phase::Buffering { source, refresh, headers };
@@ -344,7 +346,7 @@ impl Stream {
             Phase::Buffering { .. } => {}
             _ => return CONTINUE,
         }
-        if size > decide::MAX_REQUEST_BYTES {
+        if size > request::MAX_REQUEST_BYTES {
             return self.bypass(Bypass::TooBig);
         }
         if !eos {
@@ -379,14 +381,14 @@ impl Stream {
         body: &[u8],
     ) -> u32 {
         let headers = &request.pairs;
-        let method = decide::header(headers, ":method").unwrap_or("");
-        let path = decide::header(headers, ":path").unwrap_or("");
+        let method = headermap::header(headers, ":method").unwrap_or("");
+        let path = headermap::header(headers, ":path").unwrap_or("");
         let head = RequestHead { method, path, headers, not_utf8: &request.not_utf8 };
         if cfg.role == Role::Client {
             return self.route(cfg, &head, source, refresh, body);
         }
         let principal = || abi::property(&PEER_SAN).and_then(|b| String::from_utf8(b).ok());
-        let mut c = match decide::on_body(cfg, &head, source, refresh, body, principal) {
+        let mut c = match request::key_request(cfg, &head, source, refresh, body, principal) {
             BodyDecision::Bypass(why) => return self.bypass(why),
             BodyDecision::Cacheable(c) => c,
         };
@@ -757,8 +759,8 @@ impl Stream {
     /// passes as it is.
     fn stale_if_error(&mut self, f: Fallback, eos: bool) -> Option<u32> {
         let response = abi::headers(Map::ResponseHeaders);
-        let status: u16 = decide::header(&response.pairs, ":status").and_then(|s| s.parse().ok()).unwrap_or(0);
-        if !stale::is_origin_error(status, decide::header(&response.pairs, "grpc-status")) {
+        let status: u16 = headermap::header(&response.pairs, ":status").and_then(|s| s.parse().ok()).unwrap_or(0);
+        if !stale::is_origin_error(status, headermap::header(&response.pairs, "grpc-status")) {
             return None;
         }
         let now = abi::now_ms();
@@ -826,8 +828,8 @@ impl Stream {
     fn start_collect(&mut self, c: Cacheable, eos: bool) -> u32 {
         let response = abi::headers(Map::ResponseHeaders);
         let headers = response.pairs;
-        let status: u16 = decide::header(&headers, ":status").and_then(|s| s.parse().ok()).unwrap_or(0);
-        let grpc_status = decide::header(&headers, "grpc-status");
+        let status: u16 = headermap::header(&headers, ":status").and_then(|s| s.parse().ok()).unwrap_or(0);
+        let grpc_status = headermap::header(&headers, "grpc-status");
         if status != 200 {
             self.release(Release::for_status(status, stale::is_origin_error(status, grpc_status)));
             return self.not_stored(c.refresh, NotStored::Status, true);
@@ -839,19 +841,19 @@ impl Stream {
             }
             return self.not_stored(c.refresh, NotStored::GrpcStatus, true);
         }
-        let ttl = match decide::response_storable(&c.policy, &headers, &response.not_utf8, abi::now_ms()) {
+        let ttl = match response::check_storable(&c.policy, &headers, &response.not_utf8, abi::now_ms()) {
             Ok(t) => t,
             Err(why) => return self.not_stored(c.refresh, why, true),
         };
         let limit = self.limits().max_entry_bytes as usize + if c.grpc { 5 } else { 0 };
-        let declared = decide::header(&headers, "content-length");
+        let declared = headermap::header(&headers, "content-length");
         if declared.and_then(|v| v.trim().parse::<usize>().ok()).map_or(false, |n| n > limit) {
             return self.not_stored(c.refresh, NotStored::TooBig, true);
         }
         if eos {
             return self.finish_store(c, ttl, status, headers, Vec::new(), Open::Headers);
         }
-        let held = self.holds_headers() && decide::holds_answer(c.grpc, decide::header(&headers, "content-type"), declared);
+        let held = self.holds_headers() && response::should_hold(c.grpc, headermap::header(&headers, "content-type"), declared);
         if !held {
             // The answer streams: say what is known now; it is copied and stored at its end.
             abi::set_header(Map::ResponseHeaders, names::CACHE_STATUS, names::cache_status_forwarded(c.refresh));
@@ -909,7 +911,7 @@ impl Stream {
             let Collecting { c, ttl, status, headers, copy, .. } = *k;
             return self.finish_store(c, ttl, status, headers, copy, open);
         }
-        if k.held && k.copy.len() <= decide::HOLD_BYTES {
+        if k.held && k.copy.len() <= response::HOLD_BYTES {
             self.phase = Phase::Collect(k);
             return PAUSE;
         }
@@ -951,32 +953,13 @@ impl Stream {
     ) -> u32 {
         let headers_open = open == Open::Headers;
         let limits = self.limits();
-        let message = if c.grpc {
-            match grpc::unframe(&body) {
-                Some(m) => m.to_vec(),
-                None => return self.not_stored(c.refresh, NotStored::Error, headers_open),
-            }
-        } else {
-            body
-        };
-        if message.len() as u64 > limits.max_entry_bytes {
-            return self.not_stored(c.refresh, NotStored::TooBig, headers_open);
-        }
         let refresh = c.refresh;
-        let stored = match decide::build_entry(&c, &headers, status, message, ttl) {
-            Ok(s) => s,
-            Err(why) => return self.not_stored(refresh, why, headers_open),
-        };
-        if stored.entry.encoded_len() as u64 > limits.max_entry_bytes {
-            // The stored headers count too, not only the body.
-            return self.not_stored(refresh, NotStored::TooBig, headers_open);
-        }
         let cache = Cache { data: &abi::HostShared, limits: &limits };
         let mut out = Outcome::default();
-        let result = cache.insert(&stored.entry, c.seen, &mut out);
+        let result = storing::store_answer(&cache, &c, &headers, status, body, ttl, &mut out);
         metrics::record_outcome(&out);
         match result {
-            Ok(()) => {
+            Ok(stored) => {
                 count(metrics::STORES, 1);
                 self.release(Release::Stored);
                 self.phase = Phase::Done;
@@ -1006,8 +989,7 @@ impl Stream {
                 }
                 CONTINUE
             }
-            Err(StoreError::NoSpace) => self.not_stored(refresh, NotStored::StoreFull, headers_open),
-            Err(StoreError::Contended) => self.not_stored(refresh, NotStored::Contended, headers_open),
+            Err(why) => self.not_stored(refresh, why, headers_open),
         }
     }
 }

@@ -1,0 +1,33 @@
+//! meshcache's cache core: everything about caching that does not depend on the proxy that runs
+//! it — request reading and keys (`shaping`, `model`, `hashing`, `json`), policy (`config`),
+//! HTTP semantics (`cache_control`, `decide`, `answer`, `names`, `grpc`, `headermap`,
+//! `route_key`), entries (`entry`), store logic over a host's shared data (`store`,
+//! `accounting`), coalescing (`coalesce`) and stale rules (`stale`, `refresh`).
+//!
+//! No `extern "C"`, no thread-locals, no I/O: `cargo test -p meshcache-core` checks it on the
+//! build machine. The hosts (`filter/wasm`: proxy-wasm; `filter/native`: Envoy dynamic module)
+//! read the proxy's headers and bodies, call into this crate, and write its answers back.
+
+pub mod accounting;
+pub mod answer;
+pub mod cache_control;
+pub mod coalesce;
+pub mod config;
+pub mod entry;
+pub mod grpc;
+pub mod hashing;
+pub mod headermap;
+pub mod json;
+pub mod metric_names;
+pub mod model;
+pub mod names;
+pub mod refresh;
+pub mod request;
+pub mod response;
+pub mod route_key;
+pub mod shaping;
+pub mod stale;
+pub mod store;
+pub mod storing;
+#[cfg(test)]
+mod test_rng;

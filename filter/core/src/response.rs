@@ -1,0 +1,154 @@
+//! Response decisions (the response half of what Envoy's cache filter calls its cache policy):
+//! whether an origin answer may be stored and for how long (`check_storable`), whether a miss
+//! holds its answer back (`should_hold`), and the entry it stores (`build_entry`). The request
+//! half is `request`.
+
+use crate::cache_control::{self, Freshness, NotStored};
+use crate::config::Policy;
+use crate::entry::Entry;
+use crate::hashing::response_hash;
+use crate::headermap::{header, joined, values};
+use crate::names::{COLOR_HEADER, KSERVE_BINARY_HEADER, MODEL_HEADER};
+use crate::request::Cacheable;
+use crate::shaping::{self, RequestId, Splice};
+/// A miss whose answer arrives whole and small is held until its end, so its headers can say
+/// `stored` and carry the hash; larger or streamed answers flow through at once (copied for
+/// the store). Well under Envoy's default 1 MiB buffer.
+pub const HOLD_BYTES: usize = 256 * 1024;
+
+/// Whether a miss's answer starts out held (see `HOLD_BYTES`): never an event stream; gRPC
+/// (unary ModelInfer, one message) until it grows past `HOLD_BYTES`; HTTP only when its
+/// declared length is within `HOLD_BYTES` (an answer without a length may be paced).
+pub fn should_hold(grpc: bool, content_type: Option<&str>, content_length: Option<&str>) -> bool {
+    if content_type.map_or(false, |ct| ct.trim_start().to_ascii_lowercase().starts_with("text/event-stream")) {
+        return false;
+    }
+    if grpc {
+        return true;
+    }
+    content_length.and_then(|n| n.trim().parse::<usize>().ok()).map_or(false, |n| n <= HOLD_BYTES)
+}
+
+/// Request headers a stored answer may vary on without losing correctness: those the key has.
+fn varies_only_on_keyed(policy: &Policy, name: &str) -> bool {
+    name == COLOR_HEADER || name == MODEL_HEADER || policy.vary_headers.iter().any(|v| v == name)
+}
+
+/// Whether an origin answer may be stored, and for how long (the status is checked before).
+/// `Vary` (RFC 9111 §4.1): `*` is never stored; other names are fine only when the key already
+/// includes them (policy `vary_headers`, the colour, the model header), since a stored answer
+/// is then only reused for requests that agree on them. Otherwise `detail=vary`.
+pub fn check_storable(
+    policy: &Policy,
+    headers: &[(String, String)],
+    not_utf8: &[String],
+    now_ms: u64,
+) -> Result<cache_control::Ttl, NotStored> {
+    // RFC 2965's Set-Cookie2 (obsolete, still sent by some servers) sets state just the same.
+    if header(headers, "set-cookie").is_some() || header(headers, "set-cookie2").is_some() {
+        return Err(NotStored::SetCookie);
+    }
+    let vary = joined(headers, "vary").unwrap_or_default();
+    for name in vary.split(',').map(str::trim).filter(|n| !n.is_empty()) {
+        if name == "*" || !varies_only_on_keyed(policy, &name.to_ascii_lowercase()) {
+            return Err(NotStored::Vary);
+        }
+    }
+    let cc = joined(headers, "cache-control");
+    let expires = values(headers, "expires");
+    let freshness = Freshness { cache_control: cc.as_deref(), expires: &expires, date: header(headers, "date") };
+    let ttl = cache_control::response_ttl(policy, &freshness, now_ms / 1000)?;
+    // Checked last: a header the filter cannot replay byte for byte (checked after the
+    // origin's own reasons, which are more useful to report).
+    if !not_utf8.is_empty() {
+        return Err(NotStored::HeaderBytes);
+    }
+    Ok(ttl)
+}
+
+/// Response headers that belong to one transmission, not to the cached answer.
+fn is_per_response(name: &str) -> bool {
+    name.starts_with(':')
+        || name.starts_with("x-envoy-")
+        || matches!(
+            name,
+            "date" | "content-length" | "transfer-encoding" | "connection" | "keep-alive" | "age"
+                | "cache-status" | "x-response-hash" | "set-cookie" | "set-cookie2" | "grpc-status" | "grpc-message"
+                | "proxy-connection" | "upgrade" | "trailer" | "server"
+        )
+}
+
+/// The answer a miss stores: its hash, the headers replayed on hits, the ETag to send now.
+#[derive(Debug)]
+pub struct Stored {
+    pub entry: Entry,
+    /// Some when the origin sent no ETag and the filter adds `"<hash>"`.
+    pub added_etag: Option<String>,
+}
+
+/// `body` is the answer as sent (a gRPC message without its frame). The echoed request id is
+/// taken out, and the hash covers the answer without it: the same for every caller.
+pub fn build_entry(
+    c: &Cacheable,
+    response_headers: &[(String, String)],
+    status: u16,
+    body: Vec<u8>,
+    ttl: cache_control::Ttl,
+) -> Result<Stored, NotStored> {
+    let now_ms = c.request_ms;
+    let mut headers: Vec<(String, String)> = response_headers
+        .iter()
+        .filter(|(n, _)| !is_per_response(&n.to_ascii_lowercase()))
+        .map(|(n, v)| (n.to_ascii_lowercase(), v.clone()))
+        .collect();
+    let stripped = match &c.request_id {
+        RequestId::Spliced(id) if c.grpc => shaping::strip_proto_answer(body, id),
+        RequestId::Spliced(id) => shaping::strip_json_answer(body, header(&headers, KSERVE_BINARY_HEADER), id),
+        _ => Ok(shaping::Stripped { body, splice: None }),
+    };
+    let shaping::Stripped { body, splice } = stripped.map_err(|_| NotStored::Unparsable)?;
+    let hash = if let Some(Splice::Json { json_len_header: true, before, after, .. }) = &splice {
+        // The binary extension's JSON length is stored (and hashed) for the answer without its id.
+        let removed = before.len() + after.len() + request_id_len(c);
+        for (n, v) in headers.iter_mut() {
+            if n == KSERVE_BINARY_HEADER {
+                *v = v.parse::<usize>().ok().and_then(|x| x.checked_sub(removed)).ok_or(NotStored::Unparsable)?.to_string();
+            }
+        }
+        response_hash(&body, &headers, &c.policy.hash_headers)
+    } else {
+        response_hash(&body, response_headers, &c.policy.hash_headers)
+    };
+    let added_etag = if header(&headers, "etag").is_none() {
+        let etag = format!("\"{}\"", hash);
+        headers.push(("etag".to_string(), etag.clone()));
+        Some(etag)
+    } else {
+        None
+    };
+    let (stale_if_error_s, stale_while_revalidate_s) =
+        cache_control::stale_windows(&c.policy, joined(response_headers, "cache-control").as_deref());
+    let entry = Entry {
+        key: c.key,
+        policy: crate::accounting::policy_tag(&c.policy.model_prefix),
+        stored_at_ms: now_ms,
+        expires_at_ms: now_ms.saturating_add(ttl.s.saturating_mul(1000)),
+        ttl_from_policy: ttl.from_policy,
+        status,
+        grpc: c.grpc,
+        response_hash: hash,
+        headers,
+        body,
+        splice,
+        stale_if_error_s,
+        stale_while_revalidate_s,
+    };
+    Ok(Stored { entry, added_etag })
+}
+
+fn request_id_len(c: &Cacheable) -> usize {
+    match &c.request_id {
+        RequestId::Spliced(id) => id.len(),
+        _ => 0,
+    }
+}

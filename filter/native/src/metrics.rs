@@ -1,0 +1,68 @@
+//! The native host's Envoy stats: the same names as the Wasm filter's (`meshcache_core::
+//! metric_names`; the Envoy config sets the module's metrics namespace to `wasmcustom`, the Wasm
+//! filter's prefix), defined when a config is created (Envoy freezes stat creation after that)
+//! and updated per request with plain calls (no VM crossings, so no batching).
+
+use std::collections::HashMap;
+
+use meshcache_core::config::Config;
+use meshcache_core::metric_names::{
+    policy_metric, BYTES, COUNTERS, ENTRIES, POLICY_COUNTERS, POLICY_GAUGES_OF, UNATTRIBUTED_BYTES, UNATTRIBUTED_ENTRIES,
+};
+
+use crate::abi::*;
+
+#[derive(Default)]
+pub struct Metrics {
+    counters: HashMap<String, usize>,
+    gauges: HashMap<String, usize>,
+}
+
+impl Metrics {
+    /// Defines every counter and gauge for `config` (its policies' too), so stats show a 0
+    /// rather than a missing series until the first event.
+    ///
+    /// # Safety
+    /// `config_envoy` is the config pointer Envoy passed to the running config hook.
+    pub unsafe fn define(config_envoy: ConfigEnvoyPtr, config: &Config) -> Metrics {
+        let mut m = Metrics::default();
+        let mut counters: Vec<String> = COUNTERS.iter().map(|n| n.to_string()).collect();
+        let mut gauges: Vec<String> =
+            [ENTRIES, BYTES, UNATTRIBUTED_ENTRIES, UNATTRIBUTED_BYTES].iter().map(|n| n.to_string()).collect();
+        for p in &config.policies {
+            counters.extend(POLICY_COUNTERS.iter().map(|w| policy_metric(&p.model_prefix, w)));
+            gauges.extend(POLICY_GAUGES_OF.iter().map(|w| policy_metric(&p.model_prefix, w)));
+        }
+        for name in counters {
+            let mut id = 0usize;
+            if envoy_dynamic_module_callback_http_filter_config_define_counter(
+                config_envoy, ModuleBuffer::of(name.as_bytes()), std::ptr::null(), 0, &mut id) == METRICS_SUCCESS {
+                m.counters.insert(name, id);
+            }
+        }
+        for name in gauges {
+            let mut id = 0usize;
+            if envoy_dynamic_module_callback_http_filter_config_define_gauge(
+                config_envoy, ModuleBuffer::of(name.as_bytes()), std::ptr::null(), 0, &mut id) == METRICS_SUCCESS {
+                m.gauges.insert(name, id);
+            }
+        }
+        m
+    }
+
+    /// # Safety
+    /// `filter` is the stream pointer Envoy passed to the running hook.
+    pub unsafe fn count(&self, filter: FilterEnvoyPtr, name: &str, n: u64) {
+        if let Some(id) = self.counters.get(name) {
+            envoy_dynamic_module_callback_http_filter_increment_counter(filter, *id, std::ptr::null(), 0, n);
+        }
+    }
+
+    /// # Safety
+    /// As for `count`.
+    pub unsafe fn set_gauge(&self, filter: FilterEnvoyPtr, name: &str, value: u64) {
+        if let Some(id) = self.gauges.get(name) {
+            envoy_dynamic_module_callback_http_filter_set_gauge(filter, *id, std::ptr::null(), 0, value);
+        }
+    }
+}
