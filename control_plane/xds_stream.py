@@ -35,6 +35,7 @@ _CLOSED = object()
 @dataclass
 class _TypeState:
     renderer: Renderer
+    pushes: Any  # this type's labelled push counter (labels() per push was ~5% of a 2,000-stream push)
     names: tuple[str, ...] = ()
     watch_open: bool = False
     force: bool = False  # respond even if the version did not change (first request, new names)
@@ -102,7 +103,7 @@ class XdsStream:
             if renderer is None or len(self.states) >= MAX_TYPES_PER_STREAM:
                 log.debug("stream %d: ignoring unserved type %s", conn.stream_id, type_url)
                 return
-            st = self.states[type_url] = _TypeState(renderer)
+            st = self.states[type_url] = _TypeState(renderer, self.metrics.pushes.labels(type_url))
         names = tuple(sorted(req.resource_names))
         # A nonce only means ACK/NACK once this stream was sent something of the type: istiod's
         # first requests carry a timestamp nonce, and a client may reconnect with an old one.
@@ -150,6 +151,6 @@ class XdsStream:
             return None  # nothing this stream asked for exists (yet): keep the watch open
         st.watch_open = st.force = False
         st.sent_version, st.sent_nonce, st.sent_at = version, str(next(self._nonces)), time.monotonic()
-        self.metrics.pushes.labels(type_url).inc()
+        st.pushes.inc()
         return discovery_pb2.DiscoveryResponse(
             version_info=version, resources=chosen, type_url=type_url, nonce=st.sent_nonce)
