@@ -96,6 +96,7 @@ class XdsStream:
         conn = self.conn
         if req.HasField("node") and req.node.id:
             conn.node_id, conn.cluster = req.node.id, req.node.cluster
+            conn.touch()
         type_url = req.type_url or ECDS_TYPE_URL
         st = self.states.get(type_url)
         if st is None:
@@ -114,10 +115,12 @@ class XdsStream:
                 conn.last_nack = Nack(version=st.sent_version or "", error=req.error_detail.message,
                                       at=time.time())
                 self.metrics.nacks.inc()
+                conn.touch()
                 log.warning("NACK from %s for version %s: %s", conn.node_id, st.sent_version,
                             req.error_detail.message)
             else:
                 conn.acked[type_url] = (req.version_info, time.time())
+                conn.touch()
                 self.metrics.acks.inc()
                 self.metrics.ack_latency.observe(time.monotonic() - st.sent_at)
         else:
@@ -126,6 +129,7 @@ class XdsStream:
             st.force = True
             if req.version_info:
                 conn.acked[type_url] = (req.version_info, None)
+                conn.touch()
         if names != st.names:
             st.names, st.force = names, True
         st.watch_open = True
