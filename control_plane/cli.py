@@ -18,6 +18,7 @@ from .model_index import IndexConfigError, parse_engine_urls
 from .proxy_stats import ProxyStatsReader, StatsConfigError, parse_dns_names, parse_sources
 from .settings import Settings
 from .wiring import ControlPlane
+from .xds_workers import start_workers, stop_workers
 
 
 def parse_args(argv: Sequence[str] | None) -> dict[str, Any]:
@@ -46,6 +47,8 @@ def parse_args(argv: Sequence[str] | None) -> dict[str, Any]:
                                              "through the template: headless Services of the cached pods")
     p.add_argument("--engine-index", help="engines' REST base URLs (comma-separated): a policy prefix matching "
                                           "no model in their repository index gets a warning")
+    p.add_argument("--xds-workers", type=int,
+                   help="xDS processes behind the xDS port (SO_REUSEPORT), this one included; default 1")
     p.add_argument("--log-level", default="info")
     args = vars(p.parse_args(argv))
     return {k: v for k, v in args.items() if v is not None}
@@ -54,11 +57,13 @@ def parse_args(argv: Sequence[str] | None) -> dict[str, Any]:
 async def serve(settings: Settings, tokens: TokenTable, log_level: str) -> None:
     cp = ControlPlane(settings, tokens)
     await cp.start()
+    workers = start_workers(settings, cp.xds.port, log_level) if settings.xds_workers > 1 else []
     config = uvicorn.Config(create_app(cp), host=settings.host, port=settings.http_port,
                             log_level=log_level, access_log=False, lifespan="off")
     try:
         await uvicorn.Server(config).serve()  # returns on SIGINT/SIGTERM
     finally:
+        await asyncio.to_thread(stop_workers, workers)
         await cp.stop()
 
 
