@@ -1,5 +1,6 @@
 """Propagation benchmark: from a policy `PUT` returning to the ECDS ACK reaching the control
-plane, with one real Envoy (running the real filter) and with 500 simulated ECDS clients; and the
+plane, with one real Envoy (running the real filter) and with 500, 2,000 and 5,000 simulated ECDS
+streams (`--clients`, a fresh control plane for each); and the
 same through a real istiod (control plane -> MCP -> istiod -> ECDS): one sidecar configured by
 istiod, and 200 simulated sidecars connected to istiod (`--istiod-clients`).
 Run with `python -m bench.propagation`; writes the `propagation` section of docs/benchmarks.md.
@@ -13,8 +14,11 @@ Latency per (round, client) = the control plane's wall-clock time of the ACK for
 (`acked_at` in /v1/proxies) minus the benchmark's wall-clock time when the PUT answered; both
 processes are on this machine and read the same clock. An ACK can beat the PUT's answer (the
 push starts right after the Redis commit): those count as 0 ms.
-The simulated clients are gRPC aio streams in a separate process (one channel, i.e. one TCP
-connection, per client, like real sidecars) that ACK every response at once.
+The simulated clients are gRPC aio streams in client processes of 500 streams each (one channel
+and one TCP connection per client, like real sidecars; a grpc local subchannel pool, else the
+channels of a process share one connection) that ACK every response at once and, like Envoy,
+reopen a failed stream after 0.5-1.5 s. `--xds-workers N` runs the control plane with N xDS
+processes.
 """
 
 from __future__ import annotations
