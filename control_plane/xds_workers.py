@@ -20,6 +20,7 @@ from .wiring import ControlPlane
 
 log = logging.getLogger("meshcache.control_plane.xds_workers")
 PARENT_CHECK_S = 1.0
+STOP_TIMEOUT_S = 3.0
 
 
 def settings_env(settings: Settings) -> dict[str, str]:
@@ -63,7 +64,17 @@ async def serve_worker(settings: Settings, parent: int) -> None:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), PARENT_CHECK_S)
     finally:
-        await cp.stop()
+        log.info("stopping (%s)", "signal" if stop.is_set() else "the main process is gone")
+        # Bounded: grpc aio's stop can hang (seen when the main died right after the worker
+        # started), and so can asyncio.run's teardown of its leftover tasks; a worker holds
+        # nothing that needs more than this, so it ends the process itself.
+        done, _ = await asyncio.wait({asyncio.ensure_future(cp.stop())}, timeout=STOP_TIMEOUT_S)
+        if done:
+            log.info("stopped")
+        else:
+            log.warning("stop timed out after %.0f s", STOP_TIMEOUT_S)
+        logging.shutdown()
+        os._exit(0)
 
 
 def main() -> None:

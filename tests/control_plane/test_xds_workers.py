@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from pathlib import Path
 
 import grpc
 
@@ -12,6 +13,17 @@ from tests.helpers.control_plane import ControlPlaneProc, run
 from tests.helpers.wait import aeventually, eventually
 
 STREAMS = 40
+
+
+def children(pid: int) -> list[int]:
+    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def gone(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1].startswith("Z")
+    except FileNotFoundError:
+        return True
 
 
 def test_two_xds_processes_share_the_port_and_the_proxy_list(start_cp: Callable[..., ControlPlaneProc]) -> None:
@@ -49,5 +61,14 @@ def test_two_xds_processes_share_the_port_and_the_proxy_list(start_cp: Callable[
             await ch.close()
 
     run(scenario())
-    cp.proc.stop()
+    workers = children(cp.proc.popen.pid)
+    assert len(workers) == 1
+    cp.proc.stop()  # SIGTERM: the main stops its worker
+    assert all(gone(w) for w in workers)
     assert "Traceback" not in cp.proc.log_path.read_text()
+
+    cp.restart()
+    eventually(lambda: len(children(cp.proc.popen.pid)) == 1)
+    workers = children(cp.proc.popen.pid)
+    cp.proc.kill()  # SIGKILL: the orphaned worker notices and exits on its own
+    eventually(lambda: all(gone(w) for w in workers), timeout=5)
