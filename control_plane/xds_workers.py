@@ -7,6 +7,7 @@ replica. Each worker publishes its proxies to Redis (fleet.py), so the main proc
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import logging
@@ -78,8 +79,6 @@ async def serve_worker(settings: Settings, parent: int) -> None:
 
 
 def main() -> None:
-    import argparse
-
     p = argparse.ArgumentParser(prog="meshcache-control-plane xDS worker")
     p.add_argument("--index", type=int, required=True)
     p.add_argument("--parent", type=int, required=True)
