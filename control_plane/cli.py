@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import socket
 import sys
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import uvicorn
@@ -18,6 +19,7 @@ from .model_index import IndexConfigError, parse_engine_urls
 from .proxy_stats import ProxyStatsReader, StatsConfigError, parse_dns_names, parse_sources
 from .settings import Settings
 from .wiring import ControlPlane
+from .xds_workers import STOP_TIMEOUT_S, start_workers, stop_workers
 
 
 def parse_args(argv: Sequence[str] | None) -> dict[str, Any]:
@@ -46,20 +48,48 @@ def parse_args(argv: Sequence[str] | None) -> dict[str, Any]:
                                              "through the template: headless Services of the cached pods")
     p.add_argument("--engine-index", help="engines' REST base URLs (comma-separated): a policy prefix matching "
                                           "no model in their repository index gets a warning")
+    p.add_argument("--xds-workers", type=int,
+                   help="xDS processes behind the xDS port (SO_REUSEPORT), this one included; default 1")
     p.add_argument("--log-level", default="info")
     args = vars(p.parse_args(argv))
     return {k: v for k, v in args.items() if v is not None}
 
 
+class _Server(uvicorn.Server):
+    """uvicorn re-raises the stop signal once it has shut down (the process dies of it, so code
+    after `serve()` never runs): the xDS side and the workers are stopped in its shutdown."""
+
+    def __init__(self, config: uvicorn.Config, on_shutdown: Callable[[], Awaitable[None]]) -> None:
+        super().__init__(config)
+        self._on_shutdown = on_shutdown
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().shutdown(sockets)
+        await self._on_shutdown()
+
+
 async def serve(settings: Settings, tokens: TokenTable, log_level: str) -> None:
     cp = ControlPlane(settings, tokens)
     await cp.start()
+    workers = start_workers(settings, cp.xds.port, log_level) if settings.xds_workers > 1 else []
+    stopped = False
+
+    async def stop() -> None:
+        nonlocal stopped
+        if not stopped:
+            stopped = True
+            await asyncio.to_thread(stop_workers, workers)
+            # Bounded: the process ends anyway (uvicorn re-raises the signal).
+            _, pending = await asyncio.wait({asyncio.ensure_future(cp.stop())}, timeout=STOP_TIMEOUT_S)
+            if pending:
+                logging.getLogger("meshcache.control_plane").warning("stop timed out after %.0f s", STOP_TIMEOUT_S)
+
     config = uvicorn.Config(create_app(cp), host=settings.host, port=settings.http_port,
                             log_level=log_level, access_log=False, lifespan="off")
     try:
-        await uvicorn.Server(config).serve()  # returns on SIGINT/SIGTERM
+        await _Server(config, stop).serve()  # returns (or the process ends) on SIGINT/SIGTERM
     finally:
-        await cp.stop()
+        await stop()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .renderers import ECDS_TYPE_URL
@@ -30,6 +31,12 @@ class Connection:
     cluster: str = ""
     acked: dict[str, tuple[str, float | None]] = field(default_factory=dict)  # type_url -> (version, at)
     last_nack: Nack | None = None
+    on_change: Callable[[], None] | None = field(default=None, repr=False, compare=False)
+
+    def touch(self) -> None:
+        """Something shown in /v1/proxies changed (an ACK, a NACK, the node id)."""
+        if self.on_change is not None:
+            self.on_change()
 
     def acked_version(self, type_url: str = ECDS_TYPE_URL) -> tuple[str, float | None]:
         if type_url in self.acked:
@@ -41,14 +48,20 @@ class ProxyRegistry:
     def __init__(self) -> None:
         self._ids = itertools.count(1)
         self.connections: dict[int, Connection] = {}
+        self.generation = 0  # moves on every change: the fleet view republishes only then
+
+    def _changed(self) -> None:
+        self.generation += 1
 
     def open(self, transport: str, peer: str) -> Connection:
-        conn = Connection(stream_id=next(self._ids), transport=transport, peer=peer)
+        conn = Connection(stream_id=next(self._ids), transport=transport, peer=peer, on_change=self._changed)
         self.connections[conn.stream_id] = conn
+        self._changed()
         return conn
 
     def close(self, conn: Connection) -> None:
         self.connections.pop(conn.stream_id, None)
+        self._changed()
 
     def __len__(self) -> int:
         return len(self.connections)

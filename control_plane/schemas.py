@@ -199,10 +199,13 @@ class ProxyOut(BaseModel):
     acked_at: float | None
     current: bool
     last_nack: NackOut | None
+    replica: str = Field(description="the control-plane replica holding this proxy's stream")
 
 
 class ProxiesOut(BaseModel):
     version: int
+    replica: str = Field(description="the replica that answered")
+    complete: bool = Field(description="false: the other replicas' proxies could not be read (Redis down)")
     proxies: list[ProxyOut]
 
 

@@ -39,7 +39,9 @@ class Settings(BaseSettings):
     redis_timeout_s: float = Field(1.0, gt=0, le=30)
     # Pub/sub is lossy across reconnects; a cheap periodic version check closes the gap.
     resync_interval_s: float = Field(1.0, gt=0, le=60)
-    max_xds_streams: int = Field(5000, ge=1, le=100_000)
+    max_xds_streams: int = Field(5000, ge=1, le=100_000)  # per xDS process
+    # xDS processes behind the one xDS port (xds_workers.py): 1 = the main process only.
+    xds_workers: int = Field(1, ge=1, le=64)
     # TLS on the xDS port (PEM files). With a client CA, clients must present a certificate it
     # signed (the local mesh: sidecars); istiod's configSources TLS (mode SIMPLE) has none.
     xds_tls_cert: Path | None = None

@@ -5,6 +5,8 @@ Keys (under settings.key_prefix):
   snapshot:<v>       the snapshot record (JSON); the newest `snapshot_retention` are kept
   audit              stream of who changed what (XADD MAXLEN ~ audit_maxlen)
   changes            pub/sub channel; the message is the new snapshot record
+  replicas           sorted set: replica id -> when it last published its proxies
+  proxies:<replica>  the proxies connected to that replica (JSON list, expires: fleet.py)
 
 The script compares `current` with the version the change was derived from and only then
 writes the snapshot, moves `current`, appends the audit entry and publishes, so no reader sees
@@ -80,6 +82,8 @@ class Store:
         self.snapshot_prefix = f"{p}:snapshot:"
         self.audit_key = f"{p}:audit"
         self.channel = f"{p}:changes"
+        self.replicas_key = f"{p}:replicas"
+        self.proxies_prefix = f"{p}:proxies:"
         # No client-side retries: a write either answers fast or fails with 503; the caller
         # (or the sync loop's backoff) decides when to try again.
         self.redis: aioredis.Redis = aioredis.Redis.from_url(
@@ -167,3 +171,33 @@ class Store:
 
     def pubsub(self) -> aioredis.client.PubSub:
         return self.redis.pubsub(ignore_subscribe_messages=True)
+
+    # ---- the fleet's proxies (fleet.py) -------------------------------------------------------
+
+    async def put_proxies(self, replica: str, proxies_json: str, ttl_s: float, forget_s: float) -> None:
+        """This replica's proxies, expiring after `ttl_s` unless published again; replicas silent
+        for `forget_s` leave the set."""
+        now = time.time()
+        async with _unavailable_on_error("publishing this replica's proxies"):
+            async with self.redis.pipeline(transaction=True) as pipe:
+                pipe.set(f"{self.proxies_prefix}{replica}", proxies_json, px=int(ttl_s * 1000))
+                pipe.zadd(self.replicas_key, {replica: now})
+                pipe.zremrangebyscore(self.replicas_key, "-inf", now - forget_s)
+                await pipe.execute()
+
+    async def drop_proxies(self, replica: str) -> None:
+        async with _unavailable_on_error("removing this replica's proxies"):
+            async with self.redis.pipeline(transaction=True) as pipe:
+                pipe.delete(f"{self.proxies_prefix}{replica}")
+                pipe.zrem(self.replicas_key, replica)
+                await pipe.execute()
+
+    async def other_proxies(self, replica: str, max_replicas: int) -> dict[str, bytes]:
+        """The published proxy lists of the (at most `max_replicas` most recent) other replicas."""
+        async with _unavailable_on_error("reading the other replicas' proxies"):
+            ids = [r.decode() for r in await self.redis.zrevrange(self.replicas_key, 0, max_replicas - 1)]
+            others = [r for r in ids if r != replica]
+            if not others:
+                return {}
+            raws = await self.redis.mget([f"{self.proxies_prefix}{r}" for r in others])
+        return {r: raw for r, raw in zip(others, raws, strict=True) if raw is not None}

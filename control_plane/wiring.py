@@ -9,6 +9,7 @@ import logging
 import grpc
 
 from .auth import TokenTable
+from .fleet import FleetView, replica_id
 from .mcp import IstioMcpRenderer, mcp_fallback
 from .metrics import Metrics
 from .model_index import ModelIndex, parse_engine_urls
@@ -53,7 +54,10 @@ class ControlPlane:
                                             timeout_s=settings.proxy_stats_timeout_s,
                                             dns_names=parse_dns_names(settings.proxy_stats_dns))
         self.model_index = ModelIndex(parse_engine_urls(settings.engine_index), settings.engine_index_timeout_s)
+        self.fleet = FleetView(self.store, self.xds.registry, replica_id(settings.instance_id),
+                               settings.resync_interval_s)
         self._sync_task: asyncio.Task[None] | None = None
+        self._fleet_task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         """Load the current snapshot if Redis is up (else start empty and keep retrying in the
@@ -61,14 +65,17 @@ class ControlPlane:
         with contextlib.suppress(StoreUnavailable):
             await self.sync.resync()
         self._sync_task = asyncio.create_task(self.sync.run(), name="redis-sync")
+        self._fleet_task = asyncio.create_task(self.fleet.run(), name="fleet-publish")
         port = await self.xds.start(self.settings.host, self.settings.xds_port, xds_credentials(self.settings))
         log.info("xDS on %s:%d, snapshot version %d", self.settings.host, port, self.cache.current.version)
 
     async def stop(self) -> None:
         await self.xds.stop(grace=0.5)
-        if self._sync_task is not None:
-            self._sync_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._sync_task
+        for task in (self._sync_task, self._fleet_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        await self.fleet.withdraw()
         await self.proxy_stats.close()
         await self.store.close()

@@ -58,6 +58,14 @@ class XdsServer:
             ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.max_concurrent_streams", 10_000),
+            # Several xDS worker processes listen on one port (xds_workers.py).
+            ("grpc.so_reuseport", 1),
+            # New RPCs wait in grpc core until the Python loop accepts them; past the soft limit
+            # (default 1000) core refuses some at random (RESOURCE_EXHAUSTED, "Too many pending
+            # requests"): a fleet reconnecting at once (a replica lost, a restart) would see the
+            # cliff measured in issue 25. The stream limit is the real bound.
+            ("grpc.server.max_pending_requests", self.max_streams),
+            ("grpc.server.max_pending_requests_hard_limit", self.max_streams + 1),
         ])
         config_discovery_pb2_grpc.add_ExtensionConfigDiscoveryServiceServicer_to_server(
             _EcdsServicer(self), server)

@@ -10,6 +10,8 @@ The cache proxy's shape (see docs/filter.md):
   framed message and a `grpc-status: 0` trailer (fragments: meshcache.contract.grpc_hit).
 - With `ecds_port`, the cache filter comes from the control plane over ECDS, with the static
   plugin config as `default_config` so traffic flows before the control plane is reachable.
+  A list of ports = several control-plane replicas: one endpoint each in the xDS cluster, so the
+  Envoys spread over them (round robin) and a lost replica's Envoys reopen their stream on another.
 - `color_routes`: requests whose `x-traffic-color` equals a key go to that colour's upstream
   (e.g. `blue` to a canary engine); everything else to the default upstream. The filter puts the
   colour in the cache key, so colours never share entries.
@@ -65,7 +67,7 @@ class CacheProxy:
     grpc_upstream_port: int | None = None
     wasm_path: Path = Path("/etc/meshcache/meshcache_filter.wasm")
     plugin_config: dict[str, Any] = field(default_factory=dict)
-    ecds_port: int | None = None
+    ecds_port: int | list[int] | None = None
     node_id: str = "meshcache-sidecar"
     cluster: str = "meshcache"
     with_filter: bool = True
@@ -244,7 +246,7 @@ def _ecds_source() -> dict[str, Any]:
     }
 
 
-def _xds_cluster(port: int, tls: Identity | None, peers: list[str]) -> dict[str, Any]:
+def _xds_cluster(port: int | list[int], tls: Identity | None, peers: list[str]) -> dict[str, Any]:
     xds = _cluster("xds_cluster", port, http2=True)
     if tls is not None:
         xds["transport_socket"] = upstream_mtls(tls, peers)
@@ -356,7 +358,7 @@ class Affinity:
     plugin_config: dict[str, Any]  # the client role's (filter_config.client_plugin_config)
     lb_policy: str = "RING_HASH"  # or MAGLEV
     # ECDS from the control plane (resource `meshcache-client`), mTLS as for the server sidecar.
-    ecds_port: int | None = None
+    ecds_port: int | list[int] | None = None
     xds_tls: Identity | None = None
     xds_peers: tuple[str, ...] = ()
 

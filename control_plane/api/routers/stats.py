@@ -27,7 +27,8 @@ def _proxy_stats(r: ProxyReading) -> ProxyStats:
 async def stats(cp: CP, _p: Reader) -> StatsOut:
     """Cache counters per model (summed over the proxies whose stats could be read) and per proxy."""
     snap = cp.cache.current
-    nodes = [c.node_id for c in list(cp.xds.registry.connections.values()) if c.node_id]
+    entries, _ = await cp.fleet.all()  # every replica's proxies, not only this one's
+    nodes = [e["node_id"] for e in entries if e["node_id"]]
     readings = await cp.proxy_stats.read(nodes)
     models = [ModelStats(model_prefix=m.model_prefix, in_policy=m.in_policy, hits=m.hits, misses=m.misses,
                          hit_ratio=m.hit_ratio, entries=m.entries, bytes=m.bytes, ambiguous_with=m.ambiguous_with)
