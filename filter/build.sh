@@ -45,7 +45,10 @@ fi
 
 case "$mode" in
   release)
-    "${cargo[@]}" build --quiet --locked --offline --release --target wasm32-unknown-unknown
+    # Reproducible bytes wherever the checkout lives: rustc writes the core crate's source paths
+    # (panic locations) absolute, and the module's digest is pinned in istio/base.
+    "${cargo[@]}" --config "target.wasm32-unknown-unknown.rustflags=[\"--remap-path-prefix=$PWD=filter\"]" \
+      build --quiet --locked --offline --release --target wasm32-unknown-unknown
     mkdir -p dist
     cp target/wasm32-unknown-unknown/release/meshcache_filter.wasm dist/meshcache_filter.wasm.tmp
     mv dist/meshcache_filter.wasm.tmp dist/meshcache_filter.wasm
