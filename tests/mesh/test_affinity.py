@@ -110,8 +110,18 @@ def test_the_canary_colour_keeps_its_engine_with_affinity(replicated: Mesh) -> N
 
 def test_status_shows_each_replica(replicated: Mesh) -> None:
     rest_infer(replicated.endpoints()["app"], MLP, mlp_json(seed=1601))
-    with replicated.api() as api:
-        stats = api.stats()
+
+    def stats_with_the_entry() -> dict | None:
+        # The entries gauge shows on the sidecars' next stats flush (this may be the module's
+        # first test on this worker, with nothing stored before).
+        with replicated.api() as api:
+            stats = api.stats()
+        nodes = {p["node_id"]: p for p in stats["proxies"]}
+        servers = [nodes.get(server_node(k), {}) for k in range(1, REPLICAS + 1)]
+        ok = all(n.get("ok") for n in servers) and sum(n.get("entries", 0) for n in servers) > 0
+        return stats if ok else None
+
+    stats = eventually(stats_with_the_entry, timeout=15)
     nodes = {p["node_id"]: p for p in stats["proxies"]}
     for k in range(1, REPLICAS + 1):
         assert nodes[server_node(k)]["ok"], nodes
