@@ -83,11 +83,17 @@ class FleetView:
         entries = self.local()
         complete = True
         try:
-            for raw in (await self.store.other_proxies(self.replica, MAX_REPLICAS)).values():
-                entries.extend(json.loads(raw))
+            others = await self.store.other_proxies(self.replica, MAX_REPLICAS)
         except StoreUnavailable as exc:
             log.debug("other replicas' proxies unavailable: %s", exc)
-            complete = False
+            others, complete = {}, False
+        for replica, raw in others.items():
+            listed = _proxy_list(raw)
+            if listed is None:  # unreadable (another release's format?): left out, and said so
+                log.warning("replica %s: unreadable proxy list in Redis, left out", replica)
+                complete = False
+            else:
+                entries.extend(listed)
         newest: dict[str, dict[str, Any]] = {}
         anonymous = []
         for e in entries:
@@ -96,3 +102,15 @@ class FleetView:
             elif e["node_id"] not in newest or e["connected_since"] > newest[e["node_id"]]["connected_since"]:
                 newest[e["node_id"]] = e
         return [*newest.values(), *anonymous], complete
+
+
+def _proxy_list(raw: str | bytes) -> list[dict[str, Any]] | None:
+    """Another replica's published proxies, or None when they are not what `local()` writes."""
+    try:
+        listed = json.loads(raw)
+    except ValueError:
+        return None
+    ok = isinstance(listed, list) and all(
+        isinstance(e, dict) and isinstance(e.get("node_id"), str) and isinstance(e.get("connected_since"), (int, float))
+        for e in listed)
+    return listed if ok else None

@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 from .settings import Settings
 from .wiring import ControlPlane
@@ -41,13 +42,16 @@ def start_workers(settings: Settings, xds_port: int, log_level: str) -> list[sub
             for i in range(1, settings.xds_workers)]
 
 
-def stop_workers(workers: list[subprocess.Popen[bytes]], timeout: float = 5.0) -> None:
+def stop_workers(workers: list[subprocess.Popen[bytes]], timeout: float = STOP_TIMEOUT_S + 1) -> None:
+    """SIGTERM to every worker, then one deadline for all of them (each ends itself within
+    STOP_TIMEOUT_S); a worker still running then is killed."""
     for w in workers:
         if w.poll() is None:
             w.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout
     for w in workers:
         try:
-            w.wait(timeout)
+            w.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             w.kill()
             w.wait(5)

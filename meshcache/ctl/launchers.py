@@ -37,19 +37,20 @@ def start_redis(data_dir: Path, port: int | None = None, name: str = "redis") ->
 
 def start_envoy(
     config_path: Path, admin_port: int, log_dir: Path, name: str = "envoy", concurrency: int = 1,
-    extra_args: list[str] | None = None,
+    extra_args: list[str] | None = None, log_level: str = "info", timeout: float = 30.0, what: str = "LIVE",
 ) -> procs.Proc:
-    """Envoy as a child process; ready once its admin endpoint reports LIVE."""
+    """Envoy as a child process; ready once its admin endpoint reports LIVE (every listener
+    warmed: with xDS, the initial config and its SDS secrets have arrived)."""
     argv = [
         envoy_binary(), "-c", str(config_path), "--disable-hot-restart",
-        "--concurrency", str(concurrency), "--log-level", "info", *(extra_args or []),
+        "--concurrency", str(concurrency), "--log-level", log_level, *(extra_args or []),
     ]
 
     def live() -> bool:
         r = httpx.get(f"http://127.0.0.1:{admin_port}/ready", timeout=1.0)
         return r.status_code == 200 and r.text.strip() == "LIVE"
 
-    return procs.start_ready(name, argv, log_dir, [(live, 30, "LIVE")])
+    return procs.start_ready(name, argv, log_dir, [(live, timeout, what)])
 
 
 def envoy_stats(admin_port: int, prefix: str = "") -> dict[str, int]:

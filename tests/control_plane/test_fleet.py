@@ -44,6 +44,10 @@ def test_replicas_see_each_others_proxies(tmp_path: Path, redis_server: tuple[pr
         await a.publish_once()
         assert {e["node_id"]: e["acked_version"] for e in (await b.all())[0]}["envoy-1"] == "4"
 
+        # Another replica's list that is not what this release writes: left out, said so, no error.
+        await stores[0].redis.set(f"{stores[0].proxies_prefix}r0", b'{"not": "a list"}')
+        entries, complete = await b.all()
+        assert not complete and [e["node_id"] for e in entries] == ["envoy-2"]
         await a.withdraw()  # a clean stop: gone at once
         assert [e["node_id"] for e in (await b.all())[0]] == ["envoy-2"]
 

@@ -5,7 +5,6 @@ wrong, and policies resync once the restarted part is back."""
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -13,6 +12,7 @@ import httpx
 import pytest
 
 from meshcache.ctl.istiod.mesh import IstiodMesh
+from tests.helpers.wait import eventually
 from tests.istiod.helpers import istiod_mesh, rest_infer
 from tests.mesh.helpers import mlp_json
 
@@ -60,10 +60,10 @@ class Load:
         self._thread.join(timeout=30)
 
     def wait_hits(self, more_than: int, timeout: float = 10.0) -> None:
-        deadline = time.monotonic() + timeout
-        while self.hits <= more_than and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert self.hits > more_than, f"no hits served ({self.answers} answers, {self.wrong[:3]})"
+        try:
+            eventually(lambda: self.hits > more_than, timeout=timeout)
+        except AssertionError:
+            raise AssertionError(f"no hits served ({self.answers} answers, {self.wrong[:3]})") from None
 
 
 def warm(mesh: IstiodMesh) -> dict[int, bytes]:

@@ -114,8 +114,17 @@ def _start_up(state_dir: Path) -> tuple[subprocess.Popen[str], queue.Queue[str]]
     proc = subprocess.Popen([*CLI, "up", "--free-ports", "--state-dir", str(state_dir)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: queue.Queue[str] = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()  # type: ignore[union-attr]
+
+    def pump() -> None:
+        for line in proc.stdout:  # type: ignore[union-attr]
+            lines.put(line)
+        lines.put(EOF)
+
+    threading.Thread(target=pump, daemon=True).start()
     return proc, lines
+
+
+EOF = ""  # after the process's last line (a line read from a pipe is never empty)
 
 
 def _wait_for_line(proc: subprocess.Popen[str], lines: queue.Queue[str], text: str, seen: list[str],
@@ -124,15 +133,26 @@ def _wait_for_line(proc: subprocess.Popen[str], lines: queue.Queue[str], text: s
     while not any(text in line for line in seen):
         assert time.monotonic() < deadline and proc.poll() is None, "".join(seen)
         try:
-            seen.append(lines.get(timeout=1))
+            line = lines.get(timeout=1)
         except queue.Empty:
-            pass
+            continue
+        if line == EOF:
+            lines.put(EOF)  # for _drain
+        else:
+            seen.append(line)
 
 
-def _drain(lines: queue.Queue[str], seen: list[str]) -> str:
-    time.sleep(0.2)  # the reader thread hands over what the exited process wrote last
-    while not lines.empty():
-        seen.append(lines.get())
+def _drain(lines: queue.Queue[str], seen: list[str], timeout: float = 10) -> str:
+    """Everything the process wrote, up to its end of output (or `timeout` if it still runs)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            line = lines.get(timeout=max(0.01, deadline - time.monotonic()))
+        except queue.Empty:
+            break
+        if line == EOF:
+            break
+        seen.append(line)
     return "".join(seen)
 
 

@@ -74,13 +74,17 @@ class SdsServicer(sds_pb2_grpc.SecretDiscoveryServiceServicer):
         cond = threading.Condition()
 
         def read_requests() -> None:
-            for req in request_iterator:
+            try:
+                for req in request_iterator:
+                    with cond:
+                        requests.append(req)
+                        cond.notify()
+            except grpc.RpcError:
+                pass  # the stream was reset: end it like a closed one
+            finally:
                 with cond:
-                    requests.append(req)
+                    requests.append(None)  # type: ignore[arg-type]
                     cond.notify()
-            with cond:
-                requests.append(None)  # type: ignore[arg-type]
-                cond.notify()
 
         threading.Thread(target=read_requests, daemon=True).start()
         names: list[str] = []

@@ -20,8 +20,7 @@ from typing import Any
 import httpx
 import yaml
 
-from meshcache.contract.paths import envoy_binary
-from meshcache.ctl import procs
+from meshcache.ctl import launchers, procs
 from meshcache.ctl.pki import Identity
 
 from .translate import DOMAIN, Pod
@@ -144,15 +143,9 @@ class Sidecar:
 
 
 def _start_envoy(pod: Pod, config_path: Path, admin_port: int, log_dir: Path) -> procs.Proc:
-    argv = [envoy_binary(), "-c", str(config_path), "--disable-hot-restart", "--concurrency", "1",
-            "--log-level", "warning", "--drain-time-s", "1"]
-
-    def live() -> bool:
-        r = httpx.get(f"http://127.0.0.1:{admin_port}/ready", timeout=1.0)
-        return r.status_code == 200 and r.text.strip() == "LIVE"
-
     # LIVE = the initial LDS/CDS from istiod arrived and every listener warmed (certificates from SDS).
-    return procs.start_ready(f"sidecar-{pod.name}", argv, log_dir, [(live, 60, "LIVE (config from istiod)")])
+    return launchers.start_envoy(config_path, admin_port, log_dir, name=f"sidecar-{pod.name}", log_level="warning",
+                                 extra_args=["--drain-time-s", "1"], timeout=60, what="LIVE (config from istiod)")
 
 
 def _start_sds(pod: Pod, argv: list[str], log_dir: Path) -> procs.Proc:
