@@ -200,8 +200,9 @@ def plot_filter(results: Results, out: Path) -> list[Path]:
     drawn = [_save(fig, out / "filter-throughput-ratio.png")]
     # Latency distributions where the run recorded them (wrk's histogram, h2load's request log).
     shown = [r for r in rows if r.get("quantiles_ms") and r["answer"] == "1 KiB"
-             and r["mode"] in ("no filter", "filter, misses", "filter, hits", "filter, misses (no-cache)",
-                               "filter, hits (single pass)")]
+             and r["mode"] in ("no filter", "Wasm, misses", "Wasm, hits", "Wasm, misses (no-cache)",
+                               "Wasm, hits (single pass)", "native, misses", "native, hits",
+                               "native, misses (no-cache)", "native, hits (single pass)")]
     if shown:
         fig, ax = _figure("Filter latency, 1 KiB answers (16 connections, one load-generator thread)", results)
         _cdf(ax, shown, lambda r: f"{r['protocol']} {r['mode']}")
