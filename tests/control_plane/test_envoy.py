@@ -2,7 +2,7 @@
 
 Stack per test: redis-server, the control-plane process, the test origin (tests/filter/origin.py)
 and Envoy whose meshcache filter comes from ECDS with a static default_config. The sidecar runs
-the Wasm filter unless a test is parametrized by `host` (tests/filter/conftest.py's HOSTS): then
+the Wasm filter unless a test is parametrized by `host` (FILTER_HOSTS, as the filter suite): then
 also the native host, fed the `meshcache-native` resource.
 """
 
@@ -27,7 +27,7 @@ from meshcache.control_plane.snapshots import Snapshot
 from meshcache.control_plane.store import Store
 from meshcache.ctl import launchers, procs
 from meshcache.ctl.envoy_config import CacheProxy, write
-from tests.filter.conftest import HOSTS
+from meshcache.ctl.mesh.config import FILTER_HOSTS
 from tests.filter.stack import METRICS_FLUSH_S
 from tests.helpers.control_plane import ControlPlaneProc, run
 from tests.helpers.filter_stats import filter_stats
@@ -104,7 +104,7 @@ def cache_status(r: httpx.Response) -> str:
     return r.headers.get("cache-status", "")
 
 
-@pytest.mark.parametrize("host", HOSTS)
+@pytest.mark.parametrize("host", FILTER_HOSTS)
 def test_policy_changes_take_effect_live(cp: ControlPlaneProc, sidecar: Sidecar, host: str) -> None:
     c = cp.client()
     # Before any policy exists Envoy runs its default_config: traffic flows, uncached.
