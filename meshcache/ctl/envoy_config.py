@@ -506,6 +506,10 @@ def examples(out_dir: Path) -> list[Path]:
     out = [write(base, out_dir / "cache-proxy.yaml")]
     ecds = CacheProxy(**{**base.__dict__, "ecds_port": 18000})
     out.append(write(ecds, out_dir / "cache-proxy-ecds.yaml"))
+    # The same with the native host (the dynamic module), from the control plane's
+    # `meshcache-native` ECDS resource.
+    native = CacheProxy(**{**ecds.__dict__, "native_module": Path("/etc/meshcache/libmeshcache_native.so")})
+    out.append(write(native, out_dir / "cache-proxy-native-ecds.yaml"))
     # The local mesh (`meshcache up`, default ports): server sidecar with strict mTLS and a
     # colour route, and the client sidecar in front of the app.
     certs = Path("/etc/meshcache/certs")
