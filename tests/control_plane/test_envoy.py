@@ -197,8 +197,14 @@ def test_lowering_a_ttl_or_disabling_reaches_stored_entries(cp: ControlPlaneProc
     assert hit_ttl("llama3-8b", origin_max_age) == "meshcache; fwd=miss; detail=ttl-zero"
     assert sidecar.origin_calls() == calls + 4
 
+# What Envoy's NACK says when the filter refuses its configuration (its reason is in Envoy's log).
+NACK_SUMMARY = {"wasm": "Wasm plugin meshcache", "native": "Failed to initialize dynamic module"}
+
+
+@pytest.mark.parametrize("host", FILTER_HOSTS)
 def test_config_the_filter_rejects_is_a_nack_and_envoy_keeps_the_last_good_one(
-        tmp_path: Path, redis_server: tuple[procs.Proc, int], cp: ControlPlaneProc, sidecar: Sidecar) -> None:
+        tmp_path: Path, redis_server: tuple[procs.Proc, int], cp: ControlPlaneProc, sidecar: Sidecar, host: str
+) -> None:
     v = cp.client().put("/v1/policies/bert", json={"ttl_s": 60}).json()["version"]
     wait_acked(cp, v)
     assert cache_status(sidecar.infer("bert-base")) == "meshcache; fwd=miss; stored"
@@ -218,7 +224,7 @@ def test_config_the_filter_rejects_is_a_nack_and_envoy_keeps_the_last_good_one(
     bad_version = run(inject())
     p = eventually(lambda: (p := proxy_state(cp))["last_nack"] and p, timeout=10)
     assert p["last_nack"]["version"] == str(bad_version)
-    assert "Wasm plugin meshcache" in p["last_nack"]["error"], p["last_nack"]
+    assert NACK_SUMMARY[host] in p["last_nack"]["error"], p["last_nack"]
     # The filter's own reason is in Envoy's log (Envoy's NACK carries only its summary).
     assert "max_ttl_s: must be at least ttl_s" in sidecar.proc.log_path.read_text()
     assert p["acked_version"] == str(v) and not p["current"]
