@@ -112,7 +112,9 @@ def test_policy_changes_take_effect_live(cp: ControlPlaneProc, sidecar: Sidecar,
     eventually(lambda: proxy_state(cp))  # connected, nothing pushed yet (version 0)
 
     v = c.put("/v1/policies/llama3", json={"ttl_s": 120, "max_ttl_s": 600}).json()["version"]
-    assert wait_acked(cp, v)["current"]
+    acked = wait_acked(cp, v)
+    # /v1/proxies (and the status page) say which filter it runs: the resource it asked for.
+    assert acked["current"] and acked["resources"] == [sidecar.filter_name], acked
     calls = sidecar.origin_calls()
     assert cache_status(sidecar.infer("llama3-70b")) == "meshcache; fwd=miss; stored"
     assert cache_status(sidecar.infer("llama3-70b")) in ("meshcache; hit; ttl=120", "meshcache; hit; ttl=119")
