@@ -30,18 +30,13 @@ METRICS_NAMESPACE = "wasmcustom"
 
 def native_filter_config(module_path: Path, plugin_config: dict[str, Any]) -> dict[str, Any]:
     """`DynamicModuleFilter` as proto-JSON (without the @type)."""
-    return native_filter_config_json(module_path, plugin_config_json(plugin_config))
-
-
-def native_filter_config_json(module_path: Path, config_json: str) -> dict[str, Any]:
-    """`native_filter_config` for a plugin configuration already in canonical JSON text."""
     return {
         "dynamic_module_config": {"module": {"local": {"filename": str(module_path)}},
                                   "metrics_namespace": METRICS_NAMESPACE},
         "filter_name": MODULE_FILTER_NAME,
         "filter_config": {
             "@type": "type.googleapis.com/google.protobuf.StringValue",
-            "value": config_json,
+            "value": plugin_config_json(plugin_config),
         },
     }
 
@@ -76,7 +71,8 @@ def _field(number: int, payload: bytes) -> bytes:
 
 
 def native_filter_proto(module_path: Path, config_json: str) -> bytes:
-    """`native_filter_config_json` serialized as `DynamicModuleFilter` (what Envoy parses)."""
+    """`native_filter_config` serialized as `DynamicModuleFilter`, for a plugin configuration
+    already in canonical JSON text (a snapshot's, carried as is)."""
     plugin = any_pb2.Any()
     plugin.Pack(wrappers_pb2.StringValue(value=config_json))
     source = _field(1, _field(1, str(module_path).encode()))  # AsyncDataSource.local.filename
