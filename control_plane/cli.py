@@ -37,6 +37,8 @@ def parse_args(argv: Sequence[str] | None) -> dict[str, Any]:
     p.add_argument("--istio-mode", choices=["full", "basic"],
                    help="what istiod gets over MCP: EnvoyFilters (full, gRPC cached) or TrafficExtensions")
     p.add_argument("--wasm-path", help="filter module path as Envoy sees it (must match default_config)")
+    p.add_argument("--native-module", help="the native host's module (libmeshcache_native.so) path as Envoy sees "
+                                           "it, for Envoys that ask for the `meshcache-native` ECDS resource")
     p.add_argument("--tokens-file", help="file of `read|write:name:token` lines")
     p.add_argument("--key-prefix")
     p.add_argument("--instance-id")

@@ -37,7 +37,8 @@ def proxy_entry(c: Connection, replica: str) -> dict[str, Any]:
     acked, acked_at = c.acked_version()
     nack = c.last_nack
     return {"node_id": c.node_id, "cluster": c.cluster, "stream_id": c.stream_id, "transport": c.transport,
-            "type_urls": sorted(c.acked), "connected_since": c.connected_since, "acked_version": acked,
+            "type_urls": sorted(c.acked), "resources": sorted({n for names in c.resources.values() for n in names}),
+            "connected_since": c.connected_since, "acked_version": acked,
             "acked_at": acked_at, "replica": replica,
             "last_nack": {"version": nack.version, "error": nack.error, "at": nack.at} if nack else None}
 

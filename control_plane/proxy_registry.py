@@ -30,6 +30,9 @@ class Connection:
     node_id: str = ""
     cluster: str = ""
     acked: dict[str, tuple[str, float | None]] = field(default_factory=dict)  # type_url -> (version, at)
+    # type_url -> the resource names it asked for: which filter it runs (ECDS `meshcache`,
+    # `meshcache-native` for the native host, `meshcache-client`).
+    resources: dict[str, tuple[str, ...]] = field(default_factory=dict)
     last_nack: Nack | None = None
     on_change: Callable[[], None] | None = field(default=None, repr=False, compare=False)
 

@@ -21,6 +21,10 @@ Envoy's Prometheus output does not). Per-policy gauges `meshcache_policy_<name>_
 and `meshcache_unattributed_entries|bytes` (entries no configured policy claims) add up to
 `meshcache_entries|bytes`; a filter build without them (no `meshcache_unattributed_entries`)
 reports entries and bytes per proxy only, and its per-model entries are unknown, not zero.
+The native host (the Envoy dynamic module) defines the same stats in the same `wasmcustom.`
+namespace, but Envoy leaves that namespace (and `envoy_`) in the Prometheus names unless a Wasm
+filter registered it in the same process: `envoy_wasmcustom_meshcache_hits` is read as
+`meshcache_hits`.
 So a name maps back to the prefixes of the current snapshot that reduce to it; if two do, the
 counters can't be told apart and are reported under both names as ambiguous.
 """
@@ -38,6 +42,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 PROM_PREFIX = "meshcache_"
+NATIVE_PROM_PREFIX = "envoy_wasmcustom_"  # before PROM_PREFIX in an Envoy running only the native host
 # The filter's cache-wide counters and gauges (docs/filter.md, "Metrics").
 COUNTERS = ("hits", "misses", "bypasses", "stores", "evictions", "errors")
 GAUGES = ("entries", "bytes")
@@ -109,9 +114,10 @@ def parse_prometheus(text: str) -> ProxyCounters:
     out = ProxyCounters()
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if not sample.name.startswith(PROM_PREFIX):
+            name = sample.name.removeprefix(NATIVE_PROM_PREFIX)
+            if not name.startswith(PROM_PREFIX):
                 continue
-            rest = sample.name[len(PROM_PREFIX):].removesuffix("_total")
+            rest = name[len(PROM_PREFIX):].removesuffix("_total")
             value = int(sample.value)
             m = _POLICY.match(rest)
             u = _UNATTRIBUTED.match(rest)

@@ -13,6 +13,8 @@ from envoy.extensions.filters.http.wasm.v3 import wasm_pb2  # noqa: F401 - regis
 from google.protobuf import any_pb2, json_format
 
 from meshcache.contract.filter_config import client_plugin_config, plugin_config_json
+from meshcache.contract.native_filter import DYNAMIC_MODULE_TYPE_URL, NATIVE_FILTER_NAME, native_filter_proto
+from meshcache.contract.paths import FILTER_NATIVE
 from meshcache.contract.wasm_filter import CLIENT_FILTER_NAME, FILTER_NAME, extension_config_json, local_code
 
 from .snapshots import Snapshot, SnapshotMemo
@@ -46,12 +48,16 @@ class EcdsRenderer(Renderer):
     """The meshcache HTTP filter as an ECDS `TypedExtensionConfig` (the Wasm filter config whose
     plugin configuration is the snapshot's canonical JSON, as is; VM config identical to the
     static default). A second resource, `meshcache-client`, carries the same policies in the
-    client role, for client sidecars that route by cache affinity; each Envoy asks for its name."""
+    client role, for client sidecars that route by cache affinity; a third, `meshcache-native`,
+    the same plugin configuration for the native host (the dynamic module's `DynamicModuleFilter`).
+    Each Envoy asks for its name."""
 
     type_url = ECDS_TYPE_URL
 
-    def __init__(self, wasm_path: Path, resource_name: str = FILTER_NAME) -> None:
+    def __init__(self, wasm_path: Path, native_module: Path = FILTER_NATIVE, resource_name: str = FILTER_NAME
+                 ) -> None:
         self.wasm_path = wasm_path
+        self.native_module = native_module
         self.resource_name = resource_name
         self._packed = SnapshotMemo(self._render)  # once per snapshot, shared by every stream
 
@@ -68,10 +74,16 @@ class EcdsRenderer(Renderer):
     def resources(self, snapshot: Snapshot) -> dict[str, any_pb2.Any]:
         return self._packed(snapshot)
 
+    def native_extension_config(self, snapshot: Snapshot) -> extension_pb2.TypedExtensionConfig:
+        """The native host's resource: the same plugin configuration text, for the dynamic module."""
+        module = any_pb2.Any(type_url=DYNAMIC_MODULE_TYPE_URL,
+                             value=native_filter_proto(self.native_module, snapshot.plugin_config_json))
+        return extension_pb2.TypedExtensionConfig(name=NATIVE_FILTER_NAME, typed_config=module)
+
     def _render(self, snapshot: Snapshot) -> dict[str, any_pb2.Any]:
         out = {}
-        for client in (False, True):
-            config = self.typed_extension_config(snapshot, client)
+        configs = [self.typed_extension_config(snapshot, client) for client in (False, True)]
+        for config in (*configs, self.native_extension_config(snapshot)):
             packed = any_pb2.Any()
             packed.Pack(config)
             out[config.name] = packed

@@ -11,7 +11,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from meshcache.contract.extensions import GRPC_PORT, HTTP_PORT, Workloads, parse_ports, parse_selector
 from meshcache.contract.filter_config import LIMIT_POLICIES
-from meshcache.contract.paths import FILTER_WASM
+from meshcache.contract.paths import FILTER_NATIVE, FILTER_WASM
 
 
 class Settings(BaseSettings):
@@ -24,6 +24,9 @@ class Settings(BaseSettings):
     # Where Envoy finds the filter module: must equal the static default_config's path so the
     # pushed VM config is identical and Envoy reuses the VM (and its cache).
     wasm_path: Path = FILTER_WASM
+    # Where Envoy finds the dynamic module (the native host, ECDS resource `meshcache-native`):
+    # Envoys running it ask for that resource, the others for the Wasm one; both are always served.
+    native_module: Path = FILTER_NATIVE
     # Token entries `role:name:token` (role is read or write), one per line in the file and
     # comma- or newline-separated in MESHCACHE_CP_TOKENS.
     tokens_file: Path | None = None

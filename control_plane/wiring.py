@@ -44,7 +44,7 @@ class ControlPlane:
         self.service = PolicyService(self.store, self.cache, self.metrics)
         self.sync = RedisSync(self.store, self.cache, self.metrics, settings)
         self.xds = XdsServer(self.cache, self.metrics, max_streams=settings.max_xds_streams)
-        self.xds.add_renderer(EcdsRenderer(settings.wasm_path))
+        self.xds.add_renderer(EcdsRenderer(settings.wasm_path, settings.native_module))
         # MCP-over-xDS for istiod on the same ADS port (control_plane/mcp.py).
         istio = IstioMcpRenderer.from_settings(settings)
         if istio is not None:

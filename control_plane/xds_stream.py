@@ -132,6 +132,8 @@ class XdsStream:
                 conn.touch()
         if names != st.names:
             st.names, st.force = names, True
+            conn.resources[type_url] = names
+            conn.touch()
         st.watch_open = True
 
     def responses(self, snap: Snapshot) -> list[discovery_pb2.DiscoveryResponse]:

@@ -125,7 +125,9 @@ function renderProxies(proxies, stats, version) {
         : el("span", { class: "bad", title: s.source || "" }, "unavailable: " + s.error);
     const ok = s && s.ok;
     return el("tr", { "data-node": node }, el("td", { class: "mono" }, node),
-      el("td", {}, p ? p.transport : "—"), el("td", { class: "acked" }, acked), el("td", { class: "nack" }, nack),
+      // The resources it asked for say which filter it runs (meshcache-native: the native host).
+      el("td", {}, p ? [p.transport, ...(p.resources || [])].join(" · ") : "—"),
+      el("td", { class: "acked" }, acked), el("td", { class: "nack" }, nack),
       el("td", { class: "num" }, ok ? fmtInt(s.entries) : "?"),
       el("td", { class: "num" }, ok ? fmtBytes(s.bytes) : "?"),
       el("td", { class: "num" }, ok ? fmtInt(s.hits) : "?"),

@@ -95,10 +95,12 @@ def extension_config_json(code: dict[str, Any], config_json: str, name: str = FI
 
 
 def ecds_http_filter(config_source: dict[str, Any], default_config: dict[str, Any] | None = None,
-                     extra_type_urls: tuple[str, ...] = (), name: str = FILTER_NAME) -> dict[str, Any]:
+                     extra_type_urls: tuple[str, ...] = (), name: str = FILTER_NAME,
+                     type_url: str = WASM_TYPE_URL) -> dict[str, Any]:
     """The `http_filters` entry that takes the filter from ECDS (`extension_config` by name).
-    With a default config, traffic flows (uncached) before the first push arrives."""
-    discovery: dict[str, Any] = {"config_source": config_source, "type_urls": [WASM_TYPE_URL, *extra_type_urls]}
+    With a default config, traffic flows (uncached) before the first push arrives. `type_url`:
+    the filter type Envoy accepts for it (the Wasm filter's, or the dynamic module's)."""
+    discovery: dict[str, Any] = {"config_source": config_source, "type_urls": [type_url, *extra_type_urls]}
     if default_config is not None:
         discovery |= {"default_config": default_config, "apply_default_config_without_warming": True}
     return {"name": name, "config_discovery": discovery}

@@ -38,7 +38,12 @@ import yaml
 from meshcache.contract.filter_config import DEMO_POLICIES, client_plugin_config
 from meshcache.contract.grpc_hit import grpc_hit_lua_filter, grpc_hit_routes
 from meshcache.contract.headers import COLOR_HEADER, ROUTE_KEY_HEADER
-from meshcache.contract.native_filter import native_http_filter
+from meshcache.contract.native_filter import (
+    DYNAMIC_MODULE_TYPE_URL,
+    NATIVE_FILTER_NAME,
+    native_filter_config,
+    native_http_filter,
+)
 from meshcache.contract.wasm_filter import (
     CLIENT_FILTER_NAME,
     FILTER_NAME,
@@ -87,8 +92,8 @@ class CacheProxy:
     # Per-connection buffer limit of the listener and upstreams; None = Envoy's default (1 MiB),
     # what an Istio sidecar runs with. The filter works under either.
     buffer_limit_bytes: int | None = BUFFER_LIMIT_BYTES
-    # The cache as an Envoy dynamic module (filter/native/, issue 24) instead of the
-    # Wasm filter: REST only for now (no single-pass gRPC hit step), no ECDS.
+    # The cache as an Envoy dynamic module (filter/native/, issue 24) instead of the Wasm filter.
+    # With `ecds_port` it comes from the control plane's `meshcache-native` ECDS resource.
     native_module: Path | None = None
 
 
@@ -235,6 +240,15 @@ def _wasm_http_filter(p: CacheProxy) -> dict[str, Any]:
     return ecds_http_filter(_ecds_source(), default_config=static)
 
 
+def _native_http_filter(p: CacheProxy) -> dict[str, Any]:
+    assert p.native_module is not None
+    if p.ecds_port is None:
+        return native_http_filter(p.native_module, p.plugin_config)
+    static = {"@type": DYNAMIC_MODULE_TYPE_URL, **native_filter_config(p.native_module, p.plugin_config)}
+    return ecds_http_filter(_ecds_source(), default_config=static, name=NATIVE_FILTER_NAME,
+                            type_url=DYNAMIC_MODULE_TYPE_URL)
+
+
 def _ecds_source() -> dict[str, Any]:
     return {
         "resource_api_version": "V3",
@@ -314,7 +328,7 @@ def render(p: CacheProxy) -> dict[str, Any]:
     """The bootstrap as a dict (dump with yaml.safe_dump)."""
     filters: list[dict[str, Any]] = []
     if p.with_filter and p.native_module is not None:
-        filters = [native_http_filter(p.native_module, p.plugin_config)]
+        filters = [_native_http_filter(p)]
     elif p.with_filter:
         filters = [_wasm_http_filter(p), grpc_hit_lua_filter()]
     chain: dict[str, Any] = {"filters": [_hcm("ingress", _routes(p), filters)]}
@@ -492,6 +506,10 @@ def examples(out_dir: Path) -> list[Path]:
     out = [write(base, out_dir / "cache-proxy.yaml")]
     ecds = CacheProxy(**{**base.__dict__, "ecds_port": 18000})
     out.append(write(ecds, out_dir / "cache-proxy-ecds.yaml"))
+    # The same with the native host (the dynamic module), from the control plane's
+    # `meshcache-native` ECDS resource.
+    native = CacheProxy(**{**ecds.__dict__, "native_module": Path("/etc/meshcache/libmeshcache_native.so")})
+    out.append(write(native, out_dir / "cache-proxy-native-ecds.yaml"))
     # The local mesh (`meshcache up`, default ports): server sidecar with strict mTLS and a
     # colour route, and the client sidecar in front of the app.
     certs = Path("/etc/meshcache/certs")

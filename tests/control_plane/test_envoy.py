@@ -1,7 +1,9 @@
 """The control plane driving a real Envoy running the real filter over ECDS.
 
 Stack per test: redis-server, the control-plane process, the test origin (tests/filter/origin.py)
-and Envoy whose meshcache filter comes from ECDS with a static default_config.
+and Envoy whose meshcache filter comes from ECDS with a static default_config. The sidecar runs
+the Wasm filter unless a test is parametrized by `host` (FILTER_HOSTS, as the filter suite): then
+also the native host, fed the `meshcache-native` resource.
 """
 
 from __future__ import annotations
@@ -16,13 +18,16 @@ from pathlib import Path
 import httpx
 import pytest
 
-from meshcache.contract.paths import FILTER_WASM
+from meshcache.contract.native_filter import NATIVE_FILTER_NAME
+from meshcache.contract.paths import FILTER_WASM, require_filter_native
+from meshcache.contract.wasm_filter import FILTER_NAME
 from meshcache.control_plane.schemas import Policy
 from meshcache.control_plane.settings import Settings
 from meshcache.control_plane.snapshots import Snapshot
 from meshcache.control_plane.store import Store
 from meshcache.ctl import launchers, procs
 from meshcache.ctl.envoy_config import CacheProxy, write
+from meshcache.ctl.mesh.config import FILTER_HOSTS
 from tests.filter.stack import METRICS_FLUSH_S
 from tests.helpers.control_plane import ControlPlaneProc, run
 from tests.helpers.filter_stats import filter_stats
@@ -34,7 +39,8 @@ NODE = "sidecar-ecds"
 BODY = b'{"inputs": [{"name": "x", "shape": [1], "datatype": "FP32", "data": [1]}]}'
 # The static default: no policies (everything bypasses) until the control plane says otherwise.
 DEFAULT_CONFIG = {"version": "default", "policies": []}
-ECDS_STATS = "extension_config_discovery.http_filter.meshcache."
+# Envoy's ECDS counters of the filter, by the HTTP filter (= ECDS resource) name.
+ECDS_STATS = "extension_config_discovery.http_filter.{}."
 
 
 @dataclass
@@ -43,6 +49,7 @@ class Sidecar:
     admin_port: int
     origin_port: int
     proc: procs.Proc
+    filter_name: str
 
     def infer(self, model: str, body: bytes = BODY) -> httpx.Response:
         return httpx.post(f"http://127.0.0.1:{self.listen_port}/v2/models/{model}/infer", content=body,
@@ -52,12 +59,19 @@ class Sidecar:
         return int(httpx.get(f"http://127.0.0.1:{self.origin_port}/calls", timeout=5).json()["http"])
 
     def ecds_stats(self) -> dict[str, int]:
-        raw = launchers.envoy_stats(self.admin_port, ECDS_STATS)
-        return {k.removeprefix(ECDS_STATS): v for k, v in raw.items()}
+        prefix = ECDS_STATS.format(self.filter_name)
+        raw = launchers.envoy_stats(self.admin_port, prefix)
+        return {k.removeprefix(prefix): v for k, v in raw.items()}
 
 
 @pytest.fixture
-def sidecar(tmp_path: Path, cp: ControlPlaneProc) -> Iterator[Sidecar]:
+def host() -> str:
+    """The sidecar's cache host; a test parametrized by `host` overrides it."""
+    return "wasm"
+
+
+@pytest.fixture
+def sidecar(tmp_path: Path, cp: ControlPlaneProc, host: str) -> Iterator[Sidecar]:
     origin_port, grpc_port, listen_port, admin_port = (procs.free_port() for _ in range(4))
     started: list[procs.Proc] = []
     with procs.supervised(started):
@@ -67,10 +81,12 @@ def sidecar(tmp_path: Path, cp: ControlPlaneProc) -> Iterator[Sidecar]:
         procs.wait_until(origin, procs.tcp_open(origin_port))
         proxy = CacheProxy(listen_port=listen_port, admin_port=admin_port, http_upstream_port=origin_port,
                            grpc_upstream_port=grpc_port, wasm_path=FILTER_WASM, plugin_config=DEFAULT_CONFIG,
-                           ecds_port=cp.xds_port, node_id=NODE)
+                           ecds_port=cp.xds_port, node_id=NODE,
+                           native_module=require_filter_native() if host == "native" else None)
         envoy = launchers.start_envoy(write(proxy, tmp_path / "envoy.yaml"), admin_port, tmp_path / "logs")
         started.append(envoy)
-        yield Sidecar(listen_port, admin_port, origin_port, envoy)
+        yield Sidecar(listen_port, admin_port, origin_port, envoy,
+                      NATIVE_FILTER_NAME if host == "native" else FILTER_NAME)
 
 
 def proxy_state(cp: ControlPlaneProc) -> dict:
@@ -88,20 +104,24 @@ def cache_status(r: httpx.Response) -> str:
     return r.headers.get("cache-status", "")
 
 
-def test_policy_changes_take_effect_live(cp: ControlPlaneProc, sidecar: Sidecar) -> None:
+@pytest.mark.parametrize("host", FILTER_HOSTS)
+def test_policy_changes_take_effect_live(cp: ControlPlaneProc, sidecar: Sidecar, host: str) -> None:
     c = cp.client()
     # Before any policy exists Envoy runs its default_config: traffic flows, uncached.
     assert cache_status(sidecar.infer("llama3-70b")) == "meshcache; fwd=bypass; detail=no-policy"
     eventually(lambda: proxy_state(cp))  # connected, nothing pushed yet (version 0)
 
     v = c.put("/v1/policies/llama3", json={"ttl_s": 120, "max_ttl_s": 600}).json()["version"]
-    assert wait_acked(cp, v)["current"]
+    acked = wait_acked(cp, v)
+    # /v1/proxies (and the status page) say which filter it runs: the resource it asked for.
+    assert acked["current"] and acked["resources"] == [sidecar.filter_name], acked
     calls = sidecar.origin_calls()
     assert cache_status(sidecar.infer("llama3-70b")) == "meshcache; fwd=miss; stored"
     assert cache_status(sidecar.infer("llama3-70b")) in ("meshcache; hit; ttl=120", "meshcache; hit; ttl=119")
     assert sidecar.origin_calls() == calls + 1
 
-    # A TTL change keeps the generation: Envoy reuses the VM, so the stored entry still hits,
+    # A TTL change keeps the generation: Envoy reuses the VM (the native host: the module's store
+    # lives as long as the process), so the stored entry still hits,
     # for what is left of the new, lower TTL (the current policy applies at lookup).
     v = c.put("/v1/policies/llama3", json={"ttl_s": 30}).json()["version"]
     wait_acked(cp, v)
@@ -179,8 +199,14 @@ def test_lowering_a_ttl_or_disabling_reaches_stored_entries(cp: ControlPlaneProc
     assert hit_ttl("llama3-8b", origin_max_age) == "meshcache; fwd=miss; detail=ttl-zero"
     assert sidecar.origin_calls() == calls + 4
 
+# What Envoy's NACK says when the filter refuses its configuration (its reason is in Envoy's log).
+NACK_SUMMARY = {"wasm": "Wasm plugin meshcache", "native": "Failed to initialize dynamic module"}
+
+
+@pytest.mark.parametrize("host", FILTER_HOSTS)
 def test_config_the_filter_rejects_is_a_nack_and_envoy_keeps_the_last_good_one(
-        tmp_path: Path, redis_server: tuple[procs.Proc, int], cp: ControlPlaneProc, sidecar: Sidecar) -> None:
+        tmp_path: Path, redis_server: tuple[procs.Proc, int], cp: ControlPlaneProc, sidecar: Sidecar, host: str
+) -> None:
     v = cp.client().put("/v1/policies/bert", json={"ttl_s": 60}).json()["version"]
     wait_acked(cp, v)
     assert cache_status(sidecar.infer("bert-base")) == "meshcache; fwd=miss; stored"
@@ -200,7 +226,7 @@ def test_config_the_filter_rejects_is_a_nack_and_envoy_keeps_the_last_good_one(
     bad_version = run(inject())
     p = eventually(lambda: (p := proxy_state(cp))["last_nack"] and p, timeout=10)
     assert p["last_nack"]["version"] == str(bad_version)
-    assert "Wasm plugin meshcache" in p["last_nack"]["error"], p["last_nack"]
+    assert NACK_SUMMARY[host] in p["last_nack"]["error"], p["last_nack"]
     # The filter's own reason is in Envoy's log (Envoy's NACK carries only its summary).
     assert "max_ttl_s: must be at least ttl_s" in sidecar.proc.log_path.read_text()
     assert p["acked_version"] == str(v) and not p["current"]

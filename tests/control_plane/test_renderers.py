@@ -5,11 +5,20 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from envoy.config.core.v3 import base_pb2, extension_pb2
+from envoy.extensions.filters.http.dynamic_modules.v3 import dynamic_modules_pb2
 from envoy.extensions.filters.http.wasm.v3 import wasm_pb2
 from google.protobuf import wrappers_pb2
+from google.protobuf.unknown_fields import UnknownFieldSet
 
 from meshcache.contract import extensions
 from meshcache.contract.filter_config import demo_policies
+from meshcache.contract.native_filter import (
+    DYNAMIC_MODULE_TYPE_URL,
+    METRICS_NAMESPACE,
+    MODULE_FILTER_NAME,
+    NATIVE_FILTER_NAME,
+)
 from meshcache.contract.wasm_filter import CLIENT_FILTER_NAME, FILTER_NAME, VM_ID
 from meshcache.control_plane.mcp import MODE_TYPE_URL, IstioMcpRenderer, mcp_fallback
 from meshcache.control_plane.renderers import ECDS_TYPE_URL, EcdsRenderer, Renderer
@@ -59,7 +68,7 @@ def test_mcp_renders_once_per_snapshot() -> None:
 def test_ecds_serves_the_client_role_with_the_same_policies() -> None:
     renderer = EcdsRenderer(Path("/etc/meshcache/meshcache_filter.wasm"))
     snap = Snapshot(version=5, policies=tuple(demo_policies(generation=5)))
-    assert sorted(renderer.resources(snap)) == sorted([CLIENT_FILTER_NAME, FILTER_NAME])
+    assert sorted(renderer.resources(snap)) == sorted([CLIENT_FILTER_NAME, FILTER_NAME, NATIVE_FILTER_NAME])
     configs = {}
     for client in (False, True):
         typed = renderer.typed_extension_config(snap, client)
@@ -84,3 +93,22 @@ def test_renderer_defaults_and_the_mcp_overrides() -> None:
     assert (ecds.serves(never), ecds.serves(first), ecds.version_of(first)) == (False, True, "1")
     assert (empty.serves(never), empty.version_of(never), empty.version_of(first)) == (True, "empty", "empty")
     assert isinstance(empty, Renderer) and isinstance(ecds, Renderer) and not ecds.always_respond
+
+
+def test_ecds_serves_the_native_host_the_same_plugin_config() -> None:
+    """`meshcache-native`: Envoy 1.40's DynamicModuleFilter (module file, metrics namespace, the
+    snapshot's JSON as is). xds-protos' copy of the message predates `module` and
+    `metrics_namespace` (fields 6 and 5 in 1.40), so those are read as unknown fields."""
+    module = Path("/opt/meshcache/libmeshcache_native.so")
+    renderer = EcdsRenderer(Path("/m.wasm"), native_module=module)
+    snap = Snapshot(version=7, policies=tuple(demo_policies(generation=7)))
+    typed = extension_pb2.TypedExtensionConfig()
+    assert renderer.resources(snap)[NATIVE_FILTER_NAME].Unpack(typed)
+    assert typed.name == NATIVE_FILTER_NAME and typed.typed_config.type_url == DYNAMIC_MODULE_TYPE_URL
+    native = dynamic_modules_pb2.DynamicModuleFilter.FromString(typed.typed_config.value)
+    value = wrappers_pb2.StringValue()
+    assert native.filter_name == MODULE_FILTER_NAME and native.filter_config.Unpack(value)
+    assert value.value == snap.plugin_config_json
+    fields = {f.field_number: f.data for f in UnknownFieldSet(native.dynamic_module_config)}
+    assert fields[5] == METRICS_NAMESPACE.encode()
+    assert base_pb2.AsyncDataSource.FromString(fields[6]).local.filename == str(module)

@@ -11,10 +11,11 @@ from typing import Any
 import pytest
 import yaml
 
-from meshcache.contract.paths import ENVOY_CONFIG_DIR, envoy_binary
+from meshcache.contract.paths import ENVOY_CONFIG_DIR, envoy_binary, require_filter_native
 from meshcache.ctl.pki import CertificateAuthority, spiffe_id
 
 MODULE_IN_CONFIGS = "/etc/meshcache/meshcache_filter.wasm"
+NATIVE_IN_CONFIGS = "/etc/meshcache/libmeshcache_native.so"  # Envoy loads the module to validate
 CERTS_IN_CONFIGS = re.compile(r"/etc/meshcache/certs/([A-Za-z0-9_-]+)\.(crt|key)")
 _ENVOY = "type.googleapis.com/envoy."
 
@@ -30,8 +31,11 @@ def envoy_validate(config: dict[str, Any] | str, tmp_path: Path,
 @pytest.mark.parametrize("config", sorted(ENVOY_CONFIG_DIR.glob("*.yaml")), ids=lambda p: p.name)
 def test_envoy_configs_validate(config: Path, tmp_path: Path, filter_wasm: Path) -> None:
     text = config.read_text()
-    if "wasm" in text:
+    if "envoy.extensions.filters.http.wasm" in text:
         assert MODULE_IN_CONFIGS in text, "the committed configs name the module by its deployed path"
+    if "dynamic_modules" in text:
+        assert NATIVE_IN_CONFIGS in text, "the committed configs name the module by its deployed path"
+        text = text.replace(NATIVE_IN_CONFIGS, str(require_filter_native()))
     text = text.replace(MODULE_IN_CONFIGS, str(filter_wasm))
     # Certificates the configs expect at their deployed paths: a throwaway PKI with those names
     # (Envoy loads and parses them when it validates TLS contexts).

@@ -1,6 +1,8 @@
 """The `meshcache` console script: up (foreground and detached), status, policy, down, and clear errors.
 
 Each test starts its own mesh through the CLI on free ports and checks that no process is left.
+The detached one runs the cache as the native host (`--filter native`) first, then, on the same
+state dir, as the Wasm filter (the default).
 """
 
 from __future__ import annotations
@@ -18,11 +20,15 @@ from pathlib import Path
 
 import pytest
 
+from meshcache.contract.native_filter import NATIVE_FILTER_NAME
+from meshcache.ctl import launchers
 from meshcache.ctl.interrupts import deferred_stop_signals
 from meshcache.ctl.mesh import state
+from tests.helpers.wait import eventually
 from tests.mesh.helpers import mlp_json, rest_infer
 
 CLI = [str(Path(sys.executable).parent / "meshcache")]
+WASM_RUNTIME_STATS = r"^wasm\."  # Envoy's Wasm runtime (`wasm.envoy.wasm.runtime.v8.*`); a regex
 
 
 def run(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -52,9 +58,10 @@ def _cleanup(state_dir: Path) -> None:
 def test_up_detached_status_policy_down(tmp_path: Path) -> None:
     state_dir = tmp_path / "state"
     try:
-        up = run("up", "--detach", "--free-ports", "--state-dir", str(state_dir))
+        up = run("up", "--detach", "--free-ports", "--filter", "native", "--state-dir", str(state_dir))
         assert up.returncode == 0, up.stdout + up.stderr
         assert "meshcache mesh is up" in up.stdout and "app (gRPC + HTTP, plaintext)" in up.stdout
+        assert "cache in the server sidecars:  native host (Envoy dynamic module)" in up.stdout
         pids = _pids(state_dir)
         assert len(pids) == 7  # supervisor, redis, control plane, 2 engines, 2 sidecars
         assert (state_dir / "pki" / "client-sidecar" / "tls.key").stat().st_mode & 0o777 == 0o600
@@ -63,6 +70,7 @@ def test_up_detached_status_policy_down(tmp_path: Path) -> None:
         assert status.returncode == 0, status.stdout + status.stderr
         report = json.loads(status.stdout)
         assert report["healthy"] and all(report["processes"].values()) and all(report["health"].values())
+        assert report["endpoints"]["filter"] == "native"
 
         assert run("up", "--detach", "--free-ports", "--state-dir", str(state_dir)).returncode == 1  # already up
 
@@ -80,6 +88,18 @@ def test_up_detached_status_policy_down(tmp_path: Path) -> None:
             body = mlp_json(seed=int(time.monotonic() * 1000))
         else:
             pytest.fail("the TTL set with `meshcache policy set` never showed up in the mesh")
+        # That hit came from the native host: the server sidecar's only cache filter is the dynamic
+        # module, configured over ECDS (resource meshcache-native) by every policy version so far.
+        admin = int(report["endpoints"]["server_sidecar_admin"].rsplit(":", 1)[1])
+        ecds = launchers.envoy_stats(admin, f"extension_config_discovery.http_filter.{NATIVE_FILTER_NAME}.")
+        assert ecds[f"extension_config_discovery.http_filter.{NATIVE_FILTER_NAME}.config_reload"] >= 2, ecds
+        assert not launchers.envoy_stats(admin, WASM_RUNTIME_STATS), "no Wasm VM in the native host's sidecar"
+        # `meshcache status` reads the native host's counters (its Prometheus names differ).
+        def mlp_hits() -> int:
+            cache = json.loads(run("status", "--json", "--state-dir", str(state_dir)).stdout)["cache"]
+            assert cache["proxies_read"] == 1, cache
+            return next(m for m in cache["models"] if m["model_prefix"] == "mlp-classifier")["hits"]
+        assert eventually(mlp_hits, timeout=10, interval=0.2) >= 1
         shaped = run("policy", "set", "text-embedder", "--ttl", "600", "--max-ttl", "3600", "--ignore-field", "user",
                      "--ignore-field", "metadata", "--deterministic-only", "--state-dir", str(state_dir))
         assert shaped.returncode == 0, shaped.stderr
@@ -99,6 +119,10 @@ def test_up_detached_status_policy_down(tmp_path: Path) -> None:
         # Up again on the same state dir: policies survived in Redis (AOF), certificates are reused.
         again = run("up", "--detach", "--free-ports", "--state-dir", str(state_dir))
         assert again.returncode == 0, again.stdout + again.stderr
+        assert "cache in the server sidecars:  Wasm filter" in again.stdout
+        endpoints = json.loads(run("status", "--json", "--state-dir", str(state_dir)).stdout)["endpoints"]
+        admin = int(endpoints["server_sidecar_admin"].rsplit(":", 1)[1])
+        assert endpoints["filter"] == "wasm" and launchers.envoy_stats(admin, WASM_RUNTIME_STATS)
         assert "issued certificates" not in again.stdout and "seeded" not in again.stdout
         listed = json.loads(run("policy", "list", "--json", "--state-dir", str(state_dir)).stdout)
         assert {p["model_prefix"]: p["ttl_s"] for p in listed["policies"]}["mlp-classifier"] == 17
@@ -272,6 +296,23 @@ def test_missing_redis_binary_is_named(tmp_path: Path) -> None:
     out = run("up", "--free-ports", "--state-dir", str(tmp_path / "state"), env={"PATH": "/nonexistent"})
     assert out.returncode == 1
     assert "redis-server not found" in out.stderr
+
+
+def test_missing_native_module_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from meshcache.ctl.mesh import topology
+    from meshcache.ctl.mesh.config import MeshConfig
+    from meshcache.ctl.mesh.errors import MeshError
+
+    config = MeshConfig(state_dir=tmp_path / "state", filter="native").with_free_ports()
+    topology.check_prerequisites(config)  # the built module: nothing to say
+    missing = tmp_path / "libmeshcache_native.so"
+    monkeypatch.setattr(topology, "FILTER_NATIVE", missing)
+    with pytest.raises(MeshError, match=r"libmeshcache_native\.so is missing .*build it \(make filter\)"):
+        topology.check_prerequisites(config)
+    topology.check_prerequisites(MeshConfig(state_dir=tmp_path / "state").with_free_ports())  # wasm: not needed
+    # Istio 1.30's proxy has no dynamic modules: said before anything starts.
+    out = run("up", "--filter", "native", "--istiod", "--state-dir", str(tmp_path / "state"))
+    assert out.returncode == 1 and "istio-proxy 1.30 has no dynamic modules" in out.stderr, out.stderr
 
 
 def test_a_failing_component_reports_its_log_and_leaves_nothing(tmp_path: Path) -> None:

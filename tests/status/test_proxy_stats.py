@@ -69,6 +69,16 @@ def test_parse_keeps_the_filter_samples_only() -> None:
                           "old_model": {"hits": 0, "misses": 4}}
 
 
+def test_the_native_hosts_names_read_the_same() -> None:
+    """An Envoy with only the native host keeps `envoy_wasmcustom_` in front (no Wasm filter
+    registered the namespace); Envoy's own `envoy_*` stats stay ignored."""
+    native = "\n".join(line.replace("meshcache_", "envoy_wasmcustom_meshcache_", 1)
+                        if "meshcache_cp" not in line else line for line in PER_POLICY_GAUGES.splitlines())
+    assert "envoy_wasmcustom_meshcache_hits{} 7" in native
+    c, wasm = parse_prometheus(native), parse_prometheus(PER_POLICY_GAUGES)
+    assert (c.totals, c.policies, c.unattributed) == (wasm.totals, wasm.policies, wasm.unattributed)
+
+
 def test_per_policy_gauges_parse_and_add_up() -> None:
     c = parse_prometheus(PER_POLICY_GAUGES)
     assert c.per_policy_gauges and not parse_prometheus(ENVOY_PAGE).per_policy_gauges

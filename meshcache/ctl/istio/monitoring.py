@@ -28,8 +28,12 @@ _POLICY_STAT = r"meshcache_policy_(.+)_(hits|misses|entries|bytes)"
 
 
 def filter_model_rules() -> list[Obj]:
-    """Prometheus `metric_relabel_configs` for sidecar stats: the model into a `model` label."""
+    """Prometheus `metric_relabel_configs` for sidecar stats: the native host's names as the Wasm
+    filter's (an Envoy without a Wasm filter keeps `envoy_wasmcustom_` in front), then the model
+    into a `model` label."""
     return [
+        {"source_labels": ["__name__"], "regex": "envoy_wasmcustom_(meshcache_.+)", "target_label": "__name__",
+         "replacement": "$1"},
         {"source_labels": ["__name__"], "regex": _POLICY_STAT, "target_label": "model", "replacement": "$1"},
         {"source_labels": ["__name__"], "regex": _POLICY_STAT, "target_label": "__name__",
          "replacement": "meshcache_policy_$2"},

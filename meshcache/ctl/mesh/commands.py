@@ -18,7 +18,7 @@ from meshcache.ctl.interrupts import INTERRUPTED, STOP_SIGNALS, deferred_stop_si
 from meshcache.ctl.mesh import state
 from meshcache.ctl.mesh.api_client import ApiError, PolicyApi
 from meshcache.ctl.mesh.cache_table import format_cache_table
-from meshcache.ctl.mesh.config import MAX_REPLICAS, MeshConfig, default_state_dir
+from meshcache.ctl.mesh.config import FILTER_HOSTS, HOST_NAMES, MAX_REPLICAS, MeshConfig, default_state_dir
 from meshcache.ctl.mesh.errors import MeshError
 
 
@@ -44,6 +44,8 @@ def format_endpoints(endpoints: dict[str, Any]) -> str:
         return format_istiod_endpoints(e)
     lines = [
         f"  app (gRPC + HTTP, plaintext):  {e['app']}   traffic colour {e['app_color']!r}",
+        # .get: a mesh started before the field existed ran the Wasm filter.
+        f"  cache in the server sidecars:  {HOST_NAMES[e.get('filter', 'wasm')]}",
         f"  control-plane API:             {e['control_plane_api']}   (write token in {e['token_file']})",
         f"  status page:                   {e['control_plane_api']}/status   (sign in with that token)",
         f"  Envoy admin:                   client {e['client_sidecar_admin']}   server {e['server_sidecar_admin']}",
@@ -84,6 +86,8 @@ def _load_config(args: argparse.Namespace) -> MeshConfig:
         overrides["lb_policy"] = args.lb_policy
     if getattr(args, "istiod", False):
         overrides["istiod"] = True
+    if getattr(args, "filter", None):
+        overrides["filter"] = args.filter
     config = MeshConfig.from_file(Path(args.config), **overrides) if args.config else MeshConfig(**overrides)
     return config.with_free_ports() if args.free_ports and not config.istiod else config
 
@@ -288,7 +292,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from meshcache.ctl.mesh import demo
 
     try:
-        return demo.run(_state_dir(args), istiod=args.istiod)
+        return demo.run(_state_dir(args), istiod=args.istiod, host=args.filter)
     except (MeshError, ApiError) as exc:
         return _err(str(exc))
 
@@ -415,6 +419,12 @@ def _add_set_flags(a: argparse.ArgumentParser) -> None:
                    help="apply only if the policies are still at this snapshot version (else 412)")
 
 
+def _add_filter(p: argparse.ArgumentParser, which: str) -> None:
+    p.add_argument("--filter", choices=FILTER_HOSTS,
+                   help=f"what runs the cache in the server sidecars{which}: wasm, the proxy-wasm filter (default, "
+                        "what Istio loads), or native, the Envoy dynamic module (filter/dist/libmeshcache_native.so)")
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     up = subparsers.add_parser("up", help="start the local mesh (redis, control plane, engines, sidecars)")
     _add_state_dir(up)
@@ -428,6 +438,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     up.add_argument("--lb-policy", choices=LB_POLICIES, help="consistent hashing for affinity (default RING_HASH)")
     up.add_argument("--istiod", action="store_true",
                     help="a real istiod in the middle: control plane -> istiod (MCP) -> sidecars (docs/istio.md)")
+    _add_filter(up, "")
     up.add_argument("--supervise", action="store_true", help=argparse.SUPPRESS)
     up.set_defaults(func=cmd_up)
 
@@ -445,6 +456,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     _add_state_dir(demo)
     demo.add_argument("--istiod", action="store_true",
                       help="without a running mesh: start a private one with a real istiod in the middle")
+    _add_filter(demo, " of the private mesh (a running mesh keeps its own)")
     demo.set_defaults(func=cmd_demo)
 
     policy = subparsers.add_parser("policy", help="cache policies (a client of the control-plane API)")

@@ -22,6 +22,10 @@ from meshcache.ctl.envoy_config import LB_POLICIES
 from meshcache.ctl.pki import spiffe_id
 
 MAX_REPLICAS = 8
+# Which host runs the cache in the server sidecars (`meshcache up --filter`): the proxy-wasm filter
+# (what Istio loads) or the Envoy dynamic module (filter/native/, the native host).
+FILTER_HOSTS = ("wasm", "native")
+HOST_NAMES = {"wasm": "Wasm filter", "native": "native host (Envoy dynamic module)"}  # for messages, `status`
 # Replicas 2..N (`meshcache up --replicas N`) take their ports from a block at `replica_base`:
 # REPLICA_STRIDE ports each, in ReplicaPorts' field order.
 REPLICA_STRIDE = 10
@@ -185,6 +189,9 @@ class MeshConfig:
     # A real istiod in the middle (`meshcache up --istiod`, meshcache/ctl/istiod): the control plane
     # feeds istiod over MCP and istiod configures the sidecars; ports are then picked free.
     istiod: bool = False
+    # The cache's host in the server sidecars (FILTER_HOSTS). The client role (affinity) stays Wasm:
+    # the native host has none yet.
+    filter: str = "wasm"
     # Seeded into the control plane on a fresh state dir (policy version 0); kept across restarts.
     policies: dict[str, dict[str, Any]] = field(default_factory=lambda: {k: dict(v) for k, v in DEMO_POLICIES.items()})
 
@@ -199,6 +206,11 @@ class MeshConfig:
     def __post_init__(self) -> None:
         if not 1 <= self.replicas <= MAX_REPLICAS:
             raise ValueError(f"replicas must be 1 to {MAX_REPLICAS}; got {self.replicas}")
+        if self.filter not in FILTER_HOSTS:
+            raise ValueError(f"filter must be one of {', '.join(FILTER_HOSTS)}; got {self.filter!r}")
+        if self.filter == "native" and self.istiod:
+            raise ValueError("filter native with istiod: istio-proxy 1.30 has no dynamic modules "
+                             "(docs/istio.md), so the mesh with istiod runs the Wasm filter")
         if self.lb_policy not in LB_POLICIES:
             raise ValueError(f"lb_policy must be one of {', '.join(LB_POLICIES)}; got {self.lb_policy!r}")
         if not 0 < self.renew_before_hours < self.cert_hours:

@@ -27,7 +27,8 @@ from meshcache.contract.protos import grpc_predict_v2_pb2 as pb
 from meshcache.contract.protos import grpc_predict_v2_pb2_grpc as pb_grpc
 from meshcache.ctl.mesh import state
 from meshcache.ctl.mesh.api_client import PolicyApi
-from meshcache.ctl.mesh.config import MeshConfig
+from meshcache.ctl.mesh.config import HOST_NAMES, MeshConfig
+from meshcache.ctl.mesh.errors import MeshError
 from meshcache.ctl.mesh.topology import SERVER_NODE, Mesh
 
 # model -> (input name, shape, dtype)
@@ -118,17 +119,25 @@ def _header(title: str) -> None:
 
 
 @contextlib.contextmanager
-def _mesh_for_demo(state_dir: Path | None, istiod: bool = False) -> Iterator[tuple[dict[str, Any], str, bool]]:
-    """(endpoints, token, started_here): a running mesh if there is one, else a private one."""
+def _mesh_for_demo(state_dir: Path | None, istiod: bool = False, host: str | None = None
+                   ) -> Iterator[tuple[dict[str, Any], str, bool]]:
+    """(endpoints, token, started_here): a running mesh if there is one, else a private one whose
+    server sidecars run the cache in `host` (MeshConfig.filter; default wasm)."""
     current = state.read_state(state_dir) if state_dir else None
     if current and current.get("status") == "ready" and state.running(current):
         endpoints = current["endpoints"]
-        print(f"using the mesh running in {state_dir} (pid {current['pid']})")
+        running = endpoints.get("filter", "wasm")
+        print(f"using the mesh running in {state_dir} (pid {current['pid']}; cache: {HOST_NAMES[running]}"
+              + (f", not the {host} asked for: that applies to a mesh the demo starts)" if host and host != running
+                 else ")"))
         yield endpoints, Path(endpoints["token_file"]).read_text().strip(), False
         return
     if istiod:
         from meshcache.ctl.istiod.mesh import IstiodMesh, IstiodMeshConfig
 
+        if host == "native":
+            raise MeshError("--filter native with --istiod: istio-proxy 1.30 has no dynamic modules "
+                            "(docs/istio.md), so the mesh with istiod runs the Wasm filter")
         with tempfile.TemporaryDirectory(prefix="meshcache-demo-istiod-") as tmp:
             print("starting a local mesh with a real istiod in the middle (redis, control plane, istiod, "
                   "engines, sidecars configured by istiod) ...")
@@ -137,8 +146,9 @@ def _mesh_for_demo(state_dir: Path | None, istiod: bool = False) -> Iterator[tup
             print("stopped the mesh.")
         return
     with tempfile.TemporaryDirectory(prefix="meshcache-demo-") as tmp:
-        config = MeshConfig(state_dir=Path(tmp)).with_free_ports()
-        print("starting a local mesh (redis, control plane, engines, two sidecars with mTLS) ...")
+        config = MeshConfig(state_dir=Path(tmp), filter=host or "wasm").with_free_ports()
+        print(f"starting a local mesh (redis, control plane, engines, two sidecars with mTLS; cache: "
+              f"{HOST_NAMES[config.filter]}) ...")
         t0 = time.perf_counter()
         with Mesh(config, log=lambda m: print(f"  {m}")) as mesh:
             print(f"mesh up in {time.perf_counter() - t0:.1f}s")
@@ -146,8 +156,8 @@ def _mesh_for_demo(state_dir: Path | None, istiod: bool = False) -> Iterator[tup
         print("stopped the mesh.")
 
 
-def run(state_dir: Path | None, istiod: bool = False) -> int:
-    with _mesh_for_demo(state_dir, istiod) as (endpoints, token, _started):
+def run(state_dir: Path | None, istiod: bool = False, host: str | None = None) -> int:
+    with _mesh_for_demo(state_dir, istiod, host) as (endpoints, token, _started):
         api = PolicyApi(endpoints["control_plane_api"], token)
         rng = np.random.default_rng(time.time_ns())
         if endpoints.get("mode") == "istiod":

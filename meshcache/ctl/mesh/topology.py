@@ -9,6 +9,8 @@ canary colour to the one canary engine). With `replicas` N > 1 there are N engin
 sidecar pairs (`engine-2`, `server-sidecar-2`, ...), each with its own cache, and the client
 sidecar runs the filter in the client role (ECDS resource `meshcache-client`) and hashes on its
 routing key (cache affinity: one replica holds each answer) unless `affinity` is off.
+`filter: native` runs the cache in the server sidecars as the Envoy dynamic module (ECDS resource
+`meshcache-native`) instead of the Wasm filter; the client role stays Wasm.
 """
 
 from __future__ import annotations
@@ -27,12 +29,12 @@ from typing import Any
 import httpx
 
 from meshcache.contract.filter_config import client_plugin_config
-from meshcache.contract.paths import FILTER_WASM, envoy_binary
+from meshcache.contract.paths import FILTER_NATIVE, FILTER_WASM, envoy_binary
 from meshcache.ctl import launchers, procs
 from meshcache.ctl.envoy_config import Affinity, CacheProxy, ClientSidecar, Upstream, write
 from meshcache.ctl.mesh.api_client import ApiError, PolicyApi
 from meshcache.ctl.mesh.certs import CONTROL_PLANE_NAME, MeshCertificates, ensure_certificates
-from meshcache.ctl.mesh.config import MeshConfig, Ports, ReplicaPorts
+from meshcache.ctl.mesh.config import HOST_NAMES, MeshConfig, Ports, ReplicaPorts
 from meshcache.ctl.mesh.errors import MeshError
 from meshcache.ctl.mesh.healing import Healer, RestartPolicy
 from meshcache.ctl.mesh.state import process_start_time
@@ -84,6 +86,9 @@ def check_prerequisites(config: MeshConfig) -> None:
         raise MeshError(f"{launchers.ENGINE_BIN} not found: install this package (make setup)")
     if not FILTER_WASM.exists():
         raise MeshError(f"{FILTER_WASM} is missing: build the filter (make filter)")
+    if config.filter == "native" and not FILTER_NATIVE.exists():
+        raise MeshError(f"{FILTER_NATIVE} is missing (--filter native runs the cache as an Envoy dynamic module): "
+                        f"build it (make filter)")
     ports = config.ports
     for name in vars(ports):
         if (name.startswith("canary_") and not config.canary_color) or name == "replica_base":
@@ -191,7 +196,7 @@ class Mesh:
         for k, rp in replicas.items():
             of = f", replica {k} of {cfg.replicas}" if cfg.replicas > 1 else ""
             name = replica_name("server-sidecar", k)
-            starts.append((name, f"the server sidecar (mTLS, meshcache filter over ECDS{of})",
+            starts.append((name, f"the server sidecar (mTLS, meshcache {HOST_NAMES[cfg.filter]} over ECDS{of})",
                            self._envoy_starter(name, self._server_proxy(k, rp, color_routes), rp.server_admin)))
         what = "the client sidecar" + (f" ({cfg.lb_policy} cache affinity over {cfg.replicas} replicas)"
                                        if affinity is not None else "")
@@ -214,7 +219,8 @@ class Mesh:
         return CacheProxy(
             listen_port=rp.server_inbound, admin_port=rp.server_admin,
             http_upstream_port=rp.engine_http, grpc_upstream_port=rp.engine_grpc,
-            wasm_path=FILTER_WASM, plugin_config=DEFAULT_PLUGIN_CONFIG, ecds_port=cfg.ports.cp_xds,
+            wasm_path=FILTER_WASM, native_module=FILTER_NATIVE if cfg.filter == "native" else None,
+            plugin_config=DEFAULT_PLUGIN_CONFIG, ecds_port=cfg.ports.cp_xds,
             node_id=server_node(k), cluster="meshcache-server", downstream_tls=certs.server,
             allowed_peers=[cfg.client_id], color_routes=color_routes,
             xds_tls=certs.server, xds_peers=[cfg.control_plane_id])
@@ -267,7 +273,8 @@ class Mesh:
         # xDS only for holders of a mesh-CA certificate (the sidecars): no other local process
         # can read the config, forge ACK/NACKs or use up the stream limit.
         argv = launchers.control_plane_argv(ports.redis, ports.cp_http, ports.cp_xds, "--host", "127.0.0.1",
-                                           "--wasm-path", str(FILTER_WASM), "--instance-id", "meshcache-up",
+                                           "--wasm-path", str(FILTER_WASM), "--native-module", str(FILTER_NATIVE),
+                                           "--instance-id", "meshcache-up",
                                            "--xds-tls-cert", str(certs.control_plane.cert),
                                            "--xds-tls-key", str(certs.control_plane.key),
                                            "--xds-tls-client-ca", str(certs.ca_cert),
@@ -368,6 +375,7 @@ class Mesh:
         out: dict[str, Any] = {
             "app": f"127.0.0.1:{ports.app}",
             "app_color": cfg.color,
+            "filter": cfg.filter,
             "control_plane_api": f"http://127.0.0.1:{ports.cp_http}",
             "control_plane_xds": f"127.0.0.1:{ports.cp_xds}",
             "token_file": str(cfg.state_dir / "token"),
