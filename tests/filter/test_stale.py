@@ -84,7 +84,6 @@ def _grpc_code(s: Stack, request: bytes, metadata: tuple[tuple[str, str], ...]) 
     return err.value.code()  # type: ignore[no-any-return]
 
 
-@pytest.mark.wasm_only("gRPC stale-if-error: the native host passes gRPC errors (no stale message)")
 @pytest.mark.parametrize("held", [True, False], ids=["held-headers", "istio-style"])
 def test_grpc_unavailable_after_ttl_serves_the_stored_message_byte_identical(tmp_path: Path, held: bool,
                                                                               host: str) -> None:
@@ -110,7 +109,6 @@ def test_grpc_unavailable_after_ttl_serves_the_stored_message_byte_identical(tmp
         assert s.stats()["meshcache.stale_if_error"] == 1
 
 
-@pytest.mark.wasm_only("gRPC stale-if-error: the native host passes gRPC errors (no stale message)")
 def test_grpc_origin_unreachable_serves_stale(tmp_path: Path, host: str) -> None:
     with filter_stack(tmp_path, config(policy("resnet", ttl_s=1, stale_if_error_s=30)), host=host) as s:
         request = infer_request("resnet-mini")
@@ -236,7 +234,6 @@ def test_upstream_stale_if_error_is_honoured_and_clamped_by_the_policy(tmp_path:
         assert r.status_code == 503, "the policy's 2 s clamp the origin's 3600 s"
 
 
-@pytest.mark.wasm_only("gRPC stale-if-error: the native host passes gRPC errors (no stale message)")
 def test_grpc_stale_large_message_under_envoy_default_limits_carries_the_callers_id(tmp_path: Path, host: str) -> None:
     """Envoy's default 1 MiB buffers (an Istio sidecar's); the stored answer's request id is
     replaced by the caller's, as on hits."""

@@ -232,6 +232,21 @@ extern "C" {
         result: *mut EnvoyBuffer,
     ) -> bool;
 
+    /// A scheduler for this stream: `scheduler_commit` from any thread delivers
+    /// `on_http_filter_scheduled` on the stream's worker. In 1.40 the handle holds only a weak
+    /// reference to the stream (its disassembly copies the filter's weak pointer into a 16-byte
+    /// object), so a commit after the stream is gone does nothing; the module owns the handle
+    /// and deletes it (`scheduler_delete`) from any thread.
+    pub fn envoy_dynamic_module_callback_http_filter_scheduler_new(filter: FilterEnvoyPtr) -> *mut c_void;
+    pub fn envoy_dynamic_module_callback_http_filter_scheduler_commit(scheduler: *mut c_void, event_id: u64);
+    pub fn envoy_dynamic_module_callback_http_filter_scheduler_delete(scheduler: *mut c_void);
+
+    /// Resumes a request the filter stopped (decoder callbacks' continueDecoding).
+    pub fn envoy_dynamic_module_callback_http_filter_continue_decoding(filter: FilterEnvoyPtr);
+
+    /// The index of the worker running this stream (0-based; 1.40 returns a u32 field).
+    pub fn envoy_dynamic_module_callback_http_filter_get_worker_index(filter: FilterEnvoyPtr) -> u32;
+
     /// Response trailers (encodeTrailers), ending the stream.
     pub fn envoy_dynamic_module_callback_http_send_response_trailers(
         filter: FilterEnvoyPtr,

@@ -5,11 +5,12 @@
 //! The stream talks to Envoy only through `Host` (lib.rs implements it over the dynamic-module
 //! ABI; the tests below over a fake). gRPC hits are answered in one pass with headers, the
 //! framed message and a `grpc-status: 0` trailer (no hit route or Lua step, unlike the Wasm
-//! host); HTTP stale-if-error answers an origin error with the expired entry. What this host
-//! does not do yet answers as the Wasm host does when the feature is off: the client role
-//! passes untouched (no routing key), requests are not coalesced, gRPC stale-if-error and
-//! stale-while-revalidate are not served (the request is forwarded and its answer replaces the
-//! entry).
+//! host); stale-if-error answers an origin error (HTTP or gRPC) with the expired entry.
+//! Identical misses are coalesced by the core's rules (`coalesce::LockTable`): waiters park
+//! (`park.rs`) and are woken by their leader's outcome or their timeout through Envoy's
+//! scheduler. What this host does not do yet answers as the Wasm host does when the feature is
+//! off: the client role passes untouched (no routing key), stale-while-revalidate is not served
+//! (the request is forwarded and its answer replaces the entry).
 
 use std::sync::Arc;
 
@@ -30,7 +31,9 @@ use meshcache_core::names::{self, Bypass};
 use meshcache_core::route_key;
 use meshcache_core::store::{Cache, Lifetime, Lookup, Outcome};
 use meshcache_core::storing;
+use meshcache_core::coalesce::{Join, LockTable, Release, Ticket};
 
+use crate::park::{self, Parking, Wake};
 use crate::store::Shared;
 
 /// What the filter needs from its proxy for one stream.
@@ -56,6 +59,10 @@ pub trait Host {
     /// Adds to a counter (`meshcache_core::metric_names`).
     fn count(&mut self, name: &str, n: u64);
     fn set_gauge(&mut self, name: &str, value: u64);
+    /// What wakes this stream once it is parked (coalescing); None: it cannot wait.
+    fn waker(&mut self) -> Option<Box<dyn Wake>>;
+    /// Resumes the held request (outside the request hooks: a parked stream going upstream).
+    fn resume_request(&mut self);
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -95,8 +102,26 @@ enum State {
     Bypass(Bypass),
     Buffering { source: ModelSource, refresh: bool, headers: Headers, seen: usize },
     Miss(Box<Cacheable>),
+    /// Parked while an identical request is in flight (request coalescing).
+    Waiting(Box<Waiting>),
     Collect(Box<Collecting>),
     Done,
+}
+
+struct Waiting {
+    c: Cacheable,
+    /// Request headers, for the answer (If-None-Match).
+    headers: Vec<(String, String)>,
+    /// When it stops waiting (`coalesce_timeout_ms` after it first parked).
+    deadline: u64,
+}
+
+/// Where this stream waits when it coalesces: the process's parking, its worker's queue and
+/// its own id there.
+pub struct Place {
+    pub parking: Arc<Parking>,
+    pub queue: u32,
+    pub id: u32,
 }
 
 /// An expired entry a forwarded HTTP request may be answered with if the origin fails
@@ -107,18 +132,41 @@ struct Fallback {
     /// Request headers and id, for the answer (If-None-Match, the caller's id).
     headers: Vec<(String, String)>,
     id: RequestId,
+    grpc: bool,
 }
+
 
 pub struct Stream {
     config: Arc<Config>,
     shared: Arc<Shared>,
     state: State,
     fallback: Option<Box<Fallback>>,
+    /// None: this stream never coalesces.
+    place: Option<Place>,
+    /// Held while this stream leads a coalesced key: released with its outcome.
+    lock: Option<Ticket>,
+}
+
+impl Drop for Stream {
+    /// A stream that ends parked leaves its table; a leader that ends without an answer (reset,
+    /// client gone) hands its key on: its waiters try again.
+    fn drop(&mut self) {
+        if let Some(p) = &self.place {
+            p.parking.unpark(p.queue, p.id);
+        }
+        self.release(Release::Retry);
+    }
 }
 
 impl Stream {
     pub fn new(config: Arc<Config>, shared: Arc<Shared>) -> Stream {
-        Stream { config, shared, state: State::Pass, fallback: None }
+        Stream { config, shared, state: State::Pass, fallback: None, place: None, lock: None }
+    }
+
+    /// This stream coalesces identical misses, waiting at `place`.
+    pub fn coalescing(mut self, place: Place) -> Stream {
+        self.place = Some(place);
+        self
     }
 
     fn bypass(&mut self, host: &mut dyn Host, why: Bypass) -> Flow {
@@ -240,35 +288,186 @@ impl Stream {
             Lookup::Hit(e) => e,
             Lookup::Miss(seen) => {
                 c.seen = seen;
-                return self.miss(host, c);
-            }
-            Lookup::Stale(e, seen) => {
-                // Forwarded; a fresh answer replaces the expired entry where it is. If
-                // stale-if-error may use the entry (HTTP only here), it stands by.
-                c.seen = Some(seen);
-                let if_error = stale::stale_use(&e, &c.policy, now).map_or(false, |u| u.if_error);
-                if if_error && !c.grpc {
-                    let fallback = Fallback { entry: e, policy: c.policy.clone(), headers: headers.to_vec(), id: c.request_id.clone() };
-                    self.fallback = Some(Box::new(fallback));
+                if self.joins_in_flight(host, &c, now) {
+                    return self.wait(host, c, headers);
                 }
                 return self.miss(host, c);
             }
+            Lookup::Stale(e, seen) => {
+                // An expired hot entry is a stampede too: its refresh is coalesced like a miss.
+                c.seen = Some(seen);
+                if self.joins_in_flight(host, &c, now) {
+                    return self.wait(host, c, headers);
+                }
+                return self.forward_expired(host, c, e, headers, now);
+            }
         };
+        let request = HitRequest { headers, body, id: &c.request_id };
+        self.answer_hit(host, &c, &request, &entry, now, None);
+        Flow::Stop
+    }
+
+    /// Answers from an entry (a hit; `cache_status`, when given, replaces the hit's).
+    fn answer_hit(&mut self, host: &mut dyn Host, c: &Cacheable, request: &HitRequest, entry: &Entry, now: u64,
+                  cache_status: Option<String>) {
         host.count(metric_names::HITS, 1);
         host.count(&metric_names::policy_metric(&c.policy.model_prefix, "hits"), 1);
-        let request = HitRequest { headers, body, id: &c.request_id };
         self.state = State::Done;
         if c.grpc {
-            let reply = answer::grpc_hit(&entry, &request, now);
+            let mut reply = answer::grpc_hit(entry, request, now);
+            if let Some(status) = cache_status {
+                answer::set_cache_status(&mut reply, status);
+            }
             let mut h: Vec<(&str, &[u8])> = vec![(":status", b"200")];
             h.extend(reply.headers.iter().map(|(n, v)| (n.as_str(), v.as_bytes())));
             host.send_response_with_trailers(&h, &grpc::frame(&reply.body), &[("grpc-status", b"0")]);
-            return Flow::Stop;
+            return;
         }
-        let reply = answer::http_hit(&entry, &request, now);
+        let mut reply = answer::http_hit(entry, request, now);
+        if let Some(status) = cache_status {
+            answer::set_cache_status(&mut reply, status);
+        }
         let h: Vec<(&str, &[u8])> = reply.headers.iter().map(|(n, v)| (n.as_str(), v.as_bytes())).collect();
         host.send_response(reply.status as u32, &h, &reply.body);
-        Flow::Stop
+    }
+
+    /// A request whose entry expired is forwarded (a fresh answer replaces the entry where it
+    /// is); if stale-if-error may use the entry, it stands by.
+    fn forward_expired(&mut self, host: &mut dyn Host, c: Cacheable, e: Entry, headers: &[(String, String)], now: u64)
+        -> Flow {
+        let if_error = stale::stale_use(&e, &c.policy, now).is_some_and(|u| u.if_error);
+        if if_error {
+            let fallback = Fallback { entry: e, policy: c.policy.clone(), headers: headers.to_vec(), id: c.request_id.clone(),
+                                      grpc: c.grpc };
+            self.fallback = Some(Box::new(fallback));
+        }
+        self.miss(host, c)
+    }
+
+    /// A request about to go upstream under a policy with `coalesce_timeout_ms`: true when an
+    /// identical one is in flight and this one is parked to wait for it; false: it goes
+    /// upstream (holding the key's lock when it was free). Requests that skip the lookup
+    /// (`no-cache`) neither lead nor wait.
+    fn joins_in_flight(&mut self, host: &mut dyn Host, c: &Cacheable, now: u64) -> bool {
+        let timeout = c.policy.coalesce_timeout_ms;
+        timeout > 0 && !c.refresh && self.lead_or_wait(host, c, now, now.saturating_add(timeout))
+    }
+
+    fn wait(&mut self, host: &mut dyn Host, c: Cacheable, headers: &[(String, String)]) -> Flow {
+        host.count(metric_names::COALESCE_WAITS, 1);
+        let deadline = c.request_ms.saturating_add(c.policy.coalesce_timeout_ms);
+        self.state = State::Waiting(Box::new(Waiting { c, headers: headers.to_vec(), deadline }));
+        Flow::Hold
+    }
+
+    /// True: parked until woken or `deadline`. False: go upstream, as the key's leader when the
+    /// lock was free.
+    fn lead_or_wait(&mut self, host: &mut dyn Host, c: &Cacheable, now: u64, deadline: u64) -> bool {
+        let (parking, queue, id) = match &self.place {
+            Some(p) => (p.parking.clone(), p.queue, p.id),
+            None => return false,
+        };
+        let owner = ((queue as u64) << 32) | id as u64;
+        match (LockTable { data: &*self.shared }).join(&c.key, owner, queue, now, c.policy.coalesce_timeout_ms) {
+            Join::Lead(ticket) => {
+                self.lock = Some(ticket);
+                false
+            }
+            Join::Wait => {
+                let wake = match host.waker() {
+                    Some(w) => w,
+                    None => return false,
+                };
+                match parking.park(queue, id, &c.key, deadline, wake) {
+                    Ok(()) => true,
+                    Err(_) => {
+                        host.count(metric_names::COALESCE_OVERFLOW, 1);
+                        false
+                    }
+                }
+            }
+            Join::Full => {
+                host.count(metric_names::COALESCE_OVERFLOW, 1);
+                false
+            }
+            Join::Busy | Join::Unavailable => false,
+        }
+    }
+
+    /// The leader of this key is done: free the lock and wake every stream that waits on it.
+    fn release(&mut self, release: Release) {
+        if let Some(ticket) = self.lock.take() {
+            let queues = (LockTable { data: &*self.shared }).release(&ticket);
+            if let Some(p) = &self.place {
+                p.parking.wake(&queues, &ticket.key, release);
+            }
+        }
+    }
+
+    /// A parked stream's event (its leader's outcome, or its timeout): answer from the entry,
+    /// or go upstream; after a failure that may pass, lead or wait again within the deadline.
+    pub fn on_scheduled(&mut self, host: &mut dyn Host, event: u64) {
+        let release = park::release_of(event);
+        if release.is_none() && matches!(self.state, State::Waiting(_)) {
+            host.count(metric_names::COALESCE_TIMEOUTS, 1);
+        }
+        self.resume_waiter(host, release);
+    }
+
+    /// A waiter leaves the wait: `release` is its leader's outcome (None: timed out).
+    fn resume_waiter(&mut self, host: &mut dyn Host, release: Option<Release>) {
+        let Waiting { mut c, headers, deadline } = match std::mem::replace(&mut self.state, State::Done) {
+            State::Waiting(w) => *w,
+            other => {
+                self.state = other;
+                return;
+            }
+        };
+        let now = host.now_ms();
+        let cache = Cache { data: &*self.shared, limits: &self.config.limits };
+        let mut out = Outcome::default();
+        // Keeping what stale-if-error may still use: a woken waiter must not free it.
+        let found = cache.lookup_keeping(&c.key, now, Lifetime::of(&c.policy), &mut out);
+        self.record_outcome(host, &out);
+        let request = HitRequest { headers: &headers, body: &[], id: &c.request_id };
+        let (expired, seen) = match found {
+            Lookup::Hit(entry) => {
+                host.count(metric_names::COALESCE_SERVED, 1);
+                self.answer_hit(host, &c, &request, &entry, now, Some(names::CACHE_STATUS_COLLAPSED.to_string()));
+                return;
+            }
+            Lookup::Stale(entry, seen) => {
+                // The leader's origin failed and the expired entry may stand in for it
+                // (stale-if-error): every waiter is answered with it at once.
+                let failed = release == Some(Release::OriginError);
+                if let Some(u) = stale::stale_use(&entry, &c.policy, now).filter(|u| failed && u.if_error) {
+                    host.count(metric_names::COALESCE_SERVED, 1);
+                    host.count(metric_names::STALE_IF_ERROR, 1);
+                    let status = names::cache_status_collapsed(&names::cache_status_stale_if_error(u.past_s(), None));
+                    self.answer_hit(host, &c, &request, &entry, now, Some(status));
+                    return;
+                }
+                (Some(entry), Some(seen))
+            }
+            Lookup::Miss(seen) => (None, seen),
+        };
+        if release.is_some() {
+            host.count(metric_names::COALESCE_RELEASED, 1);
+        }
+        c.seen = seen;
+        if release.is_some_and(Release::retries) && now < deadline && self.lead_or_wait(host, &c, now, deadline) {
+            self.state = State::Waiting(Box::new(Waiting { c, headers, deadline }));
+            return;
+        }
+        match expired {
+            Some(entry) => {
+                self.forward_expired(host, c, entry, &headers, now);
+            }
+            None => {
+                self.miss(host, c);
+            }
+        }
+        host.resume_request();
     }
 
     fn miss(&mut self, host: &mut dyn Host, c: Cacheable) -> Flow {
@@ -279,6 +478,7 @@ impl Stream {
     }
 
     fn not_stored(&mut self, host: &mut dyn Host, refresh: bool, why: NotStored, headers_open: bool) -> Flow {
+        self.release(Release::not_stored(why));
         if headers_open {
             host.set_response_header(names::CACHE_STATUS, names::cache_status_not_stored(refresh, why).as_bytes());
         }
@@ -288,7 +488,15 @@ impl Stream {
 
     pub fn on_response_headers(&mut self, host: &mut dyn Host, end_of_stream: bool) -> Flow {
         if let Some(f) = self.fallback.take() {
-            if self.stale_if_error(host, &f) {
+            if f.grpc {
+                if self.grpc_stale_if_error(host, &f) {
+                    self.release(Release::OriginError);
+                    self.state = State::Done;
+                    return Flow::Hold;
+                }
+            } else if self.stale_if_error(host, &f) {
+                // Its waiters may answer from the same expired entry.
+                self.release(Release::OriginError);
                 self.state = State::Done;
                 return Flow::Stop;
             }
@@ -331,15 +539,48 @@ impl Stream {
         true
     }
 
+    /// As `stale_if_error`, for gRPC: a local reply to a gRPC request would be trailers-only
+    /// (its body moved into grpc-message), so the answer is sent as a hit is, headers + framed
+    /// message + `grpc-status: 0` trailer through the stream's encoder, from inside this hook
+    /// (replacing the response headers, as Envoy's own local reply in the response path does);
+    /// the origin's error stops here. Sent later instead (a scheduled event), the answer's body
+    /// would resume the stopped error and end the stream before the trailer. True: answered.
+    fn grpc_stale_if_error(&mut self, host: &mut dyn Host, f: &Fallback) -> bool {
+        let response = host.response_headers();
+        let status: u16 = headermap::header(&response.pairs, ":status").and_then(|s| s.parse().ok()).unwrap_or(0);
+        if !stale::is_origin_error(status, headermap::header(&response.pairs, "grpc-status")) {
+            return false;
+        }
+        let now = host.now_ms();
+        let u = match stale::stale_use(&f.entry, &f.policy, now).filter(|u| u.if_error) {
+            Some(u) => u,
+            None => return false,
+        };
+        let request = HitRequest { headers: &f.headers, body: b"", id: &f.id };
+        let mut reply = answer::grpc_hit(&f.entry, &request, now);
+        answer::set_cache_status(&mut reply, names::cache_status_stale_if_error(u.past_s(), None));
+        let framed = grpc::frame(&reply.body);
+        host.count(metric_names::STALE_IF_ERROR, 1);
+        let mut h: Vec<(&str, &[u8])> = vec![(":status", b"200")];
+        h.extend(reply.headers.iter().map(|(n, v)| (n.as_str(), v.as_bytes())));
+        host.send_response_with_trailers(&h, &framed, &[("grpc-status", b"0")]);
+        true
+    }
+
     fn start_collect(&mut self, host: &mut dyn Host, c: Cacheable, end_of_stream: bool) -> Flow {
         let response = host.response_headers();
         let headers = response.pairs;
         let status: u16 = headermap::header(&headers, ":status").and_then(|s| s.parse().ok()).unwrap_or(0);
+        let grpc_status = headermap::header(&headers, "grpc-status");
         if status != 200 {
+            self.release(Release::for_status(status, stale::is_origin_error(status, grpc_status)));
             return self.not_stored(host, c.refresh, NotStored::Status, true);
         }
-        if c.grpc && (end_of_stream || headermap::header(&headers, "grpc-status").is_some()) {
+        if c.grpc && (end_of_stream || grpc_status.is_some()) {
             // Trailers-only gRPC responses are errors (or empty): nothing to store.
+            if stale::is_origin_error(status, grpc_status) {
+                self.release(Release::OriginError);
+            }
             return self.not_stored(host, c.refresh, NotStored::GrpcStatus, true);
         }
         let ttl = match response::check_storable(&c.policy, &headers, &response.not_utf8, host.now_ms()) {
@@ -460,6 +701,7 @@ impl Stream {
         match result {
             Ok(stored) => {
                 host.count(metric_names::STORES, 1);
+                self.release(Release::Stored);
                 self.record_gauges(host);
                 self.state = State::Done;
                 match open {
@@ -506,6 +748,17 @@ mod tests {
         counts: std::collections::HashMap<String, u64>,
         peer: Option<String>,
         gauges: std::collections::HashMap<String, u64>,
+        /// Events delivered to this stream's wakers (coalescing).
+        woken: Arc<std::sync::Mutex<Vec<u64>>>,
+        resumed: bool,
+    }
+
+    struct FakeWake(Arc<std::sync::Mutex<Vec<u64>>>);
+
+    impl Wake for FakeWake {
+        fn wake(&self, event: u64) {
+            self.0.lock().unwrap().push(event);
+        }
     }
 
     fn get(h: &[(String, String)], name: &str) -> Option<String> {
@@ -563,6 +816,12 @@ mod tests {
         }
         fn set_gauge(&mut self, name: &str, value: u64) {
             self.gauges.insert(name.to_string(), value);
+        }
+        fn waker(&mut self) -> Option<Box<dyn Wake>> {
+            Some(Box::new(FakeWake(self.woken.clone())))
+        }
+        fn resume_request(&mut self) {
+            self.resumed = true;
         }
     }
 
@@ -844,4 +1103,190 @@ mod tests {
         assert_eq!(status(&exchange_as(&e, Some("spiffe://b"))), "meshcache; fwd=miss; stored", "another peer, another entry");
         assert_eq!(status(&exchange_as(&e, None)), "meshcache; fwd=bypass; detail=no-identity");
     }
+
+    // ------------------------------------------------------------ request coalescing
+
+    const COALESCING: &str = r#"{"policies": [{"model_prefix": "m", "ttl_s": 60, "coalesce_timeout_ms": 1000}]}"#;
+
+    fn coalescing_env(json: &str) -> (Env, Arc<Parking>) {
+        let e = env(json);
+        LockTable { data: &*e.shared }.create_slots();
+        (e, Arc::new(Parking::default()))
+    }
+
+    /// A request through its request hooks on worker `queue` as stream `id`.
+    fn arrive(e: &Env, parking: &Arc<Parking>, queue: u32, id: u32) -> (Stream, Fake, Flow) {
+        let mut h = Fake::default();
+        h.now.set(e.now);
+        h.req = vec![(":method".into(), "POST".into()), (":path".into(), INFER.into())];
+        let place = Place { parking: parking.clone(), queue, id };
+        let mut s = Stream::new(e.config.clone(), e.shared.clone()).coalescing(place);
+        assert_eq!(s.on_request_headers(&mut h, false), Flow::Hold);
+        h.received = vec![BODY.to_vec()];
+        let flow = s.on_request_body(&mut h, true);
+        (s, h, flow)
+    }
+
+    /// The origin's answer through the response hooks.
+    fn answer_with(s: &mut Stream, h: &mut Fake, status: &str, body: &[u8]) {
+        h.resp = vec![(":status".into(), status.into()), ("content-length".into(), body.len().to_string())];
+        h.received.clear();
+        if s.on_response_headers(h, false) == Flow::Stop {
+            return;
+        }
+        h.received = vec![body.to_vec()];
+        s.on_response_body(h, true);
+    }
+
+    /// Delivers the events the stream's waker got (as Envoy's scheduler would, on its worker).
+    fn deliver(s: &mut Stream, h: &mut Fake) -> Vec<u64> {
+        let events = std::mem::take(&mut *h.woken.lock().unwrap());
+        for ev in &events {
+            s.on_scheduled(h, *ev);
+        }
+        events
+    }
+
+    fn sent_status(h: &Fake) -> String {
+        get(&h.sent.borrow().as_ref().expect("answered").1, "cache-status").unwrap()
+    }
+
+    #[test]
+    fn waiters_on_two_workers_are_woken_by_the_leaders_store_and_answered_from_its_entry() {
+        let (e, parking) = coalescing_env(COALESCING);
+        let (mut leader, mut lh, flow) = arrive(&e, &parking, 0, 1);
+        assert_eq!(flow, Flow::Continue, "the first miss leads: upstream");
+        let (mut w1, mut h1, f1) = arrive(&e, &parking, 0, 2);
+        let (mut w2, mut h2, f2) = arrive(&e, &parking, 1, 3);
+        assert_eq!((f1, f2), (Flow::Hold, Flow::Hold), "identical misses park");
+        assert_eq!(parking.parked(), 2);
+        assert_eq!(h1.counts["meshcache.coalesce.waits"], 1);
+        assert!(h1.woken.lock().unwrap().is_empty());
+        answer_with(&mut leader, &mut lh, "200", ANSWER);
+        assert_eq!(status(&lh), "meshcache; fwd=miss; stored");
+        assert_eq!(deliver(&mut w1, &mut h1), vec![park::event_of(Release::Stored)]);
+        assert_eq!(deliver(&mut w2, &mut h2).len(), 1);
+        for h in [&h1, &h2] {
+            assert_eq!(sent_status(h), names::CACHE_STATUS_COLLAPSED);
+            assert_eq!(h.sent.borrow().as_ref().unwrap().2, ANSWER);
+            assert_eq!(h.counts["meshcache.coalesce.served"], 1);
+            assert!(!h.resumed, "answered, not sent upstream");
+        }
+        assert_eq!(parking.parked(), 0);
+    }
+
+    #[test]
+    fn a_failed_leader_hands_over_to_one_waiter_and_the_rest_wait_for_it() {
+        let (e, parking) = coalescing_env(COALESCING);
+        let (mut leader, mut lh, _) = arrive(&e, &parking, 0, 1);
+        let (mut w1, mut h1, _) = arrive(&e, &parking, 0, 2);
+        let (mut w2, mut h2, _) = arrive(&e, &parking, 1, 3);
+        answer_with(&mut leader, &mut lh, "500", b"boom");
+        assert_eq!(deliver(&mut w1, &mut h1), vec![park::event_of(Release::OriginError)], "a 500: retried");
+        assert!(h1.resumed, "the first woken waiter leads anew: upstream");
+        assert_eq!(h1.counts["meshcache.coalesce.released"], 1);
+        assert_eq!(deliver(&mut w2, &mut h2).len(), 1);
+        assert!(!h2.resumed && h2.sent.borrow().is_none(), "the second waits again, for the new leader");
+        assert_eq!(parking.parked(), 1);
+        answer_with(&mut w1, &mut h1, "200", ANSWER);
+        assert_eq!(status(&h1), "meshcache; fwd=miss; stored");
+        deliver(&mut w2, &mut h2);
+        assert_eq!(sent_status(&h2), names::CACHE_STATUS_COLLAPSED);
+    }
+
+    #[test]
+    fn an_uncacheable_answer_sends_each_waiter_upstream_and_a_vanished_leader_hands_over() {
+        let (e, parking) = coalescing_env(COALESCING);
+        let (mut leader, mut lh, _) = arrive(&e, &parking, 0, 1);
+        let (mut w1, mut h1, _) = arrive(&e, &parking, 0, 2);
+        lh.resp = vec![(":status".into(), "404".into())];
+        leader.on_response_headers(&mut lh, true);
+        deliver(&mut w1, &mut h1);
+        assert!(h1.resumed, "404 is not retried: the waiter goes upstream itself");
+        assert_eq!(parking.parked(), 0);
+
+        let (leader, _, _) = arrive(&e, &parking, 0, 4);
+        let (mut w2, mut h2, _) = arrive(&e, &parking, 1, 5);
+        drop(leader); // the client went away before the answer
+        assert_eq!(deliver(&mut w2, &mut h2), vec![park::event_of(Release::Retry)]);
+        assert!(h2.resumed, "it leads now");
+    }
+
+    #[test]
+    fn a_destroyed_waiter_is_never_woken_and_late_waiters_time_out_upstream() {
+        let (e, parking) = coalescing_env(COALESCING);
+        let (mut leader, mut lh, _) = arrive(&e, &parking, 0, 1);
+        let (gone, gh, _) = arrive(&e, &parking, 0, 2);
+        let (mut late, mut hl, _) = arrive(&e, &parking, 1, 3);
+        drop(gone);
+        assert_eq!(parking.parked(), 1, "the destroyed stream left its table");
+        parking.expire(e.now + 999);
+        assert!(hl.woken.lock().unwrap().is_empty());
+        parking.expire(e.now + 1000);
+        assert_eq!(deliver(&mut late, &mut hl), vec![park::EVENT_TIMEOUT]);
+        assert!(hl.resumed);
+        assert_eq!(hl.counts["meshcache.coalesce.timeouts"], 1);
+        answer_with(&mut leader, &mut lh, "200", ANSWER);
+        assert!(gh.woken.lock().unwrap().is_empty(), "no wake for a stream that is gone");
+    }
+
+    #[test]
+    fn waiters_per_key_and_worker_are_bounded_the_rest_go_upstream_counted() {
+        let (e, parking) = coalescing_env(COALESCING);
+        let (_leader, _, _) = arrive(&e, &parking, 0, 1);
+        let mut parked = Vec::new();
+        for id in 0..meshcache_core::coalesce::MAX_WAITERS_PER_KEY as u32 {
+            let (s, h, flow) = arrive(&e, &parking, 0, 10 + id);
+            assert_eq!(flow, Flow::Hold);
+            parked.push((s, h));
+        }
+        let (_s, over, flow) = arrive(&e, &parking, 0, 9999);
+        assert_eq!(flow, Flow::Continue, "past the bound: upstream at once");
+        assert_eq!(over.counts["meshcache.coalesce.overflow"], 1);
+        assert_eq!(parking.parked(), meshcache_core::coalesce::MAX_WAITERS_PER_KEY);
+        let (_s, other, flow) = arrive(&e, &parking, 1, 10_000);
+        assert_eq!(flow, Flow::Hold, "another worker has its own bound");
+        assert!(!other.counts.contains_key("meshcache.coalesce.overflow"));
+    }
+
+    #[test]
+    fn a_failed_refresh_answers_every_waiter_with_the_stale_entry() {
+        let (mut e, parking) = coalescing_env(r#"{"policies": [{"model_prefix": "m", "ttl_s": 1, "stale_if_error_s": 30, "coalesce_timeout_ms": 1000}]}"#);
+        exchange(&e, INFER, &[], &[BODY], &[ANSWER], &[]);
+        e.now += 2_000;
+        let (mut leader, mut lh, _) = arrive(&e, &parking, 0, 1);
+        let (mut w, mut h, flow) = arrive(&e, &parking, 1, 2);
+        assert_eq!(flow, Flow::Hold, "an expired entry's refresh is coalesced like a miss");
+        answer_with(&mut leader, &mut lh, "503", b"");
+        assert!(sent_status(&lh).ends_with("; fwd=stale; fwd-status=503; detail=stale-if-error"));
+        deliver(&mut w, &mut h);
+        assert_eq!(sent_status(&h), "meshcache; hit; stale; ttl=-1; fwd=stale; detail=stale-if-error; collapsed");
+        assert_eq!(h.sent.borrow().as_ref().unwrap().2, ANSWER);
+        assert_eq!((h.counts["meshcache.stale_if_error"], h.counts["meshcache.coalesce.served"]), (1, 1));
+    }
+
+    #[test]
+    fn a_grpc_origin_error_is_answered_with_the_stale_message_and_a_zero_status_trailer() {
+        let mut e = env(r#"{"policies": [{"model_prefix": "m", "ttl_s": 1, "stale_if_error_s": 30}]}"#);
+        let (miss, _) = grpc_exchange(&e, "0");
+        assert_eq!(get(&miss.resp, "cache-status").unwrap(), "meshcache; fwd=miss; stored");
+        e.now += 2_000;
+        let mut h = Fake::default();
+        h.now.set(e.now);
+        h.req = vec![(":method".into(), "POST".into()), (":path".into(), "/inference.GRPCInferenceService/ModelInfer".into()),
+                     ("content-type".into(), "application/grpc".into())];
+        let mut s = Stream::new(e.config.clone(), e.shared.clone());
+        s.on_request_headers(&mut h, false);
+        h.received = vec![framed(b"\x0a\x01m")];
+        assert_eq!(s.on_request_body(&mut h, true), Flow::Continue, "expired: forwarded");
+        h.resp = vec![(":status".into(), "200".into()), ("content-type".into(), "application/grpc".into()),
+                      ("grpc-status".into(), "14".into())];
+        assert_eq!(s.on_response_headers(&mut h, true), Flow::Hold, "the trailers-only error stops here");
+        let sent = h.sent.borrow().clone().expect("the stale answer");
+        assert_eq!(sent.2, framed(b"\x0a\x01m\x12\x011"));
+        assert!(get(&sent.1, "cache-status").unwrap().ends_with("; fwd=stale; detail=stale-if-error"));
+        assert_eq!(h.sent_trailers, vec![("grpc-status".to_string(), "0".to_string())]);
+        assert_eq!(h.counts["meshcache.stale_if_error"], 1);
+    }
 }
+
