@@ -123,7 +123,6 @@ def test_grpc_origin_unreachable_serves_stale(tmp_path: Path, host: str) -> None
         assert _grpc_code(s, infer_request("resnet-other"), ()) == grpc.StatusCode.UNAVAILABLE
 
 
-@pytest.mark.wasm_only("stale-while-revalidate: the native host forwards expired entries (no background refresh)")
 @pytest.mark.parametrize("held", [True, False], ids=["held-headers", "istio-style"])
 def test_stale_while_revalidate_answers_at_once_and_one_background_request_refreshes(
     tmp_path: Path, held: bool, host: str) -> None:
@@ -157,7 +156,6 @@ def test_stale_while_revalidate_answers_at_once_and_one_background_request_refre
         assert stats["meshcache.refresh_failures"] == 0
 
 
-@pytest.mark.wasm_only("stale-while-revalidate: the native host forwards expired entries (no background refresh)")
 def test_failed_background_refresh_forwards_the_next_request(tmp_path: Path, host: str) -> None:
     cfg = config(policy(stale_while_revalidate_s=30, stale_if_error_s=30))
     with filter_stack(tmp_path, cfg, host=host) as s, httpx.Client() as c:
@@ -180,7 +178,6 @@ def test_failed_background_refresh_forwards_the_next_request(tmp_path: Path, hos
         assert after.headers["cache-status"].endswith("; detail=stale-while-revalidate"), "lock freed again"
 
 
-@pytest.mark.wasm_only("stale-while-revalidate: the native host forwards expired entries (no background refresh)")
 def test_grpc_stale_while_revalidate(tmp_path: Path, host: str) -> None:
     with filter_stack(tmp_path, config(policy("resnet", ttl_s=1, stale_while_revalidate_s=30)), host=host) as s:
         request = infer_request("resnet-mini")

@@ -32,6 +32,7 @@ use meshcache_core::route_key;
 use meshcache_core::store::{Cache, Lifetime, Lookup, Outcome};
 use meshcache_core::storing;
 use meshcache_core::coalesce::{Join, LockTable, Release, Ticket};
+use meshcache_core::refresh::{self, Claim};
 
 use crate::park::{self, Parking, Wake};
 use crate::store::Shared;
@@ -63,6 +64,31 @@ pub trait Host {
     fn waker(&mut self) -> Option<Box<dyn Wake>>;
     /// Resumes the held request (outside the request hooks: a parked stream going upstream).
     fn resume_request(&mut self);
+    /// Sends `c`'s request again in the background to refresh its entry
+    /// (stale-while-revalidate): the answer goes to `store_refresh`, then `refresh::release`
+    /// (stored) or `refresh::failed`. False: it cannot be sent (this request refreshes instead).
+    fn refresh(&mut self, c: &Cacheable, headers: &[(String, String)], body: &[u8]) -> bool;
+}
+
+/// A background refresh's answer (`Host::refresh`) into the store, under the rules of a miss's:
+/// status 200, gRPC status 0 where its headers carry one (the callout's answer comes without its
+/// trailers: a gRPC answer is taken as one whole framed message, checked when unframed), storable
+/// per policy, within `max_entry_bytes`. Ok: stored (with what it freed on the way).
+pub fn store_refresh(shared: &Shared, limits: &meshcache_core::config::Limits, c: &Cacheable, response: &Headers,
+                     body: Vec<u8>, now_ms: u64) -> Result<Outcome, NotStored> {
+    if headermap::header(&response.pairs, ":status") != Some("200") {
+        return Err(NotStored::Status);
+    }
+    if c.grpc && headermap::header(&response.pairs, "grpc-status").map_or(false, |g| g.trim() != "0") {
+        return Err(NotStored::GrpcStatus);
+    }
+    let ttl = response::check_storable(&c.policy, &response.pairs, &response.not_utf8, now_ms)?;
+    let mut c = c.clone();
+    c.request_ms = now_ms;
+    let cache = Cache { data: shared, limits };
+    let mut out = Outcome::default();
+    storing::store_answer(&cache, &c, &response.pairs, 200, body, ttl, &mut out)?;
+    Ok(out)
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -145,6 +171,9 @@ pub struct Stream {
     place: Option<Place>,
     /// Held while this stream leads a coalesced key: released with its outcome.
     lock: Option<Ticket>,
+    /// This forwarded request refreshes the key (stale-while-revalidate without a background
+    /// request): its refresh lock is released when the stream ends.
+    refreshing: Option<meshcache_core::hashing::KeyDigest>,
 }
 
 impl Drop for Stream {
@@ -155,12 +184,15 @@ impl Drop for Stream {
             p.parking.unpark(p.queue, p.id);
         }
         self.release(Release::Retry);
+        if let Some(key) = self.refreshing.take() {
+            refresh::release(&*self.shared, &key);
+        }
     }
 }
 
 impl Stream {
     pub fn new(config: Arc<Config>, shared: Arc<Shared>) -> Stream {
-        Stream { config, shared, state: State::Pass, fallback: None, place: None, lock: None }
+        Stream { config, shared, state: State::Pass, fallback: None, place: None, lock: None, refreshing: None }
     }
 
     /// This stream coalesces identical misses, waiting at `place`.
@@ -294,9 +326,25 @@ impl Stream {
                 return self.miss(host, c);
             }
             Lookup::Stale(e, seen) => {
-                // An expired hot entry is a stampede too: its refresh is coalesced like a miss.
                 c.seen = Some(seen);
-                if self.joins_in_flight(host, &c, now) {
+                if let Some(u) = stale::stale_use(&e, &c.policy, now).filter(|u| u.while_revalidate) {
+                    match refresh::claim(&*self.shared, &c.key, now) {
+                        Claim::Busy => return self.answer_stale_while_revalidate(host, &c, &e, headers, body, u, now),
+                        Claim::Background => {
+                            if host.refresh(&c, headers, body) {
+                                host.count(metric_names::REFRESHES, 1);
+                                return self.answer_stale_while_revalidate(host, &c, &e, headers, body, u, now);
+                            }
+                            // No background request here: this request refreshes the entry.
+                            host.count(metric_names::REFRESH_FAILURES, 1);
+                            self.refreshing = Some(c.key);
+                        }
+                        Claim::Forward => self.refreshing = Some(c.key),
+                    }
+                }
+                // An expired hot entry is a stampede too: its refresh is coalesced like a miss
+                // (unless this request is the stale-while-revalidate refresh).
+                if self.refreshing.is_none() && self.joins_in_flight(host, &c, now) {
                     return self.wait(host, c, headers);
                 }
                 return self.forward_expired(host, c, e, headers, now);
@@ -312,6 +360,23 @@ impl Stream {
                   cache_status: Option<String>) {
         host.count(metric_names::HITS, 1);
         host.count(&metric_names::policy_metric(&c.policy.model_prefix, "hits"), 1);
+        self.answer_entry(host, c, request, entry, now, cache_status);
+    }
+
+    /// Stale-while-revalidate: the expired entry answers at once; its refresh is under way.
+    #[allow(clippy::too_many_arguments)]
+    fn answer_stale_while_revalidate(&mut self, host: &mut dyn Host, c: &Cacheable, entry: &Entry,
+                                     headers: &[(String, String)], body: &[u8], u: stale::StaleUse, now: u64) -> Flow {
+        host.count(metric_names::STALE_WHILE_REVALIDATE, 1);
+        let request = HitRequest { headers, body, id: &c.request_id };
+        let status = names::cache_status_stale_while_revalidate(u.past_s());
+        self.answer_entry(host, c, &request, entry, now, Some(status));
+        Flow::Stop
+    }
+
+    /// Answers the request from `entry` (a hit, or a stale answer whose `Cache-Status` says so).
+    fn answer_entry(&mut self, host: &mut dyn Host, c: &Cacheable, request: &HitRequest, entry: &Entry, now: u64,
+                    cache_status: Option<String>) {
         self.state = State::Done;
         if c.grpc {
             let mut reply = answer::grpc_hit(entry, request, now);
@@ -751,6 +816,9 @@ mod tests {
         /// Events delivered to this stream's wakers (coalescing).
         woken: Arc<std::sync::Mutex<Vec<u64>>>,
         resumed: bool,
+        /// Whether a background refresh can be sent, and the ones sent.
+        refresh_ok: bool,
+        refreshes: Vec<Cacheable>,
     }
 
     struct FakeWake(Arc<std::sync::Mutex<Vec<u64>>>);
@@ -822,6 +890,12 @@ mod tests {
         }
         fn resume_request(&mut self) {
             self.resumed = true;
+        }
+        fn refresh(&mut self, c: &Cacheable, _headers: &[(String, String)], _body: &[u8]) -> bool {
+            if self.refresh_ok {
+                self.refreshes.push(c.clone());
+            }
+            self.refresh_ok
         }
     }
 
@@ -1287,6 +1361,74 @@ mod tests {
         assert!(get(&sent.1, "cache-status").unwrap().ends_with("; fwd=stale; detail=stale-if-error"));
         assert_eq!(h.sent_trailers, vec![("grpc-status".to_string(), "0".to_string())]);
         assert_eq!(h.counts["meshcache.stale_if_error"], 1);
+    }
+
+    // ------------------------------------------------------------ stale-while-revalidate
+
+    const SWR: &str = r#"{"policies": [{"model_prefix": "m", "ttl_s": 1, "stale_while_revalidate_s": 30}]}"#;
+
+    /// A request after expiry; `refresh_ok`: whether its host can send a background refresh.
+    fn stale_request(e: &Env, refresh_ok: bool) -> (Stream, Fake, Flow) {
+        let mut h = Fake { refresh_ok, ..Fake::default() };
+        h.now.set(e.now);
+        h.req = vec![(":method".into(), "POST".into()), (":path".into(), INFER.into())];
+        let mut s = Stream::new(e.config.clone(), e.shared.clone());
+        s.on_request_headers(&mut h, false);
+        h.received = vec![BODY.to_vec()];
+        let flow = s.on_request_body(&mut h, true);
+        (s, h, flow)
+    }
+
+    fn refreshed_answer() -> Headers {
+        Headers { pairs: vec![(":status".into(), "200".into()), ("content-type".into(), "application/json".into())],
+                  not_utf8: Vec::new() }
+    }
+
+    #[test]
+    fn stale_while_revalidate_answers_at_once_and_one_background_refresh_replaces_the_entry() {
+        let mut e = env(SWR);
+        exchange(&e, INFER, &[], &[BODY], &[ANSWER], &[]);
+        e.now += 2_000;
+        let (_a, a, flow) = stale_request(&e, true);
+        assert_eq!(flow, Flow::Stop);
+        assert_eq!(sent_status(&a), "meshcache; hit; stale; ttl=-1; detail=stale-while-revalidate");
+        assert_eq!(a.sent.borrow().as_ref().unwrap().2, ANSWER);
+        assert_eq!((a.refreshes.len(), a.counts["meshcache.refreshes"], a.counts["meshcache.stale_while_revalidate"]), (1, 1, 1));
+        let (_b, b, _) = stale_request(&e, true);
+        assert!(sent_status(&b).ends_with("detail=stale-while-revalidate"));
+        assert!(b.refreshes.is_empty(), "one refresh per key at a time");
+        // The refresh's answer lands (background.rs hands it to store_refresh).
+        let limits = e.config.limits.clone();
+        let newer = br#"{"id":"a","outputs":[{"name":"y","data":[3]}]}"#.to_vec();
+        store_refresh(&e.shared, &limits, &a.refreshes[0], &refreshed_answer(), newer.clone(), e.now + 10).unwrap();
+        refresh::release(&*e.shared, &a.refreshes[0].key);
+        let (_c, c, _) = stale_request(&e, true);
+        assert!(sent_status(&c).starts_with("meshcache; hit; ttl="), "{}", sent_status(&c));
+        assert_eq!(c.sent.borrow().as_ref().unwrap().2, newer);
+    }
+
+    #[test]
+    fn a_refresh_that_cannot_be_sent_or_fails_forwards_a_request_instead() {
+        let mut e = env(SWR);
+        exchange(&e, INFER, &[], &[BODY], &[ANSWER], &[]);
+        e.now += 2_000;
+        let (forwarded, f, flow) = stale_request(&e, false);
+        assert_eq!(flow, Flow::Continue, "no background request here: this one refreshes");
+        assert_eq!(f.counts["meshcache.refresh_failures"], 1);
+        let (_b, b, _) = stale_request(&e, true);
+        assert!(sent_status(&b).ends_with("detail=stale-while-revalidate"), "the others still get the stale entry");
+        drop(forwarded); // its answer never came: the lock is free again
+        let (_c, c, _) = stale_request(&e, true);
+        assert_eq!(c.refreshes.len(), 1);
+        // A background answer that cannot be stored: the next request is forwarded.
+        let limits = e.config.limits.clone();
+        let mut failed = refreshed_answer();
+        failed.pairs[0].1 = "503".into();
+        assert!(store_refresh(&e.shared, &limits, &c.refreshes[0], &failed, b"x".to_vec(), e.now).is_err());
+        refresh::failed(&*e.shared, &c.refreshes[0].key, e.now);
+        let (_d, d, flow) = stale_request(&e, true);
+        assert_eq!(flow, Flow::Continue);
+        assert!(d.refreshes.is_empty(), "forwarded, not sent in the background");
     }
 }
 

@@ -10,6 +10,7 @@
 //! reconciles it to its limits, as the Wasm filter's root context does with shared data.
 
 pub mod abi;
+pub mod background;
 pub mod filter;
 pub mod metrics;
 pub mod park;
@@ -22,6 +23,7 @@ use std::sync::{Arc, OnceLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use abi::*;
+use background::{Background, Job};
 use filter::{Flow, Host, Place, Stream};
 use meshcache_core::coalesce::LockTable;
 use meshcache_core::config::{parse_plugin_config, Config};
@@ -88,17 +90,20 @@ struct FilterConfig {
     config: Arc<Config>,
     shared: Arc<Shared>,
     metrics: Arc<Metrics>,
+    background: Arc<Background>,
 }
 
 /// What Envoy's module pointer for a stream points at: the flow, and the stats it counts into.
 struct StreamContext {
     stream: Stream,
     metrics: Arc<Metrics>,
+    background: Arc<Background>,
 }
 
 struct EnvoyHost<'m> {
     ptr: FilterEnvoyPtr,
     metrics: &'m Metrics,
+    background: &'m Background,
 }
 
 const INLINE_CHUNKS: usize = 16;
@@ -262,13 +267,29 @@ impl Host for EnvoyHost<'_> {
         // SAFETY: as in `headers`.
         unsafe { envoy_dynamic_module_callback_http_filter_continue_decoding(self.ptr) }
     }
+
+    fn refresh(&mut self, c: &meshcache_core::request::Cacheable, headers: &[(String, String)], body: &[u8]) -> bool {
+        let mut cluster = EnvoyBuffer::EMPTY;
+        // SAFETY: as in `headers`; the name is copied out before the hook returns.
+        let cluster = unsafe {
+            if !envoy_dynamic_module_callback_http_get_cluster_name(self.ptr, &mut cluster) {
+                return false;
+            }
+            String::from_utf8_lossy(cluster.as_slice()).into_owned()
+        };
+        if cluster.is_empty() {
+            return false;
+        }
+        let headers = headers.iter().filter(|(n, _)| meshcache_core::refresh::repeats_header(n)).cloned().collect();
+        self.background.submit(Job { c: c.clone(), cluster, headers, body: body.to_vec() })
+    }
 }
 
 /// Runs a stream hook; a panic fails the stream open.
 unsafe fn with_stream(envoy: FilterEnvoyPtr, module: FilterModulePtr, f: impl FnOnce(&mut Stream, &mut EnvoyHost) -> Flow)
     -> Flow {
-    let StreamContext { stream, metrics } = &mut *(module as *mut StreamContext);
-    let mut host = EnvoyHost { ptr: envoy, metrics };
+    let StreamContext { stream, metrics, background } = &mut *(module as *mut StreamContext);
+    let mut host = EnvoyHost { ptr: envoy, metrics, background };
     match catch_unwind(AssertUnwindSafe(|| f(stream, &mut host))) {
         Ok(flow) => flow,
         Err(_) => {
@@ -316,7 +337,8 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_new(
             Cache { data: &*shared, limits: &c.limits }.reconcile(&mut Outcome::default());
             LockTable { data: &*shared }.create_slots();
             let metrics = Arc::new(Metrics::define(config_envoy, &c));
-            Box::into_raw(Box::new(FilterConfig { config: Arc::new(c), shared, metrics })) as ConfigModulePtr
+            let background = Arc::new(Background::new(config_envoy, shared.clone(), c.limits.clone(), metrics.clone()));
+            Box::into_raw(Box::new(FilterConfig { config: Arc::new(c), shared, metrics, background })) as ConfigModulePtr
         }
         Err(e) => {
             eprintln!("meshcache native filter: {}", e);
@@ -345,7 +367,8 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_new(config: ConfigM
         id: NEXT_STREAM.fetch_add(1, Ordering::Relaxed).max(1),
     };
     let stream = Stream::new(c.config.clone(), c.shared.clone()).coalescing(place);
-    Box::into_raw(Box::new(StreamContext { stream, metrics: c.metrics.clone() })) as FilterModulePtr
+    Box::into_raw(Box::new(StreamContext { stream, metrics: c.metrics.clone(), background: c.background.clone() }))
+        as FilterModulePtr
 }
 
 /// # Safety
@@ -467,8 +490,8 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_http_stream_reset(
 #[no_mangle]
 pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_scheduled(
     envoy: FilterEnvoyPtr, module: FilterModulePtr, event_id: u64) {
-    let StreamContext { stream, metrics } = &mut *(module as *mut StreamContext);
-    let mut host = EnvoyHost { ptr: envoy, metrics };
+    let StreamContext { stream, metrics, background } = &mut *(module as *mut StreamContext);
+    let mut host = EnvoyHost { ptr: envoy, metrics, background };
     if catch_unwind(AssertUnwindSafe(|| stream.on_scheduled(&mut host, event_id))).is_err() {
         // Fail open: a parked request must not stay stopped.
         stream.fail_open();
@@ -480,7 +503,31 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_scheduled(
 /// Called by Envoy.
 #[no_mangle]
 pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_scheduled(
-    _config_envoy: ConfigEnvoyPtr, _config: ConfigModulePtr, _event_id: u64) {
+    _config_envoy: ConfigEnvoyPtr, config: ConfigModulePtr, _event_id: u64) {
+    // Stale-while-revalidate refreshes the workers queued (background.rs), on the main thread.
+    if config.is_null() {
+        return;
+    }
+    let c = &*(config as *const FilterConfig);
+    let _ = catch_unwind(AssertUnwindSafe(|| c.background.on_scheduled(now_ms())));
+}
+
+/// A background refresh's answer (or its failure), on the main thread.
+///
+/// # Safety
+/// Called by Envoy with arrays valid during the call.
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_http_callout_done(
+    _config_envoy: ConfigEnvoyPtr, config: ConfigModulePtr, callout_id: u64, result: u32, headers: *const EnvoyHttpHeader,
+    headers_size: usize, chunks: *const EnvoyBuffer, chunks_size: usize) {
+    if config.is_null() {
+        return;
+    }
+    let c = &*(config as *const FilterConfig);
+    let headers = if headers.is_null() { &[][..] } else { std::slice::from_raw_parts(headers, headers_size) };
+    let chunks = if chunks.is_null() { &[][..] } else { std::slice::from_raw_parts(chunks, chunks_size) };
+    let _ = catch_unwind(AssertUnwindSafe(|| c.background.on_done(callout_id, result, headers, chunks, now_ms())));
 }
 
 /// # Safety

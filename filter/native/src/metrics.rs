@@ -58,6 +58,16 @@ impl Metrics {
         }
     }
 
+    /// `count` from config context (a config hook on the main thread).
+    ///
+    /// # Safety
+    /// `config` is the config pointer Envoy passed to the running config hook.
+    pub unsafe fn count_config(&self, config: ConfigEnvoyPtr, name: &str, n: u64) {
+        if let Some(id) = self.counters.get(name) {
+            envoy_dynamic_module_callback_http_filter_config_increment_counter(config, *id, std::ptr::null(), 0, n);
+        }
+    }
+
     /// # Safety
     /// As for `count`.
     pub unsafe fn set_gauge(&self, filter: FilterEnvoyPtr, name: &str, value: u64) {
