@@ -279,6 +279,10 @@ extern "C" {
     /// The upstream cluster of the stream's route into `result` (valid during the hook).
     pub fn envoy_dynamic_module_callback_http_get_cluster_name(filter: FilterEnvoyPtr, result: *mut EnvoyBuffer) -> bool;
 
+    /// Clears the stream's cached route, so the next filter or the router chooses it again
+    /// (1.40: one argument; its disassembly calls the decoder callbacks' route-cache clearing).
+    pub fn envoy_dynamic_module_callback_http_clear_route_cache(filter: FilterEnvoyPtr);
+
     /// Resumes a request the filter stopped (decoder callbacks' continueDecoding).
     pub fn envoy_dynamic_module_callback_http_filter_continue_decoding(filter: FilterEnvoyPtr);
 

@@ -42,6 +42,9 @@ pub trait Host {
     fn request_headers(&self) -> Headers;
     fn response_headers(&self) -> Headers;
     fn remove_request_header(&mut self, name: &str);
+    fn set_request_header(&mut self, name: &str, value: &[u8]);
+    /// The route is chosen again (after a request header the routes may match changed).
+    fn clear_route_cache(&mut self);
     fn set_response_header(&mut self, name: &str, value: &[u8]);
     /// In the response trailers hook: sets a trailer.
     fn set_response_trailer(&mut self, name: &str, value: &[u8]);
@@ -79,7 +82,7 @@ pub fn store_refresh(shared: &Shared, limits: &meshcache_core::config::Limits, c
     if headermap::header(&response.pairs, ":status") != Some("200") {
         return Err(NotStored::Status);
     }
-    if c.grpc && headermap::header(&response.pairs, "grpc-status").map_or(false, |g| g.trim() != "0") {
+    if c.grpc && headermap::header(&response.pairs, "grpc-status").is_some_and(|g| g.trim() != "0") {
         return Err(NotStored::GrpcStatus);
     }
     let ttl = response::check_storable(&c.policy, &response.pairs, &response.not_utf8, now_ms)?;
@@ -202,6 +205,11 @@ impl Stream {
     }
 
     fn bypass(&mut self, host: &mut dyn Host, why: Bypass) -> Flow {
+        if self.config.role == Role::Client {
+            // The client role only routes: no routing key, the request balances normally.
+            self.state = State::Done;
+            return Flow::Continue;
+        }
         host.count(metric_names::BYPASSES, 1);
         self.state = State::Bypass(why);
         Flow::Continue
@@ -249,9 +257,6 @@ impl Stream {
         if route_key::strip(&mut headers) {
             host.remove_request_header(names::ROUTE_KEY_HEADER);
         }
-        if self.config.role == Role::Client {
-            return Flow::Continue; // the client role (routing key) is the Wasm host's only
-        }
         let decision = {
             let method = headermap::header(&headers.pairs, ":method").unwrap_or("");
             let path = headermap::header(&headers.pairs, ":path").unwrap_or("");
@@ -263,6 +268,10 @@ impl Stream {
             HeadDecision::Buffer { source, refresh } => {
                 if end_of_stream {
                     return self.decide_request(host, &headers, &source, refresh, &[]);
+                }
+                if self.config.role == Role::Client && !self.config.hold_headers {
+                    // Routing happens when the headers continue: no body, no key.
+                    return Flow::Continue;
                 }
                 if request::request_declared_too_big(headermap::header(&headers.pairs, "content-length")) {
                     return self.bypass(host, Bypass::TooBig);
@@ -301,6 +310,9 @@ impl Stream {
         let method = headermap::header(headers, ":method").unwrap_or("");
         let path = headermap::header(headers, ":path").unwrap_or("");
         let head = RequestHead { method, path, headers, not_utf8: &request.not_utf8 };
+        if self.config.role == Role::Client {
+            return self.route(host, &head, source, refresh, body);
+        }
         // The peer identity is asked for only when the matched policy scopes by it.
         let principal = || host.peer_identity();
         let mut c = match request::key_request(&self.config, &head, source, refresh, body, principal) {
@@ -353,6 +365,19 @@ impl Stream {
         let request = HitRequest { headers, body, id: &c.request_id };
         self.answer_hit(host, &c, &request, &entry, now, None);
         Flow::Stop
+    }
+
+    /// Client role: the routing key goes on the held request headers (and the route is chosen
+    /// again, as Envoy does after a Wasm filter's header change), so the router's consistent hash
+    /// sends identical requests to one replica; nothing is looked up or stored.
+    fn route(&mut self, host: &mut dyn Host, head: &RequestHead, source: &ModelSource, refresh: bool, body: &[u8]) -> Flow {
+        self.state = State::Done;
+        if let Some(key) = route_key::route_key(&self.config, head, source, refresh, body) {
+            host.set_request_header(names::ROUTE_KEY_HEADER, key.as_bytes());
+            host.clear_route_cache();
+            host.count(metric_names::ROUTED, 1);
+        }
+        Flow::Continue
     }
 
     /// Answers from an entry (a hit; `cache_status`, when given, replaces the hit's).
@@ -819,6 +844,7 @@ mod tests {
         /// Whether a background refresh can be sent, and the ones sent.
         refresh_ok: bool,
         refreshes: Vec<Cacheable>,
+        routes_cleared: u32,
     }
 
     struct FakeWake(Arc<std::sync::Mutex<Vec<u64>>>);
@@ -847,6 +873,12 @@ mod tests {
         }
         fn remove_request_header(&mut self, name: &str) {
             self.req.retain(|(n, _)| n != name);
+        }
+        fn set_request_header(&mut self, name: &str, value: &[u8]) {
+            set(&mut self.req, name, value);
+        }
+        fn clear_route_cache(&mut self) {
+            self.routes_cleared += 1;
         }
         fn set_response_header(&mut self, name: &str, value: &[u8]) {
             set(&mut self.resp, name, value);
@@ -1429,6 +1461,34 @@ mod tests {
         let (_d, d, flow) = stale_request(&e, true);
         assert_eq!(flow, Flow::Continue);
         assert!(d.refreshes.is_empty(), "forwarded, not sent in the background");
+    }
+
+    // ------------------------------------------------------------ client role
+
+    #[test]
+    fn the_client_role_puts_a_routing_key_on_the_request_and_stores_nothing() {
+        let e = env(r#"{"role": "client", "policies": [{"model_prefix": "m", "ttl_s": 60}]}"#);
+        let key_of = |body: &[u8], forged: Option<&str>| {
+            let mut h = Fake::default();
+            h.req = vec![(":method".into(), "POST".into()), (":path".into(), INFER.into())];
+            if let Some(f) = forged {
+                h.req.push((names::ROUTE_KEY_HEADER.into(), f.into()));
+            }
+            let mut s = Stream::new(e.config.clone(), e.shared.clone());
+            assert_eq!(s.on_request_headers(&mut h, false), Flow::Hold, "the body makes the key");
+            h.received = vec![body.to_vec()];
+            assert_eq!(s.on_request_body(&mut h, true), Flow::Continue);
+            h.resp = vec![(":status".into(), "200".into())];
+            s.on_response_headers(&mut h, true);
+            assert!(get(&h.resp, "cache-status").is_none(), "the client role says nothing in answers");
+            (get(&h.req, names::ROUTE_KEY_HEADER), h.routes_cleared, h.counts.get("meshcache.routed").copied())
+        };
+        let (a, cleared, routed) = key_of(BODY, None);
+        assert!(a.is_some());
+        assert_eq!((cleared, routed), (1, Some(1)));
+        assert_eq!(key_of(&BODY.replace_id("zz"), Some("forged")).0, a, "same key for the same inference, forged key gone");
+        assert_ne!(key_of(br#"{"inputs":[{"name":"x","shape":[1],"datatype":"FP32","data":[9]}]}"#, None).0, a);
+        assert_eq!(key_of(b"{not json", None), (None, 0, None), "what the server would bypass gets no key");
     }
 }
 

@@ -181,6 +181,15 @@ impl Host for EnvoyHost<'_> {
         self.set(REQUEST_HEADER, name, None);
     }
 
+    fn set_request_header(&mut self, name: &str, value: &[u8]) {
+        self.set(REQUEST_HEADER, name, Some(value));
+    }
+
+    fn clear_route_cache(&mut self) {
+        // SAFETY: as in `headers`.
+        unsafe { envoy_dynamic_module_callback_http_clear_route_cache(self.ptr) }
+    }
+
     fn set_response_header(&mut self, name: &str, value: &[u8]) {
         self.set(RESPONSE_HEADER, name, Some(value));
     }
