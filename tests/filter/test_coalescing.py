@@ -14,7 +14,6 @@ from typing import Any, TypeVar
 
 import grpc
 import httpx
-import pytest
 
 from meshcache.contract.headers import CACHE_STATUS_COLLAPSED
 from meshcache.ctl import launchers
