@@ -31,7 +31,7 @@ use meshcache_core::names::{self, Bypass};
 use meshcache_core::route_key;
 use meshcache_core::store::{Cache, Lifetime, Lookup, Outcome};
 use meshcache_core::storing;
-use meshcache_core::coalesce::{Join, LockTable, Release, Ticket};
+use meshcache_core::coalesce::{self, AfterWait, Join, LockTable, Release, Ticket};
 use meshcache_core::refresh::{self, Claim};
 
 use crate::park::{self, Parking, Wake};
@@ -520,6 +520,7 @@ impl Stream {
         let found = cache.lookup_keeping(&c.key, now, Lifetime::of(&c.policy), &mut out);
         self.record_outcome(host, &out);
         let request = HitRequest { headers: &headers, body: &[], id: &c.request_id };
+        let after = coalesce::after_wait(&found, &c.policy, release, now, deadline);
         let (expired, seen) = match found {
             Lookup::Hit(entry) => {
                 host.count(metric_names::COALESCE_SERVED, 1);
@@ -529,8 +530,7 @@ impl Stream {
             Lookup::Stale(entry, seen) => {
                 // The leader's origin failed and the expired entry may stand in for it
                 // (stale-if-error): every waiter is answered with it at once.
-                let failed = release == Some(Release::OriginError);
-                if let Some(u) = stale::stale_use(&entry, &c.policy, now).filter(|u| failed && u.if_error) {
+                if let AfterWait::AnswerStale(u) = after {
                     host.count(metric_names::COALESCE_SERVED, 1);
                     host.count(metric_names::STALE_IF_ERROR, 1);
                     let status = names::cache_status_collapsed(&names::cache_status_stale_if_error(u.past_s(), None));
@@ -545,7 +545,7 @@ impl Stream {
             host.count(metric_names::COALESCE_RELEASED, 1);
         }
         c.seen = seen;
-        if release.is_some_and(Release::retries) && now < deadline && self.lead_or_wait(host, &c, now, deadline) {
+        if after == AfterWait::TryAgain && self.lead_or_wait(host, &c, now, deadline) {
             self.state = State::Waiting(Box::new(Waiting { c, headers, deadline }));
             return;
         }
