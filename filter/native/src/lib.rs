@@ -7,7 +7,9 @@
 //!
 //! The store is process-wide: one per Envoy process, shared by every worker and every filter
 //! config (an ECDS update replaces the config, not the cached entries); each new config
-//! reconciles it to its limits, as the Wasm filter's root context does with shared data.
+//! reconciles it to its limits, as the Wasm filter's root context does with shared data. So are
+//! the coalescing waiters' tables and their timer (park.rs); background refreshes belong to
+//! the filter config that sent them (background.rs).
 
 pub mod abi;
 pub mod background;
@@ -93,7 +95,8 @@ struct FilterConfig {
     background: Arc<Background>,
 }
 
-/// What Envoy's module pointer for a stream points at: the flow, and the stats it counts into.
+/// What Envoy's module pointer for a stream points at: the flow, the stats it counts into and
+/// its config's background refreshes.
 struct StreamContext {
     stream: Stream,
     metrics: Arc<Metrics>,
