@@ -183,6 +183,7 @@ def test_grpc_stale_while_revalidate(tmp_path: Path, host: str) -> None:
         request = infer_request("resnet-mini")
         stored_at = time.monotonic()
         first, _ = s.grpc_infer(request)
+        stored_bytes = s.stats()["meshcache.bytes"]
         _wait_past(1.2, stored_at)
         # x-origin-size (not in the key) makes the refreshed answer longer: it shows when it lands.
         stale, call = s.grpc_infer(request, (("x-origin-size", "64"),))
@@ -197,6 +198,7 @@ def test_grpc_stale_while_revalidate(tmp_path: Path, host: str) -> None:
         assert dict(call.initial_metadata())["cache-status"].startswith("meshcache; hit; ttl=")
         assert len(fresh) > len(first) and fresh[: len(b"\x0a\x0bresnet-mini")] == first[: len(b"\x0a\x0bresnet-mini")]
         assert s.origin_calls()["grpc"] == 2
+        assert s.stats()["meshcache.bytes"] > stored_bytes, "the gauges follow the refreshed entry"
 
 
 def test_window_zero_is_the_old_behaviour(tmp_path: Path, host: str) -> None:

@@ -276,6 +276,16 @@ extern "C" {
         value: u64,
     ) -> u32;
 
+    /// Sets a defined gauge from config context (the main thread; as `set_gauge`, with the
+    /// config pointer).
+    pub fn envoy_dynamic_module_callback_http_filter_config_set_gauge(
+        config: ConfigEnvoyPtr,
+        id: usize,
+        label_values: *const ModuleBuffer,
+        label_values_size: usize,
+        value: u64,
+    ) -> u32;
+
     /// The upstream cluster of the stream's route into `result` (valid during the hook).
     pub fn envoy_dynamic_module_callback_http_get_cluster_name(filter: FilterEnvoyPtr, result: *mut EnvoyBuffer) -> bool;
 

@@ -14,7 +14,7 @@ use std::collections::HashMap;
 use std::os::raw::c_void;
 use std::sync::{Arc, Mutex};
 
-use meshcache_core::config::Limits;
+use meshcache_core::config::Config;
 use meshcache_core::headermap::Headers;
 use meshcache_core::metric_names;
 use meshcache_core::refresh::{self, REFRESH_LOCKS, REFRESH_TIMEOUT_MS};
@@ -44,7 +44,7 @@ pub struct Background {
     queue: Mutex<Vec<Job>>,
     pending: Mutex<HashMap<u64, Pending>>,
     shared: Arc<Shared>,
-    limits: Limits,
+    config: Arc<Config>,
     metrics: Arc<Metrics>,
 }
 
@@ -65,10 +65,10 @@ impl Drop for Background {
 impl Background {
     /// # Safety
     /// In `on_http_filter_config_new`, with the config pointer Envoy passed to it.
-    pub unsafe fn new(config_envoy: ConfigEnvoyPtr, shared: Arc<Shared>, limits: Limits, metrics: Arc<Metrics>)
+    pub unsafe fn new(config_envoy: ConfigEnvoyPtr, shared: Arc<Shared>, config: Arc<Config>, metrics: Arc<Metrics>)
         -> Background {
         let scheduler = envoy_dynamic_module_callback_http_filter_config_scheduler_new(config_envoy);
-        Background { config_envoy, scheduler, queue: Mutex::default(), pending: Mutex::default(), shared, limits, metrics }
+        Background { config_envoy, scheduler, queue: Mutex::default(), pending: Mutex::default(), shared, config, metrics }
     }
 
     /// Queues a refresh for the main thread (any worker). False: none can be sent now.
@@ -135,18 +135,22 @@ impl Background {
             response.pairs.push((name, String::from_utf8_lossy(v).into_owned()));
         }
         let size: usize = chunks.iter().map(|c| c.length).sum();
-        let limit = self.limits.max_entry_bytes as usize + if p.c.grpc { 5 } else { 0 };
+        let limit = self.config.limits.max_entry_bytes as usize + if p.c.grpc { 5 } else { 0 };
         if size > limit {
             return self.failed(&p.c, now_ms);
         }
         let mut body = Vec::with_capacity(size);
         chunks.iter().for_each(|c| body.extend_from_slice(c.as_slice()));
-        match filter::store_refresh(&self.shared, &self.limits, &p.c, &response, body, now_ms) {
+        match filter::store_refresh(&self.shared, &self.config.limits, &p.c, &response, body, now_ms) {
             Ok(out) => {
                 self.metrics.count_config(self.config_envoy, metric_names::STORES, 1);
                 if out.evicted > 0 {
                     self.metrics.count_config(self.config_envoy, metric_names::EVICTIONS, out.evicted as u64);
                 }
+                let (metrics, config_envoy) = (&self.metrics, self.config_envoy);
+                filter::record_gauges(&self.shared, &self.config, &mut |name, value| {
+                    metrics.set_gauge_config(config_envoy, name, value)
+                });
                 refresh::release(&*self.shared, &p.c.key);
             }
             Err(_) => self.failed(&p.c, now_ms),

@@ -73,6 +73,25 @@ pub trait Host {
     fn refresh(&mut self, c: &Cacheable, headers: &[(String, String)], body: &[u8]) -> bool;
 }
 
+/// Entries and bytes, cache-wide and per policy of `config`, from the accounting record, each
+/// given to `set`. Under one lock per process: the last writer reads the newest record, so the
+/// gauges end at its value.
+pub fn record_gauges(shared: &Shared, config: &Config, set: &mut dyn FnMut(&str, u64)) {
+    let _one_at_a_time = shared.gauges.lock().unwrap_or_else(|p| p.into_inner());
+    let (meta, _) = Cache::read_only(shared).meta();
+    set(metric_names::ENTRIES, meta.entries());
+    set(metric_names::BYTES, meta.total_bytes());
+    let named: Vec<(u64, String)> =
+        config.policies.iter().map(|p| (policy_tag(&p.model_prefix), metric_names::safe_name(&p.model_prefix))).collect();
+    let got = attribute(&meta, &named);
+    set(metric_names::UNATTRIBUTED_ENTRIES, got.unattributed.0);
+    set(metric_names::UNATTRIBUTED_BYTES, got.unattributed.1);
+    for (name, (entries, bytes)) in &got.per_name {
+        set(&format!("meshcache.policy.{}.entries", name), *entries);
+        set(&format!("meshcache.policy.{}.bytes", name), *bytes);
+    }
+}
+
 /// A background refresh's answer (`Host::refresh`) into the store, under the rules of a miss's:
 /// status 200, gRPC status 0 where its headers carry one (the callout's answer comes without its
 /// trailers: a gRPC answer is taken as one whole framed message, checked when unframed), storable
@@ -232,23 +251,7 @@ impl Stream {
     /// Entries and bytes, cache-wide and per policy, from the accounting record. Under one lock
     /// per process: the last writer reads the newest record, so the gauges end at its value.
     fn record_gauges(&self, host: &mut dyn Host) {
-        let _one_at_a_time = self.shared.gauges.lock().unwrap_or_else(|p| p.into_inner());
-        let (meta, _) = Cache::read_only(&*self.shared).meta();
-        host.set_gauge(metric_names::ENTRIES, meta.entries());
-        host.set_gauge(metric_names::BYTES, meta.total_bytes());
-        let named: Vec<(u64, String)> = self
-            .config
-            .policies
-            .iter()
-            .map(|p| (policy_tag(&p.model_prefix), metric_names::safe_name(&p.model_prefix)))
-            .collect();
-        let got = attribute(&meta, &named);
-        host.set_gauge(metric_names::UNATTRIBUTED_ENTRIES, got.unattributed.0);
-        host.set_gauge(metric_names::UNATTRIBUTED_BYTES, got.unattributed.1);
-        for (name, (entries, bytes)) in &got.per_name {
-            host.set_gauge(&format!("meshcache.policy.{}.entries", name), *entries);
-            host.set_gauge(&format!("meshcache.policy.{}.bytes", name), *bytes);
-        }
+        record_gauges(&self.shared, &self.config, &mut |name, value| host.set_gauge(name, value));
     }
 
     pub fn on_request_headers(&mut self, host: &mut dyn Host, end_of_stream: bool) -> Flow {

@@ -349,8 +349,9 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_new(
             Cache { data: &*shared, limits: &c.limits }.reconcile(&mut Outcome::default());
             LockTable { data: &*shared }.create_slots();
             let metrics = Arc::new(Metrics::define(config_envoy, &c));
-            let background = Arc::new(Background::new(config_envoy, shared.clone(), c.limits.clone(), metrics.clone()));
-            Box::into_raw(Box::new(FilterConfig { config: Arc::new(c), shared, metrics, background })) as ConfigModulePtr
+            let c = Arc::new(c);
+            let background = Arc::new(Background::new(config_envoy, shared.clone(), c.clone(), metrics.clone()));
+            Box::into_raw(Box::new(FilterConfig { config: c, shared, metrics, background })) as ConfigModulePtr
         }
         Err(e) => {
             eprintln!("meshcache native filter: {}", e);

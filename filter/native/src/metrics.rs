@@ -68,6 +68,16 @@ impl Metrics {
         }
     }
 
+    /// `set_gauge` from config context (a config hook on the main thread).
+    ///
+    /// # Safety
+    /// As for `count_config`.
+    pub unsafe fn set_gauge_config(&self, config: ConfigEnvoyPtr, name: &str, value: u64) {
+        if let Some(id) = self.gauges.get(name) {
+            envoy_dynamic_module_callback_http_filter_config_set_gauge(config, *id, std::ptr::null(), 0, value);
+        }
+    }
+
     /// # Safety
     /// As for `count`.
     pub unsafe fn set_gauge(&self, filter: FilterEnvoyPtr, name: &str, value: u64) {
