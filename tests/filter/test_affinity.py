@@ -1,6 +1,8 @@
 """Cache-affinity routing through real Envoys: client sidecars run the filter in the client role
 and hash on its routing key over three server sidecars (each its own cache, strict mTLS), all in
-front of one real origin. Which replica served a request shows in that replica's own counters."""
+front of one real origin. Which replica served a request shows in that replica's own counters.
+Every test runs with both hosts of the cache core (conftest.py): the sidecars' filter is the Wasm
+filter or the native module."""
 
 from __future__ import annotations
 
@@ -16,10 +18,12 @@ from typing import Any
 
 import httpx
 import pytest
+import yaml
 
 from meshcache.contract.filter_config import client_plugin_config
 from meshcache.contract.headers import ROUTE_KEY_HEADER
-from meshcache.contract.paths import FILTER_WASM
+from meshcache.contract.native_filter import DYNAMIC_MODULE_TYPE_URL, native_filter_config
+from meshcache.contract.paths import FILTER_NATIVE, FILTER_WASM
 from meshcache.ctl import launchers, procs
 from meshcache.ctl.envoy_config import Affinity, CacheProxy, ClientSidecar, write
 from meshcache.ctl.pki import CertificateAuthority, Identity, spiffe_id
@@ -48,6 +52,7 @@ class Mesh:
     origin_port: int
     started: list[procs.Proc]
     client_admins: dict[str, int]
+    host: str = "wasm"
 
     def client_sidecar(self, who: str, replicas: list[Replica] | None = None, affinity: bool = True,
                        lb_policy: str = "RING_HASH") -> str:
@@ -60,7 +65,10 @@ class Mesh:
             affinity=Affinity(FILTER_WASM, client_plugin_config(CONFIG), lb_policy=lb_policy) if affinity else None)
         d = self.tmp / f"client-{listen}"
         d.mkdir()
-        self.started.append(launchers.start_envoy(write(sidecar, d / "envoy.yaml"), admin, d))
+        config_path = write(sidecar, d / "envoy.yaml")
+        if affinity and self.host == "native":
+            _native_client_filter(config_path, client_plugin_config(CONFIG))
+        self.started.append(launchers.start_envoy(config_path, admin, d))
         url = f"http://127.0.0.1:{listen}"
         self.client_admins[url] = admin
         return url
@@ -78,8 +86,26 @@ class Mesh:
         return int(httpx.get(f"http://127.0.0.1:{self.origin_port}/calls", timeout=5).json()["http"])
 
 
+def _native_client_filter(config_path: Path, plugin_config: dict[str, Any]) -> None:
+    """The client sidecar's filter as the native module: the sidecar config renders the Wasm
+    filter; its entry (same name, same plugin configuration) becomes the dynamic module's."""
+    doc = yaml.safe_load(config_path.read_text())
+    swapped = 0
+    for listener in doc["static_resources"]["listeners"]:
+        for chain in listener["filter_chains"]:
+            for f in chain["filters"]:
+                http_filters = f.get("typed_config", {}).get("http_filters", [])
+                for i, hf in enumerate(http_filters):
+                    if hf.get("typed_config", {}).get("@type", "").endswith(".wasm.v3.Wasm"):
+                        http_filters[i] = {"name": hf["name"], "typed_config": {
+                            "@type": DYNAMIC_MODULE_TYPE_URL, **native_filter_config(FILTER_NATIVE, plugin_config)}}
+                        swapped += 1
+    assert swapped == 1, f"expected one Wasm filter in {config_path}, found {swapped}"
+    config_path.write_text(yaml.safe_dump(doc, sort_keys=False))
+
+
 @contextlib.contextmanager
-def affinity_mesh(tmp: Path) -> Iterator[Mesh]:
+def affinity_mesh(tmp: Path, host: str = "wasm") -> Iterator[Mesh]:
     ca = CertificateAuthority.create()
     pki = tmp / "pki"
     server = ca.issue(SERVER_ID, pki, "server")
@@ -96,17 +122,18 @@ def affinity_mesh(tmp: Path) -> Iterator[Mesh]:
             port, admin = procs.free_port(), procs.free_port()
             proxy = CacheProxy(listen_port=port, admin_port=admin, http_upstream_port=http_port,
                                grpc_upstream_port=grpc_port, wasm_path=FILTER_WASM, plugin_config=CONFIG,
-                               downstream_tls=server, allowed_peers=[ALICE, BOB], node_id=f"replica-{i}")
+                               downstream_tls=server, allowed_peers=[ALICE, BOB], node_id=f"replica-{i}",
+                               native_module=FILTER_NATIVE if host == "native" else None)
             d = tmp / f"replica-{i}"
             d.mkdir()
             started.append(launchers.start_envoy(write(proxy, d / "envoy.yaml"), admin, d))
             replicas.append(Replica(port, admin))
-        yield Mesh(tmp, replicas, ca, identities, http_port, started, {})
+        yield Mesh(tmp, replicas, ca, identities, http_port, started, {}, host)
 
 
 @pytest.fixture
-def mesh(tmp_path: Path) -> Iterator[Mesh]:
-    with affinity_mesh(tmp_path) as m:
+def mesh(tmp_path: Path, host: str) -> Iterator[Mesh]:
+    with affinity_mesh(tmp_path, host) as m:
         yield m
 
 

@@ -14,7 +14,6 @@ from typing import Any, TypeVar
 
 import grpc
 import httpx
-import pytest
 
 from meshcache.contract.headers import CACHE_STATUS_COLLAPSED
 from meshcache.ctl import launchers
@@ -79,7 +78,6 @@ def coalescing(**fields: Any) -> dict[str, Any]:
     return config(policy("m", **fields), policy("resnet", **fields))
 
 
-@pytest.mark.wasm_only("request coalescing: the native host sends identical misses upstream each")
 def test_32_identical_http_misses_make_one_origin_call_on_both_workers(tmp_path: Path, host: str) -> None:
     with filter_stack(tmp_path, coalescing(coalesce_timeout_ms=10_000), concurrency=2, host=host) as s:
         answers = at_once(32, posts(s, body(), {"x-origin-delay": "1.5"}))
@@ -97,7 +95,6 @@ def test_32_identical_http_misses_make_one_origin_call_on_both_workers(tmp_path:
         assert post(s, body()).headers["cache-status"].startswith("meshcache; hit; ttl=")
 
 
-@pytest.mark.wasm_only("request coalescing: the native host sends identical misses upstream each")
 def test_32_identical_grpc_misses_make_one_origin_call(tmp_path: Path, host: str) -> None:
     with filter_stack(tmp_path, coalescing(coalesce_timeout_ms=10_000), concurrency=2, host=host) as s:
         answers = at_once(32, grpc_calls(s, lambda i: infer_request("resnet-mini"), (("x-origin-delay", "1.5"),)))
@@ -110,7 +107,6 @@ def test_32_identical_grpc_misses_make_one_origin_call(tmp_path: Path, host: str
         assert s.stats()["meshcache.coalesce.served"] == 31
 
 
-@pytest.mark.wasm_only("request coalescing: the native host sends identical misses upstream each")
 def test_grpc_waiters_keep_their_own_request_ids(tmp_path: Path, host: str) -> None:
     with filter_stack(tmp_path, coalescing(), concurrency=2, host=host) as s:
         answers = at_once(8, grpc_calls(s, lambda i: infer_request("resnet-mini", request_id=b"id-%d" % i),
@@ -121,7 +117,6 @@ def test_grpc_waiters_keep_their_own_request_ids(tmp_path: Path, host: str) -> N
         assert s.origin_calls()["grpc"] == 1
 
 
-@pytest.mark.wasm_only("request coalescing: the native host sends identical misses upstream each")
 def test_a_waiter_gives_up_after_coalesce_timeout_ms_and_goes_upstream(tmp_path: Path, host: str) -> None:
     with filter_stack(tmp_path, coalescing(coalesce_timeout_ms=200), concurrency=2, host=host) as s:
         answers = at_once(4, posts(s, body(1), {"x-origin-delay": "1.5"}))
@@ -134,7 +129,6 @@ def test_a_waiter_gives_up_after_coalesce_timeout_ms_and_goes_upstream(tmp_path:
         assert stats["meshcache.coalesce.served"] == 0
 
 
-@pytest.mark.wasm_only("request coalescing: the native host sends identical misses upstream each")
 def test_leader_failure_hands_over_to_one_new_leader_and_waiters_are_answered(tmp_path: Path, host: str) -> None:
     with filter_stack(tmp_path, coalescing(), concurrency=2, host=host) as s:
         headers = {"x-origin-delay": "1", "x-origin-fail-first": "leader"}
@@ -149,7 +143,6 @@ def test_leader_failure_hands_over_to_one_new_leader_and_waiters_are_answered(tm
         assert stats["meshcache.coalesce.released"] >= 15 and stats["meshcache.coalesce.served"] == 14
 
 
-@pytest.mark.wasm_only("request coalescing: the native host sends identical misses upstream each")
 def test_grpc_leader_failure_is_retried_by_one_waiter(tmp_path: Path, host: str) -> None:
     with filter_stack(tmp_path, coalescing(), concurrency=2, host=host) as s:
         meta = (("x-origin-delay", "1"), ("x-origin-fail-first", "grpc-leader"))
@@ -168,7 +161,6 @@ def test_grpc_leader_failure_is_retried_by_one_waiter(tmp_path: Path, host: str)
         assert s.origin_calls()["grpc"] == 2
 
 
-@pytest.mark.wasm_only("request coalescing: the native host sends identical misses upstream each")
 def test_an_uncacheable_answer_sends_every_waiter_upstream(tmp_path: Path, host: str) -> None:
     with filter_stack(tmp_path, coalescing(), concurrency=2, host=host) as s:
         answers = at_once(6, posts(s, body(3), {"x-origin-delay": "1", "x-origin-cache-control": "no-store"}))
@@ -179,7 +171,6 @@ def test_an_uncacheable_answer_sends_every_waiter_upstream(tmp_path: Path, host:
         assert stats["meshcache.coalesce.released"] == stats["meshcache.coalesce.waits"] == 5
 
 
-@pytest.mark.wasm_only("request coalescing: the native host sends identical misses upstream each")
 def test_a_leader_whose_client_goes_away_releases_its_waiters(tmp_path: Path, host: str) -> None:
     with filter_stack(tmp_path, coalescing(), concurrency=2, host=host) as s:
         headers = {"x-origin-delay": "1.5"}
@@ -201,7 +192,6 @@ def _gives_up(s: Stack, content: bytes, headers: dict[str, str]) -> None:
     raise AssertionError("the leader was expected to time out on the client side")
 
 
-@pytest.mark.wasm_only("request coalescing: the native host sends identical misses upstream each")
 def test_without_held_headers_waiters_are_answered_too(tmp_path: Path, host: str) -> None:
     """Istio's WasmPlugin mode: the request headers have gone upstream; waiters pause their body
     and are answered by a local reply (Envoy resets their started upstream requests), HTTP and
@@ -239,7 +229,6 @@ def test_distinct_keys_are_not_coalesced(tmp_path: Path, host: str) -> None:
         assert s.stats()["meshcache.coalesce.waits"] == 0
 
 
-@pytest.mark.wasm_only("request coalescing: the native host sends identical misses upstream each")
 def test_waiters_past_the_per_key_bound_go_upstream_and_are_counted(tmp_path: Path, host: str) -> None:
     """An attacker (or a stampede) sending many identical requests cannot park more than the
     bound per key and worker: the rest go upstream at once, counted as overflow."""
@@ -256,7 +245,6 @@ def test_waiters_past_the_per_key_bound_go_upstream_and_are_counted(tmp_path: Pa
         assert stats["meshcache.coalesce.served"] == waits
 
 
-@pytest.mark.wasm_only("request coalescing: the native host sends identical misses upstream each")
 def test_an_expired_hot_entry_is_refreshed_by_one_request(tmp_path: Path, host: str) -> None:
     """A popular entry's expiry is a stampede too: its refresh is coalesced like a miss."""
     with filter_stack(tmp_path, coalescing(), concurrency=2, host=host) as s:
@@ -268,7 +256,6 @@ def test_an_expired_hot_entry_is_refreshed_by_one_request(tmp_path: Path, host: 
         assert s.origin_calls()["http"] == 2
 
 
-@pytest.mark.wasm_only("request coalescing: the native host sends identical misses upstream each")
 def test_when_the_refresh_fails_every_waiter_gets_the_stale_entry(tmp_path: Path, host: str) -> None:
     """stale-if-error with coalescing: the one request that went upstream met the origin's 503
     and was answered from the expired entry; its waiters are answered from it too."""
@@ -287,7 +274,6 @@ def test_when_the_refresh_fails_every_waiter_gets_the_stale_entry(tmp_path: Path
         assert (stats["meshcache.stale_if_error"], stats["meshcache.coalesce.served"]) == (8, 7)
 
 
-@pytest.mark.wasm_only("request coalescing: the native host sends identical misses upstream each")
 def test_grpc_waiters_get_the_stale_message_when_the_refresh_fails(tmp_path: Path, host: str) -> None:
     with filter_stack(tmp_path, config(policy("resnet", ttl_s=1, stale_if_error_s=30)), concurrency=2, host=host) as s:
         request = infer_request("resnet-mini")

@@ -14,8 +14,10 @@
 //! queue the slot listed; each worker then resumes its own waiters for that key.
 
 use crate::cache_control::NotStored;
+use crate::config::Policy;
 use crate::hashing::KeyDigest;
-use crate::store::SharedData;
+use crate::stale::{self, StaleUse};
+use crate::store::{Lookup, SharedData};
 use std::collections::HashMap;
 
 pub const LOCK_SLOTS: u32 = 1024;
@@ -101,6 +103,37 @@ impl Release {
         } else {
             Release::Uncacheable
         }
+    }
+}
+
+/// What a waiter does when it leaves the wait, from what its own lookup then found (both hosts).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AfterWait {
+    /// The leader's entry is there: answer from it (`collapsed`).
+    Answer,
+    /// The leader's origin failed and the expired entry may stand in for it (stale-if-error):
+    /// answer from it at once.
+    AnswerStale(StaleUse),
+    /// The leader failed in a way another try may not: lead or wait again (within its deadline).
+    TryAgain,
+    /// Go upstream itself (forwarding an expired entry the lookup found).
+    Upstream,
+}
+
+/// `release`: the leader's outcome (None: the waiter timed out at `deadline_ms`).
+pub fn after_wait(found: &Lookup, policy: &Policy, release: Option<Release>, now_ms: u64, deadline_ms: u64) -> AfterWait {
+    if let Lookup::Hit(_) = found {
+        return AfterWait::Answer;
+    }
+    if let (Lookup::Stale(entry, _), Some(Release::OriginError)) = (found, release) {
+        if let Some(u) = stale::stale_use(entry, policy, now_ms).filter(|u| u.if_error) {
+            return AfterWait::AnswerStale(u);
+        }
+    }
+    if release.map_or(false, Release::retries) && now_ms < deadline_ms {
+        AfterWait::TryAgain
+    } else {
+        AfterWait::Upstream
     }
 }
 
@@ -409,6 +442,31 @@ mod tests {
         let untouched = LockTable { data: &bare };
         assert_eq!(untouched.join(&key(5), 1, 1, 0, 1000), Join::Unavailable);
         assert_eq!(bare.keys(), 0, "nothing written without the table");
+    }
+
+    #[test]
+    fn after_the_wait_a_hit_answers_an_origin_error_answers_stale_failures_retry_within_the_deadline() {
+        use crate::config::parse_plugin_config;
+        use crate::entry::{sample, Entry};
+        use crate::store::SlotSeen;
+        let policy = parse_plugin_config(br#"{"policies": [{"model_prefix": "m", "ttl_s": 10, "stale_if_error_s": 5}]}"#)
+            .unwrap().policies.remove(0);
+        let expired = Entry { stale_if_error_s: 60, ..sample(1, b"{}", 1_000) };
+        let seen = SlotSeen { len: 0, cas: 1, policy: 0 };
+        let stale = Lookup::Stale(expired.clone(), seen);
+        let miss = Lookup::Miss(None);
+        assert_eq!(after_wait(&Lookup::Hit(expired.clone()), &policy, None, 2_000, 0), AfterWait::Answer, "even after a timeout");
+        match after_wait(&stale, &policy, Some(Release::OriginError), 2_000, 9_000) {
+            AfterWait::AnswerStale(u) => assert_eq!(u.past_s(), 1),
+            other => panic!("{:?}", other),
+        }
+        assert_eq!(after_wait(&stale, &policy, Some(Release::OriginError), 7_000, 9_000), AfterWait::TryAgain,
+                   "past the policy's window: the origin error is retried like any");
+        assert_eq!(after_wait(&stale, &policy, Some(Release::Retry), 2_000, 9_000), AfterWait::TryAgain);
+        assert_eq!(after_wait(&miss, &policy, Some(Release::Retry), 9_000, 9_000), AfterWait::Upstream, "deadline passed");
+        assert_eq!(after_wait(&miss, &policy, Some(Release::Uncacheable), 2_000, 9_000), AfterWait::Upstream);
+        assert_eq!(after_wait(&miss, &policy, Some(Release::Stored), 2_000, 9_000), AfterWait::Upstream, "stored, then evicted");
+        assert_eq!(after_wait(&miss, &policy, None, 2_000, 9_000), AfterWait::Upstream, "timed out");
     }
 
     #[test]

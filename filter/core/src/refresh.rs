@@ -17,6 +17,18 @@ pub const REFRESH_TIMEOUT_MS: u64 = 30_000;
 /// After a failed background refresh, how long the lock waits for a client request to forward.
 pub const FORWARD_WINDOW_MS: u64 = 30_000;
 
+/// Request headers a background refresh repeats (both hosts): all but per-connection ones,
+/// conditionals and cache directives (a refresh wants the whole, storable answer), and Envoy's
+/// and ours.
+pub fn repeats_header(name: &str) -> bool {
+    !(matches!(
+        name,
+        "content-length" | "transfer-encoding" | "connection" | "keep-alive" | "upgrade" | "proxy-connection"
+            | "expect" | "if-none-match" | "if-modified-since" | "cache-control" | "pragma"
+    ) || name.starts_with("x-envoy-")
+        || name.starts_with("x-meshcache-"))
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Mode {
     /// A background request is in flight (or being sent).
@@ -151,6 +163,16 @@ mod tests {
         assert_eq!(claim(&data, &a, 13), Claim::Background, "then background again");
         failed(&data, &a, 20);
         assert_eq!(claim(&data, &key(2, 9), 20 + FORWARD_WINDOW_MS), Claim::Background, "unused forward expires");
+    }
+
+    #[test]
+    fn a_refresh_repeats_the_request_but_not_its_conditions_or_hop_headers() {
+        for n in [":path", ":authority", "content-type", "x-model-id", "te"] {
+            assert!(repeats_header(n), "{}", n);
+        }
+        for n in ["content-length", "if-none-match", "cache-control", "x-envoy-expected-rq-timeout-ms", "x-meshcache-route-key"] {
+            assert!(!repeats_header(n), "{}", n);
+        }
     }
 
     #[test]

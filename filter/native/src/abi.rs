@@ -107,6 +107,9 @@ pub const TRAILERS_CONTINUE: u32 = 0;
 // 1.40's get_attribute_string switches over ids 0..=41).
 pub const ATTRIBUTE_CONNECTION_URI_SAN_PEER_CERTIFICATE: u32 = 37;
 
+// envoy_dynamic_module_type_http_callout_init_result / _http_callout_result: success
+pub const CALLOUT_SUCCESS: u32 = 0;
+
 // envoy_dynamic_module_type_metrics_result
 pub const METRICS_SUCCESS: u32 = 0;
 
@@ -231,6 +234,70 @@ extern "C" {
         attribute_id: u32,
         result: *mut EnvoyBuffer,
     ) -> bool;
+
+    /// A scheduler for this stream: `scheduler_commit` from any thread delivers
+    /// `on_http_filter_scheduled` on the stream's worker. In 1.40 the handle holds only a weak
+    /// reference to the stream (its disassembly copies the filter's weak pointer into a 16-byte
+    /// object), so a commit after the stream is gone does nothing; the module owns the handle
+    /// and deletes it (`scheduler_delete`) from any thread.
+    pub fn envoy_dynamic_module_callback_http_filter_scheduler_new(filter: FilterEnvoyPtr) -> *mut c_void;
+    pub fn envoy_dynamic_module_callback_http_filter_scheduler_commit(scheduler: *mut c_void, event_id: u64);
+    pub fn envoy_dynamic_module_callback_http_filter_scheduler_delete(scheduler: *mut c_void);
+
+    /// The same scheduler for a filter config: commits post to Envoy's main thread, which runs
+    /// `on_http_filter_config_scheduled` (1.40: the handle holds a weak reference to the
+    /// config, read off its disassembly like the stream's).
+    pub fn envoy_dynamic_module_callback_http_filter_config_scheduler_new(config: ConfigEnvoyPtr) -> *mut c_void;
+    pub fn envoy_dynamic_module_callback_http_filter_config_scheduler_commit(scheduler: *mut c_void, event_id: u64);
+    pub fn envoy_dynamic_module_callback_http_filter_config_scheduler_delete(scheduler: *mut c_void);
+
+    /// An HTTP request the filter config sends itself (not tied to a stream: it outlives the
+    /// request that asked for it), answered by `on_http_filter_config_http_callout_done` with
+    /// the callout id written to `callout_id`. Main thread only (Envoy keeps the config's
+    /// callouts in an unlocked map). 1.40, from its disassembly: cluster and body are buffers
+    /// by value, the body's pair and the u64 timeout on the stack; `:path`, `:method` and
+    /// `:authority` are required; Envoy sets content-length.
+    pub fn envoy_dynamic_module_callback_http_filter_config_http_callout(
+        config: ConfigEnvoyPtr,
+        callout_id: *mut u64,
+        cluster: ModuleBuffer,
+        headers: *const ModuleHttpHeader,
+        headers_size: usize,
+        body: ModuleBuffer,
+        timeout_ms: u64,
+    ) -> u32;
+
+    /// Adds to a defined counter from config context (the main thread).
+    pub fn envoy_dynamic_module_callback_http_filter_config_increment_counter(
+        config: ConfigEnvoyPtr,
+        id: usize,
+        label_values: *const ModuleBuffer,
+        label_values_size: usize,
+        value: u64,
+    ) -> u32;
+
+    /// Sets a defined gauge from config context (the main thread; as `set_gauge`, with the
+    /// config pointer).
+    pub fn envoy_dynamic_module_callback_http_filter_config_set_gauge(
+        config: ConfigEnvoyPtr,
+        id: usize,
+        label_values: *const ModuleBuffer,
+        label_values_size: usize,
+        value: u64,
+    ) -> u32;
+
+    /// The upstream cluster of the stream's route into `result` (valid during the hook).
+    pub fn envoy_dynamic_module_callback_http_get_cluster_name(filter: FilterEnvoyPtr, result: *mut EnvoyBuffer) -> bool;
+
+    /// Clears the stream's cached route, so the next filter or the router chooses it again
+    /// (1.40: one argument; its disassembly calls the decoder callbacks' route-cache clearing).
+    pub fn envoy_dynamic_module_callback_http_clear_route_cache(filter: FilterEnvoyPtr);
+
+    /// Resumes a request the filter stopped (decoder callbacks' continueDecoding).
+    pub fn envoy_dynamic_module_callback_http_filter_continue_decoding(filter: FilterEnvoyPtr);
+
+    /// The index of the worker running this stream (0-based; 1.40 returns a u32 field).
+    pub fn envoy_dynamic_module_callback_http_filter_get_worker_index(filter: FilterEnvoyPtr) -> u32;
 
     /// Response trailers (encodeTrailers), ending the stream.
     pub fn envoy_dynamic_module_callback_http_send_response_trailers(

@@ -5,11 +5,12 @@
 //! The stream talks to Envoy only through `Host` (lib.rs implements it over the dynamic-module
 //! ABI; the tests below over a fake). gRPC hits are answered in one pass with headers, the
 //! framed message and a `grpc-status: 0` trailer (no hit route or Lua step, unlike the Wasm
-//! host); HTTP stale-if-error answers an origin error with the expired entry. What this host
-//! does not do yet answers as the Wasm host does when the feature is off: the client role
-//! passes untouched (no routing key), requests are not coalesced, gRPC stale-if-error and
-//! stale-while-revalidate are not served (the request is forwarded and its answer replaces the
-//! entry).
+//! host); stale-if-error answers an origin error (HTTP or gRPC) with the expired entry.
+//! Identical misses are coalesced by the core's rules (`coalesce::LockTable`): waiters park
+//! (`park.rs`) and are woken by their leader's outcome or their timeout through Envoy's
+//! scheduler. What this host does not do yet answers as the Wasm host does when the feature is
+//! off: the client role passes untouched (no routing key), stale-while-revalidate is not served
+//! (the request is forwarded and its answer replaces the entry).
 
 use std::sync::Arc;
 
@@ -30,7 +31,10 @@ use meshcache_core::names::{self, Bypass};
 use meshcache_core::route_key;
 use meshcache_core::store::{Cache, Lifetime, Lookup, Outcome};
 use meshcache_core::storing;
+use meshcache_core::coalesce::{self, AfterWait, Join, LockTable, Release, Ticket};
+use meshcache_core::refresh::{self, Claim};
 
+use crate::park::{self, Parking, Wake};
 use crate::store::Shared;
 
 /// What the filter needs from its proxy for one stream.
@@ -38,6 +42,9 @@ pub trait Host {
     fn request_headers(&self) -> Headers;
     fn response_headers(&self) -> Headers;
     fn remove_request_header(&mut self, name: &str);
+    fn set_request_header(&mut self, name: &str, value: &[u8]);
+    /// The route is chosen again (after a request header the routes may match changed).
+    fn clear_route_cache(&mut self);
     fn set_response_header(&mut self, name: &str, value: &[u8]);
     /// In the response trailers hook: sets a trailer.
     fn set_response_trailer(&mut self, name: &str, value: &[u8]);
@@ -56,6 +63,54 @@ pub trait Host {
     /// Adds to a counter (`meshcache_core::metric_names`).
     fn count(&mut self, name: &str, n: u64);
     fn set_gauge(&mut self, name: &str, value: u64);
+    /// What wakes this stream once it is parked (coalescing); None: it cannot wait.
+    fn waker(&mut self) -> Option<Box<dyn Wake>>;
+    /// Resumes the held request (outside the request hooks: a parked stream going upstream).
+    fn resume_request(&mut self);
+    /// Sends `c`'s request again in the background to refresh its entry
+    /// (stale-while-revalidate): the answer goes to `store_refresh`, then `refresh::release`
+    /// (stored) or `refresh::failed`. False: it cannot be sent (this request refreshes instead).
+    fn refresh(&mut self, c: &Cacheable, headers: &[(String, String)], body: &[u8]) -> bool;
+}
+
+/// Entries and bytes, cache-wide and per policy of `config`, from the accounting record, each
+/// given to `set`. Under one lock per process: the last writer reads the newest record, so the
+/// gauges end at its value.
+pub fn record_gauges(shared: &Shared, config: &Config, set: &mut dyn FnMut(&str, u64)) {
+    let _one_at_a_time = shared.gauges.lock().unwrap_or_else(|p| p.into_inner());
+    let (meta, _) = Cache::read_only(shared).meta();
+    set(metric_names::ENTRIES, meta.entries());
+    set(metric_names::BYTES, meta.total_bytes());
+    let named: Vec<(u64, String)> =
+        config.policies.iter().map(|p| (policy_tag(&p.model_prefix), metric_names::safe_name(&p.model_prefix))).collect();
+    let got = attribute(&meta, &named);
+    set(metric_names::UNATTRIBUTED_ENTRIES, got.unattributed.0);
+    set(metric_names::UNATTRIBUTED_BYTES, got.unattributed.1);
+    for (name, (entries, bytes)) in &got.per_name {
+        set(&format!("meshcache.policy.{}.entries", name), *entries);
+        set(&format!("meshcache.policy.{}.bytes", name), *bytes);
+    }
+}
+
+/// A background refresh's answer (`Host::refresh`) into the store, under the rules of a miss's:
+/// status 200, gRPC status 0 where its headers carry one (the callout's answer comes without its
+/// trailers: a gRPC answer is taken as one whole framed message, checked when unframed), storable
+/// per policy, within `max_entry_bytes`. Ok: stored (with what it freed on the way).
+pub fn store_refresh(shared: &Shared, limits: &meshcache_core::config::Limits, c: &Cacheable, response: &Headers,
+                     body: Vec<u8>, now_ms: u64) -> Result<Outcome, NotStored> {
+    if headermap::header(&response.pairs, ":status") != Some("200") {
+        return Err(NotStored::Status);
+    }
+    if c.grpc && headermap::header(&response.pairs, "grpc-status").is_some_and(|g| g.trim() != "0") {
+        return Err(NotStored::GrpcStatus);
+    }
+    let ttl = response::check_storable(&c.policy, &response.pairs, &response.not_utf8, now_ms)?;
+    let mut c = c.clone();
+    c.request_ms = now_ms;
+    let cache = Cache { data: shared, limits };
+    let mut out = Outcome::default();
+    storing::store_answer(&cache, &c, &response.pairs, 200, body, ttl, &mut out)?;
+    Ok(out)
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -95,8 +150,26 @@ enum State {
     Bypass(Bypass),
     Buffering { source: ModelSource, refresh: bool, headers: Headers, seen: usize },
     Miss(Box<Cacheable>),
+    /// Parked while an identical request is in flight (request coalescing).
+    Waiting(Box<Waiting>),
     Collect(Box<Collecting>),
     Done,
+}
+
+struct Waiting {
+    c: Cacheable,
+    /// Request headers, for the answer (If-None-Match).
+    headers: Vec<(String, String)>,
+    /// When it stops waiting (`coalesce_timeout_ms` after it first parked).
+    deadline: u64,
+}
+
+/// Where this stream waits when it coalesces: the process's parking, its worker's queue and
+/// its own id there.
+pub struct Place {
+    pub parking: Arc<Parking>,
+    pub queue: u32,
+    pub id: u32,
 }
 
 /// An expired entry a forwarded HTTP request may be answered with if the origin fails
@@ -107,21 +180,55 @@ struct Fallback {
     /// Request headers and id, for the answer (If-None-Match, the caller's id).
     headers: Vec<(String, String)>,
     id: RequestId,
+    grpc: bool,
 }
+
 
 pub struct Stream {
     config: Arc<Config>,
     shared: Arc<Shared>,
     state: State,
     fallback: Option<Box<Fallback>>,
+    /// None: this stream never coalesces.
+    place: Option<Place>,
+    /// Held while this stream leads a coalesced key: released with its outcome.
+    lock: Option<Ticket>,
+    /// This forwarded request refreshes the key (stale-while-revalidate without a background
+    /// request): its refresh lock is released when the stream ends.
+    refreshing: Option<meshcache_core::hashing::KeyDigest>,
+}
+
+impl Drop for Stream {
+    /// A stream that ends parked leaves its table; a leader that ends without an answer (reset,
+    /// client gone) hands its key on: its waiters try again.
+    fn drop(&mut self) {
+        if let Some(p) = &self.place {
+            p.parking.unpark(p.queue, p.id);
+        }
+        self.release(Release::Retry);
+        if let Some(key) = self.refreshing.take() {
+            refresh::release(&*self.shared, &key);
+        }
+    }
 }
 
 impl Stream {
     pub fn new(config: Arc<Config>, shared: Arc<Shared>) -> Stream {
-        Stream { config, shared, state: State::Pass, fallback: None }
+        Stream { config, shared, state: State::Pass, fallback: None, place: None, lock: None, refreshing: None }
+    }
+
+    /// This stream coalesces identical misses, waiting at `place`.
+    pub fn coalescing(mut self, place: Place) -> Stream {
+        self.place = Some(place);
+        self
     }
 
     fn bypass(&mut self, host: &mut dyn Host, why: Bypass) -> Flow {
+        if self.config.role == Role::Client {
+            // The client role only routes: no routing key, the request balances normally.
+            self.state = State::Done;
+            return Flow::Continue;
+        }
         host.count(metric_names::BYPASSES, 1);
         self.state = State::Bypass(why);
         Flow::Continue
@@ -144,23 +251,7 @@ impl Stream {
     /// Entries and bytes, cache-wide and per policy, from the accounting record. Under one lock
     /// per process: the last writer reads the newest record, so the gauges end at its value.
     fn record_gauges(&self, host: &mut dyn Host) {
-        let _one_at_a_time = self.shared.gauges.lock().unwrap_or_else(|p| p.into_inner());
-        let (meta, _) = Cache::read_only(&*self.shared).meta();
-        host.set_gauge(metric_names::ENTRIES, meta.entries());
-        host.set_gauge(metric_names::BYTES, meta.total_bytes());
-        let named: Vec<(u64, String)> = self
-            .config
-            .policies
-            .iter()
-            .map(|p| (policy_tag(&p.model_prefix), metric_names::safe_name(&p.model_prefix)))
-            .collect();
-        let got = attribute(&meta, &named);
-        host.set_gauge(metric_names::UNATTRIBUTED_ENTRIES, got.unattributed.0);
-        host.set_gauge(metric_names::UNATTRIBUTED_BYTES, got.unattributed.1);
-        for (name, (entries, bytes)) in &got.per_name {
-            host.set_gauge(&format!("meshcache.policy.{}.entries", name), *entries);
-            host.set_gauge(&format!("meshcache.policy.{}.bytes", name), *bytes);
-        }
+        record_gauges(&self.shared, &self.config, &mut |name, value| host.set_gauge(name, value));
     }
 
     pub fn on_request_headers(&mut self, host: &mut dyn Host, end_of_stream: bool) -> Flow {
@@ -168,9 +259,6 @@ impl Stream {
         // A routing key the caller sent is dropped before anything reads the headers.
         if route_key::strip(&mut headers) {
             host.remove_request_header(names::ROUTE_KEY_HEADER);
-        }
-        if self.config.role == Role::Client {
-            return Flow::Continue; // the client role (routing key) is the Wasm host's only
         }
         let decision = {
             let method = headermap::header(&headers.pairs, ":method").unwrap_or("");
@@ -183,6 +271,10 @@ impl Stream {
             HeadDecision::Buffer { source, refresh } => {
                 if end_of_stream {
                     return self.decide_request(host, &headers, &source, refresh, &[]);
+                }
+                if self.config.role == Role::Client && !self.config.hold_headers {
+                    // Routing happens when the headers continue: no body, no key.
+                    return Flow::Continue;
                 }
                 if request::request_declared_too_big(headermap::header(&headers.pairs, "content-length")) {
                     return self.bypass(host, Bypass::TooBig);
@@ -221,6 +313,9 @@ impl Stream {
         let method = headermap::header(headers, ":method").unwrap_or("");
         let path = headermap::header(headers, ":path").unwrap_or("");
         let head = RequestHead { method, path, headers, not_utf8: &request.not_utf8 };
+        if self.config.role == Role::Client {
+            return self.route(host, &head, source, refresh, body);
+        }
         // The peer identity is asked for only when the matched policy scopes by it.
         let principal = || host.peer_identity();
         let mut c = match request::key_request(&self.config, &head, source, refresh, body, principal) {
@@ -240,35 +335,232 @@ impl Stream {
             Lookup::Hit(e) => e,
             Lookup::Miss(seen) => {
                 c.seen = seen;
-                return self.miss(host, c);
-            }
-            Lookup::Stale(e, seen) => {
-                // Forwarded; a fresh answer replaces the expired entry where it is. If
-                // stale-if-error may use the entry (HTTP only here), it stands by.
-                c.seen = Some(seen);
-                let if_error = stale::stale_use(&e, &c.policy, now).map_or(false, |u| u.if_error);
-                if if_error && !c.grpc {
-                    let fallback = Fallback { entry: e, policy: c.policy.clone(), headers: headers.to_vec(), id: c.request_id.clone() };
-                    self.fallback = Some(Box::new(fallback));
+                if self.joins_in_flight(host, &c, now) {
+                    return self.wait(host, c, headers);
                 }
                 return self.miss(host, c);
             }
+            Lookup::Stale(e, seen) => {
+                c.seen = Some(seen);
+                if let Some(u) = stale::stale_use(&e, &c.policy, now).filter(|u| u.while_revalidate) {
+                    match refresh::claim(&*self.shared, &c.key, now) {
+                        Claim::Busy => return self.answer_stale_while_revalidate(host, &c, &e, headers, body, u, now),
+                        Claim::Background => {
+                            if host.refresh(&c, headers, body) {
+                                host.count(metric_names::REFRESHES, 1);
+                                return self.answer_stale_while_revalidate(host, &c, &e, headers, body, u, now);
+                            }
+                            // No background request here: this request refreshes the entry.
+                            host.count(metric_names::REFRESH_FAILURES, 1);
+                            self.refreshing = Some(c.key);
+                        }
+                        Claim::Forward => self.refreshing = Some(c.key),
+                    }
+                }
+                // An expired hot entry is a stampede too: its refresh is coalesced like a miss
+                // (unless this request is the stale-while-revalidate refresh).
+                if self.refreshing.is_none() && self.joins_in_flight(host, &c, now) {
+                    return self.wait(host, c, headers);
+                }
+                return self.forward_expired(host, c, e, headers, now);
+            }
         };
+        let request = HitRequest { headers, body, id: &c.request_id };
+        self.answer_hit(host, &c, &request, &entry, now, None);
+        Flow::Stop
+    }
+
+    /// Client role: the routing key goes on the held request headers (and the route is chosen
+    /// again, as Envoy does after a Wasm filter's header change), so the router's consistent hash
+    /// sends identical requests to one replica; nothing is looked up or stored.
+    fn route(&mut self, host: &mut dyn Host, head: &RequestHead, source: &ModelSource, refresh: bool, body: &[u8]) -> Flow {
+        self.state = State::Done;
+        if let Some(key) = route_key::route_key(&self.config, head, source, refresh, body) {
+            host.set_request_header(names::ROUTE_KEY_HEADER, key.as_bytes());
+            host.clear_route_cache();
+            host.count(metric_names::ROUTED, 1);
+        }
+        Flow::Continue
+    }
+
+    /// Answers from an entry (a hit; `cache_status`, when given, replaces the hit's).
+    fn answer_hit(&mut self, host: &mut dyn Host, c: &Cacheable, request: &HitRequest, entry: &Entry, now: u64,
+                  cache_status: Option<String>) {
         host.count(metric_names::HITS, 1);
         host.count(&metric_names::policy_metric(&c.policy.model_prefix, "hits"), 1);
+        self.answer_entry(host, c, request, entry, now, cache_status);
+    }
+
+    /// Stale-while-revalidate: the expired entry answers at once; its refresh is under way.
+    #[allow(clippy::too_many_arguments)]
+    fn answer_stale_while_revalidate(&mut self, host: &mut dyn Host, c: &Cacheable, entry: &Entry,
+                                     headers: &[(String, String)], body: &[u8], u: stale::StaleUse, now: u64) -> Flow {
+        host.count(metric_names::STALE_WHILE_REVALIDATE, 1);
         let request = HitRequest { headers, body, id: &c.request_id };
+        let status = names::cache_status_stale_while_revalidate(u.past_s());
+        self.answer_entry(host, c, &request, entry, now, Some(status));
+        Flow::Stop
+    }
+
+    /// Answers the request from `entry` (a hit, or a stale answer whose `Cache-Status` says so).
+    fn answer_entry(&mut self, host: &mut dyn Host, c: &Cacheable, request: &HitRequest, entry: &Entry, now: u64,
+                    cache_status: Option<String>) {
         self.state = State::Done;
         if c.grpc {
-            let reply = answer::grpc_hit(&entry, &request, now);
+            let mut reply = answer::grpc_hit(entry, request, now);
+            if let Some(status) = cache_status {
+                answer::set_cache_status(&mut reply, status);
+            }
             let mut h: Vec<(&str, &[u8])> = vec![(":status", b"200")];
             h.extend(reply.headers.iter().map(|(n, v)| (n.as_str(), v.as_bytes())));
             host.send_response_with_trailers(&h, &grpc::frame(&reply.body), &[("grpc-status", b"0")]);
-            return Flow::Stop;
+            return;
         }
-        let reply = answer::http_hit(&entry, &request, now);
+        let mut reply = answer::http_hit(entry, request, now);
+        if let Some(status) = cache_status {
+            answer::set_cache_status(&mut reply, status);
+        }
         let h: Vec<(&str, &[u8])> = reply.headers.iter().map(|(n, v)| (n.as_str(), v.as_bytes())).collect();
         host.send_response(reply.status as u32, &h, &reply.body);
-        Flow::Stop
+    }
+
+    /// A request whose entry expired is forwarded (a fresh answer replaces the entry where it
+    /// is); if stale-if-error may use the entry, it stands by.
+    fn forward_expired(&mut self, host: &mut dyn Host, c: Cacheable, e: Entry, headers: &[(String, String)], now: u64)
+        -> Flow {
+        let if_error = stale::stale_use(&e, &c.policy, now).is_some_and(|u| u.if_error);
+        if if_error {
+            let fallback = Fallback { entry: e, policy: c.policy.clone(), headers: headers.to_vec(), id: c.request_id.clone(),
+                                      grpc: c.grpc };
+            self.fallback = Some(Box::new(fallback));
+        }
+        self.miss(host, c)
+    }
+
+    /// A request about to go upstream under a policy with `coalesce_timeout_ms`: true when an
+    /// identical one is in flight and this one is parked to wait for it; false: it goes
+    /// upstream (holding the key's lock when it was free). Requests that skip the lookup
+    /// (`no-cache`) neither lead nor wait.
+    fn joins_in_flight(&mut self, host: &mut dyn Host, c: &Cacheable, now: u64) -> bool {
+        let timeout = c.policy.coalesce_timeout_ms;
+        timeout > 0 && !c.refresh && self.lead_or_wait(host, c, now, now.saturating_add(timeout))
+    }
+
+    fn wait(&mut self, host: &mut dyn Host, c: Cacheable, headers: &[(String, String)]) -> Flow {
+        host.count(metric_names::COALESCE_WAITS, 1);
+        let deadline = c.request_ms.saturating_add(c.policy.coalesce_timeout_ms);
+        self.state = State::Waiting(Box::new(Waiting { c, headers: headers.to_vec(), deadline }));
+        Flow::Hold
+    }
+
+    /// True: parked until woken or `deadline`. False: go upstream, as the key's leader when the
+    /// lock was free.
+    fn lead_or_wait(&mut self, host: &mut dyn Host, c: &Cacheable, now: u64, deadline: u64) -> bool {
+        let (parking, queue, id) = match &self.place {
+            Some(p) => (p.parking.clone(), p.queue, p.id),
+            None => return false,
+        };
+        let owner = ((queue as u64) << 32) | id as u64;
+        match (LockTable { data: &*self.shared }).join(&c.key, owner, queue, now, c.policy.coalesce_timeout_ms) {
+            Join::Lead(ticket) => {
+                self.lock = Some(ticket);
+                false
+            }
+            Join::Wait => {
+                let wake = match host.waker() {
+                    Some(w) => w,
+                    None => return false,
+                };
+                match parking.park(queue, id, &c.key, deadline, wake) {
+                    Ok(()) => true,
+                    Err(_) => {
+                        host.count(metric_names::COALESCE_OVERFLOW, 1);
+                        false
+                    }
+                }
+            }
+            Join::Full => {
+                host.count(metric_names::COALESCE_OVERFLOW, 1);
+                false
+            }
+            Join::Busy | Join::Unavailable => false,
+        }
+    }
+
+    /// The leader of this key is done: free the lock and wake every stream that waits on it.
+    fn release(&mut self, release: Release) {
+        if let Some(ticket) = self.lock.take() {
+            let queues = (LockTable { data: &*self.shared }).release(&ticket);
+            if let Some(p) = &self.place {
+                p.parking.wake(&queues, &ticket.key, release);
+            }
+        }
+    }
+
+    /// A parked stream's event (its leader's outcome, or its timeout): answer from the entry,
+    /// or go upstream; after a failure that may pass, lead or wait again within the deadline.
+    pub fn on_scheduled(&mut self, host: &mut dyn Host, event: u64) {
+        let release = park::release_of(event);
+        if release.is_none() && matches!(self.state, State::Waiting(_)) {
+            host.count(metric_names::COALESCE_TIMEOUTS, 1);
+        }
+        self.resume_waiter(host, release);
+    }
+
+    /// A waiter leaves the wait: `release` is its leader's outcome (None: timed out).
+    fn resume_waiter(&mut self, host: &mut dyn Host, release: Option<Release>) {
+        let Waiting { mut c, headers, deadline } = match std::mem::replace(&mut self.state, State::Done) {
+            State::Waiting(w) => *w,
+            other => {
+                self.state = other;
+                return;
+            }
+        };
+        let now = host.now_ms();
+        let cache = Cache { data: &*self.shared, limits: &self.config.limits };
+        let mut out = Outcome::default();
+        // Keeping what stale-if-error may still use: a woken waiter must not free it.
+        let found = cache.lookup_keeping(&c.key, now, Lifetime::of(&c.policy), &mut out);
+        self.record_outcome(host, &out);
+        let request = HitRequest { headers: &headers, body: &[], id: &c.request_id };
+        let after = coalesce::after_wait(&found, &c.policy, release, now, deadline);
+        let (expired, seen) = match found {
+            Lookup::Hit(entry) => {
+                host.count(metric_names::COALESCE_SERVED, 1);
+                self.answer_hit(host, &c, &request, &entry, now, Some(names::CACHE_STATUS_COLLAPSED.to_string()));
+                return;
+            }
+            Lookup::Stale(entry, seen) => {
+                // The leader's origin failed and the expired entry may stand in for it
+                // (stale-if-error): every waiter is answered with it at once.
+                if let AfterWait::AnswerStale(u) = after {
+                    host.count(metric_names::COALESCE_SERVED, 1);
+                    host.count(metric_names::STALE_IF_ERROR, 1);
+                    let status = names::cache_status_collapsed(&names::cache_status_stale_if_error(u.past_s(), None));
+                    self.answer_hit(host, &c, &request, &entry, now, Some(status));
+                    return;
+                }
+                (Some(entry), Some(seen))
+            }
+            Lookup::Miss(seen) => (None, seen),
+        };
+        if release.is_some() {
+            host.count(metric_names::COALESCE_RELEASED, 1);
+        }
+        c.seen = seen;
+        if after == AfterWait::TryAgain && self.lead_or_wait(host, &c, now, deadline) {
+            self.state = State::Waiting(Box::new(Waiting { c, headers, deadline }));
+            return;
+        }
+        match expired {
+            Some(entry) => {
+                self.forward_expired(host, c, entry, &headers, now);
+            }
+            None => {
+                self.miss(host, c);
+            }
+        }
+        host.resume_request();
     }
 
     fn miss(&mut self, host: &mut dyn Host, c: Cacheable) -> Flow {
@@ -279,6 +571,7 @@ impl Stream {
     }
 
     fn not_stored(&mut self, host: &mut dyn Host, refresh: bool, why: NotStored, headers_open: bool) -> Flow {
+        self.release(Release::not_stored(why));
         if headers_open {
             host.set_response_header(names::CACHE_STATUS, names::cache_status_not_stored(refresh, why).as_bytes());
         }
@@ -288,7 +581,15 @@ impl Stream {
 
     pub fn on_response_headers(&mut self, host: &mut dyn Host, end_of_stream: bool) -> Flow {
         if let Some(f) = self.fallback.take() {
-            if self.stale_if_error(host, &f) {
+            if f.grpc {
+                if self.grpc_stale_if_error(host, &f) {
+                    self.release(Release::OriginError);
+                    self.state = State::Done;
+                    return Flow::Hold;
+                }
+            } else if self.stale_if_error(host, &f) {
+                // Its waiters may answer from the same expired entry.
+                self.release(Release::OriginError);
                 self.state = State::Done;
                 return Flow::Stop;
             }
@@ -331,15 +632,48 @@ impl Stream {
         true
     }
 
+    /// As `stale_if_error`, for gRPC: a local reply to a gRPC request would be trailers-only
+    /// (its body moved into grpc-message), so the answer is sent as a hit is, headers + framed
+    /// message + `grpc-status: 0` trailer through the stream's encoder, from inside this hook
+    /// (replacing the response headers, as Envoy's own local reply in the response path does);
+    /// the origin's error stops here. Sent later instead (a scheduled event), the answer's body
+    /// would resume the stopped error and end the stream before the trailer. True: answered.
+    fn grpc_stale_if_error(&mut self, host: &mut dyn Host, f: &Fallback) -> bool {
+        let response = host.response_headers();
+        let status: u16 = headermap::header(&response.pairs, ":status").and_then(|s| s.parse().ok()).unwrap_or(0);
+        if !stale::is_origin_error(status, headermap::header(&response.pairs, "grpc-status")) {
+            return false;
+        }
+        let now = host.now_ms();
+        let u = match stale::stale_use(&f.entry, &f.policy, now).filter(|u| u.if_error) {
+            Some(u) => u,
+            None => return false,
+        };
+        let request = HitRequest { headers: &f.headers, body: b"", id: &f.id };
+        let mut reply = answer::grpc_hit(&f.entry, &request, now);
+        answer::set_cache_status(&mut reply, names::cache_status_stale_if_error(u.past_s(), None));
+        let framed = grpc::frame(&reply.body);
+        host.count(metric_names::STALE_IF_ERROR, 1);
+        let mut h: Vec<(&str, &[u8])> = vec![(":status", b"200")];
+        h.extend(reply.headers.iter().map(|(n, v)| (n.as_str(), v.as_bytes())));
+        host.send_response_with_trailers(&h, &framed, &[("grpc-status", b"0")]);
+        true
+    }
+
     fn start_collect(&mut self, host: &mut dyn Host, c: Cacheable, end_of_stream: bool) -> Flow {
         let response = host.response_headers();
         let headers = response.pairs;
         let status: u16 = headermap::header(&headers, ":status").and_then(|s| s.parse().ok()).unwrap_or(0);
+        let grpc_status = headermap::header(&headers, "grpc-status");
         if status != 200 {
+            self.release(Release::for_status(status, stale::is_origin_error(status, grpc_status)));
             return self.not_stored(host, c.refresh, NotStored::Status, true);
         }
-        if c.grpc && (end_of_stream || headermap::header(&headers, "grpc-status").is_some()) {
+        if c.grpc && (end_of_stream || grpc_status.is_some()) {
             // Trailers-only gRPC responses are errors (or empty): nothing to store.
+            if stale::is_origin_error(status, grpc_status) {
+                self.release(Release::OriginError);
+            }
             return self.not_stored(host, c.refresh, NotStored::GrpcStatus, true);
         }
         let ttl = match response::check_storable(&c.policy, &headers, &response.not_utf8, host.now_ms()) {
@@ -460,6 +794,7 @@ impl Stream {
         match result {
             Ok(stored) => {
                 host.count(metric_names::STORES, 1);
+                self.release(Release::Stored);
                 self.record_gauges(host);
                 self.state = State::Done;
                 match open {
@@ -506,6 +841,21 @@ mod tests {
         counts: std::collections::HashMap<String, u64>,
         peer: Option<String>,
         gauges: std::collections::HashMap<String, u64>,
+        /// Events delivered to this stream's wakers (coalescing).
+        woken: Arc<std::sync::Mutex<Vec<u64>>>,
+        resumed: bool,
+        /// Whether a background refresh can be sent, and the ones sent.
+        refresh_ok: bool,
+        refreshes: Vec<Cacheable>,
+        routes_cleared: u32,
+    }
+
+    struct FakeWake(Arc<std::sync::Mutex<Vec<u64>>>);
+
+    impl Wake for FakeWake {
+        fn wake(&self, event: u64) {
+            self.0.lock().unwrap().push(event);
+        }
     }
 
     fn get(h: &[(String, String)], name: &str) -> Option<String> {
@@ -526,6 +876,12 @@ mod tests {
         }
         fn remove_request_header(&mut self, name: &str) {
             self.req.retain(|(n, _)| n != name);
+        }
+        fn set_request_header(&mut self, name: &str, value: &[u8]) {
+            set(&mut self.req, name, value);
+        }
+        fn clear_route_cache(&mut self) {
+            self.routes_cleared += 1;
         }
         fn set_response_header(&mut self, name: &str, value: &[u8]) {
             set(&mut self.resp, name, value);
@@ -563,6 +919,18 @@ mod tests {
         }
         fn set_gauge(&mut self, name: &str, value: u64) {
             self.gauges.insert(name.to_string(), value);
+        }
+        fn waker(&mut self) -> Option<Box<dyn Wake>> {
+            Some(Box::new(FakeWake(self.woken.clone())))
+        }
+        fn resume_request(&mut self) {
+            self.resumed = true;
+        }
+        fn refresh(&mut self, c: &Cacheable, _headers: &[(String, String)], _body: &[u8]) -> bool {
+            if self.refresh_ok {
+                self.refreshes.push(c.clone());
+            }
+            self.refresh_ok
         }
     }
 
@@ -844,4 +1212,286 @@ mod tests {
         assert_eq!(status(&exchange_as(&e, Some("spiffe://b"))), "meshcache; fwd=miss; stored", "another peer, another entry");
         assert_eq!(status(&exchange_as(&e, None)), "meshcache; fwd=bypass; detail=no-identity");
     }
+
+    // ------------------------------------------------------------ request coalescing
+
+    const COALESCING: &str = r#"{"policies": [{"model_prefix": "m", "ttl_s": 60, "coalesce_timeout_ms": 1000}]}"#;
+
+    fn coalescing_env(json: &str) -> (Env, Arc<Parking>) {
+        let e = env(json);
+        LockTable { data: &*e.shared }.create_slots();
+        (e, Arc::new(Parking::default()))
+    }
+
+    /// A request through its request hooks on worker `queue` as stream `id`.
+    fn arrive(e: &Env, parking: &Arc<Parking>, queue: u32, id: u32) -> (Stream, Fake, Flow) {
+        let mut h = Fake::default();
+        h.now.set(e.now);
+        h.req = vec![(":method".into(), "POST".into()), (":path".into(), INFER.into())];
+        let place = Place { parking: parking.clone(), queue, id };
+        let mut s = Stream::new(e.config.clone(), e.shared.clone()).coalescing(place);
+        assert_eq!(s.on_request_headers(&mut h, false), Flow::Hold);
+        h.received = vec![BODY.to_vec()];
+        let flow = s.on_request_body(&mut h, true);
+        (s, h, flow)
+    }
+
+    /// The origin's answer through the response hooks.
+    fn answer_with(s: &mut Stream, h: &mut Fake, status: &str, body: &[u8]) {
+        h.resp = vec![(":status".into(), status.into()), ("content-length".into(), body.len().to_string())];
+        h.received.clear();
+        if s.on_response_headers(h, false) == Flow::Stop {
+            return;
+        }
+        h.received = vec![body.to_vec()];
+        s.on_response_body(h, true);
+    }
+
+    /// Delivers the events the stream's waker got (as Envoy's scheduler would, on its worker).
+    fn deliver(s: &mut Stream, h: &mut Fake) -> Vec<u64> {
+        let events = std::mem::take(&mut *h.woken.lock().unwrap());
+        for ev in &events {
+            s.on_scheduled(h, *ev);
+        }
+        events
+    }
+
+    fn sent_status(h: &Fake) -> String {
+        get(&h.sent.borrow().as_ref().expect("answered").1, "cache-status").unwrap()
+    }
+
+    #[test]
+    fn waiters_on_two_workers_are_woken_by_the_leaders_store_and_answered_from_its_entry() {
+        let (e, parking) = coalescing_env(COALESCING);
+        let (mut leader, mut lh, flow) = arrive(&e, &parking, 0, 1);
+        assert_eq!(flow, Flow::Continue, "the first miss leads: upstream");
+        let (mut w1, mut h1, f1) = arrive(&e, &parking, 0, 2);
+        let (mut w2, mut h2, f2) = arrive(&e, &parking, 1, 3);
+        assert_eq!((f1, f2), (Flow::Hold, Flow::Hold), "identical misses park");
+        assert_eq!(parking.parked(), 2);
+        assert_eq!(h1.counts["meshcache.coalesce.waits"], 1);
+        assert!(h1.woken.lock().unwrap().is_empty());
+        answer_with(&mut leader, &mut lh, "200", ANSWER);
+        assert_eq!(status(&lh), "meshcache; fwd=miss; stored");
+        assert_eq!(deliver(&mut w1, &mut h1), vec![park::event_of(Release::Stored)]);
+        assert_eq!(deliver(&mut w2, &mut h2).len(), 1);
+        for h in [&h1, &h2] {
+            assert_eq!(sent_status(h), names::CACHE_STATUS_COLLAPSED);
+            assert_eq!(h.sent.borrow().as_ref().unwrap().2, ANSWER);
+            assert_eq!(h.counts["meshcache.coalesce.served"], 1);
+            assert!(!h.resumed, "answered, not sent upstream");
+        }
+        assert_eq!(parking.parked(), 0);
+    }
+
+    #[test]
+    fn a_failed_leader_hands_over_to_one_waiter_and_the_rest_wait_for_it() {
+        let (e, parking) = coalescing_env(COALESCING);
+        let (mut leader, mut lh, _) = arrive(&e, &parking, 0, 1);
+        let (mut w1, mut h1, _) = arrive(&e, &parking, 0, 2);
+        let (mut w2, mut h2, _) = arrive(&e, &parking, 1, 3);
+        answer_with(&mut leader, &mut lh, "500", b"boom");
+        assert_eq!(deliver(&mut w1, &mut h1), vec![park::event_of(Release::OriginError)], "a 500: retried");
+        assert!(h1.resumed, "the first woken waiter leads anew: upstream");
+        assert_eq!(h1.counts["meshcache.coalesce.released"], 1);
+        assert_eq!(deliver(&mut w2, &mut h2).len(), 1);
+        assert!(!h2.resumed && h2.sent.borrow().is_none(), "the second waits again, for the new leader");
+        assert_eq!(parking.parked(), 1);
+        answer_with(&mut w1, &mut h1, "200", ANSWER);
+        assert_eq!(status(&h1), "meshcache; fwd=miss; stored");
+        deliver(&mut w2, &mut h2);
+        assert_eq!(sent_status(&h2), names::CACHE_STATUS_COLLAPSED);
+    }
+
+    #[test]
+    fn an_uncacheable_answer_sends_each_waiter_upstream_and_a_vanished_leader_hands_over() {
+        let (e, parking) = coalescing_env(COALESCING);
+        let (mut leader, mut lh, _) = arrive(&e, &parking, 0, 1);
+        let (mut w1, mut h1, _) = arrive(&e, &parking, 0, 2);
+        lh.resp = vec![(":status".into(), "404".into())];
+        leader.on_response_headers(&mut lh, true);
+        deliver(&mut w1, &mut h1);
+        assert!(h1.resumed, "404 is not retried: the waiter goes upstream itself");
+        assert_eq!(parking.parked(), 0);
+
+        let (leader, _, _) = arrive(&e, &parking, 0, 4);
+        let (mut w2, mut h2, _) = arrive(&e, &parking, 1, 5);
+        drop(leader); // the client went away before the answer
+        assert_eq!(deliver(&mut w2, &mut h2), vec![park::event_of(Release::Retry)]);
+        assert!(h2.resumed, "it leads now");
+    }
+
+    #[test]
+    fn a_destroyed_waiter_is_never_woken_and_late_waiters_time_out_upstream() {
+        let (e, parking) = coalescing_env(COALESCING);
+        let (mut leader, mut lh, _) = arrive(&e, &parking, 0, 1);
+        let (gone, gh, _) = arrive(&e, &parking, 0, 2);
+        let (mut late, mut hl, _) = arrive(&e, &parking, 1, 3);
+        drop(gone);
+        assert_eq!(parking.parked(), 1, "the destroyed stream left its table");
+        parking.expire(e.now + 999);
+        assert!(hl.woken.lock().unwrap().is_empty());
+        parking.expire(e.now + 1000);
+        assert_eq!(deliver(&mut late, &mut hl), vec![park::EVENT_TIMEOUT]);
+        assert!(hl.resumed);
+        assert_eq!(hl.counts["meshcache.coalesce.timeouts"], 1);
+        answer_with(&mut leader, &mut lh, "200", ANSWER);
+        assert!(gh.woken.lock().unwrap().is_empty(), "no wake for a stream that is gone");
+    }
+
+    #[test]
+    fn waiters_per_key_and_worker_are_bounded_the_rest_go_upstream_counted() {
+        let (e, parking) = coalescing_env(COALESCING);
+        let (_leader, _, _) = arrive(&e, &parking, 0, 1);
+        let mut parked = Vec::new();
+        for id in 0..meshcache_core::coalesce::MAX_WAITERS_PER_KEY as u32 {
+            let (s, h, flow) = arrive(&e, &parking, 0, 10 + id);
+            assert_eq!(flow, Flow::Hold);
+            parked.push((s, h));
+        }
+        let (_s, over, flow) = arrive(&e, &parking, 0, 9999);
+        assert_eq!(flow, Flow::Continue, "past the bound: upstream at once");
+        assert_eq!(over.counts["meshcache.coalesce.overflow"], 1);
+        assert_eq!(parking.parked(), meshcache_core::coalesce::MAX_WAITERS_PER_KEY);
+        let (_s, other, flow) = arrive(&e, &parking, 1, 10_000);
+        assert_eq!(flow, Flow::Hold, "another worker has its own bound");
+        assert!(!other.counts.contains_key("meshcache.coalesce.overflow"));
+    }
+
+    #[test]
+    fn a_failed_refresh_answers_every_waiter_with_the_stale_entry() {
+        let (mut e, parking) = coalescing_env(r#"{"policies": [{"model_prefix": "m", "ttl_s": 1, "stale_if_error_s": 30, "coalesce_timeout_ms": 1000}]}"#);
+        exchange(&e, INFER, &[], &[BODY], &[ANSWER], &[]);
+        e.now += 2_000;
+        let (mut leader, mut lh, _) = arrive(&e, &parking, 0, 1);
+        let (mut w, mut h, flow) = arrive(&e, &parking, 1, 2);
+        assert_eq!(flow, Flow::Hold, "an expired entry's refresh is coalesced like a miss");
+        answer_with(&mut leader, &mut lh, "503", b"");
+        assert!(sent_status(&lh).ends_with("; fwd=stale; fwd-status=503; detail=stale-if-error"));
+        deliver(&mut w, &mut h);
+        assert_eq!(sent_status(&h), "meshcache; hit; stale; ttl=-1; fwd=stale; detail=stale-if-error; collapsed");
+        assert_eq!(h.sent.borrow().as_ref().unwrap().2, ANSWER);
+        assert_eq!((h.counts["meshcache.stale_if_error"], h.counts["meshcache.coalesce.served"]), (1, 1));
+    }
+
+    #[test]
+    fn a_grpc_origin_error_is_answered_with_the_stale_message_and_a_zero_status_trailer() {
+        let mut e = env(r#"{"policies": [{"model_prefix": "m", "ttl_s": 1, "stale_if_error_s": 30}]}"#);
+        let (miss, _) = grpc_exchange(&e, "0");
+        assert_eq!(get(&miss.resp, "cache-status").unwrap(), "meshcache; fwd=miss; stored");
+        e.now += 2_000;
+        let mut h = Fake::default();
+        h.now.set(e.now);
+        h.req = vec![(":method".into(), "POST".into()), (":path".into(), "/inference.GRPCInferenceService/ModelInfer".into()),
+                     ("content-type".into(), "application/grpc".into())];
+        let mut s = Stream::new(e.config.clone(), e.shared.clone());
+        s.on_request_headers(&mut h, false);
+        h.received = vec![framed(b"\x0a\x01m")];
+        assert_eq!(s.on_request_body(&mut h, true), Flow::Continue, "expired: forwarded");
+        h.resp = vec![(":status".into(), "200".into()), ("content-type".into(), "application/grpc".into()),
+                      ("grpc-status".into(), "14".into())];
+        assert_eq!(s.on_response_headers(&mut h, true), Flow::Hold, "the trailers-only error stops here");
+        let sent = h.sent.borrow().clone().expect("the stale answer");
+        assert_eq!(sent.2, framed(b"\x0a\x01m\x12\x011"));
+        assert!(get(&sent.1, "cache-status").unwrap().ends_with("; fwd=stale; detail=stale-if-error"));
+        assert_eq!(h.sent_trailers, vec![("grpc-status".to_string(), "0".to_string())]);
+        assert_eq!(h.counts["meshcache.stale_if_error"], 1);
+    }
+
+    // ------------------------------------------------------------ stale-while-revalidate
+
+    const SWR: &str = r#"{"policies": [{"model_prefix": "m", "ttl_s": 1, "stale_while_revalidate_s": 30}]}"#;
+
+    /// A request after expiry; `refresh_ok`: whether its host can send a background refresh.
+    fn stale_request(e: &Env, refresh_ok: bool) -> (Stream, Fake, Flow) {
+        let mut h = Fake { refresh_ok, ..Fake::default() };
+        h.now.set(e.now);
+        h.req = vec![(":method".into(), "POST".into()), (":path".into(), INFER.into())];
+        let mut s = Stream::new(e.config.clone(), e.shared.clone());
+        s.on_request_headers(&mut h, false);
+        h.received = vec![BODY.to_vec()];
+        let flow = s.on_request_body(&mut h, true);
+        (s, h, flow)
+    }
+
+    fn refreshed_answer() -> Headers {
+        Headers { pairs: vec![(":status".into(), "200".into()), ("content-type".into(), "application/json".into())],
+                  not_utf8: Vec::new() }
+    }
+
+    #[test]
+    fn stale_while_revalidate_answers_at_once_and_one_background_refresh_replaces_the_entry() {
+        let mut e = env(SWR);
+        exchange(&e, INFER, &[], &[BODY], &[ANSWER], &[]);
+        e.now += 2_000;
+        let (_a, a, flow) = stale_request(&e, true);
+        assert_eq!(flow, Flow::Stop);
+        assert_eq!(sent_status(&a), "meshcache; hit; stale; ttl=-1; detail=stale-while-revalidate");
+        assert_eq!(a.sent.borrow().as_ref().unwrap().2, ANSWER);
+        assert_eq!((a.refreshes.len(), a.counts["meshcache.refreshes"], a.counts["meshcache.stale_while_revalidate"]), (1, 1, 1));
+        let (_b, b, _) = stale_request(&e, true);
+        assert!(sent_status(&b).ends_with("detail=stale-while-revalidate"));
+        assert!(b.refreshes.is_empty(), "one refresh per key at a time");
+        // The refresh's answer lands (background.rs hands it to store_refresh).
+        let limits = e.config.limits.clone();
+        let newer = br#"{"id":"a","outputs":[{"name":"y","data":[3]}]}"#.to_vec();
+        store_refresh(&e.shared, &limits, &a.refreshes[0], &refreshed_answer(), newer.clone(), e.now + 10).unwrap();
+        refresh::release(&*e.shared, &a.refreshes[0].key);
+        let (_c, c, _) = stale_request(&e, true);
+        assert!(sent_status(&c).starts_with("meshcache; hit; ttl="), "{}", sent_status(&c));
+        assert_eq!(c.sent.borrow().as_ref().unwrap().2, newer);
+    }
+
+    #[test]
+    fn a_refresh_that_cannot_be_sent_or_fails_forwards_a_request_instead() {
+        let mut e = env(SWR);
+        exchange(&e, INFER, &[], &[BODY], &[ANSWER], &[]);
+        e.now += 2_000;
+        let (forwarded, f, flow) = stale_request(&e, false);
+        assert_eq!(flow, Flow::Continue, "no background request here: this one refreshes");
+        assert_eq!(f.counts["meshcache.refresh_failures"], 1);
+        let (_b, b, _) = stale_request(&e, true);
+        assert!(sent_status(&b).ends_with("detail=stale-while-revalidate"), "the others still get the stale entry");
+        drop(forwarded); // its answer never came: the lock is free again
+        let (_c, c, _) = stale_request(&e, true);
+        assert_eq!(c.refreshes.len(), 1);
+        // A background answer that cannot be stored: the next request is forwarded.
+        let limits = e.config.limits.clone();
+        let mut failed = refreshed_answer();
+        failed.pairs[0].1 = "503".into();
+        assert!(store_refresh(&e.shared, &limits, &c.refreshes[0], &failed, b"x".to_vec(), e.now).is_err());
+        refresh::failed(&*e.shared, &c.refreshes[0].key, e.now);
+        let (_d, d, flow) = stale_request(&e, true);
+        assert_eq!(flow, Flow::Continue);
+        assert!(d.refreshes.is_empty(), "forwarded, not sent in the background");
+    }
+
+    // ------------------------------------------------------------ client role
+
+    #[test]
+    fn the_client_role_puts_a_routing_key_on_the_request_and_stores_nothing() {
+        let e = env(r#"{"role": "client", "policies": [{"model_prefix": "m", "ttl_s": 60}]}"#);
+        let key_of = |body: &[u8], forged: Option<&str>| {
+            let mut h = Fake::default();
+            h.req = vec![(":method".into(), "POST".into()), (":path".into(), INFER.into())];
+            if let Some(f) = forged {
+                h.req.push((names::ROUTE_KEY_HEADER.into(), f.into()));
+            }
+            let mut s = Stream::new(e.config.clone(), e.shared.clone());
+            assert_eq!(s.on_request_headers(&mut h, false), Flow::Hold, "the body makes the key");
+            h.received = vec![body.to_vec()];
+            assert_eq!(s.on_request_body(&mut h, true), Flow::Continue);
+            h.resp = vec![(":status".into(), "200".into())];
+            s.on_response_headers(&mut h, true);
+            assert!(get(&h.resp, "cache-status").is_none(), "the client role says nothing in answers");
+            (get(&h.req, names::ROUTE_KEY_HEADER), h.routes_cleared, h.counts.get("meshcache.routed").copied())
+        };
+        let (a, cleared, routed) = key_of(BODY, None);
+        assert!(a.is_some());
+        assert_eq!((cleared, routed), (1, Some(1)));
+        assert_eq!(key_of(&BODY.replace_id("zz"), Some("forged")).0, a, "same key for the same inference, forged key gone");
+        assert_ne!(key_of(br#"{"inputs":[{"name":"x","shape":[1],"datatype":"FP32","data":[9]}]}"#, None).0, a);
+        assert_eq!(key_of(b"{not json", None), (None, 0, None), "what the server would bypass gets no key");
+    }
 }
+

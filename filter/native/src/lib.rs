@@ -7,43 +7,106 @@
 //!
 //! The store is process-wide: one per Envoy process, shared by every worker and every filter
 //! config (an ECDS update replaces the config, not the cached entries); each new config
-//! reconciles it to its limits, as the Wasm filter's root context does with shared data.
+//! reconciles it to its limits, as the Wasm filter's root context does with shared data. So are
+//! the coalescing waiters' tables and their timer (park.rs); background refreshes belong to
+//! the filter config that sent them (background.rs).
 
 pub mod abi;
+pub mod background;
 pub mod filter;
 pub mod metrics;
+pub mod park;
 pub mod store;
 
 use std::os::raw::{c_char, c_void};
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, OnceLock};
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use abi::*;
-use filter::{Flow, Host, Stream};
+use background::{Background, Job};
+use filter::{Flow, Host, Place, Stream};
+use meshcache_core::coalesce::LockTable;
 use meshcache_core::config::{parse_plugin_config, Config};
 use meshcache_core::headermap::Headers;
 use meshcache_core::store::{Cache, Outcome};
 use metrics::Metrics;
+use park::{Parking, Wake};
 use store::Shared;
 
 static SHARED: OnceLock<Arc<Shared>> = OnceLock::new();
+/// Coalesced requests waiting, all workers; created with its timer thread on first use.
+static PARKING: OnceLock<Arc<Parking>> = OnceLock::new();
+/// Stream ids within a worker's table (unique per process; 0 is never used).
+static NEXT_STREAM: AtomicU32 = AtomicU32::new(1);
+
+fn now_ms() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
+}
+
+/// The process's parking and the one thread that wakes waiters past their deadline (every
+/// 10 ms while any wait, the precision of `coalesce_timeout_ms`; 25 ms when none do).
+fn parking() -> Arc<Parking> {
+    PARKING
+        .get_or_init(|| {
+            let p = Arc::new(Parking::default());
+            let timer = p.clone();
+            let spawned = std::thread::Builder::new().name("meshcache-wait".into()).spawn(move || loop {
+                let busy = timer.parked() > 0;
+                std::thread::sleep(Duration::from_millis(if busy { 10 } else { 25 }));
+                if busy || timer.parked() > 0 {
+                    let _ = catch_unwind(AssertUnwindSafe(|| timer.expire(now_ms())));
+                }
+            });
+            if spawned.is_err() {
+                eprintln!("meshcache native filter: no timer thread; coalesced requests wait for their leader only");
+            }
+            p
+        })
+        .clone()
+}
+
+/// A parked stream's scheduler handle (owned; deleted when dropped, from any thread).
+struct Scheduler(*mut c_void);
+
+// SAFETY: Envoy's scheduler handle is made to be committed and deleted from any thread (it
+// holds a weak reference to the stream and posts to the stream's dispatcher).
+unsafe impl Send for Scheduler {}
+
+impl Wake for Scheduler {
+    fn wake(&self, event: u64) {
+        // SAFETY: a live handle from `scheduler_new` (deleted only in `drop`).
+        unsafe { envoy_dynamic_module_callback_http_filter_scheduler_commit(self.0, event) }
+    }
+}
+
+impl Drop for Scheduler {
+    fn drop(&mut self) {
+        // SAFETY: as in `wake`; dropped once.
+        unsafe { envoy_dynamic_module_callback_http_filter_scheduler_delete(self.0) }
+    }
+}
 
 struct FilterConfig {
     config: Arc<Config>,
     shared: Arc<Shared>,
     metrics: Arc<Metrics>,
+    background: Arc<Background>,
 }
 
-/// What Envoy's module pointer for a stream points at: the flow, and the stats it counts into.
+/// What Envoy's module pointer for a stream points at: the flow, the stats it counts into and
+/// its config's background refreshes.
 struct StreamContext {
     stream: Stream,
     metrics: Arc<Metrics>,
+    background: Arc<Background>,
 }
 
 struct EnvoyHost<'m> {
     ptr: FilterEnvoyPtr,
     metrics: &'m Metrics,
+    background: &'m Background,
 }
 
 const INLINE_CHUNKS: usize = 16;
@@ -121,6 +184,15 @@ impl Host for EnvoyHost<'_> {
         self.set(REQUEST_HEADER, name, None);
     }
 
+    fn set_request_header(&mut self, name: &str, value: &[u8]) {
+        self.set(REQUEST_HEADER, name, Some(value));
+    }
+
+    fn clear_route_cache(&mut self) {
+        // SAFETY: as in `headers`.
+        unsafe { envoy_dynamic_module_callback_http_clear_route_cache(self.ptr) }
+    }
+
     fn set_response_header(&mut self, name: &str, value: &[u8]) {
         self.set(RESPONSE_HEADER, name, Some(value));
     }
@@ -194,15 +266,42 @@ impl Host for EnvoyHost<'_> {
     }
 
     fn now_ms(&self) -> u64 {
-        SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
+        now_ms()
+    }
+
+    fn waker(&mut self) -> Option<Box<dyn Wake>> {
+        // SAFETY: as in `headers` (the handle is created on the stream's worker, in its hook).
+        let s = unsafe { envoy_dynamic_module_callback_http_filter_scheduler_new(self.ptr) };
+        (!s.is_null()).then(|| Box::new(Scheduler(s)) as Box<dyn Wake>)
+    }
+
+    fn resume_request(&mut self) {
+        // SAFETY: as in `headers`.
+        unsafe { envoy_dynamic_module_callback_http_filter_continue_decoding(self.ptr) }
+    }
+
+    fn refresh(&mut self, c: &meshcache_core::request::Cacheable, headers: &[(String, String)], body: &[u8]) -> bool {
+        let mut cluster = EnvoyBuffer::EMPTY;
+        // SAFETY: as in `headers`; the name is copied out before the hook returns.
+        let cluster = unsafe {
+            if !envoy_dynamic_module_callback_http_get_cluster_name(self.ptr, &mut cluster) {
+                return false;
+            }
+            String::from_utf8_lossy(cluster.as_slice()).into_owned()
+        };
+        if cluster.is_empty() {
+            return false;
+        }
+        let headers = headers.iter().filter(|(n, _)| meshcache_core::refresh::repeats_header(n)).cloned().collect();
+        self.background.submit(Job { c: c.clone(), cluster, headers, body: body.to_vec() })
     }
 }
 
 /// Runs a stream hook; a panic fails the stream open.
 unsafe fn with_stream(envoy: FilterEnvoyPtr, module: FilterModulePtr, f: impl FnOnce(&mut Stream, &mut EnvoyHost) -> Flow)
     -> Flow {
-    let StreamContext { stream, metrics } = &mut *(module as *mut StreamContext);
-    let mut host = EnvoyHost { ptr: envoy, metrics };
+    let StreamContext { stream, metrics, background } = &mut *(module as *mut StreamContext);
+    let mut host = EnvoyHost { ptr: envoy, metrics, background };
     match catch_unwind(AssertUnwindSafe(|| f(stream, &mut host))) {
         Ok(flow) => flow,
         Err(_) => {
@@ -248,8 +347,11 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_new(
             let shared = SHARED.get_or_init(|| Arc::new(Shared::default())).clone();
             // The slots and accounting record for this config's limits (a shrink evicts).
             Cache { data: &*shared, limits: &c.limits }.reconcile(&mut Outcome::default());
+            LockTable { data: &*shared }.create_slots();
             let metrics = Arc::new(Metrics::define(config_envoy, &c));
-            Box::into_raw(Box::new(FilterConfig { config: Arc::new(c), shared, metrics })) as ConfigModulePtr
+            let c = Arc::new(c);
+            let background = Arc::new(Background::new(config_envoy, shared.clone(), c.clone(), metrics.clone()));
+            Box::into_raw(Box::new(FilterConfig { config: c, shared, metrics, background })) as ConfigModulePtr
         }
         Err(e) => {
             eprintln!("meshcache native filter: {}", e);
@@ -269,18 +371,25 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_destroy(conf
 /// # Safety
 /// `config` is a pointer returned by `envoy_dynamic_module_on_http_filter_config_new`.
 #[no_mangle]
-pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_new(config: ConfigModulePtr, _envoy: FilterEnvoyPtr)
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_new(config: ConfigModulePtr, envoy: FilterEnvoyPtr)
     -> FilterModulePtr {
     let c = &*(config as *const FilterConfig);
-    let stream = Stream::new(c.config.clone(), c.shared.clone());
-    Box::into_raw(Box::new(StreamContext { stream, metrics: c.metrics.clone() })) as FilterModulePtr
+    let place = Place {
+        parking: parking(),
+        queue: envoy_dynamic_module_callback_http_filter_get_worker_index(envoy),
+        id: NEXT_STREAM.fetch_add(1, Ordering::Relaxed).max(1),
+    };
+    let stream = Stream::new(c.config.clone(), c.shared.clone()).coalescing(place);
+    Box::into_raw(Box::new(StreamContext { stream, metrics: c.metrics.clone(), background: c.background.clone() }))
+        as FilterModulePtr
 }
 
 /// # Safety
 /// `module` is a pointer returned by `envoy_dynamic_module_on_http_filter_new`.
 #[no_mangle]
 pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_destroy(module: FilterModulePtr) {
-    drop(Box::from_raw(module as *mut StreamContext));
+    // Dropping the stream unparks it and hands on a key it leads (filter.rs).
+    let _ = catch_unwind(AssertUnwindSafe(|| drop(Box::from_raw(module as *mut StreamContext))));
 }
 
 /// # Safety
@@ -340,9 +449,9 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_stream_complete(
 }
 
 
-// Hooks Envoy 1.40 resolves for every HTTP filter module; phase 1 uses no callouts, streams,
-// scheduler events or watermarks, so they do nothing (arguments after the pointers ignored).
-// Phase 2 wires `scheduled` to coalescing wakes and `http_callout_done` to background refreshes.
+// Hooks Envoy 1.40 resolves for every HTTP filter module. `scheduled` delivers coalescing wakes;
+// the stream-level callouts, streams and watermarks are unused, so those do nothing (arguments
+// after the pointers ignored).
 
 /// # Safety
 /// Called by Envoy.
@@ -393,14 +502,45 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_http_stream_reset(
 /// Called by Envoy.
 #[no_mangle]
 pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_scheduled(
-    _envoy: FilterEnvoyPtr, _module: FilterModulePtr, _event_id: u64) {
+    envoy: FilterEnvoyPtr, module: FilterModulePtr, event_id: u64) {
+    let StreamContext { stream, metrics, background } = &mut *(module as *mut StreamContext);
+    let mut host = EnvoyHost { ptr: envoy, metrics, background };
+    if catch_unwind(AssertUnwindSafe(|| stream.on_scheduled(&mut host, event_id))).is_err() {
+        // Fail open: a parked request must not stay stopped.
+        stream.fail_open();
+        envoy_dynamic_module_callback_http_filter_continue_decoding(envoy);
+    }
 }
 
 /// # Safety
 /// Called by Envoy.
 #[no_mangle]
 pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_scheduled(
-    _config_envoy: ConfigEnvoyPtr, _config: ConfigModulePtr, _event_id: u64) {
+    _config_envoy: ConfigEnvoyPtr, config: ConfigModulePtr, _event_id: u64) {
+    // Stale-while-revalidate refreshes the workers queued (background.rs), on the main thread.
+    if config.is_null() {
+        return;
+    }
+    let c = &*(config as *const FilterConfig);
+    let _ = catch_unwind(AssertUnwindSafe(|| c.background.on_scheduled(now_ms())));
+}
+
+/// A background refresh's answer (or its failure), on the main thread.
+///
+/// # Safety
+/// Called by Envoy with arrays valid during the call.
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_http_callout_done(
+    _config_envoy: ConfigEnvoyPtr, config: ConfigModulePtr, callout_id: u64, result: u32, headers: *const EnvoyHttpHeader,
+    headers_size: usize, chunks: *const EnvoyBuffer, chunks_size: usize) {
+    if config.is_null() {
+        return;
+    }
+    let c = &*(config as *const FilterConfig);
+    let headers = if headers.is_null() { &[][..] } else { std::slice::from_raw_parts(headers, headers_size) };
+    let chunks = if chunks.is_null() { &[][..] } else { std::slice::from_raw_parts(chunks, chunks_size) };
+    let _ = catch_unwind(AssertUnwindSafe(|| c.background.on_done(callout_id, result, headers, chunks, now_ms())));
 }
 
 /// # Safety

@@ -58,6 +58,26 @@ impl Metrics {
         }
     }
 
+    /// `count` from config context (a config hook on the main thread).
+    ///
+    /// # Safety
+    /// `config` is the config pointer Envoy passed to the running config hook.
+    pub unsafe fn count_config(&self, config: ConfigEnvoyPtr, name: &str, n: u64) {
+        if let Some(id) = self.counters.get(name) {
+            envoy_dynamic_module_callback_http_filter_config_increment_counter(config, *id, std::ptr::null(), 0, n);
+        }
+    }
+
+    /// `set_gauge` from config context (a config hook on the main thread).
+    ///
+    /// # Safety
+    /// As for `count_config`.
+    pub unsafe fn set_gauge_config(&self, config: ConfigEnvoyPtr, name: &str, value: u64) {
+        if let Some(id) = self.gauges.get(name) {
+            envoy_dynamic_module_callback_http_filter_config_set_gauge(config, *id, std::ptr::null(), 0, value);
+        }
+    }
+
     /// # Safety
     /// As for `count`.
     pub unsafe fn set_gauge(&self, filter: FilterEnvoyPtr, name: &str, value: u64) {

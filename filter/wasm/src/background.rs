@@ -27,17 +27,6 @@ thread_local! {
     static PENDING: RefCell<HashMap<u32, Pending>> = RefCell::new(HashMap::new());
 }
 
-/// Request headers a refresh repeats: all but per-connection ones, conditionals and cache
-/// directives (a refresh wants the whole, storable answer), and Envoy's and ours.
-fn repeated(name: &str) -> bool {
-    !(matches!(
-        name,
-        "content-length" | "transfer-encoding" | "connection" | "keep-alive" | "upgrade" | "proxy-connection"
-            | "expect" | "if-none-match" | "if-modified-since" | "cache-control" | "pragma"
-    ) || name.starts_with("x-envoy-")
-        || name.starts_with("x-meshcache-"))
-}
-
 /// The upstream cluster Envoy chose for this request's route.
 pub fn cluster_name() -> Option<String> {
     abi::property(&["xds", "cluster_name"]).and_then(|b| String::from_utf8(b).ok()).filter(|c| !c.is_empty())
@@ -55,7 +44,7 @@ pub fn start(root: u32, stream: u32, c: &Cacheable, request: &[(String, String)]
         _ => return false,
     };
     let headers: Vec<(&str, &str)> =
-        request.iter().filter(|(n, _)| repeated(n)).map(|(n, v)| (n.as_str(), v.as_str())).collect();
+        request.iter().filter(|(n, _)| refresh::repeats_header(n)).map(|(n, v)| (n.as_str(), v.as_str())).collect();
     match abi::http_call(root, stream, &cluster, &headers, body, refresh::REFRESH_TIMEOUT_MS as u32) {
         Some(token) => {
             let mut c = c.clone();

@@ -6,7 +6,7 @@ use crate::abi::{self, Buffer, Map};
 use crate::answer::{self, HitRequest};
 use crate::background;
 use crate::cache_control::NotStored;
-use crate::coalesce::{self, Join, LockTable, Release, Ticket, Waiters};
+use crate::coalesce::{self, AfterWait, Join, LockTable, Release, Ticket, Waiters};
 use crate::config::{Config, Limits, Role};
 use crate::request::{self, BodyDecision, Cacheable, HeadDecision, RequestHead};
 use crate::grpc;
@@ -658,6 +658,7 @@ impl Stream {
         let found = cache.lookup_keeping(&c.key, now, Lifetime::of(&c.policy), &mut out);
         metrics::record_outcome(&out);
         let request = HitRequest { headers: &headers, body: &[], id: &c.request_id };
+        let after = coalesce::after_wait(&found, &c.policy, release, now, deadline);
         let (expired, seen) = match found {
             Lookup::Hit(entry) => {
                 count(metrics::COALESCE_SERVED, 1);
@@ -666,8 +667,7 @@ impl Stream {
             Lookup::Stale(entry, seen) => {
                 // The leader's origin failed and the expired entry may stand in for it
                 // (stale-if-error): every waiter is answered with it at once.
-                let failed = release == Some(Release::OriginError);
-                if let Some(u) = stale::stale_use(&entry, &c.policy, now).filter(|u| failed && u.if_error) {
+                if let AfterWait::AnswerStale(u) = after {
                     count(metrics::COALESCE_SERVED, 1);
                     count(metrics::STALE_IF_ERROR, 1);
                     let status = names::cache_status_collapsed(&names::cache_status_stale_if_error(u.past_s(), None));
@@ -681,7 +681,7 @@ impl Stream {
             count(metrics::COALESCE_RELEASED, 1);
         }
         c.seen = seen;
-        if release.map_or(false, Release::retries) && now < deadline && self.lead_or_wait(&c, now, deadline) {
+        if after == AfterWait::TryAgain && self.lead_or_wait(&c, now, deadline) {
             self.phase = Phase::Waiting(Box::new(Waiting { c, headers }));
             return PAUSE;
         }
