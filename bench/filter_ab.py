@@ -54,7 +54,10 @@ Results = dict[tuple[str, str], list[tuple[LoadResult, float]]]  # (build, mode)
 def run_size(size: int, wasm: dict[str, Path], seconds: int, rounds: int, d: Path) -> Results:
     d.mkdir(parents=True)
     (d / "fixed.lua").write_text(bf.REQUEST_LUA.format(body=bf.REQUEST_JSON, vary="0"))
-    (d / "unique.lua").write_text(bf.REQUEST_LUA.format(body=bf.REQUEST_JSON, vary="n"))
+    for n in range(rounds):
+        # Each round's misses start past the last round's: wrk restarts its counter, and a body an
+        # earlier round sent would be a hit (the stores keep every entry for an hour).
+        (d / f"unique-{n}.lua").write_text(bf.REQUEST_LUA.format(body=bf.REQUEST_JSON, vary=f"n + {n * 10**9}"))
     out: Results = {}
     started: list[procs.Proc] = []
     with procs.supervised(started):
@@ -73,6 +76,7 @@ def run_size(size: int, wasm: dict[str, Path], seconds: int, rounds: int, d: Pat
             for build in BUILDS if n % 2 == 0 else tuple(reversed(BUILDS)):
                 for mode, script in MODES.items():
                     cpu = cpu_seconds(pid[build])
+                    script = script.replace("unique", f"unique-{n}")
                     result = wrk(f"http://127.0.0.1:{listen[build]}/v2/models/bench/infer", d / script, seconds)
                     cpu_us = (cpu_seconds(pid[build]) - cpu) * 1e6 / max(1, result.requests)
                     out.setdefault((build, mode), []).append((result, cpu_us))
