@@ -271,23 +271,25 @@ impl<'a, S: SharedData> Cache<'a, S> {
                 }
                 continue;
             }
-            // Full: the next occupied slot from the clock hand on (never our own target slot).
-            let mut at = m.hand % slots;
+            // Full: the next occupied slot from the clock hand on (never our own target slot),
+            // at most once round the table.
+            let start = m.hand % slots;
+            let mut at = start;
             let mut victim = None;
             while budget > 0 {
+                budget -= 1;
                 let j = at;
                 at = (at + 1) % slots;
-                if j == i {
-                    continue;
-                }
-                budget -= 1;
-                match self.data.get(&slot_key(j)) {
-                    Some((v, c)) if !v.is_empty() => {
-                        victim = Some((j, v, c));
-                        break;
+                if j != i {
+                    if let Some((v, c)) = self.data.get(&slot_key(j)) {
+                        if !v.is_empty() {
+                            victim = Some((j, v, c));
+                            break;
+                        }
                     }
-                    _ if at == m.hand % slots => break,
-                    _ => {}
+                }
+                if at == start {
+                    break;
                 }
             }
             m.hand = at;
@@ -801,6 +803,19 @@ pub mod tests {
         let m = Cache::read_only(&shared).meta().0;
         assert_eq!((m.entries(), m.total_bytes(), m.hand), (3, shared.stored_bytes(), 2));
         assert!(matches!(Cache { data: &shared, limits: &l }.lookup(&key(0), 0, &mut Outcome::default()), Lookup::Miss(_)));
+    }
+
+    #[test]
+    fn a_full_cache_with_nothing_to_evict_but_the_target_slot_gives_up() {
+        // One slot, and bytes accounted that no slot holds (a smaller layout's leftovers
+        // before the switch releases them): the only slot is the writer's own, never a victim.
+        let shared = MemShared::default();
+        let l = limits(1000, 1);
+        let cache = Cache { data: &shared, limits: &l };
+        cache.reconcile(&mut Outcome::default());
+        cache.update_meta(|m| m.add(7, 900));
+        assert_eq!(cache.insert(&entry(1, &[0u8; 200], 10), None, &mut Outcome::default()), Err(StoreError::NoSpace));
+        assert_eq!(shared.stored_bytes(), 0);
     }
 
     #[test]
