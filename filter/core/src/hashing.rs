@@ -76,6 +76,11 @@ pub fn response_hash(body: &[u8], headers: &[(String, String)], hash_headers: &[
     let mut h = Sha256::new();
     h.update((body.len() as u64).to_be_bytes());
     h.update(body);
+    finish_response_hash(h, headers, hash_headers)
+}
+
+/// The header part of `response_hash`, after the body.
+fn finish_response_hash(mut h: Sha256, headers: &[(String, String)], hash_headers: &[String]) -> String {
     for name in hash_headers {
         let values: Vec<&str> = headers.iter().filter(|(n, _)| n.eq_ignore_ascii_case(name)).map(|(_, v)| v.as_str()).collect();
         if values.is_empty() {
@@ -87,6 +92,84 @@ pub fn response_hash(body: &[u8], headers: &[(String, String)], hash_headers: &[
         h.update(b"\n");
     }
     hex(&h.finalize())
+}
+
+/// `response_hash` computed while the answer streams through, a chunk at a time as the host
+/// delivers it, so a miss does not walk its whole answer again at the end. The hash starts
+/// with the body's length, so it needs the length up front: a declared `content-length`, or
+/// (gRPC) the length in the frame header, whose 5 bytes are not hashed. `finish` gives None
+/// whenever what was fed is not exactly that body (a wrong declared length, a second frame);
+/// the caller then hashes the body whole, as before.
+#[derive(Clone)]
+pub struct AnswerHasher {
+    h: Sha256,
+    /// Body bytes the hash covers (known: `Some`; gRPC before its frame header is complete: None).
+    len: Option<u64>,
+    /// Body bytes hashed so far.
+    fed: u64,
+    /// gRPC: frame header bytes still to come, and those seen.
+    frame: Option<(usize, [u8; 5])>,
+    /// Something did not match: `finish` says None.
+    broken: bool,
+}
+
+impl AnswerHasher {
+    /// An HTTP answer whose body is declared `len` bytes long.
+    pub fn http(len: u64) -> AnswerHasher {
+        let mut h = Sha256::new();
+        h.update(len.to_be_bytes());
+        AnswerHasher { h, len: Some(len), fed: 0, frame: None, broken: false }
+    }
+
+    /// A gRPC answer: one length-prefixed frame; the hash covers its message.
+    pub fn grpc() -> AnswerHasher {
+        AnswerHasher { h: Sha256::new(), len: None, fed: 0, frame: Some((0, [0; 5])), broken: false }
+    }
+
+    /// The next bytes of the body as received (for gRPC still framed).
+    pub fn update(&mut self, mut chunk: &[u8]) {
+        if self.broken {
+            return;
+        }
+        if let Some((seen, mut header)) = self.frame {
+            if seen < 5 {
+                let take = chunk.len().min(5 - seen);
+                header[seen..seen + take].copy_from_slice(&chunk[..take]);
+                chunk = &chunk[take..];
+                self.frame = Some((seen + take, header));
+                if seen + take < 5 {
+                    return;
+                }
+                if header[0] != 0 {
+                    // Compressed: not an answer the store takes (`grpc::unframe`).
+                    self.broken = true;
+                    return;
+                }
+                let len = u32::from_be_bytes([header[1], header[2], header[3], header[4]]) as u64;
+                self.h.update(len.to_be_bytes());
+                self.len = Some(len);
+            }
+        }
+        let len = match self.len {
+            Some(len) => len,
+            None => return,
+        };
+        self.fed += chunk.len() as u64;
+        if self.fed > len {
+            self.broken = true;
+            return;
+        }
+        self.h.update(chunk);
+    }
+
+    /// The hash of a body of `body_len` bytes (the message, for gRPC) with these headers, if
+    /// exactly that body was fed.
+    pub fn finish(self, body_len: usize, headers: &[(String, String)], hash_headers: &[String]) -> Option<String> {
+        if self.broken || self.len != Some(self.fed) || self.fed != body_len as u64 {
+            return None;
+        }
+        Some(finish_response_hash(self.h, headers, hash_headers))
+    }
 }
 
 pub fn hex(bytes: &[u8]) -> String {
@@ -196,6 +279,74 @@ mod tests {
         assert_eq!(response_hash(b"hello", &headers, &names), hex(&expected.finalize()));
         // Known vector: empty body, no headers = sha256 of eight zero bytes.
         assert_eq!(response_hash(b"", &[], &[]), "af5570f5a1810b7af78caf4bc70a660f0df51e42baf91d4de5b2328de0e83dfc");
+    }
+
+    /// Cuts `body` into chunks at the positions `cuts` (sorted, within the body).
+    fn chunks<'a>(body: &'a [u8], cuts: &[usize]) -> Vec<&'a [u8]> {
+        let mut out = Vec::new();
+        let mut at = 0;
+        for &c in cuts.iter().chain(std::iter::once(&body.len())) {
+            out.push(&body[at..c]);
+            at = c;
+        }
+        out
+    }
+
+    #[test]
+    fn streamed_hash_equals_one_shot_for_any_chunking() {
+        let headers = vec![("content-type".to_string(), "application/json".to_string())];
+        let names = vec!["content-type".to_string()];
+        let mut rng = crate::test_rng::Rng(0x5eed);
+        for round in 0..300 {
+            let len = if round < 10 { round } else { rng.below(5000) as usize };
+            let body: Vec<u8> = (0..len).map(|i| (i * 7 + round) as u8).collect();
+            let mut cuts: Vec<usize> = (0..rng.below(6)).map(|_| rng.below(len as u64 + 1) as usize).collect();
+            cuts.sort_unstable();
+            let expected = response_hash(&body, &headers, &names);
+            let mut http = AnswerHasher::http(len as u64);
+            for c in chunks(&body, &cuts) {
+                http.update(c);
+            }
+            assert_eq!(http.finish(len, &headers, &names), Some(expected.clone()), "http, round {}", round);
+            // gRPC: the same message framed; cuts anywhere, the frame header included.
+            let framed = crate::grpc::frame(&body);
+            let mut gcuts: Vec<usize> = (0..rng.below(6)).map(|_| rng.below(framed.len() as u64 + 1) as usize).collect();
+            gcuts.sort_unstable();
+            let mut grpc = AnswerHasher::grpc();
+            for c in chunks(&framed, &gcuts) {
+                grpc.update(c);
+            }
+            assert_eq!(grpc.finish(len, &headers, &names), Some(expected), "grpc, round {}", round);
+        }
+    }
+
+    #[test]
+    fn streamed_hash_refuses_what_it_cannot_vouch_for() {
+        let none: Vec<(String, String)> = vec![];
+        // Declared longer or shorter than what came.
+        let mut short = AnswerHasher::http(5);
+        short.update(b"abc");
+        assert_eq!(short.finish(3, &none, &[]), None);
+        let mut long = AnswerHasher::http(2);
+        long.update(b"abc");
+        assert_eq!(long.finish(3, &none, &[]), None);
+        // Fed right, but the caller's body differs in length.
+        let mut ok = AnswerHasher::http(3);
+        ok.update(b"abc");
+        assert_eq!(ok.clone().finish(4, &none, &[]), None);
+        assert_eq!(ok.finish(3, &none, &[]), Some(response_hash(b"abc", &none, &[])));
+        // gRPC: a compressed frame, a second frame, a frame header cut short.
+        let mut compressed = AnswerHasher::grpc();
+        compressed.update(&[1, 0, 0, 0, 1, b'x']);
+        assert_eq!(compressed.finish(1, &none, &[]), None);
+        let mut two = AnswerHasher::grpc();
+        let mut both = crate::grpc::frame(b"x");
+        both.extend_from_slice(&crate::grpc::frame(b"y"));
+        two.update(&both);
+        assert_eq!(two.finish(1, &none, &[]), None);
+        let mut cut = AnswerHasher::grpc();
+        cut.update(&[0, 0, 0]);
+        assert_eq!(cut.finish(0, &none, &[]), None);
     }
 
     #[test]

@@ -529,7 +529,7 @@ mod tests {
         };
         let resp = hs(&[(":status", "200"), ("content-type", "application/json"), ("date", "x"), ("content-length", "2"), ("x-custom", "1")]);
         let c = Cacheable { request_ms: 10_000, ..c };
-        let s = build_entry(&c, &resp, 200, b"{}".to_vec(), TTL5).unwrap();
+        let s = build_entry(&c, &resp, 200, b"{}".to_vec(), TTL5, None).unwrap();
         assert_eq!(s.entry.expires_at_ms, 15_000);
         let names: Vec<&str> = s.entry.headers.iter().map(|(n, _)| n.as_str()).collect();
         assert_eq!(names, vec!["content-type", "x-custom", "etag"]);
@@ -537,7 +537,7 @@ mod tests {
         assert!(not_modified(Some(&format!("\"{}\"", s.entry.response_hash)), &s.entry));
         assert_eq!(crate::answer::freshness(&s.entry, 12_500), (3, 2));
         let with_etag = hs(&[("etag", "\"v1\"")]);
-        let s2 = build_entry(&c, &with_etag, 200, b"{}".to_vec(), TTL5).unwrap();
+        let s2 = build_entry(&c, &with_etag, 200, b"{}".to_vec(), TTL5, None).unwrap();
         assert_eq!(s2.added_etag, None);
         assert!(not_modified(Some("W/\"v1\""), &s2.entry));
     }
@@ -560,16 +560,16 @@ mod tests {
         assert_ne!(none.key, a.key, "an answer without an id never serves a request with one");
         let answer = |id: &str| format!(r#"{{"model_name":"m","model_version":"1","id":"{}","outputs":[]}}"#, id).into_bytes();
         let json = hs(&[("content-type", "application/json")]);
-        let stored = build_entry(&Cacheable { request_ms: 1000, ..a.clone() }, &json, 200, answer("a-1"), TTL5).unwrap();
+        let stored = build_entry(&Cacheable { request_ms: 1000, ..a.clone() }, &json, 200, answer("a-1"), TTL5, None).unwrap();
         assert_eq!(stored.entry.body, br#"{"model_name":"m","model_version":"1","outputs":[]}"#.to_vec());
-        let from_b = build_entry(&Cacheable { request_ms: 1000, ..b.clone() }, &json, 200, answer("b-2"), TTL5).unwrap();
+        let from_b = build_entry(&Cacheable { request_ms: 1000, ..b.clone() }, &json, 200, answer("b-2"), TTL5, None).unwrap();
         assert_eq!(stored.entry.response_hash, from_b.entry.response_hash, "the hash is id-independent");
         assert_eq!(stored.added_etag, from_b.added_etag);
         let none_h: Vec<(String, String)> = vec![];
         let hit = crate::answer::http_hit(&stored.entry, &crate::answer::HitRequest { headers: &none_h, body: b"", id: &b.request_id }, 1000);
         assert_eq!(hit.body, answer("b-2"));
         // An answer that echoes some other id is not stored.
-        let wrong = build_entry(&a, &json, 200, answer("zzz"), TTL5);
+        let wrong = build_entry(&a, &json, 200, answer("zzz"), TTL5, None);
         assert_eq!(wrong.err(), Some(NotStored::Unparsable));
         // Malformed bodies on KServe paths bypass as unparsable.
         for bad in [&b"not json"[..], br#"{"id":"a","id":"b"}"#, br#"{"id":"a""#, br#"{"id":5}"#] {
@@ -589,7 +589,7 @@ mod tests {
         let ans_json = br#"{"id":"r1","outputs":[{"name":"y","parameters":{"binary_data_size":1}}]}"#;
         let ans = [&ans_json[..], b"\x09"].concat();
         let h = hs(&[("content-type", "application/octet-stream"), ("inference-header-content-length", &ans_json.len().to_string())]);
-        let s = build_entry(&c, &h, 200, ans.clone(), TTL5).unwrap();
+        let s = build_entry(&c, &h, 200, ans.clone(), TTL5, None).unwrap();
         let stored_len = header(&s.entry.headers, "inference-header-content-length").unwrap();
         assert_eq!(stored_len, (ans_json.len() - r#""id":"r1","#.len()).to_string());
         let none_h: Vec<(String, String)> = vec![];

@@ -6,7 +6,7 @@
 use crate::cache_control::{self, Freshness, NotStored};
 use crate::config::Policy;
 use crate::entry::Entry;
-use crate::hashing::response_hash;
+use crate::hashing::{response_hash, AnswerHasher};
 use crate::headermap::{header, joined, values};
 use crate::names::{COLOR_HEADER, KSERVE_BINARY_HEADER, MODEL_HEADER};
 use crate::request::Cacheable;
@@ -88,12 +88,15 @@ pub struct Stored {
 
 /// `body` is the answer as sent (a gRPC message without its frame). The echoed request id is
 /// taken out, and the hash covers the answer without it: the same for every caller.
+/// `hashed`: the answer as it streamed through (`AnswerHasher`), used when it covers exactly
+/// this body (no request id taken out); otherwise the body is hashed here.
 pub fn build_entry(
     c: &Cacheable,
     response_headers: &[(String, String)],
     status: u16,
     body: Vec<u8>,
     ttl: cache_control::Ttl,
+    hashed: Option<AnswerHasher>,
 ) -> Result<Stored, NotStored> {
     let now_ms = c.request_ms;
     let mut headers: Vec<(String, String)> = response_headers
@@ -117,7 +120,10 @@ pub fn build_entry(
         }
         response_hash(&body, &headers, &c.policy.hash_headers)
     } else {
-        response_hash(&body, response_headers, &c.policy.hash_headers)
+        match hashed.and_then(|h| h.finish(body.len(), response_headers, &c.policy.hash_headers)) {
+            Some(hash) => hash,
+            None => response_hash(&body, response_headers, &c.policy.hash_headers),
+        }
     };
     let added_etag = if header(&headers, "etag").is_none() {
         let etag = format!("\"{}\"", hash);

@@ -226,6 +226,13 @@ impl<'a, S: SharedData> Cache<'a, S> {
     }
 
     /// Stores `entry` in its slot. `seen`: the slot as a lookup saw it, if known.
+    ///
+    /// Shared-data calls: the slot (unless `seen`), the accounting record read and written
+    /// once to reserve, the slot written. When full, each eviction reads slots from the clock
+    /// hand on to the next occupied one, empties it, and moves the hand, releases the victim's
+    /// bytes and (if that made room) reserves ours in a single write of the record. No read
+    /// after the write: a layout change writes every slot (`reconcile`), so a slot write
+    /// against what was seen before the change fails instead of landing.
     pub fn insert(&self, entry: &Entry, seen: Option<SlotSeen>, out: &mut Outcome) -> Result<(), StoreError> {
         let mut value = entry.encode();
         let size = stored_size(value.len());
@@ -244,62 +251,86 @@ impl<'a, S: SharedData> Cache<'a, S> {
         };
         let old_size = stored_size(old_len);
         let was_empty = old_len == 0;
+        // What our entry replaces in the accounting: the slot's old value.
+        let old = if was_empty { None } else { Some((old_tag, old_size)) };
 
-        let mut reserved = false;
         // The bucket the entry is counted in: its policy's, or UNATTRIBUTED if the table is full.
-        let mut tag = entry.policy;
-        let mut steps = 0;
-        while !reserved && steps < MAX_EVICTIONS_PER_INSERT + MAX_CAS_RETRIES {
-            steps += 1;
+        let mut tag = None;
+        // Slot reads (and record writes) an insert may spend looking for room.
+        let mut budget = MAX_EVICTIONS_PER_INSERT + MAX_CAS_RETRIES;
+        while tag.is_none() && budget > 0 {
+            budget -= 1;
             let (mut m, meta_cas) = self.meta();
             if m.slots != slots || meta_cas == 0 {
                 // The layout is not (or no longer) the one this writer places entries with.
                 return Err(StoreError::Contended);
             }
-            if m.total_bytes().saturating_sub(old_size) + size <= self.limits.max_total_bytes {
-                if !was_empty {
-                    m.remove(old_tag, old_size);
+            if let Some(t) = self.reserve(&mut m, size, old, entry.policy) {
+                if self.data.set(META_KEY, &m.encode(), meta_cas) {
+                    tag = Some(t);
                 }
-                tag = m.tag_for(entry.policy);
-                m.add(tag, size);
-                reserved = self.data.set(META_KEY, &m.encode(), meta_cas);
                 continue;
             }
-            // Full: evict the slot under the clock hand (never our own target slot).
-            let victim = m.hand % slots;
-            m.hand = (victim + 1) % slots;
-            if !self.data.set(META_KEY, &m.encode(), meta_cas) || victim == i {
-                continue;
-            }
-            if let Some((v, c)) = self.data.get(&slot_key(victim)) {
-                if self.clear_slot(victim, &v, c) {
-                    out.evicted += 1;
+            // Full: the next occupied slot from the clock hand on (never our own target slot),
+            // at most once round the table.
+            let start = m.hand % slots;
+            let mut at = start;
+            let mut victim = None;
+            while budget > 0 {
+                budget -= 1;
+                let j = at;
+                at = (at + 1) % slots;
+                if j != i {
+                    if let Some((v, c)) = self.data.get(&slot_key(j)) {
+                        if !v.is_empty() {
+                            victim = Some((j, v, c));
+                            break;
+                        }
+                    }
+                }
+                if at == start {
+                    break;
                 }
             }
+            m.hand = at;
+            let (j, v, c) = match victim {
+                Some(found) => found,
+                None => {
+                    // Nothing to evict within reach: the hand moves on for the next writer.
+                    self.data.set(META_KEY, &m.encode(), meta_cas);
+                    continue;
+                }
+            };
+            if !self.data.set(&slot_key(j), b"", c) {
+                // Changed since we read it: look again.
+                continue;
+            }
+            out.evicted += 1;
+            let (victim_size, victim_tag) = (stored_size(v.len()), Entry::peek_policy(&v));
+            m.remove(victim_tag, victim_size);
+            let ours = self.reserve(&mut m, size, old, entry.policy);
+            if self.data.set(META_KEY, &m.encode(), meta_cas) {
+                tag = ours;
+            } else {
+                // The record changed meanwhile: release the victim's bytes on their own.
+                self.update_meta(|m| m.remove(victim_tag, victim_size));
+            }
         }
-        if !reserved {
-            return Err(StoreError::NoSpace);
-        }
+        let tag = match tag {
+            Some(t) => t,
+            None => return Err(StoreError::NoSpace),
+        };
         if tag != entry.policy {
             Entry::set_policy(&mut value, tag);
         }
         if self.data.set(&slot_key(i), &value, slot_cas) {
-            if self.meta().0.slots != slots {
-                // The layout changed while we wrote: the reconciling context may already have
-                // passed this slot, so take our entry back ourselves (if it is still there).
-                if let Some((v, c)) = self.data.get(&slot_key(i)) {
-                    if v.len() == value.len() && Entry::peek_key(&v) == Some(&entry.key[..]) {
-                        self.clear_slot(i, &v, c);
-                    }
-                }
-                return Err(StoreError::Contended);
-            }
             if !was_empty {
                 out.evicted += 1;
             }
             return Ok(());
         }
-        // Someone else wrote the slot since we read it: give the reservation back.
+        // Someone else wrote the slot since we read it (or a layout change emptied it): give
+        // the reservation back.
         self.update_meta(|m| {
             m.remove(tag, size);
             if !was_empty {
@@ -307,6 +338,21 @@ impl<'a, S: SharedData> Cache<'a, S> {
             }
         });
         Err(StoreError::Contended)
+    }
+
+    /// Reserves `size` bytes in `m` for an entry of `policy` replacing `old` (tag and size of
+    /// the slot's value, None: empty), if they fit: the bucket the entry is counted in.
+    fn reserve(&self, m: &mut Meta, size: u64, old: Option<(u64, u64)>, policy: u64) -> Option<u64> {
+        let old_size = old.map_or(0, |(_, s)| s);
+        if m.total_bytes().saturating_sub(old_size) + size > self.limits.max_total_bytes {
+            return None;
+        }
+        if let Some((old_tag, old_size)) = old {
+            m.remove(old_tag, old_size);
+        }
+        let tag = m.tag_for(policy);
+        m.add(tag, size);
+        Some(tag)
     }
 
     /// Brings stored data within the current limits after a configuration change: a new slot
@@ -341,23 +387,33 @@ impl<'a, S: SharedData> Cache<'a, S> {
             // (Scanned up to the new count only: keys past it are unknown to a lost record.)
             let unaccounted = old == 0;
             for i in 0..old.max(slots) {
-                match self.data.get(&slot_key(i)) {
-                    Some((v, c)) if unaccounted => {
-                        if !v.is_empty() && self.data.set(&slot_key(i), b"", c) {
-                            out.evicted += 1;
+                for _ in 0..MAX_CAS_RETRIES {
+                    let (v, c) = match self.data.get(&slot_key(i)) {
+                        Some(found) => found,
+                        None => {
+                            // Only the switching context creates slots, and writers never write
+                            // a missing one, so this unconditional write overwrites nothing.
+                            if i < slots {
+                                self.data.set(&slot_key(i), b"", 0);
+                            }
+                            break;
                         }
+                    };
+                    // Written even when already empty: its compare-and-swap token changes, so
+                    // a writer that reserved under the old layout and writes after this point
+                    // fails (`insert` does not read the layout again after writing).
+                    if !self.data.set(&slot_key(i), b"", c) {
+                        // Such a writer got in between: read it again.
+                        continue;
                     }
-                    Some((v, c)) => {
-                        if self.clear_slot(i, &v, c) {
-                            out.evicted += 1;
+                    if !v.is_empty() {
+                        if !unaccounted {
+                            let (size, tag) = (stored_size(v.len()), Entry::peek_policy(&v));
+                            self.update_meta(|m| m.remove(tag, size));
                         }
+                        out.evicted += 1;
                     }
-                    None if i < slots => {
-                        // Only the switching context creates slots, and writers never write a
-                        // missing one, so this unconditional write overwrites nothing.
-                        self.data.set(&slot_key(i), b"", 0);
-                    }
-                    None => {}
+                    break;
                 }
             }
         }
@@ -692,6 +748,74 @@ pub mod tests {
             assert_eq!(m.total_bytes(), shared.stored_bytes(), "accounting equals what is stored");
             assert_eq!(m.entries() as usize, slot_index_of_data(&shared).len());
         }
+    }
+
+    /// Counts shared-data calls: in the Wasm host each one is a VM crossing (and a read one
+    /// more, for the host to allocate the value in the VM).
+    struct Counting<'a> {
+        inner: &'a MemShared,
+        gets: RefCell<u32>,
+        sets: RefCell<u32>,
+    }
+
+    impl<'a> SharedData for Counting<'a> {
+        fn get(&self, key: &str) -> Option<(Vec<u8>, u32)> {
+            *self.gets.borrow_mut() += 1;
+            self.inner.get(key)
+        }
+        fn set(&self, key: &str, value: &[u8], cas: u32) -> bool {
+            *self.sets.borrow_mut() += 1;
+            self.inner.set(key, value, cas)
+        }
+    }
+
+    #[test]
+    fn a_store_reads_the_record_once_and_an_eviction_writes_it_once() {
+        let shared = MemShared::default();
+        let size = stored_size(entry(0, b"body", 10).encode().len());
+        let l = limits(3 * size, 8);
+        Cache { data: &shared, limits: &l }.reconcile(&mut Outcome::default());
+        let counting = Counting { inner: &shared, gets: RefCell::new(0), sets: RefCell::new(0) };
+        let cache = Cache { data: &counting, limits: &l };
+        let evicted = RefCell::new(0);
+        let store = |n: u32| {
+            let mut out = Outcome::default();
+            let seen = match cache.lookup(&key(n), 0, &mut out) {
+                Lookup::Miss(seen) => seen,
+                other => panic!("{:?}", other),
+            };
+            *counting.gets.borrow_mut() = 0;
+            *counting.sets.borrow_mut() = 0;
+            cache.insert(&entry(n, b"body", 10), seen, &mut out).unwrap();
+            *evicted.borrow_mut() += out.evicted;
+            (*counting.gets.borrow(), *counting.sets.borrow())
+        };
+        // Room: the record read and written (reserving), the slot written. Nothing read back.
+        for n in 0..3 {
+            assert_eq!(store(n), (1, 2), "store {}", n);
+        }
+        // Full: slots 0-2 hold entries and the hand is at 0. The victim (slot 0) is read,
+        // emptied, and the record written once: hand, the victim's bytes and ours.
+        assert_eq!(store(3), (2, 3));
+        assert_eq!(*evicted.borrow(), 1);
+        // The hand, now at 1, finds slot 1 occupied at once.
+        assert_eq!(store(4), (2, 3));
+        let m = Cache::read_only(&shared).meta().0;
+        assert_eq!((m.entries(), m.total_bytes(), m.hand), (3, shared.stored_bytes(), 2));
+        assert!(matches!(Cache { data: &shared, limits: &l }.lookup(&key(0), 0, &mut Outcome::default()), Lookup::Miss(_)));
+    }
+
+    #[test]
+    fn a_full_cache_with_nothing_to_evict_but_the_target_slot_gives_up() {
+        // One slot, and bytes accounted that no slot holds (a smaller layout's leftovers
+        // before the switch releases them): the only slot is the writer's own, never a victim.
+        let shared = MemShared::default();
+        let l = limits(1000, 1);
+        let cache = Cache { data: &shared, limits: &l };
+        cache.reconcile(&mut Outcome::default());
+        cache.update_meta(|m| m.add(7, 900));
+        assert_eq!(cache.insert(&entry(1, &[0u8; 200], 10), None, &mut Outcome::default()), Err(StoreError::NoSpace));
+        assert_eq!(shared.stored_bytes(), 0);
     }
 
     #[test]

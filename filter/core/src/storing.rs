@@ -5,6 +5,7 @@ use crate::cache_control::{NotStored, Ttl};
 use crate::request::Cacheable;
 use crate::response::{self, Stored};
 use crate::grpc;
+use crate::hashing::AnswerHasher;
 use crate::store::{Cache, Outcome, SharedData, StoreError};
 
 /// Stores `body` (as received: gRPC still framed) as the answer to `c`, replacing what the
@@ -19,12 +20,28 @@ pub fn store_answer<S: SharedData>(
     ttl: Ttl,
     out: &mut Outcome,
 ) -> Result<Stored, NotStored> {
+    store_streamed(cache, c, headers, status, body, ttl, None, out)
+}
+
+/// `store_answer` for an answer hashed while it streamed through (`AnswerHasher`, fed the body
+/// as received); a hash that does not cover exactly the stored body is computed again.
+#[allow(clippy::too_many_arguments)]
+pub fn store_streamed<S: SharedData>(
+    cache: &Cache<S>,
+    c: &Cacheable,
+    headers: &[(String, String)],
+    status: u16,
+    body: Vec<u8>,
+    ttl: Ttl,
+    hashed: Option<AnswerHasher>,
+    out: &mut Outcome,
+) -> Result<Stored, NotStored> {
     let max = cache.limits.max_entry_bytes;
     let message = if c.grpc { grpc::unframe(&body).ok_or(NotStored::Error)?.to_vec() } else { body };
     if message.len() as u64 > max {
         return Err(NotStored::TooBig);
     }
-    let stored = response::build_entry(c, headers, status, message, ttl)?;
+    let stored = response::build_entry(c, headers, status, message, ttl, hashed)?;
     if stored.entry.encoded_len() as u64 > max {
         return Err(NotStored::TooBig);
     }
@@ -71,6 +88,46 @@ mod tests {
             Lookup::Hit(e) => assert_eq!(e, stored.entry),
             other => panic!("{:?}", other),
         }
+    }
+
+    #[test]
+    fn an_answer_hashed_while_streaming_stores_the_same_entry() {
+        let (c, limits) = cacheable(1 << 16);
+        let ttl = Ttl { s: 5, from_policy: true };
+        let headers = vec![(":status".to_string(), "200".to_string()), ("content-type".to_string(), "application/json".to_string())];
+        let body = br#"{"outputs":[1,2,3]}"#.to_vec();
+        let one_shot = {
+            let data = MemShared::default();
+            let cache = Cache { data: &data, limits: &limits };
+            cache.reconcile(&mut Outcome::default());
+            store_answer(&cache, &c, &headers, 200, body.clone(), ttl, &mut Outcome::default()).unwrap().entry
+        };
+        // Right, and wrong (declared one byte short: hashed whole again) streamed hashes.
+        for declared in [body.len(), body.len() - 1] {
+            let data = MemShared::default();
+            let cache = Cache { data: &data, limits: &limits };
+            cache.reconcile(&mut Outcome::default());
+            let mut h = AnswerHasher::http(declared as u64);
+            h.update(&body[..7]);
+            h.update(&body[7..]);
+            let stored = store_streamed(&cache, &c, &headers, 200, body.clone(), ttl, Some(h), &mut Outcome::default()).unwrap();
+            assert_eq!(stored.entry, one_shot);
+        }
+        // gRPC: the hasher reads the frame; the entry holds the message.
+        let mut g = c.clone();
+        g.grpc = true;
+        let data = MemShared::default();
+        let cache = Cache { data: &data, limits: &limits };
+        cache.reconcile(&mut Outcome::default());
+        let framed = grpc::frame(b"\x0a\x03abc");
+        let mut h = AnswerHasher::grpc();
+        h.update(&framed[..3]);
+        h.update(&framed[3..]);
+        let stored = store_streamed(&cache, &g, &headers, 200, framed.clone(), ttl, Some(h), &mut Outcome::default()).unwrap();
+        let data2 = MemShared::default();
+        let cache2 = Cache { data: &data2, limits: &limits };
+        cache2.reconcile(&mut Outcome::default());
+        assert_eq!(stored.entry, store_answer(&cache2, &g, &headers, 200, framed, ttl, &mut Outcome::default()).unwrap().entry);
     }
 
     #[test]

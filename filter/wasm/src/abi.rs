@@ -118,6 +118,50 @@ pub fn buffer(kind: Buffer, start: usize, max: usize) -> Option<Vec<u8>> {
     Some(unsafe { owned(p, l) })
 }
 
+thread_local! {
+    /// Where the host's next allocation lands (`buffer_into`): spare capacity of a caller's
+    /// buffer, so body bytes are written there directly instead of into a new allocation that
+    /// is then copied.
+    static LANDING: std::cell::Cell<Option<(*mut u8, usize)>> = std::cell::Cell::new(None);
+}
+
+/// The memory the host asks for through `proxy_on_memory_allocate`: the landing spot when one
+/// is set and large enough (taken once), else a fresh allocation the caller frees.
+pub fn host_allocation(size: usize) -> *mut u8 {
+    if let Some((p, room)) = LANDING.with(|l| l.take()) {
+        if size <= room {
+            return p;
+        }
+    }
+    let mut v: Vec<u8> = Vec::with_capacity(size);
+    let p = v.as_mut_ptr();
+    std::mem::forget(v);
+    p
+}
+
+/// Appends up to `max` bytes of a body buffer from `start` to `out`, read straight into its
+/// spare capacity; the number of bytes appended, or None when the host refused.
+pub fn buffer_into(kind: Buffer, start: usize, max: usize, out: &mut Vec<u8>) -> Option<usize> {
+    out.reserve(max);
+    let spare = unsafe { out.as_mut_ptr().add(out.len()) };
+    LANDING.with(|l| l.set(Some((spare, out.capacity() - out.len()))));
+    let mut p: *mut u8 = std::ptr::null_mut();
+    let mut l: usize = 0;
+    let rc = unsafe { proxy_get_buffer_bytes(kind as u32, start, max, &mut p, &mut l) };
+    LANDING.with(|l| l.set(None));
+    if rc != STATUS_OK {
+        return None;
+    }
+    if p == spare && l <= out.capacity() - out.len() {
+        // The host wrote the bytes where we pointed it.
+        unsafe { out.set_len(out.len() + l) };
+    } else {
+        // It allocated elsewhere (or returned nothing): ours to copy and free.
+        out.extend_from_slice(&unsafe { owned(p, l) });
+    }
+    Some(l)
+}
+
 pub fn buffer_size(kind: Buffer) -> Option<usize> {
     let mut len: usize = 0;
     let mut flags: u32 = 0;

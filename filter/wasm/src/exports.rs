@@ -8,10 +8,7 @@ use crate::{background, root, stream};
 /// The host allocates returned data through this export; we own it afterwards.
 #[no_mangle]
 pub extern "C" fn proxy_on_memory_allocate(size: usize) -> *mut u8 {
-    let mut v: Vec<u8> = Vec::with_capacity(size);
-    let p = v.as_mut_ptr();
-    std::mem::forget(v);
-    p
+    abi::host_allocation(size)
 }
 
 #[no_mangle]

@@ -19,6 +19,8 @@ thread_local! {
     /// Per-policy stat names whose gauges were set: a policy removed since reports 0 (its
     /// entries move to the unattributed gauges).
     static POLICY_GAUGES: RefCell<BTreeSet<String>> = RefCell::new(BTreeSet::new());
+    /// Per-policy counter names by prefix: (what, stat name); bounded like TAGS.
+    static POLICY_NAMES: RefCell<HashMap<String, Vec<(String, String)>>> = RefCell::new(HashMap::new());
 }
 
 fn metric(kind: MetricKind, name: &str) -> Option<u32> {
@@ -63,8 +65,28 @@ fn tag_of(prefix: &str) -> u64 {
     })
 }
 
+/// Counts a per-policy event (`what`: one of `POLICY_COUNTERS`). Runs on every request, so the
+/// stat names are built once per policy rather than formatted each time.
 pub fn count_policy(prefix: &str, what: &str) {
-    count(&policy_metric(prefix, what), 1);
+    POLICY_NAMES.with(|m| {
+        let mut m = m.borrow_mut();
+        if !m.contains_key(prefix) {
+            if m.len() > 2 * LIMIT_POLICIES {
+                m.clear();
+            }
+            m.insert(prefix.to_string(), Vec::new());
+        }
+        if let Some(names) = m.get_mut(prefix) {
+            match names.iter().find(|(w, _)| w == what) {
+                Some((_, name)) => count(name, 1),
+                None => {
+                    let name = policy_metric(prefix, what);
+                    count(&name, 1);
+                    names.push((what.to_string(), name));
+                }
+            }
+        }
+    });
 }
 
 /// Defines every counter (and each policy's) up front, so stats, dashboards and alerts see a 0

@@ -235,6 +235,8 @@ pub struct Collecting {
     headers: Vec<(String, String)>,
     /// The answer so far (absolute body offsets), while it may still be stored.
     copy: Vec<u8>,
+    /// The answer's hash, fed each chunk as it arrives (None: hashed whole when stored).
+    hasher: Option<crate::hashing::AnswerHasher>,
     /// Response headers not yet sent (paused): they can still say `stored` and the hash.
     held: bool,
     /// Body bytes already passed on before the host's current buffer starts.
@@ -851,14 +853,25 @@ impl Stream {
             return self.not_stored(c.refresh, NotStored::TooBig, true);
         }
         if eos {
-            return self.finish_store(c, ttl, status, headers, Vec::new(), Open::Headers);
+            return self.finish_store(c, ttl, status, headers, Vec::new(), None, Open::Headers);
         }
         let held = self.holds_headers() && response::should_hold(c.grpc, headermap::header(&headers, "content-type"), declared);
         if !held {
             // The answer streams: say what is known now; it is copied and stored at its end.
             abi::set_header(Map::ResponseHeaders, names::CACHE_STATUS, names::cache_status_forwarded(c.refresh));
         }
-        self.phase = Phase::Collect(Box::new(Collecting { c, ttl, status, headers, copy: Vec::new(), held, base: 0 }));
+        let declared = declared.and_then(|v| v.trim().parse::<usize>().ok());
+        // Hashed as it arrives when the hash's leading length is known now and the stored body
+        // is the body as received (an echoed request id is taken out first: hashed at the end).
+        let hasher = match (&c.request_id, c.grpc, declared) {
+            (crate::shaping::RequestId::Spliced(_), _, _) => None,
+            (_, true, _) => Some(crate::hashing::AnswerHasher::grpc()),
+            (_, false, Some(n)) => Some(crate::hashing::AnswerHasher::http(n as u64)),
+            (_, false, None) => None,
+        };
+        // Room for the whole declared answer up front: chunks land in it without regrowing.
+        let copy = Vec::with_capacity(declared.unwrap_or(0).min(limit));
+        self.phase = Phase::Collect(Box::new(Collecting { c, ttl, status, headers, copy, hasher, held, base: 0 }));
         if held {
             PAUSE
         } else {
@@ -894,8 +907,13 @@ impl Stream {
             if k.copy.len() + more > limit {
                 return self.not_stored(k.c.refresh, NotStored::TooBig, k.held);
             }
-            match abi::buffer(Buffer::ResponseBody, have, more) {
-                Some(chunk) if chunk.len() == more => k.copy.extend_from_slice(&chunk),
+            let from = k.copy.len();
+            match abi::buffer_into(Buffer::ResponseBody, have, more, &mut k.copy) {
+                Some(n) if n == more => {
+                    if let Some(h) = k.hasher.as_mut() {
+                        h.update(&k.copy[from..]);
+                    }
+                }
                 _ => {
                     error("response body unreadable; not storing");
                     return self.not_stored(k.c.refresh, NotStored::Error, k.held);
@@ -908,8 +926,8 @@ impl Stream {
                 return self.not_stored(k.c.refresh, NotStored::GrpcStatus, k.held);
             }
             let open = if k.held { Open::Headers } else { Open::Closed };
-            let Collecting { c, ttl, status, headers, copy, .. } = *k;
-            return self.finish_store(c, ttl, status, headers, copy, open);
+            let Collecting { c, ttl, status, headers, copy, hasher, .. } = *k;
+            return self.finish_store(c, ttl, status, headers, copy, hasher, open);
         }
         if k.held && k.copy.len() <= response::HOLD_BYTES {
             self.phase = Phase::Collect(k);
@@ -932,8 +950,8 @@ impl Stream {
                 if k.c.grpc && abi::header(Map::ResponseTrailers, "grpc-status").as_deref() != Some("0") {
                     return self.not_stored(k.c.refresh, NotStored::GrpcStatus, k.held);
                 }
-                let Collecting { c, ttl, status, headers, copy, .. } = *k;
-                self.finish_store(c, ttl, status, headers, copy, open)
+                let Collecting { c, ttl, status, headers, copy, hasher, .. } = *k;
+                self.finish_store(c, ttl, status, headers, copy, hasher, open)
             }
             other => {
                 self.phase = other;
@@ -949,6 +967,7 @@ impl Stream {
         status: u16,
         headers: Vec<(String, String)>,
         body: Vec<u8>,
+        hashed: Option<crate::hashing::AnswerHasher>,
         open: Open,
     ) -> u32 {
         let headers_open = open == Open::Headers;
@@ -956,7 +975,7 @@ impl Stream {
         let refresh = c.refresh;
         let cache = Cache { data: &abi::HostShared, limits: &limits };
         let mut out = Outcome::default();
-        let result = storing::store_answer(&cache, &c, &headers, status, body, ttl, &mut out);
+        let result = storing::store_streamed(&cache, &c, &headers, status, body, ttl, hashed, &mut out);
         metrics::record_outcome(&out);
         match result {
             Ok(stored) => {
