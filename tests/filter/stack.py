@@ -20,7 +20,7 @@ from meshcache.contract.paths import FILTER_NATIVE, FILTER_WASM
 from meshcache.ctl import launchers, procs
 from meshcache.ctl.envoy_config import BUFFER_LIMIT_BYTES, CacheProxy, write
 from meshcache.ctl.pki import Identity
-from tests.helpers.filter_stats import filter_stats
+from tests.helpers.filter_stats import filter_stats, filter_stats_reaching
 
 MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"
 DEFAULT_HASH_HEADERS = ("content-type", "x-model-id")
@@ -49,9 +49,14 @@ class Stack:
 
     def stats(self) -> dict[str, int]:
         """The filter's own metrics (tests.helpers.filter_stats), after one flush: the filter
-        hands its counters to Envoy every 200 ms (fewer VM crossings per request)."""
+        hands its counters to Envoy every 200 ms (fewer VM crossings per request). Prefer
+        `stats_reaching`, which waits only as long as the flush takes."""
         time.sleep(METRICS_FLUSH_S)
         return filter_stats(self.admin_port)
+
+    def stats_reaching(self, expected: dict[str, int], timeout: float = 10.0) -> dict[str, int]:
+        """The filter's metrics once each one in `expected` reads its value (filter_stats_reaching)."""
+        return filter_stats_reaching(self.admin_port, expected, timeout)
 
     def grpc_infer(self, request: bytes, metadata: tuple[tuple[str, str], ...] = ()) -> tuple[bytes, grpc.Call]:
         with grpc.insecure_channel(f"127.0.0.1:{self.listen_port}") as channel:

@@ -24,7 +24,8 @@ from meshcache.ctl import launchers, procs
 from meshcache.ctl.envoy_config import Affinity, CacheProxy, ClientSidecar, write
 from meshcache.ctl.pki import CertificateAuthority, Identity, spiffe_id
 from tests.filter.stack import METRICS_FLUSH_S, config, policy
-from tests.helpers.filter_stats import filter_counter
+from tests.helpers.filter_stats import filter_counter, filter_stats_reaching
+from tests.helpers.wait import eventually
 
 REPLICAS = 3
 SERVER_ID = spiffe_id("ml", "engine")
@@ -65,14 +66,23 @@ class Mesh:
         self.client_admins[url] = admin
         return url
 
-    def routed(self, client: str) -> int:
-        """Requests the client sidecar's filter gave a routing key."""
-        time.sleep(METRICS_FLUSH_S)
-        return filter_counter(self.client_admins[client], "meshcache.routed")
+    def routed(self, client: str, expected: int) -> None:
+        """Waits until the client sidecar's filter has given `expected` requests a routing key."""
+        if expected == 0:
+            # Nothing to wait for: let the requests sent so far reach Envoy's counters first.
+            time.sleep(METRICS_FLUSH_S)
+            assert filter_counter(self.client_admins[client], "meshcache.routed") == 0
+            return
+        filter_stats_reaching(self.client_admins[client], {"meshcache.routed": expected})
 
-    def per_replica(self, what: str) -> list[int]:
-        time.sleep(METRICS_FLUSH_S)
-        return [filter_counter(r.admin, f"meshcache.{what}") for r in self.replicas]
+    def per_replica(self, what: str, total: int) -> list[int]:
+        """`meshcache.<what>` of each replica, once they add up to `total` (the filter flushes its
+        counters every 200 ms)."""
+        def added_up() -> list[int] | None:
+            counts = [filter_counter(r.admin, f"meshcache.{what}") for r in self.replicas]
+            assert sum(counts) == total, f"{what} {counts}: not {total} in all"
+            return counts
+        return eventually(added_up)
 
     def origin_calls(self) -> int:
         return int(httpx.get(f"http://127.0.0.1:{self.origin_port}/calls", timeout=5).json()["http"])
@@ -128,7 +138,7 @@ def test_identical_requests_from_several_clients_land_on_one_replica_and_hit(mes
     for base in (alice, bob, alice, bob):
         assert post(base, body(1)).headers["cache-status"].startswith("meshcache; hit")
     assert mesh.origin_calls() == 1
-    stores, hits = mesh.per_replica("stores"), mesh.per_replica("hits")
+    stores, hits = mesh.per_replica("stores", 1), mesh.per_replica("hits", 4)
     assert sorted(stores) == [0, 0, 1] and sorted(hits) == [0, 0, 4]
     assert stores.index(1) == hits.index(4)  # all on the replica that stored it
     # The origin never sees a routing key: the server sidecar removed it.
@@ -140,13 +150,13 @@ def test_keys_spread_over_replicas_and_repeat_where_they_are(mesh: Mesh) -> None
     n = 60
     for i in range(n):
         assert post(alice, body(i)).headers["cache-status"] == "meshcache; fwd=miss; stored"
-    stores = mesh.per_replica("stores")
-    assert sum(stores) == n and min(stores) >= 8, stores  # each replica owns a share of the keys
+    stores = mesh.per_replica("stores", n)
+    assert min(stores) >= 8, stores  # each replica owns a share of the keys
     for i in range(n):
         assert post(bob, body(i)).headers["cache-status"].startswith("meshcache; hit"), i
-    assert mesh.per_replica("hits") == stores  # every key hit on the replica holding it
+    assert mesh.per_replica("hits", n) == stores  # every key hit on the replica holding it
     assert mesh.origin_calls() == n
-    assert sum(mesh.per_replica("entries")) == n  # one copy of each answer in the mesh
+    mesh.per_replica("entries", n)  # one copy of each answer in the mesh
 
 
 @pytest.mark.parametrize("lb_policy", ["RING_HASH", "MAGLEV"])
@@ -155,7 +165,7 @@ def test_removing_a_replica_moves_mostly_its_keys(mesh: Mesh, lb_policy: str) ->
     n = 90
     for i in range(n):
         post(alice, body(i))
-    stores = mesh.per_replica("stores")
+    stores = mesh.per_replica("stores", n)
     gone = stores.index(max(stores))
     remaining = [r for i, r in enumerate(mesh.replicas) if i != gone]
     # The same client after the replica left its cluster (a new sidecar config with two endpoints).
@@ -175,12 +185,12 @@ def test_removing_a_replica_moves_mostly_its_keys(mesh: Mesh, lb_policy: str) ->
 def test_forged_routing_keys_are_harmless(mesh: Mesh) -> None:
     alice = mesh.client_sidecar("alice")
     assert post(alice, body(7)).headers["cache-status"] == "meshcache; fwd=miss; stored"
-    where = mesh.per_replica("stores")
+    where = mesh.per_replica("stores", 1)
     # Through the client sidecar: the app's key is replaced by the filter's own.
     for forged in ("0" * 32, "f" * 32, "x"):
         r = post(alice, body(7), {ROUTE_KEY_HEADER: forged})
         assert r.headers["cache-status"].startswith("meshcache; hit")
-    assert mesh.per_replica("hits") == [3 * s for s in where]
+    assert mesh.per_replica("hits", 3) == [3 * s for s in where]
     # Straight to a server sidecar: a forged key neither changes its cache key nor reaches the origin.
     replica = mesh.replicas[where.index(1)]
     ctx = ssl.create_default_context(cafile=str(mesh.identities["alice"].ca))
@@ -203,13 +213,13 @@ def test_requests_the_server_bypasses_get_no_key_and_balance(mesh: Mesh) -> None
         # Credentials on a shared policy: the server bypasses, so the client gives no key.
         r = post(alice, body(3), {"authorization": "Bearer t"})
         assert r.headers["cache-status"] == "meshcache; fwd=bypass; detail=credentials"
-    bypasses = mesh.per_replica("bypasses")
-    assert sum(bypasses) == 30 and sum(b > 0 for b in bypasses) >= 2, bypasses  # balanced, not pinned
+    bypasses = mesh.per_replica("bypasses", 30)
+    assert sum(b > 0 for b in bypasses) >= 2, bypasses  # balanced, not pinned
     for _ in range(3):
         post(alice, body(3), url="/v2/models/nopolicy/infer")  # no policy: not cached, not keyed
-    assert mesh.routed(alice) == 0
+    mesh.routed(alice, 0)
     post(alice, body(3))
-    assert mesh.routed(alice) == 1
+    mesh.routed(alice, 1)
     assert mesh.origin_calls() == 34
 
 
@@ -222,7 +232,7 @@ def test_principal_scope_keeps_entries_per_caller_on_one_replica(mesh: Mesh) -> 
     assert post(alice, body(5), hdrs, url).headers["cache-status"].startswith("meshcache; hit")
     assert post(bob, body(5), hdrs, url).headers["cache-status"].startswith("meshcache; hit")
     # Two entries (one per caller), both on the one replica the answer's key routes to.
-    assert sorted(mesh.per_replica("stores")) == [0, 0, 2] and sorted(mesh.per_replica("hits")) == [0, 0, 2]
+    assert sorted(mesh.per_replica("stores", 2)) == [0, 0, 2] and sorted(mesh.per_replica("hits", 2)) == [0, 0, 2]
 
 
 def test_colours_are_separate_entries_each_on_its_replica(mesh: Mesh) -> None:
@@ -234,14 +244,15 @@ def test_colours_are_separate_entries_each_on_its_replica(mesh: Mesh) -> None:
         seen.setdefault(color, []).append(r.headers["cache-status"])
     for color, statuses in seen.items():
         assert statuses[0] == "meshcache; fwd=miss; stored" and statuses[1].startswith("meshcache; hit"), color
-    assert sum(mesh.per_replica("stores")) == 2 and sum(mesh.per_replica("hits")) == 2
+    mesh.per_replica("stores", 2)
+    mesh.per_replica("hits", 2)
 
 
 def test_maglev_routes_by_the_key_too(mesh: Mesh) -> None:
     alice = mesh.client_sidecar("alice", lb_policy="MAGLEV")
     for _ in range(4):
         post(alice, body(11))
-    assert sorted(mesh.per_replica("hits")) == [0, 0, 3]
+    assert sorted(mesh.per_replica("hits", 3)) == [0, 0, 3]
 
 
 def test_bodies_too_big_to_key_pass_unkeyed(mesh: Mesh) -> None:
@@ -250,5 +261,5 @@ def test_bodies_too_big_to_key_pass_unkeyed(mesh: Mesh) -> None:
     for _ in range(3):
         r = post(alice, big)  # over the filter's 768 KiB request cap: neither side buffers it whole
         assert r.headers["cache-status"] == "meshcache; fwd=bypass; detail=too-big" and len(r.content) > 0
-    assert mesh.routed(alice) == 0
+    mesh.routed(alice, 0)
     assert mesh.origin_calls() == 3

@@ -12,6 +12,8 @@ import httpx
 import pytest
 
 from tests.filter.stack import LIMITS, Stack, config, filter_stack, infer_request, policy
+from tests.helpers.filter_stats import filter_stats
+from tests.helpers.wait import eventually
 
 
 def _message_hash(message: bytes) -> str:
@@ -44,7 +46,7 @@ def test_grpc_hit_returns_full_message_without_calling_origin(tmp_path: Path, li
         assert md2["x-response-hash"] == md1["x-response-hash"]
         assert dict(call2.trailing_metadata()).get("grpc-status", "0") == "0"
         assert s.origin_calls()["grpc"] == 1
-        assert s.stats()["meshcache.hits"] == 1
+        s.stats_reaching({"meshcache.hits": 1})
         assert "cache_stub" not in _envoy_clusters(s), "single pass: no stub cluster"
 
 
@@ -82,7 +84,7 @@ def test_grpc_errors_are_not_stored(tmp_path: Path, host: str) -> None:
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert err.value.details() == "origin asked to fail"
         assert s.origin_calls()["grpc"] == 2
-        assert s.stats().get("meshcache.stores", 0) == 0
+        s.stats_reaching({"meshcache.misses": 2, "meshcache.stores": 0})
 
 
 def test_grpc_model_without_policy_bypasses_and_markers_cannot_be_forged(tmp_path: Path, host: str) -> None:
@@ -130,7 +132,7 @@ def test_grpc_web_bypasses(tmp_path: Path, host: str) -> None:
             r = httpx.post(s.url("/inference.GRPCInferenceService/ModelInfer"), content=framed, headers=headers,
                            timeout=10)
             assert r.headers.get("cache-status") == "meshcache; fwd=bypass; detail=grpc-web"
-        assert s.stats().get("meshcache.hits", 0) == 0
+        s.stats_reaching({"meshcache.bypasses": 2, "meshcache.hits": 0})
 
 
 def test_compressed_messages_say_so(tmp_path: Path, host: str) -> None:
@@ -165,4 +167,4 @@ def test_missing_hit_route_fails_one_call_retryably_then_bypasses(tmp_path: Path
             again, call = s.grpc_infer(request)
             assert again == first
             assert dict(call.initial_metadata())["cache-status"] == "meshcache; fwd=bypass; detail=no-hit-route"
-        assert s.stats()["meshcache.errors"] >= 1
+        eventually(lambda: filter_stats(s.admin_port)["meshcache.errors"] >= 1)
