@@ -45,7 +45,7 @@ class Stack:
         return f"http://127.0.0.1:{self.listen_port}{path}"
 
     def origin_calls(self) -> dict[str, int]:
-        return httpx.get(f"http://127.0.0.1:{self.http_port}/calls", timeout=5).json()
+        return procs.local_http().get(f"http://127.0.0.1:{self.http_port}/calls", timeout=5).json()
 
     def stats(self) -> dict[str, int]:
         """The filter's own metrics (tests.helpers.filter_stats), after one flush: the filter

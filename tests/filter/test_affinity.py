@@ -85,7 +85,7 @@ class Mesh:
         return eventually(added_up)
 
     def origin_calls(self) -> int:
-        return int(httpx.get(f"http://127.0.0.1:{self.origin_port}/calls", timeout=5).json()["http"])
+        return int(procs.local_http().get(f"http://127.0.0.1:{self.origin_port}/calls", timeout=5).json()["http"])
 
 
 @contextlib.contextmanager
@@ -121,8 +121,8 @@ def mesh(tmp_path: Path) -> Iterator[Mesh]:
 
 
 def post(base: str, body: str, headers: dict[str, str] | None = None, url: str = URL) -> httpx.Response:
-    r = httpx.post(base + url, content=body, headers={"content-type": "application/json", **(headers or {})},
-                   timeout=10)
+    r = procs.local_http().post(base + url, content=body,
+                                headers={"content-type": "application/json", **(headers or {})}, timeout=10)
     assert r.status_code == 200, r.text
     return r
 
