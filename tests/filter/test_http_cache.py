@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.filter.stack import config, expected_hash, filter_stack, policy
+from tests.filter.stack import SharedStacks, config, expected_hash, filter_stack, policy
 from tests.helpers.filter_stats import filter_stats
 from tests.helpers.wait import eventually
 
@@ -116,11 +116,12 @@ def test_ttl_expiry_and_origin_cache_control(tmp_path: Path, host: str) -> None:
          "meshcache; fwd=bypass; detail=credentials"),
     ],
 )
-def test_not_cached(tmp_path: Path, request_headers: dict[str, str], first_status: str, then_status: str,
-                    host: str) -> None:
-    with filter_stack(tmp_path, config(), host=host) as s, httpx.Client() as c:
-        first = c.post(s.url(INFER), content=BODY, headers=request_headers)
-        second = c.post(s.url(INFER), content=BODY, headers=request_headers)
+def test_not_cached(shared_stacks: SharedStacks, request_headers: dict[str, str], first_status: str,
+                    then_status: str, host: str) -> None:
+    s = shared_stacks.get(config(), host)
+    with httpx.Client() as c:
+        first = c.post(s.infer_url("m"), content=BODY, headers=request_headers)
+        second = c.post(s.infer_url("m"), content=BODY, headers=request_headers)
         assert first.headers["cache-status"] == first_status
         assert second.headers["cache-status"] == then_status
         assert "x-response-hash" not in second.headers
@@ -128,12 +129,14 @@ def test_not_cached(tmp_path: Path, request_headers: dict[str, str], first_statu
         assert s.origin_calls()["http"] == 2
 
 
-def test_client_no_cache_refreshes_the_entry(tmp_path: Path, host: str) -> None:
-    with filter_stack(tmp_path, config(), host=host) as s, httpx.Client() as c:
-        assert c.post(s.url(INFER), content=BODY).headers["cache-status"] == "meshcache; fwd=miss; stored"
-        r = c.post(s.url(INFER), content=BODY, headers={"cache-control": "no-cache"})
+def test_client_no_cache_refreshes_the_entry(shared_stacks: SharedStacks, host: str) -> None:
+    s = shared_stacks.get(config(), host)
+    with httpx.Client() as c:
+        url = s.infer_url("m")
+        assert c.post(url, content=BODY).headers["cache-status"] == "meshcache; fwd=miss; stored"
+        r = c.post(url, content=BODY, headers={"cache-control": "no-cache"})
         assert r.headers["cache-status"] == "meshcache; fwd=request; stored"
-        assert c.post(s.url(INFER), content=BODY).headers["cache-status"].startswith("meshcache; hit")
+        assert c.post(url, content=BODY).headers["cache-status"].startswith("meshcache; hit")
         assert s.origin_calls()["http"] == 2
 
 
@@ -166,34 +169,37 @@ def test_oversized_answers_pass_through_unstored(tmp_path: Path, host: str) -> N
         assert s.origin_calls()["http"] == 3
 
 
-def test_if_none_match_gets_304(tmp_path: Path, host: str) -> None:
-    with filter_stack(tmp_path, config(), host=host) as s, httpx.Client() as c:
-        etag = c.post(s.url(INFER), content=BODY).headers["etag"]
-        r = c.post(s.url(INFER), content=BODY, headers={"if-none-match": etag})
+def test_if_none_match_gets_304(shared_stacks: SharedStacks, host: str) -> None:
+    s = shared_stacks.get(config(), host)
+    with httpx.Client() as c:
+        url = s.infer_url("m")
+        etag = c.post(url, content=BODY).headers["etag"]
+        r = c.post(url, content=BODY, headers={"if-none-match": etag})
         assert r.status_code == 304
         assert r.content == b""
         assert r.headers["etag"] == etag
         assert r.headers["cache-status"].startswith("meshcache; hit")
-        other = c.post(s.url(INFER), content=BODY, headers={"if-none-match": '"something-else"'})
+        other = c.post(url, content=BODY, headers={"if-none-match": '"something-else"'})
         assert other.status_code == 200
         # RFC 9110 13.1.2: `*` may be answered 304 only on GET and HEAD; a POST gets the answer.
         for star in ("*", '"something-else", *'):
-            r = c.post(s.url(INFER), content=BODY, headers={"if-none-match": star})
+            r = c.post(url, content=BODY, headers={"if-none-match": star})
             assert r.status_code == 200, star
             assert r.headers["cache-status"].startswith("meshcache; hit")
             assert r.content == other.content
         # An origin ETag is kept and is what If-None-Match compares with.
-        c.post(s.url(INFER), content=b'{"n": 2}', headers={"x-origin-etag": '"v7"'})
-        r = c.post(s.url(INFER), content=b'{"n": 2}', headers={"x-origin-etag": '"v7"', "if-none-match": 'W/"v7"'})
+        c.post(url, content=b'{"n": 2}', headers={"x-origin-etag": '"v7"'})
+        r = c.post(url, content=b'{"n": 2}', headers={"x-origin-etag": '"v7"', "if-none-match": 'W/"v7"'})
         assert r.status_code == 304
         assert r.headers["etag"] == '"v7"'
 
 
-def test_client_cannot_forge_internal_markers(tmp_path: Path, host: str) -> None:
-    with filter_stack(tmp_path, config(), host=host) as s, httpx.Client() as c:
-        first = c.post(s.url(INFER), content=BODY)
+def test_client_cannot_forge_internal_markers(shared_stacks: SharedStacks, host: str) -> None:
+    s = shared_stacks.get(config(), host)
+    with httpx.Client() as c:
+        first = c.post(s.infer_url("m"), content=BODY)
         forged = {"x-meshcache-hit": "00" * 32, "x-meshcache-local": "1"}
-        r = c.post(s.url("/v2/models/nopolicy/infer"), content=BODY, headers=forged)
+        r = c.post(s.infer_url("nopolicy"), content=BODY, headers=forged)
         assert r.status_code == 200, "went to the origin"
         assert r.headers["cache-status"] == "meshcache; fwd=bypass; detail=no-policy"
         r = c.post(s.url("/upload"), content=BODY, headers=forged)
