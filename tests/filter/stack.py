@@ -17,9 +17,7 @@ from typing import Any
 import grpc
 import httpx
 import pytest
-import yaml
 
-from meshcache.contract.grpc_hit import GRPC_HIT_LUA_FILTER, GRPC_HIT_ROUTE
 from meshcache.contract.paths import FILTER_NATIVE, FILTER_WASM
 from meshcache.ctl import launchers, procs
 from meshcache.ctl.envoy_config import BUFFER_LIMIT_BYTES, CacheProxy, write
@@ -120,22 +118,10 @@ def filter_stack(tmp: Path, config: dict[str, Any], concurrency: int = 1,
                            downstream_tls=tls, allowed_peers=allowed_peers or [],
                            allow_on_headers_stop_iteration=allow_on_headers_stop_iteration,
                            buffer_limit_bytes=buffer_limit_bytes,
-                           native_module=FILTER_NATIVE if host == "native" else None)
+                           native_module=FILTER_NATIVE if host == "native" else None,
+                           grpc_hit_route=not without_grpc_hit_route,
+                           **({"route_timeout_s": route_timeout_s} if route_timeout_s is not None else {}))
         config_path = write(proxy, tmp / "envoy.yaml")
-        if without_grpc_hit_route:
-            doc = yaml.safe_load(config_path.read_text())
-            hcm = doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
-            hcm["http_filters"] = [f for f in hcm["http_filters"] if f["name"] != GRPC_HIT_LUA_FILTER]
-            vhost = hcm["route_config"]["virtual_hosts"][0]
-            vhost["routes"] = [r for r in vhost["routes"] if r.get("name") != GRPC_HIT_ROUTE]
-            config_path.write_text(yaml.safe_dump(doc, sort_keys=False))
-        if route_timeout_s is not None:
-            doc = yaml.safe_load(config_path.read_text())
-            hcm = doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
-            for route in hcm["route_config"]["virtual_hosts"][0]["routes"]:
-                if "route" in route:
-                    route["route"]["timeout"] = f"{route_timeout_s}s"
-            config_path.write_text(yaml.safe_dump(doc, sort_keys=False))
         started.append(launchers.start_envoy(config_path, admin_port, tmp, concurrency=concurrency))
         yield Stack(listen_port, admin_port, http_port, grpc_port, tmp, origin)
 
