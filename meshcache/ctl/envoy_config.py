@@ -95,6 +95,11 @@ class CacheProxy:
     # The cache as an Envoy dynamic module (filter/native/, issue 24) instead of the Wasm filter.
     # With `ecds_port` it comes from the control plane's `meshcache-native` ECDS resource.
     native_module: Path | None = None
+    # False leaves out the single-pass gRPC hit route and its Lua filter: a misconfigured
+    # sidecar, where the filter must bypass gRPC (tests).
+    grpc_hit_route: bool = True
+    # The routes' upstream timeout (past it Envoy answers 504, gRPC UNAVAILABLE).
+    route_timeout_s: float = 60.0
 
 
 def _socket(address: str, port: int) -> dict[str, Any]:
@@ -275,30 +280,31 @@ def _color_suffix(color: str) -> str:
 
 
 def _routes(p: CacheProxy) -> list[dict[str, Any]]:
-    routes: list[dict[str, Any]] = grpc_hit_routes() if p.with_filter else []
+    routes: list[dict[str, Any]] = grpc_hit_routes() if p.with_filter and p.grpc_hit_route else []
+    timeout = f"{p.route_timeout_s:g}s"
     for color, upstream in p.color_routes.items():
         header = {"name": COLOR_HEADER, "string_match": {"exact": color}}
         if upstream.grpc_port is not None:
             routes.append({
                 "name": f"grpc_{_color_suffix(color)}",
                 "match": {"prefix": "/", "grpc": {}, "headers": [header]},
-                "route": {"cluster": f"grpc_upstream_{_color_suffix(color)}", "timeout": "60s"},
+                "route": {"cluster": f"grpc_upstream_{_color_suffix(color)}", "timeout": timeout},
             })
         routes.append({
             "name": f"http_{_color_suffix(color)}",
             "match": {"prefix": "/", "headers": [header]},
-            "route": {"cluster": f"http_upstream_{_color_suffix(color)}", "timeout": "60s"},
+            "route": {"cluster": f"http_upstream_{_color_suffix(color)}", "timeout": timeout},
         })
     if p.grpc_upstream_port is not None:
         routes.append({
             "name": "grpc",
             "match": {"prefix": "/", "grpc": {}},
-            "route": {"cluster": "grpc_upstream", "timeout": "60s"},
+            "route": {"cluster": "grpc_upstream", "timeout": timeout},
         })
     routes.append({
         "name": "http",
         "match": {"prefix": "/"},
-        "route": {"cluster": "http_upstream", "timeout": "60s"},
+        "route": {"cluster": "http_upstream", "timeout": timeout},
     })
     return routes
 
@@ -330,7 +336,7 @@ def render(p: CacheProxy) -> dict[str, Any]:
     if p.with_filter and p.native_module is not None:
         filters = [_native_http_filter(p)]
     elif p.with_filter:
-        filters = [_wasm_http_filter(p), grpc_hit_lua_filter()]
+        filters = [_wasm_http_filter(p), *([grpc_hit_lua_filter()] if p.grpc_hit_route else [])]
     chain: dict[str, Any] = {"filters": [_hcm("ingress", _routes(p), filters)]}
     if p.downstream_tls is not None:
         chain["transport_socket"] = downstream_mtls(p.downstream_tls, p.allowed_peers)

@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
-import httpx
 
 from meshcache.contract.paths import envoy_binary
 from meshcache.contract.protos import grpc_predict_v2_pb2_grpc as pb_grpc
@@ -47,7 +46,7 @@ def start_envoy(
     ]
 
     def live() -> bool:
-        r = httpx.get(f"http://127.0.0.1:{admin_port}/ready", timeout=1.0)
+        r = procs.local_http().get(f"http://127.0.0.1:{admin_port}/ready", timeout=1.0)
         return r.status_code == 200 and r.text.strip() == "LIVE"
 
     return procs.start_ready(name, argv, log_dir, [(live, timeout, what)])
@@ -55,7 +54,7 @@ def start_envoy(
 
 def envoy_stats(admin_port: int, prefix: str = "") -> dict[str, int]:
     """Counters and gauges from Envoy's admin /stats (optionally those starting with prefix)."""
-    text = httpx.get(
+    text = procs.local_http().get(
         f"http://127.0.0.1:{admin_port}/stats", params={"filter": prefix} if prefix else None, timeout=5
     ).text
     out: dict[str, int] = {}

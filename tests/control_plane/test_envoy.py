@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,9 +27,8 @@ from meshcache.control_plane.store import Store
 from meshcache.ctl import launchers, procs
 from meshcache.ctl.envoy_config import CacheProxy, write
 from meshcache.ctl.mesh.config import FILTER_HOSTS
-from tests.filter.stack import METRICS_FLUSH_S
 from tests.helpers.control_plane import ControlPlaneProc, run
-from tests.helpers.filter_stats import filter_stats
+from tests.helpers.filter_stats import filter_stats_reaching
 from tests.helpers.wait import eventually
 
 pytestmark = pytest.mark.skipif(not FILTER_WASM.exists(), reason="filter not built (make filter)")
@@ -266,10 +264,11 @@ def _body(n: int) -> bytes:
     return json.dumps({"inputs": [{"name": "x", "shape": [1], "datatype": "FP32", "data": [n]}]}).encode()
 
 
-def cache_gauges(sidecar: Sidecar) -> dict[str, int]:
-    """The filter's entries/bytes gauges (per policy, unattributed, total), after one flush."""
-    time.sleep(METRICS_FLUSH_S)
-    return {k: v for k, v in filter_stats(sidecar.admin_port).items() if k.endswith(("entries", "bytes"))}
+def cache_gauges(sidecar: Sidecar, expected: dict[str, int]) -> dict[str, int]:
+    """The filter's entries/bytes gauges (per policy, unattributed, total), once each one in
+    `expected` reads its value (the filter flushes them every 200 ms)."""
+    stats = filter_stats_reaching(sidecar.admin_port, expected)
+    return {k: v for k, v in stats.items() if k.endswith(("entries", "bytes"))}
 
 
 def assert_adds_up(g: dict[str, int]) -> None:
@@ -284,41 +283,39 @@ def test_entries_and_bytes_per_policy_through_removal_purge_and_layout_change(
     c.put("/v1/policies/alpha", json={"ttl_s": 300})
     v = c.put("/v1/policies/beta", json={"ttl_s": 300}).json()["version"]
     wait_acked(cp, v)
-    g = eventually(lambda: (g := cache_gauges(sidecar)).get("meshcache.policy.alpha.entries") == 0 and g, timeout=10)
+    g = cache_gauges(sidecar, {"meshcache.policy.alpha.entries": 0})
     assert g["meshcache.policy.beta.entries"] == 0 and g["meshcache.unattributed.entries"] == 0, \
         "defined at configure time"
     for n in range(2):
         assert cache_status(sidecar.infer("alpha-1", _body(n))) == "meshcache; fwd=miss; stored"
     for n in range(3):
         assert cache_status(sidecar.infer("beta-7b", _body(n))) == "meshcache; fwd=miss; stored"
-    g = cache_gauges(sidecar)
-    assert (g["meshcache.policy.alpha.entries"], g["meshcache.policy.beta.entries"],
-            g["meshcache.entries"]) == (2, 3, 5)
+    g = cache_gauges(sidecar, {"meshcache.policy.alpha.entries": 2, "meshcache.policy.beta.entries": 3,
+                               "meshcache.entries": 5})
     assert 0 < g["meshcache.policy.alpha.bytes"] < g["meshcache.policy.beta.bytes"]
     assert_adds_up(g)
 
     # Purge: a new generation, new keys; the old entries still take space under their policy.
     wait_acked(cp, c.post("/v1/purge", json={"model_prefix": "beta"}).json()["version"])
     assert cache_status(sidecar.infer("beta-7b", _body(0))) == "meshcache; fwd=miss; stored"
-    g = cache_gauges(sidecar)
-    assert (g["meshcache.policy.beta.entries"], g["meshcache.entries"]) == (4, 6)
+    g = cache_gauges(sidecar, {"meshcache.policy.beta.entries": 4, "meshcache.entries": 6})
     assert_adds_up(g)
 
     # Removing a policy moves its entries to the unattributed gauges (the total is unchanged);
     # bringing it back gives them back.
     alpha = (g["meshcache.policy.alpha.entries"], g["meshcache.policy.alpha.bytes"])
     wait_acked(cp, c.delete("/v1/policies/alpha").json()["version"])
-    g = eventually(lambda: (g := cache_gauges(sidecar)).get("meshcache.unattributed.entries") == 2 and g, timeout=10)
+    g = cache_gauges(sidecar, {"meshcache.unattributed.entries": 2})
     assert (g["meshcache.policy.alpha.entries"], g["meshcache.policy.alpha.bytes"]) == (0, 0)
     assert (g["meshcache.unattributed.entries"], g["meshcache.unattributed.bytes"]) == alpha
     assert g["meshcache.entries"] == 6
     assert_adds_up(g)
     wait_acked(cp, c.put("/v1/policies/alpha", json={"ttl_s": 300}).json()["version"])
-    g = eventually(lambda: (g := cache_gauges(sidecar)).get("meshcache.policy.alpha.entries") == 2 and g, timeout=10)
+    g = cache_gauges(sidecar, {"meshcache.policy.alpha.entries": 2})
     assert g["meshcache.unattributed.entries"] == 0
     assert_adds_up(g)
 
     # A new slot count empties the cache: every bucket back to 0.
     wait_acked(cp, c.put("/v1/limits", json={"max_entries": 64}).json()["version"])
-    g = eventually(lambda: (g := cache_gauges(sidecar)).get("meshcache.entries") == 0 and g, timeout=10)
+    g = cache_gauges(sidecar, {"meshcache.entries": 0})
     assert all(v == 0 for v in g.values()), g

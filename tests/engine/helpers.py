@@ -177,6 +177,6 @@ def grpc_outputs(response: pb.ModelInferResponse) -> dict[str, np.ndarray]:
 
 
 def http_get_json(url: str) -> Any:
-    response = httpx.get(url, timeout=10)
+    response = procs.local_http().get(url, timeout=10)
     response.raise_for_status()
     return response.json()

@@ -9,7 +9,11 @@ that makes it pass fails the run until the mark goes, and the Wasm host's run is
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
+
+from tests.filter.stack import SharedStacks
 
 HOSTS = ("wasm", "native")
 
@@ -18,6 +22,16 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "wasm_only(reason): the native host lacks this yet (runs there as a strict xfail)"
     )
+
+
+@pytest.fixture(scope="module")
+def shared_stacks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedStacks]:
+    """The module's shared filter stacks (tests.filter.stack.SharedStacks)."""
+    stacks = SharedStacks(tmp_path_factory)
+    try:
+        yield stacks
+    finally:
+        stacks.close()
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:

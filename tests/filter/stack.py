@@ -1,26 +1,28 @@
-"""A real Envoy running the built filter in front of the real test origin, for one test."""
+"""A real Envoy running the built filter in front of the real test origin: for one test
+(`filter_stack`), or shared by a module's tests (`SharedStacks`, the `shared_stack` fixture)."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
+import json
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import grpc
 import httpx
-import yaml
+import pytest
 
-from meshcache.contract.grpc_hit import GRPC_HIT_LUA_FILTER, GRPC_HIT_ROUTE
 from meshcache.contract.paths import FILTER_NATIVE, FILTER_WASM
 from meshcache.ctl import launchers, procs
 from meshcache.ctl.envoy_config import BUFFER_LIMIT_BYTES, CacheProxy, write
 from meshcache.ctl.pki import Identity
-from tests.helpers.filter_stats import filter_stats
+from tests.helpers.filter_stats import filter_stats, filter_stats_reaching
 
 MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"
 DEFAULT_HASH_HEADERS = ("content-type", "x-model-id")
@@ -40,18 +42,39 @@ class Stack:
     # The test origin (None when the caller runs its own upstream): tests stop it to make the
     # upstream unreachable.
     origin: procs.Proc | None = None
+    # On a shared stack: this test's tag (its models are named `<name>-<tag>`, so its entries
+    # are its own) and the origin's call counts when the test began.
+    tag: str = ""
+    origin_before: dict[str, int] = field(default_factory=dict)
 
     def url(self, path: str) -> str:
         return f"http://127.0.0.1:{self.listen_port}{path}"
 
+    def model(self, name: str) -> str:
+        """The model name this test uses for `name`: `name` itself on its own stack; on a shared
+        stack `<name>-<tag>` (the same policy prefix matches it), so no other test's entries
+        answer it."""
+        return f"{name}-{self.tag}" if self.tag else name
+
+    def infer_url(self, model: str) -> str:
+        """The KServe v2 REST inference URL of `self.model(model)`."""
+        return self.url(f"/v2/models/{self.model(model)}/infer")
+
     def origin_calls(self) -> dict[str, int]:
-        return httpx.get(f"http://127.0.0.1:{self.http_port}/calls", timeout=5).json()
+        """Requests the origin served for this test (on a shared stack: since the test began)."""
+        calls = procs.local_http().get(f"http://127.0.0.1:{self.http_port}/calls", timeout=5).json()
+        return {k: v - self.origin_before.get(k, 0) for k, v in calls.items()}
 
     def stats(self) -> dict[str, int]:
         """The filter's own metrics (tests.helpers.filter_stats), after one flush: the filter
-        hands its counters to Envoy every 200 ms (fewer VM crossings per request)."""
+        hands its counters to Envoy every 200 ms (fewer VM crossings per request). Prefer
+        `stats_reaching`, which waits only as long as the flush takes."""
         time.sleep(METRICS_FLUSH_S)
         return filter_stats(self.admin_port)
+
+    def stats_reaching(self, expected: dict[str, int], timeout: float = 10.0) -> dict[str, int]:
+        """The filter's metrics once each one in `expected` reads its value (filter_stats_reaching)."""
+        return filter_stats_reaching(self.admin_port, expected, timeout)
 
     def grpc_infer(self, request: bytes, metadata: tuple[tuple[str, str], ...] = ()) -> tuple[bytes, grpc.Call]:
         with grpc.insecure_channel(f"127.0.0.1:{self.listen_port}") as channel:
@@ -95,24 +118,38 @@ def filter_stack(tmp: Path, config: dict[str, Any], concurrency: int = 1,
                            downstream_tls=tls, allowed_peers=allowed_peers or [],
                            allow_on_headers_stop_iteration=allow_on_headers_stop_iteration,
                            buffer_limit_bytes=buffer_limit_bytes,
-                           native_module=FILTER_NATIVE if host == "native" else None)
+                           native_module=FILTER_NATIVE if host == "native" else None,
+                           grpc_hit_route=not without_grpc_hit_route,
+                           **({"route_timeout_s": route_timeout_s} if route_timeout_s is not None else {}))
         config_path = write(proxy, tmp / "envoy.yaml")
-        if without_grpc_hit_route:
-            doc = yaml.safe_load(config_path.read_text())
-            hcm = doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
-            hcm["http_filters"] = [f for f in hcm["http_filters"] if f["name"] != GRPC_HIT_LUA_FILTER]
-            vhost = hcm["route_config"]["virtual_hosts"][0]
-            vhost["routes"] = [r for r in vhost["routes"] if r.get("name") != GRPC_HIT_ROUTE]
-            config_path.write_text(yaml.safe_dump(doc, sort_keys=False))
-        if route_timeout_s is not None:
-            doc = yaml.safe_load(config_path.read_text())
-            hcm = doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
-            for route in hcm["route_config"]["virtual_hosts"][0]["routes"]:
-                if "route" in route:
-                    route["route"]["timeout"] = f"{route_timeout_s}s"
-            config_path.write_text(yaml.safe_dump(doc, sort_keys=False))
         started.append(launchers.start_envoy(config_path, admin_port, tmp, concurrency=concurrency))
         yield Stack(listen_port, admin_port, http_port, grpc_port, tmp, origin)
+
+
+class SharedStacks:
+    """Stacks a module's tests share, one per (config, host, options), started on first use and
+    stopped with the module: each wasm Envoy costs about a second of CPU to start (V8 compiles
+    the module). For tests that stop no component and assert only on their own models' answers,
+    origin calls and per-test counts, never on cache-wide counters or gauges."""
+
+    def __init__(self, tmp_path_factory: pytest.TempPathFactory) -> None:
+        self._tmp = tmp_path_factory
+        self._open: dict[str, Stack] = {}
+        self._exit = contextlib.ExitStack()
+        self._tests = 0
+
+    def get(self, config: dict[str, Any], host: str, **options: Any) -> Stack:
+        """This test's view of the shared stack for `config`, `host` and `filter_stack` options."""
+        key = json.dumps([config, host, options], sort_keys=True, default=str)
+        if key not in self._open:
+            tmp = self._tmp.mktemp(f"shared-{host}")
+            self._open[key] = self._exit.enter_context(filter_stack(tmp, config, host=host, **options))
+        stack = self._open[key]
+        self._tests += 1
+        return dataclasses.replace(stack, tag=f"t{self._tests}", origin_before=stack.origin_calls())
+
+    def close(self) -> None:
+        self._exit.close()
 
 
 def expected_hash(

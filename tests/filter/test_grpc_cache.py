@@ -11,7 +11,9 @@ import grpc
 import httpx
 import pytest
 
-from tests.filter.stack import LIMITS, Stack, config, filter_stack, infer_request, policy
+from tests.filter.stack import LIMITS, SharedStacks, Stack, config, filter_stack, infer_request, policy
+from tests.helpers.filter_stats import filter_stats
+from tests.helpers.wait import eventually
 
 
 def _message_hash(message: bytes) -> str:
@@ -44,34 +46,35 @@ def test_grpc_hit_returns_full_message_without_calling_origin(tmp_path: Path, li
         assert md2["x-response-hash"] == md1["x-response-hash"]
         assert dict(call2.trailing_metadata()).get("grpc-status", "0") == "0"
         assert s.origin_calls()["grpc"] == 1
-        assert s.stats()["meshcache.hits"] == 1
+        s.stats_reaching({"meshcache.hits": 1})
         assert "cache_stub" not in _envoy_clusters(s), "single pass: no stub cluster"
 
 
 @pytest.mark.parametrize("limits", LIMITS)
 @pytest.mark.parametrize("size", [0, 47, 700_000, 3_000_000])
-def test_grpc_hit_message_sizes_exact_bytes(tmp_path: Path, limits: str, size: int, host: str) -> None:
+def test_grpc_hit_message_sizes_exact_bytes(shared_stacks: SharedStacks, limits: str, size: int, host: str) -> None:
     cfg = config(policy("resnet"), max_entry_bytes=4 * 1_048_576)
-    with filter_stack(tmp_path, cfg, buffer_limit_bytes=LIMITS[limits], host=host) as s:
-        meta = (("x-origin-size", str(size)),)
-        first, call1 = s.grpc_infer(infer_request("resnet-mini"), meta)
-        assert len(first) >= max(size, 32)
-        second, call = s.grpc_infer(infer_request("resnet-mini"), meta)
-        assert second == first
+    s = shared_stacks.get(cfg, host, buffer_limit_bytes=LIMITS[limits])
+    meta = (("x-origin-size", str(size)),)
+    first, call1 = s.grpc_infer(infer_request(s.model("resnet-mini")), meta)
+    assert len(first) >= max(size, 32)
+    second, call = s.grpc_infer(infer_request(s.model("resnet-mini")), meta)
+    assert second == first
+    assert dict(call.initial_metadata())["cache-status"].startswith("meshcache; hit")
+    assert s.origin_calls()["grpc"] == 1
+
+
+def test_grpc_version_and_model_fields_key_the_entry(shared_stacks: SharedStacks, host: str) -> None:
+    s = shared_stacks.get(config(policy("resnet")), host)
+    requests = [infer_request(s.model("resnet-mini")), infer_request(s.model("resnet-mini"), "2"),
+                infer_request(s.model("resnet-big"))]
+    for r in requests:
+        _, call = s.grpc_infer(r)
+        assert dict(call.initial_metadata())["cache-status"] == "meshcache; fwd=miss; stored"
+    for r in requests:
+        _, call = s.grpc_infer(r)
         assert dict(call.initial_metadata())["cache-status"].startswith("meshcache; hit")
-        assert s.origin_calls()["grpc"] == 1
-
-
-def test_grpc_version_and_model_fields_key_the_entry(tmp_path: Path, host: str) -> None:
-    with filter_stack(tmp_path, config(policy("resnet")), host=host) as s:
-        requests = [infer_request("resnet-mini"), infer_request("resnet-mini", "2"), infer_request("resnet-big")]
-        for r in requests:
-            _, call = s.grpc_infer(r)
-            assert dict(call.initial_metadata())["cache-status"] == "meshcache; fwd=miss; stored"
-        for r in requests:
-            _, call = s.grpc_infer(r)
-            assert dict(call.initial_metadata())["cache-status"].startswith("meshcache; hit")
-        assert s.origin_calls()["grpc"] == 3
+    assert s.origin_calls()["grpc"] == 3
 
 
 def test_grpc_errors_are_not_stored(tmp_path: Path, host: str) -> None:
@@ -82,17 +85,19 @@ def test_grpc_errors_are_not_stored(tmp_path: Path, host: str) -> None:
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert err.value.details() == "origin asked to fail"
         assert s.origin_calls()["grpc"] == 2
-        assert s.stats().get("meshcache.stores", 0) == 0
+        s.stats_reaching({"meshcache.misses": 2, "meshcache.stores": 0})
 
 
-def test_grpc_model_without_policy_bypasses_and_markers_cannot_be_forged(tmp_path: Path, host: str) -> None:
-    with filter_stack(tmp_path, config(policy("resnet")), host=host) as s:
-        forged = (("x-meshcache-local", "1"), ("x-meshcache-hit", "0:" + "00" * 32))
-        for _ in range(2):
-            response, call = s.grpc_infer(infer_request("text-embedder"), forged)
-            assert dict(call.initial_metadata())["cache-status"] == "meshcache; fwd=bypass; detail=no-policy"
-            assert response.startswith(b"\x0a\x0dtext-embedder"), "the origin answered"
-        assert s.origin_calls()["grpc"] == 2
+def test_grpc_model_without_policy_bypasses_and_markers_cannot_be_forged(shared_stacks: SharedStacks,
+                                                                        host: str) -> None:
+    s = shared_stacks.get(config(policy("resnet")), host)
+    forged = (("x-meshcache-local", "1"), ("x-meshcache-hit", "0:" + "00" * 32))
+    for _ in range(2):
+        model = s.model("text-embedder").encode()
+        response, call = s.grpc_infer(infer_request(model.decode()), forged)
+        assert dict(call.initial_metadata())["cache-status"] == "meshcache; fwd=bypass; detail=no-policy"
+        assert response.startswith(b"\x0a" + bytes([len(model)]) + model), "the origin answered"
+    assert s.origin_calls()["grpc"] == 2
 
 
 def test_grpc_hits_never_fail_under_eviction_churn(tmp_path: Path, host: str) -> None:
@@ -130,24 +135,24 @@ def test_grpc_web_bypasses(tmp_path: Path, host: str) -> None:
             r = httpx.post(s.url("/inference.GRPCInferenceService/ModelInfer"), content=framed, headers=headers,
                            timeout=10)
             assert r.headers.get("cache-status") == "meshcache; fwd=bypass; detail=grpc-web"
-        assert s.stats().get("meshcache.hits", 0) == 0
+        s.stats_reaching({"meshcache.bypasses": 2, "meshcache.hits": 0})
 
 
-def test_compressed_messages_say_so(tmp_path: Path, host: str) -> None:
+def test_compressed_messages_say_so(shared_stacks: SharedStacks, host: str) -> None:
     """A gzip-compressed message (grpc-encoding: gzip) is not read: the bypass says `compressed`;
     the same client without compression is cached."""
-    with filter_stack(tmp_path, config(policy("resnet")), host=host) as s:
-        # Compressible (gRPC sends a message uncompressed when gzip would not shrink it).
-        request = infer_request("resnet-mini", request_id=b"z-1", extra=b"\x7a\x80\x02" + b"a" * 256)
-        with grpc.insecure_channel(f"127.0.0.1:{s.listen_port}", compression=grpc.Compression.Gzip) as channel:
-            call = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
-            for _ in range(2):
-                answer, c = call.with_call(request, timeout=10)
-                assert dict(c.initial_metadata())["cache-status"] == "meshcache; fwd=bypass; detail=compressed"
-        plain, c = s.grpc_infer(request)
-        assert dict(c.initial_metadata())["cache-status"] == "meshcache; fwd=miss; stored"
-        assert plain == answer
-        assert s.origin_calls()["grpc"] == 3
+    s = shared_stacks.get(config(policy("resnet")), host)
+    # Compressible (gRPC sends a message uncompressed when gzip would not shrink it).
+    request = infer_request(s.model("resnet-mini"), request_id=b"z-1", extra=b"\x7a\x80\x02" + b"a" * 256)
+    with grpc.insecure_channel(f"127.0.0.1:{s.listen_port}", compression=grpc.Compression.Gzip) as channel:
+        call = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
+        for _ in range(2):
+            answer, c = call.with_call(request, timeout=10)
+            assert dict(c.initial_metadata())["cache-status"] == "meshcache; fwd=bypass; detail=compressed"
+    plain, c = s.grpc_infer(request)
+    assert dict(c.initial_metadata())["cache-status"] == "meshcache; fwd=miss; stored"
+    assert plain == answer
+    assert s.origin_calls()["grpc"] == 3
 
 
 def test_missing_hit_route_fails_one_call_retryably_then_bypasses(tmp_path: Path) -> None:
@@ -165,4 +170,4 @@ def test_missing_hit_route_fails_one_call_retryably_then_bypasses(tmp_path: Path
             again, call = s.grpc_infer(request)
             assert again == first
             assert dict(call.initial_metadata())["cache-status"] == "meshcache; fwd=bypass; detail=no-hit-route"
-        assert s.stats()["meshcache.errors"] >= 1
+        eventually(lambda: filter_stats(s.admin_port)["meshcache.errors"] >= 1)

@@ -10,7 +10,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.filter.stack import config, expected_hash, filter_stack, policy
+from tests.filter.stack import SharedStacks, config, expected_hash, filter_stack, policy
+from tests.helpers.filter_stats import filter_stats
+from tests.helpers.wait import eventually
 
 INFER = "/v2/models/m/infer"
 NOT_STORED = "meshcache; fwd=miss; detail="
@@ -34,13 +36,9 @@ def test_second_identical_request_is_a_hit_and_origin_is_not_called(tmp_path: Pa
         assert second.headers["content-type"] == "application/json"
         assert int(second.headers["age"]) >= 0
         assert s.origin_calls()["http"] == 1
-        stats = s.stats()
-        assert stats["meshcache.hits"] == 1
-        assert stats["meshcache.misses"] == 1
-        assert stats["meshcache.stores"] == 1
-        assert stats["meshcache.policy.m.hits"] == 1
-        assert stats["meshcache.policy.m.misses"] == 1
-        assert stats["meshcache.entries"] == 1
+        stats = s.stats_reaching({"meshcache.hits": 1, "meshcache.misses": 1, "meshcache.stores": 1,
+                                  "meshcache.policy.m.hits": 1, "meshcache.policy.m.misses": 1,
+                                  "meshcache.entries": 1})
         assert stats["meshcache.bytes"] > len(first.content)
 
 
@@ -118,11 +116,12 @@ def test_ttl_expiry_and_origin_cache_control(tmp_path: Path, host: str) -> None:
          "meshcache; fwd=bypass; detail=credentials"),
     ],
 )
-def test_not_cached(tmp_path: Path, request_headers: dict[str, str], first_status: str, then_status: str,
-                    host: str) -> None:
-    with filter_stack(tmp_path, config(), host=host) as s, httpx.Client() as c:
-        first = c.post(s.url(INFER), content=BODY, headers=request_headers)
-        second = c.post(s.url(INFER), content=BODY, headers=request_headers)
+def test_not_cached(shared_stacks: SharedStacks, request_headers: dict[str, str], first_status: str,
+                    then_status: str, host: str) -> None:
+    s = shared_stacks.get(config(), host)
+    with httpx.Client() as c:
+        first = c.post(s.infer_url("m"), content=BODY, headers=request_headers)
+        second = c.post(s.infer_url("m"), content=BODY, headers=request_headers)
         assert first.headers["cache-status"] == first_status
         assert second.headers["cache-status"] == then_status
         assert "x-response-hash" not in second.headers
@@ -130,12 +129,14 @@ def test_not_cached(tmp_path: Path, request_headers: dict[str, str], first_statu
         assert s.origin_calls()["http"] == 2
 
 
-def test_client_no_cache_refreshes_the_entry(tmp_path: Path, host: str) -> None:
-    with filter_stack(tmp_path, config(), host=host) as s, httpx.Client() as c:
-        assert c.post(s.url(INFER), content=BODY).headers["cache-status"] == "meshcache; fwd=miss; stored"
-        r = c.post(s.url(INFER), content=BODY, headers={"cache-control": "no-cache"})
+def test_client_no_cache_refreshes_the_entry(shared_stacks: SharedStacks, host: str) -> None:
+    s = shared_stacks.get(config(), host)
+    with httpx.Client() as c:
+        url = s.infer_url("m")
+        assert c.post(url, content=BODY).headers["cache-status"] == "meshcache; fwd=miss; stored"
+        r = c.post(url, content=BODY, headers={"cache-control": "no-cache"})
         assert r.headers["cache-status"] == "meshcache; fwd=request; stored"
-        assert c.post(s.url(INFER), content=BODY).headers["cache-status"].startswith("meshcache; hit")
+        assert c.post(url, content=BODY).headers["cache-status"].startswith("meshcache; hit")
         assert s.origin_calls()["http"] == 2
 
 
@@ -153,7 +154,7 @@ def test_model_without_policy_and_non_inference_requests(tmp_path: Path, host: s
         assert "cache-status" not in plain_post.headers
         # Another method on an inference path says why it is not cached.
         assert c.get(s.url("/v2/models/m/infer")).headers["cache-status"] == "meshcache; fwd=bypass; detail=method"
-        assert s.stats()["meshcache.bypasses"] == 5
+        s.stats_reaching({"meshcache.bypasses": 5})
 
 
 def test_oversized_answers_pass_through_unstored(tmp_path: Path, host: str) -> None:
@@ -168,34 +169,37 @@ def test_oversized_answers_pass_through_unstored(tmp_path: Path, host: str) -> N
         assert s.origin_calls()["http"] == 3
 
 
-def test_if_none_match_gets_304(tmp_path: Path, host: str) -> None:
-    with filter_stack(tmp_path, config(), host=host) as s, httpx.Client() as c:
-        etag = c.post(s.url(INFER), content=BODY).headers["etag"]
-        r = c.post(s.url(INFER), content=BODY, headers={"if-none-match": etag})
+def test_if_none_match_gets_304(shared_stacks: SharedStacks, host: str) -> None:
+    s = shared_stacks.get(config(), host)
+    with httpx.Client() as c:
+        url = s.infer_url("m")
+        etag = c.post(url, content=BODY).headers["etag"]
+        r = c.post(url, content=BODY, headers={"if-none-match": etag})
         assert r.status_code == 304
         assert r.content == b""
         assert r.headers["etag"] == etag
         assert r.headers["cache-status"].startswith("meshcache; hit")
-        other = c.post(s.url(INFER), content=BODY, headers={"if-none-match": '"something-else"'})
+        other = c.post(url, content=BODY, headers={"if-none-match": '"something-else"'})
         assert other.status_code == 200
         # RFC 9110 13.1.2: `*` may be answered 304 only on GET and HEAD; a POST gets the answer.
         for star in ("*", '"something-else", *'):
-            r = c.post(s.url(INFER), content=BODY, headers={"if-none-match": star})
+            r = c.post(url, content=BODY, headers={"if-none-match": star})
             assert r.status_code == 200, star
             assert r.headers["cache-status"].startswith("meshcache; hit")
             assert r.content == other.content
         # An origin ETag is kept and is what If-None-Match compares with.
-        c.post(s.url(INFER), content=b'{"n": 2}', headers={"x-origin-etag": '"v7"'})
-        r = c.post(s.url(INFER), content=b'{"n": 2}', headers={"x-origin-etag": '"v7"', "if-none-match": 'W/"v7"'})
+        c.post(url, content=b'{"n": 2}', headers={"x-origin-etag": '"v7"'})
+        r = c.post(url, content=b'{"n": 2}', headers={"x-origin-etag": '"v7"', "if-none-match": 'W/"v7"'})
         assert r.status_code == 304
         assert r.headers["etag"] == '"v7"'
 
 
-def test_client_cannot_forge_internal_markers(tmp_path: Path, host: str) -> None:
-    with filter_stack(tmp_path, config(), host=host) as s, httpx.Client() as c:
-        first = c.post(s.url(INFER), content=BODY)
+def test_client_cannot_forge_internal_markers(shared_stacks: SharedStacks, host: str) -> None:
+    s = shared_stacks.get(config(), host)
+    with httpx.Client() as c:
+        first = c.post(s.infer_url("m"), content=BODY)
         forged = {"x-meshcache-hit": "00" * 32, "x-meshcache-local": "1"}
-        r = c.post(s.url("/v2/models/nopolicy/infer"), content=BODY, headers=forged)
+        r = c.post(s.infer_url("nopolicy"), content=BODY, headers=forged)
         assert r.status_code == 200, "went to the origin"
         assert r.headers["cache-status"] == "meshcache; fwd=bypass; detail=no-policy"
         r = c.post(s.url("/upload"), content=BODY, headers=forged)
@@ -221,12 +225,15 @@ def test_memory_bound_holds_after_filling_past_the_limit(tmp_path: Path, host: s
         for i in range(40):
             r = c.post(s.url(INFER), content=f'{{"request": {i}}}'.encode(), headers={"x-origin-size": "1500"})
             assert r.headers["cache-status"] == "meshcache; fwd=miss; stored"
-            stats = s.stats()
+            # The bound holds at every reading (the latest flush, maybe not this store's yet)...
+            stats = filter_stats(s.admin_port)
             assert stats["meshcache.bytes"] <= 16384
             assert stats["meshcache.entries"] <= 8
-        stats = s.stats()
+        # ...and once every store has reached the gauges.
+        stats = s.stats_reaching({"meshcache.stores": 40})
+        assert stats["meshcache.bytes"] <= 16384
+        assert stats["meshcache.entries"] <= 8
         assert stats["meshcache.evictions"] >= 30
-        assert stats["meshcache.stores"] == 40
         # The newest entry is served.
         r = c.post(s.url(INFER), content=b'{"request": 39}', headers={"x-origin-size": "1500"})
         assert r.headers["cache-status"].startswith("meshcache; hit")
@@ -241,14 +248,11 @@ def test_concurrent_misses_for_one_key_store_once_and_account_exactly(tmp_path: 
                 lambda _: httpx.post(s.url(INFER), content=BODY, headers=shaping, timeout=10).headers["cache-status"],
                 range(3)))
         assert statuses == ["meshcache; fwd=miss; detail=contended"] * 2 + ["meshcache; fwd=miss; stored"]
-        one = s.stats()
-        assert one["meshcache.entries"] == 1
+        one = s.stats_reaching({"meshcache.stores": 1, "meshcache.entries": 1})
         # Another entry of the same size doubles the accounted bytes: nothing leaked.
         r = httpx.post(s.url(INFER), content=BODY + b" ", headers={"x-origin-size": "500"}, timeout=10)
         assert r.headers["cache-status"] == "meshcache; fwd=miss; stored"
-        two = s.stats()
-        assert two["meshcache.entries"] == 2
-        assert two["meshcache.bytes"] == 2 * one["meshcache.bytes"]
+        s.stats_reaching({"meshcache.entries": 2, "meshcache.bytes": 2 * one["meshcache.bytes"]})
 
 
 def test_invalid_configuration_is_rejected_with_the_field_named(tmp_path: Path, host: str) -> None:
@@ -269,16 +273,21 @@ def test_entries_and_bytes_per_policy_add_up_under_two_workers(tmp_path: Path, h
                  max_entry_bytes=4096)
     bodies = [(f"/v2/models/{model}/infer", f'{{"request": {i}}}'.encode()) for i in range(40)
               for model in ("m-small", "gpt-mini")]
-    with filter_stack(tmp_path, cfg, concurrency=2, host=host) as s, ThreadPoolExecutor(8) as pool:
+    # One client (a pool of up to 8 connections, spread over the workers): a client per request
+    # costs more than the request.
+    with filter_stack(tmp_path, cfg, concurrency=2, host=host) as s, ThreadPoolExecutor(8) as pool, \
+            httpx.Client(timeout=10) as c:
         def send(item: tuple[str, bytes]) -> str:
             path, body = item
-            r = httpx.post(s.url(path), content=body, headers={"x-origin-size": "700"}, timeout=10)
+            r = c.post(s.url(path), content=body, headers={"x-origin-size": "700"})
             assert r.status_code == 200
             return r.headers["cache-status"]
 
         statuses = list(pool.map(send, bodies * 3))
         assert any(st.endswith("stored") for st in statuses) and any("hit" in st for st in statuses)
-        stats = s.stats()
+        # Each request is a hit or a miss: once both workers have flushed all of them.
+        stats = eventually(lambda: (st := filter_stats(s.admin_port))["meshcache.hits"]
+                           + st["meshcache.misses"] == len(statuses) and st)
         per = {k: v for k, v in stats.items() if k.startswith("meshcache.policy.") and k.endswith(("entries", "bytes"))}
         assert set(per) == {f"meshcache.policy.{p}.{w}" for p in ("m", "gpt") for w in ("entries", "bytes")}
         assert stats["meshcache.unattributed.entries"] == 0 and stats["meshcache.unattributed.bytes"] == 0

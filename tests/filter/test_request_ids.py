@@ -10,7 +10,7 @@ from pathlib import Path
 import grpc
 import httpx
 
-from tests.filter.stack import config, filter_stack, infer_request, policy
+from tests.filter.stack import SharedStacks, config, filter_stack, infer_request, policy
 
 INFER = "/v2/models/m/infer"
 INPUTS = [{"name": "x", "shape": [1, 2], "datatype": "FP32", "data": [1, 2]}]
@@ -49,33 +49,36 @@ def test_rest_hit_answers_with_the_callers_id(tmp_path: Path, host: str) -> None
         assert later.json()["id"] == "last"
         assert later.content == direct.content.replace(UUID.encode(), b"last")
         assert s.origin_calls()["http"] == 2, "one miss and the direct call"
-        assert s.stats()["meshcache.hits"] == 3
+        s.stats_reaching({"meshcache.hits": 3})
 
 
-def test_no_id_in_means_no_id_out(tmp_path: Path, host: str) -> None:
-    with filter_stack(tmp_path, config(), host=host) as s, httpx.Client() as c:
-        with_id = c.post(s.url(INFER), content=rest_body("first"))
+def test_no_id_in_means_no_id_out(shared_stacks: SharedStacks, host: str) -> None:
+    s = shared_stacks.get(config(), host)
+    infer = s.infer_url("m")
+    with httpx.Client() as c:
+        with_id = c.post(infer, content=rest_body("first"))
         assert with_id.headers["cache-status"] == "meshcache; fwd=miss; stored"
         # Same inputs without an id: the answer stored with an id must not serve it.
-        plain = c.post(s.url(INFER), content=rest_body(None))
+        plain = c.post(infer, content=rest_body(None))
         assert plain.headers["cache-status"] == "meshcache; fwd=miss; stored"
         assert "id" not in plain.json()
-        plain_hit = c.post(s.url(INFER), content=rest_body(None))
+        plain_hit = c.post(infer, content=rest_body(None))
         assert plain_hit.headers["cache-status"].startswith("meshcache; hit")
         assert plain_hit.content == plain.content
         assert "id" not in plain_hit.json()
-        id_hit = c.post(s.url(INFER), content=rest_body("second"))
+        id_hit = c.post(infer, content=rest_body("second"))
         assert id_hit.headers["cache-status"].startswith("meshcache; hit")
         assert id_hit.json()["id"] == "second"
         assert s.origin_calls()["http"] == 2
 
 
-def test_ids_the_filter_cannot_reencode_are_cached_per_id(tmp_path: Path, host: str) -> None:
-    with filter_stack(tmp_path, config(), host=host) as s, httpx.Client() as c:
+def test_ids_the_filter_cannot_reencode_are_cached_per_id(shared_stacks: SharedStacks, host: str) -> None:
+    s = shared_stacks.get(config(), host)
+    with httpx.Client() as c:
         for request_id in ("caf\u00e9", "with space", ""):
-            first = c.post(s.url(INFER), content=rest_body(request_id))
+            first = c.post(s.infer_url("m"), content=rest_body(request_id))
             assert first.headers["cache-status"] == "meshcache; fwd=miss; stored", request_id
-            again = c.post(s.url(INFER), content=rest_body(request_id))
+            again = c.post(s.infer_url("m"), content=rest_body(request_id))
             assert again.headers["cache-status"].startswith("meshcache; hit"), request_id
             assert again.content == first.content
         assert s.origin_calls()["http"] == 3
@@ -96,56 +99,57 @@ def test_malformed_bodies_bypass(tmp_path: Path, host: str) -> None:
                 r = c.post(s.url(INFER), content=body)
                 assert r.headers["cache-status"] == UNPARSABLE, body
         assert s.origin_calls()["http"] == 2 * len(bad), "bypassed requests all reach the origin"
-        assert s.stats()["meshcache.bypasses"] == 2 * len(bad)
+        s.stats_reaching({"meshcache.bypasses": 2 * len(bad)})
 
 
-def test_binary_extension_length_past_the_body_bypasses(tmp_path: Path, host: str) -> None:
-    with filter_stack(tmp_path, config(), host=host) as s, httpx.Client() as c:
-        r = c.post(s.url(INFER), content=rest_body("q"), headers={"inference-header-content-length": "9999"})
+def test_binary_extension_length_past_the_body_bypasses(shared_stacks: SharedStacks, host: str) -> None:
+    s = shared_stacks.get(config(), host)
+    with httpx.Client() as c:
+        r = c.post(s.infer_url("m"), content=rest_body("q"), headers={"inference-header-content-length": "9999"})
         assert r.headers["cache-status"] == "meshcache; fwd=bypass; detail=binary-length"
 
 
-def test_grpc_hit_answers_with_the_callers_id(tmp_path: Path, host: str) -> None:
-    with filter_stack(tmp_path, config(policy("resnet")), host=host) as s:
-        first, call1 = s.grpc_infer(infer_request("resnet-mini", request_id=b"grpc-1"))
-        md1 = dict(call1.initial_metadata())
-        assert md1["cache-status"] == "meshcache; fwd=miss; stored"
-        assert b"grpc-1" in first
-        request = infer_request("resnet-mini", request_id=b"a-much-longer-request-id-0002")
-        second, call2 = s.grpc_infer(request)
-        md2 = dict(call2.initial_metadata())
-        assert md2["cache-status"].startswith("meshcache; hit; ttl=")
-        assert s.origin_calls()["grpc"] == 1
-        with grpc.insecure_channel(f"127.0.0.1:{s.grpc_port}") as ch:
-            direct = ch.unary_unary("/inference.GRPCInferenceService/ModelInfer")(request, timeout=10)
-        assert second == direct, "byte for byte what the origin answers that id"
-        assert md2["x-response-hash"] == md1["x-response-hash"]
-        # No id in, no id out; such requests get their own entry.
-        plain, call3 = s.grpc_infer(infer_request("resnet-mini"))
-        assert dict(call3.initial_metadata())["cache-status"] == "meshcache; fwd=miss; stored"
-        assert b"\x1a" not in plain[: plain.index(b"\x2a")]
-        plain_hit, call4 = s.grpc_infer(infer_request("resnet-mini"))
-        assert dict(call4.initial_metadata())["cache-status"].startswith("meshcache; hit")
-        assert plain_hit == plain
-        # Repeated id fields: the last one is the id (protobuf semantics), and it is echoed.
-        twice = infer_request("resnet-mini", request_id=b"old") + b"\x1a\x03new"
-        answer, call5 = s.grpc_infer(twice)
-        assert dict(call5.initial_metadata())["cache-status"].startswith("meshcache; hit")
-        assert b"\x1a\x03new" in answer and b"old" not in answer
-        assert s.origin_calls()["grpc"] == 3, "two misses and the direct call"
+def test_grpc_hit_answers_with_the_callers_id(shared_stacks: SharedStacks, host: str) -> None:
+    s = shared_stacks.get(config(policy("resnet")), host)
+    first, call1 = s.grpc_infer(infer_request(s.model("resnet-mini"), request_id=b"grpc-1"))
+    md1 = dict(call1.initial_metadata())
+    assert md1["cache-status"] == "meshcache; fwd=miss; stored"
+    assert b"grpc-1" in first
+    request = infer_request(s.model("resnet-mini"), request_id=b"a-much-longer-request-id-0002")
+    second, call2 = s.grpc_infer(request)
+    md2 = dict(call2.initial_metadata())
+    assert md2["cache-status"].startswith("meshcache; hit; ttl=")
+    assert s.origin_calls()["grpc"] == 1
+    with grpc.insecure_channel(f"127.0.0.1:{s.grpc_port}") as ch:
+        direct = ch.unary_unary("/inference.GRPCInferenceService/ModelInfer")(request, timeout=10)
+    assert second == direct, "byte for byte what the origin answers that id"
+    assert md2["x-response-hash"] == md1["x-response-hash"]
+    # No id in, no id out; such requests get their own entry.
+    plain, call3 = s.grpc_infer(infer_request(s.model("resnet-mini")))
+    assert dict(call3.initial_metadata())["cache-status"] == "meshcache; fwd=miss; stored"
+    assert b"\x1a" not in plain[: plain.index(b"\x2a")]
+    plain_hit, call4 = s.grpc_infer(infer_request(s.model("resnet-mini")))
+    assert dict(call4.initial_metadata())["cache-status"].startswith("meshcache; hit")
+    assert plain_hit == plain
+    # Repeated id fields: the last one is the id (protobuf semantics), and it is echoed.
+    twice = infer_request(s.model("resnet-mini"), request_id=b"old") + b"\x1a\x03new"
+    answer, call5 = s.grpc_infer(twice)
+    assert dict(call5.initial_metadata())["cache-status"].startswith("meshcache; hit")
+    assert b"\x1a\x03new" in answer and b"old" not in answer
+    assert s.origin_calls()["grpc"] == 3, "two misses and the direct call"
 
 
-def test_grpc_malformed_requests_bypass(tmp_path: Path, host: str) -> None:
-    with filter_stack(tmp_path, config(policy("resnet")), host=host) as s:
-        # Field 3 (id) sent as a varint: a protobuf parser would not read it as the id.
-        odd = infer_request("resnet-mini") + b"\x18\x05"
-        for _ in range(2):
-            try:
-                _, call = s.grpc_infer(odd)
-                status = dict(call.initial_metadata()).get("cache-status")
-            except grpc.RpcError as exc:
-                status = dict(exc.initial_metadata()).get("cache-status")
-            assert status == UNPARSABLE
+def test_grpc_malformed_requests_bypass(shared_stacks: SharedStacks, host: str) -> None:
+    s = shared_stacks.get(config(policy("resnet")), host)
+    # Field 3 (id) sent as a varint: a protobuf parser would not read it as the id.
+    odd = infer_request(s.model("resnet-mini")) + b"\x18\x05"
+    for _ in range(2):
+        try:
+            _, call = s.grpc_infer(odd)
+            status = dict(call.initial_metadata()).get("cache-status")
+        except grpc.RpcError as exc:
+            status = dict(exc.initial_metadata()).get("cache-status")
+        assert status == UNPARSABLE
 
 
 def test_openai_ignore_fields_and_deterministic_only(tmp_path: Path, host: str) -> None:

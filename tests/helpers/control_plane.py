@@ -33,7 +33,7 @@ class ControlPlaneProc:
 
     def client(self, token: str | None = WRITE_TOKEN) -> httpx.Client:
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        return httpx.Client(base_url=self.url, headers=headers, timeout=10)
+        return procs.http_client(base_url=self.url, headers=headers, timeout=10)
 
     def restart(self) -> None:
         """Start again on the same ports (after stop() or kill())."""

@@ -5,11 +5,14 @@ Keys are the filter's own metric names (docs/filter.md, "Metrics"): `meshcache.h
 `meshcache.policy.<prefix>.entries`, `meshcache.routed`, ...; Envoy's admin shows them in its
 `wasmcustom.` namespace, which is left out here. The filter hands its metrics to Envoy every
 200 ms (per worker), so a value just after traffic may be stale: wait for the value you assert
-(tests.helpers.wait.eventually)."""
+(`filter_stats_reaching`, or tests.helpers.wait.eventually)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from meshcache.ctl import launchers
+from tests.helpers.wait import eventually
 
 ENVOY_NAMESPACE = "wasmcustom."
 
@@ -23,3 +26,20 @@ def filter_stats(admin_port: int) -> dict[str, int]:
 def filter_counter(admin_port: int, name: str) -> int:
     """One metric (`meshcache.hits`, ...) from `filter_stats`; 0 while the filter has not defined it."""
     return filter_stats(admin_port).get(name, 0)
+
+
+def filter_stats_reaching(admin_port: int, expected: Mapping[str, int], timeout: float = 10.0) -> dict[str, int]:
+    """Every meshcache metric, read once each metric in `expected` has its value (a metric the
+    filter has not defined reads 0); fails naming the ones that never got there. Name every
+    metric the test asserts an exact value of: only those are known to be flushed."""
+    read: list[dict[str, int]] = []
+
+    def reached() -> bool:
+        stats = filter_stats(admin_port)
+        off = {k: stats.get(k, 0) for k, v in expected.items() if stats.get(k, 0) != v}
+        assert not off, f"expected {dict(expected)}, read {off}"
+        read.append(stats)
+        return True
+
+    eventually(reached, timeout)
+    return read[-1]

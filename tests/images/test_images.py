@@ -8,6 +8,7 @@ mounted, passes its probes, answers an authenticated API call and serves TLS on 
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import re
@@ -74,12 +75,23 @@ def test_dockerfiles_match_the_manifests(name: str, deployment_name: str) -> Non
 
 
 @pytest.fixture(scope="module")
-def images() -> dict[str, str]:
+def images(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     if shutil.which("buildah") is None:
         pytest.fail("buildah is missing: `make setup` installs it (Debian package)")
-    result = subprocess.run(["scripts/images.sh"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=1500,
-                            env={**os.environ, "MESHCACHE_IMAGE_TAG": TAG, "MESHCACHE_BUILDER": "buildah"})
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    # Built once per test run: under xdist both workers may reach this module; the first builds
+    # (holding a lock in the run's common temp directory), the other waits and uses the result.
+    run_dir = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        run_dir = run_dir.parent
+    built = run_dir / "images.built"
+    with open(run_dir / "images.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not built.exists():
+            result = subprocess.run(["scripts/images.sh"], cwd=REPO_ROOT, capture_output=True, text=True,
+                                    timeout=1500,
+                                    env={**os.environ, "MESHCACHE_IMAGE_TAG": TAG, "MESHCACHE_BUILDER": "buildah"})
+            assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+            built.write_text(TAG)
     return IMAGES
 
 

@@ -12,7 +12,7 @@ from meshcache.ctl.istio import render, validate
 
 @pytest.fixture(scope="session")
 def crds() -> dict[tuple[str, str], dict]:
-    # Raises FileNotFoundError naming the expected path (../shared/istio/...) when it is missing.
+    # Missing (../shared/istio/...): the test fails with one line saying where to get it (tests/conftest.py).
     return validate.crd_schemas(validate.crd_file())
 
 

@@ -12,6 +12,7 @@ import httpx
 import pytest
 
 from meshcache.contract.headers import COLOR_HEADER
+from meshcache.ctl import procs
 from meshcache.ctl.istiod import binary
 from meshcache.ctl.istiod.mesh import IstiodMesh, IstiodMeshConfig
 from meshcache.ctl.istiod.sidecar import Sidecar
@@ -54,7 +55,7 @@ def grpc_infer(mesh: IstiodMesh, request: bytes, color: str = "") -> tuple[bytes
 
 def rest_infer(mesh: IstiodMesh, model: str, body: dict, color: str = "") -> httpx.Response:
     headers = {"host": mesh.service_authority, **({COLOR_HEADER: color} if color else {})}
-    return httpx.post(f"{mesh.app_http}/v2/models/{model}/infer", json=body, headers=headers, timeout=10)
+    return procs.local_http().post(f"{mesh.app_http}/v2/models/{model}/infer", json=body, headers=headers, timeout=10)
 
 
 def main_engine_calls(mesh: IstiodMesh, model: str) -> float:

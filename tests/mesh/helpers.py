@@ -7,6 +7,7 @@ import httpx
 import numpy as np
 
 from meshcache.contract.protos import grpc_predict_v2_pb2 as pb
+from meshcache.ctl import procs
 from meshcache.ctl.mesh.engine_metrics import engine_requests
 from meshcache.ctl.mesh.topology import Mesh
 
@@ -40,7 +41,8 @@ def grpc_call(target: str, request: bytes, metadata: tuple[tuple[str, str], ...]
 
 
 def rest_infer(app: str, model: str, body: dict, headers: dict[str, str] | None = None) -> httpx.Response:
-    return httpx.post(f"http://{app}/v2/models/{model}/infer", json=body, headers=headers or {}, timeout=10)
+    return procs.local_http().post(f"http://{app}/v2/models/{model}/infer", json=body, headers=headers or {},
+                                   timeout=10)
 
 
 def mlp_json(seed: int) -> dict:

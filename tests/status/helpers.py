@@ -11,6 +11,8 @@ from typing import Any
 
 import httpx
 
+from meshcache.ctl import procs
+
 CLI = [str(Path(sys.executable).parent / "meshcache")]
 
 
@@ -29,4 +31,5 @@ class RunningMesh:
         return str(self.endpoints["control_plane_api"])
 
     def client(self) -> httpx.Client:
-        return httpx.Client(base_url=self.api_url, headers={"Authorization": f"Bearer {self.token}"}, timeout=10)
+        return procs.http_client(base_url=self.api_url, headers={"Authorization": f"Bearer {self.token}"},
+                                  timeout=10)

@@ -20,8 +20,6 @@ from meshcache.contract.filter_config import ROLE, ROLE_CLIENT
 from meshcache.contract.headers import ROUTE_KEY_HEADER
 from meshcache.contract.wasm_filter import CLIENT_FILTER_NAME, FILTER_NAME, ROOT_ID
 
-from .validate import validate_object
-
 Obj = dict[str, Any]
 WORKLOAD_KINDS = ("Deployment", "StatefulSet")
 # Istio's principal form: the SPIFFE id without `spiffe://` (any trust domain, cluster.local by default).
@@ -229,6 +227,10 @@ def check_sidecar_annotations(objects: list[Obj]) -> list[str]:
                 "volumes": [{"name": k, **v} for k, v in volumes.items()],
                 "containers": [{"name": "istio-proxy", "image": "proxyv2",
                                 "volumeMounts": [{"name": k, **v} for k, v in mounts.items()]}]}}
+            # Imported here: validate loads jsonschema and the Kubernetes schemas, and every
+            # `meshcache` run imports this module (through render and monitoring).
+            from .validate import validate_object
+
             errors += [f"{where}: sidecar.istio.io/userVolume(Mount): {e}" for e in validate_object(pod)]
             pod_volumes = {v["name"] for v in w["spec"]["template"]["spec"].get("volumes", [])}
             if set(mounts) - set(volumes) - pod_volumes:

@@ -27,7 +27,7 @@ import jsonschema
 import kubernetes_validate
 import yaml
 
-from meshcache.contract.paths import REPO_ROOT
+from meshcache.contract.paths import REPO_ROOT, MissingOutsideFile
 
 ISTIO_CRDS_NAME = "istio-1.30.3-crds.yaml"
 KUBERNETES_VERSION = "1.37.0"
@@ -43,7 +43,7 @@ def crd_file() -> Path:
     override = os.environ.get("MESHCACHE_ISTIO_CRDS")
     path = Path(override) if override else REPO_ROOT.parent / "shared" / "istio" / ISTIO_CRDS_NAME
     if not path.is_file():
-        raise FileNotFoundError(
+        raise MissingOutsideFile(
             f"Istio CRD schemas not found at {path}: get Istio 1.30.3's CRDs (istio/api "
             "kubernetes/customresourcedefinitions.gen.yaml at tag 1.30.3, or `helm show crds istio/base "
             f"--version 1.30.3`) into ../shared/istio/{ISTIO_CRDS_NAME} beside the repository, "

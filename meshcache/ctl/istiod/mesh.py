@@ -312,8 +312,8 @@ class IstiodMesh:
         return out
 
     def api(self) -> httpx.Client:
-        return httpx.Client(base_url=f"http://127.0.0.1:{self.cp_http}",
-                            headers={"Authorization": f"Bearer {self.token}"}, timeout=10)
+        return procs.http_client(base_url=f"http://127.0.0.1:{self.cp_http}",
+                                 headers={"Authorization": f"Bearer {self.token}"}, timeout=10)
 
     @property
     def app_http(self) -> str:

@@ -8,6 +8,8 @@ from typing import Any
 
 import httpx
 
+from meshcache.ctl import procs
+
 
 class ApiError(RuntimeError):
     """The control plane refused or could not be reached; the message says why."""
@@ -16,8 +18,8 @@ class ApiError(RuntimeError):
 class PolicyApi:
     def __init__(self, url: str, token: str, timeout: float = 10.0) -> None:
         self.url = url.rstrip("/")
-        self._client = httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {token}"},
-                                    timeout=timeout)
+        self._client = procs.http_client(base_url=self.url, headers={"Authorization": f"Bearer {token}"},
+                                         timeout=timeout)
 
     def close(self) -> None:
         self._client.close()
