@@ -42,7 +42,17 @@ if [ -z "$base" ]; then
     echo "images: building a Debian 12 base with debootstrap (once)"
     debootstrap --variant=minbase bookworm "$rootfs/root" http://deb.debian.org/debian >/dev/null
     rm -rf "$rootfs"/root/var/cache/apt/archives/*.deb "$rootfs"/root/var/lib/apt/lists/*
-    tar -C "$rootfs/root" -c . | "$builder" import - "$local_base" >/dev/null
+    tar -C "$rootfs/root" -cf "$rootfs/root.tar" .
+    if [ "$builder" = buildah ]; then
+      # buildah has no `import` (Debian 12's 1.28): an empty container, the tree added (a local
+      # tar archive is unpacked), committed as the image.
+      ctr=$(buildah from scratch)
+      buildah add --quiet "$ctr" "$rootfs/root.tar" / >/dev/null
+      buildah commit --quiet "$ctr" "$local_base" >/dev/null
+      buildah rm "$ctr" >/dev/null
+    else
+      "$builder" import "$rootfs/root.tar" "$local_base" >/dev/null
+    fi
   fi
   digest=$("$builder" images --format '{{.Digest}}' "$local_base" | head -1)
   base="localhost/meshcache/debian@$digest"
