@@ -12,6 +12,7 @@ import pytest
 
 from meshcache.ctl import launchers, procs
 from tests.helpers.control_plane import READ_TOKEN, WRITE_TOKEN, ControlPlaneProc, start_control_plane
+from tests.helpers.filter_stats import filter_stats, filter_stats_reaching
 from tests.helpers.wait import eventually
 from tests.mesh.helpers import grpc_call, mlp_request
 from tests.status.helpers import RunningMesh, meshcache
@@ -149,6 +150,12 @@ def test_proxies_found_by_dns_are_read_through_the_template(running_mesh: Runnin
     a headless Service's DNS name and read through the {ip} template (istio/base sets both).
     Here the name `localhost` stands for that Service and the local mesh's server sidecar for the pod."""
     admin_port = running_mesh.endpoints["server_sidecar_admin"].rsplit(":", 1)[1]
+    # This test's own miss and hit (the mesh is shared: another test's traffic may not have come first).
+    before = filter_stats(int(admin_port))
+    request = mlp_request(7301).SerializeToString()
+    assert grpc_call(running_mesh.endpoints["app"], request)[1] == "meshcache; fwd=miss; stored"
+    assert grpc_call(running_mesh.endpoints["app"], request)[1].startswith("meshcache; hit")
+    filter_stats_reaching(int(admin_port), {"meshcache.hits": before.get("meshcache.hits", 0) + 1})
     redis, port = launchers.start_redis(tmp_path / "redis")
     cp = start_control_plane(tmp_path / "logs", port, extra_env={
         "MESHCACHE_CP_PROXY_STATS_TEMPLATE": f"http://{{ip}}:{admin_port}/stats/prometheus",
