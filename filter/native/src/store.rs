@@ -49,6 +49,20 @@ impl Shared {
     }
 }
 
+/// The most capacity a rewritten value may keep: its length, an eighth more and 1 KiB (small
+/// records such as the accounting record are rewritten in place without an allocation).
+fn snug(len: usize) -> usize {
+    len + len / 8 + 1024
+}
+
+impl Shared {
+    /// Bytes of value buffers held (capacity, not length): what the process really keeps.
+    #[cfg(test)]
+    fn held_bytes(&self) -> usize {
+        self.shards.iter().map(|s| s.lock().unwrap().values().map(|(v, _)| v.capacity()).sum::<usize>()).sum()
+    }
+}
+
 impl SharedData for Shared {
     fn get(&self, key: &str) -> Option<(Vec<u8>, u32)> {
         let shard = self.shard(key).lock().unwrap_or_else(|p| p.into_inner());
@@ -60,8 +74,17 @@ impl SharedData for Shared {
         match shard.get_mut(key) {
             Some((_, current)) if cas != 0 && cas != *current => false,
             Some(slot) => {
-                slot.0.clear();
-                slot.0.extend_from_slice(value);
+                if slot.0.capacity() <= snug(value.len()) {
+                    slot.0.clear();
+                    slot.0.extend_from_slice(value);
+                } else {
+                    // A slot that held a large entry and now holds a small one (or nothing,
+                    // after an eviction) must not keep the large buffer: the accounting counts
+                    // what a value holds, so kept capacity would let the process exceed
+                    // max_total_bytes by up to slots x max_entry_bytes (measured: ~1 GB for a
+                    // 256 MiB budget of 64 KiB answers).
+                    slot.0 = value.to_vec();
+                }
                 slot.1 = self.token();
                 true
             }
@@ -114,6 +137,18 @@ mod tests {
         assert_ne!(cas, cas2, "every write gets a fresh token");
         assert!(!s.set("k", b"c", cas));
         assert!(s.set("k", b"c", 0), "0 is unconditional");
+    }
+
+    #[test]
+    fn a_rewritten_value_does_not_keep_a_larger_buffer() {
+        let s = Shared::default();
+        assert!(s.set("slot", &vec![b'x'; 64 * 1024], 0));
+        assert!(s.set("slot", b"", 0)); // evicted
+        assert!(s.held_bytes() <= snug(0), "{} bytes kept for an empty slot", s.held_bytes());
+        assert!(s.set("slot", &vec![b'y'; 900], 0));
+        assert!(s.set("slot", &vec![b'z'; 800], 0)); // close in size: rewritten in place
+        assert_eq!(s.get("slot").unwrap().0, vec![b'z'; 800]);
+        assert!(s.held_bytes() <= snug(900));
     }
 
     #[test]
