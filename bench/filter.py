@@ -80,7 +80,8 @@ request = function()
 end
 """
 
-NGINX_CONF = """worker_processes 1;
+# One nginx worker, no access log, long keep-alive: the start of both origins' configs.
+NGINX_HEAD = """worker_processes 1;
 user root;
 daemon off;
 pid {dir}/nginx.pid;
@@ -89,7 +90,8 @@ events {{ worker_connections 1024; }}
 http {{
   access_log off;
   keepalive_requests 1000000;
-  client_body_buffer_size 128k;
+"""
+NGINX_CONF = NGINX_HEAD + """  client_body_buffer_size 128k;
   proxy_cache_path {dir}/cache levels=1:2 keys_zone=bench:16m max_size=512m inactive=60m use_temp_path=off;
   server {{
     listen 127.0.0.1:{http_port};
@@ -122,16 +124,7 @@ http {{
 
 # The in-Envoy anchor's origin: the same answer file to GET, with Cache-Control so that Envoy's
 # cache filter stores it (the main origin answers without it).
-ANCHOR_NGINX_CONF = """worker_processes 1;
-user root;
-daemon off;
-pid {dir}/nginx.pid;
-error_log {dir}/nginx-error.log warn;
-events {{ worker_connections 1024; }}
-http {{
-  access_log off;
-  keepalive_requests 1000000;
-  server {{
+ANCHOR_NGINX_CONF = NGINX_HEAD + """  server {{
     listen 127.0.0.1:{port};
     location / {{ add_header Cache-Control "max-age=3600"; default_type application/json;
                  root {static}; rewrite ^ /reply.json break; }}

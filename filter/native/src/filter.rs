@@ -613,14 +613,8 @@ impl Stream {
     /// expired entry may stand in for it: answer with the entry instead (a local reply in the
     /// response path goes straight to the client; the error is dropped). False: it passes.
     fn stale_if_error(&mut self, host: &mut dyn Host, f: &Fallback) -> bool {
-        let response = host.response_headers();
-        let status: u16 = headermap::header(&response.pairs, ":status").and_then(|s| s.parse().ok()).unwrap_or(0);
-        if !stale::is_origin_error(status, headermap::header(&response.pairs, "grpc-status")) {
-            return false;
-        }
-        let now = host.now_ms();
-        let u = match stale::stale_use(&f.entry, &f.policy, now).filter(|u| u.if_error) {
-            Some(u) => u,
+        let (status, now, u) = match error_to_stand_in_for(host, f) {
+            Some(found) => found,
             None => return false,
         };
         let request = HitRequest { headers: &f.headers, body: b"", id: &f.id };
@@ -639,14 +633,8 @@ impl Stream {
     /// the origin's error stops here. Sent later instead (a scheduled event), the answer's body
     /// would resume the stopped error and end the stream before the trailer. True: answered.
     fn grpc_stale_if_error(&mut self, host: &mut dyn Host, f: &Fallback) -> bool {
-        let response = host.response_headers();
-        let status: u16 = headermap::header(&response.pairs, ":status").and_then(|s| s.parse().ok()).unwrap_or(0);
-        if !stale::is_origin_error(status, headermap::header(&response.pairs, "grpc-status")) {
-            return false;
-        }
-        let now = host.now_ms();
-        let u = match stale::stale_use(&f.entry, &f.policy, now).filter(|u| u.if_error) {
-            Some(u) => u,
+        let (_, now, u) = match error_to_stand_in_for(host, f) {
+            Some(found) => found,
             None => return false,
         };
         let request = HitRequest { headers: &f.headers, body: b"", id: &f.id };
@@ -818,6 +806,18 @@ impl Stream {
     pub fn fail_open(&mut self) {
         self.state = State::Done;
     }
+}
+
+/// The origin (or Envoy for it) answered with an error that `f`'s expired entry may stand in
+/// for: the error's status, the time and how the entry is used. None: the answer passes.
+fn error_to_stand_in_for(host: &mut dyn Host, f: &Fallback) -> Option<(u16, u64, stale::StaleUse)> {
+    let response = host.response_headers();
+    let status: u16 = headermap::header(&response.pairs, ":status").and_then(|s| s.parse().ok()).unwrap_or(0);
+    if !stale::is_origin_error(status, headermap::header(&response.pairs, "grpc-status")) {
+        return None;
+    }
+    let now = host.now_ms();
+    stale::stale_use(&f.entry, &f.policy, now).filter(|u| u.if_error).map(|u| (status, now, u))
 }
 
 #[cfg(test)]
@@ -1494,4 +1494,5 @@ mod tests {
         assert_eq!(key_of(b"{not json", None), (None, 0, None), "what the server would bypass gets no key");
     }
 }
+
 
