@@ -13,7 +13,12 @@ from envoy.extensions.filters.http.wasm.v3 import wasm_pb2  # noqa: F401 - regis
 from google.protobuf import any_pb2, json_format
 
 from meshcache.contract.filter_config import client_plugin_config, plugin_config_json
-from meshcache.contract.native_filter import DYNAMIC_MODULE_TYPE_URL, NATIVE_FILTER_NAME, native_filter_proto
+from meshcache.contract.native_filter import (
+    DYNAMIC_MODULE_TYPE_URL,
+    NATIVE_CLIENT_FILTER_NAME,
+    NATIVE_FILTER_NAME,
+    native_filter_proto,
+)
 from meshcache.contract.paths import FILTER_NATIVE
 from meshcache.contract.wasm_filter import CLIENT_FILTER_NAME, FILTER_NAME, extension_config_json, local_code
 
@@ -48,8 +53,9 @@ class EcdsRenderer(Renderer):
     """The meshcache HTTP filter as an ECDS `TypedExtensionConfig` (the Wasm filter config whose
     plugin configuration is the snapshot's canonical JSON, as is; VM config identical to the
     static default). A second resource, `meshcache-client`, carries the same policies in the
-    client role, for client sidecars that route by cache affinity; a third, `meshcache-native`,
-    the same plugin configuration for the native host (the dynamic module's `DynamicModuleFilter`).
+    client role, for client sidecars that route by cache affinity; `meshcache-native` and
+    `meshcache-native-client` are the same two for the native host (the dynamic module's
+    `DynamicModuleFilter`).
     Each Envoy asks for its name."""
 
     type_url = ECDS_TYPE_URL
@@ -74,16 +80,20 @@ class EcdsRenderer(Renderer):
     def resources(self, snapshot: Snapshot) -> dict[str, any_pb2.Any]:
         return self._packed(snapshot)
 
-    def native_extension_config(self, snapshot: Snapshot) -> extension_pb2.TypedExtensionConfig:
+    def native_extension_config(self, snapshot: Snapshot, client: bool = False) -> extension_pb2.TypedExtensionConfig:
         """The native host's resource: the same plugin configuration text, for the dynamic module."""
-        module = any_pb2.Any(type_url=DYNAMIC_MODULE_TYPE_URL,
-                             value=native_filter_proto(self.native_module, snapshot.plugin_config_json))
-        return extension_pb2.TypedExtensionConfig(name=NATIVE_FILTER_NAME, typed_config=module)
+        if client:
+            text, name = plugin_config_json(client_plugin_config(snapshot.plugin_config())), NATIVE_CLIENT_FILTER_NAME
+        else:
+            text, name = snapshot.plugin_config_json, NATIVE_FILTER_NAME
+        module = any_pb2.Any(type_url=DYNAMIC_MODULE_TYPE_URL, value=native_filter_proto(self.native_module, text))
+        return extension_pb2.TypedExtensionConfig(name=name, typed_config=module)
 
     def _render(self, snapshot: Snapshot) -> dict[str, any_pb2.Any]:
         out = {}
-        configs = [self.typed_extension_config(snapshot, client) for client in (False, True)]
-        for config in (*configs, self.native_extension_config(snapshot)):
+        configs = [render(snapshot, client) for render in (self.typed_extension_config, self.native_extension_config)
+                   for client in (False, True)]
+        for config in configs:
             packed = any_pb2.Any()
             packed.Pack(config)
             out[config.name] = packed

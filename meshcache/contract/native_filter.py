@@ -5,8 +5,9 @@ dynamic-module ABI) and hands it the same plugin configuration JSON as the Wasm 
 a `google.protobuf.StringValue` so the module receives the JSON text itself.
 
 Over ECDS the native filter is its own resource, `meshcache-native` (the Wasm filter's is
-`meshcache`, the client role's `meshcache-client`): each Envoy asks for the host it runs, so one
-control plane serves a fleet that mixes both hosts (e.g. while moving from one to the other).
+`meshcache`), and so is its client role, `meshcache-native-client` (the Wasm one's
+`meshcache-client`): each Envoy asks for the host it runs, so one control plane serves a fleet
+that mixes both hosts (e.g. while moving from one to the other).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ DYNAMIC_MODULE_TYPE_URL = "type.googleapis.com/envoy.extensions.filters.http.dyn
 MODULE_FILTER_NAME = "meshcache"  # the filter name the module is asked for (`filter_name`)
 # The HTTP filter and ECDS resource name of the native filter when it comes from the control plane.
 NATIVE_FILTER_NAME = "meshcache-native"
+# The same for the client role (cache-affinity routing in a client sidecar).
+NATIVE_CLIENT_FILTER_NAME = "meshcache-native-client"
 # The module's stats go under this namespace: the Wasm filter's prefix, so both hosts' stats read
 # `wasmcustom.meshcache.*` (one set of names for stats readers, the status page, dashboards).
 METRICS_NAMESPACE = "wasmcustom"

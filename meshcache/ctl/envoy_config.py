@@ -40,6 +40,7 @@ from meshcache.contract.grpc_hit import grpc_hit_lua_filter, grpc_hit_routes
 from meshcache.contract.headers import COLOR_HEADER, ROUTE_KEY_HEADER
 from meshcache.contract.native_filter import (
     DYNAMIC_MODULE_TYPE_URL,
+    NATIVE_CLIENT_FILTER_NAME,
     NATIVE_FILTER_NAME,
     native_filter_config,
     native_http_filter,
@@ -381,6 +382,8 @@ class Affinity:
     ecds_port: int | list[int] | None = None
     xds_tls: Identity | None = None
     xds_peers: tuple[str, ...] = ()
+    # The client role in the native host (resource `meshcache-native-client`) instead of Wasm.
+    native_module: Path | None = None
 
     def __post_init__(self) -> None:
         if self.lb_policy not in LB_POLICIES:
@@ -463,9 +466,14 @@ def render_client(c: ClientSidecar) -> dict[str, Any]:
     a = c.affinity
     if a is not None:
         route["route"]["hash_policy"] = [{"header": {"header_name": ROUTE_KEY_HEADER}}]
-        static = {"@type": WASM_TYPE_URL, **wasm_filter_config(a.wasm_path, a.plugin_config)}
-        filters.append({"name": CLIENT_FILTER_NAME, "typed_config": static} if a.ecds_port is None
-                       else ecds_http_filter(_ecds_source(), default_config=static, name=CLIENT_FILTER_NAME))
+        if a.native_module is None:
+            static = {"@type": WASM_TYPE_URL, **wasm_filter_config(a.wasm_path, a.plugin_config)}
+            name, type_url = CLIENT_FILTER_NAME, WASM_TYPE_URL
+        else:
+            static = {"@type": DYNAMIC_MODULE_TYPE_URL, **native_filter_config(a.native_module, a.plugin_config)}
+            name, type_url = NATIVE_CLIENT_FILTER_NAME, DYNAMIC_MODULE_TYPE_URL
+        filters.append({"name": name, "typed_config": static} if a.ecds_port is None
+                       else ecds_http_filter(_ecds_source(), default_config=static, name=name, type_url=type_url))
     listener = {
         "name": "outbound",
         "address": _socket(c.address, c.listen_port),
@@ -541,6 +549,11 @@ def examples(out_dir: Path) -> list[Path]:
                         xds_tls=client.identity, xds_peers=("spiffe://cluster.local/ns/default/sa/meshcache-control-plane",))
     replicated = ClientSidecar(**{**client.__dict__, "server_ports": [15006, 18200, 18210], "affinity": affinity})
     out.append(write(replicated, out_dir / "mesh-client-sidecar-replicas.yaml"))
+    # `meshcache up --replicas 3 --filter native`: the client role in the native host (ECDS
+    # resource meshcache-native-client).
+    native_affinity = Affinity(**{**affinity.__dict__, "native_module": Path("/etc/meshcache/libmeshcache_native.so")})
+    native_client = ClientSidecar(**{**replicated.__dict__, "affinity": native_affinity})
+    out.append(write(native_client, out_dir / "mesh-client-sidecar-replicas-native.yaml"))
     return out
 
 

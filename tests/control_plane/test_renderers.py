@@ -12,11 +12,12 @@ from google.protobuf import wrappers_pb2
 from google.protobuf.unknown_fields import UnknownFieldSet
 
 from meshcache.contract import extensions
-from meshcache.contract.filter_config import demo_policies
+from meshcache.contract.filter_config import client_plugin_config, demo_policies, plugin_config_json
 from meshcache.contract.native_filter import (
     DYNAMIC_MODULE_TYPE_URL,
     METRICS_NAMESPACE,
     MODULE_FILTER_NAME,
+    NATIVE_CLIENT_FILTER_NAME,
     NATIVE_FILTER_NAME,
 )
 from meshcache.contract.wasm_filter import CLIENT_FILTER_NAME, FILTER_NAME, VM_ID
@@ -68,7 +69,8 @@ def test_mcp_renders_once_per_snapshot() -> None:
 def test_ecds_serves_the_client_role_with_the_same_policies() -> None:
     renderer = EcdsRenderer(Path("/etc/meshcache/meshcache_filter.wasm"))
     snap = Snapshot(version=5, policies=tuple(demo_policies(generation=5)))
-    assert sorted(renderer.resources(snap)) == sorted([CLIENT_FILTER_NAME, FILTER_NAME, NATIVE_FILTER_NAME])
+    assert sorted(renderer.resources(snap)) == sorted([CLIENT_FILTER_NAME, FILTER_NAME, NATIVE_FILTER_NAME,
+                                                       NATIVE_CLIENT_FILTER_NAME])
     configs = {}
     for client in (False, True):
         typed = renderer.typed_extension_config(snap, client)
@@ -112,3 +114,16 @@ def test_ecds_serves_the_native_host_the_same_plugin_config() -> None:
     fields = {f.field_number: f.data for f in UnknownFieldSet(native.dynamic_module_config)}
     assert fields[5] == METRICS_NAMESPACE.encode()
     assert base_pb2.AsyncDataSource.FromString(fields[6]).local.filename == str(module)
+    # The client role's resource for the native host: the same policies in the client role, as the
+    # Wasm `meshcache-client` carries them.
+    client = extension_pb2.TypedExtensionConfig()
+    assert renderer.resources(snap)[NATIVE_CLIENT_FILTER_NAME].Unpack(client)
+    assert client.name == NATIVE_CLIENT_FILTER_NAME
+    assert native_filter_value(client) == plugin_config_json(client_plugin_config(snap.plugin_config()))
+
+
+def native_filter_value(typed: extension_pb2.TypedExtensionConfig) -> str:
+    """The plugin configuration JSON a native-host resource carries."""
+    value = wrappers_pb2.StringValue()
+    assert dynamic_modules_pb2.DynamicModuleFilter.FromString(typed.typed_config.value).filter_config.Unpack(value)
+    return value.value

@@ -19,11 +19,9 @@ from typing import Any
 
 import httpx
 import pytest
-import yaml
 
 from meshcache.contract.filter_config import client_plugin_config
 from meshcache.contract.headers import ROUTE_KEY_HEADER
-from meshcache.contract.native_filter import DYNAMIC_MODULE_TYPE_URL, native_filter_config
 from meshcache.contract.paths import FILTER_NATIVE, FILTER_WASM
 from meshcache.ctl import launchers, procs
 from meshcache.ctl.envoy_config import Affinity, CacheProxy, ClientSidecar, write
@@ -75,13 +73,11 @@ class Mesh:
             listen_port=listen, admin_port=admin, server_ports=[r.port for r in replicas or self.replicas],
             identity=self.identities[who], server_identities=[SERVER_ID], color="",
             node_id=f"client-{who}-{listen}",
-            affinity=Affinity(FILTER_WASM, client_plugin_config(CONFIG), lb_policy=lb_policy) if affinity else None)
+            affinity=Affinity(FILTER_WASM, client_plugin_config(CONFIG), lb_policy=lb_policy,
+                              native_module=FILTER_NATIVE if self.host == "native" else None) if affinity else None)
         d = self.tmp / f"client-{listen}"
         d.mkdir()
-        config_path = write(sidecar, d / "envoy.yaml")
-        if affinity and self.host == "native":
-            _native_client_filter(config_path, client_plugin_config(CONFIG))
-        self.started.append(launchers.start_envoy(config_path, admin, d))
+        self.started.append(launchers.start_envoy(write(sidecar, d / "envoy.yaml"), admin, d))
         url = f"http://127.0.0.1:{listen}"
         self.client_admins[url] = admin
         return url
@@ -113,24 +109,6 @@ class Mesh:
 
     def _origin_total(self) -> int:
         return int(procs.local_http().get(f"http://127.0.0.1:{self.origin_port}/calls", timeout=5).json()["http"])
-
-
-def _native_client_filter(config_path: Path, plugin_config: dict[str, Any]) -> None:
-    """The client sidecar's filter as the native module: the sidecar config renders the Wasm
-    filter; its entry (same name, same plugin configuration) becomes the dynamic module's."""
-    doc = yaml.safe_load(config_path.read_text())
-    swapped = 0
-    for listener in doc["static_resources"]["listeners"]:
-        for chain in listener["filter_chains"]:
-            for f in chain["filters"]:
-                http_filters = f.get("typed_config", {}).get("http_filters", [])
-                for i, hf in enumerate(http_filters):
-                    if hf.get("typed_config", {}).get("@type", "").endswith(".wasm.v3.Wasm"):
-                        http_filters[i] = {"name": hf["name"], "typed_config": {
-                            "@type": DYNAMIC_MODULE_TYPE_URL, **native_filter_config(FILTER_NATIVE, plugin_config)}}
-                        swapped += 1
-    assert swapped == 1, f"expected one Wasm filter in {config_path}, found {swapped}"
-    config_path.write_text(yaml.safe_dump(doc, sort_keys=False))
 
 
 @contextlib.contextmanager

@@ -189,8 +189,8 @@ class MeshConfig:
     # A real istiod in the middle (`meshcache up --istiod`, meshcache/ctl/istiod): the control plane
     # feeds istiod over MCP and istiod configures the sidecars; ports are then picked free.
     istiod: bool = False
-    # The cache's host in the server sidecars (FILTER_HOSTS). The client role (affinity) stays Wasm:
-    # the native host has none yet.
+    # The cache's host (FILTER_HOSTS): in the server sidecars, and with replicas in the client
+    # sidecar's client role (affinity) too.
     filter: str = "wasm"
     # Seeded into the control plane on a fresh state dir (policy version 0); kept across restarts.
     policies: dict[str, dict[str, Any]] = field(default_factory=lambda: {k: dict(v) for k, v in DEMO_POLICIES.items()})

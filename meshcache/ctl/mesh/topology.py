@@ -10,7 +10,8 @@ sidecar pairs (`engine-2`, `server-sidecar-2`, ...), each with its own cache, an
 sidecar runs the filter in the client role (ECDS resource `meshcache-client`) and hashes on its
 routing key (cache affinity: one replica holds each answer) unless `affinity` is off.
 `filter: native` runs the cache in the server sidecars as the Envoy dynamic module (ECDS resource
-`meshcache-native`) instead of the Wasm filter; the client role stays Wasm.
+`meshcache-native`) instead of the Wasm filter, and with replicas the client role in the client
+sidecar too (`meshcache-native-client`).
 """
 
 from __future__ import annotations
@@ -177,7 +178,8 @@ class Mesh:
         affinity = None
         if cfg.replicas > 1 and cfg.affinity:
             affinity = Affinity(FILTER_WASM, client_plugin_config(DEFAULT_PLUGIN_CONFIG), lb_policy=cfg.lb_policy,
-                                ecds_port=ports.cp_xds, xds_tls=certs.client, xds_peers=(cfg.control_plane_id,))
+                                ecds_port=ports.cp_xds, xds_tls=certs.client, xds_peers=(cfg.control_plane_id,),
+                                native_module=FILTER_NATIVE if cfg.filter == "native" else None)
         client = ClientSidecar(listen_port=ports.app, admin_port=ports.client_admin,
                                server_ports=[r.server_inbound for r in replicas.values()], identity=certs.client,
                                server_identities=[cfg.server_id], color=cfg.color, node_id=CLIENT_NODE,
