@@ -17,6 +17,7 @@ mod abi;
 mod background;
 #[cfg(target_arch = "wasm32")]
 mod exports;
+pub mod host;
 #[cfg(target_arch = "wasm32")]
 mod metrics;
 #[cfg(target_arch = "wasm32")]
