@@ -22,5 +22,4 @@ pub mod host;
 mod metrics;
 #[cfg(target_arch = "wasm32")]
 mod root;
-#[cfg(target_arch = "wasm32")]
-mod stream;
+pub mod stream;
