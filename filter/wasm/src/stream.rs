@@ -1006,3 +1006,7 @@ impl Stream {
         }
     }
 }
+
+#[cfg(test)]
+#[path = "stream_tests.rs"]
+mod tests;
