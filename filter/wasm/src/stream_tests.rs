@@ -421,3 +421,58 @@ fn stale_while_revalidate_without_a_background_request_forwards_this_one() {
     assert_eq!(ask(&mut f, &cfg, 5, ASK), PAUSE);
     assert_eq!(reply(&f, 5).2, b"\"new\"".to_vec());
 }
+
+#[test]
+fn a_grpc_answer_is_stored_at_its_trailers_and_hit_in_one_pass() {
+    let (mut f, cfg) = setup(r#""ttl_s": 60"#);
+    // ModelInferRequest { model_name: "m1" }, framed.
+    let ask_grpc = grpc::frame(&[0x0a, 2, b'm', b'1']);
+    let answer_grpc = grpc::frame(&[0x0a, 2, b'm', b'1', 0x12, 1, b'1']);
+    for id in [2, 3] {
+        create(id, ROOT, Some(cfg.clone()));
+        f.current = id;
+        let x = f.x();
+        for (n, v) in [(":method", "POST"), (":path", crate::model::GRPC_MODEL_INFER_PATH), ("content-type", "application/grpc")] {
+            set(&mut x.req, n, v);
+        }
+        x.req_body = ask_grpc.clone();
+        assert_eq!(with(id, |s| s.on_request_headers(&mut f, false)), PAUSE);
+    }
+    // The first is a miss: its answer is held (unary gRPC) and stored when the trailers say OK.
+    f.current = 2;
+    assert_eq!(with(2, |s| s.on_request_body(&mut f, ask_grpc.len(), true)), CONTINUE);
+    f.x().resp = vec![(":status".into(), "200".into()), ("content-type".into(), "application/grpc".into())];
+    assert_eq!(with(2, |s| s.on_response_headers(&mut f, false)), PAUSE);
+    f.x().resp_body = answer_grpc.clone();
+    assert_eq!(with(2, |s| s.on_response_body(&mut f, answer_grpc.len(), false)), PAUSE);
+    f.x().trailers = vec![("grpc-status".into(), "0".into())];
+    assert_eq!(with(2, |s| s.on_response_trailers(&mut f)), CONTINUE);
+    assert_eq!(status_of(&f.x[&2].resp), names::cache_status_stored(false));
+    assert_eq!(f.counted(m::STORES), 1, "{:?}", f.errors);
+
+    // The second is a hit: an empty local reply, which the hit route's Lua step gives a body that
+    // the response callbacks fill with the message and a grpc-status trailer.
+    f.current = 3;
+    assert_eq!(with(3, |s| s.on_request_body(&mut f, ask_grpc.len(), true)), PAUSE);
+    assert_eq!(reply(&f, 3).2, Vec::<u8>::new());
+    assert_eq!(grpc_reply_headers(&mut f, 3, false), Some(CONTINUE));
+    assert!(status_of(&f.x[&3].resp).contains("hit"), "{:?}", f.x[&3].resp);
+    assert_eq!(grpc_reply_body(&mut f, 3, 0, true), Some(CONTINUE));
+    assert_eq!(f.x[&3].resp_body, answer_grpc);
+    assert_eq!(get(&f.x[&3].trailers, "grpc-status"), Some("0"));
+    assert_eq!(grpc_reply_body(&mut f, 3, 0, true), None, "answered once");
+}
+
+#[test]
+fn the_client_role_puts_a_routing_key_on_the_request() {
+    let cfg = Rc::new(parse_plugin_config(br#"{"role": "client", "policies": [{"model_prefix": "m", "ttl_s": 60}]}"#).unwrap());
+    let mut f = Fake { now: T0, ..Fake::default() };
+    f.current = 2;
+    set(&mut f.x().req, names::ROUTE_KEY_HEADER, "forged");
+    assert_eq!(ask(&mut f, &cfg, 2, ASK), CONTINUE);
+    let key = get(&f.x[&2].req, names::ROUTE_KEY_HEADER).expect("a routing key").to_string();
+    assert_ne!(key, "forged", "a caller's key is dropped");
+    assert_eq!(f.counted(m::ROUTED), 1);
+    ask(&mut f, &cfg, 3, ASK);
+    assert_eq!(get(&f.x[&3].req, names::ROUTE_KEY_HEADER), Some(key.as_str()), "identical requests, one key");
+}
