@@ -1,6 +1,6 @@
-//! HTTP stream contexts: gather inputs from the host, apply `decide`/`answer`/`store`, write
-//! results back. Every path fails open: on any surprise the request continues and `errors`
-//! counts it.
+//! HTTP stream contexts: gather inputs through `Host` (the ABI, or the tests' fake), apply the
+//! core's request/response/answer/store steps, write results back. Every path fails open: on any
+//! surprise the request continues and `errors` counts it. Thread-locals here are per VM/worker.
 
 use crate::host::{Buffer, Host, Map};
 use crate::answer::{self, HitRequest};
