@@ -2,7 +2,7 @@
 //! contexts. `proxy_on_done` and `proxy_on_log` are deliberately not exported: the host skips
 //! callbacks a module does not export, which saves two VM crossings per request.
 
-use crate::abi::{self, Buffer};
+use crate::abi::{self, Abi, Buffer};
 use crate::{background, root, stream};
 
 /// The host allocates returned data through this export; we own it afterwards.
@@ -41,7 +41,7 @@ pub extern "C" fn proxy_on_tick(root_id: u32) {
 /// A leader released a key this worker's requests wait on (request coalescing).
 #[no_mangle]
 pub extern "C" fn proxy_on_queue_ready(_root: u32, queue: u32) {
-    stream::on_queue_ready(queue);
+    stream::on_queue_ready(&mut Abi, queue);
 }
 
 #[no_mangle]
@@ -49,41 +49,41 @@ pub extern "C" fn proxy_on_delete(id: u32) {
     if root::is_root(id) {
         root::delete(id);
     } else {
-        stream::delete(id);
+        stream::delete(&mut Abi, id);
     }
 }
 
 #[no_mangle]
 pub extern "C" fn proxy_on_request_headers(id: u32, _n: usize, eos: u32) -> u32 {
-    stream::with(id, |s| s.on_request_headers(eos != 0))
+    stream::with(id, |s| s.on_request_headers(&mut Abi, eos != 0))
 }
 
 #[no_mangle]
 pub extern "C" fn proxy_on_request_body(id: u32, size: usize, eos: u32) -> u32 {
-    stream::with(id, |s| s.on_request_body(size, eos != 0))
+    stream::with(id, |s| s.on_request_body(&mut Abi, size, eos != 0))
 }
 
 #[no_mangle]
 pub extern "C" fn proxy_on_request_trailers(id: u32, _n: usize) -> u32 {
     // Trailers end the request: decide on whatever body was buffered.
     let size = abi::buffer_size(Buffer::RequestBody).unwrap_or(0);
-    stream::with(id, |s| s.on_request_body(size, true))
+    stream::with(id, |s| s.on_request_body(&mut Abi, size, true))
 }
 
 #[no_mangle]
 pub extern "C" fn proxy_on_response_headers(id: u32, _n: usize, eos: u32) -> u32 {
-    if let Some(action) = stream::grpc_reply_headers(id, eos != 0) {
+    if let Some(action) = stream::grpc_reply_headers(&mut Abi, id, eos != 0) {
         return action;
     }
-    stream::with(id, |s| s.on_response_headers(eos != 0))
+    stream::with(id, |s| s.on_response_headers(&mut Abi, eos != 0))
 }
 
 #[no_mangle]
 pub extern "C" fn proxy_on_response_body(id: u32, size: usize, eos: u32) -> u32 {
-    if let Some(action) = stream::grpc_reply_body(id, size, eos != 0) {
+    if let Some(action) = stream::grpc_reply_body(&mut Abi, id, size, eos != 0) {
         return action;
     }
-    stream::with(id, |s| s.on_response_body(size, eos != 0))
+    stream::with(id, |s| s.on_response_body(&mut Abi, size, eos != 0))
 }
 
 #[no_mangle]
@@ -93,6 +93,6 @@ pub extern "C" fn proxy_on_http_call_response(_root: u32, token: u32, _headers: 
 
 #[no_mangle]
 pub extern "C" fn proxy_on_response_trailers(id: u32, _n: usize) -> u32 {
-    stream::with(id, |s| s.on_response_trailers())
+    stream::with(id, |s| s.on_response_trailers(&mut Abi))
 }
 

@@ -17,9 +17,9 @@ mod abi;
 mod background;
 #[cfg(target_arch = "wasm32")]
 mod exports;
+pub mod host;
 #[cfg(target_arch = "wasm32")]
 mod metrics;
 #[cfg(target_arch = "wasm32")]
 mod root;
-#[cfg(target_arch = "wasm32")]
-mod stream;
+pub mod stream;

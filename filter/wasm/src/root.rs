@@ -50,7 +50,7 @@ pub fn on_configure(root: u32, size: usize) -> bool {
             let cfg_role_is_server = cfg.role == Role::Server;
             ROOTS.with(|r| r.borrow_mut().insert(root, Some(Rc::new(cfg))));
             if cfg_role_is_server {
-                stream::setup_coalescing();
+                stream::setup_coalescing(&mut abi::Abi);
             }
             abi::set_tick_period_ms(TICK_MS);
             true
@@ -64,7 +64,7 @@ pub fn on_configure(root: u32, size: usize) -> bool {
 }
 
 pub fn on_tick(root: u32) {
-    stream::expire_waiters();
+    stream::expire_waiters(&mut abi::Abi);
     let ticks = TICKS.with(|t| {
         t.set(t.get().wrapping_add(1));
         t.get()

@@ -1,10 +1,9 @@
-//! HTTP stream contexts: gather inputs from the host, apply `decide`/`answer`/`store`, write
-//! results back. Every path fails open: on any surprise the request continues and `errors`
-//! counts it.
+//! HTTP stream contexts: gather inputs through `Host` (the ABI, or the tests' fake), apply the
+//! core's request/response/answer/store steps, write results back. Every path fails open: on any
+//! surprise the request continues and `errors` counts it. Thread-locals here are per VM/worker.
 
-use crate::abi::{self, Buffer, Map};
+use crate::host::{Buffer, Host, Map};
 use crate::answer::{self, HitRequest};
-use crate::background;
 use crate::cache_control::NotStored;
 use crate::coalesce::{self, AfterWait, Join, LockTable, Release, Ticket, Waiters};
 use crate::config::{Config, Limits, Role};
@@ -12,7 +11,7 @@ use crate::request::{self, BodyDecision, Cacheable, HeadDecision, RequestHead};
 use crate::grpc;
 use crate::headermap::{self, Headers};
 use crate::response;
-use crate::metrics::{self, count, count_policy, error};
+use crate::metric_names as m;
 use crate::model::ModelSource;
 use crate::names::{self, Bypass};
 use crate::route_key;
@@ -26,7 +25,6 @@ use std::rc::Rc;
 
 const CONTINUE: u32 = 0;
 const PAUSE: u32 = 1;
-const PEER_SAN: [&str; 2] = ["connection", "uri_san_peer_certificate"];
 
 thread_local! {
     static STREAMS: RefCell<HashMap<u32, Stream>> = RefCell::new(HashMap::new());
@@ -38,17 +36,17 @@ pub fn create(id: u32, root: u32, plugin: Option<Rc<Config>>) {
     STREAMS.with(|s| s.borrow_mut().insert(id, stream));
 }
 
-pub fn delete(id: u32) {
+pub fn delete<H: Host>(h: &mut H, id: u32) {
     let gone = STREAMS.with(|s| s.borrow_mut().remove(&id));
     if let Some(key) = gone.as_ref().and_then(|s| s.refreshing) {
         // This forwarded request was the key's refresh: done, stored or not.
-        refresh::release(&abi::HostShared, &key);
+        refresh::release(&h.shared(), &key);
     }
     GRPC_REPLIES.with(|r| r.borrow_mut().remove(&id));
     WAITERS.with(|w| w.borrow_mut().remove(id));
     if let Some(mut stream) = gone {
         // A leader that ends without an answer (reset, client gone): its waiters try again.
-        stream.release(Release::Retry);
+        stream.release(h, Release::Retry);
     }
 }
 
@@ -67,9 +65,9 @@ thread_local! {
 }
 
 /// Resumes the effective stream's request (a waiter that goes upstream after all).
-fn continue_now() -> u32 {
-    if !abi::continue_request() {
-        error("could not resume a coalesced request");
+fn continue_now<H: Host>(h: &mut H) -> u32 {
+    if !h.continue_request() {
+        h.error("could not resume a coalesced request");
     }
     CONTINUE
 }
@@ -80,51 +78,51 @@ const MAX_WAKES_PER_CALLBACK: usize = 4096;
 /// Called by each root context's `on_configure`: the lock table exists, and this worker's
 /// queue is registered under a name no other worker uses (registering it again points it at
 /// the newest root context).
-pub fn setup_coalescing() {
-    LockTable { data: &abi::HostShared }.create_slots();
+pub fn setup_coalescing<H: Host>(h: &mut H) {
+    LockTable { data: &h.shared() }.create_slots();
     let name = WAKE_NAME.with(|n| {
         let mut n = n.borrow_mut();
         if n.is_empty() {
-            *n = format!("meshcache:wake:{}", abi::now_ns());
+            *n = format!("meshcache:wake:{}", h.now_ns());
         }
         n.clone()
     });
-    match abi::register_queue(&name) {
+    match h.register_queue(&name) {
         Some(q) => WAKE_QUEUE.with(|w| w.set(Some(q))),
-        None => error("could not register the coalescing queue; identical misses are not coalesced"),
+        None => h.error("could not register the coalescing queue; identical misses are not coalesced"),
     }
 }
 
-pub fn on_queue_ready(queue: u32) {
+pub fn on_queue_ready<H: Host>(h: &mut H, queue: u32) {
     for _ in 0..MAX_WAKES_PER_CALLBACK {
-        let message = match abi::dequeue(queue) {
+        let message = match h.dequeue(queue) {
             Some(m) => m,
             None => return,
         };
         let (key, release) = match coalesce::decode_wake(&message) {
             Some(w) => w,
             None => {
-                error("unreadable coalescing wake message");
+                h.error("unreadable coalescing wake message");
                 continue;
             }
         };
         for (id, deadline) in WAITERS.with(|w| w.borrow_mut().take(&key)) {
-            if abi::set_effective_context(id) {
-                with(id, |s| s.on_wake(release, deadline));
+            if h.set_effective_context(id) {
+                with(id, |s| s.on_wake(h, release, deadline));
             }
         }
     }
 }
 
 /// The root's tick: waiters past their deadline go upstream themselves.
-pub fn expire_waiters() {
+pub fn expire_waiters<H: Host>(h: &mut H) {
     if WAITERS.with(|w| w.borrow().is_empty()) {
         return;
     }
-    let late = WAITERS.with(|w| w.borrow_mut().expired(abi::now_ms()));
+    let late = WAITERS.with(|w| w.borrow_mut().expired(h.now_ms()));
     for id in late {
-        if abi::set_effective_context(id) {
-            with(id, |s| s.on_coalesce_timeout());
+        if h.set_effective_context(id) {
+            with(id, |s| s.on_coalesce_timeout(h));
         }
     }
 }
@@ -155,15 +153,15 @@ const LOCAL_MARKER: &str = "meshcache_local";
 const STALE_MARKER: &str = "meshcache_stale";
 
 /// Response headers of a stream's pending gRPC hit reply, if it has one.
-pub fn grpc_reply_headers(id: u32, eos: bool) -> Option<u32> {
+pub fn grpc_reply_headers<H: Host>(h: &mut H, id: u32, eos: bool) -> Option<u32> {
     let headers = GRPC_REPLIES.with(|r| r.borrow().get(&id).map(|g| g.headers.clone()))?;
     if eos {
         // No body will follow: the message cannot be delivered. Say so rather than answer OK
         // without a message; gRPC clients retry UNAVAILABLE.
         GRPC_REPLIES.with(|r| r.borrow_mut().remove(&id));
         GRPC_HITS_BROKEN.with(|b| b.set(true));
-        error("gRPC hit reply without a body: the meshcache_grpc_hit route or the meshcache.grpc_hit_body Lua filter is missing; gRPC requests bypass the cache from now on");
-        abi::set_headers(
+        h.error("gRPC hit reply without a body: the meshcache_grpc_hit route or the meshcache.grpc_hit_body Lua filter is missing; gRPC requests bypass the cache from now on");
+        h.set_headers(
             Map::ResponseHeaders,
             &[(":status", "200"), ("content-type", "application/grpc"), ("grpc-status", "14"),
               ("grpc-message", "meshcache: gRPC hit route missing; retry")],
@@ -172,21 +170,21 @@ pub fn grpc_reply_headers(id: u32, eos: bool) -> Option<u32> {
     }
     let mut all: Vec<(&str, &str)> = vec![(":status", "200")];
     all.extend(headers.iter().map(|(n, v)| (n.as_str(), v.as_str())));
-    abi::set_headers(Map::ResponseHeaders, &all);
+    h.set_headers(Map::ResponseHeaders, &all);
     Some(CONTINUE)
 }
 
 /// Body of a stream's pending gRPC hit reply: the framed message, then the trailer.
-pub fn grpc_reply_body(id: u32, size: usize, eos: bool) -> Option<u32> {
+pub fn grpc_reply_body<H: Host>(h: &mut H, id: u32, size: usize, eos: bool) -> Option<u32> {
     if !eos {
         return GRPC_REPLIES.with(|r| r.borrow().contains_key(&id)).then(|| CONTINUE);
     }
     let reply = GRPC_REPLIES.with(|r| r.borrow_mut().remove(&id))?;
-    if !abi::set_buffer(Buffer::ResponseBody, 0, size, &reply.framed) {
-        error("gRPC hit: could not write the message");
+    if !h.set_body(Buffer::ResponseBody, 0, size, &reply.framed) {
+        h.error("gRPC hit: could not write the message");
     }
     // Adding to the (absent) trailers at end of stream makes Envoy create them.
-    abi::add_header(Map::ResponseTrailers, "grpc-status", "0");
+    h.add_header(Map::ResponseTrailers, "grpc-status", "0");
     Some(CONTINUE)
 }
 
@@ -287,50 +285,50 @@ impl Stream {
     }
 
     /// The cache stays out of this request: counted, and its answer says `fwd=bypass` and why.
-    fn bypass(&mut self, why: Bypass) -> u32 {
+    fn bypass<H: Host>(&mut self, h: &mut H, why: Bypass) -> u32 {
         if self.is_client() {
             // The client role only routes: no routing key, the request balances normally.
             self.phase = Phase::Done;
             return CONTINUE;
         }
         self.phase = Phase::Bypass(why);
-        count(metrics::BYPASSES, 1);
+        h.count(m::BYPASSES, 1);
         CONTINUE
     }
 
-    pub fn on_request_headers(&mut self, eos: bool) -> u32 {
+    pub fn on_request_headers<H: Host>(&mut self, h: &mut H, eos: bool) -> u32 {
         let plugin = match self.config() {
             Some(p) => p,
             None => {
-                error("stream without a configured plugin; passing through");
+                h.error("stream without a configured plugin; passing through");
                 return CONTINUE;
             }
         };
         let cfg = &*plugin;
-        let mut headers = abi::headers(Map::RequestHeaders);
+        let mut headers = h.headers(Map::RequestHeaders);
         // Both roles: a routing key the caller sent is dropped before anything reads the headers.
         if route_key::strip(&mut headers) {
-            abi::remove_header(Map::RequestHeaders, names::ROUTE_KEY_HEADER);
+            h.remove_header(Map::RequestHeaders, names::ROUTE_KEY_HEADER);
         }
         let method = headermap::header(&headers.pairs, ":method").unwrap_or("");
         let path = headermap::header(&headers.pairs, ":path").unwrap_or("");
         let head = RequestHead { method, path, headers: &headers.pairs, not_utf8: &headers.not_utf8 };
         match request::classify_head(&head) {
             HeadDecision::Ignore => CONTINUE,
-            HeadDecision::Bypass(why) => self.bypass(why),
+            HeadDecision::Bypass(why) => self.bypass(h, why),
             HeadDecision::Buffer { source, refresh } => {
                 if eos {
-                    return self.decide_request(cfg, &headers, &source, refresh, &[]);
+                    return self.decide_request(h, cfg, &headers, &source, refresh, &[]);
                 }
                 if cfg.role == Role::Client && !cfg.hold_headers {
                     // Routing happens when the headers continue: no body, no key.
                     return CONTINUE;
                 }
                 if cfg.role == Role::Server && source == ModelSource::GrpcBody && GRPC_HITS_BROKEN.with(|b| b.get()) {
-                    return self.bypass(Bypass::NoHitRoute);
+                    return self.bypass(h, Bypass::NoHitRoute);
                 }
                 if request::request_declared_too_big(headermap::header(&headers.pairs, "content-length")) {
-                    return self.bypass(Bypass::TooBig);
+                    return self.bypass(h, Bypass::TooBig);
                 }
                 self.phase = Phase::Buffering { source, refresh, headers };
                 // Held headers: routing waits for the decision. Otherwise the body alone waits.
@@ -343,23 +341,23 @@ impl Stream {
         }
     }
 
-    pub fn on_request_body(&mut self, size: usize, eos: bool) -> u32 {
+    pub fn on_request_body<H: Host>(&mut self, h: &mut H, size: usize, eos: bool) -> u32 {
         match &self.phase {
             Phase::Buffering { .. } => {}
             _ => return CONTINUE,
         }
         if size > request::MAX_REQUEST_BYTES {
-            return self.bypass(Bypass::TooBig);
+            return self.bypass(h, Bypass::TooBig);
         }
         if !eos {
             return PAUSE;
         }
-        let body = match abi::buffer(Buffer::RequestBody, 0, size) {
+        let body = match h.body(Buffer::RequestBody, 0, size) {
             Some(b) => b,
             None if size == 0 => Vec::new(),
             None => {
                 self.phase = Phase::Pass;
-                error("request body unreadable; passing through");
+                h.error("request body unreadable; passing through");
                 return CONTINUE;
             }
         };
@@ -369,13 +367,12 @@ impl Stream {
         };
         let phase = std::mem::replace(&mut self.phase, Phase::Pass);
         match phase {
-            Phase::Buffering { source, refresh, headers } => self.decide_request(&plugin, &headers, &source, refresh, &body),
+            Phase::Buffering { source, refresh, headers } => self.decide_request(h, &plugin, &headers, &source, refresh, &body),
             _ => CONTINUE,
         }
     }
 
-    fn decide_request(
-        &mut self,
+    fn decide_request<H: Host>(&mut self, h: &mut H,
         cfg: &Config,
         request: &Headers,
         source: &ModelSource,
@@ -387,44 +384,44 @@ impl Stream {
         let path = headermap::header(headers, ":path").unwrap_or("");
         let head = RequestHead { method, path, headers, not_utf8: &request.not_utf8 };
         if cfg.role == Role::Client {
-            return self.route(cfg, &head, source, refresh, body);
+            return self.route(h, cfg, &head, source, refresh, body);
         }
-        let principal = || abi::property(&PEER_SAN).and_then(|b| String::from_utf8(b).ok());
+        let principal = || h.peer_identity();
         let mut c = match request::key_request(cfg, &head, source, refresh, body, principal) {
-            BodyDecision::Bypass(why) => return self.bypass(why),
+            BodyDecision::Bypass(why) => return self.bypass(h, why),
             BodyDecision::Cacheable(c) => c,
         };
-        let now = abi::now_ms();
+        let now = h.now_ms();
         c.request_ms = now;
         if c.refresh {
-            return self.miss(c);
+            return self.miss(h, c);
         }
-        let cache = Cache { data: &abi::HostShared, limits: &cfg.limits };
+        let cache = Cache { data: &h.shared(), limits: &cfg.limits };
         let mut out = Outcome::default();
         let found = cache.lookup_keeping(&c.key, now, Lifetime::of(&c.policy), &mut out);
-        metrics::record_outcome(&out);
+        h.record_outcome(&out);
         let entry = match found {
             Lookup::Hit(e) => e,
             Lookup::Miss(seen) => {
                 c.seen = seen;
-                if self.joins_in_flight(&c, now) {
-                    return self.wait(c, headers);
+                if self.joins_in_flight(h, &c, now) {
+                    return self.wait(h, c, headers);
                 }
-                return self.miss(c);
+                return self.miss(h, c);
             }
             Lookup::Stale(e, seen) => {
                 // A fresh answer replaces the entry where it is.
                 c.seen = Some(seen);
                 let u = stale::stale_use(&e, &c.policy, now);
                 if let Some(u) = u.filter(|u| u.while_revalidate) {
-                    match refresh::claim(&abi::HostShared, &c.key, now) {
-                        Claim::Busy => return self.answer_stale_while_revalidate(&c, &e, headers, body, u, now),
+                    match refresh::claim(&h.shared(), &c.key, now) {
+                        Claim::Busy => return self.answer_stale_while_revalidate(h, &c, &e, headers, body, u, now),
                         Claim::Background => {
-                            if background::start(self.root, self.id, &c, headers, body, &cfg.limits, now) {
-                                return self.answer_stale_while_revalidate(&c, &e, headers, body, u, now);
+                            if h.refresh(self.root, self.id, &c, headers, body, &cfg.limits, now) {
+                                return self.answer_stale_while_revalidate(h, &c, &e, headers, body, u, now);
                             }
                             // No background request here: this request refreshes the entry.
-                            count(metrics::REFRESH_FAILURES, 1);
+                            h.count(m::REFRESH_FAILURES, 1);
                             self.refreshing = Some(c.key);
                         }
                         Claim::Forward => self.refreshing = Some(c.key),
@@ -432,28 +429,27 @@ impl Stream {
                 }
                 // An expired hot entry is a stampede too: its refresh is coalesced like a miss
                 // (unless this request is the stale-while-revalidate refresh).
-                if self.refreshing.is_none() && self.joins_in_flight(&c, now) {
-                    return self.wait(c, headers);
+                if self.refreshing.is_none() && self.joins_in_flight(h, &c, now) {
+                    return self.wait(h, c, headers);
                 }
-                return self.forward_expired(cfg, c, e, seen, headers, now);
+                return self.forward_expired(h, cfg, c, e, seen, headers, now);
             }
         };
-        self.answer_hit(&c, &HitRequest { headers, body, id: &c.request_id }, &entry, now, None)
+        self.answer_hit(h, &c, &HitRequest { headers, body, id: &c.request_id }, &entry, now, None)
     }
 
     /// Answers from a stored entry (PAUSE), or CONTINUE when the local reply failed.
     /// `cache_status`: other than the hit's (a request that waited for an identical one).
-    fn answer_hit(&mut self, c: &Cacheable, request: &HitRequest, entry: &crate::entry::Entry, now: u64,
+    fn answer_hit<H: Host>(&mut self, h: &mut H, c: &Cacheable, request: &HitRequest, entry: &crate::entry::Entry, now: u64,
                   cache_status: Option<String>) -> u32 {
-        count(metrics::HITS, 1);
-        count_policy(&c.policy.model_prefix, "hits");
-        self.answer_entry(c, request, entry, now, cache_status)
+        h.count(m::HITS, 1);
+        h.count_policy(&c.policy.model_prefix, "hits");
+        self.answer_entry(h, c, request, entry, now, cache_status)
     }
 
     /// Answers the request from `entry` (a hit, or a stale answer whose `Cache-Status` says so,
     /// as `cache_status` replaces the hit's): PAUSE, or CONTINUE when the local reply failed.
-    fn answer_entry(
-        &mut self,
+    fn answer_entry<H: Host>(&mut self, h: &mut H,
         c: &Cacheable,
         request: &HitRequest,
         entry: &crate::entry::Entry,
@@ -462,23 +458,22 @@ impl Stream {
     ) -> u32 {
         self.phase = Phase::Done;
         if c.grpc {
-            return self.answer_grpc_hit(entry, request, now, cache_status);
+            return self.answer_grpc_hit(h, entry, request, now, cache_status);
         }
         let mut reply = answer::http_hit(entry, request, now);
         if let Some(status) = cache_status {
             answer::set_cache_status(&mut reply, status);
         }
-        let h: Vec<(&str, &str)> = reply.headers.iter().map(|(n, v)| (n.as_str(), v.as_str())).collect();
-        if !abi::send_local_response(reply.status as u32, "meshcache_hit", &reply.body, &h, -1) {
-            error("local reply failed; passing through");
+        let hdrs: Vec<(&str, &str)> = reply.headers.iter().map(|(n, v)| (n.as_str(), v.as_str())).collect();
+        if !h.send_local_response(reply.status as u32, "meshcache_hit", &reply.body, &hdrs, -1) {
+            h.error("local reply failed; passing through");
             return CONTINUE;
         }
         PAUSE
     }
 
     /// Stale-while-revalidate: the expired entry answers at once; its refresh is under way.
-    fn answer_stale_while_revalidate(
-        &mut self,
+    fn answer_stale_while_revalidate<H: Host>(&mut self, h: &mut H,
         c: &Cacheable,
         entry: &crate::entry::Entry,
         headers: &[(String, String)],
@@ -486,31 +481,31 @@ impl Stream {
         u: stale::StaleUse,
         now: u64,
     ) -> u32 {
-        count(metrics::STALE_WHILE_REVALIDATE, 1);
+        h.count(m::STALE_WHILE_REVALIDATE, 1);
         let request = HitRequest { headers, body, id: &c.request_id };
-        self.answer_entry(c, &request, entry, now, Some(names::cache_status_stale_while_revalidate(u.past_s())))
+        self.answer_entry(h, c, &request, entry, now, Some(names::cache_status_stale_while_revalidate(u.past_s())))
     }
 
     /// A request whose entry expired is forwarded (a fresh answer replaces the entry where it
     /// is); if stale-if-error may use the entry, it stands by for an origin failure.
-    fn forward_expired(&mut self, cfg: &Config, mut c: Cacheable, e: crate::entry::Entry, seen: crate::store::SlotSeen,
+    fn forward_expired<H: Host>(&mut self, h: &mut H, cfg: &Config, mut c: Cacheable, e: crate::entry::Entry, seen: crate::store::SlotSeen,
                        headers: &[(String, String)], now: u64) -> u32 {
         c.seen = Some(seen);
         let if_error = stale::stale_use(&e, &c.policy, now).map_or(false, |u| u.if_error);
-        if if_error && (!c.grpc || self.take_stale_route(cfg.hold_headers)) {
+        if if_error && (!c.grpc || self.take_stale_route(h, cfg.hold_headers)) {
             let (id, grpc, policy) = (c.request_id.clone(), c.grpc, c.policy.clone());
             self.fallback = Some(Box::new(Fallback { entry: e, policy, headers: headers.to_vec(), id, grpc }));
         }
-        self.miss(c)
+        self.miss(h, c)
     }
 
     /// Client role: the routing key goes on the held request headers (Envoy then clears the
     /// route cache, so the router hashes on it); nothing is looked up or stored.
-    fn route(&mut self, cfg: &Config, head: &RequestHead, source: &ModelSource, refresh: bool, body: &[u8]) -> u32 {
+    fn route<H: Host>(&mut self, h: &mut H, cfg: &Config, head: &RequestHead, source: &ModelSource, refresh: bool, body: &[u8]) -> u32 {
         self.phase = Phase::Done;
         if let Some(key) = route_key::route_key(cfg, head, source, refresh, body) {
-            abi::set_header(Map::RequestHeaders, names::ROUTE_KEY_HEADER, &key);
-            count(metrics::ROUTED, 1);
+            h.set_header(Map::RequestHeaders, names::ROUTE_KEY_HEADER, &key);
+            h.count(m::ROUTED, 1);
         }
         CONTINUE
     }
@@ -522,23 +517,23 @@ impl Stream {
     /// Marks the request (filter state, so the local reply selects the hit route whose Lua step
     /// gives it a body), then sends the empty local reply; `grpc_reply_*` fill it. The entry was
     /// read whole at lookup, so eviction meanwhile cannot fail the answer.
-    fn answer_grpc_hit(&mut self, entry: &crate::entry::Entry, request: &HitRequest, now: u64, cache_status: Option<String>) -> u32 {
+    fn answer_grpc_hit<H: Host>(&mut self, h: &mut H, entry: &crate::entry::Entry, request: &HitRequest, now: u64, cache_status: Option<String>) -> u32 {
         let mut reply = answer::grpc_hit(entry, request, now);
         if let Some(status) = cache_status {
             answer::set_cache_status(&mut reply, status);
         }
-        if !abi::set_property(LOCAL_MARKER, b"1") || !abi::call_foreign("clear_route_cache", b"") {
-            error("gRPC hit: could not mark the request; forwarding it");
-            abi::set_property(LOCAL_MARKER, b"0");
+        if !h.set_property(LOCAL_MARKER, b"1") || !h.clear_route_cache() {
+            h.error("gRPC hit: could not mark the request; forwarding it");
+            h.set_property(LOCAL_MARKER, b"0");
             return CONTINUE;
         }
         let framed = grpc::frame(&reply.body);
         GRPC_REPLIES.with(|r| r.borrow_mut().insert(self.id, GrpcReply { headers: reply.headers, framed }));
-        if !abi::send_local_response(200, "meshcache_hit", b"", &[], 0) {
+        if !h.send_local_response(200, "meshcache_hit", b"", &[], 0) {
             GRPC_REPLIES.with(|r| r.borrow_mut().remove(&self.id));
-            abi::set_property(LOCAL_MARKER, b"0");
-            abi::call_foreign("clear_route_cache", b"");
-            error("gRPC hit: local reply failed; forwarding the request");
+            h.set_property(LOCAL_MARKER, b"0");
+            h.clear_route_cache();
+            h.error("gRPC hit: local reply failed; forwarding the request");
             return CONTINUE;
         }
         PAUSE
@@ -547,19 +542,19 @@ impl Stream {
     /// Marks a gRPC request for the stale route (see `STALE_MARKER`). With held headers the
     /// route forwards too: to the cluster the original route chose. False: not marked (the
     /// request goes as it is and a gRPC error reaches the client).
-    fn take_stale_route(&mut self, hold_headers: bool) -> bool {
+    fn take_stale_route<H: Host>(&mut self, h: &mut H, hold_headers: bool) -> bool {
         if hold_headers {
-            match background::cluster_name() {
-                Some(c) => abi::set_header(Map::RequestHeaders, names::UPSTREAM_CLUSTER_HEADER, &c),
+            match h.upstream_cluster() {
+                Some(c) => h.set_header(Map::RequestHeaders, names::UPSTREAM_CLUSTER_HEADER, &c),
                 None => {
-                    error("stale-if-error: the request's upstream cluster is unknown; gRPC errors pass");
+                    h.error("stale-if-error: the request's upstream cluster is unknown; gRPC errors pass");
                     return false;
                 }
             }
         }
-        if !abi::set_property(STALE_MARKER, b"1") || !abi::call_foreign("clear_route_cache", b"") {
-            abi::set_property(STALE_MARKER, b"0");
-            error("stale-if-error: could not mark the gRPC request; gRPC errors pass");
+        if !h.set_property(STALE_MARKER, b"1") || !h.clear_route_cache() {
+            h.set_property(STALE_MARKER, b"0");
+            h.error("stale-if-error: could not mark the gRPC request; gRPC errors pass");
             return false;
         }
         self.stale_route = true;
@@ -570,26 +565,26 @@ impl Stream {
     /// identical one is in flight and this one is registered to wait for it; false: it goes
     /// upstream (holding the key's lock when it was free). Requests that skip the lookup
     /// (`no-cache`) neither lead nor wait.
-    fn joins_in_flight(&mut self, c: &Cacheable, now: u64) -> bool {
+    fn joins_in_flight<H: Host>(&mut self, h: &mut H, c: &Cacheable, now: u64) -> bool {
         let timeout = c.policy.coalesce_timeout_ms;
-        timeout > 0 && !c.refresh && self.lead_or_wait(c, now, now.saturating_add(timeout))
+        timeout > 0 && !c.refresh && self.lead_or_wait(h, c, now, now.saturating_add(timeout))
     }
 
-    fn wait(&mut self, c: Cacheable, headers: &[(String, String)]) -> u32 {
-        count(metrics::COALESCE_WAITS, 1);
+    fn wait<H: Host>(&mut self, h: &mut H, c: Cacheable, headers: &[(String, String)]) -> u32 {
+        h.count(m::COALESCE_WAITS, 1);
         self.phase = Phase::Waiting(Box::new(Waiting { c, headers: headers.to_vec() }));
         PAUSE
     }
 
     /// True: wait (registered until `deadline`). False: go upstream, as the key's leader when
     /// the lock was free.
-    fn lead_or_wait(&mut self, c: &Cacheable, now: u64, deadline: u64) -> bool {
+    fn lead_or_wait<H: Host>(&mut self, h: &mut H, c: &Cacheable, now: u64, deadline: u64) -> bool {
         let queue = match WAKE_QUEUE.with(|w| w.get()) {
             Some(q) => q,
             None => return false,
         };
         let owner = ((queue as u64) << 32) | self.id as u64;
-        match (LockTable { data: &abi::HostShared }).join(&c.key, owner, queue, now, c.policy.coalesce_timeout_ms) {
+        match (LockTable { data: &h.shared() }).join(&c.key, owner, queue, now, c.policy.coalesce_timeout_ms) {
             Join::Lead(ticket) => {
                 self.lock = Some(ticket);
                 false
@@ -597,12 +592,12 @@ impl Stream {
             Join::Wait => match WAITERS.with(|w| w.borrow_mut().add(&c.key, self.id, deadline)) {
                 Ok(()) => true,
                 Err(_) => {
-                    count(metrics::COALESCE_OVERFLOW, 1);
+                    h.count(m::COALESCE_OVERFLOW, 1);
                     false
                 }
             },
             Join::Full => {
-                count(metrics::COALESCE_OVERFLOW, 1);
+                h.count(m::COALESCE_OVERFLOW, 1);
                 false
             }
             Join::Busy | Join::Unavailable => false,
@@ -610,12 +605,12 @@ impl Stream {
     }
 
     /// The leader of this key is done: free the lock and wake every worker that waits on it.
-    fn release(&mut self, release: Release) {
+    fn release<H: Host>(&mut self, h: &mut H, release: Release) {
         if let Some(ticket) = self.lock.take() {
             let message = coalesce::encode_wake(&ticket.key, release);
-            for queue in (LockTable { data: &abi::HostShared }).release(&ticket) {
-                if !abi::enqueue(queue, &message) {
-                    error("could not wake coalesced requests (their timeout will)");
+            for queue in (LockTable { data: &h.shared() }).release(&ticket) {
+                if !h.enqueue(queue, &message) {
+                    h.error("could not wake coalesced requests (their timeout will)");
                 }
             }
         }
@@ -624,21 +619,21 @@ impl Stream {
     /// Woken (from the queue callback) because the key's leader finished: answer from its entry,
     /// or (no entry) go upstream; after a failure that may pass, lead or wait again within the
     /// deadline.
-    pub fn on_wake(&mut self, release: Release, deadline: u64) -> u32 {
-        self.resume_waiter(Some(release), deadline)
+    pub fn on_wake<H: Host>(&mut self, h: &mut H, release: Release, deadline: u64) -> u32 {
+        self.resume_waiter(h, Some(release), deadline)
     }
 
     /// The waiter's `coalesce_timeout_ms` passed: it goes upstream itself (unless the entry
     /// arrived meanwhile).
-    pub fn on_coalesce_timeout(&mut self) -> u32 {
+    pub fn on_coalesce_timeout<H: Host>(&mut self, h: &mut H) -> u32 {
         if let Phase::Waiting(_) = self.phase {
-            count(metrics::COALESCE_TIMEOUTS, 1);
+            h.count(m::COALESCE_TIMEOUTS, 1);
         }
-        self.resume_waiter(None, 0)
+        self.resume_waiter(h, None, 0)
     }
 
     /// A waiter leaves the wait: `release` is its leader's outcome (None: timed out).
-    fn resume_waiter(&mut self, release: Option<Release>, deadline: u64) -> u32 {
+    fn resume_waiter<H: Host>(&mut self, h: &mut H, release: Option<Release>, deadline: u64) -> u32 {
         let Waiting { mut c, headers } = match std::mem::replace(&mut self.phase, Phase::Done) {
             Phase::Waiting(w) => *w,
             other => {
@@ -649,95 +644,95 @@ impl Stream {
         let cfg = match self.config() {
             Some(cfg) => cfg,
             None => {
-                self.miss(c);
-                return continue_now();
+                self.miss(h, c);
+                return continue_now(h);
             }
         };
-        let now = abi::now_ms();
+        let now = h.now_ms();
         let mut out = Outcome::default();
         // Keeping what stale-if-error may still use: a woken waiter must not free it.
-        let cache = Cache { data: &abi::HostShared, limits: &cfg.limits };
+        let cache = Cache { data: &h.shared(), limits: &cfg.limits };
         let found = cache.lookup_keeping(&c.key, now, Lifetime::of(&c.policy), &mut out);
-        metrics::record_outcome(&out);
+        h.record_outcome(&out);
         let request = HitRequest { headers: &headers, body: &[], id: &c.request_id };
         let after = coalesce::after_wait(&found, &c.policy, release, now, deadline);
         let (expired, seen) = match found {
             Lookup::Hit(entry) => {
-                count(metrics::COALESCE_SERVED, 1);
-                return self.answer_waiter(&c, &request, &entry, now, names::CACHE_STATUS_COLLAPSED.to_string());
+                h.count(m::COALESCE_SERVED, 1);
+                return self.answer_waiter(h, &c, &request, &entry, now, names::CACHE_STATUS_COLLAPSED.to_string());
             }
             Lookup::Stale(entry, seen) => {
                 // The leader's origin failed and the expired entry may stand in for it
                 // (stale-if-error): every waiter is answered with it at once.
                 if let AfterWait::AnswerStale(u) = after {
-                    count(metrics::COALESCE_SERVED, 1);
-                    count(metrics::STALE_IF_ERROR, 1);
+                    h.count(m::COALESCE_SERVED, 1);
+                    h.count(m::STALE_IF_ERROR, 1);
                     let status = names::cache_status_collapsed(&names::cache_status_stale_if_error(u.past_s(), None));
-                    return self.answer_waiter(&c, &request, &entry, now, status);
+                    return self.answer_waiter(h, &c, &request, &entry, now, status);
                 }
                 (Some(entry), Some(seen))
             }
             Lookup::Miss(seen) => (None, seen),
         };
         if release.is_some() {
-            count(metrics::COALESCE_RELEASED, 1);
+            h.count(m::COALESCE_RELEASED, 1);
         }
         c.seen = seen;
-        if after == AfterWait::TryAgain && self.lead_or_wait(&c, now, deadline) {
+        if after == AfterWait::TryAgain && self.lead_or_wait(h, &c, now, deadline) {
             self.phase = Phase::Waiting(Box::new(Waiting { c, headers }));
             return PAUSE;
         }
         match (expired, seen) {
             (Some(entry), Some(seen)) => {
-                self.forward_expired(&cfg, c, entry, seen, &headers, now);
+                self.forward_expired(h, &cfg, c, entry, seen, &headers, now);
             }
             _ => {
-                self.miss(c);
+                self.miss(h, c);
             }
         }
-        continue_now()
+        continue_now(h)
     }
 
     /// Answers a waiter from an entry, `Cache-Status` set to `status`; a failed local reply
     /// sends it upstream uncached.
-    fn answer_waiter(&mut self, c: &Cacheable, request: &HitRequest, entry: &crate::entry::Entry, now: u64,
+    fn answer_waiter<H: Host>(&mut self, h: &mut H, c: &Cacheable, request: &HitRequest, entry: &crate::entry::Entry, now: u64,
                      status: String) -> u32 {
-        if self.answer_hit(c, request, entry, now, Some(status)) == CONTINUE {
+        if self.answer_hit(h, c, request, entry, now, Some(status)) == CONTINUE {
             self.phase = Phase::Pass;
-            return continue_now();
+            return continue_now(h);
         }
         PAUSE
     }
 
     /// The request goes to the origin; its answer may be stored.
-    fn miss(&mut self, c: Cacheable) -> u32 {
-        count(metrics::MISSES, 1);
-        count_policy(&c.policy.model_prefix, "misses");
+    fn miss<H: Host>(&mut self, h: &mut H, c: Cacheable) -> u32 {
+        h.count(m::MISSES, 1);
+        h.count_policy(&c.policy.model_prefix, "misses");
         self.phase = Phase::Miss(c);
         CONTINUE
     }
 
-    pub fn on_response_headers(&mut self, eos: bool) -> u32 {
+    pub fn on_response_headers<H: Host>(&mut self, h: &mut H, eos: bool) -> u32 {
         if let Some(f) = self.fallback.take() {
-            if let Some(action) = self.stale_if_error(*f, eos) {
+            if let Some(action) = self.stale_if_error(h, *f, eos) {
                 // Its waiters may answer from the same expired entry.
-                self.release(Release::OriginError);
+                self.release(h, Release::OriginError);
                 self.phase = Phase::Done;
                 return action;
             }
         }
         if self.stale_route && !eos {
-            if let Some(status) = abi::header(Map::ResponseHeaders, "grpc-status") {
+            if let Some(status) = h.header(Map::ResponseHeaders, "grpc-status") {
                 // A gRPC error the Lua step gave a body and we do not replace: headers, then the
                 // status as trailers (a valid gRPC answer, like the trailers-only one was).
                 let mut moved = vec![("grpc-status".to_string(), status)];
-                if let Some(m) = abi::header(Map::ResponseHeaders, "grpc-message") {
+                if let Some(m) = h.header(Map::ResponseHeaders, "grpc-message") {
                     moved.push(("grpc-message".to_string(), m));
                 }
-                abi::remove_header(Map::ResponseHeaders, "grpc-status");
-                abi::remove_header(Map::ResponseHeaders, "grpc-message");
+                h.remove_header(Map::ResponseHeaders, "grpc-status");
+                h.remove_header(Map::ResponseHeaders, "grpc-message");
                 let refresh = matches!(&self.phase, Phase::Miss(c) if c.refresh);
-                abi::set_header(Map::ResponseHeaders, names::CACHE_STATUS, &names::cache_status_not_stored(refresh, NotStored::GrpcStatus));
+                h.set_header(Map::ResponseHeaders, names::CACHE_STATUS, &names::cache_status_not_stored(refresh, NotStored::GrpcStatus));
                 self.phase = Phase::StatusToTrailers(moved);
                 return CONTINUE;
             }
@@ -745,10 +740,10 @@ impl Stream {
         let phase = std::mem::replace(&mut self.phase, Phase::Done);
         match phase {
             Phase::Bypass(why) => {
-                abi::set_header(Map::ResponseHeaders, names::CACHE_STATUS, &names::cache_status_bypass(why.detail()));
+                h.set_header(Map::ResponseHeaders, names::CACHE_STATUS, &names::cache_status_bypass(why.detail()));
                 CONTINUE
             }
-            Phase::Miss(c) => self.start_collect(c, eos),
+            Phase::Miss(c) => self.start_collect(h, c, eos),
             other => {
                 self.phase = other;
                 CONTINUE
@@ -759,45 +754,45 @@ impl Stream {
     /// The origin (or Envoy for it: unreachable, timed out) answered with an error and an
     /// expired entry may stand in for it: answer with the entry instead. None: the answer
     /// passes as it is.
-    fn stale_if_error(&mut self, f: Fallback, eos: bool) -> Option<u32> {
-        let response = abi::headers(Map::ResponseHeaders);
+    fn stale_if_error<H: Host>(&mut self, h: &mut H, f: Fallback, eos: bool) -> Option<u32> {
+        let response = h.headers(Map::ResponseHeaders);
         let status: u16 = headermap::header(&response.pairs, ":status").and_then(|s| s.parse().ok()).unwrap_or(0);
         if !stale::is_origin_error(status, headermap::header(&response.pairs, "grpc-status")) {
             return None;
         }
-        let now = abi::now_ms();
+        let now = h.now_ms();
         let u = stale::stale_use(&f.entry, &f.policy, now).filter(|u| u.if_error)?;
         let request = HitRequest { headers: &f.headers, body: b"", id: &f.id };
         if f.grpc {
             if eos {
                 // No body to fill: the stale route (or its Lua step) is missing here.
-                error("stale-if-error: a gRPC error arrived without the stale route's body; passing it through");
+                h.error("stale-if-error: a gRPC error arrived without the stale route's body; passing it through");
                 return None;
             }
             let mut reply = answer::grpc_hit(&f.entry, &request, now);
             answer::set_cache_status(&mut reply, names::cache_status_stale_if_error(u.past_s(), None));
             let mut all: Vec<(&str, &str)> = vec![(":status", "200")];
             all.extend(reply.headers.iter().map(|(n, v)| (n.as_str(), v.as_str())));
-            if !abi::set_headers(Map::ResponseHeaders, &all) {
-                error("stale-if-error: could not write the gRPC headers; passing the error through");
+            if !h.set_headers(Map::ResponseHeaders, &all) {
+                h.error("stale-if-error: could not write the gRPC headers; passing the error through");
                 return None;
             }
             // The (empty) body and the trailer are written as for a hit (`grpc_reply_body`).
             let framed = grpc::frame(&reply.body);
             GRPC_REPLIES.with(|r| r.borrow_mut().insert(self.id, GrpcReply { headers: Vec::new(), framed }));
-            count(metrics::STALE_IF_ERROR, 1);
+            h.count(m::STALE_IF_ERROR, 1);
             return Some(CONTINUE);
         }
         let mut reply = answer::http_hit(&f.entry, &request, now);
         answer::set_cache_status(&mut reply, names::cache_status_stale_if_error(u.past_s(), Some(status)));
-        let h: Vec<(&str, &str)> = reply.headers.iter().map(|(n, v)| (n.as_str(), v.as_str())).collect();
+        let hdrs: Vec<(&str, &str)> = reply.headers.iter().map(|(n, v)| (n.as_str(), v.as_str())).collect();
         // In the response phase Envoy sends a local reply straight to the client (the error
         // answer is dropped).
-        if !abi::send_local_response(reply.status as u32, "meshcache_stale_if_error", &reply.body, &h, -1) {
-            error("stale-if-error: local reply failed; passing the error through");
+        if !h.send_local_response(reply.status as u32, "meshcache_stale_if_error", &reply.body, &hdrs, -1) {
+            h.error("stale-if-error: local reply failed; passing the error through");
             return None;
         }
-        count(metrics::STALE_IF_ERROR, 1);
+        h.count(m::STALE_IF_ERROR, 1);
         Some(PAUSE)
     }
 
@@ -818,47 +813,47 @@ impl Stream {
 
     /// `headers_open`: the response headers can still be changed (we are in their callback, or
     /// they are held until the body is complete).
-    fn not_stored(&mut self, refresh: bool, why: NotStored, headers_open: bool) -> u32 {
-        self.release(Release::not_stored(why));
+    fn not_stored<H: Host>(&mut self, h: &mut H, refresh: bool, why: NotStored, headers_open: bool) -> u32 {
+        self.release(h, Release::not_stored(why));
         if headers_open {
-            abi::set_header(Map::ResponseHeaders, names::CACHE_STATUS, &names::cache_status_not_stored(refresh, why));
+            h.set_header(Map::ResponseHeaders, names::CACHE_STATUS, &names::cache_status_not_stored(refresh, why));
         }
         self.phase = Phase::Done;
         CONTINUE
     }
 
-    fn start_collect(&mut self, c: Cacheable, eos: bool) -> u32 {
-        let response = abi::headers(Map::ResponseHeaders);
+    fn start_collect<H: Host>(&mut self, h: &mut H, c: Cacheable, eos: bool) -> u32 {
+        let response = h.headers(Map::ResponseHeaders);
         let headers = response.pairs;
         let status: u16 = headermap::header(&headers, ":status").and_then(|s| s.parse().ok()).unwrap_or(0);
         let grpc_status = headermap::header(&headers, "grpc-status");
         if status != 200 {
-            self.release(Release::for_status(status, stale::is_origin_error(status, grpc_status)));
-            return self.not_stored(c.refresh, NotStored::Status, true);
+            self.release(h, Release::for_status(status, stale::is_origin_error(status, grpc_status)));
+            return self.not_stored(h, c.refresh, NotStored::Status, true);
         }
         if c.grpc && (eos || grpc_status.is_some()) {
             // Trailers-only gRPC responses are errors (or empty): nothing to store.
             if stale::is_origin_error(status, grpc_status) {
-                self.release(Release::OriginError);
+                self.release(h, Release::OriginError);
             }
-            return self.not_stored(c.refresh, NotStored::GrpcStatus, true);
+            return self.not_stored(h, c.refresh, NotStored::GrpcStatus, true);
         }
-        let ttl = match response::check_storable(&c.policy, &headers, &response.not_utf8, abi::now_ms()) {
+        let ttl = match response::check_storable(&c.policy, &headers, &response.not_utf8, h.now_ms()) {
             Ok(t) => t,
-            Err(why) => return self.not_stored(c.refresh, why, true),
+            Err(why) => return self.not_stored(h, c.refresh, why, true),
         };
         let limit = self.limits().max_entry_bytes as usize + if c.grpc { 5 } else { 0 };
         let declared = headermap::header(&headers, "content-length");
         if declared.and_then(|v| v.trim().parse::<usize>().ok()).map_or(false, |n| n > limit) {
-            return self.not_stored(c.refresh, NotStored::TooBig, true);
+            return self.not_stored(h, c.refresh, NotStored::TooBig, true);
         }
         if eos {
-            return self.finish_store(c, ttl, status, headers, Vec::new(), None, Open::Headers);
+            return self.finish_store(h, c, ttl, status, headers, Vec::new(), None, Open::Headers);
         }
         let held = self.holds_headers() && response::should_hold(c.grpc, headermap::header(&headers, "content-type"), declared);
         if !held {
             // The answer streams: say what is known now; it is copied and stored at its end.
-            abi::set_header(Map::ResponseHeaders, names::CACHE_STATUS, names::cache_status_forwarded(c.refresh));
+            h.set_header(Map::ResponseHeaders, names::CACHE_STATUS, names::cache_status_forwarded(c.refresh));
         }
         let declared = declared.and_then(|v| v.trim().parse::<usize>().ok());
         // Hashed as it arrives when the hash's leading length is known now and the stored body
@@ -880,11 +875,11 @@ impl Stream {
     }
 
     /// The answer's body passes; a copy is kept for the store up to `max_entry_bytes`.
-    pub fn on_response_body(&mut self, size: usize, eos: bool) -> u32 {
+    pub fn on_response_body<H: Host>(&mut self, h: &mut H, size: usize, eos: bool) -> u32 {
         if let Phase::StatusToTrailers(moved) = &self.phase {
             if eos {
                 for (n, v) in moved {
-                    abi::add_header(Map::ResponseTrailers, n, v);
+                    h.add_header(Map::ResponseTrailers, n, v);
                 }
                 self.phase = Phase::Done;
             }
@@ -905,29 +900,29 @@ impl Stream {
         if size > have {
             let more = size - have;
             if k.copy.len() + more > limit {
-                return self.not_stored(k.c.refresh, NotStored::TooBig, k.held);
+                return self.not_stored(h, k.c.refresh, NotStored::TooBig, k.held);
             }
             let from = k.copy.len();
-            match abi::buffer_into(Buffer::ResponseBody, have, more, &mut k.copy) {
+            match h.body_into(Buffer::ResponseBody, have, more, &mut k.copy) {
                 Some(n) if n == more => {
                     if let Some(h) = k.hasher.as_mut() {
                         h.update(&k.copy[from..]);
                     }
                 }
                 _ => {
-                    error("response body unreadable; not storing");
-                    return self.not_stored(k.c.refresh, NotStored::Error, k.held);
+                    h.error("response body unreadable; not storing");
+                    return self.not_stored(h, k.c.refresh, NotStored::Error, k.held);
                 }
             }
         }
         if eos {
             if k.c.grpc {
                 // A gRPC answer without trailers has no grpc-status: not a success we can store.
-                return self.not_stored(k.c.refresh, NotStored::GrpcStatus, k.held);
+                return self.not_stored(h, k.c.refresh, NotStored::GrpcStatus, k.held);
             }
             let open = if k.held { Open::Headers } else { Open::Closed };
             let Collecting { c, ttl, status, headers, copy, hasher, .. } = *k;
-            return self.finish_store(c, ttl, status, headers, copy, hasher, open);
+            return self.finish_store(h, c, ttl, status, headers, copy, hasher, open);
         }
         if k.held && k.copy.len() <= response::HOLD_BYTES {
             self.phase = Phase::Collect(k);
@@ -935,7 +930,7 @@ impl Stream {
         }
         if k.held {
             // Grown past what a miss holds back: let it stream from here.
-            abi::set_header(Map::ResponseHeaders, names::CACHE_STATUS, names::cache_status_forwarded(k.c.refresh));
+            h.set_header(Map::ResponseHeaders, names::CACHE_STATUS, names::cache_status_forwarded(k.c.refresh));
             k.held = false;
         }
         k.base += size;
@@ -943,15 +938,15 @@ impl Stream {
         CONTINUE
     }
 
-    pub fn on_response_trailers(&mut self) -> u32 {
+    pub fn on_response_trailers<H: Host>(&mut self, h: &mut H) -> u32 {
         match std::mem::replace(&mut self.phase, Phase::Done) {
             Phase::Collect(k) => {
                 let open = if k.held { Open::Headers } else { Open::Trailers };
-                if k.c.grpc && abi::header(Map::ResponseTrailers, "grpc-status").as_deref() != Some("0") {
-                    return self.not_stored(k.c.refresh, NotStored::GrpcStatus, k.held);
+                if k.c.grpc && h.header(Map::ResponseTrailers, "grpc-status").as_deref() != Some("0") {
+                    return self.not_stored(h, k.c.refresh, NotStored::GrpcStatus, k.held);
                 }
                 let Collecting { c, ttl, status, headers, copy, hasher, .. } = *k;
-                self.finish_store(c, ttl, status, headers, copy, hasher, open)
+                self.finish_store(h, c, ttl, status, headers, copy, hasher, open)
             }
             other => {
                 self.phase = other;
@@ -960,8 +955,7 @@ impl Stream {
         }
     }
 
-    fn finish_store(
-        &mut self,
+    fn finish_store<H: Host>(&mut self, h: &mut H,
         c: Cacheable,
         ttl: crate::cache_control::Ttl,
         status: u16,
@@ -973,21 +967,21 @@ impl Stream {
         let headers_open = open == Open::Headers;
         let limits = self.limits();
         let refresh = c.refresh;
-        let cache = Cache { data: &abi::HostShared, limits: &limits };
+        let cache = Cache { data: &h.shared(), limits: &limits };
         let mut out = Outcome::default();
         let result = storing::store_streamed(&cache, &c, &headers, status, body, ttl, hashed, &mut out);
-        metrics::record_outcome(&out);
+        h.record_outcome(&out);
         match result {
             Ok(stored) => {
-                count(metrics::STORES, 1);
-                self.release(Release::Stored);
+                h.count(m::STORES, 1);
+                self.release(h, Release::Stored);
                 self.phase = Phase::Done;
                 match open {
                     Open::Closed => {}
                     // The headers have left: the hash goes in the trailers (gRPC's, or any an
                     // HTTP/2 answer has).
                     Open::Trailers => {
-                        abi::add_header(Map::ResponseTrailers, names::HASH_HEADER, &stored.entry.response_hash);
+                        h.add_header(Map::ResponseTrailers, names::HASH_HEADER, &stored.entry.response_hash);
                     }
                     Open::Headers => {
                         // The response headers are paused and unchanged since we read them:
@@ -1003,12 +997,16 @@ impl Stream {
                             .map(|(n, v)| (n.as_str(), v.as_str()))
                             .collect();
                         all.extend(ours.iter().filter(|(_, v)| !v.is_empty()));
-                        abi::set_headers(Map::ResponseHeaders, &all);
+                        h.set_headers(Map::ResponseHeaders, &all);
                     }
                 }
                 CONTINUE
             }
-            Err(why) => self.not_stored(refresh, why, headers_open),
+            Err(why) => self.not_stored(h, refresh, why, headers_open),
         }
     }
 }
+
+#[cfg(test)]
+#[path = "stream_tests.rs"]
+mod tests;
