@@ -21,7 +21,7 @@ import grpc
 import httpx
 
 from meshcache.contract.headers import CACHE_STATUS_COLLAPSED
-from meshcache.ctl import launchers
+from meshcache.ctl import launchers, procs
 from tests.filter.stack import MODEL_INFER, Stack, config, filter_stack, infer_request, policy
 from tests.helpers.wait import eventually
 
@@ -48,7 +48,7 @@ def posts(s: Stack, content: bytes, headers: dict[str, str] | None = None,
     """One POST per call on its own connection (Envoy spreads connections over its workers),
     opened before `ready` with a request the filter ignores."""
     def call(_: int, ready: Callable[[], None]) -> httpx.Response:
-        with httpx.Client(timeout=timeout) as c:
+        with procs.http_client(timeout=timeout) as c:  # one connection per call; the CA bundle shared
             c.get(s.url("/calls"))
             ready()
             return c.post(s.url(INFER), content=content,

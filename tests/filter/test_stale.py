@@ -11,6 +11,7 @@ import grpc
 import httpx
 import pytest
 
+from meshcache.ctl import procs
 from tests.filter.stack import LIMITS, Stack, config, expected_hash, filter_stack, infer_request, policy
 from tests.helpers.wait import eventually
 
@@ -32,7 +33,7 @@ def _wait_past(seconds: float, since: float) -> None:
 def test_http_5xx_after_ttl_serves_stale_within_the_window_then_the_error(tmp_path: Path, held: bool,
                                                                           host: str) -> None:
     cfg = config(policy(stale_if_error_s=2), hold_headers=held)
-    with filter_stack(tmp_path, cfg, allow_on_headers_stop_iteration=held, host=host) as s, httpx.Client() as c:
+    with filter_stack(tmp_path, cfg, allow_on_headers_stop_iteration=held, host=host) as s, procs.http_client() as c:
         stored_at = time.monotonic()
         first = _post(c, s.url(INFER), **TTL)
         assert first.headers["cache-status"].startswith("meshcache; fwd=miss")
@@ -60,7 +61,7 @@ def test_unreachable_or_timed_out_origin_serves_stale(tmp_path: Path, host: str)
     """Envoy's own answers for the upstream (504 timeout, 503 connect failure) pass through the
     filter's response callbacks like the origin's."""
     with filter_stack(tmp_path, config(policy(stale_if_error_s=30)), route_timeout_s=1.0, host=host) as s, \
-            httpx.Client() as c:
+            procs.http_client() as c:
         stored_at = time.monotonic()
         first = _post(c, s.url(INFER), **TTL)
         _wait_past(1.2, stored_at)
@@ -129,7 +130,7 @@ def test_grpc_origin_unreachable_serves_stale(tmp_path: Path, host: str) -> None
 def test_stale_while_revalidate_answers_at_once_and_one_background_request_refreshes(
     tmp_path: Path, held: bool, host: str) -> None:
     cfg = config(policy(stale_while_revalidate_s=30), hold_headers=held)
-    with filter_stack(tmp_path, cfg, allow_on_headers_stop_iteration=held, host=host) as s, httpx.Client() as c:
+    with filter_stack(tmp_path, cfg, allow_on_headers_stop_iteration=held, host=host) as s, procs.http_client() as c:
         stored_at = time.monotonic()
         first = _post(c, s.url(INFER), **TTL)
         assert json.loads(first.content)["user"] == ""
@@ -161,7 +162,7 @@ def test_stale_while_revalidate_answers_at_once_and_one_background_request_refre
 
 def test_failed_background_refresh_forwards_the_next_request(tmp_path: Path, host: str) -> None:
     cfg = config(policy(stale_while_revalidate_s=30, stale_if_error_s=30))
-    with filter_stack(tmp_path, cfg, host=host) as s, httpx.Client() as c:
+    with filter_stack(tmp_path, cfg, host=host) as s, procs.http_client() as c:
         stored_at = time.monotonic()
         first = _post(c, s.url(INFER), **TTL)
         _wait_past(1.2, stored_at)
@@ -206,7 +207,7 @@ def test_grpc_stale_while_revalidate(tmp_path: Path, host: str) -> None:
 
 
 def test_window_zero_is_the_old_behaviour(tmp_path: Path, host: str) -> None:
-    with filter_stack(tmp_path, config(policy()), host=host) as s, httpx.Client() as c:
+    with filter_stack(tmp_path, config(policy()), host=host) as s, procs.http_client() as c:
         stored_at = time.monotonic()
         _post(c, s.url(INFER), **TTL)
         _wait_past(1.2, stored_at)
@@ -219,7 +220,7 @@ def test_window_zero_is_the_old_behaviour(tmp_path: Path, host: str) -> None:
 
 
 def test_upstream_stale_if_error_is_honoured_and_clamped_by_the_policy(tmp_path: Path, host: str) -> None:
-    with filter_stack(tmp_path, config(policy(stale_if_error_s=2)), host=host) as s, httpx.Client() as c:
+    with filter_stack(tmp_path, config(policy(stale_if_error_s=2)), host=host) as s, procs.http_client() as c:
         # The origin allows 1 s and 3600 s for two keys; the policy allows 2 s.
         cc = "x-origin-cache-control"
         short = c.post(s.url(INFER), content=b'{"a": 1}', headers={**JSON, cc: "max-age=1, stale-if-error=1"})

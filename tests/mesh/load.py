@@ -15,8 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
-import httpx
 
+from meshcache.ctl import procs
 from tests.helpers.wait import eventually
 from tests.mesh.helpers import MODEL_INFER, mlp_json, mlp_request
 
@@ -54,7 +54,7 @@ class Client:
 
     def __init__(self, target: str) -> None:
         self.target = target
-        self.http = httpx.Client(timeout=5.0)
+        self.http = procs.http_client(timeout=5.0)
         self.channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
 
     def close(self) -> None:
