@@ -8,13 +8,15 @@ request carrying it is answered 500, the later ones normally), `x-origin-chunked
 transfer coding), `x-origin-pace` (seconds between chunks or events), `x-origin-gzip`,
 `x-origin-sse` (that many `text/event-stream` events), `x-origin-read` (the answer carries `read`:
 what a server reads from the request, `server_reading.read_rest`; a request it cannot read is
-answered 400). The JSON answer echoes `x-user` and every
+answered 400), `x-origin-hold` (a name: the answer waits until `GET /release/<name>`, so a test
+keeps a request in flight exactly until what it checks has happened, instead of guessing a
+delay; a name stays released). The JSON answer echoes `x-user` and every
 `x-traffic-color` line, so an answer served to the wrong client shows. `GET /calls` returns how many POSTs were served.
 gRPC: `/inference.GRPCInferenceService/ModelInfer` answers with a protobuf message carrying the
 request's model name (field 1) and a digest of the request (field 5 bytes); metadata
 `x-origin-grpc-fail` makes it fail with INVALID_ARGUMENT, `x-origin-grpc-code` with that status
-(a `grpc.StatusCode` name, e.g. UNAVAILABLE), `x-origin-delay` waits first, `x-origin-fail-first`
-fails the first call carrying that name with UNAVAILABLE.
+(a `grpc.StatusCode` name, e.g. UNAVAILABLE), `x-origin-delay` waits first, `x-origin-hold` as
+for HTTP, `x-origin-fail-first` fails the first call carrying that name with UNAVAILABLE.
 
 Like a KServe v2 server, both echo a request id (REST top-level `"id"` string, gRPC field 3) in
 the answer, and the rest of the answer does not depend on it (the digest leaves the id out). The
@@ -40,6 +42,20 @@ from tests.filter import server_reading
 CALLS = {"http": 0, "grpc": 0}
 LOCK = threading.Lock()
 FAILED_FIRST: set[str] = set()
+# x-origin-hold: one event per name a test holds (a handful per origin). A hold nobody releases
+# ends in an error answer (409 / FAILED_PRECONDITION) rather than a hung test.
+HOLDS: dict[str, threading.Event] = {}
+HOLD_MAX_S = 20.0
+
+
+def _hold(name: str) -> threading.Event:
+    with LOCK:
+        return HOLDS.setdefault(name, threading.Event())
+
+
+def _held_until_released(name: str | None) -> bool:
+    """Wait while `name` (x-origin-hold) is held; False if it was not released in HOLD_MAX_S."""
+    return not name or _hold(name).wait(HOLD_MAX_S)
 
 
 def _first_with(name: str | None) -> bool:
@@ -83,6 +99,9 @@ class Handler(BaseHTTPRequestHandler):
             with LOCK:
                 body = json.dumps(CALLS).encode()
             self._send(200, body, {"Content-Type": "application/json"})
+        elif self.path.startswith("/release/"):
+            _hold(self.path.removeprefix("/release/")).set()
+            self._send(200, b"released", {"Content-Type": "text/plain"})
         else:
             self._send(404, b"not found", {"Content-Type": "text/plain"})
 
@@ -94,6 +113,9 @@ class Handler(BaseHTTPRequestHandler):
         _count("http")
         if delay := self.headers.get("x-origin-delay"):
             time.sleep(float(delay))
+        if not _held_until_released(self.headers.get("x-origin-hold")):
+            self._send(409, b"x-origin-hold was never released", {"Content-Type": "text/plain"})
+            return
         if _first_with(self.headers.get("x-origin-fail-first")):
             self._send(500, b"origin failed (x-origin-fail-first)", {"Content-Type": "text/plain"})
             return
@@ -187,6 +209,8 @@ def _model_infer(request: bytes, context: grpc.ServicerContext) -> bytes:
     metadata = dict(context.invocation_metadata())
     if delay := metadata.get("x-origin-delay"):
         time.sleep(float(delay))
+    if not _held_until_released(metadata.get("x-origin-hold")):
+        context.abort(grpc.StatusCode.FAILED_PRECONDITION, "x-origin-hold was never released")
     if metadata.get("x-origin-grpc-fail"):
         context.abort(grpc.StatusCode.INVALID_ARGUMENT, "origin asked to fail")
     if code := metadata.get("x-origin-grpc-code"):

@@ -8,8 +8,7 @@ import dataclasses
 import hashlib
 import json
 import sys
-import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,7 @@ from meshcache.contract.paths import FILTER_NATIVE, FILTER_WASM
 from meshcache.ctl import launchers, procs
 from meshcache.ctl.envoy_config import BUFFER_LIMIT_BYTES, CacheProxy, write
 from meshcache.ctl.pki import Identity
-from tests.helpers.filter_stats import filter_stats, filter_stats_reaching
+from tests.helpers.filter_stats import filter_stats_reaching, filter_stats_where
 
 MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"
 DEFAULT_HASH_HEADERS = ("content-type", "x-model-id")
@@ -65,16 +64,17 @@ class Stack:
         calls = procs.local_http().get(f"http://127.0.0.1:{self.http_port}/calls", timeout=5).json()
         return {k: v - self.origin_before.get(k, 0) for k, v in calls.items()}
 
-    def stats(self) -> dict[str, int]:
-        """The filter's own metrics (tests.helpers.filter_stats), after one flush: the filter
-        hands its counters to Envoy every 200 ms (fewer VM crossings per request). Prefer
-        `stats_reaching`, which waits only as long as the flush takes."""
-        time.sleep(METRICS_FLUSH_S)
-        return filter_stats(self.admin_port)
-
     def stats_reaching(self, expected: dict[str, int], timeout: float = 10.0) -> dict[str, int]:
         """The filter's metrics once each one in `expected` reads its value (filter_stats_reaching)."""
         return filter_stats_reaching(self.admin_port, expected, timeout)
+
+    def stats_where(self, check: Callable[[dict[str, int]], None], timeout: float = 10.0) -> dict[str, int]:
+        """The filter's metrics once `check` passes on them (filter_stats_where)."""
+        return filter_stats_where(self.admin_port, check, timeout)
+
+    def release(self, name: str) -> None:
+        """Let the origin answer the requests it holds under `x-origin-hold: name` (tests.filter.origin)."""
+        procs.local_http().get(f"http://127.0.0.1:{self.http_port}/release/{name}", timeout=5).raise_for_status()
 
     def grpc_infer(self, request: bytes, metadata: tuple[tuple[str, str], ...] = ()) -> tuple[bytes, grpc.Call]:
         with grpc.insecure_channel(f"127.0.0.1:{self.listen_port}") as channel:

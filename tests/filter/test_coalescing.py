@@ -1,6 +1,11 @@
 """Request coalescing in a real Envoy with two workers and a slow origin: identical misses in
 flight wait for the first one's answer (HTTP and gRPC), within bounds and timeouts, and are
-still answered when the first one fails."""
+still answered when the first one fails.
+
+The origin holds the requests that reach it (`x-origin-hold`, `held`) until what the test needs
+in flight has happened (every waiter parked: `meshcache.coalesce.waits`; every request at the
+origin), rather than answering after a delay long enough for a slow machine. These tests read
+cache-wide coalescing counters, so each has its own stack."""
 
 from __future__ import annotations
 
@@ -16,11 +21,13 @@ import grpc
 import httpx
 
 from meshcache.contract.headers import CACHE_STATUS_COLLAPSED
-from meshcache.ctl import launchers
+from meshcache.ctl import launchers, procs
 from tests.filter.stack import MODEL_INFER, Stack, config, filter_stack, infer_request, policy
+from tests.helpers.wait import eventually
 
 INFER = "/v2/models/m/infer"
 STORED = "meshcache; fwd=miss; stored"
+WAITS = "meshcache.coalesce.waits"
 T = TypeVar("T")
 
 
@@ -41,12 +48,31 @@ def posts(s: Stack, content: bytes, headers: dict[str, str] | None = None,
     """One POST per call on its own connection (Envoy spreads connections over its workers),
     opened before `ready` with a request the filter ignores."""
     def call(_: int, ready: Callable[[], None]) -> httpx.Response:
-        with httpx.Client(timeout=timeout) as c:
+        with procs.http_client(timeout=timeout) as c:  # one connection per call; the CA bundle shared
             c.get(s.url("/calls"))
             ready()
             return c.post(s.url(INFER), content=content,
                           headers={"content-type": "application/json", **(headers or {})})
     return call
+
+
+def held(s: Stack, name: str, n: int, call: Callable[[int, Callable[[], None]], T],
+         until: Callable[[], object]) -> list[T]:
+    """`at_once(n, call)` whose requests carry `x-origin-hold: name`: the origin holds those that
+    reach it until `until()` (which waits for a condition, failing if it never comes) has
+    returned, then answers them."""
+    with ThreadPoolExecutor(max_workers=1) as background:
+        answers = background.submit(at_once, n, call)
+        try:
+            until()
+        finally:
+            s.release(name)
+        return answers.result()
+
+
+def origin_reached(s: Stack, kind: str, n: int) -> Callable[[], object]:
+    """Waits until `n` requests of `kind` (http or grpc) reached the origin in this test."""
+    return lambda: eventually(lambda: s.origin_calls()[kind] == n)
 
 
 def post(s: Stack, content: bytes, headers: dict[str, str] | None = None, timeout: float = 30) -> httpx.Response:
@@ -80,7 +106,8 @@ def coalescing(**fields: Any) -> dict[str, Any]:
 
 def test_32_identical_http_misses_make_one_origin_call_on_both_workers(tmp_path: Path, host: str) -> None:
     with filter_stack(tmp_path, coalescing(coalesce_timeout_ms=10_000), concurrency=2, host=host) as s:
-        answers = at_once(32, posts(s, body(), {"x-origin-delay": "1.5"}))
+        answers = held(s, "lead", 32, posts(s, body(), {"x-origin-hold": "lead"}),
+                       lambda: s.stats_reaching({WAITS: 31}))
         assert [r.status_code for r in answers] == [200] * 32
         assert len({r.content for r in answers}) == 1, "32 identical answers"
         statuses = Counter(r.headers["cache-status"] for r in answers)
@@ -88,8 +115,7 @@ def test_32_identical_http_misses_make_one_origin_call_on_both_workers(tmp_path:
         assert len({r.headers["x-response-hash"] for r in answers}) == 1
         assert s.origin_calls()["http"] == 1
         assert workers_used(s) == 2, "the waiters were spread over both Envoy workers"
-        stats = s.stats()
-        assert (stats["meshcache.coalesce.waits"], stats["meshcache.coalesce.served"]) == (31, 31)
+        stats = s.stats_reaching({WAITS: 31, "meshcache.coalesce.served": 31})
         assert stats["meshcache.coalesce.timeouts"] == stats["meshcache.coalesce.overflow"] == 0
         # Afterwards the entry answers as a plain hit.
         assert post(s, body()).headers["cache-status"].startswith("meshcache; hit; ttl=")
@@ -97,20 +123,22 @@ def test_32_identical_http_misses_make_one_origin_call_on_both_workers(tmp_path:
 
 def test_32_identical_grpc_misses_make_one_origin_call(tmp_path: Path, host: str) -> None:
     with filter_stack(tmp_path, coalescing(coalesce_timeout_ms=10_000), concurrency=2, host=host) as s:
-        answers = at_once(32, grpc_calls(s, lambda i: infer_request("resnet-mini"), (("x-origin-delay", "1.5"),)))
+        call = grpc_calls(s, lambda i: infer_request("resnet-mini"), (("x-origin-hold", "lead"),))
+        answers = held(s, "lead", 32, call, lambda: s.stats_reaching({WAITS: 31}))
         assert len({message for message, _ in answers}) == 1, "32 identical messages"
         assert answers[0][0].startswith(b"\x0a\x0bresnet-mini")
         statuses = Counter(status for _, status in answers)
         assert statuses == {STORED: 1, CACHE_STATUS_COLLAPSED: 31}, statuses
         assert s.origin_calls()["grpc"] == 1
         assert workers_used(s) == 2
-        assert s.stats()["meshcache.coalesce.served"] == 31
+        s.stats_reaching({"meshcache.coalesce.served": 31})
 
 
 def test_grpc_waiters_keep_their_own_request_ids(tmp_path: Path, host: str) -> None:
     with filter_stack(tmp_path, coalescing(), concurrency=2, host=host) as s:
-        answers = at_once(8, grpc_calls(s, lambda i: infer_request("resnet-mini", request_id=b"id-%d" % i),
-                                        (("x-origin-delay", "1"),)))
+        answers = held(s, "lead", 8, grpc_calls(s, lambda i: infer_request("resnet-mini", request_id=b"id-%d" % i),
+                                                (("x-origin-hold", "lead"),)),
+                       lambda: s.stats_reaching({WAITS: 7}))
         for i, (message, _) in enumerate(answers):
             assert b"\x1a\x04id-%d" % i in message, "each caller gets its own id back"
         assert Counter(status for _, status in answers)[CACHE_STATUS_COLLAPSED] == 7
@@ -119,33 +147,40 @@ def test_grpc_waiters_keep_their_own_request_ids(tmp_path: Path, host: str) -> N
 
 def test_a_waiter_gives_up_after_coalesce_timeout_ms_and_goes_upstream(tmp_path: Path, host: str) -> None:
     with filter_stack(tmp_path, coalescing(coalesce_timeout_ms=200), concurrency=2, host=host) as s:
-        answers = at_once(4, posts(s, body(1), {"x-origin-delay": "1.5"}))
+        def waiters_gave_up() -> None:
+            s.stats_reaching({"meshcache.coalesce.timeouts": 3})
+            origin_reached(s, "http", 4)()
+
+        # Held until every waiter has timed out and gone upstream itself.
+        answers = held(s, "lead", 4, posts(s, body(1), {"x-origin-hold": "lead"}), waiters_gave_up)
         assert [r.status_code for r in answers] == [200] * 4
         assert len({r.content for r in answers}) == 1
         assert CACHE_STATUS_COLLAPSED not in {r.headers["cache-status"] for r in answers}
         assert s.origin_calls()["http"] == 4, "each waiter went upstream after 200 ms"
-        stats = s.stats()
-        assert stats["meshcache.coalesce.waits"] == stats["meshcache.coalesce.timeouts"] == 3
+        stats = s.stats_reaching({WAITS: 3, "meshcache.coalesce.timeouts": 3})
         assert stats["meshcache.coalesce.served"] == 0
 
 
 def test_leader_failure_hands_over_to_one_new_leader_and_waiters_are_answered(tmp_path: Path, host: str) -> None:
     with filter_stack(tmp_path, coalescing(), concurrency=2, host=host) as s:
-        headers = {"x-origin-delay": "1", "x-origin-fail-first": "leader"}
-        answers = at_once(16, posts(s, body(2), headers))
+        headers = {"x-origin-hold": "lead", "x-origin-fail-first": "leader"}
+        answers = held(s, "lead", 16, posts(s, body(2), headers), lambda: s.stats_reaching({WAITS: 15}))
         codes = Counter(r.status_code for r in answers)
         assert codes == {500: 1, 200: 15}, codes
         ok = [r for r in answers if r.status_code == 200]
         assert len({r.content for r in ok}) == 1
         assert Counter(r.headers["cache-status"] for r in ok) == {STORED: 1, CACHE_STATUS_COLLAPSED: 14}
         assert s.origin_calls()["http"] == 2, "the failed leader, then one new leader"
-        stats = s.stats()
-        assert stats["meshcache.coalesce.released"] >= 15 and stats["meshcache.coalesce.served"] == 14
+
+        def handed_over(stats: dict[str, int]) -> None:
+            assert stats.get("meshcache.coalesce.released", 0) >= 15 and stats.get("meshcache.coalesce.served") == 14
+
+        s.stats_where(handed_over)
 
 
 def test_grpc_leader_failure_is_retried_by_one_waiter(tmp_path: Path, host: str) -> None:
     with filter_stack(tmp_path, coalescing(), concurrency=2, host=host) as s:
-        meta = (("x-origin-delay", "1"), ("x-origin-fail-first", "grpc-leader"))
+        meta = (("x-origin-hold", "lead"), ("x-origin-fail-first", "grpc-leader"))
         one = grpc_calls(s, lambda i: infer_request("resnet-mini"), meta)
 
         def call(i: int, ready: Callable[[], None]) -> tuple[str, bytes]:
@@ -155,7 +190,7 @@ def test_grpc_leader_failure_is_retried_by_one_waiter(tmp_path: Path, host: str)
             except grpc.RpcError as e:
                 return e.code().name, b""
 
-        answers = at_once(8, call)
+        answers = held(s, "lead", 8, call, lambda: s.stats_reaching({WAITS: 7}))
         outcomes = Counter(status for status, _ in answers)
         assert outcomes == {"UNAVAILABLE": 1, STORED: 1, CACHE_STATUS_COLLAPSED: 6}, outcomes
         assert s.origin_calls()["grpc"] == 2
@@ -163,21 +198,22 @@ def test_grpc_leader_failure_is_retried_by_one_waiter(tmp_path: Path, host: str)
 
 def test_an_uncacheable_answer_sends_every_waiter_upstream(tmp_path: Path, host: str) -> None:
     with filter_stack(tmp_path, coalescing(), concurrency=2, host=host) as s:
-        answers = at_once(6, posts(s, body(3), {"x-origin-delay": "1", "x-origin-cache-control": "no-store"}))
+        answers = held(s, "lead", 6, posts(s, body(3), {"x-origin-hold": "lead", "x-origin-cache-control": "no-store"}),
+                       lambda: s.stats_reaching({WAITS: 5}))
         assert [r.status_code for r in answers] == [200] * 6
         assert {r.headers["cache-status"] for r in answers} == {"meshcache; fwd=miss; detail=no-store"}
         assert s.origin_calls()["http"] == 6
-        stats = s.stats()
-        assert stats["meshcache.coalesce.released"] == stats["meshcache.coalesce.waits"] == 5
+        s.stats_reaching({"meshcache.coalesce.released": 5, WAITS: 5})
 
 
 def test_a_leader_whose_client_goes_away_releases_its_waiters(tmp_path: Path, host: str) -> None:
     with filter_stack(tmp_path, coalescing(), concurrency=2, host=host) as s:
-        headers = {"x-origin-delay": "1.5"}
+        headers = {"x-origin-hold": "lead"}
         leader = threading.Thread(target=lambda: _gives_up(s, body(4), headers))
         leader.start()
-        threading.Event().wait(0.3)  # the leader is in flight
-        answers = at_once(6, posts(s, body(4), headers))
+        origin_reached(s, "http", 1)()  # the leader is in flight
+        # Held until one of them, the new leader, has gone upstream after the first one's client left.
+        answers = held(s, "lead", 6, posts(s, body(4), headers), origin_reached(s, "http", 2))
         leader.join()
         assert [r.status_code for r in answers] == [200] * 6
         assert Counter(r.headers["cache-status"] for r in answers) == {STORED: 1, CACHE_STATUS_COLLAPSED: 5}
@@ -198,14 +234,15 @@ def test_without_held_headers_waiters_are_answered_too(tmp_path: Path, host: str
     gRPC."""
     cfg = config(policy("m"), hold_headers=False)
     with filter_stack(tmp_path, cfg, concurrency=2, allow_on_headers_stop_iteration=False, host=host) as s:
-        answers = at_once(8, posts(s, body(7), {"x-origin-delay": "1"}))
+        answers = held(s, "lead", 8, posts(s, body(7), {"x-origin-hold": "lead"}), lambda: s.stats_reaching({WAITS: 7}))
         assert [r.status_code for r in answers] == [200] * 8
         assert len({r.content for r in answers}) == 1
         statuses = Counter(r.headers["cache-status"] for r in answers)
         assert statuses == {"meshcache; fwd=miss": 1, CACHE_STATUS_COLLAPSED: 7}, statuses
         assert s.origin_calls()["http"] == 1, "only the leader's request reached the origin whole"
         # gRPC in that mode: waiters answered by the single-pass hit through filter state.
-        answers = at_once(6, grpc_calls(s, lambda i: infer_request("m-grpc"), (("x-origin-delay", "1"),)))
+        call = grpc_calls(s, lambda i: infer_request("m-grpc"), (("x-origin-hold", "grpc-lead"),))
+        answers = held(s, "grpc-lead", 6, call, lambda: s.stats_reaching({WAITS: 7 + 5}))
         assert len({message for message, _ in answers}) == 1
         assert Counter(status for _, status in answers)[CACHE_STATUS_COLLAPSED] == 5
         assert s.origin_calls()["grpc"] == 1
@@ -213,20 +250,22 @@ def test_without_held_headers_waiters_are_answered_too(tmp_path: Path, host: str
 
 def test_coalesce_timeout_ms_0_turns_it_off(tmp_path: Path, host: str) -> None:
     with filter_stack(tmp_path, coalescing(coalesce_timeout_ms=0), concurrency=2, host=host) as s:
-        answers = at_once(8, posts(s, body(5), {"x-origin-delay": "1"}))
+        # All eight in flight at the origin at once: none waited for another.
+        answers = held(s, "all", 8, posts(s, body(5), {"x-origin-hold": "all"}), origin_reached(s, "http", 8))
         # Identical answers stored at once: one store wins the slot, the others say so.
         assert {r.headers["cache-status"] for r in answers} <= {STORED, "meshcache; fwd=miss; detail=contended"}
         assert s.origin_calls()["http"] == 8
-        assert s.stats()["meshcache.coalesce.waits"] == 0
+        assert s.stats_reaching({"meshcache.misses": 8})[WAITS] == 0  # counted with the lookups
 
 
 def test_distinct_keys_are_not_coalesced(tmp_path: Path, host: str) -> None:
     with filter_stack(tmp_path, coalescing(), concurrency=2, host=host) as s:
-        answers = at_once(12, lambda i, ready: posts(s, body(100 + i), {"x-origin-delay": "1"})(i, ready))
+        answers = held(s, "all", 12, lambda i, ready: posts(s, body(100 + i), {"x-origin-hold": "all"})(i, ready),
+                       origin_reached(s, "http", 12))
         assert {r.headers["cache-status"] for r in answers} == {STORED}
         assert len({r.content for r in answers}) == 12
         assert s.origin_calls()["http"] == 12
-        assert s.stats()["meshcache.coalesce.waits"] == 0
+        assert s.stats_reaching({"meshcache.misses": 12})[WAITS] == 0
 
 
 def test_waiters_past_the_per_key_bound_go_upstream_and_are_counted(tmp_path: Path, host: str) -> None:
@@ -234,11 +273,19 @@ def test_waiters_past_the_per_key_bound_go_upstream_and_are_counted(tmp_path: Pa
     bound per key and worker: the rest go upstream at once, counted as overflow."""
     n = 200
     with filter_stack(tmp_path, coalescing(), concurrency=2, host=host) as s:
-        answers = at_once(n, posts(s, body(6), {"x-origin-delay": "3"}))
+        def all_parked_or_upstream(stats: dict[str, int]) -> None:
+            assert stats.get(WAITS, 0) + stats.get("meshcache.coalesce.overflow", 0) == n - 1, stats
+
+        answers = held(s, "lead", n, posts(s, body(6), {"x-origin-hold": "lead"}),
+                       lambda: s.stats_where(all_parked_or_upstream, timeout=30))
         assert [r.status_code for r in answers] == [200] * n
         assert len({r.content for r in answers}) == 1
-        stats = s.stats()
-        overflow, waits = stats["meshcache.coalesce.overflow"], stats["meshcache.coalesce.waits"]
+
+        def all_served(stats: dict[str, int]) -> None:
+            assert stats.get("meshcache.coalesce.served") == stats.get(WAITS), stats
+
+        stats = s.stats_where(all_served)
+        overflow, waits = stats["meshcache.coalesce.overflow"], stats[WAITS]
         assert waits <= 2 * 64, "at most MAX_WAITERS_PER_KEY (64) per worker wait"
         assert overflow >= n - 1 - 2 * 64
         assert s.origin_calls()["http"] == 1 + overflow, "the leader and every overflowing request"
@@ -251,7 +298,8 @@ def test_an_expired_hot_entry_is_refreshed_by_one_request(tmp_path: Path, host: 
         first = post(s, body(8), {"x-origin-cache-control": "max-age=1"})
         assert first.headers["cache-status"] == STORED
         time.sleep(1.2)
-        answers = at_once(8, posts(s, body(8), {"x-origin-delay": "1", "x-origin-cache-control": "max-age=60"}))
+        refresh = {"x-origin-hold": "lead", "x-origin-cache-control": "max-age=60"}
+        answers = held(s, "lead", 8, posts(s, body(8), refresh), lambda: s.stats_reaching({WAITS: 7}))
         assert Counter(r.headers["cache-status"] for r in answers) == {STORED: 1, CACHE_STATUS_COLLAPSED: 7}
         assert s.origin_calls()["http"] == 2
 
@@ -262,7 +310,8 @@ def test_when_the_refresh_fails_every_waiter_gets_the_stale_entry(tmp_path: Path
     with filter_stack(tmp_path, coalescing(stale_if_error_s=30), concurrency=2, host=host) as s:
         first = post(s, body(9), {"x-origin-cache-control": "max-age=1"})
         time.sleep(1.2)
-        answers = at_once(8, posts(s, body(9), {"x-origin-delay": "1", "x-origin-status": "503"}))
+        answers = held(s, "lead", 8, posts(s, body(9), {"x-origin-hold": "lead", "x-origin-status": "503"}),
+                       lambda: s.stats_reaching({WAITS: 7}))
         assert [r.status_code for r in answers] == [200] * 8
         assert {r.content for r in answers} == {first.content}
         statuses = [r.headers["cache-status"] for r in answers]
@@ -270,8 +319,7 @@ def test_when_the_refresh_fails_every_waiter_gets_the_stale_entry(tmp_path: Path
         assert sum(st.endswith("; fwd=stale; detail=stale-if-error; collapsed") for st in statuses) == 7, statuses
         assert all(st.startswith("meshcache; hit; stale; ttl=-") for st in statuses)
         assert s.origin_calls()["http"] == 2, "one refresh attempt for all eight"
-        stats = s.stats()
-        assert (stats["meshcache.stale_if_error"], stats["meshcache.coalesce.served"]) == (8, 7)
+        s.stats_reaching({"meshcache.stale_if_error": 8, "meshcache.coalesce.served": 7})
 
 
 def test_grpc_waiters_get_the_stale_message_when_the_refresh_fails(tmp_path: Path, host: str) -> None:
@@ -279,8 +327,8 @@ def test_grpc_waiters_get_the_stale_message_when_the_refresh_fails(tmp_path: Pat
         request = infer_request("resnet-mini")
         first, _ = s.grpc_infer(request)
         time.sleep(1.2)
-        meta = (("x-origin-delay", "1"), ("x-origin-grpc-code", "UNAVAILABLE"))
-        answers = at_once(6, grpc_calls(s, lambda i: request, meta))
+        meta = (("x-origin-hold", "lead"), ("x-origin-grpc-code", "UNAVAILABLE"))
+        answers = held(s, "lead", 6, grpc_calls(s, lambda i: request, meta), lambda: s.stats_reaching({WAITS: 5}))
         assert {message for message, _ in answers} == {first}
         statuses = [status for _, status in answers]
         assert sum(st.endswith("; detail=stale-if-error; collapsed") for st in statuses) == 5, statuses

@@ -10,6 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from meshcache.ctl import procs
 from tests.filter.stack import SharedStacks, config, expected_hash, filter_stack, policy
 from tests.helpers.filter_stats import filter_stats
 from tests.helpers.wait import eventually
@@ -242,11 +243,19 @@ def test_memory_bound_holds_after_filling_past_the_limit(tmp_path: Path, host: s
 def test_concurrent_misses_for_one_key_store_once_and_account_exactly(tmp_path: Path, host: str) -> None:
     # Coalescing off: the three misses go upstream together and race to store.
     with filter_stack(tmp_path, config(policy("m", coalesce_timeout_ms=0)), host=host) as s:
-        shaping = {"x-origin-size": "500", "x-origin-delay": "0.6"}
+        # The origin holds them until all three are there: they are in flight together.
+        shaping = {"x-origin-size": "500", "x-origin-hold": "all"}
+
+        def miss() -> httpx.Response:
+            return procs.local_http().post(s.url(INFER), content=BODY, headers=shaping, timeout=30)
+
         with ThreadPoolExecutor(3) as pool:
-            statuses = sorted(pool.map(
-                lambda _: httpx.post(s.url(INFER), content=BODY, headers=shaping, timeout=10).headers["cache-status"],
-                range(3)))
+            sent = [pool.submit(miss) for _ in range(3)]
+            try:
+                eventually(lambda: s.origin_calls()["http"] == 3)
+            finally:
+                s.release("all")
+            statuses = sorted(f.result().headers["cache-status"] for f in sent)
         assert statuses == ["meshcache; fwd=miss; detail=contended"] * 2 + ["meshcache; fwd=miss; stored"]
         one = s.stats_reaching({"meshcache.stores": 1, "meshcache.entries": 1})
         # Another entry of the same size doubles the accounted bytes: nothing leaked.

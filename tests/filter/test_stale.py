@@ -11,7 +11,9 @@ import grpc
 import httpx
 import pytest
 
+from meshcache.ctl import procs
 from tests.filter.stack import LIMITS, Stack, config, expected_hash, filter_stack, infer_request, policy
+from tests.helpers.wait import eventually
 
 INFER = "/v2/models/m/infer"
 BODY = b'{"inputs": [{"name": "x", "shape": [1, 2], "datatype": "FP32", "data": [1, 2]}]}'
@@ -31,7 +33,7 @@ def _wait_past(seconds: float, since: float) -> None:
 def test_http_5xx_after_ttl_serves_stale_within_the_window_then_the_error(tmp_path: Path, held: bool,
                                                                           host: str) -> None:
     cfg = config(policy(stale_if_error_s=2), hold_headers=held)
-    with filter_stack(tmp_path, cfg, allow_on_headers_stop_iteration=held, host=host) as s, httpx.Client() as c:
+    with filter_stack(tmp_path, cfg, allow_on_headers_stop_iteration=held, host=host) as s, procs.http_client() as c:
         stored_at = time.monotonic()
         first = _post(c, s.url(INFER), **TTL)
         assert first.headers["cache-status"].startswith("meshcache; fwd=miss")
@@ -52,18 +54,19 @@ def test_http_5xx_after_ttl_serves_stale_within_the_window_then_the_error(tmp_pa
         late = _post(c, s.url(INFER), **{"x-origin-status": "503"})
         assert late.status_code == 503
         assert late.headers["cache-status"] == "meshcache; fwd=miss; detail=status"
-        assert s.stats()["meshcache.stale_if_error"] == 2
+        s.stats_reaching({"meshcache.stale_if_error": 2})
 
 
 def test_unreachable_or_timed_out_origin_serves_stale(tmp_path: Path, host: str) -> None:
     """Envoy's own answers for the upstream (504 timeout, 503 connect failure) pass through the
     filter's response callbacks like the origin's."""
     with filter_stack(tmp_path, config(policy(stale_if_error_s=30)), route_timeout_s=1.0, host=host) as s, \
-            httpx.Client() as c:
+            procs.http_client() as c:
         stored_at = time.monotonic()
         first = _post(c, s.url(INFER), **TTL)
         _wait_past(1.2, stored_at)
-        timed_out = _post(c, s.url(INFER), **{"x-origin-delay": "1.5"})
+        # Held past the route's 1 s timeout (never released: the origin is stopped next).
+        timed_out = _post(c, s.url(INFER), **{"x-origin-hold": "past-the-timeout"})
         assert timed_out.status_code == 200, timed_out.text
         assert timed_out.content == first.content
         assert timed_out.headers["cache-status"].endswith("; fwd=stale; fwd-status=504; detail=stale-if-error")
@@ -75,7 +78,7 @@ def test_unreachable_or_timed_out_origin_serves_stale(tmp_path: Path, host: str)
         assert unreachable.headers["cache-status"].endswith("; fwd=stale; fwd-status=503; detail=stale-if-error")
         other = c.post(s.url(INFER), content=BODY + b" ", headers=JSON)
         assert other.status_code == 503, "nothing stored for that key: Envoy's error passes"
-        assert s.stats()["meshcache.stale_if_error"] == 2
+        s.stats_reaching({"meshcache.stale_if_error": 2})
 
 
 def _grpc_code(s: Stack, request: bytes, metadata: tuple[tuple[str, str], ...]) -> grpc.StatusCode:
@@ -106,7 +109,7 @@ def test_grpc_unavailable_after_ttl_serves_the_stored_message_byte_identical(tmp
         assert s.origin_calls()["grpc"] == 3
         _wait_past(3.2, stored_at)
         assert _grpc_code(s, request, (("x-origin-grpc-code", "UNAVAILABLE"),)) == grpc.StatusCode.UNAVAILABLE
-        assert s.stats()["meshcache.stale_if_error"] == 1
+        s.stats_reaching({"meshcache.stale_if_error": 1})
 
 
 def test_grpc_origin_unreachable_serves_stale(tmp_path: Path, host: str) -> None:
@@ -127,30 +130,31 @@ def test_grpc_origin_unreachable_serves_stale(tmp_path: Path, host: str) -> None
 def test_stale_while_revalidate_answers_at_once_and_one_background_request_refreshes(
     tmp_path: Path, held: bool, host: str) -> None:
     cfg = config(policy(stale_while_revalidate_s=30), hold_headers=held)
-    with filter_stack(tmp_path, cfg, allow_on_headers_stop_iteration=held, host=host) as s, httpx.Client() as c:
+    with filter_stack(tmp_path, cfg, allow_on_headers_stop_iteration=held, host=host) as s, procs.http_client() as c:
         stored_at = time.monotonic()
         first = _post(c, s.url(INFER), **TTL)
         assert json.loads(first.content)["user"] == ""
         _wait_past(1.2, stored_at)
         # The origin echoes x-user (not part of the key): the refreshed answer shows whose request
-        # refreshed it. The refresh repeats the request, so it takes the origin a second.
-        answers = [_post(c, s.url(INFER), **{"x-user": f"u{i}", "x-origin-delay": "1"}) for i in range(3)]
+        # refreshed it. The refresh repeats the request, so the origin holds it until released.
+        answers = [_post(c, s.url(INFER), **{"x-user": f"u{i}", "x-origin-hold": "refresh"}) for i in range(3)]
+        s.release("refresh")
         for a in answers:
             assert a.status_code == 200
             assert a.content == first.content, "the stale answer, not the origin's new one"
             assert a.headers["cache-status"].startswith("meshcache; hit; stale; ttl=-")
             assert a.headers["cache-status"].endswith("; detail=stale-while-revalidate")
             assert int(a.headers["age"]) >= 1
-        deadline = time.monotonic() + 10
-        while True:
+
+        def refreshed() -> httpx.Response:
             fresh = _post(c, s.url(INFER))
-            if "stale" not in fresh.headers["cache-status"] or time.monotonic() > deadline:
-                break
-            time.sleep(0.2)
-        assert fresh.headers["cache-status"].startswith("meshcache; hit; ttl="), fresh.headers["cache-status"]
+            assert fresh.headers["cache-status"].startswith("meshcache; hit; ttl="), fresh.headers["cache-status"]
+            return fresh
+
+        fresh = eventually(refreshed)
         assert json.loads(fresh.content)["user"] == "u0", "refreshed by the first stale request's background call"
         assert s.origin_calls()["http"] == 2, "exactly one refresh reached the origin"
-        stats = s.stats()
+        stats = s.stats_reaching({"meshcache.refreshes": 1})
         assert stats["meshcache.stale_while_revalidate"] >= 3
         assert stats["meshcache.refreshes"] == 1
         assert stats["meshcache.refresh_failures"] == 0
@@ -158,16 +162,14 @@ def test_stale_while_revalidate_answers_at_once_and_one_background_request_refre
 
 def test_failed_background_refresh_forwards_the_next_request(tmp_path: Path, host: str) -> None:
     cfg = config(policy(stale_while_revalidate_s=30, stale_if_error_s=30))
-    with filter_stack(tmp_path, cfg, host=host) as s, httpx.Client() as c:
+    with filter_stack(tmp_path, cfg, host=host) as s, procs.http_client() as c:
         stored_at = time.monotonic()
         first = _post(c, s.url(INFER), **TTL)
         _wait_past(1.2, stored_at)
         stale = _post(c, s.url(INFER), **{"x-origin-status": "503"})
         assert stale.content == first.content
         assert stale.headers["cache-status"].endswith("; detail=stale-while-revalidate")
-        deadline = time.monotonic() + 10
-        while s.stats().get("meshcache.refresh_failures", 0) < 1 and time.monotonic() < deadline:
-            time.sleep(0.1)
+        s.stats_reaching({"meshcache.refresh_failures": 1})
         # The background request got a 503: the next request goes to the origin itself (and
         # meets a 503 too, so stale-if-error answers it).
         forwarded = _post(c, s.url(INFER), **{"x-origin-status": "503"})
@@ -183,39 +185,42 @@ def test_grpc_stale_while_revalidate(tmp_path: Path, host: str) -> None:
         request = infer_request("resnet-mini")
         stored_at = time.monotonic()
         first, _ = s.grpc_infer(request)
-        stored_bytes = s.stats()["meshcache.bytes"]
+        stored_bytes = s.stats_reaching({"meshcache.entries": 1})["meshcache.bytes"]  # set with the entries
         _wait_past(1.2, stored_at)
         # x-origin-size (not in the key) makes the refreshed answer longer: it shows when it lands.
         stale, call = s.grpc_infer(request, (("x-origin-size", "64"),))
         assert stale == first
         assert dict(call.initial_metadata())["cache-status"].endswith("; detail=stale-while-revalidate")
-        deadline = time.monotonic() + 10
-        while True:
+
+        def refreshed() -> bytes:
             fresh, call = s.grpc_infer(request)
-            if "stale" not in dict(call.initial_metadata())["cache-status"] or time.monotonic() > deadline:
-                break
-            time.sleep(0.2)
-        assert dict(call.initial_metadata())["cache-status"].startswith("meshcache; hit; ttl=")
+            assert dict(call.initial_metadata())["cache-status"].startswith("meshcache; hit; ttl=")
+            return fresh
+
+        fresh = eventually(refreshed)
         assert len(fresh) > len(first) and fresh[: len(b"\x0a\x0bresnet-mini")] == first[: len(b"\x0a\x0bresnet-mini")]
         assert s.origin_calls()["grpc"] == 2
-        assert s.stats()["meshcache.bytes"] > stored_bytes, "the gauges follow the refreshed entry"
+        def grown(stats: dict[str, int]) -> None:
+            assert stats.get("meshcache.bytes", 0) > stored_bytes, "the gauges follow the refreshed entry"
+
+        s.stats_where(grown)
 
 
 def test_window_zero_is_the_old_behaviour(tmp_path: Path, host: str) -> None:
-    with filter_stack(tmp_path, config(policy()), host=host) as s, httpx.Client() as c:
+    with filter_stack(tmp_path, config(policy()), host=host) as s, procs.http_client() as c:
         stored_at = time.monotonic()
         _post(c, s.url(INFER), **TTL)
         _wait_past(1.2, stored_at)
         err = _post(c, s.url(INFER), **{"x-origin-status": "503"})
         assert err.status_code == 503
         assert err.headers["cache-status"] == "meshcache; fwd=miss; detail=status"
-        stats = s.stats()
-        assert stats["meshcache.entries"] == 0, "the expired entry was freed at lookup"
+        # The store's gauge was flushed long ago (1.2 s): 0 now is the lookup's free.
+        stats = s.stats_reaching({"meshcache.entries": 0})
         assert stats["meshcache.stale_if_error"] == 0 and stats["meshcache.stale_while_revalidate"] == 0
 
 
 def test_upstream_stale_if_error_is_honoured_and_clamped_by_the_policy(tmp_path: Path, host: str) -> None:
-    with filter_stack(tmp_path, config(policy(stale_if_error_s=2)), host=host) as s, httpx.Client() as c:
+    with filter_stack(tmp_path, config(policy(stale_if_error_s=2)), host=host) as s, procs.http_client() as c:
         # The origin allows 1 s and 3600 s for two keys; the policy allows 2 s.
         cc = "x-origin-cache-control"
         short = c.post(s.url(INFER), content=b'{"a": 1}', headers={**JSON, cc: "max-age=1, stale-if-error=1"})

@@ -9,7 +9,7 @@ Keys are the filter's own metric names (docs/filter.md, "Metrics"): `meshcache.h
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from meshcache.ctl import launchers
 from tests.helpers.wait import eventually
@@ -32,14 +32,25 @@ def filter_stats_reaching(admin_port: int, expected: Mapping[str, int], timeout:
     """Every meshcache metric, read once each metric in `expected` has its value (a metric the
     filter has not defined reads 0); fails naming the ones that never got there. Name every
     metric the test asserts an exact value of: only those are known to be flushed."""
-    read: list[dict[str, int]] = []
-
-    def reached() -> bool:
-        stats = filter_stats(admin_port)
+    def reached(stats: dict[str, int]) -> None:
         off = {k: stats.get(k, 0) for k, v in expected.items() if stats.get(k, 0) != v}
         assert not off, f"expected {dict(expected)}, read {off}"
+
+    return filter_stats_where(admin_port, reached, timeout)
+
+
+def filter_stats_where(admin_port: int, check: Callable[[dict[str, int]], None],
+                       timeout: float = 10.0) -> dict[str, int]:
+    """Every meshcache metric, read once `check` (asserting on them) passes: for what
+    `filter_stats_reaching` cannot name, bounds and sums (`waits <= 128`, `waits + overflow == n`);
+    fails with the check's last assertion."""
+    read: list[dict[str, int]] = []
+
+    def passes() -> bool:
+        stats = filter_stats(admin_port)
+        check(stats)
         read.append(stats)
         return True
 
-    eventually(reached, timeout)
+    eventually(passes, timeout)
     return read[-1]

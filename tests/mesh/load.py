@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
-import httpx
 
+from meshcache.ctl import procs
+from tests.helpers.wait import eventually
 from tests.mesh.helpers import MODEL_INFER, mlp_json, mlp_request
 
 NO_STORE = {"cache-control": "no-store"}
@@ -52,7 +54,7 @@ class Client:
 
     def __init__(self, target: str) -> None:
         self.target = target
-        self.http = httpx.Client(timeout=5.0)
+        self.http = procs.http_client(timeout=5.0)
         self.channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
 
     def close(self) -> None:
@@ -97,6 +99,8 @@ class Outcome:
     ok: bool
     wrong: bool = False  # an answer, but not the expected bytes
     error: str = ""
+    started: float = 0.0  # time.monotonic() when the request was sent
+    caller: int = 0  # which of the load's threads sent it
 
 
 @dataclass
@@ -112,31 +116,34 @@ class Load:
     _workers: list[threading.Thread] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def _run(self, offset: int) -> None:
+    def _run(self, caller: int) -> None:
         with Client(self.target) as client:
-            self._loop(client, offset)
+            self._loop(client, caller)
 
-    def _loop(self, client: Client, offset: int) -> None:
-        i = offset
+    def _loop(self, client: Client, caller: int) -> None:
+        i = caller * 3
         deadline = time.monotonic() + 600  # bounded even if stop() is never called
         while not self._stop.is_set() and time.monotonic() < deadline:
             kind = KINDS[i % len(KINDS)]
             i += 1
+            started = time.monotonic()
             try:
                 answer = call(kind, client)
             except Exception as exc:  # refused, reset, 503, UNAVAILABLE: counted, never a wrong answer
-                outcome = Outcome(time.monotonic(), kind.name, ok=False, error=f"{type(exc).__name__}: {exc}"[:300])
+                outcome = Outcome(time.monotonic(), kind.name, ok=False, error=f"{type(exc).__name__}: {exc}"[:300],
+                                  started=started, caller=caller)
             else:
                 right = answer == self.expected[kind.name]
                 outcome = Outcome(time.monotonic(), kind.name, ok=right, wrong=not right,
-                                  error="" if right else f"wrong answer: {answer[:120]!r}")
+                                  error="" if right else f"wrong answer: {answer[:120]!r}",
+                                  started=started, caller=caller)
             with self._lock:
                 self.outcomes.append(outcome)
             self._stop.wait(self.pause_s)
 
     def start(self) -> Load:
         for n in range(self.threads):
-            t = threading.Thread(target=self._run, args=(n * 3,), daemon=True)
+            t = threading.Thread(target=self._run, args=(n,), daemon=True)
             t.start()
             self._workers.append(t)
         return self
@@ -150,3 +157,16 @@ class Load:
                 ) -> list[Outcome]:
         with self._lock:
             return [o for o in self.outcomes if start <= o.at < end and where(o)]
+
+    def wait_answered(self, since: float, times: int = 1, timeout: float = 30.0) -> float:
+        """Wait until every caller has had every kind answered right `times` times by requests it
+        sent at or after `since` (its earlier requests have then ended too: each caller sends one
+        at a time); returns when. Fails naming the (caller, kind) pairs still short."""
+        def answered() -> float:
+            with self._lock:
+                right = Counter((o.caller, o.kind) for o in self.outcomes if o.ok and o.started >= since)
+            short = [(c, k.name) for c in range(self.threads) for k in KINDS if right[(c, k.name)] < times]
+            assert not short, f"not yet answered right {times}x since {since:.2f}: {short}"
+            return time.monotonic()
+
+        return eventually(answered, timeout)
