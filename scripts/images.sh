@@ -7,7 +7,12 @@
 #                          mirror and pinned by its own digest (no registry needed).
 #   MESHCACHE_IMAGE_TAG    tag of the two images (default: the project version)
 #   MESHCACHE_BUILDER      buildah, podman or docker (default: the first found)
+#
+# `scripts/images.sh --base-only` only makes sure the default base exists (make setup runs it, so
+# the debootstrap happens once per machine, with the other per-machine builds).
 set -euo pipefail
+base_only=false
+[ "${1:-}" = --base-only ] && base_only=true
 cd "$(dirname "$0")/.."
 
 builder=${MESHCACHE_BUILDER:-}
@@ -56,6 +61,10 @@ if [ -z "$base" ]; then
   fi
   digest=$("$builder" images --format '{{.Digest}}' "$local_base" | head -1)
   base="localhost/meshcache/debian@$digest"
+fi
+if $base_only; then
+  echo "images: base $base"
+  exit 0
 fi
 case "$base" in
   *@sha256:*) ;;

@@ -96,3 +96,7 @@ fi
 # built once per machine into /var/cache/meshcache (MESHCACHE_CACHE); needs Go 1.26 (docs/istio.md,
 # "Running against a real istiod"). Quick when already built.
 scripts/build_istiod.sh >/dev/null
+
+# The Debian 12 base the images build on (`make images`, tests/images): debootstrapped once per
+# machine and kept in buildah's local storage. Quick when it exists.
+MESHCACHE_BUILDER=buildah scripts/images.sh --base-only >/dev/null

@@ -8,9 +8,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from meshcache.ctl import procs
+from meshcache.ctl.procs import local_http
 from tests.engine.helpers import init_demo_models, running_engine
 from tests.helpers.control_plane import WRITE_TOKEN, ControlPlaneProc
 
@@ -27,7 +26,7 @@ def test_env_settings_and_tokens_file(tmp_path: Path, redis_server: tuple[procs.
     try:
         procs.wait_until(proc, procs.http_ok(f"http://127.0.0.1:{http_port}/readyz"))
         procs.wait_until(proc, procs.tcp_open(xds_port))
-        r = httpx.put(f"http://127.0.0.1:{http_port}/v1/policies/m", json={"ttl_s": 1},
+        r = local_http().put(f"http://127.0.0.1:{http_port}/v1/policies/m", json={"ttl_s": 1},
                       headers={"Authorization": "Bearer file-token-0123456789abcdef"})
         assert r.status_code == 200 and r.json()["version"] == 1
     finally:

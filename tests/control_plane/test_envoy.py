@@ -27,6 +27,7 @@ from meshcache.control_plane.store import Store
 from meshcache.ctl import launchers, procs
 from meshcache.ctl.envoy_config import CacheProxy, write
 from meshcache.ctl.mesh.config import FILTER_HOSTS
+from meshcache.ctl.procs import local_http
 from tests.helpers.control_plane import ControlPlaneProc, run
 from tests.helpers.filter_stats import filter_stats_reaching
 from tests.helpers.wait import eventually
@@ -50,11 +51,11 @@ class Sidecar:
     filter_name: str
 
     def infer(self, model: str, body: bytes = BODY) -> httpx.Response:
-        return httpx.post(f"http://127.0.0.1:{self.listen_port}/v2/models/{model}/infer", content=body,
+        return local_http().post(f"http://127.0.0.1:{self.listen_port}/v2/models/{model}/infer", content=body,
                           headers={"content-type": "application/json"}, timeout=10)
 
     def origin_calls(self) -> int:
-        return int(httpx.get(f"http://127.0.0.1:{self.origin_port}/calls", timeout=5).json()["http"])
+        return int(local_http().get(f"http://127.0.0.1:{self.origin_port}/calls", timeout=5).json()["http"])
 
     def ecds_stats(self) -> dict[str, int]:
         prefix = ECDS_STATS.format(self.filter_name)
@@ -162,12 +163,13 @@ def test_lowering_a_ttl_or_disabling_reaches_stored_entries(cp: ControlPlaneProc
     wait_acked(cp, c.put("/v1/policies/llama3", json={"ttl_s": 600, "max_ttl_s": 1800}).json()["version"])
     for model, body in (("llama3-70b", BODY), ("llama3-8b", origin_max_age)):
         headers = {"x-origin-cache-control": "max-age=1200"} if body is origin_max_age else {}
-        r = httpx.post(f"http://127.0.0.1:{sidecar.listen_port}/v2/models/{model}/infer", content=body,
+        r = local_http().post(f"http://127.0.0.1:{sidecar.listen_port}/v2/models/{model}/infer", content=body,
                        headers=headers, timeout=10)
         assert cache_status(r) == "meshcache; fwd=miss; stored"
 
     def hit_ttl(model: str, body: bytes) -> str:
-        r = httpx.post(f"http://127.0.0.1:{sidecar.listen_port}/v2/models/{model}/infer", content=body, timeout=10)
+        r = local_http().post(f"http://127.0.0.1:{sidecar.listen_port}/v2/models/{model}/infer", content=body,
+                              timeout=10)
         return cache_status(r)
 
     def ttl_left(status: str) -> int:

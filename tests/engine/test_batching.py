@@ -8,12 +8,12 @@ import time
 from pathlib import Path
 
 import grpc
-import httpx
 import numpy as np
 import onnxruntime as ort
 import pytest
 
 from meshcache.contract.protos import grpc_predict_v2_pb2_grpc as pb_grpc
+from meshcache.ctl.procs import local_http
 from meshcache.engine.demo_models import DEMO_MODELS, write_demo_models
 from meshcache.engine.repository import read_model
 from tests.engine.helpers import (
@@ -62,7 +62,7 @@ def test_concurrent_requests_share_a_batch_with_unchanged_answers(
     rows = [demo_batch(model, n, seed=100 + i) for i, n in enumerate(sizes)]
     with running_engine(batching_repo, tmp_path) as engine:
         answers = asyncio.run(_concurrent_grpc(engine.grpc_target, model, rows))
-        metrics = httpx.get(engine.metrics_url).text
+        metrics = local_http().get(engine.metrics_url).text
     for x, got in zip(rows, answers, strict=True):
         expected = np.concatenate(
             [reference_sessions[model].run(None, {name: x[i : i + 1]})[0] for i in range(len(x))]
@@ -105,7 +105,7 @@ def test_largest_formed_preferred_batch_size_runs_at_once(demo_repo: Path, tmp_p
         started = time.perf_counter()
         asyncio.run(_concurrent_grpc(engine.grpc_target, "mlp-classifier", rows))
         elapsed = time.perf_counter() - started
-        metrics = httpx.get(engine.metrics_url).text
+        metrics = local_http().get(engine.metrics_url).text
     assert elapsed < 5, f"two requests took {elapsed:.1f} s: they waited out the delay"
     assert metric_value(metrics, "meshcache_engine_batch_size_sum", model="mlp-classifier") == 2
     assert metric_value(metrics, "meshcache_engine_batch_size_count", model="mlp-classifier") == 1

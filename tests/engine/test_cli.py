@@ -6,12 +6,12 @@ import hashlib
 import subprocess
 from pathlib import Path
 
-import httpx
 import numpy as np
 import onnx
 
 from meshcache.ctl import launchers
 from meshcache.ctl.launchers import ENGINE_BIN
+from meshcache.ctl.procs import local_http
 from tests.engine.helpers import Engine, demo_batch, init_demo_models, metric_value, running_engine
 
 
@@ -87,7 +87,7 @@ def test_settings_from_environment(demo_repo: Path, tmp_path: Path) -> None:
             proc, procs.http_ok(f"http://127.0.0.1:{ports['HTTP_PORT']}/v2/health/ready"), timeout=60
         )
         procs.wait_until(proc, procs.tcp_open(ports["GRPC_PORT"]), timeout=10)
-        assert httpx.get(f"http://127.0.0.1:{ports['METRICS_PORT']}/metrics").status_code == 200
+        assert local_http().get(f"http://127.0.0.1:{ports['METRICS_PORT']}/metrics").status_code == 200
 
 
 def test_bad_repository_fails_with_a_message(tmp_path: Path) -> None:
@@ -106,7 +106,7 @@ def test_bad_repository_fails_with_a_message(tmp_path: Path) -> None:
 def test_metrics_count_requests_failures_latency_and_batches(demo_repo: Path, tmp_path: Path) -> None:
     with running_engine(demo_repo, tmp_path) as engine:
         _exercise(engine)
-        text = httpx.get(engine.metrics_url).text
+        text = local_http().get(engine.metrics_url).text
     assert metric_value(text, "meshcache_engine_requests_total", model="mlp-classifier", protocol="http") == 3
     assert (
         metric_value(
@@ -143,9 +143,9 @@ def _exercise(engine: Engine) -> None:
     x = demo_batch("mlp-classifier", 2)
     url = f"{engine.http_url}/v2/models/mlp-classifier/infer"
     ok = {"inputs": [{"name": "input", "datatype": "FP32", "shape": [2, 16], "data": x.reshape(-1).tolist()}]}
-    assert httpx.post(url, json=ok).status_code == 200
+    assert local_http().post(url, json=ok).status_code == 200
     one = {"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 16], "data": [0.0] * 16}]}
-    assert httpx.post(url, json=one).status_code == 200
+    assert local_http().post(url, json=one).status_code == 200
     bad = {"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 15], "data": np.zeros(15).tolist()}]}
-    assert httpx.post(url, json=bad).status_code == 400
-    assert httpx.post(f"{engine.http_url}/v2/models/ghost/infer", json=ok).status_code == 404
+    assert local_http().post(url, json=bad).status_code == 400
+    assert local_http().post(f"{engine.http_url}/v2/models/ghost/infer", json=ok).status_code == 404

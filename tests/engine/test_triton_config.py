@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from meshcache.ctl.launchers import ENGINE_BIN
+from meshcache.ctl.procs import local_http
 from meshcache.engine.model_config import ConfigError
 from meshcache.engine.repository import read_model
 from tests.engine.helpers import (
@@ -70,10 +71,10 @@ def test_hand_written_triton_config_is_served_unchanged(demo_repo: Path, tmp_pat
     repo.mkdir()
     _mlp_dir(demo_repo, repo, HAND_WRITTEN)
     with running_engine(repo, tmp_path / "logs") as engine:
-        meta = httpx.get(f"{engine.http_url}/v2/models/mlp").json()
-        config = httpx.get(f"{engine.http_url}/v2/models/mlp/config").json()
+        meta = local_http().get(f"{engine.http_url}/v2/models/mlp").json()
+        config = local_http().get(f"{engine.http_url}/v2/models/mlp/config").json()
         x = demo_batch("mlp-classifier", 2).reshape(-1).tolist()
-        r = httpx.post(f"{engine.http_url}/v2/models/mlp/infer", json={"inputs": [
+        r = local_http().post(f"{engine.http_url}/v2/models/mlp/infer", json={"inputs": [
             {"name": "input", "datatype": "FP32", "shape": [2, 16], "data": x}]})
     # latest { num_versions: 1 }: only the highest version is served.
     assert meta["versions"] == ["2"] and meta["inputs"][0]["shape"] == [-1, 16]
@@ -226,8 +227,8 @@ def test_queue_timeout_rejects_and_request_may_shorten_it(tmp_path: Path) -> Non
     with running_engine(repo, tmp_path / "logs") as engine:
         url = f"{engine.http_url}/v2/models/slow/infer"
         busy, short, normal = asyncio.run(scenario(url, engine.metrics_url))
-        bad = httpx.post(url, json={**body, "parameters": {"timeout": "soon"}})
-        stats = httpx.get(f"{engine.http_url}/v2/models/slow/stats").json()["model_stats"][0]
+        bad = local_http().post(url, json={**body, "parameters": {"timeout": "soon"}})
+        stats = local_http().get(f"{engine.http_url}/v2/models/slow/stats").json()["model_stats"][0]
     assert busy.status_code == 200 and normal.status_code == 200
     assert short.status_code == 503 and "timed out after waiting" in short.json()["error"]
     assert bad.status_code == 400 and "timeout must be an integer" in bad.json()["error"]

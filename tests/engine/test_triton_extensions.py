@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-import httpx
 import numpy as np
 import onnxruntime as ort
 import pytest
@@ -21,6 +20,7 @@ import tritonclient.http as thttp
 from tritonclient.utils import InferenceServerException
 
 from meshcache.contract.protos import grpc_predict_v2_pb2 as pb
+from meshcache.ctl.procs import local_http
 from tests.engine.helpers import Engine, demo_batch, grpc_infer_request, grpc_outputs, running_engine
 
 
@@ -52,7 +52,7 @@ def test_model_config_over_both_transports(engine: Engine) -> None:
     assert over_http["max_batch_size"] == 16 and over_http["input"][0]["dims"] == [3, 32, 32]
     assert over_http["dynamic_batching"]["max_queue_delay_microseconds"] == 1000
     assert [int(d) for d in over_grpc["input"][0]["dims"]] == [3, 32, 32]
-    versioned = httpx.get(f"{engine.http_url}/v2/models/mlp-classifier/versions/1/config").json()
+    versioned = local_http().get(f"{engine.http_url}/v2/models/mlp-classifier/versions/1/config").json()
     assert versioned["version_policy"] == {"all": {}}
     for call in (lambda: grpc_client.get_model_config("no-such-model"),
                  lambda: http_client.get_model_config("no-such-model"),
@@ -62,7 +62,7 @@ def test_model_config_over_both_transports(engine: Engine) -> None:
     with pytest.raises(grpc.RpcError) as err:
         engine.stub().ModelConfig(pb.ModelConfigRequest(name="no-such-model"))
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
-    assert httpx.get(f"{engine.http_url}/v2/models/no-such-model/config").status_code == 404
+    assert local_http().get(f"{engine.http_url}/v2/models/no-such-model/config").status_code == 404
 
 
 def _stats_numbers(stats: dict[str, Any]) -> tuple[int, ...]:
@@ -103,11 +103,11 @@ def test_statistics_count_and_time_as_triton_does(own_engine: tuple[Engine, Path
     with pytest.raises(grpc.RpcError) as err:
         stub.ModelStatistics(pb.ModelStatisticsRequest(name="nope"))
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
-    assert httpx.get(f"{engine.http_url}/v2/models/nope/stats").status_code == 404
+    assert local_http().get(f"{engine.http_url}/v2/models/nope/stats").status_code == 404
 
 
 def _index(engine: Engine) -> dict[tuple[str, str], str]:
-    over_http = httpx.post(f"{engine.http_url}/v2/repository/index").json()
+    over_http = local_http().post(f"{engine.http_url}/v2/repository/index").json()
     over_grpc = engine.stub().RepositoryIndex(pb.RepositoryIndexRequest()).models
     assert {(m["name"], m["version"], m["state"]) for m in over_http} == {
         (m.name, m.version, m.state) for m in over_grpc}
@@ -122,9 +122,9 @@ def test_repository_unload_and_load_over_http(own_engine: tuple[Engine, Path]) -
     client.unload_model("text-embedder")
     assert not client.is_model_ready("text-embedder")
     assert _index(engine)[("text-embedder", "")] == "UNAVAILABLE"
-    ready_only = httpx.post(f"{engine.http_url}/v2/repository/index", json={"ready": True}).json()
+    ready_only = local_http().post(f"{engine.http_url}/v2/repository/index", json={"ready": True}).json()
     assert "text-embedder" not in {m["name"] for m in ready_only}
-    r = httpx.post(f"{engine.http_url}/v2/models/text-embedder/infer", json={"inputs": []})
+    r = local_http().post(f"{engine.http_url}/v2/models/text-embedder/infer", json={"inputs": []})
     assert r.status_code == 404 and "text-embedder" in r.json()["error"] and "unloaded" in r.json()["error"]
     client.load_model("text-embedder")
     assert client.is_model_ready("text-embedder")
@@ -133,14 +133,14 @@ def test_repository_unload_and_load_over_http(own_engine: tuple[Engine, Path]) -
     inp.set_data_from_numpy(x)
     assert client.infer("text-embedder", [inp]).as_numpy("embedding").shape == (1, 32)
     # Errors name what is wrong.
-    r = httpx.post(f"{engine.http_url}/v2/repository/models/text-embedder/load",
+    r = local_http().post(f"{engine.http_url}/v2/repository/models/text-embedder/load",
                    json={"parameters": {"file:1/model.onnx": "AAAA"}})
     assert r.status_code == 400 and "load parameter 'file:1/model.onnx' is not supported" in r.json()["error"]
-    r = httpx.post(f"{engine.http_url}/v2/repository/models/no-such-model/load")
+    r = local_http().post(f"{engine.http_url}/v2/repository/models/no-such-model/load")
     assert r.status_code == 404 and "no-such-model" in r.json()["error"]
-    r = httpx.post(f"{engine.http_url}/v2/repository/models/no-such-model/unload")
+    r = local_http().post(f"{engine.http_url}/v2/repository/models/no-such-model/unload")
     assert r.status_code == 404
-    assert httpx.get(f"{engine.http_url}/v2/repository/models/text-embedder/load").status_code == 405
+    assert local_http().get(f"{engine.http_url}/v2/repository/models/text-embedder/load").status_code == 405
 
 
 def test_repository_adds_and_reloads_models_over_grpc(own_engine: tuple[Engine, Path], demo_repo: Path) -> None:
@@ -185,7 +185,8 @@ def test_load_and_unload_parameters_are_checked_alike_over_both_transports(engin
     """One check in the service: the same bad parameter gets the same message over REST and gRPC
     (and nothing is loaded or unloaded)."""
     def over_http(action: str, params: dict[str, Any]) -> tuple[int, str]:
-        r = httpx.post(f"{engine.http_url}/v2/repository/models/resnet-mini/{action}", json={"parameters": params})
+        r = local_http().post(f"{engine.http_url}/v2/repository/models/resnet-mini/{action}",
+                              json={"parameters": params})
         return r.status_code, r.json()["error"]
 
     def over_grpc(action: str, key: str, **value: Any) -> tuple[grpc.StatusCode, str]:
@@ -210,12 +211,12 @@ def test_load_and_unload_parameters_are_checked_alike_over_both_transports(engin
     assert over_http("unload", {"unload_dependents": "yes"}) == (400, bad_unload)
     assert over_grpc("unload", "unload_dependents", string_param="yes") == (grpc.StatusCode.INVALID_ARGUMENT,
                                                                              bad_unload)
-    assert httpx.get(f"{engine.http_url}/v2/models/resnet-mini/ready").status_code == 200
+    assert local_http().get(f"{engine.http_url}/v2/models/resnet-mini/ready").status_code == 200
 
 
 def test_model_metadata_is_the_same_over_both_transports(engine: Engine) -> None:
     for path, version in (("mlp-classifier", ""), ("mlp-classifier/versions/2", "2"), ("resnet-mini", "")):
-        over_http = httpx.get(f"{engine.http_url}/v2/models/{path}").json()
+        over_http = local_http().get(f"{engine.http_url}/v2/models/{path}").json()
         over_grpc = engine.stub().ModelMetadata(pb.ModelMetadataRequest(name=path.split("/")[0], version=version))
         assert over_http == {
             "name": over_grpc.name, "versions": list(over_grpc.versions), "platform": over_grpc.platform,
@@ -223,16 +224,16 @@ def test_model_metadata_is_the_same_over_both_transports(engine: Engine) -> None
             "outputs": [{"name": t.name, "datatype": t.datatype, "shape": list(t.shape)} for t in over_grpc.outputs],
         }
     assert over_http["inputs"][0]["shape"][0] == -1  # int64 shapes stay JSON numbers, -1 = batch dimension
-    assert httpx.get(f"{engine.http_url}/v2/models/mlp-classifier").json()["versions"] == ["1", "2"]
-    assert httpx.get(f"{engine.http_url}/v2/models/mlp-classifier/versions/2").json()["versions"] == ["2"]
+    assert local_http().get(f"{engine.http_url}/v2/models/mlp-classifier").json()["versions"] == ["1", "2"]
+    assert local_http().get(f"{engine.http_url}/v2/models/mlp-classifier/versions/2").json()["versions"] == ["2"]
 
 
 def test_model_control_mode_none_refuses_load_and_unload(demo_repo: Path, tmp_path: Path) -> None:
     with running_engine(demo_repo, tmp_path, extra=["--model-control-mode", "none"]) as engine:
-        r = httpx.post(f"{engine.http_url}/v2/repository/models/resnet-mini/unload")
+        r = local_http().post(f"{engine.http_url}/v2/repository/models/resnet-mini/unload")
         with pytest.raises(grpc.RpcError) as err:
             engine.stub().RepositoryModelLoad(pb.RepositoryModelLoadRequest(model_name="resnet-mini"))
-        ready = httpx.get(f"{engine.http_url}/v2/models/resnet-mini/ready").status_code
+        ready = local_http().get(f"{engine.http_url}/v2/models/resnet-mini/ready").status_code
     assert r.status_code == 503 and "--model-control-mode none" in r.json()["error"]
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
     assert ready == 200

@@ -8,9 +8,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
-import httpx
 import pytest
 
+from meshcache.ctl.procs import local_http
 from tests.filter.stack import LIMITS, SharedStacks, Stack, config, filter_stack, infer_request, policy
 from tests.helpers.filter_stats import filter_stats
 from tests.helpers.wait import eventually
@@ -25,7 +25,7 @@ def _message_hash(message: bytes) -> str:
 
 
 def _envoy_clusters(s: Stack) -> str:
-    return httpx.get(f"http://127.0.0.1:{s.admin_port}/clusters", timeout=5).text
+    return local_http().get(f"http://127.0.0.1:{s.admin_port}/clusters", timeout=5).text
 
 
 @pytest.mark.parametrize("limits", LIMITS)
@@ -132,7 +132,7 @@ def test_grpc_web_bypasses(tmp_path: Path, host: str) -> None:
         framed = b"\x00" + len(message).to_bytes(4, "big") + message
         headers = {"content-type": "application/grpc-web+proto", "x-grpc-web": "1"}
         for _ in range(2):
-            r = httpx.post(s.url("/inference.GRPCInferenceService/ModelInfer"), content=framed, headers=headers,
+            r = local_http().post(s.url("/inference.GRPCInferenceService/ModelInfer"), content=framed, headers=headers,
                            timeout=10)
             assert r.headers.get("cache-status") == "meshcache; fwd=bypass; detail=grpc-web"
         s.stats_reaching({"meshcache.bypasses": 2, "meshcache.hits": 0})

@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from meshcache.ctl import procs
+from meshcache.ctl.procs import local_http
 from tests.filter.stack import SharedStacks, config, expected_hash, filter_stack, policy
 from tests.helpers.filter_stats import filter_stats
 from tests.helpers.wait import eventually
@@ -211,7 +212,7 @@ def test_client_cannot_forge_internal_markers(shared_stacks: SharedStacks, host:
 
 def test_all_workers_share_one_cache(tmp_path: Path, host: str) -> None:
     with filter_stack(tmp_path, config(), concurrency=2, host=host) as s:
-        assert httpx.post(s.url(INFER), content=BODY).headers["cache-status"] == "meshcache; fwd=miss; stored"
+        assert local_http().post(s.url(INFER), content=BODY).headers["cache-status"] == "meshcache; fwd=miss; stored"
         statuses = set()
         for _ in range(12):
             with httpx.Client() as fresh_connection:
@@ -259,7 +260,7 @@ def test_concurrent_misses_for_one_key_store_once_and_account_exactly(tmp_path: 
         assert statuses == ["meshcache; fwd=miss; detail=contended"] * 2 + ["meshcache; fwd=miss; stored"]
         one = s.stats_reaching({"meshcache.stores": 1, "meshcache.entries": 1})
         # Another entry of the same size doubles the accounted bytes: nothing leaked.
-        r = httpx.post(s.url(INFER), content=BODY + b" ", headers={"x-origin-size": "500"}, timeout=10)
+        r = local_http().post(s.url(INFER), content=BODY + b" ", headers={"x-origin-size": "500"}, timeout=10)
         assert r.headers["cache-status"] == "meshcache; fwd=miss; stored"
         s.stats_reaching({"meshcache.entries": 2, "meshcache.bytes": 2 * one["meshcache.bytes"]})
 

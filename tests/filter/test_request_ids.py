@@ -10,6 +10,7 @@ from pathlib import Path
 import grpc
 import httpx
 
+from meshcache.ctl.procs import local_http
 from tests.filter.stack import SharedStacks, config, filter_stack, infer_request, policy
 
 INFER = "/v2/models/m/infer"
@@ -34,7 +35,7 @@ def test_rest_hit_answers_with_the_callers_id(tmp_path: Path, host: str) -> None
         assert second.headers["cache-status"].startswith("meshcache; hit; ttl=")
         assert s.origin_calls()["http"] == 1, "the hit did not reach the origin"
         # Byte for byte what the origin answers that id (asked directly, past Envoy).
-        direct = httpx.post(f"http://127.0.0.1:{s.http_port}{INFER}", content=rest_body(UUID))
+        direct = local_http().post(f"http://127.0.0.1:{s.http_port}{INFER}", content=rest_body(UUID))
         assert second.content == direct.content
         assert second.json()["id"] == UUID
         # The hash and the ETag cover the answer without its id: the same for every caller.

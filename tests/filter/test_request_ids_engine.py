@@ -17,6 +17,7 @@ import tritonclient.http as triton_http
 
 from meshcache.contract.protos import grpc_predict_v2_pb2 as pb
 from meshcache.ctl.launchers import Engine
+from meshcache.ctl.procs import local_http
 from tests.engine.helpers import init_demo_models, running_engine
 from tests.filter.stack import config, filter_stack, policy
 from tests.mesh.helpers import engine_requests
@@ -66,14 +67,14 @@ def test_rest_hits_are_what_the_engine_answers_for_that_id(tmp_path: Path, engin
         second = c.post(s.url(INFER), content=_json_body(1, "rest-2"))
         assert second.headers["cache-status"].startswith("meshcache; hit; ttl=")
         assert engine_requests(engine.metrics_url, MODEL) == calls + 1, "the hit did not reach the engine"
-        direct = httpx.post(f"{engine.http_url}{INFER}", content=_json_body(1, "rest-2"), timeout=10)
+        direct = local_http().post(f"{engine.http_url}{INFER}", content=_json_body(1, "rest-2"), timeout=10)
         assert second.content == direct.content
         assert second.json()["id"] == "rest-2"
         assert second.headers["x-response-hash"] == first.headers["x-response-hash"]
         # No id in, no id out (its own entry).
         plain = [c.post(s.url(INFER), content=_json_body(1, None)) for _ in range(2)]
         assert plain[1].headers["cache-status"].startswith("meshcache; hit")
-        assert plain[1].content == httpx.post(f"{engine.http_url}{INFER}", content=_json_body(1, None)).content
+        assert plain[1].content == local_http().post(f"{engine.http_url}{INFER}", content=_json_body(1, None)).content
         assert "id" not in plain[1].json()
 
         # Binary tensors in and out: the JSON part's length header follows the id's length.
@@ -83,7 +84,7 @@ def test_rest_hits_are_what_the_engine_answers_for_that_id(tmp_path: Path, engin
         body, headers = _binary_body(2, "a-longer-binary-request-id")
         hit = c.post(s.url(INFER), content=body, headers=headers)
         assert hit.headers["cache-status"].startswith("meshcache; hit")
-        direct = httpx.post(f"{engine.http_url}{INFER}", content=body, headers=headers, timeout=10)
+        direct = local_http().post(f"{engine.http_url}{INFER}", content=body, headers=headers, timeout=10)
         assert hit.content == direct.content
         for name in ("content-type", "inference-header-content-length"):
             assert hit.headers[name] == direct.headers[name]
@@ -105,7 +106,7 @@ def test_binary_lengths_the_engine_reads_otherwise_bypass(tmp_path: Path, engine
                       [(name, n + ".0")]):
             r = c.post(s.url(INFER), content=body, headers=lines)
             assert r.headers["cache-status"] == "meshcache; fwd=bypass; detail=binary-length", lines
-            direct = httpx.post(f"{engine.http_url}{INFER}", content=body, headers=lines, timeout=10)
+            direct = local_http().post(f"{engine.http_url}{INFER}", content=body, headers=lines, timeout=10)
             assert r.status_code == direct.status_code == 400, (lines, r.text)
         # Leading zeros: one number to every reader, and the same entry.
         r = c.post(s.url(INFER), content=body, headers={name: "00" + n})

@@ -13,6 +13,7 @@ import grpc
 import httpx
 import pytest
 
+from meshcache.ctl.procs import local_http
 from tests.filter.stack import LIMITS, config, expected_hash, filter_stack, infer_request, policy
 
 INFER = "/v2/models/m/infer"
@@ -93,7 +94,7 @@ def test_sse_miss_streams_and_hit_replays_byte_for_byte(tmp_path: Path, limits: 
         assert [e["i"] for e in events] == [0, 1, 2, 3]
         assert first_at is not None
         assert first_at < events[-1]["sent"], "the first event arrived before the last was sent"
-        hit = httpx.post(s.url("/v1/chat/completions"), content=chat, headers=shaping, timeout=30)
+        hit = local_http().post(s.url("/v1/chat/completions"), content=chat, headers=shaping, timeout=30)
         assert hit.headers["cache-status"].startswith("meshcache; hit")
         assert hit.headers["content-type"] == "text/event-stream"
         assert hit.content == streamed, "byte-identical replay"
@@ -119,6 +120,6 @@ def test_grpc_streamed_miss_carries_the_hash_in_trailers(tmp_path: Path, limits:
 def test_large_requests_pass(tmp_path: Path, limits: str, host: str) -> None:
     with filter_stack(tmp_path, config(policy("m")), buffer_limit_bytes=LIMITS[limits], host=host) as s:
         big = b'{"inputs": [], "parameters": {"pad": "' + b"x" * (2 * MiB) + b'"}}'
-        r = httpx.post(s.url(INFER), content=big, timeout=30)
+        r = local_http().post(s.url(INFER), content=big, timeout=30)
         assert r.status_code == 200
         assert r.headers["cache-status"] == "meshcache; fwd=bypass; detail=too-big"

@@ -19,12 +19,11 @@ import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
 from meshcache.contract.paths import REPO_ROOT
 from meshcache.ctl.istio import render, xds_tls
-from meshcache.ctl.procs import Proc, start, supervised, wait_until
+from meshcache.ctl.procs import Proc, local_http, start, supervised, wait_until
 from tests.images.pods import PodRun, container, deployment, pod_run
 
 DOCKERFILES = {"engine": REPO_ROOT / "engine" / "Dockerfile",
@@ -176,8 +175,8 @@ def test_engine_image_starts_as_the_deployment_runs_it(images: dict[str, str], c
         for check, timeout, what in run.checks:
             wait_until(proc, check, timeout=timeout, what=what)
         http = run.ports["http"]
-        assert httpx.get(f"http://127.0.0.1:{http}/v2/models/mlp-classifier/ready", timeout=5).status_code == 200
-        metrics = httpx.get(f"http://127.0.0.1:{run.ports['metrics']}/metrics", timeout=5)
+        assert local_http().get(f"http://127.0.0.1:{http}/v2/models/mlp-classifier/ready", timeout=5).status_code == 200
+        metrics = local_http().get(f"http://127.0.0.1:{run.ports['metrics']}/metrics", timeout=5)
         assert "meshcache_engine_requests_total" in metrics.text
         with socket.create_connection(("127.0.0.1", run.ports["grpc"]), timeout=5):
             pass
@@ -209,8 +208,8 @@ def test_control_plane_image_starts_as_the_deployment_runs_it(images: dict[str, 
         for check, timeout, what in run.checks:
             wait_until(proc, check, timeout=timeout, what=what)
         api = f"http://127.0.0.1:{run.ports['http']}"
-        assert httpx.get(f"{api}/v1/whoami", timeout=5).status_code == 401
-        who = httpx.get(f"{api}/v1/whoami", headers={"Authorization": f"Bearer {READ_TOKEN}"}, timeout=5)
+        assert local_http().get(f"{api}/v1/whoami", timeout=5).status_code == 401
+        who = local_http().get(f"{api}/v1/whoami", headers={"Authorization": f"Bearer {READ_TOKEN}"}, timeout=5)
         assert who.status_code == 200 and who.json()["name"] == "render"
         # xDS for istiod: TLS with the certificate from the Secret, for the Service's DNS name.
         ctx = ssl.create_default_context(cafile=str(tmp_path / "certs" / "ca.crt"))

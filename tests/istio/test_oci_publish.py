@@ -16,13 +16,12 @@ import tarfile
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
 from meshcache.contract import oci
 from meshcache.ctl.cli import main
 from meshcache.ctl.istio import render, validate
-from meshcache.ctl.procs import free_port, http_ok, start_ready, supervised
+from meshcache.ctl.procs import free_port, http_ok, local_http, start_ready, supervised
 
 
 @pytest.fixture
@@ -63,10 +62,11 @@ def test_publish_with_skopeo_and_pull_by_the_pinned_digest(tmp_path: Path, regis
 
     # istio-agent pulls oci://REPO@sha256:DIGEST: the manifest by digest, then its one layer.
     base = f"http://{registry}/v2/meshcache/filter"
-    manifest = httpx.get(f"{base}/manifests/sha256:{digest}", headers={"Accept": oci.MANIFEST_MEDIA_TYPE}, timeout=10)
+    manifest = local_http().get(f"{base}/manifests/sha256:{digest}", headers={"Accept": oci.MANIFEST_MEDIA_TYPE},
+                                timeout=10)
     assert manifest.status_code == 200 and hashlib.sha256(manifest.content).hexdigest() == digest
     [layer] = manifest.json()["layers"]
-    blob = httpx.get(f"{base}/blobs/{layer['digest']}", timeout=10, follow_redirects=True)
+    blob = local_http().get(f"{base}/blobs/{layer['digest']}", timeout=10, follow_redirects=True)
     assert f"sha256:{hashlib.sha256(blob.content).hexdigest()}" == layer["digest"]
     with tarfile.open(fileobj=io.BytesIO(gzip.decompress(blob.content))) as tar:
         member = tar.extractfile("plugin.wasm")

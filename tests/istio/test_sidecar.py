@@ -14,7 +14,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import grpc
-import httpx
 import pytest
 import yaml
 
@@ -24,6 +23,7 @@ from meshcache.control_plane.proxy_stats import ProxyReading, ProxyStatsReader
 from meshcache.ctl import envoy_config, launchers, procs
 from meshcache.ctl.istio import kustomize, render
 from meshcache.ctl.pki import CertificateAuthority, Identity, spiffe_id
+from meshcache.ctl.procs import local_http
 from tests.filter.stack import MODEL_INFER, infer_request
 from tests.helpers.control_plane import ControlPlaneProc, run
 from tests.helpers.wait import eventually
@@ -195,7 +195,7 @@ def test_patched_sidecar_serves_a_grpc_hit_in_one_pass(tmp_path: Path, pins: ren
             assert code1 == code2 == grpc.StatusCode.OK
             assert second == first and len(first) > 0  # exact bytes, from the cache
             assert "hit" not in h1.get("cache-status", "") and "hit" in h2.get("cache-status", ""), (h1, h2)
-            calls = httpx.get(f"http://127.0.0.1:{http_port}/calls", timeout=5).json()
+            calls = local_http().get(f"http://127.0.0.1:{http_port}/calls", timeout=5).json()
             assert calls["grpc"] == 1  # the origin saw the first call only
             _status_page_reads_the_sidecar(stats_port)
     finally:
@@ -219,7 +219,7 @@ def _status_page_reads_the_sidecar(stats_port: int) -> None:
               for e in o["spec"]["template"]["spec"]["containers"][0]["env"]}
     template = cp_env["MESHCACHE_CP_PROXY_STATS_TEMPLATE"]
     assert template == "http://{ip}:15090/stats/prometheus" and cp_env["MESHCACHE_CP_PROXY_STATS_DNS"]
-    page = httpx.get(f"http://127.0.0.1:{stats_port}/stats/prometheus", timeout=5).text
+    page = local_http().get(f"http://127.0.0.1:{stats_port}/stats/prometheus", timeout=5).text
     assert "envoy_cluster_upstream_rq" not in page, "Istio's stats matcher keeps only what it includes"
 
     async def read() -> list[ProxyReading]:

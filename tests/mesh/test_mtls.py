@@ -15,7 +15,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
-import httpx
 import pytest
 from envoy.service.discovery.v3 import discovery_pb2
 from envoy.service.extension.v3 import config_discovery_pb2_grpc
@@ -25,6 +24,7 @@ from meshcache.ctl.envoy_config import ClientSidecar, write
 from meshcache.ctl.mesh.certs import pki_dir
 from meshcache.ctl.mesh.topology import Mesh
 from meshcache.ctl.pki import CertificateAuthority, Identity, spiffe_id
+from meshcache.ctl.procs import local_http
 from tests.helpers.wait import eventually
 
 REQUEST = b"GET /v2/health/ready HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n"
@@ -177,7 +177,7 @@ def test_the_client_sidecar_refuses_a_server_with_the_wrong_identity(
                             server_identities=[mesh.config.server_id])
     envoy = launchers.start_envoy(write(sidecar, tmp_path / "client.yaml"), admin, tmp_path)
     with procs.supervised([envoy]):
-        r = httpx.get(f"http://127.0.0.1:{listen}/v2/health/ready", timeout=10)
+        r = local_http().get(f"http://127.0.0.1:{listen}/v2/health/ready", timeout=10)
         assert r.status_code == 503
         stats = launchers.envoy_stats(admin, "cluster.mesh_upstream.ssl")
         assert stats.get("cluster.mesh_upstream.ssl.fail_verify_san", 0) >= 1, stats

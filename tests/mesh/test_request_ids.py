@@ -9,7 +9,6 @@ import subprocess
 import uuid
 from pathlib import Path
 
-import httpx
 import numpy as np
 import tritonclient.grpc as tgrpc
 import tritonclient.http as thttp
@@ -17,6 +16,7 @@ import tritonclient.http as thttp
 from meshcache.contract.filter_config import policy_spec
 from meshcache.contract.paths import REPO_ROOT
 from meshcache.ctl.mesh.topology import SERVER_NODE, Mesh
+from meshcache.ctl.procs import local_http
 from tests.mesh.helpers import default_engine_calls, mlp_json, rest_infer
 
 KSERVE_PYTHON = REPO_ROOT / ".venv-kserve" / "bin" / "python"
@@ -90,7 +90,7 @@ def test_key_shaping_policy_fields_reach_the_filter_through_the_api(mesh: Mesh) 
             # deterministic_only applies to OpenAI text generation: a chat request for a model
             # under such a policy bypasses before it goes anywhere near an engine.
             api.wait_acked(SERVER_NODE, api.put("gpt-test", {"ttl_s": 60, "deterministic_only": True})["version"])
-            chat = httpx.post(f"http://{app}/v1/chat/completions", timeout=10,
+            chat = local_http().post(f"http://{app}/v1/chat/completions", timeout=10,
                               json={"model": "gpt-test-1", "messages": [], "temperature": 0.9})
             assert chat.headers["cache-status"] == "meshcache; fwd=bypass; detail=nondeterministic"
         finally:

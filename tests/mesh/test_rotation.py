@@ -31,6 +31,7 @@ from meshcache.ctl.mesh.certs import pki_dir
 from meshcache.ctl.mesh.config import MeshConfig, Ports
 from meshcache.ctl.mesh.topology import SERVER_NODE, Mesh
 from meshcache.ctl.pki import CertificateAuthority, Identity
+from meshcache.ctl.procs import local_http
 from tests.helpers.wait import eventually
 from tests.mesh.helpers import mlp_json, rest_infer
 from tests.mesh.load import KINDS, Load, expected_answers
@@ -84,7 +85,7 @@ def _presented_serial(mesh: Mesh) -> int:
 
 def _loaded_serials(admin_port: int) -> set[int]:
     """Serials of the certificates an Envoy has loaded (admin /certs)."""
-    doc = httpx.get(f"http://127.0.0.1:{admin_port}/certs", timeout=5).json()
+    doc = local_http().get(f"http://127.0.0.1:{admin_port}/certs", timeout=5).json()
     return {int(c["serial_number"], 16) for entry in doc["certificates"] for c in entry.get("cert_chain", [])}
 
 

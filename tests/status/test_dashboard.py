@@ -16,13 +16,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 import yaml
 
 from meshcache.contract.paths import REPO_ROOT
 from meshcache.ctl import procs
 from meshcache.ctl.istio import monitoring
+from meshcache.ctl.procs import local_http
 from tests.mesh.helpers import grpc_call, mlp_json, mlp_request, rest_infer
 from tests.status.helpers import RunningMesh
 
@@ -84,7 +84,7 @@ def prometheus(running_mesh: RunningMesh, tmp_path: Path) -> Iterator[str]:
 
 
 def _query(url: str, expr: str) -> list[dict[str, Any]]:
-    r = httpx.get(f"{url}/api/v1/query", params={"query": expr}, timeout=10)
+    r = local_http().get(f"{url}/api/v1/query", params={"query": expr}, timeout=10)
     body = r.json()
     assert r.status_code == 200 and body["status"] == "success", f"{expr}: {body}"
     return body["data"]["result"]  # type: ignore[no-any-return]
@@ -101,7 +101,8 @@ def test_every_dashboard_query_has_live_data(running_mesh: RunningMesh, promethe
     credentials = rest_infer(e["app"], "mlp-classifier", mlp_json(9104), {"authorization": "Bearer x"})
     assert credentials.headers["cache-status"] == "meshcache; fwd=bypass; detail=credentials"
     bad = {"inputs": [{"name": "input", "shape": [1, 3], "datatype": "FP32", "data": [1, 2, 3]}]}
-    assert httpx.post(f"{e['engine_http']}/v2/models/mlp-classifier/infer", json=bad, timeout=10).status_code == 400
+    refused = local_http().post(f"{e['engine_http']}/v2/models/mlp-classifier/infer", json=bad, timeout=10)
+    assert refused.status_code == 400
 
     queries = dashboard_queries()
     assert len(queries) >= 20
@@ -109,7 +110,7 @@ def test_every_dashboard_query_has_live_data(running_mesh: RunningMesh, promethe
     deadline = time.monotonic() + 60
     missing: dict[str, str] = {}
     while time.monotonic() < deadline:
-        live = set(httpx.get(f"{prometheus}/api/v1/label/__name__/values", timeout=10).json()["data"])
+        live = set(local_http().get(f"{prometheus}/api/v1/label/__name__/values", timeout=10).json()["data"])
         missing = {}
         for title, expr in queries:
             concrete = expr.replace("$__rate_interval", "15s").replace("$model", ".*")
@@ -140,12 +141,12 @@ def test_every_dashboard_query_has_live_data(running_mesh: RunningMesh, promethe
     assert stored and float(stored[0]["value"][1]) >= 3, stored
 
     # The model variable lists the policies' models (label set by the scrape config's relabelling).
-    models = httpx.get(f"{prometheus}/api/v1/label/model/values",
+    models = local_http().get(f"{prometheus}/api/v1/label/model/values",
                        params={"match[]": "meshcache_policy_hits"}, timeout=10).json()["data"]
     assert {"mlp_classifier", "resnet_mini", "text_embedder"} <= set(models)
     # One model label across filter and engine metrics: the engine's requests join the filter's
     # hits on `model` (the engine's own name is mlp-classifier; the scrape config rewrites it).
-    engine_models = httpx.get(f"{prometheus}/api/v1/label/model/values",
+    engine_models = local_http().get(f"{prometheus}/api/v1/label/model/values",
                               params={"match[]": "meshcache_engine_requests_total"}, timeout=10).json()["data"]
     assert "mlp_classifier" in engine_models and not [m for m in engine_models if "-" in m], engine_models
     joined = _query(prometheus, "sum by (model) (meshcache_engine_requests_total) and on (model) "

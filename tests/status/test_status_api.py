@@ -7,10 +7,10 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
 from meshcache.ctl import launchers, procs
+from meshcache.ctl.procs import local_http
 from tests.helpers.control_plane import READ_TOKEN, WRITE_TOKEN, ControlPlaneProc, start_control_plane
 from tests.helpers.filter_stats import filter_stats, filter_stats_reaching
 from tests.helpers.wait import eventually
@@ -133,16 +133,16 @@ def test_history_lists_diffs_and_rollbacks(lone_cp: tuple[ControlPlaneProc, str]
 
 def test_page_is_static_same_origin_and_locked_down(lone_cp: tuple[ControlPlaneProc, str]) -> None:
     cp, _ = lone_cp
-    page = httpx.get(f"{cp.url}/status")
+    page = local_http().get(f"{cp.url}/status")
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
     csp = page.headers["content-security-policy"]
     assert "script-src 'self'" in csp and "frame-ancestors 'none'" in csp and "unsafe-inline" not in csp
     assert "http" not in page.text.replace("http-equiv", "")  # no CDN or other origins
-    assert httpx.get(f"{cp.url}/status/status.js").headers["content-type"].startswith("text/javascript")
-    assert httpx.get(f"{cp.url}/status/status.css").status_code == 200
+    assert local_http().get(f"{cp.url}/status/status.js").headers["content-type"].startswith("text/javascript")
+    assert local_http().get(f"{cp.url}/status/status.css").status_code == 200
     for bad in ("/status/../settings.py", "/status/status.html", "/status/x.js"):
-        assert httpx.get(f"{cp.url}{bad}").status_code == 404
-    assert httpx.get(f"{cp.url}/", follow_redirects=False).headers["location"] == "/status"
+        assert local_http().get(f"{cp.url}{bad}").status_code == 404
+    assert local_http().get(f"{cp.url}/", follow_redirects=False).headers["location"] == "/status"
 
 
 def test_proxies_found_by_dns_are_read_through_the_template(running_mesh: RunningMesh, tmp_path: Path) -> None:
