@@ -2,7 +2,9 @@
 SHELL := /bin/bash
 VENV := .venv
 PY := $(VENV)/bin/python
-PYTEST_ARGS ?= -n 2
+# Three workers on two cores: most tests wait on real processes (Envoy, the engine, istiod), so
+# a third worker fills the idle time (measured: pytest 257 s with -n 3, 335 s with -n 2).
+PYTEST_ARGS ?= -n 3
 
 .PHONY: setup filter test test-filter test-python lint demo bench clean images
 
