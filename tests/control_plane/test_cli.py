@@ -27,7 +27,7 @@ def test_env_settings_and_tokens_file(tmp_path: Path, redis_server: tuple[procs.
         procs.wait_until(proc, procs.http_ok(f"http://127.0.0.1:{http_port}/readyz"))
         procs.wait_until(proc, procs.tcp_open(xds_port))
         r = local_http().put(f"http://127.0.0.1:{http_port}/v1/policies/m", json={"ttl_s": 1},
-                      headers={"Authorization": "Bearer file-token-0123456789abcdef"})
+                             headers={"Authorization": "Bearer file-token-0123456789abcdef"})
         assert r.status_code == 200 and r.json()["version"] == 1
     finally:
         proc.stop()

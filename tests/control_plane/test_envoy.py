@@ -52,7 +52,7 @@ class Sidecar:
 
     def infer(self, model: str, body: bytes = BODY) -> httpx.Response:
         return local_http().post(f"http://127.0.0.1:{self.listen_port}/v2/models/{model}/infer", content=body,
-                          headers={"content-type": "application/json"}, timeout=10)
+                                 headers={"content-type": "application/json"}, timeout=10)
 
     def origin_calls(self) -> int:
         return int(local_http().get(f"http://127.0.0.1:{self.origin_port}/calls", timeout=5).json()["http"])
@@ -164,7 +164,7 @@ def test_lowering_a_ttl_or_disabling_reaches_stored_entries(cp: ControlPlaneProc
     for model, body in (("llama3-70b", BODY), ("llama3-8b", origin_max_age)):
         headers = {"x-origin-cache-control": "max-age=1200"} if body is origin_max_age else {}
         r = local_http().post(f"http://127.0.0.1:{sidecar.listen_port}/v2/models/{model}/infer", content=body,
-                       headers=headers, timeout=10)
+                              headers=headers, timeout=10)
         assert cache_status(r) == "meshcache; fwd=miss; stored"
 
     def hit_ttl(model: str, body: bytes) -> str:

@@ -134,7 +134,7 @@ def test_repository_unload_and_load_over_http(own_engine: tuple[Engine, Path]) -
     assert client.infer("text-embedder", [inp]).as_numpy("embedding").shape == (1, 32)
     # Errors name what is wrong.
     r = local_http().post(f"{engine.http_url}/v2/repository/models/text-embedder/load",
-                   json={"parameters": {"file:1/model.onnx": "AAAA"}})
+                          json={"parameters": {"file:1/model.onnx": "AAAA"}})
     assert r.status_code == 400 and "load parameter 'file:1/model.onnx' is not supported" in r.json()["error"]
     r = local_http().post(f"{engine.http_url}/v2/repository/models/no-such-model/load")
     assert r.status_code == 404 and "no-such-model" in r.json()["error"]

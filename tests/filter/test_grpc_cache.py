@@ -133,7 +133,7 @@ def test_grpc_web_bypasses(tmp_path: Path, host: str) -> None:
         headers = {"content-type": "application/grpc-web+proto", "x-grpc-web": "1"}
         for _ in range(2):
             r = local_http().post(s.url("/inference.GRPCInferenceService/ModelInfer"), content=framed, headers=headers,
-                           timeout=10)
+                                  timeout=10)
             assert r.headers.get("cache-status") == "meshcache; fwd=bypass; detail=grpc-web"
         s.stats_reaching({"meshcache.bypasses": 2, "meshcache.hits": 0})
 

@@ -91,7 +91,7 @@ def test_key_shaping_policy_fields_reach_the_filter_through_the_api(mesh: Mesh) 
             # under such a policy bypasses before it goes anywhere near an engine.
             api.wait_acked(SERVER_NODE, api.put("gpt-test", {"ttl_s": 60, "deterministic_only": True})["version"])
             chat = local_http().post(f"http://{app}/v1/chat/completions", timeout=10,
-                              json={"model": "gpt-test-1", "messages": [], "temperature": 0.9})
+                                     json={"model": "gpt-test-1", "messages": [], "temperature": 0.9})
             assert chat.headers["cache-status"] == "meshcache; fwd=bypass; detail=nondeterministic"
         finally:
             api.wait_acked(SERVER_NODE, api.put("mlp-classifier", spec)["version"])

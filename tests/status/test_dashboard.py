@@ -142,12 +142,12 @@ def test_every_dashboard_query_has_live_data(running_mesh: RunningMesh, promethe
 
     # The model variable lists the policies' models (label set by the scrape config's relabelling).
     models = local_http().get(f"{prometheus}/api/v1/label/model/values",
-                       params={"match[]": "meshcache_policy_hits"}, timeout=10).json()["data"]
+                              params={"match[]": "meshcache_policy_hits"}, timeout=10).json()["data"]
     assert {"mlp_classifier", "resnet_mini", "text_embedder"} <= set(models)
     # One model label across filter and engine metrics: the engine's requests join the filter's
     # hits on `model` (the engine's own name is mlp-classifier; the scrape config rewrites it).
     engine_models = local_http().get(f"{prometheus}/api/v1/label/model/values",
-                              params={"match[]": "meshcache_engine_requests_total"}, timeout=10).json()["data"]
+                                     params={"match[]": "meshcache_engine_requests_total"}, timeout=10).json()["data"]
     assert "mlp_classifier" in engine_models and not [m for m in engine_models if "-" in m], engine_models
     joined = _query(prometheus, "sum by (model) (meshcache_engine_requests_total) and on (model) "
                                 "sum by (model) (meshcache_policy_hits)")
