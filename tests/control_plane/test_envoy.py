@@ -17,16 +17,18 @@ from pathlib import Path
 import httpx
 import pytest
 
-from meshcache.contract.native_filter import NATIVE_FILTER_NAME
+from meshcache.contract.filter_config import client_plugin_config
+from meshcache.contract.native_filter import NATIVE_CLIENT_FILTER_NAME, NATIVE_FILTER_NAME
 from meshcache.contract.paths import FILTER_WASM, require_filter_native
-from meshcache.contract.wasm_filter import FILTER_NAME
+from meshcache.contract.wasm_filter import CLIENT_FILTER_NAME, FILTER_NAME
 from meshcache.control_plane.schemas import Policy
 from meshcache.control_plane.settings import Settings
 from meshcache.control_plane.snapshots import Snapshot
 from meshcache.control_plane.store import Store
 from meshcache.ctl import launchers, procs
-from meshcache.ctl.envoy_config import CacheProxy, write
+from meshcache.ctl.envoy_config import Affinity, CacheProxy, ClientSidecar, write
 from meshcache.ctl.mesh.config import FILTER_HOSTS
+from meshcache.ctl.pki import CertificateAuthority, spiffe_id
 from meshcache.ctl.procs import local_http
 from tests.helpers.control_plane import ControlPlaneProc, run
 from tests.helpers.filter_stats import filter_stats_reaching
@@ -321,3 +323,29 @@ def test_entries_and_bytes_per_policy_through_removal_purge_and_layout_change(
     wait_acked(cp, c.put("/v1/limits", json={"max_entries": 64}).json()["version"])
     g = cache_gauges(sidecar, {"meshcache.entries": 0})
     assert all(v == 0 for v in g.values()), g
+
+
+@pytest.mark.parametrize("host", FILTER_HOSTS)
+def test_a_client_sidecar_gets_the_client_role_of_its_host(tmp_path: Path, cp: ControlPlaneProc, host: str) -> None:
+    """`meshcache up --replicas N`: the client sidecar asks for the client role of the host it runs
+    (`meshcache-client`, or `meshcache-native-client` for the dynamic module), and each policy
+    change reaches it."""
+    admin = procs.free_port()
+    identity = CertificateAuthority.create().issue(spiffe_id("default", "client"), tmp_path / "pki", "client")
+    affinity = Affinity(FILTER_WASM, client_plugin_config(DEFAULT_CONFIG), ecds_port=cp.xds_port,
+                        native_module=require_filter_native() if host == "native" else None)
+    sidecar = ClientSidecar(listen_port=procs.free_port(), admin_port=admin, server_ports=[procs.free_port()],
+                            identity=identity, server_identities=[spiffe_id("default", "server")],
+                            node_id="client-ecds", affinity=affinity)
+    name = NATIVE_CLIENT_FILTER_NAME if host == "native" else CLIENT_FILTER_NAME
+    prefix = ECDS_STATS.format(name)
+    with procs.supervised([launchers.start_envoy(write(sidecar, tmp_path / "client.yaml"), admin, tmp_path / "logs")]):
+        c = cp.client()
+        for pushed, ttl in enumerate((120, 60), start=1):
+            c.put("/v1/policies/llama3", json={"ttl_s": ttl})
+            eventually(lambda n=pushed: launchers.envoy_stats(admin, prefix).get(f"{prefix}config_reload") == n,
+                       timeout=10)
+        stats = launchers.envoy_stats(admin, prefix)
+        assert stats[f"{prefix}config_reload"] == 2 and stats.get(f"{prefix}config_fail", 0) == 0, stats
+        client = next(p for p in c.get("/v1/proxies").json()["proxies"] if p["node_id"] == "client-ecds")
+        assert client["resources"] == [name], client
