@@ -173,7 +173,9 @@ def test_leader_failure_hands_over_to_one_new_leader_and_waiters_are_answered(tm
         assert s.origin_calls()["http"] == 2, "the failed leader, then one new leader"
 
         def handed_over(stats: dict[str, int]) -> None:
-            assert stats.get("meshcache.coalesce.released", 0) >= 15 and stats.get("meshcache.coalesce.served") == 14
+            # The new leader was woken without an entry (released); each other waiter either was
+            # too and waited again, or woke after the new leader stored and was served at once.
+            assert stats.get("meshcache.coalesce.released", 0) >= 1 and stats.get("meshcache.coalesce.served") == 14
 
         s.stats_where(handed_over)
 
