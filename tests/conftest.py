@@ -4,6 +4,7 @@ per test (used by the control-plane and Istio tests)."""
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -11,7 +12,22 @@ import pytest
 
 from meshcache.contract.paths import MissingOutsideFile, require_filter_wasm
 from meshcache.ctl import launchers, procs
+from meshcache.ctl.mesh.config import FREE_PORT_POOL
 from tests.helpers.control_plane import ControlPlaneProc, start_control_plane
+
+
+def _own_port_range() -> None:
+    """Each pytest-xdist worker (and every process it starts) picks free ports from its own slice
+    of 20000-32767 (meshcache.ctl.procs.port_range): a port one worker picked but has not bound
+    yet is never handed to another, and no client socket takes it as its ephemeral port."""
+    low, high = FREE_PORT_POOL[0], FREE_PORT_POOL[1] - 1
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    index = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
+    width = (high - low + 1) // workers
+    os.environ[procs.PORT_RANGE_ENV] = f"{low + index * width}-{low + (index + 1) * width - 1}"
+
+
+_own_port_range()
 
 
 @pytest.hookimpl(wrapper=True)

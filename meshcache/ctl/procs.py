@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import random
 import signal
 import socket
 import ssl
@@ -23,12 +24,47 @@ import httpx
 
 from meshcache.ctl.interrupts import deferred_stop_signals
 
+PORT_RANGE_ENV = "MESHCACHE_PORT_RANGE"
+_next_in_range: list[int] = []  # where this process's walk through the range is
+
+
+def port_range() -> range | None:
+    """The ports `free_port` (and `meshcache up`'s `Ports.free`) pick from when
+    MESHCACHE_PORT_RANGE=low-high is set. The test suite gives each parallel worker its own: a
+    port one worker picked and has not bound yet is then never handed to another, as the kernel's
+    choice for port 0 can be (and a server with SO_REUSEPORT, as gRPC's and Envoy's are by
+    default, would then share the port silently)."""
+    raw = os.environ.get(PORT_RANGE_ENV, "").strip()
+    if not raw:
+        return None
+    low, sep, high = raw.partition("-")
+    if not (sep and low.strip().isdigit() and high.strip().isdigit()
+            and 1024 <= int(low) < int(high) <= 65535):
+        raise ValueError(f"{PORT_RANGE_ENV} is low-high with 1024 <= low < high <= 65535, not {raw!r}")
+    return range(int(low), int(high) + 1)
+
 
 def free_port() -> int:
-    """A TCP port that is free on 127.0.0.1 right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A TCP port that is free on 127.0.0.1 right now: the kernel's choice, or with
+    MESHCACHE_PORT_RANGE the next free one in that range (from a random start, so this process
+    hands out no port twice until it has walked the whole range)."""
+    pool = port_range()
+    if pool is None:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            return int(s.getsockname()[1])
+    if not _next_in_range:
+        _next_in_range.append(random.randrange(len(pool)))
+    for _ in range(len(pool)):
+        port = pool[_next_in_range[0] % len(pool)]
+        _next_in_range[0] += 1
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise OSError(f"no free port in {PORT_RANGE_ENV}={pool.start}-{pool.stop - 1}")
 
 
 def port_open(port: int, host: str = "127.0.0.1") -> bool:

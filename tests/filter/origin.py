@@ -235,7 +235,9 @@ def main() -> None:
     parser.add_argument("--http-port", type=int, required=True)
     parser.add_argument("--grpc-port", type=int, required=True)
     args = parser.parse_args()
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=64))
+    # No SO_REUSEPORT (on by default in gRPC): a port taken by another process fails the start
+    # instead of sharing its connections.
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=64), options=[("grpc.so_reuseport", 0)])
     handler = grpc.method_handlers_generic_handler(
         "inference.GRPCInferenceService",
         {"ModelInfer": grpc.unary_unary_rpc_method_handler(_model_infer)},

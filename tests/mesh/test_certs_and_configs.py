@@ -15,6 +15,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from meshcache.contract.paths import envoy_binary
+from meshcache.ctl import procs
 from meshcache.ctl.envoy_config import ClientSidecar, render_client, sds_secret_paths, write
 from meshcache.ctl.mesh.certs import ensure_certificates
 from meshcache.ctl.mesh.config import MAX_REPLICAS, MeshConfig, Ports
@@ -160,3 +161,19 @@ def test_replica_settings_and_ports(tmp_path: Path) -> None:
                                                                    if n != "replica_base"}
     with pytest.raises(ValueError):
         ports.replica(MAX_REPLICAS + 1)
+
+
+def test_ports_come_from_the_workers_own_range(monkeypatch: pytest.MonkeyPatch) -> None:
+    """conftest gives each test worker its own MESHCACHE_PORT_RANGE: `free_port` walks it without
+    handing out a port twice, `Ports.free` stays inside it, and a malformed range says what is wrong."""
+    monkeypatch.setenv(procs.PORT_RANGE_ENV, "27000-27199")
+    picked = [procs.free_port() for _ in range(150)]
+    assert len(set(picked)) == len(picked) and all(27000 <= p <= 27199 for p in picked)
+    ports = Ports.free()
+    named = [v for n, v in vars(ports).items() if n != "replica_base"]
+    assert all(27000 <= p <= 27199 for p in named)
+    assert 27000 <= ports.replica(MAX_REPLICAS).engine_metrics <= 27199
+    for bad in ("27000", "80-90", "2-1", "a-b", "30000-20000"):
+        monkeypatch.setenv(procs.PORT_RANGE_ENV, bad)
+        with pytest.raises(ValueError, match="MESHCACHE_PORT_RANGE is low-high"):
+            procs.free_port()

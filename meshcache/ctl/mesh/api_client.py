@@ -12,7 +12,12 @@ from meshcache.ctl import procs
 
 
 class ApiError(RuntimeError):
-    """The control plane refused or could not be reached; the message says why."""
+    """The control plane refused or could not be reached; the message says why. `status` is the
+    HTTP status of a refusal (0: no answer)."""
+
+    def __init__(self, message: str, status: int = 0) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class PolicyApi:
@@ -40,7 +45,7 @@ class PolicyApi:
                 detail = r.json().get("detail", r.text)
             except ValueError:
                 detail = r.text
-            raise ApiError(f"{method} {path}: {r.status_code} {detail}")
+            raise ApiError(f"{method} {path}: {r.status_code} {detail}", r.status_code)
         return r.json()
 
     def policies(self) -> dict[str, Any]:

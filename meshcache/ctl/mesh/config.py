@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from meshcache.contract.filter_config import DEMO_POLICIES
+from meshcache.ctl import procs
 from meshcache.ctl.envoy_config import LB_POLICIES
 from meshcache.ctl.pki import spiffe_id
 
@@ -92,10 +93,11 @@ class Ports:
         every port is picked."""
         names = [f.name for f in dataclasses.fields(cls) if f.name != "replica_base"]
         low, high = _ephemeral_range()
-        pool = [p for p in range(*FREE_PORT_POOL) if not low <= p <= high]
+        candidates = procs.port_range() or range(*FREE_PORT_POOL)
+        pool = [p for p in candidates if not low <= p <= high]
         picked: list[int] = []
         with contextlib.ExitStack() as stack:
-            base = _free_block(stack, [p for p in pool if p + REPLICA_BLOCK < FREE_PORT_POOL[1]
+            base = _free_block(stack, [p for p in pool if p + REPLICA_BLOCK < candidates.stop
                                        and not low <= p + REPLICA_BLOCK <= high])
             block = range(base, base + REPLICA_BLOCK)
             for port in random.sample(pool, min(len(pool), 4096)):
@@ -109,7 +111,8 @@ class Ports:
                 picked.append(port)
                 if len(picked) == len(names):
                     return cls(**dict(zip(names, picked, strict=True)), replica_base=base)
-        raise OSError(f"no {len(names)} free ports in {FREE_PORT_POOL} outside the ephemeral range {low}-{high}")
+        raise OSError(f"no {len(names)} free ports in {candidates.start}-{candidates.stop - 1} "
+                      f"outside the ephemeral range {low}-{high}")
 
 
 # Where `Ports.free` looks: above the well-known ports users' own services tend to take.
@@ -132,7 +135,7 @@ def _free_block(stack: contextlib.ExitStack, starts: list[int]) -> int:
         for s in sockets:
             stack.enter_context(s)
         return start
-    raise OSError(f"no {REPLICA_BLOCK} consecutive free ports in {FREE_PORT_POOL}")
+    raise OSError(f"no {REPLICA_BLOCK} consecutive free ports among {len(starts)} candidate starts")
 
 
 def _ephemeral_range() -> tuple[int, int]:
