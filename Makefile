@@ -2,9 +2,10 @@
 SHELL := /bin/bash
 VENV := .venv
 PY := $(VENV)/bin/python
-# Two workers on two cores. Three are faster (pytest 257-295 s instead of 335-360 s: the suite waits on
-# real processes more than it computes) but two of four fresh-clone runs then hit timing races.
-PYTEST_ARGS ?= -n 2
+# Three workers on two cores: the suite waits on real processes more than it computes. A module goes
+# to one worker at a time, costliest first (tests/conftest.py SLOW_FIRST), so its module-scoped
+# stacks and meshes start once and no long module ends the run alone.
+PYTEST_ARGS ?= -n 3 --dist loadscope --no-loadscope-reorder
 
 .PHONY: setup filter test test-filter test-python lint demo bench clean images
 
