@@ -23,6 +23,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
 from .schemas import AuditEntry
@@ -84,13 +85,17 @@ class Store:
         self.channel = f"{p}:changes"
         self.replicas_key = f"{p}:replicas"
         self.proxies_prefix = f"{p}:proxies:"
-        # No client-side retries: a write either answers fast or fails with 503; the caller
-        # (or the sync loop's backoff) decides when to try again.
+        # One immediate retry, on a broken connection only: a pooled connection that Redis reset
+        # when it restarted looks idle and healthy until used, and would fail the first requests
+        # after Redis is back. Timeouts are not retried: a write either answers fast or fails
+        # with 503, and the caller (or the sync loop's backoff) decides when to try again. A
+        # commit retried after its reply was lost meets its own write as a version conflict, and
+        # the write path re-reads and finds the change applied.
         self.redis: aioredis.Redis = aioredis.Redis.from_url(
             settings.redis_url,
             socket_timeout=settings.redis_timeout_s,
             socket_connect_timeout=settings.redis_timeout_s,
-            retry=Retry(NoBackoff(), 0),
+            retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
             max_connections=64,
         )
         self._commit = self.redis.register_script(_COMMIT)
