@@ -8,11 +8,13 @@
 #   MESHCACHE_IMAGE_TAG    tag of the two images (default: the project version)
 #   MESHCACHE_BUILDER      buildah, podman or docker (default: the first found)
 #
-# `scripts/images.sh --base-only` only makes sure the default base exists (make setup runs it, so
-# the debootstrap happens once per machine, with the other per-machine builds).
+# `scripts/images.sh --prepare` builds only what changes with the machine and the pins, not with the
+# project's code: the default base, and the Dockerfiles' `deps` and `runtime` stages (the Debian
+# packages and the pinned dependencies). make setup runs it, so the debootstrap and the big layers
+# happen once per machine, with the other per-machine builds; `make images` then adds the project.
 set -euo pipefail
-base_only=false
-[ "${1:-}" = --base-only ] && base_only=true
+prepare=false
+[ "${1:-}" = --prepare ] && prepare=true
 cd "$(dirname "$0")/.."
 
 builder=${MESHCACHE_BUILDER:-}
@@ -62,10 +64,6 @@ if [ -z "$base" ]; then
   digest=$("$builder" images --format '{{.Digest}}' "$local_base" | head -1)
   base="localhost/meshcache/debian@$digest"
 fi
-if $base_only; then
-  echo "images: base $base"
-  exit 0
-fi
 case "$base" in
   *@sha256:*) ;;
   *) echo "images: MESHCACHE_BASE_IMAGE must be pinned by digest (REPO@sha256:DIGEST), got $base" >&2; exit 2 ;;
@@ -76,21 +74,30 @@ esac
 # The dependencies are resolved for the image's Python, Debian 12's 3.11.2 on glibc 2.36 (binary
 # wheels only). pip evaluates python_full_version markers with this interpreter's version, so
 # redis's `async-timeout; python_full_version < "3.11.3"` is named explicitly.
+# The project's wheel in dist/wheel/self, its dependencies in dist/wheel/deps (their own layer).
 rm -rf dist/wheel
 # Zip timestamps from the last commit: the same sources give the same wheel, so the builder's
 # layer cache (buildah --layers) skips the install when nothing changed.
 SOURCE_DATE_EPOCH=$(git log -1 --format=%ct 2>/dev/null || echo 315532800) \
-  .venv/bin/pip wheel -q --no-deps -w dist/wheel . 2>/dev/null
+  .venv/bin/pip wheel -q --no-deps -w dist/wheel/self . 2>/dev/null
 platforms=(--platform any --platform manylinux2014_x86_64 --platform manylinux2010_x86_64 --platform manylinux1_x86_64)
 for minor in $(seq 17 36); do platforms+=(--platform "manylinux_2_${minor}_x86_64"); done
-.venv/bin/pip download -q --dest dist/wheel --only-binary=:all: --python-version 3.11.2 --implementation cp \
-  --abi cp311 --abi abi3 --abi none "${platforms[@]}" dist/wheel/meshcache-*.whl "async-timeout==5.0.1"
+.venv/bin/pip download -q --dest dist/wheel/deps --only-binary=:all: --python-version 3.11.2 --implementation cp \
+  --abi cp311 --abi abi3 --abi none "${platforms[@]}" dist/wheel/self/meshcache-*.whl "async-timeout==5.0.1"
+rm -f dist/wheel/deps/meshcache-*.whl
 case "$builder" in
   # chroot isolation: no nested container runtime needed (works inside an unprivileged container).
   buildah) build=(buildah bud --layers --isolation chroot --network host --ulimit "nofile=$(ulimit -Hn):$(ulimit -Hn)") ;;
   podman) build=(podman build --network host) ;;
   docker) build=(docker build) ;;
 esac
+if $prepare; then
+  for dockerfile in engine/Dockerfile control_plane/Dockerfile; do
+    "${build[@]}" --quiet --build-arg "BASE=$base" -f "$dockerfile" --target runtime . >/dev/null
+  done
+  echo "images: base $base; the deps and runtime stages are built"
+  exit 0
+fi
 for image in engine control-plane; do
   dockerfile=engine/Dockerfile
   [ "$image" = control-plane ] && dockerfile=control_plane/Dockerfile

@@ -97,6 +97,7 @@ fi
 # "Running against a real istiod"). Quick when already built.
 scripts/build_istiod.sh >/dev/null
 
-# The Debian 12 base the images build on (`make images`, tests/images): debootstrapped once per
-# machine and kept in buildah's local storage. Quick when it exists.
-MESHCACHE_BUILDER=buildah scripts/images.sh --base-only >/dev/null
+# The Debian 12 base the images build on (`make images`, tests/images), debootstrapped once per
+# machine, and the images' stages that change only with the pins (Debian packages, the pinned
+# Python dependencies), kept in buildah's local storage. Quick when they exist.
+MESHCACHE_BUILDER=buildah scripts/images.sh --prepare >/dev/null

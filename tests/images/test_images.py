@@ -67,7 +67,7 @@ def test_dockerfiles_match_the_manifests(name: str, deployment_name: str) -> Non
     assert {int(p) for p in " ".join(final["EXPOSE"]).split()} == {p["containerPort"] for p in c["ports"]}
     assert final["ENTRYPOINT"] == [f'["{c["command"][0]}"]']
     froms = re.findall(r"(?m)^FROM (\S+)", DOCKERFILES[name].read_text())
-    assert froms == ["${BASE}", "${BASE}"] and "ARG BASE" in DOCKERFILES[name].read_text()
+    assert froms == ["${BASE}", "${BASE}", "runtime"] and "ARG BASE" in DOCKERFILES[name].read_text()
 
 
 # ---- the built images, run as the Deployments run them ---------------------------------------
