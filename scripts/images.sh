@@ -69,6 +69,16 @@ case "$base" in
   *) echo "images: MESHCACHE_BASE_IMAGE must be pinned by digest (REPO@sha256:DIGEST), got $base" >&2; exit 2 ;;
 esac
 
+# What --prepare builds depends only on the base, the Dockerfiles and the pins (pyproject.toml):
+# a tag named after them says it was built, so `make setup` is quick when nothing changed.
+prepared="localhost/meshcache/prepared:$(cat engine/Dockerfile control_plane/Dockerfile pyproject.toml \
+  <(echo "$base") | sha256sum | cut -c1-16)"
+if $prepare && "$builder" inspect --type image "$prepared-engine" >/dev/null 2>&1 \
+    && "$builder" inspect --type image "$prepared-control-plane" >/dev/null 2>&1; then
+  echo "images: base $base; the deps and runtime stages are built for these pins"
+  exit 0
+fi
+
 # The wheel and every pinned dependency, fetched here with this machine's pip settings: the image
 # build itself installs offline (pip --no-index), so it needs no registry access or CA of its own.
 # The dependencies are resolved for the image's Python, Debian 12's 3.11.2 on glibc 2.36 (binary
@@ -92,8 +102,10 @@ case "$builder" in
   docker) build=(docker build) ;;
 esac
 if $prepare; then
-  for dockerfile in engine/Dockerfile control_plane/Dockerfile; do
-    "${build[@]}" --quiet --build-arg "BASE=$base" -f "$dockerfile" --target runtime . >/dev/null
+  for image in engine control-plane; do
+    dockerfile=engine/Dockerfile
+    [ "$image" = control-plane ] && dockerfile=control_plane/Dockerfile
+    "${build[@]}" --quiet --build-arg "BASE=$base" -f "$dockerfile" --target runtime -t "$prepared-$image" . >/dev/null
   done
   echo "images: base $base; the deps and runtime stages are built"
   exit 0
