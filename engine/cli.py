@@ -9,7 +9,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from meshcache.engine.demo_models import is_current, write_demo_models
+from meshcache.engine.demo_stamp import is_current
 from meshcache.engine.model_config import ConfigError
 from meshcache.engine.server import Settings, log, serve
 
@@ -71,6 +71,9 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.clean:
             shutil.rmtree(args.directory, ignore_errors=True)
+        # Here, not at the top: `onnx` takes most of a second to import, and serving never needs it.
+        from meshcache.engine.demo_models import write_demo_models
+
         try:
             names = write_demo_models(args.directory, pins)
         except ValueError as exc:

@@ -8,7 +8,6 @@ downloads are needed and two machines produce byte-identical files.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -19,13 +18,12 @@ from google.protobuf import json_format
 from onnx import TensorProto, helper, numpy_helper
 
 from meshcache.contract.protos import model_config_pb2 as mc
+from meshcache.engine.demo_stamp import STAMP_FILE, stamp
 from meshcache.engine.model_config import CONFIG_FILE, to_text
 
 # Pinned so the files do not change when the onnx package is upgraded; onnxruntime 1.x reads it.
 OPSET = 17
 IR_VERSION = 8
-# Written next to the models: the generator version that wrote them (`init-models --if-stale`).
-STAMP_FILE = "demo-models.version"
 
 
 class _GraphBuilder:
@@ -219,20 +217,5 @@ def write_demo_models(directory: Path, serve_versions: dict[str, int] | None = N
             path.write_bytes(build(seed).SerializeToString(deterministic=True))
         changes = {"version_policy": {"specific": {"versions": [serve[name]]}}} if name in serve else {}
         (model_dir / CONFIG_FILE).write_text(to_text(demo_config(name, **changes)))
-    (directory / STAMP_FILE).write_text(_stamp(serve) + "\n")
+    (directory / STAMP_FILE).write_text(stamp(serve) + "\n")
     return list(DEMO_MODELS)
-
-
-def generator_version() -> str:
-    """The hash of this module's source: it changes whenever the models it writes may change."""
-    return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
-
-
-def _stamp(serve_versions: dict[str, int]) -> str:
-    return " ".join([generator_version(), *(f"{m}={v}" for m, v in sorted(serve_versions.items()))])
-
-
-def is_current(directory: Path, serve_versions: dict[str, int] | None = None) -> bool:
-    """Whether `directory` holds what `write_demo_models(directory, serve_versions)` writes (its stamp matches)."""
-    stamp = directory / STAMP_FILE
-    return stamp.is_file() and stamp.read_text().strip() == _stamp(dict(serve_versions or {}))
