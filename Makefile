@@ -26,7 +26,9 @@ lint: setup
 test-python: setup filter
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-test: test-filter lint test-python
+# The same three as test-filter, lint and test-python, with the cargo tests in the background (scripts/test.sh).
+test: setup filter
+	@PYTEST_ARGS="$(PYTEST_ARGS)" scripts/test.sh
 
 demo: setup filter
 	$(PY) -m meshcache.ctl.cli demo
