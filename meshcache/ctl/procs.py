@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import os
 import random
 import signal
@@ -25,7 +26,6 @@ import httpx
 from meshcache.ctl.interrupts import deferred_stop_signals
 
 PORT_RANGE_ENV = "MESHCACHE_PORT_RANGE"
-_next_in_range: list[int] = []  # where this process's walk through the range is
 
 
 def port_range() -> range | None:
@@ -44,6 +44,13 @@ def port_range() -> range | None:
     return range(int(low), int(high) + 1)
 
 
+@functools.cache
+def _walk(pool: range) -> Iterator[int]:
+    """This process's walk through `pool`, endless, from a random start."""
+    start = random.randrange(len(pool))
+    return (pool[(start + i) % len(pool)] for i in itertools.count())
+
+
 def free_port() -> int:
     """A TCP port that is free on 127.0.0.1 right now: the kernel's choice, or with
     MESHCACHE_PORT_RANGE the next free one in that range (from a random start, so this process
@@ -53,11 +60,9 @@ def free_port() -> int:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             s.bind(("127.0.0.1", 0))
             return int(s.getsockname()[1])
-    if not _next_in_range:
-        _next_in_range.append(random.randrange(len(pool)))
+    walk = _walk(pool)
     for _ in range(len(pool)):
-        port = pool[_next_in_range[0] % len(pool)]
-        _next_in_range[0] += 1
+        port = next(walk)
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             try:
                 s.bind(("127.0.0.1", port))
