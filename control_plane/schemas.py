@@ -16,7 +16,6 @@ from pydantic import (
     StringConstraints,
     ValidationInfo,
     field_validator,
-    model_validator,
 )
 
 from meshcache.contract.filter_config import (
@@ -147,14 +146,20 @@ class PurgeRequest(BaseModel):
     """One model's entries (`model_prefix`) or every policy's (`all`: true), not both."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
-    model_prefix: ModelPrefix | None = None
+    # `all` first: model_prefix's check reads it.
     all: bool = Field(False, description="Purge every policy (one snapshot): the whole cache stops being served")
+    model_prefix: ModelPrefix | None = Field(None, validate_default=True,
+                                             description="The policy to purge; required unless all is true")
 
-    @model_validator(mode="after")
-    def _one_target(self) -> PurgeRequest:
-        if (self.model_prefix is None) == (not self.all):
-            raise ValueError("give either model_prefix or all: true")
-        return self
+    @field_validator("model_prefix")
+    @classmethod
+    def _one_target(cls, v: str | None, info: ValidationInfo) -> str | None:
+        every = info.data.get("all", False)
+        if v is None and not every:
+            raise ValueError("is required (or all: true to purge every policy)")
+        if v is not None and every:
+            raise ValueError("not with all: true (one or the other)")
+        return v
 
 
 class RollbackRequest(BaseModel):

@@ -93,8 +93,9 @@ def test_limits_show_and_set_change_the_served_config(cp: ControlPlaneProc) -> N
     assert (config["max_total_bytes"], config["max_entries"]) == (2 * DEFAULT_MAX_TOTAL_BYTES, DEFAULT_MAX_ENTRIES)
     assert json.loads(cli(cp, "limits", "show", "--json").stdout)["version"] == 1
     # Invalid: the API's 422, nothing written.
-    bad = cli(cp, "limits", "set", "--max-entry-bytes", str(4 * DEFAULT_MAX_TOTAL_BYTES))
-    assert bad.returncode == 1 and "422" in bad.stderr and "max_total_bytes" in bad.stderr, bad.stderr
+    bad = cli(cp, "limits", "set", "--max-total-bytes", "1000")  # below max_entry_bytes
+    assert bad.returncode == 1 and "422" in bad.stderr and "max_total_bytes: must be at least max_entry_bytes" \
+        in bad.stderr, bad.stderr
     assert served(cp)["version"] == "1"
 
 

@@ -19,6 +19,8 @@ Files in the output directory:
 
 from __future__ import annotations
 
+import datetime as dt
+import secrets
 from pathlib import Path
 
 from meshcache.ctl.pki import CertificateAuthority, spiffe_id
@@ -56,7 +58,11 @@ def _ca(namespace: str, out_dir: Path, days: int, new_ca: bool) -> tuple[Certifi
         cert.replace(out_dir / PREVIOUS)  # stays trusted (bundle) until --drop-old-ca
         key.unlink(missing_ok=True)
         written.append(out_dir / PREVIOUS)
-    ca = CertificateAuthority.create(name=f"meshcache xDS CA ({namespace})", days=days)
+    # A name of its own: verifiers pick the issuer by name, and BoringSSL (gRPC's) does not try a
+    # second CA of the same name in a bundle; the date tells the two apart for people too.
+    issued = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%MZ")
+    ca = CertificateAuthority.create(name=f"meshcache xDS CA ({namespace}) {issued} {secrets.token_hex(3)}",
+                                     days=days)
     ca.save(cert, key)
     return ca, [cert, key, *written]
 
