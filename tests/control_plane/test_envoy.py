@@ -9,6 +9,7 @@ also the native host, fed the `meshcache-native` resource.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -383,6 +384,9 @@ def test_what_limits_and_module_changes_do_to_stored_entries(
     keeps the entry; a new max_entries is refused without --yes (nothing pushed, the entry still
     hits) and empties the cache with it. A new module build pushed over ECDS keeps the Wasm host's
     entries and empties the native host's (docs/istio.md, "Upgrading the filter module")."""
+    # The control plane reads the sidecar's stats, so the CLI can say what is cached now.
+    cp.env["MESHCACHE_CP_PROXY_STATS"] = f"{NODE}=http://127.0.0.1:{sidecar.admin_port}/stats/prometheus"
+    cp.restart()
     c = cp.client()
     eventually(lambda: proxy_state(cp))
 
@@ -400,8 +404,10 @@ def test_what_limits_and_module_changes_do_to_stored_entries(
     wait_acked(cp, version())
     assert cache_status(sidecar.infer("llama3-70b")).startswith("meshcache; hit")  # nothing lost
     before = version()
+    eventually(lambda: c.get("/v1/stats").json()["proxies"][0]["entries"] == 1)
     refused = _meshcache(cp, "limits", "set", "--max-entries", "1024")
     assert refused.returncode == 1 and "every proxy empties its whole cache" in refused.stderr, refused.stderr
+    assert re.search(r"\(1 entry, \d+ bytes cached now on the 1 proxy read\)", refused.stderr), refused.stderr
     assert version() == before
     assert cache_status(sidecar.infer("llama3-70b")).startswith("meshcache; hit")
 

@@ -48,7 +48,9 @@ def _counts(api: PolicyApi, effects: list[dict[str, Any]]) -> dict[str | None, s
             entries, size = models[prefix]["entries"], models[prefix]["bytes"] or 0
         else:
             continue
-        out[prefix] = f"{entries} entries, {size} bytes cached now on the {len(proxies)} proxies read"
+        noun = "entry" if entries == 1 else "entries"
+        read = f"{len(proxies)} prox{'y' if len(proxies) == 1 else 'ies'} read"
+        out[prefix] = f"{entries} {noun}, {size} bytes cached now on the {read}"
     return out
 
 
