@@ -57,6 +57,16 @@ class PolicyService:
         snap, changed = await self.apply(tracked, actor, detail, if_match)
         return snap, changed, history.diff(applied_to[-1], snap) if changed else []
 
+    def preview(self, change: Change) -> tuple[Snapshot, Snapshot, bool, list[dict[str, Any]]]:
+        """What `write` would do now, without writing: (current snapshot, the one it would make,
+        whether it would change, the field diff). From the in-memory snapshot (kept current by
+        the Redis sync): apply with If-Match on the current version to make exactly this change."""
+        cur = self.cache.current
+        new = change(cur, cur.version + 1)
+        if new.same_content(cur):
+            return cur, cur, False, []
+        return cur, new, True, history.diff(cur, new)
+
     async def _apply(self, change: Change, actor: str, detail: str, if_match: int | None
                      ) -> tuple[Snapshot, bool]:
         # Start from memory (usually current). Anything that might be an artefact of a stale

@@ -9,7 +9,14 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationInfo, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    ValidationInfo,
+    field_validator,
+)
 
 from meshcache.contract.filter_config import (
     DEFAULT_COALESCE_TIMEOUT_MS,
@@ -136,8 +143,23 @@ class PolicyPatch(BaseModel):
 
 
 class PurgeRequest(BaseModel):
+    """One model's entries (`model_prefix`) or every policy's (`all`: true), not both."""
+
     model_config = ConfigDict(extra="forbid", strict=True)
-    model_prefix: ModelPrefix
+    # `all` first: model_prefix's check reads it.
+    all: bool = Field(False, description="Purge every policy (one snapshot): the whole cache stops being served")
+    model_prefix: ModelPrefix | None = Field(None, validate_default=True,
+                                             description="The policy to purge; required unless all is true")
+
+    @field_validator("model_prefix")
+    @classmethod
+    def _one_target(cls, v: str | None, info: ValidationInfo) -> str | None:
+        every = info.data.get("all", False)
+        if v is None and not every:
+            raise ValueError("is required (or all: true to purge every policy)")
+        if v is not None and every:
+            raise ValueError("not with all: true (one or the other)")
+        return v
 
 
 class RollbackRequest(BaseModel):
@@ -161,6 +183,14 @@ class HistoryChange(BaseModel):
     fields: dict[str, list[object]] = Field(description="field: [before, after]")
 
 
+class CacheEffect(BaseModel):
+    what: str = Field(description="emptied (every entry lost), evicted (entries dropped down to a smaller "
+                                  "budget), shrunk (fewer answers stored from now on), purged or removed "
+                                  "(that policy's entries no longer served)")
+    model_prefix: str | None = Field(description="The policy concerned; null: the whole cache")
+    message: str
+
+
 class WriteResult(BaseModel):
     version: int = Field(description="The current snapshot version after the write")
     changed: bool = Field(description="False when the write equalled the current state")
@@ -169,7 +199,13 @@ class WriteResult(BaseModel):
         default_factory=list, description="What this write changed (the status page's diff; empty if nothing)")
     warnings: list[str] = Field(
         default_factory=list, description="Applied anyway, but probably not what was meant (e.g. a model_prefix "
-                                          "no engine serves a model for)")
+                                          "no engine serves a model for), and what the change does to entries "
+                                          "already cached (the messages of cache_effects)")
+    cache_effects: list[CacheEffect] = Field(
+        default_factory=list, description="Entries this change empties, evicts or stops serving on every proxy "
+                                          "(empty: it loses nothing already cached)")
+    dry_run: bool = Field(False, description="True: nothing was written; `version` is the current one, the one "
+                                             "to send as If-Match to apply exactly this change")
 
 
 class SnapshotOut(BaseModel):

@@ -174,6 +174,14 @@ def purge(cur: Snapshot, version: int, author: str, prefix: str) -> Snapshot:
     return _derive(cur, version, author, f"purge {prefix}", (*rest, bumped))
 
 
+def purge_all(cur: Snapshot, version: int, author: str) -> Snapshot:
+    """Every policy gets the new version as its generation (one snapshot: the whole cache)."""
+    if not cur.policies:
+        raise NotFound("no policies to purge")
+    bumped = tuple(p.model_copy(update={"generation": version}) for p in cur.policies)
+    return _derive(cur, version, author, "purge all", bumped)
+
+
 def set_limits(cur: Snapshot, version: int, author: str, limits: Limits) -> Snapshot:
     return _derive(cur, version, author, "limits", cur.policies, limits)
 

@@ -6,8 +6,6 @@ import asyncio
 import contextlib
 import logging
 
-import grpc
-
 from .auth import TokenTable
 from .fleet import FleetView, replica_id
 from .mcp import IstioMcpRenderer, mcp_fallback
@@ -21,17 +19,9 @@ from .snapshots import SnapshotCache
 from .store import Store, StoreUnavailable
 from .sync import RedisSync
 from .xds_server import XdsServer
+from .xds_tls import xds_credentials
 
 log = logging.getLogger("meshcache.control_plane")
-
-
-def xds_credentials(settings: Settings) -> grpc.ServerCredentials | None:
-    """TLS for the xDS port when configured; a client CA makes client certificates mandatory."""
-    if settings.xds_tls_cert is None or settings.xds_tls_key is None:
-        return None
-    ca = settings.xds_tls_client_ca.read_bytes() if settings.xds_tls_client_ca else None
-    return grpc.ssl_server_credentials([(settings.xds_tls_key.read_bytes(), settings.xds_tls_cert.read_bytes())],
-                                       root_certificates=ca, require_client_auth=ca is not None)
 
 
 class ControlPlane:

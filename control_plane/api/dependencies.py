@@ -6,7 +6,7 @@ import re
 from collections.abc import Awaitable, Callable
 from typing import Annotated
 
-from fastapi import Depends, Header, Path, Request, Response
+from fastapi import Depends, Header, Path, Query, Request, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from meshcache.contract.filter_config import MAX_PREFIX_LEN, PREFIX_PATTERN
@@ -45,6 +45,9 @@ PrefixPath = Annotated[str, Path(min_length=1, max_length=MAX_PREFIX_LEN, patter
                                  description="The policy's model_prefix")]
 IfMatch = Annotated[str | None, Header(alias="If-Match", max_length=64,
                                        description="Snapshot version the change is based on")]
+DryRun = Annotated[bool, Query(description="true: apply nothing, answer what the change would do (its diff, "
+                                           "cache_effects and warnings); version is the current one, to send "
+                                           "as If-Match to apply exactly that")]
 _ETAG = re.compile(r'^\s*(?:W/)?"?(\d{1,15})"?\s*$')
 
 

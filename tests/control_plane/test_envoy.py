@@ -9,6 +9,9 @@ also the native host, fed the `meshcache-native` resource.
 from __future__ import annotations
 
 import json
+import re
+import shutil
+import subprocess
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -17,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from meshcache.contract.filter_config import client_plugin_config
+from meshcache.contract.filter_config import DEFAULT_MAX_TOTAL_BYTES, client_plugin_config
 from meshcache.contract.native_filter import NATIVE_CLIENT_FILTER_NAME, NATIVE_FILTER_NAME
 from meshcache.contract.paths import FILTER_WASM, require_filter_native
 from meshcache.contract.wasm_filter import CLIENT_FILTER_NAME, FILTER_NAME
@@ -30,7 +33,7 @@ from meshcache.ctl.envoy_config import Affinity, CacheProxy, ClientSidecar, writ
 from meshcache.ctl.mesh.config import FILTER_HOSTS
 from meshcache.ctl.pki import CertificateAuthority, spiffe_id
 from meshcache.ctl.procs import local_http
-from tests.helpers.control_plane import ControlPlaneProc, run
+from tests.helpers.control_plane import WRITE_TOKEN, ControlPlaneProc, run
 from tests.helpers.filter_stats import filter_stats_reaching
 from tests.helpers.wait import eventually
 
@@ -349,3 +352,86 @@ def test_a_client_sidecar_gets_the_client_role_of_its_host(tmp_path: Path, cp: C
         assert stats[f"{prefix}config_reload"] == 2 and stats.get(f"{prefix}config_fail", 0) == 0, stats
         client = next(p for p in c.get("/v1/proxies").json()["proxies"] if p["node_id"] == "client-ecds")
         assert client["resources"] == [name], client
+
+
+V8_CREATED = "wasm.envoy.wasm.runtime.v8.created"  # Envoy's count of Wasm VMs started
+
+
+def _meshcache(cp: ControlPlaneProc, *args: str) -> subprocess.CompletedProcess[str]:
+    """The CLI against this control plane, without a terminal (as a script runs it)."""
+    return subprocess.run([str(Path(sys.executable).parent / "meshcache"), *args, "--url", cp.url,
+                           "--token", WRITE_TOKEN], capture_output=True, text=True, timeout=60,
+                          stdin=subprocess.DEVNULL)
+
+
+def _rebuilt(module: Path, out: Path) -> Path:
+    """`module` with one more Wasm custom section: other code bytes (a new build as far as Envoy
+    can tell), the same behaviour. For the native host: a copy under another name (a new file to
+    load), which is what a new build's path is."""
+    if module.suffix == ".wasm":
+        name = b"meshcache-test-build"
+        payload = bytes([len(name)]) + name + b"2"
+        out.write_bytes(module.read_bytes() + b"\x00" + bytes([len(payload)]) + payload)
+    else:
+        shutil.copy(module, out)
+    return out
+
+
+@pytest.mark.parametrize("host", FILTER_HOSTS)
+def test_what_limits_and_module_changes_do_to_stored_entries(
+        tmp_path: Path, cp: ControlPlaneProc, sidecar: Sidecar, host: str) -> None:
+    """The cache effects the API and the CLI announce are what the filter does: raising a bound
+    keeps the entry; a new max_entries is refused without --yes (nothing pushed, the entry still
+    hits) and empties the cache with it. A new module build pushed over ECDS keeps the Wasm host's
+    entries and empties the native host's (docs/istio.md, "Upgrading the filter module")."""
+    # The control plane reads the sidecar's stats, so the CLI can say what is cached now.
+    cp.env["MESHCACHE_CP_PROXY_STATS"] = f"{NODE}=http://127.0.0.1:{sidecar.admin_port}/stats/prometheus"
+    cp.restart()
+    c = cp.client()
+    eventually(lambda: proxy_state(cp))
+
+    def version() -> int:
+        return int(c.get("/v1/snapshot").json()["version"])
+
+    def store_and_hit() -> None:
+        assert cache_status(sidecar.infer("llama3-70b")) == "meshcache; fwd=miss; stored"
+        assert cache_status(sidecar.infer("llama3-70b")).startswith("meshcache; hit")
+
+    wait_acked(cp, c.put("/v1/policies/llama3", json={"ttl_s": 600}).json()["version"])
+    store_and_hit()
+    raised = _meshcache(cp, "limits", "set", "--max-total-bytes", str(2 * DEFAULT_MAX_TOTAL_BYTES))
+    assert raised.returncode == 0 and raised.stderr == "", raised.stderr
+    wait_acked(cp, version())
+    assert cache_status(sidecar.infer("llama3-70b")).startswith("meshcache; hit")  # nothing lost
+    before = version()
+    eventually(lambda: c.get("/v1/stats").json()["proxies"][0]["entries"] == 1)
+    refused = _meshcache(cp, "limits", "set", "--max-entries", "1024")
+    assert refused.returncode == 1 and "every proxy empties its whole cache" in refused.stderr, refused.stderr
+    assert re.search(r"\(1 entry, \d+ bytes cached now on the 1 proxy read\)", refused.stderr), refused.stderr
+    assert version() == before
+    assert cache_status(sidecar.infer("llama3-70b")).startswith("meshcache; hit")
+
+    # A new build of the module, pushed by the control plane (restarted with its path).
+    reloads = sidecar.ecds_stats()["config_reload"]
+    vms = launchers.envoy_stats(sidecar.admin_port, "wasm.").get(V8_CREATED, 0)
+    module = require_filter_native() if host == "native" else FILTER_WASM
+    flag = "--native-module" if host == "native" else "--wasm-path"
+    cp.argv += [flag, str(_rebuilt(module, tmp_path / f"rebuilt-{module.name}"))]
+    cp.restart()
+    eventually(lambda: sidecar.ecds_stats()["config_reload"] > reloads, timeout=20)
+    after_module = cache_status(sidecar.infer("llama3-70b"))
+    if host == "wasm":
+        # New code bytes: Envoy started new VMs (same vm_id), and the stored entry still hits: the
+        # shared data belongs to the vm_id, and the old VMs hold it until the new ones run.
+        assert launchers.envoy_stats(sidecar.admin_port, "wasm.")[V8_CREATED] > vms
+        assert after_module.startswith("meshcache; hit"), after_module
+    else:
+        # A new module file is a new library: its store starts empty (the old one is unloaded).
+        assert after_module == "meshcache; fwd=miss; stored", after_module
+        assert cache_status(sidecar.infer("llama3-70b")).startswith("meshcache; hit")
+
+    applied = _meshcache(cp, "limits", "set", "--max-entries", "1024", "--yes")
+    assert applied.returncode == 0 and "meshcache: warning: max_entries" in applied.stderr, applied.stderr
+    wait_acked(cp, version())
+    store_and_hit()  # the entry was gone: a miss, stored again
+

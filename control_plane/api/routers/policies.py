@@ -14,7 +14,6 @@ from ...policy_service import Change
 from ...schemas import (
     ErrorOut,
     FieldError,
-    HistoryChange,
     Limits,
     PoliciesOut,
     PolicyOut,
@@ -24,8 +23,9 @@ from ...schemas import (
     WriteResult,
 )
 from ...wiring import ControlPlane
-from ..dependencies import CP, IfMatch, PrefixPath, Reader, Writer, if_match_version, set_etag
+from ..dependencies import CP, DryRun, IfMatch, PrefixPath, Reader, Writer, if_match_version, set_etag
 from ..errors import ERRORS, WRITE_ERRORS, ApiError, field_errors
+from ..writes import result, write
 
 MERGE_PATCH = "application/merge-patch+json"
 
@@ -50,12 +50,9 @@ async def get_policy(model_prefix: PrefixPath, cp: CP, _p: Reader, response: Res
 
 
 async def _policy_write(cp: ControlPlane, model_prefix: str, change: Change, who: str, detail: str,
-                        if_match: str | None, response: Response) -> WriteResult:
-    snap, changed, diff = await cp.service.write(change, who, detail, if_match_version(if_match))
-    set_etag(response, snap.version)
-    return WriteResult(version=snap.version, changed=changed, policy=snap.policy(model_prefix),
-                       changes=[HistoryChange(**c) for c in diff],
-                       warnings=await cp.model_index.prefix_warnings(model_prefix))
+                        if_match: str | None, response: Response, dry_run: bool) -> WriteResult:
+    w = await write(cp, change, who, detail, if_match_version(if_match), dry_run)
+    return result(response, w, model_prefix, await cp.model_index.prefix_warnings(model_prefix))
 
 
 def _same_prefix(body_prefix: object, model_prefix: str) -> None:
@@ -66,7 +63,7 @@ def _same_prefix(body_prefix: object, model_prefix: str) -> None:
 
 @router.put("/v1/policies/{model_prefix:path}", responses=WRITE_ERRORS)
 async def put_policy(model_prefix: PrefixPath, spec: PolicySpec, cp: CP, who: Writer,
-                     response: Response, if_match: IfMatch = None) -> WriteResult:
+                     response: Response, if_match: IfMatch = None, dry_run: DryRun = False) -> WriteResult:
     """Create or replace a policy: the body is the whole policy; fields it leaves out take
     their defaults (to change some fields only, PATCH)."""
     _same_prefix(spec.model_prefix, model_prefix)
@@ -75,7 +72,7 @@ async def put_policy(model_prefix: PrefixPath, spec: PolicySpec, cp: CP, who: Wr
     return await _policy_write(cp, model_prefix,
                                lambda cur, v: changes.put_policy(cur, v, who.name, policy, max_policies),
                                who.name, spec.model_dump_json(exclude_none=True),
-                               if_match, response)
+                               if_match, response, dry_run)
 
 
 _PATCH_BODY: dict[str, Any] = {
@@ -86,7 +83,7 @@ _PATCH_BODY: dict[str, Any] = {
 @router.patch("/v1/policies/{model_prefix:path}", responses={**WRITE_ERRORS, 415: {"model": ErrorOut}},
               openapi_extra=_PATCH_BODY)
 async def patch_policy(model_prefix: PrefixPath, request: Request, cp: CP, who: Writer, response: Response,
-                       if_match: IfMatch = None) -> WriteResult:
+                       if_match: IfMatch = None, dry_run: DryRun = False) -> WriteResult:
     """Change only the fields the body names (JSON merge patch, RFC 7396): `null` resets a field
     to its default. Creates the policy from the defaults when there is none (`ttl_s` needed).
     With `If-Match`, applied only to that snapshot version (else 412). Nothing is written when
@@ -111,26 +108,30 @@ async def patch_policy(model_prefix: PrefixPath, request: Request, cp: CP, who: 
         cp, model_prefix,
         lambda cur, v: changes.patch_policy(cur, v, who.name, model_prefix, patch, max_policies,
                                             lambda d: PolicySpec.model_validate(d).policy(model_prefix, 0)),
-        who.name, json.dumps(patch, sort_keys=True), if_match, response)
+        who.name, json.dumps(patch, sort_keys=True), if_match, response, dry_run)
 
 
 @router.delete("/v1/policies/{model_prefix:path}", responses=WRITE_ERRORS)
 async def delete_policy(model_prefix: PrefixPath, cp: CP, who: Writer, response: Response,
-                        if_match: IfMatch = None) -> WriteResult:
-    snap, changed, diff = await cp.service.write(
-        lambda cur, v: changes.delete_policy(cur, v, who.name, model_prefix),
-        who.name, model_prefix, if_match_version(if_match))
-    set_etag(response, snap.version)
-    return WriteResult(version=snap.version, changed=changed, changes=[HistoryChange(**c) for c in diff])
+                        if_match: IfMatch = None, dry_run: DryRun = False) -> WriteResult:
+    w = await write(cp, lambda cur, v: changes.delete_policy(cur, v, who.name, model_prefix),
+                    who.name, model_prefix, if_match_version(if_match), dry_run)
+    return result(response, w)
 
 
 @router.post("/v1/purge", responses=WRITE_ERRORS)
-async def purge(body: PurgeRequest, cp: CP, who: Writer, response: Response) -> WriteResult:
-    snap, changed, diff = await cp.service.write(
-        lambda cur, v: changes.purge(cur, v, who.name, body.model_prefix), who.name, body.model_prefix)
-    set_etag(response, snap.version)
-    return WriteResult(version=snap.version, changed=changed, policy=snap.policy(body.model_prefix),
-                       changes=[HistoryChange(**c) for c in diff])
+async def purge(body: PurgeRequest, cp: CP, who: Writer, response: Response,
+                if_match: IfMatch = None, dry_run: DryRun = False) -> WriteResult:
+    """Stop serving one model's cached entries (`model_prefix`) or every model's (`all`: true):
+    the policies get a new generation, so new keys. cache_effects lists what is dropped."""
+    prefix = body.model_prefix
+    if prefix is None:
+        w = await write(cp, lambda cur, v: changes.purge_all(cur, v, who.name), who.name, "all",
+                        if_match_version(if_match), dry_run)
+        return result(response, w)
+    w = await write(cp, lambda cur, v: changes.purge(cur, v, who.name, prefix), who.name, prefix,
+                    if_match_version(if_match), dry_run)
+    return result(response, w, prefix)
 
 
 @router.get("/v1/limits", responses=ERRORS)
@@ -141,9 +142,10 @@ async def get_limits(cp: CP, _p: Reader, response: Response) -> Limits:
 
 @router.put("/v1/limits", responses=WRITE_ERRORS)
 async def put_limits(limits: Limits, cp: CP, who: Writer, response: Response,
-                     if_match: IfMatch = None) -> WriteResult:
-    snap, changed, diff = await cp.service.write(
-        lambda cur, v: changes.set_limits(cur, v, who.name, limits),
-        who.name, limits.model_dump_json(), if_match_version(if_match))
-    set_etag(response, snap.version)
-    return WriteResult(version=snap.version, changed=changed, changes=[HistoryChange(**c) for c in diff])
+                     if_match: IfMatch = None, dry_run: DryRun = False) -> WriteResult:
+    """The global limits, whole (fields not given take their defaults). A new max_entries empties
+    every proxy's cache, a lower max_total_bytes evicts: see cache_effects in the answer (and
+    `dry_run` to see them first)."""
+    w = await write(cp, lambda cur, v: changes.set_limits(cur, v, who.name, limits),
+                    who.name, limits.model_dump_json(), if_match_version(if_match), dry_run)
+    return result(response, w)

@@ -11,7 +11,6 @@ from ... import snapshots as changes
 from ...schemas import (
     AuditOut,
     ErrorOut,
-    HistoryChange,
     HistoryEntry,
     HistoryOut,
     RollbackRequest,
@@ -20,8 +19,9 @@ from ...schemas import (
 )
 from ...snapshots import Snapshot
 from ...store import StoreUnavailable
-from ..dependencies import CP, Reader, Writer, set_etag
+from ..dependencies import CP, DryRun, IfMatch, Reader, Writer, if_match_version, set_etag
 from ..errors import ERRORS, WRITE_ERRORS, ApiError
+from ..writes import result, write
 
 router = APIRouter()
 
@@ -55,14 +55,17 @@ async def get_snapshot(version: Annotated[int, Path(ge=0, le=2**53)], cp: CP, _p
 
 
 @router.post("/v1/rollback", responses=WRITE_ERRORS)
-async def do_rollback(body: RollbackRequest, cp: CP, who: Writer, response: Response) -> WriteResult:
+async def do_rollback(body: RollbackRequest, cp: CP, who: Writer, response: Response,
+                      if_match: IfMatch = None, dry_run: DryRun = False) -> WriteResult:
+    """A new snapshot with the policies and limits of snapshot `version` (generations never go
+    back: a purge stays a purge). cache_effects says what it drops (a limits change, a policy
+    removed)."""
     target = await cp.store.load(body.version)
     if target is None:
         raise ApiError(404, f"snapshot {body.version} does not exist (or is older than the retention)")
-    snap, changed, diff = await cp.service.write(
-        lambda cur, v: changes.rollback(cur, target, v, who.name), who.name, f"to {body.version}")
-    set_etag(response, snap.version)
-    return WriteResult(version=snap.version, changed=changed, changes=[HistoryChange(**c) for c in diff])
+    w = await write(cp, lambda cur, v: changes.rollback(cur, target, v, who.name), who.name, f"to {body.version}",
+                    if_match_version(if_match), dry_run)
+    return result(response, w)
 
 
 @router.get("/v1/audit", responses={**ERRORS, 503: {"model": ErrorOut}})

@@ -83,6 +83,11 @@ def register(subparsers: Any) -> None:
     c.add_argument("--namespace", default=render.BASE_NAMESPACE)
     c.add_argument("--out", type=Path, required=True)
     c.add_argument("--days", type=int, default=365)
+    ca = c.add_mutually_exclusive_group()
+    ca.add_argument("--new-ca", action="store_true",
+                    help="start a new CA (rotation): the old one stays in ca-bundle.crt until --drop-old-ca")
+    ca.add_argument("--drop-old-ca", action="store_true",
+                    help="end a rotation: ca-bundle.crt without the old CA (no new server certificate)")
     c.set_defaults(func=_xds_certs)
 
     v = sub.add_parser("validate", help="validate manifest files against Istio's CRDs and Kubernetes schemas")
@@ -136,10 +141,21 @@ def _render(args: argparse.Namespace) -> int:
 def _xds_certs(args: argparse.Namespace) -> int:
     from . import xds_tls
 
-    written = xds_tls.issue(args.namespace, args.out, days=args.days)
+    had_ca = (args.out / xds_tls.CA).exists()
+    try:
+        if args.drop_old_ca:
+            written, stage = xds_tls.drop_old_ca(args.out), "drop"
+        else:
+            written = xds_tls.issue(args.namespace, args.out, days=args.days, new_ca=args.new_ca)
+            stage = "rotate" if args.new_ca and had_ca else "renew" if had_ca else "first"
+    except ValueError as exc:
+        print(f"meshcache istio xds-certs: {exc}", file=sys.stderr)
+        return 2
     for path in written:
         print(f"wrote {path}")
-    print(xds_tls.kubectl_commands(args.namespace, args.out))
+    if stage == "renew":
+        print(f"(reused the CA in {args.out / xds_tls.CA}: --new-ca starts a new one)")
+    print(xds_tls.kubectl_commands(args.namespace, args.out, stage))
     return 0
 
 

@@ -20,6 +20,16 @@ class ApiError(RuntimeError):
         self.status = status
 
 
+def _write_options(if_match: int | None, dry_run: bool) -> dict[str, Any]:
+    """Request options of a write: If-Match on a snapshot version, `dry_run` (nothing written)."""
+    out: dict[str, Any] = {}
+    if if_match is not None:
+        out["headers"] = {"If-Match": f'"{if_match}"'}
+    if dry_run:
+        out["params"] = {"dry_run": "true"}
+    return out
+
+
 class PolicyApi:
     def __init__(self, url: str, token: str, timeout: float = 10.0) -> None:
         self.url = url.rstrip("/")
@@ -36,6 +46,9 @@ class PolicyApi:
         self.close()
 
     def _call(self, method: str, path: str, **kwargs: Any) -> Any:
+        return self._request(method, path, **kwargs).json()
+
+    def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
         try:
             r = self._client.request(method, path, **kwargs)
         except httpx.HTTPError as exc:
@@ -46,7 +59,7 @@ class PolicyApi:
             except ValueError:
                 detail = r.text
             raise ApiError(f"{method} {path}: {r.status_code} {detail}", r.status_code)
-        return r.json()
+        return r
 
     def policies(self) -> dict[str, Any]:
         return self._call("GET", "/v1/policies")  # type: ignore[no-any-return]
@@ -68,11 +81,33 @@ class PolicyApi:
         return self._call("PATCH", f"/v1/policies/{model_prefix}",  # type: ignore[no-any-return]
                           content=json.dumps(patch).encode(), headers=headers)
 
-    def delete(self, model_prefix: str) -> dict[str, Any]:
-        return self._call("DELETE", f"/v1/policies/{model_prefix}")  # type: ignore[no-any-return]
+    def delete(self, model_prefix: str, if_match: int | None = None, dry_run: bool = False) -> dict[str, Any]:
+        return self._call("DELETE", f"/v1/policies/{model_prefix}",  # type: ignore[no-any-return]
+                          **_write_options(if_match, dry_run))
 
-    def purge(self, model_prefix: str) -> dict[str, Any]:
-        return self._call("POST", "/v1/purge", json={"model_prefix": model_prefix})  # type: ignore[no-any-return]
+    def purge(self, model_prefix: str | None, if_match: int | None = None, dry_run: bool = False
+              ) -> dict[str, Any]:
+        """One model's entries, or (`model_prefix` None) every policy's."""
+        body = {"model_prefix": model_prefix} if model_prefix is not None else {"all": True}
+        return self._call("POST", "/v1/purge", json=body,  # type: ignore[no-any-return]
+                          **_write_options(if_match, dry_run))
+
+    def history(self, limit: int = 20) -> dict[str, Any]:
+        return self._call("GET", "/v1/snapshots", params={"limit": limit})  # type: ignore[no-any-return]
+
+    def rollback(self, version: int, if_match: int | None = None, dry_run: bool = False) -> dict[str, Any]:
+        return self._call("POST", "/v1/rollback", json={"version": version},  # type: ignore[no-any-return]
+                          **_write_options(if_match, dry_run))
+
+    def limits(self) -> tuple[dict[str, Any], int]:
+        """The global limits and the snapshot version they belong to (the ETag)."""
+        r = self._request("GET", "/v1/limits")
+        return r.json(), int(r.headers["ETag"].strip('"'))
+
+    def set_limits(self, limits: dict[str, Any], if_match: int | None = None, dry_run: bool = False
+                   ) -> dict[str, Any]:
+        return self._call("PUT", "/v1/limits", json=limits,  # type: ignore[no-any-return]
+                          **_write_options(if_match, dry_run))
 
     def proxies(self) -> list[dict[str, Any]]:
         return self._call("GET", "/v1/proxies")["proxies"]  # type: ignore[no-any-return]

@@ -1,4 +1,4 @@
-"""`meshcache up|down|status|demo|policy`: the local mesh's command line."""
+"""`meshcache up|down|status|demo|policy|limits`: the local mesh's command line."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import httpx
 from meshcache.contract.filter_config import POLICY_FIELD_HELP
 from meshcache.ctl.envoy_config import LB_POLICIES
 from meshcache.ctl.interrupts import INTERRUPTED, STOP_SIGNALS, deferred_stop_signals, interrupt
-from meshcache.ctl.mesh import state
+from meshcache.ctl.mesh import day2, state
 from meshcache.ctl.mesh.api_client import ApiError, PolicyApi
 from meshcache.ctl.mesh.cache_table import format_cache_table
 from meshcache.ctl.mesh.config import FILTER_HOSTS, HOST_NAMES, MAX_REPLICAS, MeshConfig, default_state_dir
@@ -374,14 +374,17 @@ def cmd_policy(args: argparse.Namespace) -> int:
                 return 0
             if args.action == "set":
                 return _policy_set(api, args)
-            if args.action == "delete":
-                result = api.delete(args.model_prefix)
-            else:
-                result = api.purge(args.model_prefix)
-            print(json.dumps(result) if args.json else
-                  f"{args.action} {args.model_prefix}: version {result['version']}"
-                  + ("" if result["changed"] else " (no change)"))
-            return 0
+            action = {"delete": day2.delete, "purge": day2.purge, "history": day2.history,
+                      "rollback": day2.rollback}[args.action]
+            return action(api, args)
+    except (ApiError, OSError) as exc:
+        return _err(str(exc))
+
+
+def cmd_limits(args: argparse.Namespace) -> int:
+    try:
+        with _api(args) as api:
+            return day2.limits(api, args)
     except (ApiError, OSError) as exc:
         return _err(str(exc))
 
@@ -464,14 +467,43 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     for name, helptext in (("list", "list the policies"),
                            ("set", "change the fields given, keep the others (creates the policy with defaults "
                                    "if missing); --replace sets the whole policy"),
-                           ("delete", "delete a policy"), ("purge", "drop a model's cached entries")):
+                           ("delete", "delete a policy (its cached entries are no longer served: asks first)"),
+                           ("purge", "drop a model's cached entries, or every model's with --all (asks first)"),
+                           ("history", "the recent policy snapshots, newest first, each with what it changed"),
+                           ("rollback", "a new snapshot with the policies and limits of an older VERSION "
+                                        "(asks first if it loses cached entries)")):
         a = actions.add_parser(name, help=helptext)
-        _add_state_dir(a)
-        a.add_argument("--url", help="control-plane API (default: the running mesh's)")
-        a.add_argument("--token", help="bearer token (default: the running mesh's write token)")
-        a.add_argument("--json", action="store_true", help="print the API's JSON answer")
-        if name != "list":
+        _add_api_flags(a)
+        if name in ("set", "delete"):
             a.add_argument("model_prefix")
         if name == "set":
             _add_set_flags(a)
+        if name == "purge":
+            a.add_argument("model_prefix", nargs="?")
+            a.add_argument("--all", action="store_true", help="purge every policy: the whole cache stops being served")
+        if name == "rollback":
+            a.add_argument("version", type=int, metavar="VERSION", help="the snapshot to go back to (see history)")
+        if name in ("delete", "purge", "rollback"):
+            day2.add_write_flags(a)
+        if name == "history":
+            a.add_argument("--limit", type=int, default=20, metavar="N", help="snapshots shown (1 to 100, default 20)")
         a.set_defaults(func=cmd_policy)
+
+    limits = subparsers.add_parser("limits", help="the caches' global limits (a client of the control-plane API)")
+    limit_actions = limits.add_subparsers(dest="action", required=True)
+    show = limit_actions.add_parser("show", help="the current limits")
+    _add_api_flags(show)
+    show.set_defaults(func=cmd_limits)
+    lset = limit_actions.add_parser("set", help="change the limits given, keep the others (asks first if the "
+                                                "change empties or shrinks the caches)")
+    _add_api_flags(lset)
+    day2.add_limit_flags(lset)
+    day2.add_write_flags(lset)
+    lset.set_defaults(func=cmd_limits)
+
+
+def _add_api_flags(a: argparse.ArgumentParser) -> None:
+    _add_state_dir(a)
+    a.add_argument("--url", help="control-plane API (default: the running mesh's)")
+    a.add_argument("--token", help="bearer token (default: the running mesh's write token)")
+    a.add_argument("--json", action="store_true", help="print the API's JSON answer")
