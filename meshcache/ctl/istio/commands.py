@@ -136,6 +136,11 @@ def _render(args: argparse.Namespace) -> int:
 def _xds_certs(args: argparse.Namespace) -> int:
     from . import xds_tls
 
+    try:
+        render.check_namespace(args.namespace)
+    except ValueError as exc:
+        print(f"meshcache istio xds-certs: {exc}", file=sys.stderr)
+        return 2
     written = xds_tls.issue(args.namespace, args.out, days=args.days)
     for path in written:
         print(f"wrote {path}")
