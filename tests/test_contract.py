@@ -96,7 +96,8 @@ def test_coalescing_and_stale_defaults_and_bounds_match_the_filter() -> None:
 
 
 def test_client_no_cache_values_and_default_match_the_filter() -> None:
-    m = re.search(r'"client_no_cache".*?None \| Some\("(\w+)"\) => ClientNoCache::\w+,\s*Some\("(\w+)"\)', CONFIG_RS, re.S)
+    m = re.search(r'"client_no_cache".*?None \| Some\("(\w+)"\) => ClientNoCache::\w+,\s*Some\("(\w+)"\)',
+                  CONFIG_RS, re.S)
     assert m, "config.rs no longer spells client_no_cache as expected: update this test"
     assert m.group(1) == fc.DEFAULT_CLIENT_NO_CACHE
     assert {m.group(1), m.group(2)} == set(typing.get_args(fc.ClientNoCache))

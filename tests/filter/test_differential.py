@@ -121,6 +121,8 @@ def rest_request(rng: random.Random) -> RestRequest:
                 headers.append((server_reading.BINARY_HEADER, rng.choice([str(n), str(n + 2)])))
     elif kind == "header":
         path = "/v1/infer"
+        if not any(k == "x-model-id" for k, _ in headers):  # the only place it names the model
+            headers.append(("x-model-id", rng.choice(NAMES)))
     elif kind == "odd-path":
         path = rng.choice(["/v1/chat/completions/", "//v1/chat/completions", "/V1/chat/completions",
                            "/v1/chat/%63ompletions", "/v2/models/%61lpha/infer", "/v1//embeddings"])
@@ -134,7 +136,7 @@ def rest_variant(rng: random.Random, p: RestRequest) -> RestRequest:
     """Another request close to `p`: another id or ignored field value (the key may join them),
     one more `model` member or another `x-model-version` (it must not)."""
     body = p.body
-    if rng.random() < 0.2:
+    if rng.random() < (0.6 if p.path == "/v1/infer" else 0.1):
         headers = [h for h in p.headers if h[0].lower() != "x-model-version"]
         if rng.random() < 0.8:
             headers.insert(0, ("x-model-version", rng.choice(MODEL_VERSIONS)))

@@ -131,11 +131,11 @@ def test_the_wasm_and_native_hosts_answer_the_same_corpus_alike(tmp_path: Path) 
                 for ch in channels.values():
                     ch.close()
     sent = [case for case in cases for _ in range(2)]
-    differ = [(case, w, n) for case, w, n in zip(sent, seen["wasm"], seen["native"]) if w != n]
+    differ = [(case, w, n) for case, w, n in zip(sent, seen["wasm"], seen["native"], strict=True) if w != n]
     assert not differ, f"{len(differ)} of {len(sent)} answers differ between the hosts; first: {differ[:3]}"
     # The corpus reaches what it is meant to, on each kind of request: stores and hits.
     tally = Counter((case.kind, a.cache_status.split(";")[1].strip() if ";" in a.cache_status else a.cache_status)
-                    for case, a in zip(sent, seen["wasm"]))
+                    for case, a in zip(sent, seen["wasm"], strict=True))
     for kind in ("rest", "grpc", "h2-trailers"):
         assert tally[(kind, "hit")] >= 5 and tally[(kind, "fwd=miss")] >= 5, tally
     assert tally[("rest", "fwd=bypass")] > 0 and tally[("rest", "fwd=request")] > 0, tally
