@@ -132,7 +132,7 @@ def test_namespace_must_be_a_dns_label_and_not_istio_or_kubernetes_own(capsys: p
     Kubernetes' own namespace; refused with exit 2 and a message naming the flag, nothing written."""
     out = tmp_path / "out"
     for bad in ("*", "", "ml\n", "ml\nkind: Secret", "ML", "-ml", "ml-", "a" * 64, "ml.prod", "ml_prod"):
-        assert main(["istio", "render", "--namespace", bad, "--out", str(out)]) == 2, repr(bad)
+        assert main(["istio", "render", f"--namespace={bad}", "--out", str(out)]) == 2, repr(bad)
         err = capsys.readouterr().err
         assert "--namespace" in err and "DNS-1123 label" in err, (bad, err)
     for reserved in render.RESERVED_NAMESPACES:
