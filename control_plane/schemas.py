@@ -19,6 +19,7 @@ from pydantic import (
 )
 
 from meshcache.contract.filter_config import (
+    DEFAULT_CLIENT_NO_CACHE,
     DEFAULT_COALESCE_TIMEOUT_MS,
     DEFAULT_HASH_HEADERS,
     HEADER_PATTERN,
@@ -29,6 +30,7 @@ from meshcache.contract.filter_config import (
     MAX_PREFIX_LEN,
     POLICY_FIELD_HELP,
     PREFIX_PATTERN,
+    ClientNoCache,
     CoalesceTimeoutMs,
     Limits,
     Policy,
@@ -78,6 +80,7 @@ class PolicySpec(BaseModel):
     coalesce_timeout_ms: CoalesceTimeoutMs = Field(DEFAULT_COALESCE_TIMEOUT_MS, description=H["coalesce_timeout_ms"])
     stale_if_error_s: StaleSeconds = Field(0, description=H["stale_if_error_s"])
     stale_while_revalidate_s: StaleSeconds = Field(0, description=H["stale_while_revalidate_s"])
+    client_no_cache: ClientNoCache = Field(DEFAULT_CLIENT_NO_CACHE, description=H["client_no_cache"])
 
     @field_validator("max_ttl_s")
     @classmethod
@@ -116,6 +119,7 @@ class PolicySpec(BaseModel):
             coalesce_timeout_ms=self.coalesce_timeout_ms,
             stale_if_error_s=self.stale_if_error_s,
             stale_while_revalidate_s=self.stale_while_revalidate_s,
+            client_no_cache=self.client_no_cache,
         )
 
 
@@ -140,6 +144,7 @@ class PolicyPatch(BaseModel):
     coalesce_timeout_ms: CoalesceTimeoutMs | None = Field(None, description=H["coalesce_timeout_ms"])
     stale_if_error_s: StaleSeconds | None = Field(None, description=H["stale_if_error_s"])
     stale_while_revalidate_s: StaleSeconds | None = Field(None, description=H["stale_while_revalidate_s"])
+    client_no_cache: ClientNoCache | None = Field(None, description=H["client_no_cache"])
 
 
 class PurgeRequest(BaseModel):

@@ -15,7 +15,7 @@ import re
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from meshcache.contract.headers import MODEL_ID_HEADER
+from meshcache.contract.headers import MODEL_ID_HEADER, MODEL_VERSION_HEADER
 from meshcache.contract.protos import grpc_predict_v2_pb2 as pb
 from meshcache.engine import rest_codec
 from meshcache.engine.errors import EngineError, InvalidInput, NotFound, TooLarge
@@ -181,7 +181,7 @@ class HttpApp:
         async with self.service.request(name, "http") as call:
             if not name:
                 raise InvalidInput(f"header {MODEL_ID_HEADER} is required")
-            model = call.resolve(headers.get("x-model-version", ""))
+            model = call.resolve(headers.get(MODEL_VERSION_HEADER, ""))
             priority = parse_priority(headers.get("x-priority"))
             if len(model.config.inputs) != 1:
                 raise InvalidInput(f"model {name!r} takes several inputs; use /v2/models/{name}/infer")

@@ -6,6 +6,7 @@ string literals), so a value changed on one side only fails here instead of at r
 from __future__ import annotations
 
 import re
+import typing
 
 import pytest
 
@@ -94,6 +95,17 @@ def test_coalescing_and_stale_defaults_and_bounds_match_the_filter() -> None:
             fc.Policy(model_prefix="m", ttl_s=1, max_ttl_s=1, **{field: value})
 
 
+def test_client_no_cache_values_and_default_match_the_filter() -> None:
+    m = re.search(r'"client_no_cache".*?None \| Some\("(\w+)"\) => ClientNoCache::\w+,\s*Some\("(\w+)"\)',
+                  CONFIG_RS, re.S)
+    assert m, "config.rs no longer spells client_no_cache as expected: update this test"
+    assert m.group(1) == fc.DEFAULT_CLIENT_NO_CACHE
+    assert {m.group(1), m.group(2)} == set(typing.get_args(fc.ClientNoCache))
+    assert fc.Policy(model_prefix="m", ttl_s=1, max_ttl_s=1).client_no_cache == fc.DEFAULT_CLIENT_NO_CACHE
+    with pytest.raises(ValueError):
+        fc.Policy(model_prefix="m", ttl_s=1, max_ttl_s=1, client_no_cache="bypass")  # type: ignore[arg-type]
+
+
 def test_header_name_characters_match_the_filter() -> None:
     m = re.search(r'is_ascii_alphanumeric\(\) \|\| b"([^"]+)"\.contains', CONFIG_RS)
     assert m, "config.rs no longer spells the header-name bytes as expected: update this test"
@@ -118,6 +130,7 @@ def test_header_names_match_the_filter() -> None:
     assert rust["HASH_HEADER"] == headers.HASH_HEADER
     assert rust["CACHE_STATUS"] == headers.CACHE_STATUS_HEADER
     assert rust["MODEL_HEADER"] == headers.MODEL_ID_HEADER
+    assert rust["MODEL_VERSION_HEADER"] == headers.MODEL_VERSION_HEADER
     assert rust["ROUTE_KEY_HEADER"] == headers.ROUTE_KEY_HEADER
     assert rust["UPSTREAM_CLUSTER_HEADER"] == headers.UPSTREAM_CLUSTER_HEADER
     assert rust["CACHE_STATUS_COLLAPSED"] == headers.CACHE_STATUS_COLLAPSED

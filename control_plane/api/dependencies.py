@@ -41,8 +41,22 @@ def require(role: Role) -> Callable[..., Awaitable[Principal]]:
 Reader = Annotated[Principal, Depends(require("read"))]
 Writer = Annotated[Principal, Depends(require("write"))]
 CP = Annotated[ControlPlane, Depends(cp_of)]
-PrefixPath = Annotated[str, Path(min_length=1, max_length=MAX_PREFIX_LEN, pattern=PREFIX_PATTERN,
-                                 description="The policy's model_prefix")]
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def prefix_path(request: Request,
+                model_prefix: Annotated[str, Path(min_length=1, max_length=MAX_PREFIX_LEN, pattern=PREFIX_PATTERN,
+                                                  description="The policy's model_prefix")]) -> str:
+    """The `{model_prefix:path}` parameter, refused (422) when the decoded path holds a control
+    character: the route's `.*` stops at a newline and its `$` matches before a trailing one, so
+    `/v1/policies/a%0A` would otherwise reach policy `a`."""
+    if _CONTROL.search(request.scope["path"]):
+        raise ApiError(422, "model_prefix must not contain control characters",
+                       [FieldError(field="model_prefix", reason="percent-encoded control characters are not allowed")])
+    return model_prefix
+
+
+PrefixPath = Annotated[str, Depends(prefix_path)]
 IfMatch = Annotated[str | None, Header(alias="If-Match", max_length=64,
                                        description="Snapshot version the change is based on")]
 DryRun = Annotated[bool, Query(description="true: apply nothing, answer what the change would do (its diff, "

@@ -50,6 +50,10 @@ ROLE_SERVER = "server"
 ROLE_CLIENT = "client"  # the caller's sidecar: only sets the routing key (headers.ROUTE_KEY_HEADER)
 
 Scope = Literal["shared", "principal"]
+# What a client's `Cache-Control: no-cache` / `max-age=0` does (docs/filter.md): revalidate (go
+# upstream and refresh the entry, `fwd=request`) or ignore (look up as usual).
+ClientNoCache = Literal["revalidate", "ignore"]
+DEFAULT_CLIENT_NO_CACHE: ClientNoCache = "revalidate"
 CoalesceTimeoutMs = Annotated[int, Field(ge=0, le=LIMIT_COALESCE_TIMEOUT_MS)]
 StaleSeconds = Annotated[int, Field(ge=0, le=LIMIT_STALE_S)]
 
@@ -79,6 +83,8 @@ class Policy(BaseModel):
     stale_if_error_s: StaleSeconds = 0
     # RFC 5861: an expired entry answers at once for this long while one request refreshes it (0 = off).
     stale_while_revalidate_s: StaleSeconds = 0
+    # A client's Cache-Control no-cache / max-age=0: revalidate (upstream, refreshes the entry) or ignore.
+    client_no_cache: ClientNoCache = DEFAULT_CLIENT_NO_CACHE
 
 
 # What each policy field does, in one place: the API's OpenAPI descriptions and the CLI's help.
@@ -104,6 +110,9 @@ POLICY_FIELD_HELP: dict[str, str] = {
                         "fails; 0 = off",
     "stale_while_revalidate_s": "RFC 5861: serve an expired entry at once for this many s while one request "
                                 "refreshes it; 0 = off",
+    "client_no_cache": "A client's Cache-Control: no-cache or max-age=0. revalidate (default): the request "
+                       "goes to the engine and its answer refreshes the entry (Cache-Status fwd=request); "
+                       "ignore: looked up like any other request",
 }
 
 

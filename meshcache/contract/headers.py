@@ -12,6 +12,9 @@ HASH_HEADER = "x-response-hash"
 CACHE_STATUS_HEADER = "cache-status"
 # KServe v2 REST: the model a request is for (also a default hash header).
 MODEL_ID_HEADER = "x-model-id"
+# The engine's `POST /v1/infer`: the version of the `x-model-id` model (default: the latest).
+# Like x-model-id it picks the model, so the filter keys it (docs/filter.md).
+MODEL_VERSION_HEADER = "x-model-version"
 # Internal: the client-role filter's routing key (consistent-hash `hash_policy` header that sends
 # identical requests to one replica); the server-role filter removes it. Never part of a cache key.
 ROUTE_KEY_HEADER = "x-meshcache-route-key"

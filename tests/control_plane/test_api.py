@@ -40,7 +40,8 @@ def test_put_get_list_delete(cp: ControlPlaneProc) -> None:
     assert policy == {"model_prefix": "llama3-70b", "ttl_s": 300, "max_ttl_s": 1800, "generation": 1,
                       "hash_headers": ["content-type", "x-model-id"], "vary_headers": [],
                       "scope": "shared", "enabled": True, "ignore_fields": [], "deterministic_only": False,
-                      "coalesce_timeout_ms": 5000, "stale_if_error_s": 0, "stale_while_revalidate_s": 0}
+                      "coalesce_timeout_ms": 5000, "stale_if_error_s": 0, "stale_while_revalidate_s": 0,
+                      "client_no_cache": "revalidate"}
     # An identical PUT is not a change: no new snapshot.
     again = c.put("/v1/policies/llama3-70b", json={"ttl_s": 300, "max_ttl_s": 1800}).json()
     assert (again["version"], again["changed"]) == (1, False)
@@ -88,6 +89,26 @@ def test_coalescing_and_stale_fields_round_trip_into_the_filter_config(cp: Contr
     assert schema["stale_if_error_s"]["maximum"] == schema["stale_while_revalidate_s"]["maximum"] == 86_400
 
 
+def test_client_no_cache_round_trips_into_the_filter_config(cp: ControlPlaneProc) -> None:
+    """`client_no_cache` (issue 32): revalidate by default, ignore when set; PUT and PATCH reach
+    the filter's row; any other value is a 422 naming the field, and changes nothing."""
+    c = cp.client()
+    assert c.put("/v1/policies/llm", json={"ttl_s": 60}).status_code == 200
+    assert c.get("/v1/policies/llm").json()["policy"]["client_no_cache"] == "revalidate"
+    r = c.patch("/v1/policies/llm", content=json.dumps({"client_no_cache": "ignore"}), headers=MERGE_PATCH)
+    assert r.status_code == 200, r.text
+    row = json.loads(c.get("/v1/snapshot").json()["plugin_config"])["policies"][0]
+    assert row["client_no_cache"] == "ignore"
+    version = c.get("/v1/snapshot").json()["version"]
+    for bad in ("bypass", True, None, ""):
+        r = c.put("/v1/policies/llm", json={"ttl_s": 60, "client_no_cache": bad})
+        assert r.status_code == 422 and "client_no_cache" in r.text, (bad, r.text)
+    assert c.get("/v1/snapshot").json()["version"] == version
+    schema = c.get("/openapi.json").json()["components"]["schemas"]["PolicySpec"]["properties"]
+    assert schema["client_no_cache"]["enum"] == ["revalidate", "ignore"]
+    assert schema["client_no_cache"]["default"] == "revalidate"
+
+
 def test_snapshot_renders_the_filter_config(cp: ControlPlaneProc) -> None:
     c = cp.client()
     c.put("/v1/policies/llama3-70b", json={"ttl_s": 300, "max_ttl_s": 1800})
@@ -98,7 +119,8 @@ def test_snapshot_renders_the_filter_config(cp: ControlPlaneProc) -> None:
         "policies": [{"model_prefix": "llama3-70b", "ttl_s": 300, "max_ttl_s": 1800, "generation": 1,
                       "hash_headers": ["content-type", "x-model-id"], "vary_headers": [],
                       "scope": "shared", "enabled": True, "ignore_fields": [], "deterministic_only": False,
-                      "coalesce_timeout_ms": 5000, "stale_if_error_s": 0, "stale_while_revalidate_s": 0}],
+                      "coalesce_timeout_ms": 5000, "stale_if_error_s": 0, "stale_while_revalidate_s": 0,
+                      "client_no_cache": "revalidate"}],
     }
     assert snap["plugin_config"] == plugin_config_json(expected)
     assert (snap["author"], snap["action"]) == ("admin", "limits")
@@ -340,6 +362,21 @@ def test_invalid_prefix_is_422(shared_cp: ControlPlaneProc, path: str, reason: s
     r = shared_cp.client().put(path, json={"ttl_s": 1})
     assert r.status_code == 422, r.text
     assert any(e["field"] == "model_prefix" and reason in e["reason"] for e in r.json()["errors"]), r.json()
+
+
+def test_percent_encoded_control_characters_in_a_prefix_are_422(shared_cp: ControlPlaneProc) -> None:
+    """`PUT /v1/policies/a%0A` once wrote policy `a` (the route's `.*` stops at the newline).
+    Every method refuses a prefix with a control character, naming the field, and writes nothing."""
+    c = shared_cp.client()
+    before = c.get("/v1/snapshot").json()["version"]
+    for tail in ("%0A", "%0D", "%0D%0A", "%09", "%00", "%1F", "%7F"):
+        for method, kwargs in (("PUT", {"json": {"ttl_s": 1}}), ("PATCH", {"json": {"ttl_s": 1}}),
+                               ("DELETE", {}), ("GET", {})):
+            r = c.request(method, f"/v1/policies/ctl-probe{tail}", **kwargs)
+            assert r.status_code == 422, (method, tail, r.text)
+            assert any(e["field"] == "model_prefix" for e in r.json()["errors"]), r.json()
+    assert c.get("/v1/snapshot").json()["version"] == before  # nothing written
+    assert c.get("/v1/policies/ctl-probe").status_code == 404
 
 
 @pytest.mark.parametrize(("path", "body", "field"), [

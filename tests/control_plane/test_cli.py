@@ -52,12 +52,14 @@ def test_meshcache_policy_set_carries_coalescing_and_stale_flags(cp: ControlPlan
     cli = [str(Path(sys.executable).parent / "meshcache"), "policy", "set", "resnet-mini", "--url", cp.url,
            "--token", WRITE_TOKEN, "--ttl", "60"]
     ok = subprocess.run([*cli, "--coalesce-timeout-ms", "250", "--stale-if-error", "600",
-                         "--stale-while-revalidate", "30"], capture_output=True, text=True, timeout=60)
+                         "--stale-while-revalidate", "30", "--client-no-cache", "ignore"],
+                        capture_output=True, text=True, timeout=60)
     assert ok.returncode == 0, ok.stderr
     with cp.client() as c:
         policy = c.get("/v1/policies/resnet-mini").json()["policy"]
         row = json.loads(c.get("/v1/snapshot").json()["plugin_config"])["policies"][0]
-    fields = {"coalesce_timeout_ms": 250, "stale_if_error_s": 600, "stale_while_revalidate_s": 30}
+    fields = {"coalesce_timeout_ms": 250, "stale_if_error_s": 600, "stale_while_revalidate_s": 30,
+              "client_no_cache": "ignore"}
     assert {k: policy[k] for k in fields} == {k: row[k] for k in fields} == fields
     bad = subprocess.run([*cli, "--coalesce-timeout-ms", "60001"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 1 and "422" in bad.stderr and "coalesce_timeout_ms" in bad.stderr, bad.stderr

@@ -4,7 +4,8 @@
 REST bodies are read with Python's `json` (what KServe's Python server, vLLM and this project's
 engine use: the last of repeated keys wins, `NaN` and lone surrogates are accepted); the path as
 uvicorn hands it to the router (percent-decoded, then matched exactly); the model from the KServe
-path, else the body's `model` member (whatever its type), else `x-model-id`; the binary tensor
+path, else the body's `model` member (whatever its type), else `x-model-id` (with the version from
+`x-model-version`, as the engine's `/v1/infer` reads it); the binary tensor
 extension as the engine reads it (exactly one line of ASCII digits, no larger than the body;
 `engine/http_server.py`). gRPC: protobuf's own parser (the last of repeated scalar fields wins).
 """
@@ -24,6 +25,7 @@ from meshcache.contract.protos import grpc_predict_v2_pb2 as pb
 OPENAI_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 KSERVE_PATH = re.compile(r"/v2/models/(?P<model>[^/]+)(?:/versions/(?P<version>[^/]+))?/infer")
 BINARY_HEADER = "inference-header-content-length"
+MODEL_VERSION_HEADER = "x-model-version"
 # The differential test's policies all ignore this field: the answer may differ in it.
 IGNORED_FIELDS = ("user",)
 
@@ -69,12 +71,15 @@ def read_rest(path: str, headers: list[tuple[str, str]], body: bytes) -> dict[st
         doc = _object(body)
         model = doc["model"] if "model" in doc else header_model
         return {"model": model, "version": "", "body": _digest(doc, IGNORED_FIELDS)}
-    # Any other path (x-model-id): an opaque body, or a JSON object the policy may leave fields of.
+    # Any other path (x-model-id, the version from x-model-version as the engine's /v1/infer reads
+    # them: a header dict, the last line wins): an opaque body, or a JSON object the policy may
+    # leave fields of.
+    versions = [v for k, v in headers if k.lower() == MODEL_VERSION_HEADER]
     try:
         digest = _digest(_object(body), IGNORED_FIELDS)
     except Unreadable:
         digest = hashlib.sha256(body).hexdigest()
-    return {"model": header_model, "version": "", "body": digest}
+    return {"model": header_model, "version": versions[-1] if versions else "", "body": digest}
 
 
 def read_grpc(message: bytes) -> pb.ModelInferRequest:

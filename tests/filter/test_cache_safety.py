@@ -68,12 +68,15 @@ def test_upstream_vary(tmp_path: Path, host: str) -> None:
         hit = _post(c, url, [("x-tenant", "a"), *keyed])
         assert hit.headers["cache-status"].startswith("meshcache; hit")
         assert hit.headers["vary"] == "X-Tenant"
-        # Vary: x-model-id is honoured through the effective model (docs/filter.md, "Vary"): no
-        # header and a header naming the path's model share the entry; another model bypasses.
-        by_model = [("x-origin-header", "Vary: x-model-id")]
-        assert _post(c, url, by_model, body=_body("vm")).headers["cache-status"] == STORED
-        same = _post(c, url, [("x-model-id", "m"), *by_model], body=_body("vm"))
-        assert same.headers["cache-status"].startswith("meshcache; hit")
+        # Vary on a model-selecting header is honoured: those headers are keyed by value or
+        # absence (docs/filter.md, "Headers that pick the model"); another model bypasses.
+        for name in ("x-model-id", "x-model-version"):
+            by_model = [("x-origin-header", f"Vary: {name}")]
+            assert _post(c, url, by_model, body=_body(name)).headers["cache-status"] == STORED
+            value = "m" if name == "x-model-id" else "2"
+            assert _post(c, url, [(name, value), *by_model], body=_body(name)).headers["cache-status"] == STORED
+            same = _post(c, url, [(name, value), *by_model], body=_body(name))
+            assert same.headers["cache-status"].startswith("meshcache; hit"), name
         other = _post(c, url, [("x-model-id", "n"), *by_model], body=_body("vm"))
         assert other.headers["cache-status"] == BYPASS + "model-conflict"
 

@@ -4,7 +4,7 @@ A few hundred generated requests, each sent twice through a real Envoy with the 
 the test origin, which answers with what a server reads from those exact bytes
 (`server_reading`: Python's json, the engine's binary-extension rule, protobuf). Bodies repeat
 and shuffle JSON members (`model` twice, escaped keys, odd types, whitespace, ids, nested
-`model`s, ignored fields), vary `x-model-id` and the path's spelling, the binary-extension
+`model`s, ignored fields), vary `x-model-id`, `x-model-version` and the path's spelling, the binary-extension
 header, and protobuf ModelInferRequest fields (repeated, wrong wire types, unknown fields,
 compression). The rule: either the filter stays out, or the answer it serves is the server's
 answer to these bytes, under the policy of the model the server reads.
@@ -69,6 +69,7 @@ OTHER_MEMBERS = [
     ('"parameters"', '{"model": "gamma"}'),
 ]
 WHITESPACE = ["", "", " ", "\n", "\t", "  "]
+MODEL_VERSIONS = ["1", "1", "2", "2", "", "3"]
 
 
 @dataclass
@@ -89,9 +90,9 @@ def _corrupt(rng: random.Random, text: str) -> str:
                        text + "}", text.replace('"', "'", 1)])
 
 
-def _rest_request(rng: random.Random) -> RestRequest:
+def rest_request(rng: random.Random) -> RestRequest:
     kind = rng.choices(["chat", "completions", "embeddings", "kserve", "header", "odd-path"],
-                       weights=[30, 5, 5, 35, 5, 10])[0]
+                       weights=[30, 5, 5, 35, 10, 10])[0]
     members: list[tuple[str, str]] = []
     for _ in range(rng.choices([0, 1, 2], weights=[15, 72, 13])[0]):
         members.append((rng.choice(MODEL_KEYS), rng.choice(MODEL_VALUES)))
@@ -105,6 +106,9 @@ def _rest_request(rng: random.Random) -> RestRequest:
     headers: list[tuple[str, str]] = []
     for _ in range(rng.choices([0, 1, 2], weights=[70, 27, 3])[0]):
         headers.append(("x-model-id", rng.choice(NAMES)))
+    # x-model-version picks the version on /v1/infer (the engine), and is keyed everywhere.
+    for _ in range(rng.choices([0, 1, 2], weights=[60, 37, 3])[0]):
+        headers.append((rng.choice(["x-model-version", "X-Model-Version"]), rng.choice(MODEL_VERSIONS)))
     if kind == "kserve":
         name = rng.choice(NAMES)
         path = f"/v2/models/{name}/infer" if rng.random() < 0.9 else f"/v2/models/{name}/versions/2/infer"
@@ -117,6 +121,8 @@ def _rest_request(rng: random.Random) -> RestRequest:
                 headers.append((server_reading.BINARY_HEADER, rng.choice([str(n), str(n + 2)])))
     elif kind == "header":
         path = "/v1/infer"
+        if not any(k == "x-model-id" for k, _ in headers):  # the only place it names the model
+            headers.append(("x-model-id", rng.choice(NAMES)))
     elif kind == "odd-path":
         path = rng.choice(["/v1/chat/completions/", "//v1/chat/completions", "/V1/chat/completions",
                            "/v1/chat/%63ompletions", "/v2/models/%61lpha/infer", "/v1//embeddings"])
@@ -126,10 +132,15 @@ def _rest_request(rng: random.Random) -> RestRequest:
     return RestRequest(path, headers, body)
 
 
-def _rest_variant(rng: random.Random, p: RestRequest) -> RestRequest:
+def rest_variant(rng: random.Random, p: RestRequest) -> RestRequest:
     """Another request close to `p`: another id or ignored field value (the key may join them),
-    or one more `model` member (it must not)."""
+    one more `model` member or another `x-model-version` (it must not)."""
     body = p.body
+    if rng.random() < (0.6 if p.path == "/v1/infer" else 0.1):
+        headers = [h for h in p.headers if h[0].lower() != "x-model-version"]
+        if rng.random() < 0.8:
+            headers.insert(0, ("x-model-version", rng.choice(MODEL_VERSIONS)))
+        return RestRequest(p.path, headers, body)
     if rng.random() < 0.75:
         swaps = [(b'"r-1"', b'"r-2"'), (b'"r-2"', b'"r-1"'), (b'"u1"', b'"u2"'), (b'"u2"', b'"u1"')]
         rng.shuffle(swaps)
@@ -148,7 +159,7 @@ def _field(number: int, payload: bytes) -> bytes:
     return server_reading.varint(number << 3 | 2) + server_reading.varint(len(payload)) + payload
 
 
-def _grpc_request(rng: random.Random) -> bytes:
+def grpc_request(rng: random.Random) -> bytes:
     fields: list[bytes] = []
     for _ in range(rng.choices([0, 1, 2], weights=[10, 70, 20])[0]):
         fields.append(_field(1, rng.choice([b"alpha", b"beta", b"gamma", b"delta", b"omega", b"", b"alph\xff"])))
@@ -206,8 +217,8 @@ def test_the_filter_reads_requests_as_the_servers_do_or_stays_out(tmp_path: Path
     rng = random.Random(SEED)
     rest: list[RestRequest] = []
     for _ in range(REST_REQUESTS):
-        rest.append(_rest_variant(rng, rng.choice(rest)) if rest and rng.random() < 0.3 else _rest_request(rng))
-    grpc_requests = [(_grpc_request(rng), rng.random() < 0.1) for _ in range(GRPC_REQUESTS)]
+        rest.append(rest_variant(rng, rng.choice(rest)) if rest and rng.random() < 0.3 else rest_request(rng))
+    grpc_requests = [(grpc_request(rng), rng.random() < 0.1) for _ in range(GRPC_REQUESTS)]
     tally: Counter[str] = Counter()
     with filter_stack(tmp_path, config(*POLICIES), host=host) as s, httpx.Client(timeout=10) as c:
         for req in rest:

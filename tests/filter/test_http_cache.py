@@ -131,15 +131,34 @@ def test_not_cached(shared_stacks: SharedStacks, request_headers: dict[str, str]
         assert s.origin_calls()["http"] == 2
 
 
-def test_client_no_cache_refreshes_the_entry(shared_stacks: SharedStacks, host: str) -> None:
+@pytest.mark.parametrize("directive", ["no-cache", "max-age=0"])
+def test_client_no_cache_refreshes_the_entry(shared_stacks: SharedStacks, host: str, directive: str) -> None:
+    """RFC 9111 §5.2.1: a request that accepts no stored answer goes upstream, gets the origin's
+    answer (never the stored one, never another caller's) and that answer refreshes the entry."""
     s = shared_stacks.get(config(), host)
+    served = lambda n: {"x-origin-header": f"x-served: {n}"}  # noqa: E731 - not keyed: same entry
+    with httpx.Client() as c:
+        url = s.infer_url("m")
+        assert c.post(url, content=BODY, headers=served(1)).headers["cache-status"] == "meshcache; fwd=miss; stored"
+        r = c.post(url, content=BODY, headers={"cache-control": directive, **served(2)})
+        assert r.headers["cache-status"] == "meshcache; fwd=request; stored"
+        assert r.headers["x-served"] == "2", "the origin's answer, not the stored one"
+        hit = c.post(url, content=BODY, headers=served(3))
+        assert hit.headers["cache-status"].startswith("meshcache; hit")
+        assert hit.headers["x-served"] == "2", "the revalidation refreshed the entry"
+        assert s.origin_calls()["http"] == 2
+
+
+def test_a_policy_may_ignore_client_no_cache(shared_stacks: SharedStacks, host: str) -> None:
+    """`client_no_cache: ignore`: a client's no-cache / max-age=0 is looked up like any request."""
+    s = shared_stacks.get(config(policy("m", client_no_cache="ignore")), host)
     with httpx.Client() as c:
         url = s.infer_url("m")
         assert c.post(url, content=BODY).headers["cache-status"] == "meshcache; fwd=miss; stored"
-        r = c.post(url, content=BODY, headers={"cache-control": "no-cache"})
-        assert r.headers["cache-status"] == "meshcache; fwd=request; stored"
-        assert c.post(url, content=BODY).headers["cache-status"].startswith("meshcache; hit")
-        assert s.origin_calls()["http"] == 2
+        for directive in ("no-cache", "max-age=0"):
+            r = c.post(url, content=BODY, headers={"cache-control": directive})
+            assert r.headers["cache-status"].startswith("meshcache; hit"), directive
+        assert s.origin_calls()["http"] == 1
 
 
 def test_model_without_policy_and_non_inference_requests(tmp_path: Path, host: str) -> None:

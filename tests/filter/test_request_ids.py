@@ -175,9 +175,12 @@ def test_openai_ignore_fields_and_deterministic_only(tmp_path: Path, host: str) 
         seeded = [c.post(s.url(chat), content=body(temperature=0.7, seed=42)) for _ in range(2)]
         assert seeded[1].headers["cache-status"].startswith("meshcache; hit")
         assert s.origin_calls()["http"] == 2 + 6 + 1
-        # Only an integer seed makes a sample repeatable: anything else is a sample.
-        for seed in (False, "x", {}, 1.5, [7]):
+        # Only a non-negative integer seed makes a sample repeatable: anything else is a sample
+        # (llama.cpp-style servers read -1, and 4294967295, as "pick a random seed").
+        for seed in (False, "x", {}, 1.5, [7], -1, -7, 4294967295):
             for _ in range(2):
                 r = c.post(s.url(chat), content=body(temperature=0.7, seed=seed))
                 assert r.headers["cache-status"] == "meshcache; fwd=bypass; detail=nondeterministic", seed
-        assert s.origin_calls()["http"] == 2 + 6 + 1 + 10
+        assert s.origin_calls()["http"] == 2 + 6 + 1 + 16
+        zero = [c.post(s.url(chat), content=body(temperature=0.7, seed=0)) for _ in range(2)]
+        assert zero[1].headers["cache-status"].startswith("meshcache; hit"), "0 is a fixed seed"

@@ -126,6 +126,26 @@ def test_image_digest_override_and_bad_input(tmp_path: Path) -> None:
     assert main(["istio", "render", "--color", "Not_A_Label"]) == 2
 
 
+def test_namespace_must_be_a_dns_label_and_not_istio_or_kubernetes_own(capsys: pytest.CaptureFixture[str],
+                                                                       tmp_path: Path) -> None:
+    """`--namespace` (issue 32): a DNS-1123 label, as `--color` is checked, and never Istio's or
+    Kubernetes' own namespace; refused with exit 2 and a message naming the flag, nothing written."""
+    out = tmp_path / "out"
+    for bad in ("*", "", "ml\n", "ml\nkind: Secret", "ML", "-ml", "ml-", "a" * 64, "ml.prod", "ml_prod"):
+        assert main(["istio", "render", f"--namespace={bad}", "--out", str(out)]) == 2, repr(bad)
+        err = capsys.readouterr().err
+        assert "--namespace" in err and "DNS-1123 label" in err, (bad, err)
+    for reserved in render.RESERVED_NAMESPACES:
+        assert main(["istio", "render", "--namespace", reserved, "--out", str(out)]) == 2, reserved
+        err = capsys.readouterr().err
+        assert f"--namespace {reserved}" in err and "own namespace" in err, err
+        assert main(["istio", "xds-certs", "--namespace", reserved, "--out", str(out)]) == 2
+    assert not out.exists()
+    assert "istio-system" in render.RESERVED_NAMESPACES and "kube-system" in render.RESERVED_NAMESPACES
+    assert main(["istio", "render", "--color", "blue\n"]) == 2, "a trailing newline is not a label either"
+    assert main(["istio", "render", "--namespace", "a" * 63]) == 0
+
+
 def test_render_the_basic_overlay(tmp_path: Path, pins: render.Pins, crds: dict) -> None:
     objects, _, served = _render(tmp_path, "--overlay", str(render.ISTIO_DIR / "overlays" / "basic"),
                                  "--namespace", "ml")

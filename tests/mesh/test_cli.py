@@ -24,6 +24,7 @@ from meshcache.contract.native_filter import NATIVE_FILTER_NAME
 from meshcache.ctl import launchers
 from meshcache.ctl.interrupts import deferred_stop_signals
 from meshcache.ctl.mesh import state
+from meshcache.ctl.procs import local_http
 from tests.helpers.wait import eventually
 from tests.mesh.helpers import mlp_json, rest_infer
 
@@ -88,6 +89,19 @@ def test_up_detached_status_policy_down(tmp_path: Path) -> None:
             body = mlp_json(seed=int(time.monotonic() * 1000))
         else:
             pytest.fail("the TTL set with `meshcache policy set` never showed up in the mesh")
+        # /v1/infer picks the version with x-model-version (issue 32): each version is its own
+        # entry, never answered with another version's output.
+        v1_body = json.dumps({"input": mlp_json(seed=5002)["inputs"][0]["data"], "shape": [1, 16]})
+        answers = {}
+        for version in ("1", "2"):
+            for n in range(2):
+                r = local_http().post(f"http://{app}/v1/infer", content=v1_body, timeout=10,
+                                      headers={"x-model-id": "mlp-classifier", "x-model-version": version})
+                assert r.status_code == 200, r.text
+                assert r.headers["cache-status"].startswith("meshcache; hit" if n else "meshcache; fwd=miss"), \
+                    (version, r.headers["cache-status"])
+            answers[version] = r.content
+        assert answers["1"] != answers["2"]
         # That hit came from the native host: the server sidecar's only cache filter is the dynamic
         # module, configured over ECDS (resource meshcache-native) by every policy version so far.
         admin = int(report["endpoints"]["server_sidecar_admin"].rsplit(":", 1)[1])

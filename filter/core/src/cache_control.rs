@@ -110,6 +110,13 @@ impl NotStored {
     }
 }
 
+/// A request's `Cache-Control` (all lines joined) asks the cache to revalidate: `no-cache`, or
+/// `max-age=0` (RFC 9111 §5.2.1.1: no stored answer of any age is acceptable).
+pub fn request_wants_revalidation(value: &str) -> bool {
+    let cc = parse(value);
+    cc.no_cache || cc.max_age == Some(0)
+}
+
 /// What the origin said about freshness: all `Cache-Control` lines joined, every `Expires`
 /// line, and `Date`.
 #[derive(Default)]
@@ -221,13 +228,14 @@ pub fn http_date(s: &str) -> Option<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::Scope;
+    use crate::config::{ClientNoCache, Scope};
 
     fn policy(ttl: u64, max: u64) -> Policy {
         Policy {
             model_prefix: "m".into(), ttl_s: ttl, max_ttl_s: max, generation: 0, hash_headers: vec![],
             vary_headers: vec![], scope: Scope::Shared, enabled: true, ignore_fields: vec![], deterministic_only: false,
             coalesce_timeout_ms: 0, stale_if_error_s: 0, stale_while_revalidate_s: 0,
+            client_no_cache: ClientNoCache::Revalidate,
         }
     }
 
@@ -236,6 +244,17 @@ mod tests {
         let cc = parse("public, Max-Age=60, s-maxage=\"30\", no-cache");
         assert_eq!(cc, CacheControl { no_cache: true, max_age: Some(60), s_maxage: Some(30), ..Default::default() });
         assert_eq!(parse("max-age=abc").max_age, None);
+    }
+
+    #[test]
+    fn requests_that_ask_to_revalidate() {
+        // Conflicting max-age values with a 0 among them: revalidating is the safe reading.
+        for v in ["no-cache", "max-age=0", "Max-Age=\"0\"", "max-stale, max-age=0", "NO-CACHE", "max-age=0, max-age=5"] {
+            assert!(request_wants_revalidation(v), "{}", v);
+        }
+        for v in ["", "max-age=1", "max-age=abc", "no-transform", "only-if-cached"] {
+            assert!(!request_wants_revalidation(v), "{}", v);
+        }
     }
 
     #[test]

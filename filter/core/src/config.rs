@@ -31,6 +31,16 @@ pub enum Scope {
     Principal,
 }
 
+/// What a client's `Cache-Control: no-cache` or `max-age=0` does (`client_no_cache`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ClientNoCache {
+    /// RFC 9111 §5.2.1: the request goes upstream (no lookup, no coalescing) and its answer
+    /// refreshes the entry; `Cache-Status: meshcache; fwd=request`.
+    Revalidate,
+    /// The directive is not honoured: the request is looked up like any other.
+    Ignore,
+}
+
 #[derive(Clone, Debug, PartialEq)]
 pub struct Policy {
     pub model_prefix: String,
@@ -53,6 +63,7 @@ pub struct Policy {
     pub stale_if_error_s: u64,
     /// RFC 5861: an expired entry may answer at once for this long while one request refreshes it.
     pub stale_while_revalidate_s: u64,
+    pub client_no_cache: ClientNoCache,
 }
 
 /// Which side of the mesh the filter runs on. `role` in the plugin configuration.
@@ -229,6 +240,13 @@ fn parse_policy(p: &Map<String, Value>, field: &str) -> Result<Policy, ConfigErr
         .unwrap_or(DEFAULT_COALESCE_TIMEOUT_MS);
     let stale_if_error_s = opt_uint(p, "stale_if_error_s", &f("stale_if_error_s"))?.unwrap_or(0);
     let stale_while_revalidate_s = opt_uint(p, "stale_while_revalidate_s", &f("stale_while_revalidate_s"))?.unwrap_or(0);
+    let client_no_cache = match opt_string(p, "client_no_cache", &f("client_no_cache"))?.as_deref() {
+        None | Some("revalidate") => ClientNoCache::Revalidate,
+        Some("ignore") => ClientNoCache::Ignore,
+        Some(other) => {
+            return Err(err(&f("client_no_cache"), &format!("unknown value {:?} (expected \"revalidate\" or \"ignore\")", other)))
+        }
+    };
     if coalesce_timeout_ms > LIMIT_COALESCE_TIMEOUT_MS {
         return Err(err(&f("coalesce_timeout_ms"), &format!("must be at most {} (0 turns coalescing off)", LIMIT_COALESCE_TIMEOUT_MS)));
     }
@@ -239,7 +257,7 @@ fn parse_policy(p: &Map<String, Value>, field: &str) -> Result<Policy, ConfigErr
     }
     Ok(Policy {
         model_prefix, ttl_s, max_ttl_s, generation, hash_headers, vary_headers, scope, enabled, ignore_fields,
-        deterministic_only, coalesce_timeout_ms, stale_if_error_s, stale_while_revalidate_s,
+        deterministic_only, coalesce_timeout_ms, stale_if_error_s, stale_while_revalidate_s, client_no_cache,
     })
 }
 
@@ -352,6 +370,7 @@ mod tests {
         assert!(p.enabled);
         assert!(p.ignore_fields.is_empty());
         assert!(!p.deterministic_only);
+        assert_eq!(p.client_no_cache, ClientNoCache::Revalidate);
         assert_eq!((p.coalesce_timeout_ms, p.stale_if_error_s, p.stale_while_revalidate_s), (DEFAULT_COALESCE_TIMEOUT_MS, 0, 0));
         assert_eq!(c.limits, Config::empty().limits);
         assert_eq!(c.color, "");
@@ -375,6 +394,8 @@ mod tests {
             "deterministic_only": true}]}"#);
         assert_eq!(c.policies[0].ignore_fields, vec!["user", "metadata"]);
         assert!(c.policies[0].deterministic_only);
+        let ignore = cache(r#"{"policies": [{"model_prefix": "m", "ttl_s": 1, "client_no_cache": "ignore"}]}"#);
+        assert_eq!(ignore.policies[0].client_no_cache, ClientNoCache::Ignore);
         let many: Vec<String> = (0..=LIMIT_IGNORE_FIELDS).map(|i| format!("\"f{}\"", i)).collect();
         let json = format!(r#"{{"policies": [{{"model_prefix": "m", "ttl_s": 1, "ignore_fields": [{}]}}]}}"#, many.join(","));
         assert_eq!(error(&json).field, "policies[0].ignore_fields");
@@ -413,6 +434,8 @@ mod tests {
             (r#"{"policies": [{"model_prefix": "m", "ttl_s": 1, "ignore_fields": ["a", 1]}]}"#, "policies[0].ignore_fields[1]"),
             (r#"{"policies": [{"model_prefix": "m", "ttl_s": 1, "ignore_fields": ["a", "a"]}]}"#, "policies[0].ignore_fields[1]"),
             (r#"{"policies": [{"model_prefix": "m", "ttl_s": 1, "deterministic_only": 1}]}"#, "policies[0].deterministic_only"),
+            (r#"{"policies": [{"model_prefix": "m", "ttl_s": 1, "client_no_cache": "bypass"}]}"#, "policies[0].client_no_cache"),
+            (r#"{"policies": [{"model_prefix": "m", "ttl_s": 1, "client_no_cache": true}]}"#, "policies[0].client_no_cache"),
             (r#"{"policies": [{"model_prefix": "m", "ttl_s": 1, "coalesce_timeout_ms": 60001}]}"#, "policies[0].coalesce_timeout_ms"),
             (r#"{"policies": [{"model_prefix": "m", "ttl_s": 1, "coalesce_timeout_ms": -1}]}"#, "policies[0].coalesce_timeout_ms"),
             (r#"{"policies": [{"model_prefix": "m", "ttl_s": 1, "stale_if_error_s": 86401}]}"#, "policies[0].stale_if_error_s"),

@@ -11,6 +11,8 @@ pub struct KeyInput<'a> {
     pub path: &'a str,
     pub model: &'a str,
     pub version: &'a str,
+    /// The value of each `names::MODEL_SELECTING_HEADERS` header, in that order (None: absent).
+    pub model_headers: &'a [Option<&'a str>],
     pub generation: u64,
     pub color: &'a str,
     /// (lowercase header name, every value the request had, in order), in policy order.
@@ -29,11 +31,21 @@ fn field(h: &mut Sha256, bytes: &[u8]) {
 
 pub fn cache_key(k: &KeyInput) -> KeyDigest {
     let mut h = Sha256::new();
-    h.update(b"meshcache-key-v2");
+    h.update(b"meshcache-key-v3");
     field(&mut h, k.method.as_bytes());
     field(&mut h, k.path.as_bytes());
     field(&mut h, k.model.as_bytes());
     field(&mut h, k.version.as_bytes());
+    h.update((k.model_headers.len() as u64).to_be_bytes());
+    for v in k.model_headers {
+        match v {
+            Some(v) => {
+                h.update([1u8]);
+                field(&mut h, v.as_bytes());
+            }
+            None => h.update([0u8]),
+        }
+    }
     h.update(k.generation.to_be_bytes());
     field(&mut h, k.color.as_bytes());
     h.update((k.vary.len() as u64).to_be_bytes());
@@ -196,8 +208,8 @@ mod tests {
 
     fn base<'a>(body: &'a KeyedBytes<'a>, vary: &'a [(String, Vec<String>)]) -> KeyInput<'a> {
         KeyInput {
-            method: "POST", path: "/v2/models/m/infer", model: "m", version: "", generation: 0, color: "",
-            vary, principal: None, body,
+            method: "POST", path: "/v2/models/m/infer", model: "m", version: "", model_headers: &[None, None],
+            generation: 0, color: "", vary, principal: None, body,
         }
     }
 
@@ -233,6 +245,11 @@ mod tests {
         variants.push(cache_key(&KeyInput { model: "n", ..base(&x, &none) }));
         variants.push(cache_key(&KeyInput { version: "2", ..base(&x, &none) }));
         variants.push(cache_key(&KeyInput { generation: 1, ..base(&x, &none) }));
+        // Model-selecting headers: absent, empty and a value apart, and which header it is.
+        variants.push(cache_key(&KeyInput { model_headers: &[Some("m"), None], ..base(&x, &none) }));
+        variants.push(cache_key(&KeyInput { model_headers: &[None, Some("2")], ..base(&x, &none) }));
+        variants.push(cache_key(&KeyInput { model_headers: &[None, Some("")], ..base(&x, &none) }));
+        variants.push(cache_key(&KeyInput { model_headers: &[Some("2"), None], ..base(&x, &none) }));
         variants.push(cache_key(&KeyInput { color: "blue", ..base(&x, &none) }));
         variants.push(cache_key(&KeyInput { principal: Some("spiffe://a"), ..base(&x, &none) }));
         let vary_a = vec![("x-tenant".to_string(), vec!["a".to_string()])];

@@ -5,6 +5,12 @@ use crate::cache_control::NotStored;
 
 pub const COLOR_HEADER: &str = "x-traffic-color";
 pub const MODEL_HEADER: &str = "x-model-id";
+/// The engine's `POST /v1/infer` reads the model's version from it (`engine/http_server.py`).
+pub const MODEL_VERSION_HEADER: &str = "x-model-version";
+/// Every request header a server behind the filter reads to choose the model or its version
+/// (docs/filter.md, "Headers that pick the model"): each is part of the key, on every path,
+/// its one value or its absence; repeated or not UTF-8, the request bypasses.
+pub const MODEL_SELECTING_HEADERS: [&str; 2] = [MODEL_HEADER, MODEL_VERSION_HEADER];
 pub const HASH_HEADER: &str = "x-response-hash";
 pub const CACHE_STATUS: &str = "cache-status";
 /// KServe's binary tensor extension: the length of a body's JSON part (requests and answers).
@@ -65,7 +71,7 @@ pub enum Bypass {
     Path,
     /// grpc-web (own framing and trailers in the body).
     GrpcWeb,
-    /// A keyed header (`x-model-id`, `x-traffic-color`) given more than once.
+    /// A keyed header (`x-model-id`, `x-model-version`, `x-traffic-color`) given more than once.
     RepeatedHeader,
     /// A keyed header whose value is not UTF-8.
     HeaderBytes,

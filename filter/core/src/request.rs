@@ -4,12 +4,12 @@
 //! bypass reasons). The response half is `response`; the hosts gather inputs and apply both.
 
 use crate::cache_control;
-use crate::config::{Config, Policy, Scope};
+use crate::config::{ClientNoCache, Config, Policy, Scope};
 use crate::hashing::{cache_key, KeyDigest, KeyInput};
 use crate::headermap::{joined, values};
 use crate::json;
 use crate::model::{self, ModelRef, ModelSource};
-use crate::names::{Bypass, COLOR_HEADER, KSERVE_BINARY_HEADER, MODEL_HEADER};
+use crate::names::{Bypass, COLOR_HEADER, KSERVE_BINARY_HEADER, MODEL_HEADER, MODEL_SELECTING_HEADERS};
 use crate::shaping::{self, JsonRules, KeyedBytes, RequestId};
 
 /// Request bodies larger than this are not buffered; the request passes through uncached.
@@ -67,7 +67,8 @@ pub enum HeadDecision {
     Ignore,
     /// An inference request the cache stays out of: `Cache-Status: meshcache; fwd=bypass; detail=..`.
     Bypass(Bypass),
-    /// Read the whole body, then decide. `refresh`: client no-cache (skip lookup, store).
+    /// Read the whole body, then decide. `refresh`: the client asks to revalidate (`no-cache`,
+    /// `max-age=0`); under a `client_no_cache: revalidate` policy it skips the lookup and stores.
     Buffer { source: ModelSource, refresh: bool },
 }
 
@@ -85,8 +86,9 @@ pub fn classify_head(head: &RequestHead) -> HeadDecision {
         Err(why) => return HeadDecision::Bypass(why),
     };
     // Headers that are part of the key must be unambiguous: Envoy's route matcher sees a
-    // repeated header as its lines joined, the key would see something else.
-    for name in [COLOR_HEADER, MODEL_HEADER] {
+    // repeated header as its lines joined, a server's header dict its last line, the key would
+    // see something else.
+    for name in std::iter::once(COLOR_HEADER).chain(MODEL_SELECTING_HEADERS) {
         if let Err(why) = single(head, name) {
             return HeadDecision::Bypass(why);
         }
@@ -96,11 +98,12 @@ pub fn classify_head(head: &RequestHead) -> HeadDecision {
     if source != ModelSource::GrpcBody && encoded("content-encoding") {
         return HeadDecision::Bypass(Bypass::Compressed);
     }
-    let cc = joined(head.headers, "cache-control").map(|v| cache_control::parse(&v)).unwrap_or_default();
-    if cc.no_store {
+    let cc = joined(head.headers, "cache-control");
+    if cc.as_deref().map_or(false, |v| cache_control::parse(v).no_store) {
         return HeadDecision::Bypass(Bypass::NoStore);
     }
-    HeadDecision::Buffer { source, refresh: cc.no_cache }
+    // Whether the policy honours it is known once the body names the model (`key_request`).
+    HeadDecision::Buffer { source, refresh: cc.as_deref().map_or(false, cache_control::request_wants_revalidation) }
 }
 
 /// A request the cache takes part in.
@@ -257,6 +260,15 @@ pub fn key_request_with(
         Ok(c) => c.unwrap_or(&config.color),
         Err(why) => return BodyDecision::Bypass(why),
     };
+    // Every header a server reads to choose the model or its version is keyed on every path
+    // (absent and empty apart): `x-model-version` picks the version `/v1/infer` runs.
+    let mut model_headers: Vec<Option<&str>> = Vec::with_capacity(MODEL_SELECTING_HEADERS.len());
+    for name in MODEL_SELECTING_HEADERS {
+        match single(head, name) {
+            Ok(v) => model_headers.push(v),
+            Err(why) => return BodyDecision::Bypass(why),
+        }
+    }
     // Vary headers are keyed on every line, byte-exact; a value that is not UTF-8 bypasses.
     let mut vary: Vec<(String, Vec<String>)> = Vec::with_capacity(policy.vary_headers.len());
     for n in &policy.vary_headers {
@@ -274,6 +286,7 @@ pub fn key_request_with(
         path: head.path,
         model: &model.name,
         version: &model.version,
+        model_headers: &model_headers,
         generation: policy.generation,
         color,
         vary: &vary,
@@ -281,6 +294,7 @@ pub fn key_request_with(
         body: &keyed,
     });
     let request_id = keyed.id;
+    let refresh = refresh && policy.client_no_cache == ClientNoCache::Revalidate;
     BodyDecision::Cacheable(Cacheable { key, policy: policy.clone(), grpc, refresh, seen: None, request_ms: 0, request_id })
 }
 
@@ -445,7 +459,8 @@ mod tests {
         let cfg = config(r#"{"policies": [{"model_prefix": "m", "ttl_s": 5}, {"model_prefix": "other", "ttl_s": 5}]}"#);
         // Path vs header.
         assert_eq!(decide(&cfg, "/v2/models/m/infer", &[("x-model-id", "other")], b"{}", None), BodyDecision::Bypass(Bypass::ModelConflict));
-        assert_eq!(key(decide(&cfg, "/v2/models/m/infer", &[("x-model-id", "m")], b"{}", None)),
+        // A model-selecting header is keyed wherever it is sent (its presence too).
+        assert_ne!(key(decide(&cfg, "/v2/models/m/infer", &[("x-model-id", "m")], b"{}", None)),
                    key(decide(&cfg, "/v2/models/m/infer", &[], b"{}", None)));
         // Body vs header: the body names the model; a different header is a conflict.
         let chat = br#"{"model": "m1", "messages": []}"#;
@@ -453,6 +468,67 @@ mod tests {
         assert!(matches!(decide(&cfg, "/v1/chat/completions", &[("x-model-id", "m1")], chat, None), BodyDecision::Cacheable(_)));
         // A body without a model falls back to the header.
         assert!(matches!(decide(&cfg, "/v1/chat/completions", &[("x-model-id", "m1")], br#"{"messages": []}"#, None), BodyDecision::Cacheable(_)));
+    }
+
+    #[test]
+    fn every_header_that_picks_the_model_or_its_version_is_keyed() {
+        let cfg = config(r#"{"policies": [{"model_prefix": "m", "ttl_s": 5}]}"#);
+        let body = br#"{"input": [1], "shape": [1]}"#;
+        // The engine's /v1/infer: x-model-id picks the model, x-model-version its version.
+        let v1 = |h: &[(&str, &str)]| key(decide(&cfg, "/v1/infer", h, body, None));
+        let (plain, one, two, empty) = (v1(&[("x-model-id", "m")]), v1(&[("x-model-id", "m"), ("x-model-version", "1")]),
+                                        v1(&[("x-model-id", "m"), ("x-model-version", "2")]),
+                                        v1(&[("x-model-id", "m"), ("X-Model-Version", "")]));
+        for (i, a) in [plain, one, two, empty].iter().enumerate() {
+            for b in [plain, one, two, empty].iter().skip(i + 1) {
+                assert_ne!(a, b);
+            }
+        }
+        assert_eq!(one, v1(&[("x-model-version", "1"), ("x-model-id", "m")]), "header order does not matter");
+        // On every path: KServe REST, OpenAI-style, gRPC (metadata).
+        for (path, ct, b) in [("/v2/models/m/infer", "application/json", &b"{}"[..]),
+                              ("/v1/chat/completions", "application/json", br#"{"model": "m", "temperature": 0}"#)] {
+            let k = |h: &[(&str, &str)]| {
+                let mut h = h.to_vec();
+                h.push(("content-type", ct));
+                key(decide(&cfg, path, &h, b, None))
+            };
+            assert_ne!(k(&[]), k(&[("x-model-version", "2")]), "{}", path);
+        }
+        let grpc = crate::grpc::frame(b"\x0a\x01m");
+        let g = |h: &[(&str, &str)]| {
+            let mut h = h.to_vec();
+            h.push(("content-type", "application/grpc"));
+            key(decide(&cfg, crate::model::GRPC_MODEL_INFER_PATH, &h, &grpc, None))
+        };
+        assert_ne!(g(&[]), g(&[("x-model-version", "2")]));
+        // Repeated or not UTF-8: what the server reads is not certain; bypass.
+        let twice = hs(&[("x-model-id", "m"), ("x-model-version", "1"), ("x-model-version", "2")]);
+        let head = RequestHead { method: "POST", path: "/v1/infer", headers: &twice, not_utf8: &[] };
+        assert_eq!(classify_head(&head), HeadDecision::Bypass(Bypass::RepeatedHeader));
+        let once = hs(&[("x-model-id", "m"), ("x-model-version", "2")]);
+        let bad = vec!["x-model-version".to_string()];
+        let head = RequestHead { method: "POST", path: "/v1/infer", headers: &once, not_utf8: &bad };
+        let source = model::source_from_headers("/v1/infer", None, Some("m")).unwrap().unwrap();
+        assert_eq!(key_request(&cfg, &head, &source, false, body, || None), BodyDecision::Bypass(Bypass::HeaderBytes));
+    }
+
+    #[test]
+    fn client_no_cache_revalidates_only_under_a_revalidate_policy() {
+        let cfg = config(r#"{"policies": [{"model_prefix": "m", "ttl_s": 5},
+            {"model_prefix": "i", "ttl_s": 5, "client_no_cache": "ignore"}]}"#);
+        let refresh = |path: &str, cc: &str| match decide(&cfg, path, &[("cache-control", cc)], b"{}", None) {
+            BodyDecision::Cacheable(c) => c.refresh,
+            other => panic!("{:?}", other),
+        };
+        for cc in ["no-cache", "max-age=0"] {
+            assert!(refresh("/v2/models/m/infer", cc), "{}", cc);
+            assert!(!refresh("/v2/models/i/infer", cc), "{}: ignored by the policy", cc);
+        }
+        assert!(!refresh("/v2/models/m/infer", "max-age=60"));
+        // The key is the same either way: a revalidation refreshes the entry others hit.
+        assert_eq!(key(decide(&cfg, "/v2/models/m/infer", &[("cache-control", "no-cache")], b"{}", None)),
+                   key(decide(&cfg, "/v2/models/m/infer", &[], b"{}", None)));
     }
 
     #[test]

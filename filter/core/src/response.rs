@@ -8,7 +8,7 @@ use crate::config::Policy;
 use crate::entry::Entry;
 use crate::hashing::{response_hash, AnswerHasher};
 use crate::headermap::{header, joined, values};
-use crate::names::{COLOR_HEADER, KSERVE_BINARY_HEADER, MODEL_HEADER};
+use crate::names::{COLOR_HEADER, KSERVE_BINARY_HEADER, MODEL_SELECTING_HEADERS};
 use crate::request::Cacheable;
 use crate::shaping::{self, RequestId, Splice};
 /// A miss whose answer arrives whole and small is held until its end, so its headers can say
@@ -31,12 +31,12 @@ pub fn should_hold(grpc: bool, content_type: Option<&str>, content_length: Optio
 
 /// Request headers a stored answer may vary on without losing correctness: those the key has.
 fn varies_only_on_keyed(policy: &Policy, name: &str) -> bool {
-    name == COLOR_HEADER || name == MODEL_HEADER || policy.vary_headers.iter().any(|v| v == name)
+    name == COLOR_HEADER || MODEL_SELECTING_HEADERS.contains(&name) || policy.vary_headers.iter().any(|v| v == name)
 }
 
 /// Whether an origin answer may be stored, and for how long (the status is checked before).
 /// `Vary` (RFC 9111 §4.1): `*` is never stored; other names are fine only when the key already
-/// includes them (policy `vary_headers`, the colour, the model header), since a stored answer
+/// includes them (policy `vary_headers`, the colour, the model-selecting headers), since a stored answer
 /// is then only reused for requests that agree on them. Otherwise `detail=vary`.
 pub fn check_storable(
     policy: &Policy,

@@ -27,6 +27,7 @@ fn route_digest(k: &KeyInput) -> KeyDigest {
         path: k.path,
         model: k.model,
         version: k.version,
+        model_headers: k.model_headers,
         generation: 0,
         color: k.color,
         vary: k.vary,

@@ -102,10 +102,14 @@ pub fn plain_decimal(v: &str) -> Option<u64> {
     v.parse().ok()
 }
 
-/// A JSON integer token (`-?[0-9]+`, no fraction or exponent): what an integer `seed` is.
-fn is_json_integer(raw: &[u8]) -> bool {
-    let digits = raw.strip_prefix(b"-").unwrap_or(raw);
-    !digits.is_empty() && digits.iter().all(u8::is_ascii_digit)
+/// llama.cpp's "pick a random seed" value (`LLAMA_DEFAULT_SEED`, -1 as a u32).
+const RANDOM_SEED_SENTINEL: &[u8] = b"4294967295";
+
+/// A `seed` that fixes the sampler: a JSON integer token without a sign, fraction or exponent
+/// (`[0-9]+`). A negative seed (llama.cpp-style servers read -1 as "pick a random seed") and
+/// llama.cpp's random-seed sentinel do not.
+fn is_fixed_seed(raw: &[u8]) -> bool {
+    !raw.is_empty() && raw.iter().all(u8::is_ascii_digit) && raw != RANDOM_SEED_SENTINEL
 }
 
 /// The key body of a JSON request under `rules`, with the top-level members already scanned
@@ -160,8 +164,8 @@ pub fn shape_json<'a>(
                     return Err(Bypass::Unparsable);
                 }
                 seen_seed = true;
-                // Only an integer seeds the sampler (false, "x", {}, 1.5 do not, or fail).
-                seeded = is_json_integer(m.value_raw(json));
+                // Only a non-negative integer fixes the sampler (false, "x", {}, 1.5, -1 do not).
+                seeded = is_fixed_seed(m.value_raw(json));
             }
         }
     }
@@ -452,8 +456,14 @@ mod tests {
             (br#"{"model":"m"}"#, false),
             (br#"{"model":"m","temperature":null}"#, false),
             (br#"{"model":"m","seed":1}"#, true),
-            (br#"{"model":"m","seed":-7}"#, true),
-            // Only an integer seed makes a sample repeatable.
+            (br#"{"model":"m","seed":0}"#, true),
+            (br#"{"model":"m","seed":4294967294}"#, true),
+            // Only a non-negative integer seed makes a sample repeatable: -1 is "random" to
+            // llama.cpp-style servers, as is 4294967295 (-1 as a u32).
+            (br#"{"model":"m","seed":-1}"#, false),
+            (br#"{"model":"m","seed":-7}"#, false),
+            (br#"{"model":"m","seed":-0}"#, false),
+            (br#"{"model":"m","seed":4294967295}"#, false),
             (br#"{"model":"m","seed":false}"#, false),
             (br#"{"model":"m","seed":"x"}"#, false),
             (br#"{"model":"m","seed":{}}"#, false),

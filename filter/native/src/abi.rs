@@ -102,6 +102,7 @@ pub const BODY_STOP_ITERATION_NO_BUFFER: u32 = 3;
 
 // envoy_dynamic_module_type_on_http_filter_{request,response}_trailers_status
 pub const TRAILERS_CONTINUE: u32 = 0;
+pub const TRAILERS_STOP_ITERATION: u32 = 1;
 
 // envoy_dynamic_module_type_attribute_id: connection.uri_san_peer_certificate (the 38th entry;
 // 1.40's get_attribute_string switches over ids 0..=41).

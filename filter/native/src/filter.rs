@@ -298,6 +298,20 @@ impl Stream {
                 return Flow::Hold;
             }
         }
+        self.decide_buffered(host)
+    }
+
+    /// Trailers end the request (an HTTP/2 or gRPC body followed by trailers): decide on the
+    /// body held so far, as at the end of a body (the Wasm host does the same).
+    pub fn on_request_trailers(&mut self, host: &mut dyn Host) -> Flow {
+        match self.state {
+            State::Buffering { .. } => self.decide_buffered(host),
+            _ => Flow::Continue,
+        }
+    }
+
+    /// The whole request is in: its key and what to do with it.
+    fn decide_buffered(&mut self, host: &mut dyn Host) -> Flow {
         let (source, refresh, headers, seen) = match std::mem::replace(&mut self.state, State::Pass) {
             State::Buffering { source, refresh, headers, seen } => (source, refresh, headers, seen),
             _ => return Flow::Continue,
@@ -1038,6 +1052,54 @@ mod tests {
         // If-None-Match with the ETag: 304, no body.
         let inm = exchange(&e, INFER, &[("if-none-match", &format!("\"{}\"", hash))], &[BODY], &[], &[]);
         assert_eq!(inm.sent.borrow().as_ref().unwrap().0, 304);
+    }
+
+    /// A request body that ends with trailers (HTTP/2): no body hook says end of stream.
+    fn request_with_trailers(e: &Env, s: &mut Stream, chunks: &[&[u8]]) -> (Fake, Flow) {
+        let mut h = Fake::default();
+        h.now.set(e.now);
+        h.req = [(":method", "POST"), (":path", INFER), ("content-type", "application/json")]
+            .iter()
+            .map(|(n, v)| (n.to_string(), v.to_string()))
+            .collect();
+        assert_eq!(s.on_request_headers(&mut h, false), Flow::Hold);
+        for c in chunks {
+            let r = std::mem::take(&mut h.received);
+            h.held.extend(r);
+            h.received = vec![c.to_vec()];
+            assert_eq!(s.on_request_body(&mut h, false), Flow::Hold, "still buffering");
+        }
+        // In the trailers hook the last chunk is part of the held body.
+        let r = std::mem::take(&mut h.received);
+        h.held.extend(r);
+        let flow = s.on_request_trailers(&mut h);
+        (h, flow)
+    }
+
+    #[test]
+    fn a_request_ending_with_trailers_is_decided_at_the_trailers() {
+        let e = env(r#"{"policies": [{"model_prefix": "m", "ttl_s": 60}]}"#);
+        let mut s = Stream::new(e.config.clone(), e.shared.clone());
+        let (mut h, flow) = request_with_trailers(&e, &mut s, &[&BODY[..9], &BODY[9..]]);
+        assert_eq!(flow, Flow::Continue, "a miss goes upstream");
+        h.held.clear();
+        h.resp = [(":status", "200"), ("content-type", "application/json"), ("content-length", &ANSWER.len().to_string())]
+            .iter()
+            .map(|(n, v)| (n.to_string(), v.to_string()))
+            .collect();
+        assert_eq!(s.on_response_headers(&mut h, false), Flow::Hold);
+        h.received = vec![ANSWER.to_vec()];
+        s.on_response_body(&mut h, true);
+        assert_eq!(status(&h), "meshcache; fwd=miss; stored");
+
+        let mut s = Stream::new(e.config.clone(), e.shared.clone());
+        let (hit, flow) = request_with_trailers(&e, &mut s, &[BODY]);
+        assert_eq!(flow, Flow::Stop, "answered locally");
+        assert_eq!(hit.sent.borrow().as_ref().unwrap().2, ANSWER);
+        assert!(status(&hit).starts_with("meshcache; hit"), "{}", status(&hit));
+        // A stream not buffering (ignored or bypassed) lets its trailers through.
+        let mut other = Stream::new(e.config.clone(), e.shared.clone());
+        assert_eq!(other.on_request_trailers(&mut Fake::default()), Flow::Continue);
     }
 
     trait ReplaceId {

@@ -318,6 +318,14 @@ fn headers_status(flow: Flow) -> u32 {
     }
 }
 
+fn trailers_status(flow: Flow) -> u32 {
+    match flow {
+        Flow::Continue => TRAILERS_CONTINUE,
+        // Parked (coalescing) or answered locally: the request stops here.
+        Flow::Hold | Flow::Stop => TRAILERS_STOP_ITERATION,
+    }
+}
+
 fn body_status(flow: Flow) -> u32 {
     match flow {
         Flow::Continue => BODY_CONTINUE,
@@ -412,8 +420,8 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_request_body(
 /// As for request headers.
 #[no_mangle]
 pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_request_trailers(
-    _envoy: FilterEnvoyPtr, _module: FilterModulePtr) -> u32 {
-    TRAILERS_CONTINUE
+    envoy: FilterEnvoyPtr, module: FilterModulePtr) -> u32 {
+    trailers_status(with_stream(envoy, module, |s, h| s.on_request_trailers(h)))
 }
 
 /// # Safety

@@ -143,6 +143,7 @@ def _xds_certs(args: argparse.Namespace) -> int:
 
     had_ca = (args.out / xds_tls.CA).exists()
     try:
+        render.check_namespace(args.namespace)
         if args.drop_old_ca:
             written, stage = xds_tls.drop_old_ca(args.out), "drop"
         else:

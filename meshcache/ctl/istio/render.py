@@ -44,6 +44,22 @@ AUTHZ = "meshcache-engine"
 DESTINATION_RULE = "meshcache-engine"
 PROXIES_SERVICE = "meshcache-engine-proxies"
 COLOR_RE = re.compile(r"^[a-z0-9]([-a-z0-9]{0,30}[a-z0-9])?$")
+NAMESPACE_RE = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")  # DNS-1123 label (fullmatch)
+# Namespaces meshcache's manifests must never go into: Istio's own (its control plane, the
+# gateway namespaces its install docs create, the operator's) and Kubernetes' system ones. A
+# policy or a Deployment there would change the mesh, not one application.
+RESERVED_NAMESPACES = ("istio-system", "istio-ingress", "istio-egress", "istio-gateways", "istio-operator",
+                       "istio-cni", "kube-system", "kube-public", "kube-node-lease")
+
+
+def check_namespace(namespace: str) -> None:
+    """`--namespace`: a DNS-1123 label that is neither Istio's nor Kubernetes' own (ValueError)."""
+    if NAMESPACE_RE.fullmatch(namespace) is None:
+        raise ValueError(f"--namespace {namespace!r} must be a DNS-1123 label (lowercase letters, digits and '-', "
+                         "starting and ending with a letter or digit, at most 63 characters)")
+    if namespace in RESERVED_NAMESPACES:
+        raise ValueError(f"--namespace {namespace}: that is Istio's or Kubernetes' own namespace; meshcache goes "
+                         f"into a namespace of its own (default {BASE_NAMESPACE})")
 Obj = dict[str, Any]
 
 
@@ -218,19 +234,20 @@ def workloads_for(opts: RenderOptions, current: Workloads, service: Obj | None) 
 
 
 def render(opts: RenderOptions) -> list[Obj]:
+    check_namespace(opts.namespace)
     objects = kustomize.build(opts.source)
     own = own_engine(objects)
     if not own and (opts.color or opts.also_colors):
         raise ValueError(f"{opts.source} caches your own workloads, whose pods carry no meshcache colour label: "
                          "--color/--also-color apply to meshcache's own engine only")
     for c in opts.colors(own):
-        if not COLOR_RE.match(c):
+        if not COLOR_RE.fullmatch(c):  # fullmatch: `$` alone lets a trailing newline through
             raise ValueError(f"colour {c!r} must be a DNS label of at most 32 characters")
     principals = tuple(normalize_principal(p) for p in opts.allow_principals)
     for flag, image in (("--engine-image", opts.engine_image), ("--control-plane-image", opts.control_plane_image)):
         if image is not None and not IMAGE_RE.match(image):
             raise ValueError(f"{flag} {image!r} is not an image reference (registry/repository[:tag][@sha256:...])")
-    if opts.engine_service is not None and not re.match(rf"^{_DNS_LABEL}$", opts.engine_service):
+    if opts.engine_service is not None and not re.fullmatch(_DNS_LABEL, opts.engine_service):
         raise ValueError(f"--engine-service {opts.engine_service!r} must be a Service name (a DNS label)")
     service = next((o for o in objects if o["kind"] == "Service" and o["metadata"]["name"] == ENGINE_APP), None)
     workloads = workloads_for(opts, workloads_from_env(control_plane_env(objects)), service if own else None)

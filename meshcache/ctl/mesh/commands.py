@@ -8,11 +8,11 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import httpx
 
-from meshcache.contract.filter_config import POLICY_FIELD_HELP
+from meshcache.contract.filter_config import POLICY_FIELD_HELP, ClientNoCache
 from meshcache.ctl.envoy_config import LB_POLICIES
 from meshcache.ctl.interrupts import INTERRUPTED, STOP_SIGNALS, deferred_stop_signals, interrupt
 from meshcache.ctl.mesh import day2, state
@@ -314,7 +314,8 @@ def _api(args: argparse.Namespace) -> PolicyApi:
 _SET_FLAGS = {"ttl": "ttl_s", "max_ttl": "max_ttl_s", "scope": "scope", "enabled": "enabled",
               "hash_header": "hash_headers", "vary_header": "vary_headers", "ignore_field": "ignore_fields",
               "deterministic_only": "deterministic_only", "coalesce_timeout_ms": "coalesce_timeout_ms",
-              "stale_if_error": "stale_if_error_s", "stale_while_revalidate": "stale_while_revalidate_s"}
+              "stale_if_error": "stale_if_error_s", "stale_while_revalidate": "stale_while_revalidate_s",
+              "client_no_cache": "client_no_cache"}
 
 
 def _format_changes(result: dict[str, Any]) -> list[str]:
@@ -414,6 +415,8 @@ def _add_set_flags(a: argparse.ArgumentParser) -> None:
     a.add_argument("--stale-if-error", type=int, metavar="S", help=f"stale_if_error_s: {h['stale_if_error_s']}")
     a.add_argument("--stale-while-revalidate", type=int, metavar="S",
                    help=f"stale_while_revalidate_s: {h['stale_while_revalidate_s']}")
+    a.add_argument("--client-no-cache", choices=get_args(ClientNoCache),
+                   help=f"client_no_cache: {h['client_no_cache']}")
     a.add_argument("--unset", action="append", metavar="FIELD", choices=sorted(set(_SET_FLAGS.values()) - {"ttl_s"}),
                    help="reset a field to its default (repeat)")
     a.add_argument("--replace", action="store_true",
