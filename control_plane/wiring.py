@@ -5,9 +5,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from dataclasses import dataclass
+from typing import Any
 
 from .auth import TokenTable
-from .fleet import FleetView, replica_id
+from .fleet import FleetView, config_client_entries, replica_id
+from .istiod_sync import IstiodSync
 from .mcp import IstioMcpRenderer, mcp_fallback
 from .metrics import Metrics
 from .model_index import ModelIndex, parse_engine_urls
@@ -22,6 +25,14 @@ from .xds_server import XdsServer
 from .xds_tls import xds_credentials
 
 log = logging.getLogger("meshcache.control_plane")
+
+
+@dataclass
+class MeshProxies:
+    proxies: list[dict[str, Any]]
+    config_clients: list[dict[str, Any]]
+    complete: bool
+    istiod_error: str | None
 
 
 class ControlPlane:
@@ -43,6 +54,7 @@ class ControlPlane:
         self.proxy_stats = ProxyStatsReader(parse_sources(settings.proxy_stats), settings.proxy_stats_template,
                                             timeout_s=settings.proxy_stats_timeout_s,
                                             dns_names=parse_dns_names(settings.proxy_stats_dns))
+        self.istiod_sync = IstiodSync(settings.istiod_debug, settings.proxy_stats_timeout_s)
         self.model_index = ModelIndex(parse_engine_urls(settings.engine_index), settings.engine_index_timeout_s)
         self.fleet = FleetView(self.store, self.xds.registry, replica_id(settings.instance_id),
                                settings.resync_interval_s)
@@ -59,6 +71,18 @@ class ControlPlane:
         port = await self.xds.start(self.settings.host, self.settings.xds_port, xds_credentials(self.settings))
         log.info("xDS on %s:%d, snapshot version %d", self.settings.host, port, self.cache.current.version)
 
+    async def mesh_proxies(self) -> MeshProxies:
+        """Every proxy of the fleet (connected to any replica, or configured by istiod) and the
+        config clients (istiod)."""
+        entries, complete = await self.fleet.all()
+        proxies, clients = config_client_entries(entries)
+        istiod_acked = max((e["acked_version"] for e in clients if str(e["acked_version"]).isdigit()),
+                           key=int, default="")
+        sync = await self.istiod_sync.read(istiod_acked)
+        known = {e["node_id"] for e in proxies}
+        proxies += [e for e in sync.entries if e["node_id"] not in known]
+        return MeshProxies(proxies, clients, complete and sync.error is None, sync.error)
+
     async def stop(self) -> None:
         await self.xds.stop(grace=0.5)
         for task in (self._sync_task, self._fleet_task):
@@ -68,4 +92,5 @@ class ControlPlane:
                     await task
         await self.fleet.withdraw()
         await self.proxy_stats.close()
+        await self.istiod_sync.close()
         await self.store.close()

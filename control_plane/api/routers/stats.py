@@ -27,8 +27,8 @@ def _proxy_stats(r: ProxyReading) -> ProxyStats:
 async def stats(cp: CP, _p: Reader) -> StatsOut:
     """Cache counters per model (summed over the proxies whose stats could be read) and per proxy."""
     snap = cp.cache.current
-    entries, _ = await cp.fleet.all()  # every replica's proxies, not only this one's
-    nodes = [e["node_id"] for e in entries if e["node_id"]]
+    # Every replica's proxies and istiod's sidecars; not istiod itself (it has no cache).
+    nodes = [e["node_id"] for e in (await cp.mesh_proxies()).proxies if e["node_id"]]
     readings = await cp.proxy_stats.read(nodes)
     models = [ModelStats(model_prefix=m.model_prefix, in_policy=m.in_policy, hits=m.hits, misses=m.misses,
                          hit_ratio=m.hit_ratio, entries=m.entries, bytes=m.bytes, ambiguous_with=m.ambiguous_with)

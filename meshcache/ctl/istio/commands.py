@@ -223,7 +223,8 @@ def _validate(args: argparse.Namespace) -> int:
     fresh = sorted(((f, o) for f, o in operators if "profile" in o["spec"]),
                    key=lambda fo: len(fo[1]["spec"].get("meshConfig", {}).get("configSources", [])))
     if len(fresh) == 2:
-        errors += [f"{fresh[0][0]}, {fresh[1][0]}: {e}" for e in crossref.check_operator_steps(fresh[0][1], fresh[1][1])]
+        (f1, step1), (f2, step2) = fresh
+        errors += [f"{f1}, {f2}: {e}" for e in crossref.check_operator_steps(step1, step2)]
     for f, overlay in operators:
         if "profile" not in overlay["spec"]:
             errors += [f"{f}: {e}" for e in crossref.check_operator_steps({"spec": {}}, overlay)]
