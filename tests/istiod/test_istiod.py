@@ -219,6 +219,14 @@ def test_a_config_the_filter_rejects_is_a_nack_istiod_reports_and_the_sidecar_ke
     eventually(lambda: sc.stats(fail).get(fail, 0) >= 1, timeout=10)  # syncz may report before Envoy's stat shows
     assert bad_version > good
     assert "max_ttl_s: must be at least ttl_s" in sc.envoy.log_path.read_text()
+    # The status page's proxy row (from istiod's syncz): the NACK, and not at the rejected version.
+    with mesh.api() as api:
+        def row() -> dict:
+            return next(p for p in api.get("/v1/proxies").json()["proxies"] if p["node_id"] == sc.pod.proxy_id)
+
+        nacked = eventually(lambda: row() if row()["last_nack"] else None, timeout=10)
+    assert "meshcache" in nacked["last_nack"]["error"] and not nacked["current"], nacked
+    assert nacked["acked_version"] != str(bad_version), nacked
     # The last good config (and its cache) keeps serving: had the rejected one been applied, the
     # plugin would have failed open and answered uncached.
     assert rest_infer(mesh, "mlp-classifier", body).headers["cache-status"].startswith("meshcache; hit")
@@ -259,7 +267,8 @@ def test_status_lists_the_sidecars_through_istiods_syncz_and_istiod_apart(istiod
         stats = api.get("/v1/stats").raise_for_status().json()
         read = {p["node_id"]: p for p in stats["proxies"]}
         assert not istiod_ids & set(read)
-        assert all(read[e]["ok"] for e in engines), read
+        # The engine sidecars' stats; the client sidecar (no cache, no stats source) is not an unread proxy.
+        assert set(read) == engines and stats["complete"] and all(p["ok"] for p in read.values()), read
 
 
 def test_a_policy_prefix_no_engine_serves_warns_under_istiod(istiod_mesh: IstiodMesh) -> None:
