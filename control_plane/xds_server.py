@@ -9,6 +9,8 @@ each stream's protocol (watches, ACK/NACK, flow control) is xds_stream.py.
 from __future__ import annotations
 
 import contextlib
+import os
+import secrets
 from collections.abc import AsyncIterator, Callable
 
 import grpc
@@ -16,9 +18,10 @@ from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 from envoy.service.extension.v3 import config_discovery_pb2_grpc
 
 from .metrics import Metrics
-from .proxy_registry import ProxyRegistry
+from .proxy_registry import Connection, ProxyRegistry
 from .renderers import ECDS_TYPE_URL, Renderer
 from .snapshots import SnapshotCache
+from .xds_probe import is_probe_peer, probe_address
 from .xds_stream import XdsStream
 
 
@@ -32,6 +35,12 @@ class XdsServer:
         self.fallbacks: list[Callable[[str], Renderer | None]] = []
         self._server: grpc.aio.Server | None = None
         self.port = 0
+        # The probe socket (xds_probe.py), unique per control plane (tests run several in one
+        # process); its xDS workers get the token and listen on their own index.
+        self.probe_token = f"{os.getpid()}-{secrets.token_hex(4)}"
+        self.probe_address = probe_address(self.probe_token, 0)
+        # Probe streams are no proxies: their pushes are counted here, not in /metrics.
+        self._probe_metrics = Metrics()
 
     def add_renderer(self, renderer: Renderer) -> None:
         self.renderers[renderer.type_url] = renderer
@@ -75,6 +84,8 @@ class XdsServer:
                      else server.add_insecure_port(address))
         if self.port == 0:
             raise OSError(f"cannot bind xDS port {host}:{port}")
+        if server.add_insecure_port(self.probe_address) == 0:
+            raise OSError(f"cannot listen on the xDS probe socket {self.probe_address}")
         await server.start()
         self._server = server
         return self.port
@@ -89,8 +100,17 @@ class XdsServer:
     async def stream(self, requests: AsyncIterator[discovery_pb2.DiscoveryRequest],
                      context: grpc.aio.ServicerContext, transport: str
                      ) -> AsyncIterator[discovery_pb2.DiscoveryResponse]:
+        # The probe too: at the limit, istiod could not connect either.
         if len(self.registry) >= self.max_streams:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many xDS streams")
+        if is_probe_peer(context.peer() or ""):
+            # The same stream loop and renderers, but not a proxy: not in /v1/proxies or /metrics.
+            probe = XdsStream(Connection(stream_id=0, transport="probe", peer="probe"), self.renderer_for,
+                              self._probe_metrics)
+            async with contextlib.aclosing(probe.serve(requests, self.cache)) as responses:
+                async for resp in responses:
+                    yield resp
+            return
         conn = self.registry.open(transport, context.peer() or "")
         self.metrics.streams.labels(transport).inc()
         try:
