@@ -35,10 +35,12 @@ def test_every_build_keeps_a_serving_control_plane_for_istiod(directory: Path) -
     c = _container(objects)
     assert c["readinessProbe"]["httpGet"] == {"path": "/readyz/xds", "port": "http"}
     assert c["livenessProbe"]["httpGet"] == {"path": "/healthz/xds", "port": "http"}
-    # A wedged process: out of the Service within 2 s, killed within 3 s (+1 s grace).
+    # A wedged process (each probe then lasts its timeout): out of the Service within 4 s, killed
+    # within 6 s (+1 s grace, which a stopped process does not use).
     r, lv = c["readinessProbe"], c["livenessProbe"]
-    assert r["periodSeconds"] * r["failureThreshold"] <= 2
-    assert lv["periodSeconds"] * lv["failureThreshold"] <= 3 and lv["terminationGracePeriodSeconds"] <= 1
+    assert r["failureThreshold"] * max(r["periodSeconds"], r["timeoutSeconds"]) <= 4
+    assert lv["failureThreshold"] * max(lv["periodSeconds"], lv["timeoutSeconds"]) <= 6
+    assert lv["terminationGracePeriodSeconds"] <= 1
     pc = _find(objects, "PriorityClass")
     assert "namespace" not in pc["metadata"] and pc["value"] > 0 and not pc["globalDefault"]
     assert _find(objects, "PodDisruptionBudget")["spec"]["minAvailable"] == 1

@@ -266,6 +266,14 @@ def control_plane_env(objects: list[Obj]) -> dict[str, str]:
     return {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}
 
 
+def control_plane_probe(objects: list[Obj] | None = None, kind: str = "livenessProbe") -> Obj:
+    """The control plane's probe as rendered (the base's by default): the local meshes'
+    supervisors apply the very same one (meshcache/ctl/mesh/healing.py `Liveness`)."""
+    objects = objects if objects is not None else kustomize.build(BASE_DIR)
+    dep = next(o for o in objects if o["kind"] == "Deployment" and o["metadata"]["name"] == CONTROL_PLANE)
+    return dict(dep["spec"]["template"]["spec"]["containers"][0][kind])
+
+
 def mcp_objects(objects: list[Obj], plugin_config: dict[str, Any]) -> list[Obj]:
     """What the rendered control plane serves istiod over MCP for this policy snapshot (its mode,
     colours, cached workloads and module pin come from the Deployment's environment), with the
