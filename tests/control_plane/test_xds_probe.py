@@ -11,9 +11,11 @@ from collections.abc import Callable
 
 import grpc
 import httpx
+from envoy.service.discovery.v3 import ads_pb2_grpc
 
 from meshcache.control_plane.mcp import ENVOY_FILTER_TYPE_URL
 from meshcache.control_plane.xds_client import XdsClient
+from meshcache.control_plane.xds_server import MAX_PROBE_STREAMS
 from meshcache.ctl import procs
 from tests.control_plane.test_xds_workers import children
 from tests.helpers.control_plane import ControlPlaneProc, run
@@ -91,3 +93,47 @@ def test_a_stopped_control_plane_fails_its_probe_within_the_timeout(cp: ControlP
     finally:
         os.kill(cp.proc.popen.pid, signal.SIGCONT)
     assert get(cp, "/healthz/xds").status_code == 200
+
+
+def _probe_socket(pid: int) -> str:
+    """The control plane's probe socket, as any local process can find it (/proc/net/unix)."""
+    prefix = f"@meshcache-cp-xds-probe-{pid}-"
+    names = {line.split()[-1] for line in open("/proc/net/unix").read().splitlines()[1:]
+             if line.split()[-1].startswith(prefix)}
+    (name,) = names
+    return f"unix-abstract:{name[1:]}"
+
+
+def test_the_probe_socket_serves_istio_kinds_only(start_cp: Callable[..., ControlPlaneProc]) -> None:
+    """Plaintext and open to local processes: never the sidecars' ECDS (kept to certificate
+    holders on `meshcache up`), and a bounded number of streams."""
+    cp = start_cp(extra_env=ISTIO_ENV)
+    cp.client().put("/v1/policies/m", json={"ttl_s": 1}).raise_for_status()
+    address = _probe_socket(cp.proc.popen.pid)
+
+    async def scenario() -> None:
+        async with grpc.aio.insecure_channel(address) as ch:
+            mcp = XdsClient(ch, "local", ads=True, resource_names=(), type_url=ENVOY_FILTER_TYPE_URL)
+            await mcp.subscribe()
+            assert (await mcp.recv(timeout=10)).resources  # the EnvoyFilters istiod gets
+            ecds = XdsClient(ch, "local", ads=True)  # the server sidecars' `meshcache` resource
+            await ecds.subscribe()
+            try:
+                await ecds.recv(timeout=1)
+                raise AssertionError("ECDS answered on the probe socket")
+            except TimeoutError:
+                pass
+            held = [XdsClient(ch, f"p{i}", ads=True, resource_names=(), type_url=ENVOY_FILTER_TYPE_URL)
+                    for i in range(MAX_PROBE_STREAMS - 2)]
+            for c in held:
+                await c.subscribe()
+                await c.recv(timeout=10)
+            extra = ads_pb2_grpc.AggregatedDiscoveryServiceStub(ch).StreamAggregatedResources(timeout=10)
+            assert await extra.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert await extra.details() == "too many probe streams"
+            for c in (mcp, ecds, *held):
+                await c.close()
+
+    run(scenario())
+    assert cp.client().get("/v1/proxies").json()["proxies"] == []
+    assert get(cp, "/readyz/xds").status_code == 200
