@@ -551,8 +551,10 @@ def mesh_changes(opts: RenderOptions) -> str:
         "mesh-wide changes (everything else stays as your Istio has it):",
         f"  - meshConfig.configSources: istiod also reads {xds} (TLS, CA from the Secret "
         "istio-system/meshcache-cp-xds-ca). The list replaces Istio's default, so k8s:// is listed too.",
-        "    istiod waits for every config source to sync before it serves xDS or sidecar injection: while the "
-        "control plane is unreachable, a restarting istiod does not become ready.",
+        "    istiod waits for every config source to sync before it serves xDS or sidecar injection, and exits if it "
+        "cannot reach one at start: while no control-plane replica is ready, a restarting istiod does not serve "
+        "(the manifests keep one ready: probes through the xDS path, PodDisruptionBudget, anti-affinity, priority "
+        "class, surge-only rollouts).",
     ]
     if opts.mesh_tls13:
         lines.append("  - meshConfig.meshMTLS.minProtocolVersion: TLSV1_3 (--mesh-tls13): every sidecar's mTLS, "
