@@ -80,6 +80,8 @@ async def round_trip(address: str, type_urls: Sequence[str], timeout_s: float = 
         error = f"no answer within {timeout_s:g} s"
     except grpc.aio.AioRpcError as exc:
         error = f"{exc.code().name}: {exc.details()}"
+    except Exception as exc:  # a probe answers 503 with the reason, whatever failed
+        error = f"{type(exc).__name__}: {exc}"
     if not error and missing:
         error = "stream ended"
     if error and missing:
