@@ -48,6 +48,10 @@ def ready_types(served: Sequence[str]) -> tuple[str, ...]:
     return (*LIVE_TYPES, *sorted(t for t in served if GVK_RE.match(t) and t not in LIVE_TYPES))
 
 
+class ProbeRefused(Exception):
+    """The server ended the probe's stream (its status as the message)."""
+
+
 @dataclass(frozen=True)
 class ProbeResult:
     ok: bool
@@ -64,8 +68,12 @@ async def round_trip(address: str, type_urls: Sequence[str], timeout_s: float = 
         async with grpc.aio.insecure_channel(address) as channel:
             call = ads_pb2_grpc.AggregatedDiscoveryServiceStub(channel).StreamAggregatedResources(timeout=timeout_s)
             node = base_pb2.Node(id=PROBE_NODE)
-            for type_url in type_urls:
-                await call.write(discovery_pb2.DiscoveryRequest(type_url=type_url, node=node))
+            try:
+                for type_url in type_urls:
+                    await call.write(discovery_pb2.DiscoveryRequest(type_url=type_url, node=node))
+            except grpc.aio.AioRpcError:
+                # The server ended the stream first (a write then fails INTERNAL): say why it did.
+                raise ProbeRefused(f"{(await call.code()).name}: {await call.details()}") from None
             while missing:
                 resp = await call.read()
                 if resp is grpc.aio.EOF:
@@ -78,6 +86,8 @@ async def round_trip(address: str, type_urls: Sequence[str], timeout_s: float = 
         await asyncio.wait_for(run(), timeout_s)
     except TimeoutError:
         error = f"no answer within {timeout_s:g} s"
+    except ProbeRefused as exc:
+        error = str(exc)
     except grpc.aio.AioRpcError as exc:
         error = f"{exc.code().name}: {exc.details()}"
     except Exception as exc:  # a probe answers 503 with the reason, whatever failed
