@@ -73,7 +73,7 @@ class _Server(uvicorn.Server):
 async def serve(settings: Settings, tokens: TokenTable, log_level: str) -> None:
     cp = ControlPlane(settings, tokens)
     await cp.start()
-    workers = start_workers(settings, cp.xds.port, log_level) if settings.xds_workers > 1 else []
+    workers = start_workers(settings, cp.xds.port, log_level, cp.xds.probe_token) if settings.xds_workers > 1 else []
     stopped = False
 
     async def stop() -> None:

@@ -18,6 +18,7 @@ from .settings import Settings
 from .snapshots import SnapshotCache
 from .store import Store, StoreUnavailable
 from .sync import RedisSync
+from .xds_probe import XdsProbe
 from .xds_server import XdsServer
 from .xds_tls import xds_credentials
 
@@ -40,6 +41,8 @@ class ControlPlane:
         if istio is not None:
             self.xds.add_renderer(istio)
         self.xds.add_fallback(mcp_fallback)
+        # /healthz/xds and /readyz/xds: round trips through every xDS process (xds_probe.py).
+        self.probe = XdsProbe(self.xds.probe_token, settings.xds_workers, list(self.xds.renderers))
         self.proxy_stats = ProxyStatsReader(parse_sources(settings.proxy_stats), settings.proxy_stats_template,
                                             timeout_s=settings.proxy_stats_timeout_s,
                                             dns_names=parse_dns_names(settings.proxy_stats_dns))

@@ -25,6 +25,28 @@ async def readyz(cp: CP) -> Any:
     return error_response(503, "Redis unreachable")
 
 
+async def _xds(cp: CP, kind: str) -> Any:
+    results = await cp.probe.check(kind)
+    failed = [f"xDS process {i}: {r.error}" for i, r in enumerate(results) if not r.ok]
+    if failed:
+        return error_response(503, "; ".join(failed))
+    return {"status": "ok", "round_trip_ms": max(r.elapsed_ms for r in results), "processes": len(results)}
+
+
+@router.get("/healthz/xds", responses={503: {"model": ErrorOut}})
+async def healthz_xds(cp: CP) -> Any:
+    """Liveness: every xDS process answers an ADS stream (istiod's MeshConfig request) within a
+    second. A wedged event loop or a stopped process fails it (xds_probe.py)."""
+    return await _xds(cp, "live")
+
+
+@router.get("/readyz/xds", responses={503: {"model": ErrorOut}})
+async def readyz_xds(cp: CP) -> Any:
+    """Readiness for istiod: every xDS process answers each kind istiod needs to sync from
+    this pod, within a second. Independent of Redis (the control plane serves what it has)."""
+    return await _xds(cp, "ready")
+
+
 @router.get("/metrics", response_class=Response)
 async def metrics(cp: CP) -> Response:
     return Response(cp.metrics.render(), media_type="text/plain; version=0.0.4")

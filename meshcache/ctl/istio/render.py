@@ -283,6 +283,14 @@ def control_plane_env(objects: list[Obj]) -> dict[str, str]:
     return {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}
 
 
+def control_plane_probe(objects: list[Obj] | None = None, kind: str = "livenessProbe") -> Obj:
+    """The control plane's probe as rendered (the base's by default): the local meshes'
+    supervisors apply the very same one (meshcache/ctl/mesh/healing.py `Liveness`)."""
+    objects = objects if objects is not None else kustomize.build(BASE_DIR)
+    dep = next(o for o in objects if o["kind"] == "Deployment" and o["metadata"]["name"] == CONTROL_PLANE)
+    return dict(dep["spec"]["template"]["spec"]["containers"][0][kind])
+
+
 def mcp_objects(objects: list[Obj], plugin_config: dict[str, Any]) -> list[Obj]:
     """What the rendered control plane serves istiod over MCP for this policy snapshot (its mode,
     colours, cached workloads and module pin come from the Deployment's environment), with the
@@ -560,8 +568,10 @@ def mesh_changes(opts: RenderOptions) -> str:
         "mesh-wide changes (everything else stays as your Istio has it):",
         f"  - meshConfig.configSources: istiod also reads {xds} (TLS, CA from the Secret "
         "istio-system/meshcache-cp-xds-ca). The list replaces Istio's default, so k8s:// is listed too.",
-        "    istiod waits for every config source to sync before it serves xDS or sidecar injection: while the "
-        "control plane is unreachable, a restarting istiod does not become ready.",
+        "    istiod waits for every config source to sync before it serves xDS or sidecar injection, and exits if it "
+        "cannot reach one at start: while no control-plane replica is ready, a restarting istiod does not serve "
+        "(the manifests keep one ready: probes through the xDS path, PodDisruptionBudget, anti-affinity, priority "
+        "class, surge-only rollouts).",
     ]
     if opts.mesh_tls13:
         lines.append("  - meshConfig.meshMTLS.minProtocolVersion: TLSV1_3 (--mesh-tls13): every sidecar's mTLS, "
