@@ -103,7 +103,10 @@ class XdsServer:
             self.registry.close(conn)
             self.metrics.streams.labels(transport).dec()
 
-    def fetch(self, req: discovery_pb2.DiscoveryRequest) -> discovery_pb2.DiscoveryResponse:
+    def fetch(self, req: discovery_pb2.DiscoveryRequest) -> discovery_pb2.DiscoveryResponse | None:
+        """The current resources; None while no snapshot is known (the servicer says UNAVAILABLE)."""
+        if not self.cache.known:
+            return None
         type_url = req.type_url or ECDS_TYPE_URL
         snap = self.cache.current
         renderer = self.renderer_for(type_url)
@@ -128,7 +131,10 @@ class _EcdsServicer(config_discovery_pb2_grpc.ExtensionConfigDiscoveryServiceSer
 
     async def FetchExtensionConfigs(self, request: discovery_pb2.DiscoveryRequest,  # noqa: N802
                                     context: grpc.aio.ServicerContext) -> discovery_pb2.DiscoveryResponse:
-        return self.xds.fetch(request)
+        resp = self.xds.fetch(request)
+        if resp is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "no snapshot known yet (policy store unreachable)")
+        return resp
 
 
 class _AdsServicer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):

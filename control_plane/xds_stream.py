@@ -86,6 +86,10 @@ class XdsStream:
                     self.on_request(item)
                 if closed or reader.done() and inbox.empty():
                     break
+                if not cache.known:
+                    # No snapshot yet (store unreachable, no state file): answering anything,
+                    # even "empty", would replace what the client holds; its watches stay open.
+                    continue
                 for resp in self.responses(cache.current):
                     yield resp
         finally:

@@ -65,7 +65,14 @@ function emptyRow(cols, text) {
 
 // ---- sections ------------------------------------------------------------------------------
 
+function renderServing(serving) {
+  const box = $("serving");
+  box.hidden = !serving.degraded;
+  box.textContent = serving.degraded ? "Degraded: " + serving.detail + ". Changes are refused (503) until it is back." : "";
+}
+
 function renderStats(stats) {
+  renderServing(stats.serving);
   const note = $("stats-note");
   const parts = ["Counted by the meshcache filter in each proxy since that Envoy started; sums over "
     + stats.proxies_read + " of " + (stats.proxies_read + stats.proxies_unread) + " proxies."];

@@ -1,0 +1,110 @@
+"""Issue 33's first failure with the real istiod: Redis stalls (SIGSTOP) and the control plane is
+SIGKILLed and started again (as the supervisor or kubelet would). Before, it came back at version
+0, istiod's EnvoyFilters went to `[]` and the filter vanished from every sidecar. Now it serves
+its saved snapshot (degraded), or, with no saved state, nothing at all; either way istiod keeps
+the meshcache EnvoyFilters, the sidecars keep the filter and their entries, and hits continue."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from meshcache.ctl.istiod.mesh import IstiodMesh, ecds_version
+from tests.helpers.signals import stopped
+from tests.helpers.wait import eventually
+from tests.istiod.helpers import istiod_mesh, rest_infer
+from tests.istiod.test_faults import SEEDS, Load, put_and_sync, warm
+from tests.mesh.helpers import mlp_json
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[IstiodMesh]:
+    with istiod_mesh(tmp_path_factory, "istiod-store-outage", canary_color="") as m:
+        yield m
+
+
+def meshcache_filters(mesh: IstiodMesh) -> dict[str, str]:
+    """istiod's meshcache EnvoyFilters (its /debug/configz): name -> the snapshot version each carries."""
+    assert mesh.istiod is not None
+    return {c["metadata"]["name"]: c["metadata"].get("annotations", {}).get("meshcache.io/snapshot-version", "")
+            for c in mesh.istiod.configz()
+            if c["kind"] == "EnvoyFilter" and c["metadata"]["name"].startswith("meshcache")}
+
+
+def istiod_stream(mesh: IstiodMesh, since: float) -> dict[str, Any] | None:
+    """istiod's MCP stream to the control plane, opened after `since` (the control plane's view)."""
+    with mesh.api() as api:
+        proxies = api.get("/v1/proxies").json()["proxies"]
+    return next((p for p in proxies if p["transport"] == "ads" and p["connected_since"] > since
+                 and p["node_id"].startswith("istiod")), None)
+
+
+def responses_sent(mesh: IstiodMesh) -> float:
+    """xDS/MCP responses this control-plane process has sent (any type)."""
+    with mesh.api() as api:
+        text = api.get("/metrics").text
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith("meshcache_cp_xds_pushes_total{"))
+
+
+def all_hits(mesh: IstiodMesh) -> bool:
+    return all(rest_infer(mesh, "mlp-classifier", mlp_json(s)).headers.get("cache-status", "").startswith(
+        "meshcache; hit") for s in SEEDS)
+
+
+def test_stalled_redis_and_killed_control_plane_leave_istiod_and_the_sidecars_as_they_were(mesh: IstiodMesh) -> None:
+    assert mesh.istiod is not None
+    with mesh.api() as api:
+        version = api.get("/v1/snapshot").json()["version"]
+    assert version > 0
+    before = meshcache_filters(mesh)
+    assert before and set(before.values()) == {str(version)}, before
+    expected = warm(mesh)
+    state_file = mesh.work / "control-plane" / "snapshot.json"
+    eventually(state_file.exists)
+    with Load(mesh, expected) as load, stopped(mesh.proc("redis")) as resume_redis:
+        load.wait_hits(0)
+        # 1. Killed and restarted while Redis is stalled: it serves the snapshot it saved.
+        mesh.proc("control-plane").kill()
+        restarted_at = time.time()
+        mesh.restart("control-plane")
+        with mesh.api() as api:
+            ready = api.get("/readyz")
+            assert ready.status_code == 200 and ready.json()["status"] == "degraded", ready.text
+            assert ready.json()["serving"]["source"] == "disk" and ready.json()["serving"]["version"] == version
+        # istiod reconnects and acknowledges the same version: nothing changed for it.
+        stream = eventually(lambda: (s := istiod_stream(mesh, restarted_at)) and s["acked_version"] == str(version)
+                            and s, timeout=60)
+        assert stream["last_nack"] is None
+        assert meshcache_filters(mesh) == before
+        assert all(ecds_version(sc) == version for sc in mesh.server_sidecars())
+        load.wait_hits(load.hits)
+        assert all_hits(mesh)  # the entries cached before the outage are still served
+
+        # 2. Killed again, and its saved state gone too: it serves nothing, istiod keeps its config.
+        mesh.proc("control-plane").kill()
+        state_file.unlink()
+        restarted_at = time.time()
+        mesh.restart("control-plane")
+        with mesh.api() as api:
+            assert api.get("/readyz").status_code == 503
+        eventually(lambda: istiod_stream(mesh, restarted_at), timeout=60)  # istiod is connected ...
+        load.wait_hits(load.hits)
+        assert responses_sent(mesh) == 0  # ... and got no answer, to no type
+        assert meshcache_filters(mesh) == before
+        assert all(ecds_version(sc) == version for sc in mesh.server_sidecars())
+        assert all_hits(mesh)
+
+        # 3. Redis is back: the store's snapshot is served, writes work and reach the sidecars.
+        resume_redis()
+        with mesh.api() as api:
+            eventually(lambda: api.get("/readyz").json().get("status") == "ready", timeout=15)
+        put_and_sync(mesh, 123)
+        load.wait_hits(load.hits)
+    assert not load.wrong, load.wrong[:5]
+    assert set(meshcache_filters(mesh).values()) == {str(version + 1)}
+    assert all_hits(mesh)
+
