@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from meshcache.control_plane.mcp import ENVOY_FILTER_TYPE_URL
 from meshcache.ctl.istiod.mesh import IstiodMesh, ecds_version
 from tests.helpers.signals import stopped
 from tests.helpers.wait import eventually
@@ -34,20 +35,27 @@ def meshcache_filters(mesh: IstiodMesh) -> dict[str, str]:
             if c["kind"] == "EnvoyFilter" and c["metadata"]["name"].startswith("meshcache")}
 
 
-def istiod_stream(mesh: IstiodMesh, since: float) -> dict[str, Any] | None:
-    """istiod's MCP stream to the control plane, opened after `since` (the control plane's view)."""
+def proxies(mesh: IstiodMesh) -> list[dict[str, Any]]:
     with mesh.api() as api:
-        proxies = api.get("/v1/proxies").json()["proxies"]
-    return next((p for p in proxies if p["transport"] == "ads" and p["connected_since"] > since
-                 and p["node_id"].startswith("istiod")), None)
+        return api.get("/v1/proxies").json()["proxies"]  # type: ignore[no-any-return]
 
 
-def responses_sent(mesh: IstiodMesh) -> float:
-    """xDS/MCP responses this control-plane process has sent (any type)."""
+def istiod_node(mesh: IstiodMesh) -> str:
+    """The node id of istiod's MCP stream (the one that acknowledged EnvoyFilters)."""
+    return next(p["node_id"] for p in proxies(mesh) if ENVOY_FILTER_TYPE_URL in p["type_urls"])
+
+
+def istiod_stream(mesh: IstiodMesh, node: str, since: float) -> dict[str, Any] | None:
+    """istiod's MCP stream to the control plane, opened after `since` (the control plane's view)."""
+    return next((p for p in proxies(mesh) if p["node_id"] == node and p["connected_since"] > since), None)
+
+
+def responses_sent(mesh: IstiodMesh, type_url: str = "") -> float:
+    """xDS/MCP responses this control-plane process has sent (of `type_url`, or any)."""
     with mesh.api() as api:
         text = api.get("/metrics").text
-    return sum(float(line.split()[-1]) for line in text.splitlines()
-               if line.startswith("meshcache_cp_xds_pushes_total{"))
+    prefix = "meshcache_cp_xds_pushes_total{" + (f'type_url="{type_url}"' if type_url else "")
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(prefix))
 
 
 def all_hits(mesh: IstiodMesh) -> bool:
@@ -63,6 +71,7 @@ def test_stalled_redis_and_killed_control_plane_leave_istiod_and_the_sidecars_as
     before = meshcache_filters(mesh)
     assert before and set(before.values()) == {str(version)}, before
     expected = warm(mesh)
+    node = istiod_node(mesh)
     state_file = mesh.work / "control-plane" / "snapshot.json"
     eventually(state_file.exists)
     with Load(mesh, expected) as load, stopped(mesh.proc("redis")) as resume_redis:
@@ -76,8 +85,9 @@ def test_stalled_redis_and_killed_control_plane_leave_istiod_and_the_sidecars_as
             assert ready.status_code == 200 and ready.json()["status"] == "degraded", ready.text
             assert ready.json()["serving"]["source"] == "disk" and ready.json()["serving"]["version"] == version
         # istiod reconnects and acknowledges the same version: nothing changed for it.
-        stream = eventually(lambda: (s := istiod_stream(mesh, restarted_at)) and s["acked_version"] == str(version)
-                            and s, timeout=60)
+        stream = eventually(lambda: (s := istiod_stream(mesh, node, restarted_at))
+                            and ENVOY_FILTER_TYPE_URL in s["type_urls"] and s, timeout=60)
+        eventually(lambda: responses_sent(mesh, ENVOY_FILTER_TYPE_URL) >= 1)  # the saved version, sent
         assert stream["last_nack"] is None
         assert meshcache_filters(mesh) == before
         assert all(ecds_version(sc) == version for sc in mesh.server_sidecars())
@@ -91,7 +101,7 @@ def test_stalled_redis_and_killed_control_plane_leave_istiod_and_the_sidecars_as
         mesh.restart("control-plane")
         with mesh.api() as api:
             assert api.get("/readyz").status_code == 503
-        eventually(lambda: istiod_stream(mesh, restarted_at), timeout=60)  # istiod is connected ...
+        eventually(lambda: istiod_stream(mesh, node, restarted_at), timeout=60)  # istiod is connected ...
         load.wait_hits(load.hits)
         assert responses_sent(mesh) == 0  # ... and got no answer, to no type
         assert meshcache_filters(mesh) == before
