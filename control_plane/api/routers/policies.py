@@ -34,7 +34,7 @@ from ..dependencies import (
     if_match_version,
     set_etag,
 )
-from ..errors import ERRORS, READ_ERRORS, WRITE_ERRORS, ApiError, field_errors
+from ..errors import READ_ERRORS, WRITE_ERRORS, ApiError, field_errors
 from ..writes import result, write
 
 MERGE_PATCH = "application/merge-patch+json"

@@ -20,7 +20,7 @@ from ...schemas import (
 from ...snapshots import Snapshot
 from ...store import StoreUnavailable
 from ..dependencies import CP, DryRun, IfMatch, Reader, Writer, current_snapshot, if_match_version, set_etag
-from ..errors import ERRORS, READ_ERRORS, WRITE_ERRORS, ApiError
+from ..errors import READ_ERRORS, WRITE_ERRORS, ApiError
 from ..writes import result, write
 
 router = APIRouter()
