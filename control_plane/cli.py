@@ -40,6 +40,8 @@ def parse_args(argv: Sequence[str] | None) -> dict[str, Any]:
     p.add_argument("--native-module", help="the native host's module (libmeshcache_native.so) path as Envoy sees "
                                            "it, for Envoys that ask for the `meshcache-native` ECDS resource")
     p.add_argument("--tokens-file", help="file of `read|write:name:token` lines")
+    p.add_argument("--state-dir", help="directory where the last good snapshot is saved, served after a restart "
+                                       "while Redis is unreachable (Kubernetes: an emptyDir)")
     p.add_argument("--key-prefix")
     p.add_argument("--instance-id")
     p.add_argument("--proxy-stats", help="`node_id=url` entries (comma-separated): where each proxy's "

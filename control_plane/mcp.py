@@ -54,6 +54,7 @@ class EmptyMcpRenderer(Renderer):
     """An Istio config type meshcache has nothing for: answered with no resources so istiod syncs."""
 
     always_respond = True
+    needs_snapshot = False
 
     def __init__(self, type_url: str) -> None:
         self.type_url = type_url

@@ -14,6 +14,14 @@ class Metrics:
             "meshcache_cp_writes", "Policy writes by outcome", ["outcome"], registry=r
         )
         self.redis_up = Gauge("meshcache_cp_redis_up", "1 when the last Redis operation worked", registry=r)
+        self.degraded = Gauge("meshcache_cp_degraded", "1 while the policy store (Redis) is unreachable and this "
+                              "replica serves its last good snapshot from memory or the state file (or none)",
+                              registry=r)
+        self.snapshot_source = Gauge("meshcache_cp_snapshot_source", "1 for where the served snapshot comes from: "
+                                     "redis, memory, disk (state file) or none (nothing served)", ["source"],
+                                     registry=r)
+        self.state_writes = Counter("meshcache_cp_state_file_writes", "Snapshots saved to the state file, by outcome",
+                                    ["outcome"], registry=r)
         self.streams = Gauge("meshcache_cp_xds_streams", "Open xDS streams", ["transport"], registry=r)
         self.pushes = Counter("meshcache_cp_xds_pushes", "xDS responses sent", ["type_url"], registry=r)
         self.acks = Counter("meshcache_cp_xds_acks", "xDS ACKs received", registry=r)

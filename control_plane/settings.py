@@ -31,6 +31,9 @@ class Settings(BaseSettings):
     # comma- or newline-separated in MESHCACHE_CP_TOKENS.
     tokens_file: Path | None = None
     tokens: str = ""
+    # Where the last good snapshot is saved (state_file.py), so a restart without Redis serves it
+    # instead of nothing; on Kubernetes an emptyDir (survives container restarts). None: not saved.
+    state_dir: Path | None = None
     # Redis key namespace, so several deployments (or tests) can share one Redis.
     key_prefix: str = "meshcache:cp"
     instance_id: str = Field(default_factory=lambda: socket.gethostname())

@@ -141,10 +141,14 @@ class XdsServer:
         finally:
             self._probe_streams -= 1
 
-    def fetch(self, req: discovery_pb2.DiscoveryRequest) -> discovery_pb2.DiscoveryResponse:
+    def fetch(self, req: discovery_pb2.DiscoveryRequest) -> discovery_pb2.DiscoveryResponse | None:
+        """The current resources; None for a type that carries policies while no snapshot is known
+        (the servicer says UNAVAILABLE)."""
         type_url = req.type_url or ECDS_TYPE_URL
         snap = self.cache.current
         renderer = self.renderer_for(type_url)
+        if not self.cache.known and (renderer is None or renderer.needs_snapshot):
+            return None
         if renderer is None or not renderer.serves(snap):
             return discovery_pb2.DiscoveryResponse(type_url=type_url)
         available = renderer.resources(snap)
@@ -166,7 +170,10 @@ class _EcdsServicer(config_discovery_pb2_grpc.ExtensionConfigDiscoveryServiceSer
 
     async def FetchExtensionConfigs(self, request: discovery_pb2.DiscoveryRequest,  # noqa: N802
                                     context: grpc.aio.ServicerContext) -> discovery_pb2.DiscoveryResponse:
-        return self.xds.fetch(request)
+        resp = self.xds.fetch(request)
+        if resp is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "no snapshot known yet (policy store unreachable)")
+        return resp
 
 
 class _AdsServicer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):

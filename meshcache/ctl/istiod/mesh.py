@@ -274,6 +274,8 @@ class IstiodMesh:
         self.cp_http, self.cp_xds = procs.free_port(), procs.free_port()
         argv = launchers.control_plane_argv(self.redis_port, self.cp_http, self.cp_xds, "--host", "127.0.0.1",
                                            "--instance-id", "meshcache-istiod-local",
+                                           # the last good snapshot, served after a restart without Redis
+                                           "--state-dir", str(self.work / "control-plane"),
                                            "--xds-tls-cert", str(tls_dir / "tls.crt"),
                                            "--xds-tls-key", str(tls_dir / "tls.key"),
                                            "--proxy-stats", ",".join(f"{n}={u}" for n, u in self._stats_urls()))

@@ -282,6 +282,8 @@ class Mesh:
         argv = launchers.control_plane_argv(ports.redis, ports.cp_http, ports.cp_xds, "--host", "127.0.0.1",
                                            "--wasm-path", str(FILTER_WASM), "--native-module", str(FILTER_NATIVE),
                                            "--instance-id", "meshcache-up",
+                                           # the last good snapshot, served after a restart without Redis
+                                           "--state-dir", str(self.config.state_dir / "control-plane"),
                                            "--xds-tls-cert", str(certs.control_plane.cert),
                                            "--xds-tls-key", str(certs.control_plane.key),
                                            "--xds-tls-client-ca", str(certs.ca_cert),
