@@ -10,6 +10,9 @@ import grpc
 
 from .auth import TokenTable
 from .fleet import FleetView, replica_id
+from .istio_objects import IstioObjects
+from .kube_client import KubeApi, connect
+from .kube_writer import KubeWriter
 from .mcp import IstioMcpRenderer, mcp_fallback
 from .metrics import Metrics
 from .model_index import ModelIndex, parse_engine_urls
@@ -35,7 +38,8 @@ def xds_credentials(settings: Settings) -> grpc.ServerCredentials | None:
 
 
 class ControlPlane:
-    def __init__(self, settings: Settings, tokens: TokenTable | None = None) -> None:
+    def __init__(self, settings: Settings, tokens: TokenTable | None = None, write_kube: bool = True) -> None:
+        """`write_kube`: False in xDS workers (delivery kube: the main process alone writes)."""
         self.settings = settings
         self.tokens = tokens if tokens is not None else TokenTable.from_settings(settings)
         self.metrics = Metrics()
@@ -45,10 +49,19 @@ class ControlPlane:
         self.sync = RedisSync(self.store, self.cache, self.metrics, settings)
         self.xds = XdsServer(self.cache, self.metrics, max_streams=settings.max_xds_streams)
         self.xds.add_renderer(EcdsRenderer(settings.wasm_path, settings.native_module))
-        # MCP-over-xDS for istiod on the same ADS port (control_plane/mcp.py).
-        istio = IstioMcpRenderer.from_settings(settings)
-        if istio is not None:
-            self.xds.add_renderer(istio)
+        # The Istio objects: served to istiod over MCP on the same ADS port (mcp.py), or, with
+        # delivery kube, written to the API server (kube_writer.py) and not served over MCP (an
+        # istiod still pointed here gets empty answers, never a second copy).
+        self.kube_writer: KubeWriter | None = None
+        if settings.delivery == "kube":
+            objects = IstioObjects.from_settings(settings)
+            if objects is not None and write_kube:
+                api = KubeApi(connect(settings.kubeconfig), settings.kube_timeout_s)
+                self.kube_writer = KubeWriter(self.cache, objects, api, self.metrics, settings.kube_resync_s)
+        else:
+            istio = IstioMcpRenderer.from_settings(settings)
+            if istio is not None:
+                self.xds.add_renderer(istio)
         self.xds.add_fallback(mcp_fallback)
         self.proxy_stats = ProxyStatsReader(parse_sources(settings.proxy_stats), settings.proxy_stats_template,
                                             timeout_s=settings.proxy_stats_timeout_s,
@@ -58,6 +71,7 @@ class ControlPlane:
                                settings.resync_interval_s)
         self._sync_task: asyncio.Task[None] | None = None
         self._fleet_task: asyncio.Task[None] | None = None
+        self._kube_task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         """Load the current snapshot if Redis is up (else start empty and keep retrying in the
@@ -66,16 +80,22 @@ class ControlPlane:
             await self.sync.resync()
         self._sync_task = asyncio.create_task(self.sync.run(), name="redis-sync")
         self._fleet_task = asyncio.create_task(self.fleet.run(), name="fleet-publish")
+        if self.kube_writer is not None:
+            self._kube_task = asyncio.create_task(self.kube_writer.run(), name="kube-writer")
+            log.info("delivery kube: %ss in namespace %s via %s", self.kube_writer.istio.kind,
+                     self.kube_writer.namespace, self.kube_writer.api.conn.source)
         port = await self.xds.start(self.settings.host, self.settings.xds_port, xds_credentials(self.settings))
         log.info("xDS on %s:%d, snapshot version %d", self.settings.host, port, self.cache.current.version)
 
     async def stop(self) -> None:
         await self.xds.stop(grace=0.5)
-        for task in (self._sync_task, self._fleet_task):
+        for task in (self._sync_task, self._fleet_task, self._kube_task):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
         await self.fleet.withdraw()
         await self.proxy_stats.close()
+        if self.kube_writer is not None:
+            await self.kube_writer.api.close()
         await self.store.close()

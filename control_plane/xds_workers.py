@@ -58,7 +58,7 @@ def stop_workers(workers: list[subprocess.Popen[bytes]], timeout: float = STOP_T
 
 
 async def serve_worker(settings: Settings, parent: int) -> None:
-    cp = ControlPlane(settings)
+    cp = ControlPlane(settings, write_kube=False)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
