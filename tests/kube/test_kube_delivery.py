@@ -41,6 +41,9 @@ def istio_cluster(kube_cluster: LocalCluster) -> LocalCluster:
     kube_cluster.kubectl("apply", "--server-side", "-f", str(validate.crd_file()))
     kube_cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s",
                          "crd/envoyfilters.networking.istio.io", "crd/trafficextensions.extensions.istio.io")
+    # Established is not yet served: the API server answers 429 until the kinds' storage is up.
+    for resource in (extensions.KUBE_RESOURCES["EnvoyFilter"], extensions.KUBE_RESOURCES["TrafficExtension"]):
+        eventually(lambda r=resource: kube_cluster.get(r.path("default")) is not None, timeout=60)
     return kube_cluster
 
 
@@ -149,12 +152,12 @@ def test_policy_writes_create_and_update_the_envoyfilters(start_cp: Callable[...
             assert [(p["model_prefix"], p["ttl_s"]) for p in policies] == [("bert", 42)]
         assert objs["meshcache-green"]["spec"]["workloadSelector"]["labels"]["color"] == "green"
 
-        patched = c.patch("/v1/policies/bert", json={"ttl_s": 60},
+        patched = c.patch("/v1/policies/bert", json={"ttl_s": 30},
                           headers={"Content-Type": "application/merge-patch+json"})
         assert patched.status_code == 200, patched.text
         v2 = patched.json()["version"]
         objs2 = eventually(lambda: _at(delivery, v2, SERVED), timeout=20)
-        assert _config(objs2["meshcache-blue"])["policies"][0]["ttl_s"] == 60
+        assert _config(objs2["meshcache-blue"])["policies"][0]["ttl_s"] == 30
         assert objs2["meshcache-blue"]["metadata"]["resourceVersion"] != objs["meshcache-blue"]["metadata"][
             "resourceVersion"]
 
