@@ -15,16 +15,20 @@ import signal
 import statistics
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import yaml
 
 from meshcache.contract import extensions
+from meshcache.ctl import procs
 from meshcache.ctl.istio import kustomize, render, validate
+from meshcache.ctl.istiod import server as istiod_server
+from meshcache.ctl.istiod.binary import require
 from meshcache.ctl.kube.cluster import LocalCluster
 from meshcache.ctl.procs import Proc
 from tests.helpers.control_plane import ControlPlaneProc
@@ -316,3 +320,86 @@ def test_basic_mode_writes_trafficextensions(start_cp: Callable[..., ControlPlan
     [te] = eventually(lambda: [o for o in d.objects().values() if _version(o) == version], timeout=20)
     assert te["kind"] == "TrafficExtension" and te["metadata"]["name"] == "meshcache-blue"
     assert te["spec"]["wasm"]["pluginConfig"]["policies"][0]["model_prefix"] == "bert"
+
+
+# ---- a real istiod reading the API server (as in a cluster: its Kubernetes config source) -------
+
+
+@dataclass
+class KubeIstiod:
+    proc: Proc
+    ports: istiod_server.IstiodPorts
+
+    def envoy_filters(self, namespace: str) -> dict[str, Obj]:
+        """The EnvoyFilters istiod holds in `namespace` (its /debug/configz)."""
+        r = httpx.get(f"http://127.0.0.1:{self.ports.monitoring}/debug/configz", timeout=10)
+        r.raise_for_status()
+        return {o["metadata"]["name"]: o for o in r.json() or []
+                if o.get("kind") == "EnvoyFilter" and o["metadata"].get("namespace") == namespace}
+
+
+def _start_istiod(cluster: LocalCluster, log_dir: Path, name: str = "istiod") -> KubeIstiod:
+    """pilot-discovery with the cluster's kubeconfig and the default config sources (Kubernetes
+    only): no meshcache configSources entry. Ready = its xDS port accepts, which istiod opens only
+    once its config sources synced. Webhooks, CA and Istio-only Envoy extensions off
+    (meshcache.ctl.istiod.server); cluster-admin for brevity (its own ClusterRole in a cluster)."""
+    cluster.kubectl("create", "namespace", istiod_server.NAMESPACE, check=False)
+    ports = istiod_server.IstiodPorts.free()
+    mesh = istiod_server.write_mesh_config({"rootNamespace": istiod_server.NAMESPACE}, log_dir / f"{name}-mesh.yaml")
+    argv = [str(require("pilot-discovery")), "discovery", f"--kubeconfig={cluster.kubeconfig}",
+            "--registries=Kubernetes", f"--meshConfig={mesh}", f"--grpcAddr=127.0.0.1:{ports.grpc}",
+            f"--httpAddr=127.0.0.1:{ports.http}", f"--monitoringAddr=127.0.0.1:{ports.monitoring}",
+            "--secureGRPCAddr=", "--httpsAddr=", f"--ctrlz_port={ports.ctrlz}", "--ctrlz_address=127.0.0.1",
+            f"--namespace={istiod_server.NAMESPACE}"]
+    proc = procs.start_ready(name, argv, log_dir, [(procs.tcp_open(ports.grpc), 120, "serving xDS (synced)")],
+                             env={**istiod_server.ENV, "REVISION": "default"})
+    return KubeIstiod(proc, ports)
+
+
+@pytest.fixture
+def start_istiod(istio_cluster: LocalCluster, tmp_path: Path) -> Iterator[Callable[..., KubeIstiod]]:
+    started: list[KubeIstiod] = []
+
+    def start(name: str = "istiod") -> KubeIstiod:
+        started.append(_start_istiod(istio_cluster, tmp_path / "logs", name))
+        return started[-1]
+
+    try:
+        yield start
+    finally:
+        for i in started:
+            i.proc.stop()
+
+
+def test_istiod_reads_the_written_envoyfilters_and_restarts_without_the_control_plane(
+        start_cp: Callable[..., ControlPlaneProc], start_istiod: Callable[..., KubeIstiod],
+        delivery: Delivery) -> None:
+    """The point of delivery kube: istiod has no config source for the control plane. It gets the
+    EnvoyFilters through its Kubernetes watch, and with the control plane hung (SIGSTOP) an istiod
+    restart is ready at once with the same EnvoyFilters (under mcp it would wait for the source)."""
+    istiod = start_istiod()
+    cp = _start(start_cp, delivery)
+    times = []
+    with cp.client() as c:
+        for i in range(10):
+            start = time.monotonic()
+            version = c.put("/v1/policies/bert", json={"ttl_s": 10 + i}).json()["version"]
+            eventually(lambda v=version: {n: _version(o) for n, o in istiod.envoy_filters(delivery.namespace).items()}
+                       == {n: v for n in SERVED}, timeout=20, interval=0.01)
+            times.append(time.monotonic() - start)
+    times.sort()
+    print(f"PUT -> istiod holds the EnvoyFilters: p50 {statistics.median(times) * 1000:.0f} ms, "
+          f"max {times[-1] * 1000:.0f} ms over {len(times)} writes (load {os.getloadavg()[0]:.1f})")
+    held = istiod.envoy_filters(delivery.namespace)
+    written = delivery.objects()
+    assert {n: o["spec"] for n, o in held.items()} == {n: written[n]["spec"] for n in SERVED}
+
+    os.kill(cp.proc.popen.pid, signal.SIGSTOP)  # hung: holds its connections, answers nothing
+    try:
+        istiod.proc.stop()
+        again = start_istiod("istiod-2")  # start_ready: its xDS port is open, every source synced
+        # Synced means listed: the EnvoyFilters are there the moment it serves.
+        held = again.envoy_filters(delivery.namespace)
+        assert {n: o["spec"] for n, o in held.items()} == {n: written[n]["spec"] for n in SERVED}
+    finally:
+        os.kill(cp.proc.popen.pid, signal.SIGCONT)
