@@ -175,7 +175,8 @@ def _validate(args: argparse.Namespace) -> int:
             # In front of the user's servers: what selects them is checked only against them.
             print("cross-references of the cached workloads skipped: pass their manifests with --workload FILE "
                   "(e.g. `kubectl get deploy,svc NAME -o yaml`)")
-            errors += (crossref.check_module(manifests, image.digest) + crossref.check_startup(manifests))
+            errors += (crossref.check_module(manifests, image.digest) + crossref.check_startup(manifests)
+                       + crossref.check_delivery(manifests))
         else:
             # Partial sets (an MCP preview alone) skip the startup rules, which need the control plane.
             errors += crossref.check_all(manifests + theirs, image.digest, startup=startup)
