@@ -21,6 +21,7 @@ ever taking config away by accident:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from typing import Any
@@ -76,6 +77,7 @@ class KubeWriter:
         self._wake = asyncio.Event()
         self._desired = SnapshotMemo(self._build)
         self._said = ""  # the last skip message logged (logged once, not every resync)
+        self._task: asyncio.Task[None] | None = None
 
     def _build(self, snap: Snapshot) -> dict[str, Obj]:
         objs = [extensions.kube_object(o, namespace=self.namespace, version=snap.version, revision=self.istio.revision)
@@ -145,6 +147,17 @@ class KubeWriter:
         self.metrics.kube_applied_version.set(snap.version)
         self.metrics.kube_passes.labels("written").inc()
         return True
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self.run(), name="kube-writer")
+        log.info("delivery kube: %ss in namespace %s via %s", self.istio.kind, self.namespace, self.api.conn.source)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        await self.api.close()
 
     async def run(self) -> None:
         watch_id = self.cache.watch(lambda _snap: self._wake.set())

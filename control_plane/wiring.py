@@ -71,7 +71,6 @@ class ControlPlane:
                                settings.resync_interval_s)
         self._sync_task: asyncio.Task[None] | None = None
         self._fleet_task: asyncio.Task[None] | None = None
-        self._kube_task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         """Load the current snapshot if Redis is up (else start empty and keep retrying in the
@@ -81,21 +80,19 @@ class ControlPlane:
         self._sync_task = asyncio.create_task(self.sync.run(), name="redis-sync")
         self._fleet_task = asyncio.create_task(self.fleet.run(), name="fleet-publish")
         if self.kube_writer is not None:
-            self._kube_task = asyncio.create_task(self.kube_writer.run(), name="kube-writer")
-            log.info("delivery kube: %ss in namespace %s via %s", self.kube_writer.istio.kind,
-                     self.kube_writer.namespace, self.kube_writer.api.conn.source)
+            self.kube_writer.start()
         port = await self.xds.start(self.settings.host, self.settings.xds_port, xds_credentials(self.settings))
         log.info("xDS on %s:%d, snapshot version %d", self.settings.host, port, self.cache.current.version)
 
     async def stop(self) -> None:
         await self.xds.stop(grace=0.5)
-        for task in (self._sync_task, self._fleet_task, self._kube_task):
+        for task in (self._sync_task, self._fleet_task):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
         await self.fleet.withdraw()
         await self.proxy_stats.close()
-        if self.kube_writer is not None:
-            await self.kube_writer.api.close()
         await self.store.close()
+        if self.kube_writer is not None:
+            await self.kube_writer.stop()
