@@ -75,6 +75,7 @@ class Settings(BaseSettings):
     # Re-list and re-apply at least this often (drift: an object deleted or edited by hand, a
     # replica that wrote an older set during a rollout).
     kube_resync_s: float = Field(30.0, ge=1, le=3600)
+    kube_write: bool = True  # false in xDS workers (xds_workers.py): one writer per replica
     # The pods whose sidecars cache and their ports (meshcache/contract/extensions.py Workloads):
     # `key=value,...` (empty: meshcache's own engine, app=meshcache-engine), the REST and gRPC
     # container ports (comma-separated; an empty gRPC list: REST only) and the Service ports

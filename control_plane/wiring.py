@@ -38,8 +38,7 @@ def xds_credentials(settings: Settings) -> grpc.ServerCredentials | None:
 
 
 class ControlPlane:
-    def __init__(self, settings: Settings, tokens: TokenTable | None = None, write_kube: bool = True) -> None:
-        """`write_kube`: False in xDS workers (delivery kube: the main process alone writes)."""
+    def __init__(self, settings: Settings, tokens: TokenTable | None = None) -> None:
         self.settings = settings
         self.tokens = tokens if tokens is not None else TokenTable.from_settings(settings)
         self.metrics = Metrics()
@@ -55,7 +54,7 @@ class ControlPlane:
         self.kube_writer: KubeWriter | None = None
         if settings.delivery == "kube":
             objects = IstioObjects.from_settings(settings)
-            if objects is not None and write_kube:
+            if objects is not None and settings.kube_write:
                 api = KubeApi(connect(settings.kubeconfig), settings.kube_timeout_s)
                 self.kube_writer = KubeWriter(self.cache, objects, api, self.metrics, settings.kube_resync_s)
         else:

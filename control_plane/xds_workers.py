@@ -58,7 +58,7 @@ def stop_workers(workers: list[subprocess.Popen[bytes]], timeout: float = STOP_T
 
 
 async def serve_worker(settings: Settings, parent: int) -> None:
-    cp = ControlPlane(settings, write_kube=False)
+    cp = ControlPlane(settings)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -91,6 +91,7 @@ def main() -> None:
     logging.basicConfig(level=args.log_level.upper(),
                         format=f"%(asctime)s %(levelname)s %(name)s[xds-worker-{args.index}]: %(message)s")
     settings = Settings()
+    settings.kube_write = False  # delivery kube: the main process alone writes to the API server
     settings.instance_id = f"{settings.instance_id}-xds{args.index}"
     asyncio.run(serve_worker(settings, args.parent))
 

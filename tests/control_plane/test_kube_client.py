@@ -81,3 +81,22 @@ def test_the_control_plane_refuses_to_start_without_an_api_server(tmp_path: Path
     assert "KUBERNETES_SERVICE_HOST" in capsys.readouterr().err
     assert cli.main(["--delivery", "kube", "--kubeconfig", str(tmp_path / "absent")]) == 2
     assert "cannot read kubeconfig" in capsys.readouterr().err
+
+
+def test_delivery_kube_serves_nothing_of_it_over_mcp_and_workers_do_not_write(tmp_path: Path,
+                                                                              ca: CertificateAuthority) -> None:
+    from meshcache.control_plane.mcp import ENVOY_FILTER_TYPE_URL, EmptyMcpRenderer
+    from meshcache.control_plane.settings import Settings
+    from meshcache.control_plane.wiring import ControlPlane
+
+    kubeconfig = _kubeconfig(tmp_path / "k", {"server": "https://127.0.0.1:1", "certificate-authority": "ca.crt"},
+                             {"token": "t"})
+    pin = {"istio_wasm_url": "oci://r/f@sha256:" + "a" * 64, "istio_wasm_sha256": "a" * 64, "tokens": TOKENS}
+    main = ControlPlane(Settings(delivery="kube", kubeconfig=kubeconfig, **pin))
+    worker = ControlPlane(Settings(delivery="kube", kubeconfig=kubeconfig, kube_write=False, **pin))
+    mcp = ControlPlane(Settings(**pin))
+    assert main.kube_writer is not None and main.kube_writer.resource.plural == "envoyfilters"
+    assert worker.kube_writer is None and mcp.kube_writer is None
+    # An istiod still pointed at a kube-delivery control plane gets an empty answer, never a second copy.
+    assert isinstance(main.xds.renderer_for(ENVOY_FILTER_TYPE_URL), EmptyMcpRenderer)
+    assert not isinstance(mcp.xds.renderer_for(ENVOY_FILTER_TYPE_URL), EmptyMcpRenderer)

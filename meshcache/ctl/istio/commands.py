@@ -173,10 +173,10 @@ def _validate(args: argparse.Namespace) -> int:
         startup = any(o["kind"] == "Deployment" and o["metadata"]["name"] == render.CONTROL_PLANE for o in manifests)
         if startup and not render.own_engine(manifests) and not theirs:
             # In front of the user's servers: what selects them is checked only against them.
+            errors += crossref.check_delivery(manifests)
             print("cross-references of the cached workloads skipped: pass their manifests with --workload FILE "
                   "(e.g. `kubectl get deploy,svc NAME -o yaml`)")
-            errors += (crossref.check_module(manifests, image.digest) + crossref.check_startup(manifests)
-                       + crossref.check_delivery(manifests))
+            errors += (crossref.check_module(manifests, image.digest) + crossref.check_startup(manifests))
         else:
             # Partial sets (an MCP preview alone) skip the startup rules, which need the control plane.
             errors += crossref.check_all(manifests + theirs, image.digest, startup=startup)

@@ -512,6 +512,48 @@ def check_startup(objects: list[Obj]) -> list[str]:
     return errors
 
 
+def check_operator_steps(step1: Obj, step2: Obj) -> list[str]:
+    """Step 1 installs Istio without the MCP source; step 2 adds it, over TLS, keeping Kubernetes."""
+    errors = []
+    sources1 = step1["spec"].get("meshConfig", {}).get("configSources", [])
+    if any(s["address"].startswith("xds://") for s in sources1):
+        errors.append("IstioOperator step 1: must not list the control plane (istiod would wait for it)")
+    sources2 = step2["spec"].get("meshConfig", {}).get("configSources", [])
+    if "k8s://" not in [s["address"] for s in sources2]:
+        errors.append("IstioOperator step 2: configSources replaces the defaults: list k8s:// too")
+    xds = [s for s in sources2 if s["address"].startswith("xds://")]
+    if not xds:
+        errors.append("IstioOperator step 2: no xds:// source")
+    for s in xds:
+        tls = s.get("tlsSettings", {})
+        if tls.get("mode") != "SIMPLE" or not (tls.get("credentialName") or tls.get("caCertificates")):
+            errors.append(f"IstioOperator step 2: {s['address']} needs tlsSettings mode SIMPLE with a CA "
+                          "(credentialName): other modes are plaintext")
+        host = s["address"].removeprefix("xds://").rsplit(":", 1)[0]
+        if not any(host.startswith(n) for n in tls.get("subjectAltNames", [])):
+            errors.append(f"IstioOperator step 2: {s['address']}: subjectAltNames must name the control plane")
+    return errors
+
+
+def check_monitors(objects: list[Obj]) -> list[str]:
+    """PodMonitors select pods here and scrape a port they have: a named container port, or the
+    sidecar's Envoy stats port on injected pods (the istio-proxy container Istio adds)."""
+    errors = []
+    for pm in _of(objects, "PodMonitor"):
+        where = f"PodMonitor/{_name(pm)}"
+        pods = _selected(objects, pm["spec"].get("selector", {}).get("matchLabels", {}))
+        if not pods:
+            errors.append(f"{where}: selector matches no workload")
+        for ep in pm["spec"].get("podMetricsEndpoints", []):
+            for w in pods:
+                names = {p.get("name") for c in w["spec"]["template"]["spec"]["containers"] for p in c.get("ports", [])}
+                if injected(w):
+                    names.add(SIDECAR_STATS_PORT_NAME)
+                if ep.get("port") not in names:
+                    errors.append(f"{where}: port {ep.get('port')!r} is no port of {w['kind']}/{_name(w)}")
+    return errors
+
+
 def check_delivery(objects: list[Obj]) -> list[str]:
     """delivery kube: the control plane's ServiceAccount may do exactly what its writer does, on
     exactly its kind, in its own namespace (a Role, never cluster-wide), and has its token. delivery
@@ -562,52 +604,10 @@ def check_delivery(objects: list[Obj]) -> list[str]:
     return errors
 
 
-def check_operator_steps(step1: Obj, step2: Obj) -> list[str]:
-    """Step 1 installs Istio without the MCP source; step 2 adds it, over TLS, keeping Kubernetes."""
-    errors = []
-    sources1 = step1["spec"].get("meshConfig", {}).get("configSources", [])
-    if any(s["address"].startswith("xds://") for s in sources1):
-        errors.append("IstioOperator step 1: must not list the control plane (istiod would wait for it)")
-    sources2 = step2["spec"].get("meshConfig", {}).get("configSources", [])
-    if "k8s://" not in [s["address"] for s in sources2]:
-        errors.append("IstioOperator step 2: configSources replaces the defaults: list k8s:// too")
-    xds = [s for s in sources2 if s["address"].startswith("xds://")]
-    if not xds:
-        errors.append("IstioOperator step 2: no xds:// source")
-    for s in xds:
-        tls = s.get("tlsSettings", {})
-        if tls.get("mode") != "SIMPLE" or not (tls.get("credentialName") or tls.get("caCertificates")):
-            errors.append(f"IstioOperator step 2: {s['address']} needs tlsSettings mode SIMPLE with a CA "
-                          "(credentialName): other modes are plaintext")
-        host = s["address"].removeprefix("xds://").rsplit(":", 1)[0]
-        if not any(host.startswith(n) for n in tls.get("subjectAltNames", [])):
-            errors.append(f"IstioOperator step 2: {s['address']}: subjectAltNames must name the control plane")
-    return errors
-
-
-def check_monitors(objects: list[Obj]) -> list[str]:
-    """PodMonitors select pods here and scrape a port they have: a named container port, or the
-    sidecar's Envoy stats port on injected pods (the istio-proxy container Istio adds)."""
-    errors = []
-    for pm in _of(objects, "PodMonitor"):
-        where = f"PodMonitor/{_name(pm)}"
-        pods = _selected(objects, pm["spec"].get("selector", {}).get("matchLabels", {}))
-        if not pods:
-            errors.append(f"{where}: selector matches no workload")
-        for ep in pm["spec"].get("podMetricsEndpoints", []):
-            for w in pods:
-                names = {p.get("name") for c in w["spec"]["template"]["spec"]["containers"] for p in c.get("ports", [])}
-                if injected(w):
-                    names.add(SIDECAR_STATS_PORT_NAME)
-                if ep.get("port") not in names:
-                    errors.append(f"{where}: port {ep.get('port')!r} is no port of {w['kind']}/{_name(w)}")
-    return errors
-
-
 def check_all(objects: list[Obj], image_digest: str, elsewhere: frozenset[str] = frozenset(),
               startup: bool = True) -> list[str]:
-    return (check_workloads(objects) + check_traffic(objects, elsewhere) + check_security(objects)
+    return (check_delivery(objects)
+            + check_workloads(objects) + check_traffic(objects, elsewhere) + check_security(objects)
             + check_sidecar_annotations(objects) + check_module(objects, image_digest)
             + check_extensions(objects, elsewhere) + check_proxy_stats(objects) + check_monitors(objects)
-            + check_delivery(objects)
             + (check_startup(objects) if startup else []))
