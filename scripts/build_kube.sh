@@ -8,7 +8,7 @@
 #   scripts/build_kube.sh              build if missing, print the bin directory
 #   scripts/build_kube.sh --print-dir  print the bin directory (built or not), build nothing
 #
-# Cold on 2 cores: ~12 min (kube-apiserver alone ~8 min and 2.3 GB RSS), ~0.6 GB module cache and
+# Cold on 2 cores: ~14 min (kube-apiserver alone ~8.5 min and 2.3 GB RSS), ~0.6 GB module cache and
 # ~3 GB Go build cache. MESHCACHE_CACHE (default /var/cache/meshcache) moves the cache.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -51,7 +51,7 @@ if built; then
 fi
 
 start=$(date +%s)
-echo "build_kube: k8s.io/kubernetes@$KUBERNETES_VERSION, etcd $ETCD_VERSION -> $bin (once per machine, ~12 min cold)" >&2
+echo "build_kube: k8s.io/kubernetes@$KUBERNETES_VERSION, etcd $ETCD_VERSION -> $bin (once per machine, ~14 min cold)" >&2
 module_dir() {  # the read-only module cache directory of $1@$2
   local dir
   dir="$(go mod download -json "$1@$2" | sed -n 's/^\s*"Dir": "\(.*\)",\?$/\1/p')"

@@ -100,7 +100,7 @@ scripts/build_istiod.sh >/dev/null
 # A real Kubernetes control plane for tests/kube (meshcache.ctl.kube): kube-apiserver,
 # kube-controller-manager, kube-scheduler, kubectl and etcd from their Go modules at the versions
 # in scripts/kube/versions, built once per machine into /var/cache/meshcache (MESHCACHE_CACHE).
-# ~12 min and ~3 GB of Go build cache the first time; quick when already built.
+# ~14 min and ~3 GB of Go build cache the first time; quick when already built.
 scripts/build_kube.sh >/dev/null
 
 # The Debian 12 base the images build on (`make images`, tests/images), debootstrapped once per
