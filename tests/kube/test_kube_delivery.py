@@ -20,16 +20,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 import yaml
 
 from meshcache.contract import extensions
 from meshcache.ctl import procs
 from meshcache.ctl.istio import kustomize, render, validate
-from meshcache.ctl.istiod import server as istiod_server
-from meshcache.ctl.istiod.binary import require
+from meshcache.ctl.kube import istiod as kube_istiod
 from meshcache.ctl.kube.cluster import LocalCluster
+from meshcache.ctl.kube.istiod import KubeIstiod
 from meshcache.ctl.procs import Proc
 from tests.helpers.control_plane import ControlPlaneProc
 from tests.helpers.wait import eventually
@@ -42,7 +41,8 @@ Obj = dict[str, Any]
 
 @pytest.fixture(scope="module")
 def istio_cluster(kube_cluster: LocalCluster) -> LocalCluster:
-    kube_cluster.kubectl("apply", "--server-side", "-f", str(validate.crd_file()))
+    # The field manager istio installs use here (meshcache.ctl.kube.istiod re-applies its own CRDs).
+    kube_cluster.kubectl("apply", "--server-side", "--field-manager=meshcache", "-f", str(validate.crd_file()))
     kube_cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s",
                          "crd/envoyfilters.networking.istio.io", "crd/trafficextensions.extensions.istio.io")
     # Established is not yet served: the API server answers 429 until the kinds' storage is up.
@@ -322,53 +322,53 @@ def test_basic_mode_writes_trafficextensions(start_cp: Callable[..., ControlPlan
     assert te["spec"]["wasm"]["pluginConfig"]["policies"][0]["model_prefix"] == "bert"
 
 
-# ---- a real istiod reading the API server (as in a cluster: its Kubernetes config source) -------
+# ---- a real istiod installed as `render --delivery kube` says: its own istio-operator.yaml ------
 
 
-@dataclass
-class KubeIstiod:
-    proc: Proc
-    ports: istiod_server.IstiodPorts
-
-    def envoy_filters(self, namespace: str) -> dict[str, Obj]:
-        """The EnvoyFilters istiod holds in `namespace` (its /debug/configz)."""
-        r = httpx.get(f"http://127.0.0.1:{self.ports.monitoring}/debug/configz", timeout=10)
-        r.raise_for_status()
-        return {o["metadata"]["name"]: o for o in r.json() or []
-                if o.get("kind") == "EnvoyFilter" and o["metadata"].get("namespace") == namespace}
+def _envoy_filters(istiod: KubeIstiod, namespace: str) -> dict[str, Obj]:
+    """The EnvoyFilters istiod holds in `namespace` (its /debug/configz)."""
+    return {o["metadata"]["name"]: o for o in istiod.debug("configz") or []
+            if o.get("kind") == "EnvoyFilter" and o["metadata"].get("namespace") == namespace}
 
 
-def _start_istiod(cluster: LocalCluster, log_dir: Path, name: str = "istiod") -> KubeIstiod:
-    """pilot-discovery with the cluster's kubeconfig and the default config sources (Kubernetes
-    only): no meshcache configSources entry. Ready = its xDS port accepts, which istiod opens only
-    once its config sources synced. Webhooks, CA and Istio-only Envoy extensions off
-    (meshcache.ctl.istiod.server); cluster-admin for brevity (its own ClusterRole in a cluster)."""
-    cluster.kubectl("create", "namespace", istiod_server.NAMESPACE, check=False)
-    ports = istiod_server.IstiodPorts.free()
-    mesh = istiod_server.write_mesh_config({"rootNamespace": istiod_server.NAMESPACE}, log_dir / f"{name}-mesh.yaml")
-    argv = [str(require("pilot-discovery")), "discovery", f"--kubeconfig={cluster.kubeconfig}",
-            "--registries=Kubernetes", f"--meshConfig={mesh}", f"--grpcAddr=127.0.0.1:{ports.grpc}",
-            f"--httpAddr=127.0.0.1:{ports.http}", f"--monitoringAddr=127.0.0.1:{ports.monitoring}",
-            "--secureGRPCAddr=", "--httpsAddr=", f"--ctrlz_port={ports.ctrlz}", "--ctrlz_address=127.0.0.1",
-            f"--namespace={istiod_server.NAMESPACE}"]
-    proc = procs.start_ready(name, argv, log_dir, [(procs.tcp_open(ports.grpc), 120, "serving xDS (synced)")],
-                             env={**istiod_server.ENV, "REVISION": "default"})
-    return KubeIstiod(proc, ports)
+def _restart(istiod: KubeIstiod) -> KubeIstiod:
+    """The same istiod process again (argv, environment, directory), as kubelet restarts a
+    container; returned once /ready answers, i.e. every config source synced."""
+    pid = istiod.proc.popen.pid
+    env = dict(e.split("=", 1) for e in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in e)
+    cwd = Path(os.readlink(f"/proc/{pid}/cwd"))
+    argv = list(istiod.proc.popen.args)  # type: ignore[arg-type]
+    istiod.stop()
+    proc = procs.start(istiod.proc.name, argv, istiod.proc.log_path.parent, env=env, cwd=cwd)
+    again = KubeIstiod(proc, istiod.ports, istiod.work)
+    try:
+        procs.wait_until(proc, procs.http_ok(f"http://127.0.0.1:{istiod.ports.http}/ready"), timeout=60,
+                         what="ready again")
+    except BaseException:
+        proc.stop()
+        raise
+    return again
 
 
 @pytest.fixture
 def start_istiod(istio_cluster: LocalCluster, tmp_path: Path) -> Iterator[Callable[..., KubeIstiod]]:
+    """istiod as `istioctl install -f rendered/istio-operator.yaml` of a `--delivery kube` render
+    runs it (meshcache.ctl.kube.istiod: Istio's cluster objects, its own ServiceAccount and RBAC,
+    its webhooks): no configSources entry for the control plane."""
+    operator = render.render_operators(render.RenderOptions(delivery="kube"))[0]
+    assert "configSources" not in json.dumps(operator)
+    operator["spec"].setdefault("meshConfig", {})  # (kube_istiod reads its sources from there)
     started: list[KubeIstiod] = []
 
     def start(name: str = "istiod") -> KubeIstiod:
-        started.append(_start_istiod(istio_cluster, tmp_path / "logs", name))
+        started.append(kube_istiod.start(istio_cluster, operator, "", "", tmp_path / name))
         return started[-1]
 
     try:
         yield start
     finally:
         for i in started:
-            i.proc.stop()
+            i.stop()
 
 
 def test_istiod_reads_the_written_envoyfilters_and_restarts_without_the_control_plane(
@@ -384,22 +384,24 @@ def test_istiod_reads_the_written_envoyfilters_and_restarts_without_the_control_
         for i in range(10):
             start = time.monotonic()
             version = c.put("/v1/policies/bert", json={"ttl_s": 10 + i}).json()["version"]
-            eventually(lambda v=version: {n: _version(o) for n, o in istiod.envoy_filters(delivery.namespace).items()}
+            eventually(lambda v=version: {n: _version(o) for n, o in _envoy_filters(istiod, delivery.namespace).items()}
                        == {n: v for n in SERVED}, timeout=20, interval=0.01)
             times.append(time.monotonic() - start)
     times.sort()
     print(f"PUT -> istiod holds the EnvoyFilters: p50 {statistics.median(times) * 1000:.0f} ms, "
           f"max {times[-1] * 1000:.0f} ms over {len(times)} writes (load {os.getloadavg()[0]:.1f})")
-    held = istiod.envoy_filters(delivery.namespace)
+    held = _envoy_filters(istiod, delivery.namespace)
     written = delivery.objects()
     assert {n: o["spec"] for n, o in held.items()} == {n: written[n]["spec"] for n in SERVED}
 
     os.kill(cp.proc.popen.pid, signal.SIGSTOP)  # hung: holds its connections, answers nothing
     try:
-        istiod.proc.stop()
-        again = start_istiod("istiod-2")  # start_ready: its xDS port is open, every source synced
-        # Synced means listed: the EnvoyFilters are there the moment it serves.
-        held = again.envoy_filters(delivery.namespace)
-        assert {n: o["spec"] for n, o in held.items()} == {n: written[n]["spec"] for n in SERVED}
+        again = _restart(istiod)
+        try:
+            # Synced means listed: the EnvoyFilters are there the moment it is ready.
+            held = _envoy_filters(again, delivery.namespace)
+            assert {n: o["spec"] for n, o in held.items()} == {n: written[n]["spec"] for n in SERVED}
+        finally:
+            again.stop()
     finally:
         os.kill(cp.proc.popen.pid, signal.SIGCONT)
