@@ -13,6 +13,7 @@ import json
 import os
 import signal
 import statistics
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -278,6 +279,59 @@ def test_a_replica_behind_the_objects_writes_nothing_and_drift_is_put_back(
         eventually(lambda: _passes(cp, "behind") >= behind + 2, timeout=20)
         assert _resource_versions(delivery) == before
         assert f"newer than this replica's {version + 1}" in cp.proc.log_tail(80)
+
+
+def test_two_replicas_converge_on_the_newest_and_never_write_an_older_one(
+        start_cp: Callable[..., ControlPlaneProc], delivery: Delivery) -> None:
+    """The rendered Deployment runs 2 replicas, both writing: every version the API server held for
+    an object (its watch, from the first write on) only grows, also when one replica was stalled
+    (SIGSTOP) while the other wrote, and both end on the last. (That a replica behind the objects
+    writes nothing is forced in the next test.)"""
+    a = _start(start_cp, delivery, colors="blue", name="cp-a")
+    b = _start(start_cp, delivery, colors="blue", name="cp-b")
+    with a.client() as ca, b.client() as cb:
+        first = ca.put("/v1/policies/p0", json={"ttl_s": 5}).json()["version"]
+        obj = eventually(lambda: _at(delivery, first, {"meshcache-blue"}), timeout=20)["meshcache-blue"]
+        seen: list[int] = []
+        final: list[int] = []  # set once the last version is known
+
+        def watch() -> None:
+            """The API server's watch of the object, resumed from the last resourceVersion every
+            2 s (bounded reads), until it has shown the final version."""
+            rv = obj["metadata"]["resourceVersion"]
+            deadline = time.monotonic() + 120
+            with delivery.cluster.api(timeout=30) as api:
+                while not (final and seen and seen[-1] >= final[0]) and time.monotonic() < deadline:
+                    params = {"watch": "true", "resourceVersion": rv, "timeoutSeconds": "2",
+                              "fieldSelector": "metadata.name=meshcache-blue", "allowWatchBookmarks": "false"}
+                    with api.stream("GET", delivery.kind_path, params=params) as r:
+                        for line in r.iter_lines():
+                            event = json.loads(line)
+                            if event["type"] in ("ADDED", "MODIFIED", "DELETED"):
+                                rv = event["object"]["metadata"]["resourceVersion"]
+                                seen.append(_version(event["object"]) if event["type"] != "DELETED" else -1)
+
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        last = first
+        for i in range(1, 9):  # writes on both replicas, each pushed to both by the store
+            last = (ca if i % 2 else cb).put(f"/v1/policies/p{i}", json={"ttl_s": 5}).json()["version"]
+        # b falls behind (stopped while a writes five more), then catches up through the store's
+        # messages one snapshot at a time: each older than what a already wrote.
+        os.kill(b.proc.popen.pid, signal.SIGSTOP)
+        try:
+            for i in range(9, 14):
+                last = ca.put(f"/v1/policies/p{i}", json={"ttl_s": 5}).json()["version"]
+            eventually(lambda: _at(delivery, last, {"meshcache-blue"}), timeout=30)
+        finally:
+            os.kill(b.proc.popen.pid, signal.SIGCONT)
+        eventually(lambda: _metric(b, "meshcache_cp_kube_applied_version") == last, timeout=30)
+        final.append(last)
+        watcher.join(timeout=30)
+    assert seen and seen[-1] == last, seen
+    assert seen == sorted(seen) and -1 not in seen, seen  # never an older snapshot, never deleted
+    for cp in (a, b):  # each replica got the last snapshot and found the API server holding it
+        eventually(lambda cp=cp: _metric(cp, "meshcache_cp_kube_applied_version") == last, timeout=20)
 
 
 def _can(cluster: LocalCluster, account: str, verb: str, resource: str, namespace: str | None) -> bool:
