@@ -172,7 +172,14 @@ def test_policy_writes_create_and_update_the_envoyfilters(start_cp: Callable[...
         v3 = deleted.json()["version"]
         objs3 = eventually(lambda: _at(delivery, v3, SERVED), timeout=20)
         assert all(_config(o)["policies"] == [] for o in objs3.values())
-    assert _metric(cp, "meshcache_cp_kube_applied_version") == v3
+    eventually(lambda: _metric(cp, "meshcache_cp_kube_applied_version") == v3)
+    # Idle: each resync pass (every second here) finds the objects as they should be and writes nothing.
+    writes = sum(_metric(cp, "meshcache_cp_kube_writes_total", f'op="{op}"') for op in ("create", "apply", "delete"))
+    passes = _passes(cp, "written")
+    eventually(lambda: _passes(cp, "written") >= passes + 3, timeout=20)
+    assert sum(_metric(cp, "meshcache_cp_kube_writes_total", f'op="{op}"')
+               for op in ("create", "apply", "delete")) == writes == 9  # 3 objects: created, patched, emptied
+    assert _resource_versions(delivery) == {n: o["metadata"]["resourceVersion"] for n, o in objs3.items()}
 
 
 def test_propagation_put_to_visible_in_the_api_server(start_cp: Callable[..., ControlPlaneProc],
