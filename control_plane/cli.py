@@ -15,6 +15,7 @@ from pydantic import ValidationError
 
 from .api import create_app
 from .auth import TokenConfigError, TokenTable
+from .kube_client import KubeConfigError, connect
 from .model_index import IndexConfigError, parse_engine_urls
 from .proxy_stats import ProxyStatsReader, StatsConfigError, parse_dns_names, parse_sources
 from .settings import Settings
@@ -36,6 +37,11 @@ def parse_args(argv: Sequence[str] | None) -> dict[str, Any]:
     p.add_argument("--xds-tls-client-ca", help="PEM CA: xDS clients must present a certificate it signed")
     p.add_argument("--istio-mode", choices=["full", "basic"],
                    help="what istiod gets over MCP: EnvoyFilters (full, gRPC cached) or TrafficExtensions")
+    p.add_argument("--delivery", choices=["mcp", "kube"],
+                   help="how istiod gets those objects: served over MCP (default) or written to the Kubernetes API "
+                        "server (server-side apply into MESHCACHE_CP_ISTIO_NAMESPACE; docs/istio.md)")
+    p.add_argument("--kubeconfig", help="delivery kube: the API server of this kubeconfig's current context "
+                                        "(default: in-cluster, the pod's ServiceAccount)")
     p.add_argument("--wasm-path", help="filter module path as Envoy sees it (must match default_config)")
     p.add_argument("--native-module", help="the native host's module (libmeshcache_native.so) path as Envoy sees "
                                            "it, for Envoys that ask for the `meshcache-native` ECDS resource")
@@ -107,7 +113,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         ProxyStatsReader(parse_sources(settings.proxy_stats), settings.proxy_stats_template,
                          dns_names=parse_dns_names(settings.proxy_stats_dns))
         parse_engine_urls(settings.engine_index)
-    except (ValidationError, TokenConfigError, StatsConfigError, IndexConfigError, OSError) as exc:
+        if settings.delivery == "kube":
+            connect(settings.kubeconfig)  # no API server to write to: refuse to start, say why
+    except (ValidationError, TokenConfigError, StatsConfigError, IndexConfigError, KubeConfigError, OSError) as exc:
         print(f"meshcache-control-plane: bad configuration: {exc}", file=sys.stderr)
         return 2
     if len(tokens) == 0:

@@ -32,5 +32,24 @@ class Metrics:
             registry=r,
         )
 
+        # delivery kube (kube_writer.py)
+        self.kube_applied_version = Gauge(
+            "meshcache_cp_kube_applied_version", "Snapshot version whose Istio objects this replica last wrote "
+            "to the Kubernetes API server (0: none yet)", registry=r)
+        self.kube_passes = Counter(
+            "meshcache_cp_kube_passes", "Reconcile passes by outcome: written (the API server holds this replica's "
+            "snapshot), no_snapshot and behind (nothing written or deleted), error", ["outcome"], registry=r)
+        self.kube_writes = Counter("meshcache_cp_kube_writes", "Istio objects created, applied or deleted",
+                                   ["op"], registry=r)
+        self.kube_errors = Counter("meshcache_cp_kube_errors",
+                                   "Failed reconcile passes by HTTP status (0: unreachable) or error type",
+                                   ["status"], registry=r)
+        self.kube_conflicts = Gauge(
+            "meshcache_cp_kube_conflicts", "Objects the snapshot names that exist but were not created by the "
+            "control plane (left alone)", registry=r)
+        self.kube_apply_latency = Histogram(
+            "meshcache_cp_kube_apply_seconds", "From a snapshot reaching this replica to its objects written",
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30), registry=r)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -9,6 +9,9 @@ from dataclasses import dataclass
 
 from .auth import TokenTable
 from .fleet import FleetView, replica_id
+from .istio_objects import IstioObjects
+from .kube_client import KubeApi, connect
+from .kube_writer import KubeWriter
 from .mcp import IstioMcpRenderer, mcp_fallback
 from .metrics import Metrics
 from .model_index import ModelIndex, parse_engine_urls
@@ -68,10 +71,19 @@ class ControlPlane:
         self.sync = RedisSync(self.store, self.cache, self.metrics, settings)
         self.xds = XdsServer(self.cache, self.metrics, max_streams=settings.max_xds_streams)
         self.xds.add_renderer(EcdsRenderer(settings.wasm_path, settings.native_module))
-        # MCP-over-xDS for istiod on the same ADS port (control_plane/mcp.py).
-        istio = IstioMcpRenderer.from_settings(settings)
-        if istio is not None:
-            self.xds.add_renderer(istio)
+        # The Istio objects: served to istiod over MCP on the same ADS port (mcp.py), or, with
+        # delivery kube, written to the API server (kube_writer.py) and not served over MCP (an
+        # istiod still pointed here gets empty answers, never a second copy).
+        self.kube_writer: KubeWriter | None = None
+        if settings.delivery == "kube":
+            objects = IstioObjects.from_settings(settings)
+            if objects is not None and settings.kube_write:
+                api = KubeApi(connect(settings.kubeconfig), settings.kube_timeout_s)
+                self.kube_writer = KubeWriter(self.cache, objects, api, self.metrics, settings.kube_resync_s)
+        else:
+            istio = IstioMcpRenderer.from_settings(settings)
+            if istio is not None:
+                self.xds.add_renderer(istio)
         self.xds.add_fallback(mcp_fallback)
         # /healthz/xds and /readyz/xds: round trips through every xDS process (xds_probe.py).
         self.probe = XdsProbe(self.xds.probe_token, settings.xds_workers, list(self.xds.renderers))
@@ -112,6 +124,8 @@ class ControlPlane:
         if self.state_file is not None:
             persister = Persister(self.state_file, self.cache, self.metrics)
             self._tasks.append(asyncio.create_task(persister.run(), name="state-file"))
+        if self.kube_writer is not None:
+            self.kube_writer.start()
         port = await self.xds.start(self.settings.host, self.settings.xds_port, xds_credentials(self.settings))
         log.info("xDS on %s:%d", self.settings.host, port)
 
@@ -124,3 +138,5 @@ class ControlPlane:
         await self.fleet.withdraw()
         await self.proxy_stats.close()
         await self.store.close()
+        if self.kube_writer is not None:
+            await self.kube_writer.stop()

@@ -95,6 +95,7 @@ def main() -> None:
     logging.basicConfig(level=args.log_level.upper(),
                         format=f"%(asctime)s %(levelname)s %(name)s[xds-worker-{args.index}]: %(message)s")
     settings = Settings()
+    settings.kube_write = False  # delivery kube: the main process alone writes to the API server
     settings.instance_id = f"{settings.instance_id}-xds{args.index}"
     asyncio.run(serve_worker(settings, args.parent, probe_address(args.probe_token, args.index)))
 

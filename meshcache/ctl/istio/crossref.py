@@ -611,9 +611,60 @@ def check_monitors(objects: list[Obj]) -> list[str]:
     return errors
 
 
+def check_delivery(objects: list[Obj]) -> list[str]:
+    """delivery kube: the control plane's ServiceAccount may do exactly what its writer does, on
+    exactly its kind, in its own namespace (a Role, never cluster-wide), and has its token. delivery
+    mcp (the default): it is granted nothing, since it writes nothing."""
+    errors = []
+    for w in _control_planes(objects):
+        where, env = f"{w['kind']}/{_name(w)}", _env(w)
+        delivery = env.get("MESHCACHE_CP_DELIVERY") or "mcp"
+        pod = w["spec"]["template"]["spec"]
+        account, namespace = pod.get("serviceAccountName", "default"), w["metadata"].get("namespace")
+        resource = extensions.KUBE_RESOURCES[extensions.MODE_KIND[env.get("MESHCACHE_CP_ISTIO_MODE") or "full"]]
+        bindings = [b for b in _of(objects, "RoleBinding") + _of(objects, "ClusterRoleBinding")
+                    if any(s.get("kind") == "ServiceAccount" and s.get("name") == account
+                           and s.get("namespace", b["metadata"].get("namespace")) == namespace
+                           for s in b.get("subjects", []))]
+        rules = []
+        for b in bindings:
+            if b["kind"] == "ClusterRoleBinding" or b["roleRef"]["kind"] == "ClusterRole":
+                errors.append(f"{b['kind']}/{_name(b)}: grants the control plane a ClusterRole; it needs a Role "
+                              "in its own namespace only")
+                continue
+            role = next((r for r in _of(objects, "Role") if _name(r) == b["roleRef"]["name"]
+                         and r["metadata"].get("namespace") == b["metadata"].get("namespace")), None)
+            if role is None:
+                errors.append(f"RoleBinding/{_name(b)}: Role {b['roleRef']['name']!r} is not defined here")
+                continue
+            rules += [(role, r) for r in role.get("rules", [])]
+        if delivery == "mcp":
+            errors += [f"Role/{_name(role)}: grants {rule.get('resources')} to the control plane, which writes "
+                       "nothing with delivery mcp" for role, rule in rules]
+            continue
+        if pod.get("automountServiceAccountToken") is False:
+            errors.append(f"{where}: delivery kube authenticates with the pod's ServiceAccount token: don't set "
+                          "automountServiceAccountToken false")
+        enough = False
+        for role, rule in rules:
+            groups, plurals, verbs = rule.get("apiGroups", []), rule.get("resources", []), rule.get("verbs", [])
+            if groups != [resource.group] or plurals != [resource.plural] or rule.get("resourceNames") \
+                    or sorted(verbs) != sorted(extensions.WRITER_VERBS):
+                errors.append(f"Role/{_name(role)}: rule {groups} {plurals} {verbs} is not the writer's: exactly "
+                              f"{list(extensions.WRITER_VERBS)} on {resource.group} {resource.plural}")
+            elif role["metadata"].get("namespace") == namespace:
+                enough = True
+        if not enough:
+            errors.append(f"{where}: delivery kube needs a Role in {namespace} granting "
+                          f"{list(extensions.WRITER_VERBS)} on {resource.group} {resource.plural}, bound to "
+                          f"ServiceAccount {account}")
+    return errors
+
+
 def check_all(objects: list[Obj], image_digest: str, elsewhere: frozenset[str] = frozenset(),
               startup: bool = True) -> list[str]:
-    return (check_workloads(objects) + check_traffic(objects, elsewhere) + check_security(objects)
+    return (check_delivery(objects)
+            + check_workloads(objects) + check_traffic(objects, elsewhere) + check_security(objects)
             + check_sidecar_annotations(objects) + check_module(objects, image_digest)
             + check_extensions(objects, elsewhere) + check_proxy_stats(objects) + check_monitors(objects)
             + (check_startup(objects) + check_availability(objects) if startup else []))
