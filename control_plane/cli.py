@@ -17,6 +17,7 @@ from .api import create_app
 from .auth import TokenConfigError, TokenTable
 from .istiod_sync import IstiodSyncConfigError
 from .istiod_sync import check_url as check_istiod_url
+from .kube_client import KubeConfigError, connect
 from .model_index import IndexConfigError, parse_engine_urls
 from .proxy_stats import ProxyStatsReader, StatsConfigError, parse_dns_names, parse_sources
 from .settings import Settings
@@ -38,10 +39,17 @@ def parse_args(argv: Sequence[str] | None) -> dict[str, Any]:
     p.add_argument("--xds-tls-client-ca", help="PEM CA: xDS clients must present a certificate it signed")
     p.add_argument("--istio-mode", choices=["full", "basic"],
                    help="what istiod gets over MCP: EnvoyFilters (full, gRPC cached) or TrafficExtensions")
+    p.add_argument("--delivery", choices=["mcp", "kube"],
+                   help="how istiod gets those objects: served over MCP (default) or written to the Kubernetes API "
+                        "server (server-side apply into MESHCACHE_CP_ISTIO_NAMESPACE; docs/istio.md)")
+    p.add_argument("--kubeconfig", help="delivery kube: the API server of this kubeconfig's current context "
+                                        "(default: in-cluster, the pod's ServiceAccount)")
     p.add_argument("--wasm-path", help="filter module path as Envoy sees it (must match default_config)")
     p.add_argument("--native-module", help="the native host's module (libmeshcache_native.so) path as Envoy sees "
                                            "it, for Envoys that ask for the `meshcache-native` ECDS resource")
     p.add_argument("--tokens-file", help="file of `read|write:name:token` lines")
+    p.add_argument("--state-dir", help="directory where the last good snapshot is saved, served after a restart "
+                                       "while Redis is unreachable (Kubernetes: an emptyDir)")
     p.add_argument("--key-prefix")
     p.add_argument("--instance-id")
     p.add_argument("--proxy-stats", help="`node_id=url` entries (comma-separated): where each proxy's "
@@ -77,7 +85,7 @@ class _Server(uvicorn.Server):
 async def serve(settings: Settings, tokens: TokenTable, log_level: str) -> None:
     cp = ControlPlane(settings, tokens)
     await cp.start()
-    workers = start_workers(settings, cp.xds.port, log_level) if settings.xds_workers > 1 else []
+    workers = start_workers(settings, cp.xds.port, log_level, cp.xds.probe_token) if settings.xds_workers > 1 else []
     stopped = False
 
     async def stop() -> None:
@@ -114,8 +122,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                          dns_names=parse_dns_names(settings.proxy_stats_dns))
         parse_engine_urls(settings.engine_index)
         check_istiod_url(settings.istiod_debug)
+        if settings.delivery == "kube":
+            connect(settings.kubeconfig)  # no API server to write to: refuse to start, say why
     except (ValidationError, TokenConfigError, StatsConfigError, IndexConfigError, IstiodSyncConfigError,
-            OSError) as exc:
+            KubeConfigError, OSError) as exc:
         print(f"meshcache-control-plane: bad configuration: {exc}", file=sys.stderr)
         return 2
     if len(tokens) == 0:

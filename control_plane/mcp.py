@@ -16,25 +16,21 @@ type (absent = deleted). What shapes this module:
 
 from __future__ import annotations
 
-import logging
 import re
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from google.protobuf import any_pb2, json_format, message, timestamp_pb2
 
 from meshcache.contract import extensions
-from meshcache.contract.oci import image_for, sha256_hex
 from meshcache.contract.protos.istio.extensions.v1alpha1 import traffic_extension_pb2
 from meshcache.contract.protos.istio.mcp.v1alpha1 import metadata_pb2, resource_pb2
 from meshcache.contract.protos.istio.networking.v1alpha3 import envoy_filter_pb2
 
+from .istio_objects import IstioObjects
 from .renderers import Renderer
 from .settings import Settings
 from .snapshots import Snapshot, SnapshotMemo
-
-log = logging.getLogger("meshcache.control_plane.mcp")
 
 ENVOY_FILTER_TYPE_URL = "networking.istio.io/v1alpha3/EnvoyFilter"
 TRAFFIC_EXTENSION_TYPE_URL = "extensions.istio.io/v1alpha1/TrafficExtension"
@@ -42,7 +38,6 @@ WASM_PLUGIN_TYPE_URL = "extensions.istio.io/v1alpha1/WasmPlugin"
 # `group/version/Kind` as istiod's GVK strings (core types are "core/v1alpha1/..."); anything with
 # a type.googleapis.com prefix is Envoy's xDS and handled by the other renderers.
 GVK_RE = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/v[0-9]+((alpha|beta)[0-9]+)?/[A-Z][A-Za-z0-9]*$")
-MANAGED_BY = {"app.kubernetes.io/managed-by": "meshcache-control-plane"}
 _BODIES: dict[str, type[message.Message]] = {
     ENVOY_FILTER_TYPE_URL: envoy_filter_pb2.EnvoyFilter,
     TRAFFIC_EXTENSION_TYPE_URL: traffic_extension_pb2.TrafficExtension,
@@ -54,6 +49,7 @@ class EmptyMcpRenderer(Renderer):
     """An Istio config type meshcache has nothing for: answered with no resources so istiod syncs."""
 
     always_respond = True
+    needs_snapshot = False
 
     def __init__(self, type_url: str) -> None:
         self.type_url = type_url
@@ -68,15 +64,6 @@ class EmptyMcpRenderer(Renderer):
 def mcp_fallback(type_url: str) -> EmptyMcpRenderer | None:
     """For `XdsServer.add_fallback`: any other Istio GVK gets an empty answer."""
     return EmptyMcpRenderer(type_url) if GVK_RE.match(type_url) else None
-
-
-def default_sha256(url: str, module_path: Path) -> str:
-    """What istio-agent verifies: the image manifest digest for oci://, else the file's sha256."""
-    if not module_path.is_file():
-        return ""
-    if url.startswith("oci://"):
-        return image_for(module_path).digest
-    return sha256_hex(module_path.read_bytes())
 
 
 class IstioMcpRenderer(Renderer):
@@ -94,35 +81,24 @@ class IstioMcpRenderer(Renderer):
     @classmethod
     def from_settings(cls, settings: Settings) -> IstioMcpRenderer | None:
         """None when no module URL is configured (istiod then gets empty answers only)."""
-        url = settings.istio_wasm_url
-        if not url:
-            log.warning("MESHCACHE_CP_ISTIO_WASM_URL is not set: istiod gets no meshcache filter over MCP")
+        istio = IstioObjects.from_settings(settings)
+        if istio is None:
             return None
-        sha = settings.istio_wasm_sha256 or default_sha256(url, settings.istio_module_path)
-        colors = [c.strip() for c in settings.istio_color.split(",") if c.strip()] or [""]
-        mode = settings.istio_mode
-        workloads = settings.istio_workloads()
-
-        def build(plugin_config: dict[str, Any]) -> list[dict[str, Any]]:
-            return extensions.objects(mode, colors=colors, url=url, sha256=sha, plugin_config=plugin_config,
-                                      workloads=workloads)
-
-        build({})  # a bad pin or mode fails at startup, not on the first policy change
-        return cls(MODE_TYPE_URL[mode], build, settings.istio_namespace, settings.istio_revision)
+        return cls(MODE_TYPE_URL[istio.mode], istio.build, istio.namespace, istio.revision)
 
     def mcp_resource(self, obj: dict[str, Any], snapshot: Snapshot) -> resource_pb2.Resource:
         created = timestamp_pb2.Timestamp()
         created.FromNanoseconds(int(snapshot.created_at * 1e9))
-        labels = dict(MANAGED_BY)
+        labels = dict(extensions.MANAGED_BY)
         if self.revision:
-            labels["istio.io/rev"] = self.revision
+            labels[extensions.REVISION_LABEL] = self.revision
         body = any_pb2.Any()
         body.Pack(json_format.ParseDict(obj["spec"], self.body_type()))
         return resource_pb2.Resource(
             metadata=metadata_pb2.Metadata(
                 name=f"{self.namespace}/{obj['metadata']['name']}", create_time=created,
                 version=str(snapshot.version), labels=labels,
-                annotations={"meshcache.io/snapshot-version": str(snapshot.version)}),
+                annotations={extensions.SNAPSHOT_ANNOTATION: str(snapshot.version)}),
             body=body)
 
     def resources(self, snapshot: Snapshot) -> dict[str, any_pb2.Any]:

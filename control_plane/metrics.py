@@ -14,6 +14,14 @@ class Metrics:
             "meshcache_cp_writes", "Policy writes by outcome", ["outcome"], registry=r
         )
         self.redis_up = Gauge("meshcache_cp_redis_up", "1 when the last Redis operation worked", registry=r)
+        self.degraded = Gauge("meshcache_cp_degraded", "1 while the policy store (Redis) is unreachable and this "
+                              "replica serves its last good snapshot from memory or the state file (or none)",
+                              registry=r)
+        self.snapshot_source = Gauge("meshcache_cp_snapshot_source", "1 for where the served snapshot comes from: "
+                                     "redis, memory, disk (state file) or none (nothing served)", ["source"],
+                                     registry=r)
+        self.state_writes = Counter("meshcache_cp_state_file_writes", "Snapshots saved to the state file, by outcome",
+                                    ["outcome"], registry=r)
         self.streams = Gauge("meshcache_cp_xds_streams", "Open xDS streams", ["transport"], registry=r)
         self.pushes = Counter("meshcache_cp_xds_pushes", "xDS responses sent", ["type_url"], registry=r)
         self.acks = Counter("meshcache_cp_xds_acks", "xDS ACKs received", registry=r)
@@ -23,6 +31,25 @@ class Metrics:
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
             registry=r,
         )
+
+        # delivery kube (kube_writer.py)
+        self.kube_applied_version = Gauge(
+            "meshcache_cp_kube_applied_version", "Snapshot version whose Istio objects this replica last wrote "
+            "to the Kubernetes API server (0: none yet)", registry=r)
+        self.kube_passes = Counter(
+            "meshcache_cp_kube_passes", "Reconcile passes by outcome: written (the API server holds this replica's "
+            "snapshot), no_snapshot and behind (nothing written or deleted), error", ["outcome"], registry=r)
+        self.kube_writes = Counter("meshcache_cp_kube_writes", "Istio objects created, applied or deleted",
+                                   ["op"], registry=r)
+        self.kube_errors = Counter("meshcache_cp_kube_errors",
+                                   "Failed reconcile passes by HTTP status (0: unreachable) or error type",
+                                   ["status"], registry=r)
+        self.kube_conflicts = Gauge(
+            "meshcache_cp_kube_conflicts", "Objects the snapshot names that exist but were not created by the "
+            "control plane (left alone)", registry=r)
+        self.kube_apply_latency = Histogram(
+            "meshcache_cp_kube_apply_seconds", "From a snapshot reaching this replica to its objects written",
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30), registry=r)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -35,6 +35,10 @@ class Renderer(ABC):
     # (istiod) wait for an answer to every type they subscribe to. Envoy-facing renderers keep
     # False, so Envoy keeps its default_config until there is something to send.
     always_respond: bool = False
+    # False: the output does not depend on any snapshot (an Istio kind meshcache never serves), so
+    # it is answered even while no snapshot is known; withholding it would only keep a probe or a
+    # restarting istiod waiting, while the kinds that carry policies stay unanswered.
+    needs_snapshot: bool = True
 
     @abstractmethod
     def resources(self, snapshot: Snapshot) -> dict[str, any_pb2.Any]: ...

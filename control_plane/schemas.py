@@ -7,7 +7,7 @@ filter loads.
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import (
     BaseModel,
@@ -319,8 +319,27 @@ class ProxyStats(BaseModel):
     bytes: int | None = Field(None, description="Bytes in this proxy's cache (all models)")
 
 
+class ServingOut(BaseModel):
+    """What this control-plane replica serves, and whether its policy store is reachable."""
+
+    source: Literal["redis", "memory", "disk", "none"] = Field(
+        description="redis: in step with the store; memory: store unreachable, the snapshot last read from it; "
+                    "disk: store not reached since start, the state file's snapshot; none: nothing is served")
+    version: int | None = Field(description="The snapshot served over xDS/MCP; null when none is known")
+    degraded: bool = Field(description="True while the store is unreachable: writes answer 503")
+    store_reachable: bool
+    detail: str
+
+
+class ReadyOut(BaseModel):
+    status: Literal["ready", "degraded"]
+    version: int
+    serving: ServingOut
+
+
 class StatsOut(BaseModel):
     version: int
+    serving: ServingOut
     read_at: float
     complete: bool = Field(description="False when some proxy's stats could not be read: sums cover the others")
     proxies_read: int

@@ -31,6 +31,9 @@ class Settings(BaseSettings):
     # comma- or newline-separated in MESHCACHE_CP_TOKENS.
     tokens_file: Path | None = None
     tokens: str = ""
+    # Where the last good snapshot is saved (state_file.py), so a restart without Redis serves it
+    # instead of nothing; on Kubernetes an emptyDir (survives container restarts). None: not saved.
+    state_dir: Path | None = None
     # Redis key namespace, so several deployments (or tests) can share one Redis.
     key_prefix: str = "meshcache:cp"
     instance_id: str = Field(default_factory=lambda: socket.gethostname())
@@ -63,6 +66,19 @@ class Settings(BaseSettings):
     istio_wasm_sha256: str = Field("", pattern=r"^([a-f0-9]{64})?$")
     istio_module_path: Path = FILTER_WASM
     istio_revision: str = ""  # adds the `istio.io/rev` label (istiod only takes its own revision)
+    # How istiod gets those objects (docs/istio.md, "Delivery: MCP or Kubernetes objects"): mcp =
+    # served over MCP-over-xDS (istiod's configSources lists this control plane); kube = written to
+    # the API server (kube_writer.py: server-side apply into istio_namespace, pruned by label),
+    # istiod reads them as any Istio config and does not depend on this process.
+    delivery: Literal["mcp", "kube"] = "mcp"
+    # kube: the API server from this kubeconfig (its current context), else in-cluster (the pod's
+    # ServiceAccount token and CA, KUBERNETES_SERVICE_HOST/PORT).
+    kubeconfig: Path | None = None
+    kube_timeout_s: float = Field(5.0, gt=0, le=60)  # per API request
+    # Re-list and re-apply at least this often (drift: an object deleted or edited by hand, a
+    # replica that wrote an older set during a rollout).
+    kube_resync_s: float = Field(30.0, ge=1, le=3600)
+    kube_write: bool = True  # false in xDS workers (xds_workers.py): one writer per replica
     # The pods whose sidecars cache and their ports (meshcache/contract/extensions.py Workloads):
     # `key=value,...` (empty: meshcache's own engine, app=meshcache-engine), the REST and gRPC
     # container ports (comma-separated; an empty gRPC list: REST only) and the Service ports

@@ -222,10 +222,17 @@ class SnapshotMemo(Generic[T]):
 
 class SnapshotCache:
     """Holds the newest snapshot; versions only move forward. Used by the API (reads keep
-    working from memory when Redis is down) and by every xDS stream (watchers)."""
+    working from memory when Redis is down) and by every xDS stream (watchers).
 
-    def __init__(self, initial: Snapshot = EMPTY) -> None:
-        self._current = initial
+    A cache made without `initial` knows no snapshot (`known` False): nothing may be served
+    from it, not even version 0, until one is installed (control_plane/README.md, "Never less
+    than the last good snapshot"). `origin` says where the current one came from: `redis` (read
+    from or committed to the store) or `disk` (the state file, at start)."""
+
+    def __init__(self, initial: Snapshot | None = EMPTY) -> None:
+        self._current = initial if initial is not None else EMPTY
+        self.known = initial is not None
+        self.origin = "redis" if initial is not None else ""
         self._watchers: dict[int, Callable[[Snapshot], None]] = {}
         self._next_id = 0
         self.updated_at = time.time()
@@ -234,11 +241,14 @@ class SnapshotCache:
     def current(self) -> Snapshot:
         return self._current
 
-    def set(self, snapshot: Snapshot, force: bool = False) -> bool:
-        """Install `snapshot` if it is newer (or `force`, for tests injecting raw configs)."""
-        if snapshot.version <= self._current.version and not force:
+    def set(self, snapshot: Snapshot, force: bool = False, origin: str = "redis") -> bool:
+        """Install `snapshot` if it is newer, or the first one known (or `force`, for tests
+        injecting raw configs)."""
+        if self.known and snapshot.version <= self._current.version and not force:
             return False
         self._current = snapshot
+        self.known = True
+        self.origin = origin
         self.updated_at = time.time()
         for notify in list(self._watchers.values()):
             notify(snapshot)

@@ -31,6 +31,11 @@ class RedisSync:
         self.interval = settings.resync_interval_s
         self.connected = asyncio.Event()
 
+    @property
+    def store_ok(self) -> bool:
+        """Whether the last contact with Redis worked (false: degraded, serving from memory/disk)."""
+        return self.connected.is_set()
+
     def _install(self, snap: Snapshot) -> None:
         if self.cache.set(snap):
             self.metrics.snapshot_version.set(snap.version)
@@ -39,14 +44,25 @@ class RedisSync:
     async def resync(self) -> None:
         version = await self.store.current_version()
         mine = self.cache.current.version
-        if version > mine:
+        if version > mine or not self.cache.known:
+            # Not known yet and Redis is reachable: its state, even version 0, is the real one.
             snap = await self.store.load_current()
             self._install(snap)
         elif version < mine:
-            # Redis lost acknowledged data (e.g. restarted without its AOF): put our newer
-            # snapshot back so versions never go backwards for Envoys or other replicas.
+            # Redis lost acknowledged data (e.g. restarted without its AOF), or this replica
+            # started from its state file ahead of it: put our newer snapshot back so versions
+            # never go backwards for Envoys or other replicas.
             log.warning("Redis is at version %d, this replica at %d: restoring", version, mine)
             await self.store.restore(self.cache.current)
+        self.cache.origin = "redis"  # the store has what we serve
+        if not self.connected.is_set():
+            log.info("Redis reachable: snapshot %d is the store's", self.cache.current.version)
+        self.connected.set()
+        self.metrics.redis_up.set(1)
+
+    def mark_unreachable(self) -> None:
+        self.connected.clear()
+        self.metrics.redis_up.set(0)
 
     async def run(self) -> None:
         backoff = BACKOFF_MIN_S
@@ -55,8 +71,6 @@ class RedisSync:
             try:
                 await pubsub.subscribe(self.store.channel)
                 await self.resync()
-                self.connected.set()
-                self.metrics.redis_up.set(1)
                 backoff = BACKOFF_MIN_S
                 last_check = time.monotonic()
                 while True:
@@ -72,8 +86,7 @@ class RedisSync:
                 if self.connected.is_set():
                     log.warning("Redis unavailable (%s); serving snapshot %d from memory",
                                 exc, self.cache.current.version)
-                self.connected.clear()
-                self.metrics.redis_up.set(0)
+                self.mark_unreachable()
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, BACKOFF_MAX_S)
             finally:

@@ -9,17 +9,23 @@ each stream's protocol (watches, ACK/NACK, flow control) is xds_stream.py.
 from __future__ import annotations
 
 import contextlib
+import os
+import secrets
 from collections.abc import AsyncIterator, Callable
 
 import grpc
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 from envoy.service.extension.v3 import config_discovery_pb2_grpc
 
+from .mcp import GVK_RE
 from .metrics import Metrics
-from .proxy_registry import ProxyRegistry
+from .proxy_registry import Connection, ProxyRegistry
 from .renderers import ECDS_TYPE_URL, Renderer
 from .snapshots import SnapshotCache
+from .xds_probe import is_probe_peer, probe_address
 from .xds_stream import XdsStream
+
+MAX_PROBE_STREAMS = 8  # the main's probe uses one per xDS process and kind at a time
 
 
 class XdsServer:
@@ -32,6 +38,13 @@ class XdsServer:
         self.fallbacks: list[Callable[[str], Renderer | None]] = []
         self._server: grpc.aio.Server | None = None
         self.port = 0
+        # The probe socket (xds_probe.py), unique per control plane (tests run several in one
+        # process); its xDS workers get the token and listen on their own index.
+        self.probe_token = f"{os.getpid()}-{secrets.token_hex(4)}"
+        self.probe_address = probe_address(self.probe_token, 0)
+        # Probe streams are no proxies: their pushes are counted here, not in /metrics.
+        self._probe_metrics = Metrics()
+        self._probe_streams = 0
 
     def add_renderer(self, renderer: Renderer) -> None:
         self.renderers[renderer.type_url] = renderer
@@ -75,6 +88,8 @@ class XdsServer:
                      else server.add_insecure_port(address))
         if self.port == 0:
             raise OSError(f"cannot bind xDS port {host}:{port}")
+        if server.add_insecure_port(self.probe_address) == 0:
+            raise OSError(f"cannot listen on the xDS probe socket {self.probe_address}")
         await server.start()
         self._server = server
         return self.port
@@ -89,8 +104,13 @@ class XdsServer:
     async def stream(self, requests: AsyncIterator[discovery_pb2.DiscoveryRequest],
                      context: grpc.aio.ServicerContext, transport: str
                      ) -> AsyncIterator[discovery_pb2.DiscoveryResponse]:
+        # The probe too: at the limit, istiod could not connect either.
         if len(self.registry) >= self.max_streams:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many xDS streams")
+        if is_probe_peer(context.peer() or ""):
+            async for resp in self._probe_stream(requests, context):
+                yield resp
+            return
         conn = self.registry.open(transport, context.peer() or "")
         self.metrics.streams.labels(transport).inc()
         try:
@@ -103,10 +123,32 @@ class XdsServer:
             self.registry.close(conn)
             self.metrics.streams.labels(transport).dec()
 
-    def fetch(self, req: discovery_pb2.DiscoveryRequest) -> discovery_pb2.DiscoveryResponse:
+    async def _probe_stream(self, requests: AsyncIterator[discovery_pb2.DiscoveryRequest],
+                            context: grpc.aio.ServicerContext) -> AsyncIterator[discovery_pb2.DiscoveryResponse]:
+        """The same stream loop and renderers as istiod's stream, but no proxy: not in /v1/proxies
+        or /metrics, no ACK recorded. The probe socket is plaintext and any local process may open
+        it, so it serves the Istio (MCP) kinds only, never the sidecars' ECDS (which the local mesh
+        keeps to mesh-certificate holders), and a few streams at a time."""
+        if self._probe_streams >= MAX_PROBE_STREAMS:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many probe streams")
+        self._probe_streams += 1
+        try:
+            probe = XdsStream(Connection(stream_id=0, transport="probe", peer="probe"),
+                              lambda t: self.renderer_for(t) if GVK_RE.match(t) else None, self._probe_metrics)
+            async with contextlib.aclosing(probe.serve(requests, self.cache)) as responses:
+                async for resp in responses:
+                    yield resp
+        finally:
+            self._probe_streams -= 1
+
+    def fetch(self, req: discovery_pb2.DiscoveryRequest) -> discovery_pb2.DiscoveryResponse | None:
+        """The current resources; None for a type that carries policies while no snapshot is known
+        (the servicer says UNAVAILABLE)."""
         type_url = req.type_url or ECDS_TYPE_URL
         snap = self.cache.current
         renderer = self.renderer_for(type_url)
+        if not self.cache.known and (renderer is None or renderer.needs_snapshot):
+            return None
         if renderer is None or not renderer.serves(snap):
             return discovery_pb2.DiscoveryResponse(type_url=type_url)
         available = renderer.resources(snap)
@@ -128,7 +170,10 @@ class _EcdsServicer(config_discovery_pb2_grpc.ExtensionConfigDiscoveryServiceSer
 
     async def FetchExtensionConfigs(self, request: discovery_pb2.DiscoveryRequest,  # noqa: N802
                                     context: grpc.aio.ServicerContext) -> discovery_pb2.DiscoveryResponse:
-        return self.xds.fetch(request)
+        resp = self.xds.fetch(request)
+        if resp is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "no snapshot known yet (policy store unreachable)")
+        return resp
 
 
 class _AdsServicer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):

@@ -86,7 +86,9 @@ class XdsStream:
                     self.on_request(item)
                 if closed or reader.done() and inbox.empty():
                     break
-                for resp in self.responses(cache.current):
+                # No snapshot yet (store unreachable, no state file): answering a policy-carrying
+                # type, even "empty", would replace what the client holds; its watches stay open.
+                for resp in self.responses(cache.current, known=cache.known):
                     yield resp
         finally:
             cache.unwatch(watch_id)
@@ -136,12 +138,13 @@ class XdsStream:
             conn.touch()
         st.watch_open = True
 
-    def responses(self, snap: Snapshot) -> list[discovery_pb2.DiscoveryResponse]:
+    def responses(self, snap: Snapshot, known: bool = True) -> list[discovery_pb2.DiscoveryResponse]:
         """What to send now for `snap`: one response per type whose watch is open and whose
-        version this stream has not been sent (or that must answer anyway)."""
+        version this stream has not been sent (or that must answer anyway). While no snapshot is
+        `known`, only the types whose answer never depends on one."""
         out = []
         for type_url, st in self.states.items():
-            if st.renderer.serves(snap):
+            if (known or not st.renderer.needs_snapshot) and st.renderer.serves(snap):
                 resp = self._respond(snap, type_url, st)
                 if resp is not None:
                     out.append(resp)

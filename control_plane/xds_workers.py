@@ -19,6 +19,7 @@ import time
 
 from .settings import Settings
 from .wiring import ControlPlane
+from .xds_probe import probe_address
 
 log = logging.getLogger("meshcache.control_plane.xds_workers")
 PARENT_CHECK_S = 1.0
@@ -34,11 +35,12 @@ def settings_env(settings: Settings) -> dict[str, str]:
     return out
 
 
-def start_workers(settings: Settings, xds_port: int, log_level: str) -> list[subprocess.Popen[bytes]]:
+def start_workers(settings: Settings, xds_port: int, log_level: str, probe_token: str) -> list[subprocess.Popen[bytes]]:
+    """`probe_token`: the main's XdsServer.probe_token, so the main's probe reaches every worker."""
     env = {**os.environ, **settings_env(settings), "MESHCACHE_CP_XDS_PORT": str(xds_port),
            "MESHCACHE_CP_XDS_WORKERS": "1"}
     return [subprocess.Popen([sys.executable, "-m", "meshcache.control_plane.xds_workers", "--log-level", log_level,
-                              "--index", str(i), "--parent", str(os.getpid())], env=env)
+                              "--index", str(i), "--parent", str(os.getpid()), "--probe-token", probe_token], env=env)
             for i in range(1, settings.xds_workers)]
 
 
@@ -57,8 +59,9 @@ def stop_workers(workers: list[subprocess.Popen[bytes]], timeout: float = STOP_T
             w.wait(5)
 
 
-async def serve_worker(settings: Settings, parent: int) -> None:
+async def serve_worker(settings: Settings, parent: int, probe: str) -> None:
     cp = ControlPlane(settings)
+    cp.xds.probe_address = probe
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -86,13 +89,15 @@ def main() -> None:
     p = argparse.ArgumentParser(prog="meshcache-control-plane xDS worker")
     p.add_argument("--index", type=int, required=True)
     p.add_argument("--parent", type=int, required=True)
+    p.add_argument("--probe-token", required=True)
     p.add_argument("--log-level", default="info")
     args = p.parse_args()
     logging.basicConfig(level=args.log_level.upper(),
                         format=f"%(asctime)s %(levelname)s %(name)s[xds-worker-{args.index}]: %(message)s")
     settings = Settings()
+    settings.kube_write = False  # delivery kube: the main process alone writes to the API server
     settings.instance_id = f"{settings.instance_id}-xds{args.index}"
-    asyncio.run(serve_worker(settings, args.parent))
+    asyncio.run(serve_worker(settings, args.parent, probe_address(args.probe_token, args.index)))
 
 
 if __name__ == "__main__":

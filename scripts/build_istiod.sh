@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Builds istiod (pilot-discovery) and istioctl from the pinned istio.io/istio module, with the
+# Builds istiod (pilot-discovery), istioctl and pilot-agent (istio-agent, the sidecar's
+# supervisor: tests/kube) from the pinned istio.io/istio module, with the
 # patches in scripts/istiod/patches applied, once per machine: the result is cached outside the
 # work tree under a directory keyed on the module version and the patches' hash, so a version or
 # patch change builds again and nothing else does.
@@ -20,7 +21,7 @@ if [ "${1:-}" = "--print-dir" ]; then
   echo "$bin"
   exit 0
 fi
-if [ -x "$bin/pilot-discovery" ] && [ -x "$bin/istioctl" ]; then
+if [ -x "$bin/pilot-discovery" ] && [ -x "$bin/istioctl" ] && [ -x "$bin/pilot-agent" ]; then
   echo "$bin"
   exit 0
 fi
@@ -33,6 +34,15 @@ fi
 # The module's go.mod says `go 1.26.0`; never let go fetch another toolchain.
 export GOTOOLCHAIN=local
 export GOFLAGS="${GOFLAGS:--buildvcs=false}"
+
+# Several work trees may run setup at once: one builds, the others wait for it and reuse the result.
+mkdir -p "$root"
+exec 9>"$root.lock"
+flock 9
+if [ -x "$bin/pilot-discovery" ] && [ -x "$bin/istioctl" ] && [ -x "$bin/pilot-agent" ]; then
+  echo "$bin"
+  exit 0
+fi
 
 start=$(date +%s)
 echo "build_istiod: istio.io/istio@$version (patches $patch_hash) -> $bin" >&2
@@ -57,6 +67,7 @@ ldflags="-X istio.io/istio/pkg/version.buildVersion=$(tr -d '[:space:]' < "$work
 mkdir -p "$root/bin.tmp"
 (cd "$work" && go build -ldflags "$ldflags" -o "$root/bin.tmp/pilot-discovery" ./pilot/cmd/pilot-discovery)
 (cd "$work" && go build -ldflags "$ldflags" -o "$root/bin.tmp/istioctl" ./istioctl/cmd/istioctl)
+(cd "$work" && go build -ldflags "$ldflags" -o "$root/bin.tmp/pilot-agent" ./pilot/cmd/pilot-agent)
 rm -rf "$bin"
 mv "$root/bin.tmp" "$bin"
 echo "build_istiod: built in $(( $(date +%s) - start ))s" >&2

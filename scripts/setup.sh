@@ -97,6 +97,12 @@ fi
 # "Running against a real istiod"). Quick when already built.
 scripts/build_istiod.sh >/dev/null
 
+# A real Kubernetes control plane for tests/kube (meshcache.ctl.kube): kube-apiserver,
+# kube-controller-manager, kube-scheduler, kubectl and etcd from their Go modules at the versions
+# in scripts/kube/versions, built once per machine into /var/cache/meshcache (MESHCACHE_CACHE).
+# ~14 min and ~3 GB of Go build cache the first time; quick when already built.
+scripts/build_kube.sh >/dev/null
+
 # The Debian 12 base the images build on (`make images`, tests/images), debootstrapped once per
 # machine, and the images' stages that change only with the pins (Debian packages, the pinned
 # Python dependencies), kept in buildah's local storage. Quick when they exist.

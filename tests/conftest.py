@@ -39,7 +39,7 @@ SLOW_FIRST = (
     "tests/filter/test_stale.py", "tests/mesh/test_cli.py", "tests/mesh/test_rotation.py",
     "tests/images/", "tests/filter/test_affinity.py", "tests/filter/test_coalescing.py",
     "tests/mesh/test_self_healing.py", "tests/mesh/test_affinity.py", "tests/filter/test_streaming.py",
-    "tests/istiod/", "tests/status/", "tests/mesh/",
+    "tests/istiod/", "tests/kube/", "tests/status/", "tests/mesh/",
 )
 
 

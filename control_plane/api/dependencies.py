@@ -12,7 +12,8 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from meshcache.contract.filter_config import MAX_PREFIX_LEN, PREFIX_PATTERN
 
 from ..auth import Principal, Role
-from ..schemas import FieldError
+from ..schemas import FieldError, ServingOut
+from ..snapshots import Snapshot
 from ..wiring import ControlPlane
 from .errors import ApiError
 
@@ -77,3 +78,16 @@ def if_match_version(value: str | None) -> int | None:
 
 def set_etag(response: Response, version: int) -> None:
     response.headers["ETag"] = f'"{version}"'
+
+
+def current_snapshot(cp: ControlPlane) -> Snapshot:
+    """The snapshot reads answer from; 503 while none is known (never a made-up version 0)."""
+    if not cp.cache.known:
+        raise ApiError(503, cp.serving().detail, headers={"Retry-After": "1"})
+    return cp.cache.current
+
+
+def serving_out(cp: ControlPlane) -> ServingOut:
+    s = cp.serving()
+    return ServingOut(source=s.source, version=s.version, degraded=s.degraded,  # type: ignore[arg-type]
+                      store_reachable=s.store_reachable, detail=s.detail)

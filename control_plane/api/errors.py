@@ -17,10 +17,23 @@ from ..store import StoreUnavailable
 
 UNAVAILABLE = "policy store (Redis) unavailable: the change was not applied; retry later"
 
+
+def _serving_note(request: Request) -> str:
+    """What this replica serves meanwhile (the app's control plane, when there is one)."""
+    cp = getattr(request.app.state, "cp", None)
+    if cp is None:
+        return ""
+    s = cp.serving()
+    if s.source == "none":
+        return " (no snapshot is served: none known yet)"
+    where = "the state file" if s.source == "disk" else "memory"
+    return f" (serving snapshot {s.version} from {where} meanwhile)"
+
 # OpenAPI `responses` of read and write routes.
 ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorOut} for code in (401, 403, 413, 422)
 }
+READ_ERRORS: dict[int | str, dict[str, Any]] = {**ERRORS, 503: {"model": ErrorOut}}
 WRITE_ERRORS: dict[int | str, dict[str, Any]] = {
     **ERRORS, **{code: {"model": ErrorOut} for code in (404, 409, 412, 503)}
 }
@@ -70,8 +83,8 @@ async def _on_http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
     return error_response(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
 
 
-async def _on_unavailable(_: Request, exc: StoreUnavailable) -> JSONResponse:
-    return error_response(503, UNAVAILABLE, headers={"Retry-After": "1"})
+async def _on_unavailable(request: Request, exc: StoreUnavailable) -> JSONResponse:
+    return error_response(503, UNAVAILABLE + _serving_note(request), headers={"Retry-After": "1"})
 
 
 async def _on_precondition(_: Request, exc: PreconditionFailed) -> JSONResponse:

@@ -13,7 +13,7 @@ from ..policy_service import Change, PreconditionFailed
 from ..schemas import HistoryChange, WriteResult
 from ..snapshots import Snapshot
 from ..wiring import ControlPlane
-from .dependencies import set_etag
+from .dependencies import current_snapshot, set_etag
 
 
 @dataclass(frozen=True)
@@ -32,8 +32,9 @@ async def write(cp: ControlPlane, change: Change, who: str, detail: str, if_matc
     if not dry_run:
         snap, changed, diff = await cp.service.write(change, who, detail, if_match)
         return Written(snap, snap, changed, diff, False)
-    if if_match is not None and cp.cache.current.version != if_match:
-        raise PreconditionFailed(cp.cache.current.version)
+    known = current_snapshot(cp)  # 503 while none is known: no preview against a made-up empty one
+    if if_match is not None and known.version != if_match:
+        raise PreconditionFailed(known.version)
     cur, new, changed, diff = cp.service.preview(change)
     return Written(cur, new, changed, diff, True)
 

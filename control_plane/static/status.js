@@ -65,7 +65,14 @@ function emptyRow(cols, text) {
 
 // ---- sections ------------------------------------------------------------------------------
 
+function renderServing(serving) {
+  const box = $("serving");
+  box.hidden = !serving.degraded;
+  box.textContent = serving.degraded ? "Degraded: " + serving.detail + ". Changes are refused (503) until it is back." : "";
+}
+
 function renderStats(stats) {
+  renderServing(stats.serving);
   const note = $("stats-note");
   const parts = ["Counted by the meshcache filter in each proxy since that Envoy started; sums over "
     + stats.proxies_read + " of " + (stats.proxies_read + stats.proxies_unread) + " proxies."];
@@ -226,13 +233,15 @@ function showLogin(error) {
 
 async function refresh() {
   try {
-    const [snap, proxies, stats, hist] = await Promise.all([
-      api("GET", "/v1/snapshot"), api("GET", "/v1/proxies"), api("GET", "/v1/stats"),
-      api("GET", "/v1/snapshots?limit=20")]);
-    renderSnapshot(snap);
+    // Stats first: they say whether the control plane is degraded, even when nothing else loads.
+    const stats = await api("GET", "/v1/stats");
     renderStats(stats);
+    const [snap, proxies] = await Promise.all([api("GET", "/v1/snapshot"), api("GET", "/v1/proxies")]);
+    renderSnapshot(snap);
     renderProxies(proxies, stats, snap.version);
-    if (!armed) renderHistory(hist); // don't pull an armed button from under the user
+    // Older snapshots are read from the store: while it is unreachable the history keeps its last state.
+    const hist = stats.serving.degraded ? null : await api("GET", "/v1/snapshots?limit=20");
+    if (hist && !armed) renderHistory(hist); // don't pull an armed button from under the user
     const stale = proxies.proxies.filter((p) => !p.current).length;
     const n = proxies.proxies.length;
     // istiod (an MCP client) is no proxy: its ACKed snapshot is shown apart.

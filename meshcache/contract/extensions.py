@@ -262,6 +262,50 @@ def traffic_extension(*, color: str, url: str, sha256: str, plugin_config: Obj,
     }
 
 
+# ---- as Kubernetes objects (`--delivery kube`: the control plane writes them to the API server) --
+
+FIELD_MANAGER = "meshcache-control-plane"  # server-side apply's field manager
+MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
+MANAGED_BY = {MANAGED_BY_LABEL: FIELD_MANAGER}  # what the writer lists and prunes by
+SNAPSHOT_ANNOTATION = "meshcache.io/snapshot-version"
+REVISION_LABEL = "istio.io/rev"
+MODE_KIND = {"full": "EnvoyFilter", "basic": "TrafficExtension"}
+
+
+@dataclass(frozen=True)
+class KubeResource:
+    """Where the API server keeps one kind: `/apis/<group>/<version>/namespaces/<ns>/<plural>`."""
+
+    group: str
+    version: str
+    plural: str
+
+    def path(self, namespace: str, name: str = "") -> str:
+        base = f"/apis/{self.group}/{self.version}/namespaces/{namespace}/{self.plural}"
+        return f"{base}/{name}" if name else base
+
+
+KUBE_RESOURCES = {
+    "EnvoyFilter": KubeResource("networking.istio.io", "v1alpha3", "envoyfilters"),
+    "TrafficExtension": KubeResource("extensions.istio.io", "v1alpha1", "trafficextensions"),
+}
+# What the writer does with its kind, so all the Role grants (no watch: it re-lists on a timer;
+# no update: server-side apply is a PATCH, and creating through it needs create).
+WRITER_VERBS = ("get", "list", "create", "patch", "delete")
+
+
+def kube_object(obj: Obj, *, namespace: str, version: int, revision: str = "") -> Obj:
+    """`obj` as the control plane writes it: namespaced, labelled as meshcache's (the writer
+    prunes only objects with this label that its field manager owns) and stamped with the
+    snapshot version (a replica never overwrites a newer one)."""
+    labels = dict(MANAGED_BY)
+    if revision:
+        labels[REVISION_LABEL] = revision
+    meta = {**obj["metadata"], "namespace": namespace, "labels": {**obj["metadata"].get("labels", {}), **labels},
+            "annotations": {**obj["metadata"].get("annotations", {}), SNAPSHOT_ANNOTATION: str(version)}}
+    return {**obj, "metadata": meta}
+
+
 def objects(mode: str, *, colors: Iterable[str], url: str, sha256: str, plugin_config: Obj,
             workloads: Workloads | None = None) -> list[Obj]:
     """Everything meshcache gives istiod for one policy snapshot, full state."""

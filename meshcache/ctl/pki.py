@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import ipaddress
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -80,6 +81,31 @@ class CertificateAuthority:
             .sign(self.key, hashes.SHA256())
         )
         return cert.public_bytes(serialization.Encoding.PEM), _private_pem(key)
+
+    def issue_named_pem(self, common_name: str, organizations: tuple[str, ...] = (),
+                        dns_names: tuple[str, ...] = (), ip_addresses: tuple[str, ...] = (),
+                        hours: float = 24.0) -> tuple[bytes, bytes]:
+        """(certificate PEM, private key PEM) named by its subject, as Kubernetes reads client
+        certificates (CN = user, O = groups), with DNS/IP SANs when it serves; client and server
+        usage, valid from 5 minutes ago for `hours`."""
+        key = ec.generate_private_key(ec.SECP256R1())
+        now = dt.datetime.now(dt.UTC)
+        subject = x509.Name([*(x509.NameAttribute(NameOID.ORGANIZATION_NAME, o) for o in organizations),
+                             x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
+        sans: list[x509.GeneralName] = [x509.DNSName(d) for d in dns_names]
+        sans += [x509.IPAddress(ipaddress.ip_address(ip)) for ip in ip_addresses]
+        builder = (
+            x509.CertificateBuilder()
+            .subject_name(subject).issuer_name(self.cert.subject).public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - dt.timedelta(minutes=5)).not_valid_after(now + dt.timedelta(hours=hours))
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
+                           critical=False)
+        )
+        if sans:
+            builder = builder.add_extension(x509.SubjectAlternativeName(sans), critical=False)
+        return builder.sign(self.key, hashes.SHA256()).public_bytes(serialization.Encoding.PEM), _private_pem(key)
 
     def cert_pem(self) -> bytes:
         return self.cert.public_bytes(serialization.Encoding.PEM)

@@ -20,7 +20,8 @@ from meshcache.ctl.cli import main
 from tests.istio.test_existing_servers import kserve_predictor
 
 DOC = REPO_ROOT / "docs" / "istio.md"
-WALKTHROUGHS = ("Walk-through 1: a fresh mesh", "Walk-through 2: an existing mesh with a KServe InferenceService")
+WALKTHROUGHS = ("Walk-through 1: a fresh mesh", "Walk-through 2: an existing mesh with a KServe InferenceService",
+                "Walk-through 3: delivery kube (istiod untouched)")
 
 
 def _commands(title: str) -> list[str]:
@@ -84,5 +85,9 @@ def test_walkthrough_runs_top_to_bottom(title: str, tmp_path: Path, monkeypatch:
     namespace = first(r"kubectl apply -f rendered/namespace\.yaml")
     secrets = [i for i, c in enumerate(commands) if "create secret" in c]
     manifests = first(r"kubectl apply -f rendered/meshcache-istio\.yaml")
+    if any("--delivery kube" in c for c in commands):  # istiod is not touched at all
+        assert not [c for c in commands if re.search(r"istioctl|helm|istio-operator|istiod-values|istio-system", c)]
+        assert namespace < min(secrets) and max(secrets) < manifests, commands
+        return
     mcp = first(r"istio-operator-(mcp|existing)\.yaml")
     assert namespace < min(secrets) and max(secrets) < manifests < mcp, commands

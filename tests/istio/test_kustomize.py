@@ -24,7 +24,7 @@ def test_each_kustomization_builds(directory: Path) -> None:
     assert len(_ids(objs)) == len(objs), "duplicate kind/name after build"
     for o in objs:
         assert o["metadata"]["labels"]["app.kubernetes.io/part-of"] == "meshcache"
-        if o["kind"] != "Namespace":
+        if o["kind"] not in kustomize.CLUSTER_SCOPED:
             assert o["metadata"]["namespace"] == "meshcache"
         else:
             assert "namespace" not in o["metadata"]

@@ -13,7 +13,7 @@ import pytest
 from meshcache.contract import oci
 from meshcache.control_plane.snapshots import Snapshot
 from meshcache.ctl.cli import main
-from meshcache.ctl.istio import crossref, render, validate
+from meshcache.ctl.istio import crossref, kustomize, render, validate
 from tests.helpers.control_plane import READ_TOKEN, ControlPlaneProc
 
 
@@ -43,7 +43,8 @@ def test_render_applies_namespace_and_colour_and_validates(tmp_path: Path, pins:
     assert report.ok, report.errors
     errors = crossref.check_all(objects + served, pins.image_digest, elsewhere=frozenset({"blue"}))
     assert not errors, errors
-    assert {o["metadata"].get("namespace") for o in objects + served if o["kind"] != "Namespace"} == {"ml-prod"}
+    assert {o["metadata"].get("namespace") for o in objects + served
+               if o["kind"] not in kustomize.CLUSTER_SCOPED} == {"ml-prod"}
     assert _one(objects, "Namespace")["metadata"]["name"] == "ml-prod"
     text = json.dumps(objects)
     assert "/ns/meshcache/" not in text and ".meshcache.svc" not in text and "cluster.local/ns/ml-prod/sa/" in text

@@ -1,22 +1,30 @@
-"""Faults with istiod in the middle, under load: the control plane restarts, istiod restarts.
-The sidecars keep their config (and cache) meanwhile: hits keep being served, no answer is
-wrong, and policies resync once the restarted part is back."""
+"""Faults with istiod in the middle, under load: the control plane restarts, istiod restarts, and
+istiod restarts while the control plane is hung (SIGSTOP). The sidecars keep their config (and
+cache) meanwhile: hits keep being served, no answer is wrong, and policies resync once the
+restarted part is back."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import httpx
 import pytest
 
+from meshcache.ctl import procs
 from meshcache.ctl.istiod.mesh import IstiodMesh
+from meshcache.ctl.mesh.healing import RestartPolicy
 from tests.helpers.wait import eventually
 from tests.istiod.helpers import istiod_mesh, rest_infer
 from tests.mesh.helpers import mlp_json
 
 SEEDS = range(2600, 2608)
+ISTIOD_BACK_LIMIT_S = 30.0  # the issue's bound: istiod serving again after it was killed
 
 
 @pytest.fixture(scope="module")
@@ -77,10 +85,11 @@ def put_and_sync(mesh: IstiodMesh, ttl: int) -> None:
 
 
 def test_restarts_under_load(mesh: IstiodMesh) -> None:
-    """The control plane, then istiod (one test per mesh: a module's tests may land on both
-    xdist workers)."""
+    """The control plane, then istiod, then istiod with the control plane hung (one test per
+    mesh: a module's tests may land on both xdist workers)."""
     control_plane_restart(mesh)
     istiod_restart(mesh)
+    istiod_restart_with_the_control_plane_hung(mesh)
 
 
 def control_plane_restart(mesh: IstiodMesh) -> None:
@@ -112,3 +121,54 @@ def istiod_restart(mesh: IstiodMesh) -> None:
     # The cache survived: the warmed answers are still hits after istiod re-sent everything.
     assert all(rest_infer(mesh, "mlp-classifier", mlp_json(s)).headers["cache-status"].startswith("meshcache; hit")
                for s in SEEDS)
+
+
+def istiod_restart_with_the_control_plane_hung(mesh: IstiodMesh) -> None:
+    """The issue's second failure: the control plane stopped (SIGSTOP: its port still accepts,
+    nothing answers), then istiod killed. Unsupervised, the restarted istiod exits with 255 as
+    long as the control plane stays stopped. Supervised as `meshcache up --istiod` does it (the
+    healer's restarts, and the rendered liveness probe from its own thread), the wedged control
+    plane is killed and restarted, and istiod serves again within 30 s; hits never stop."""
+    expected = warm(mesh)
+    said: list[str] = []
+    healer = mesh.healer(RestartPolicy(), log=said.append)
+    stop = threading.Event()
+
+    def supervise() -> None:
+        while not stop.wait(0.5):
+            healer.tick()
+
+    ticker = threading.Thread(target=supervise, daemon=True)
+    wedged = mesh.cp_proc.popen.pid
+    old_istiod = mesh.proc("istiod")
+    with Load(mesh, expected) as load:
+        load.wait_hits(0)
+        os.kill(wedged, signal.SIGSTOP)
+        try:
+            healer.start_probes()
+            ticker.start()
+            t_kill = time.monotonic()
+            old_istiod.kill()
+            during = load.hits
+            load.wait_hits(during)  # the sidecars keep serving from their last config
+
+            def serving() -> bool:
+                new = mesh.proc("istiod")
+                return new is not old_istiod and new.alive() and mesh.istiod is not None \
+                    and procs.port_open(mesh.istiod.ports.grpc)  # opened only once every source synced
+
+            eventually(serving, timeout=ISTIOD_BACK_LIMIT_S, interval=0.1)
+            back_s = time.monotonic() - t_kill
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(wedged, signal.SIGCONT)
+            stop.set()
+            ticker.join(timeout=90)
+            healer.stop_probes()
+        put_and_sync(mesh, 123)  # the new istiod passes the new control plane's policies on
+        load.wait_hits(load.hits)
+    assert not load.wrong, load.wrong[:5]
+    cp = healer.records["control-plane"]
+    assert cp.restarts == 1 and cp.last_exit.startswith("killed by its liveness probe"), (cp, said)
+    assert any("liveness probes failed in a row" in m for m in said), said
+    print(f"\nistiod serving again {back_s:.1f} s after it was killed with the control plane stopped")

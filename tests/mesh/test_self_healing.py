@@ -7,6 +7,7 @@ engine (hits keep coming from the server sidecar), everything for a sidecar."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -174,3 +175,39 @@ def test_every_component_killed_under_load_comes_back_without_a_wrong_answer(
     assert "restarts 1" in text and "its response cache was emptied by the restart" in text
     # The server sidecar's cache is new: a hit kind was stored again after the restart.
     assert call(KINDS[1], app) == expected[KINDS[1].name]
+
+
+def test_a_stopped_control_plane_is_killed_by_its_liveness_probe_and_restarted(
+        running_mesh: tuple[Path, Ports]) -> None:
+    """SIGSTOP: the process lives on and its ports still accept, so only a probe that needs an
+    answer notices. The supervisor's liveness probe (the rendered one: GET /healthz/xds) has it
+    killed and restarted, as kubelet would; the sidecars keep serving meanwhile."""
+    state_dir, ports = running_mesh
+    app = f"127.0.0.1:{ports.app}"
+    expected = expected_answers(ports.engine_http, ports.engine_grpc, ports.canary_http)
+    for kind in KINDS:
+        assert call(kind, app) == expected[kind.name], kind.name
+    current = state.read_state(state_dir)
+    assert current is not None
+    cp = next(c for c in current["children"] if c["name"] == "control-plane")
+    os.kill(cp["pid"], signal.SIGSTOP)
+    try:
+        t_stop = time.monotonic()
+        for kind in KINDS:  # served by the sidecars from their last config
+            assert call(kind, app) == expected[kind.name], kind.name
+        report = _wait_healthy(state_dir, "control-plane", restarts=1)
+        back_s = time.monotonic() - t_stop
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(cp["pid"], signal.SIGCONT)
+    component = report["components"]["control-plane"]
+    assert component["pid"] != cp["pid"] and component["last_exit"].startswith("killed by its liveness probe")
+    assert "liveness probes failed in a row (GET http://127.0.0.1:" in \
+        (state_dir / "logs" / "supervisor.log").read_text()
+    token = (state_dir / "token").read_text().strip()
+    with PolicyApi(f"http://127.0.0.1:{ports.cp_http}", token) as api:
+        version, _ = _put_retrying_503(api, "resnet-mini", {"ttl_s": 77})
+        api.wait_acked(SERVER_NODE, version, timeout=15)
+    for kind in KINDS:
+        assert call(kind, app) == expected[kind.name], kind.name
+    print(f"\ncontrol plane stopped -> killed and healthy again in {back_s:.2f} s")

@@ -32,3 +32,13 @@ def test_unknown_entries_say_so() -> None:
     resnet = next(line.split() for line in out.splitlines() if line.split()[:1] == ["resnet"])
     assert resnet[5:] == ["-", "-"]
     assert "per model unknown" in out and "(no current policy)" not in out
+
+
+def test_a_degraded_control_plane_is_the_first_line() -> None:
+    detail = "policy store (Redis) unreachable: serving snapshot 7 from the state file"
+    out = format_cache_table(_stats(serving={"source": "disk", "version": 7, "degraded": True,
+                                             "store_reachable": False, "detail": detail})).splitlines()
+    assert out[0] == f"control plane DEGRADED: {detail}; writes answer 503"
+    healthy = format_cache_table(_stats(serving={"source": "redis", "version": 7, "degraded": False,
+                                                 "store_reachable": True, "detail": "..."}))
+    assert "DEGRADED" not in healthy and healthy.startswith("cache (policy version 7")

@@ -17,6 +17,7 @@ from selenium.webdriver.support.ui import WebDriverWait
 from meshcache.contract.paths import REPO_ROOT
 from meshcache.ctl import launchers, procs
 from tests.helpers.control_plane import READ_TOKEN, WRITE_TOKEN, start_control_plane
+from tests.helpers.signals import stopped
 from tests.mesh.helpers import grpc_call, mlp_request
 from tests.status import browser
 from tests.status.helpers import RunningMesh
@@ -137,6 +138,14 @@ def test_read_token_and_unreadable_proxy_stats(driver: webdriver.Chrome, tmp_pat
         assert "viewer (read)" in _text(driver, "#who")
         button = driver.find_element(By.CSS_SELECTOR, '#history tr[data-version="1"] button.rollback')
         assert not button.is_enabled()
+        assert not driver.find_element(By.ID, "serving").is_displayed()
+        # Redis stalls: the page says the control plane is degraded and what it serves, then recovers.
+        with stopped(redis):
+            _wait(driver, lambda d: d.find_element(By.ID, "serving").is_displayed())
+            assert _text(driver, "#serving") == ("Degraded: policy store (Redis) unreachable: serving snapshot 2 "
+                                                 "from memory. Changes are refused (503) until it is back.")
+            assert _text(driver, '#models tr[data-model="m1"] td.entries') == "—"  # the rest still shown
+        _wait(driver, lambda d: not d.find_element(By.ID, "serving").is_displayed())
         assert browser.console_errors(driver) == []
     finally:
         cp.proc.stop()

@@ -23,8 +23,18 @@ from ...schemas import (
     WriteResult,
 )
 from ...wiring import ControlPlane
-from ..dependencies import CP, DryRun, IfMatch, PrefixPath, Reader, Writer, if_match_version, set_etag
-from ..errors import ERRORS, WRITE_ERRORS, ApiError, field_errors
+from ..dependencies import (
+    CP,
+    DryRun,
+    IfMatch,
+    PrefixPath,
+    Reader,
+    Writer,
+    current_snapshot,
+    if_match_version,
+    set_etag,
+)
+from ..errors import READ_ERRORS, WRITE_ERRORS, ApiError, field_errors
 from ..writes import result, write
 
 MERGE_PATCH = "application/merge-patch+json"
@@ -32,16 +42,16 @@ MERGE_PATCH = "application/merge-patch+json"
 router = APIRouter()
 
 
-@router.get("/v1/policies", responses=ERRORS)
+@router.get("/v1/policies", responses=READ_ERRORS)
 async def list_policies(cp: CP, _p: Reader, response: Response) -> PoliciesOut:
-    snap = cp.cache.current
+    snap = current_snapshot(cp)
     set_etag(response, snap.version)
     return PoliciesOut(version=snap.version, policies=list(snap.policies))
 
 
-@router.get("/v1/policies/{model_prefix:path}", responses={**ERRORS, 404: {"model": ErrorOut}})
+@router.get("/v1/policies/{model_prefix:path}", responses={**READ_ERRORS, 404: {"model": ErrorOut}})
 async def get_policy(model_prefix: PrefixPath, cp: CP, _p: Reader, response: Response) -> PolicyOut:
-    snap = cp.cache.current
+    snap = current_snapshot(cp)
     policy = snap.policy(model_prefix)
     if policy is None:
         raise ApiError(404, f"no policy for model_prefix {model_prefix!r}")
@@ -134,10 +144,11 @@ async def purge(body: PurgeRequest, cp: CP, who: Writer, response: Response,
     return result(response, w, prefix)
 
 
-@router.get("/v1/limits", responses=ERRORS)
+@router.get("/v1/limits", responses=READ_ERRORS)
 async def get_limits(cp: CP, _p: Reader, response: Response) -> Limits:
-    set_etag(response, cp.cache.current.version)
-    return cp.cache.current.limits
+    snap = current_snapshot(cp)
+    set_etag(response, snap.version)
+    return snap.limits
 
 
 @router.put("/v1/limits", responses=WRITE_ERRORS)

@@ -19,8 +19,8 @@ from ...schemas import (
 )
 from ...snapshots import Snapshot
 from ...store import StoreUnavailable
-from ..dependencies import CP, DryRun, IfMatch, Reader, Writer, if_match_version, set_etag
-from ..errors import ERRORS, WRITE_ERRORS, ApiError
+from ..dependencies import CP, DryRun, IfMatch, Reader, Writer, current_snapshot, if_match_version, set_etag
+from ..errors import READ_ERRORS, WRITE_ERRORS, ApiError
 from ..writes import result, write
 
 router = APIRouter()
@@ -31,15 +31,15 @@ def _snapshot_out(s: Snapshot) -> SnapshotOut:
                        limits=s.limits, policies=list(s.policies), plugin_config=s.plugin_config_json)
 
 
-@router.get("/v1/snapshot", responses=ERRORS)
-async def current_snapshot(cp: CP, _p: Reader, response: Response) -> SnapshotOut:
-    snap = cp.cache.current
+@router.get("/v1/snapshot", responses=READ_ERRORS)
+async def get_current_snapshot(cp: CP, _p: Reader, response: Response) -> SnapshotOut:
+    snap = current_snapshot(cp)
     set_etag(response, snap.version)
     return _snapshot_out(snap)
 
 
 @router.get("/v1/snapshots/{version}",
-            responses={**ERRORS, 404: {"model": ErrorOut}, 503: {"model": ErrorOut}})
+            responses={**READ_ERRORS, 404: {"model": ErrorOut}})
 async def get_snapshot(version: Annotated[int, Path(ge=0, le=2**53)], cp: CP, _p: Reader) -> SnapshotOut:
     cur = cp.cache.current
     if version == cur.version:
@@ -68,15 +68,15 @@ async def do_rollback(body: RollbackRequest, cp: CP, who: Writer, response: Resp
     return result(response, w)
 
 
-@router.get("/v1/audit", responses={**ERRORS, 503: {"model": ErrorOut}})
+@router.get("/v1/audit", responses=READ_ERRORS)
 async def audit(cp: CP, _p: Reader, count: Annotated[int, Query(ge=1, le=1000)] = 100) -> AuditOut:
     return AuditOut(entries=await cp.store.audit(count))
 
 
-@router.get("/v1/snapshots", responses={**ERRORS, 503: {"model": ErrorOut}})
+@router.get("/v1/snapshots", responses=READ_ERRORS)
 async def snapshot_history(cp: CP, _p: Reader,
                            limit: Annotated[int, Query(ge=1, le=history.MAX_HISTORY)] = 20) -> HistoryOut:
     """The newest snapshots, newest first, each with its changes from the one before."""
-    cur = cp.cache.current
+    cur = current_snapshot(cp)
     return HistoryOut(version=cur.version,
                       snapshots=[HistoryEntry(**e) for e in await history.recent(cp.store, cur, limit)])

@@ -9,7 +9,7 @@ from fastapi import APIRouter
 from ...istiod_sync import TRANSPORT
 from ...proxy_stats import ProxyReading, per_model, unattributed
 from ...schemas import ModelStats, ProxyStats, StatsOut, WhoAmI
-from ..dependencies import CP, Reader
+from ..dependencies import CP, Reader, serving_out
 from ..errors import ERRORS
 
 router = APIRouter()
@@ -38,7 +38,7 @@ async def stats(cp: CP, _p: Reader) -> StatsOut:
               for m in per_model(readings, [p.model_prefix for p in snap.policies])]
     read = sum(1 for r in readings if r.ok)
     other_entries, other_bytes = unattributed(readings)
-    return StatsOut(version=snap.version, read_at=time.time(), complete=read == len(readings),
+    return StatsOut(version=snap.version, serving=serving_out(cp), read_at=time.time(), complete=read == len(readings),
                     proxies_read=read, proxies_unread=len(readings) - read, models=models,
                     unattributed_entries=other_entries, unattributed_bytes=other_bytes,
                     proxies=[_proxy_stats(r) for r in readings])

@@ -60,6 +60,10 @@ def register(subparsers: Any) -> None:
     r.add_argument("--mesh-tls13", action="store_true",
                    help="also set the mesh-wide meshMTLS.minProtocolVersion TLSV1_3 in the Istio install files "
                         "(a change for every workload in the mesh; off by default)")
+    r.add_argument("--delivery", choices=render.DELIVERIES, default="mcp",
+                   help="how istiod gets the EnvoyFilters/TrafficExtensions: mcp (default: istiod reads the control "
+                        "plane as a configSources entry) or kube (the control plane writes them through the API "
+                        "server with a namespaced Role; istiod is not reconfigured)")
     src = r.add_mutually_exclusive_group()
     src.add_argument("--control-plane", metavar="URL", help="read the current snapshot from this API")
     src.add_argument("--snapshot", type=Path, metavar="FILE", help="a `GET /v1/snapshot` body or snapshot record")
@@ -69,6 +73,7 @@ def register(subparsers: Any) -> None:
                                             "istio-operator.yaml (fresh Istio, step 1), istio-operator-mcp.yaml "
                                             "(step 2), istio-operator-existing.yaml and istiod-values.yaml (an "
                                             "existing Istio: istioctl overlay, Helm values), mcp-preview.yaml "
+                                            "(--delivery kube: kube-preview.yaml and no istiod files) "
                                             "(default: the manifests on stdout)")
     r.add_argument("--update-base", action="store_true",
                    help="instead: re-pin the committed istio/base to the built module")
@@ -139,7 +144,7 @@ def _render(args: argparse.Namespace) -> int:
             allow_principals=tuple(args.allow_principal),
             engine_selector=render.parse_engine_selector(args.engine_selector) if args.engine_selector else None,
             engine_ports=render.parse_engine_ports(args.engine_port), engine_service=args.engine_service,
-            mesh_tls13=args.mesh_tls13)
+            mesh_tls13=args.mesh_tls13, delivery=args.delivery)
         objects = render.render(opts)
         mcp = render.mcp_objects(objects, plugin_config)
     except (ValueError, FileNotFoundError, kustomize.KustomizeError) as exc:
@@ -210,9 +215,11 @@ def _validate(args: argparse.Namespace) -> int:
         allowed = frozenset(args.allow_principal)
         if startup and not render.own_engine(manifests) and not theirs:
             # In front of the user's servers: what selects them is checked only against them.
+            found += crossref.check_delivery(manifests)
             print("cross-references of the cached workloads skipped: pass their manifests with --workload FILE "
                   "(e.g. `kubectl get deploy,svc NAME -o yaml`)")
-            found += (crossref.check_module(manifests, image.digest) + crossref.check_startup(manifests))
+            found += (crossref.check_module(manifests, image.digest) + crossref.check_startup(manifests)
+                      + crossref.check_availability(manifests))
         else:
             # Partial sets (an MCP preview alone) skip the startup rules, which need the control plane.
             found += crossref.check_all(manifests + theirs, image.digest, startup=startup,

@@ -524,6 +524,63 @@ def check_startup(objects: list[Obj]) -> list[str]:
     return errors
 
 
+# The control plane's probes: ADS round trips through its xDS server (control_plane/xds_probe.py).
+LIVENESS_PATH = "/healthz/xds"
+READINESS_PATH = "/readyz/xds"
+
+
+def _probe_path(container: Obj, probe: str) -> str | None:
+    return container.get(probe, {}).get("httpGet", {}).get("path")
+
+
+def check_availability(objects: list[Obj]) -> list[str]:
+    """A starting istiod exits if its stream to the control plane's Service fails and waits without
+    a timeout for the answers (docs/istio.md, "What istiod waits for"): one replica must be ready
+    and really serving at all times, and the Service must send istiod to such replicas only."""
+    errors = []
+    for w in _control_planes(objects):
+        where = f"{w['kind']}/{_name(w)}"
+        spec, pod = w["spec"], w["spec"]["template"]["spec"]
+        container = next((c for c in pod["containers"] if c["name"] == "control-plane"), pod["containers"][0])
+        if _probe_path(container, "readinessProbe") != READINESS_PATH:
+            errors.append(f"{where}: readinessProbe must be httpGet {READINESS_PATH} (an ADS round trip): a TCP "
+                          "check passes on a stopped process, and istiod's Service would keep sending it there")
+        for probe in ("livenessProbe", "startupProbe"):
+            if _probe_path(container, probe) != LIVENESS_PATH:
+                errors.append(f"{where}: {probe} must be httpGet {LIVENESS_PATH}: a wedged control plane is only "
+                              "restarted if its liveness exercises the xDS path")
+        if spec.get("replicas", 1) < 2:
+            errors.append(f"{where}: needs 2 replicas or more: istiod cannot start while the only one is down")
+        rolling = spec.get("strategy", {}).get("rollingUpdate", {})
+        if spec.get("strategy", {}).get("type") == "Recreate" or rolling.get("maxUnavailable") not in (0, "0%"):
+            errors.append(f"{where}: strategy.rollingUpdate.maxUnavailable must be 0 (a rollout keeps every "
+                          "ready replica until its replacement is ready)")
+        pc = pod.get("priorityClassName")
+        if not pc:
+            errors.append(f"{where}: no priorityClassName (istiod's restarts depend on this pod)")
+        elif not any(_name(o) == pc for o in _of(objects, "PriorityClass")) and not pc.startswith("system-"):
+            errors.append(f"{where}: priorityClassName {pc!r}: no such PriorityClass in the manifests")
+        anti = pod.get("affinity", {}).get("podAntiAffinity", {})
+        terms = [t.get("podAffinityTerm", t) for key in ("preferredDuringSchedulingIgnoredDuringExecution",
+                                                          "requiredDuringSchedulingIgnoredDuringExecution")
+                 for t in anti.get(key, [])]
+        if not any(t.get("topologyKey") == "kubernetes.io/hostname"
+                   and _selects(t.get("labelSelector", {}).get("matchLabels", {}), _pod_labels(w)) for t in terms):
+            errors.append(f"{where}: no pod anti-affinity on kubernetes.io/hostname: both replicas may share a node")
+        pdbs = [b for b in _of(objects, "PodDisruptionBudget")
+                if _selects(b["spec"].get("selector", {}).get("matchLabels", {}), _pod_labels(w))]
+        if not any(int(b["spec"].get("minAvailable", 0) or 0) >= 1 or "maxUnavailable" in b["spec"] for b in pdbs):
+            errors.append(f"{where}: no PodDisruptionBudget keeps a replica available during drains")
+        services = [svc for svc in _of(objects, "Service")
+                    if _name(svc) == CONTROL_PLANE and _selects(svc["spec"].get("selector", {}), _pod_labels(w))]
+        if not services:
+            errors.append(f"{where}: no Service {CONTROL_PLANE} selects it (istiod's xds:// address)")
+        for svc in services:
+            if svc["spec"].get("publishNotReadyAddresses"):
+                errors.append(f"Service/{_name(svc)}: publishNotReadyAddresses sends istiod to unready replicas")
+    return errors
+
+
 def check_operator_steps(step1: Obj, step2: Obj) -> list[str]:
     """Step 1 installs Istio without the MCP source; step 2 adds it, over TLS, keeping Kubernetes."""
     errors = []
@@ -566,9 +623,60 @@ def check_monitors(objects: list[Obj]) -> list[str]:
     return errors
 
 
+def check_delivery(objects: list[Obj]) -> list[str]:
+    """delivery kube: the control plane's ServiceAccount may do exactly what its writer does, on
+    exactly its kind, in its own namespace (a Role, never cluster-wide), and has its token. delivery
+    mcp (the default): it is granted nothing, since it writes nothing."""
+    errors = []
+    for w in _control_planes(objects):
+        where, env = f"{w['kind']}/{_name(w)}", _env(w)
+        delivery = env.get("MESHCACHE_CP_DELIVERY") or "mcp"
+        pod = w["spec"]["template"]["spec"]
+        account, namespace = pod.get("serviceAccountName", "default"), w["metadata"].get("namespace")
+        resource = extensions.KUBE_RESOURCES[extensions.MODE_KIND[env.get("MESHCACHE_CP_ISTIO_MODE") or "full"]]
+        bindings = [b for b in _of(objects, "RoleBinding") + _of(objects, "ClusterRoleBinding")
+                    if any(s.get("kind") == "ServiceAccount" and s.get("name") == account
+                           and s.get("namespace", b["metadata"].get("namespace")) == namespace
+                           for s in b.get("subjects", []))]
+        rules = []
+        for b in bindings:
+            if b["kind"] == "ClusterRoleBinding" or b["roleRef"]["kind"] == "ClusterRole":
+                errors.append(f"{b['kind']}/{_name(b)}: grants the control plane a ClusterRole; it needs a Role "
+                              "in its own namespace only")
+                continue
+            role = next((r for r in _of(objects, "Role") if _name(r) == b["roleRef"]["name"]
+                         and r["metadata"].get("namespace") == b["metadata"].get("namespace")), None)
+            if role is None:
+                errors.append(f"RoleBinding/{_name(b)}: Role {b['roleRef']['name']!r} is not defined here")
+                continue
+            rules += [(role, r) for r in role.get("rules", [])]
+        if delivery == "mcp":
+            errors += [f"Role/{_name(role)}: grants {rule.get('resources')} to the control plane, which writes "
+                       "nothing with delivery mcp" for role, rule in rules]
+            continue
+        if pod.get("automountServiceAccountToken") is False:
+            errors.append(f"{where}: delivery kube authenticates with the pod's ServiceAccount token: don't set "
+                          "automountServiceAccountToken false")
+        enough = False
+        for role, rule in rules:
+            groups, plurals, verbs = rule.get("apiGroups", []), rule.get("resources", []), rule.get("verbs", [])
+            if groups != [resource.group] or plurals != [resource.plural] or rule.get("resourceNames") \
+                    or sorted(verbs) != sorted(extensions.WRITER_VERBS):
+                errors.append(f"Role/{_name(role)}: rule {groups} {plurals} {verbs} is not the writer's: exactly "
+                              f"{list(extensions.WRITER_VERBS)} on {resource.group} {resource.plural}")
+            elif role["metadata"].get("namespace") == namespace:
+                enough = True
+        if not enough:
+            errors.append(f"{where}: delivery kube needs a Role in {namespace} granting "
+                          f"{list(extensions.WRITER_VERBS)} on {resource.group} {resource.plural}, bound to "
+                          f"ServiceAccount {account}")
+    return errors
+
+
 def check_all(objects: list[Obj], image_digest: str, elsewhere: frozenset[str] = frozenset(),
               startup: bool = True, allowed_principals: frozenset[str] = frozenset()) -> list[str]:
-    return (check_workloads(objects) + check_traffic(objects, elsewhere) + check_security(objects, allowed_principals)
+    return (check_delivery(objects)
+            + check_workloads(objects) + check_traffic(objects, elsewhere) + check_security(objects, allowed_principals)
             + check_sidecar_annotations(objects) + check_module(objects, image_digest)
             + check_extensions(objects, elsewhere) + check_proxy_stats(objects) + check_monitors(objects)
-            + (check_startup(objects) if startup else []))
+            + (check_startup(objects) + check_availability(objects) if startup else []))

@@ -29,7 +29,7 @@ import yaml
 Obj = dict[str, Any]
 KUSTOMIZATION = "kustomization.yaml"
 _KNOWN_KEYS = {"apiVersion", "kind", "resources", "namespace", "labels", "patches"}
-CLUSTER_SCOPED = {"Namespace", "ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition"}
+CLUSTER_SCOPED = {"Namespace", "ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition", "PriorityClass"}
 
 
 class KustomizeError(ValueError):

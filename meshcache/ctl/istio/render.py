@@ -167,6 +167,7 @@ class RenderOptions:
     engine_ports: dict[str, int | None] = field(default_factory=dict)  # parse_engine_ports()
     engine_service: str | None = None  # the Service callers use; None: the build's DestinationRule host
     mesh_tls13: bool = False  # IstioOperator/Helm values: meshMTLS.minProtocolVersion TLSV1_3
+    delivery: str = "mcp"  # mcp: istiod reads the control plane (configSources); kube: it writes the objects
 
     def colors(self, own_engine: bool = True) -> list[str]:
         if not own_engine:
@@ -260,8 +261,51 @@ def render(opts: RenderOptions) -> list[Obj]:
             raise ValueError(f"--engine-selector conflicts with meshcache's engine label {', '.join(clash)}: the own "
                              "engine's pods get the selector's labels; pick other labels, or render an overlay for "
                              "your own workloads (istio/overlays/kserve, triton)")
+    if opts.delivery not in DELIVERIES:
+        raise ValueError(f"--delivery {opts.delivery!r}: use one of {', '.join(DELIVERIES)}")
+    if opts.delivery == "kube" and opts.mesh_tls13:
+        raise ValueError("--mesh-tls13 changes istiod's mesh config, which --delivery kube leaves alone: set "
+                         "meshMTLS.minProtocolVersion in your Istio install instead")
     customize(objects, opts, pins_for(opts), workloads, own, principals)
+    if opts.delivery == "kube":
+        objects += kube_delivery(objects, opts.namespace)
     return objects
+
+
+# ---- delivery kube: the control plane writes the objects itself --------------------------------
+
+DELIVERIES = ("mcp", "kube")
+WRITER_ROLE = f"{CONTROL_PLANE}-istio-objects"
+
+
+def kube_delivery(objects: list[Obj], namespace: str) -> list[Obj]:
+    """Sets the control plane's MESHCACHE_CP_DELIVERY=kube and returns its RBAC: in the namespace it
+    writes to (its own, MESHCACHE_CP_ISTIO_NAMESPACE), a Role with exactly the verbs the writer uses
+    on exactly its kind (EnvoyFilters in full mode, TrafficExtensions in basic), bound to its
+    ServiceAccount. Nothing cluster-wide, no other kind, no other namespace."""
+    dep = next(o for o in objects if o["kind"] == "Deployment" and o["metadata"]["name"] == CONTROL_PLANE)
+    pod = dep["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    container["env"] = [e for e in container.get("env", []) if e["name"] != "MESHCACHE_CP_DELIVERY"] + [
+        {"name": "MESHCACHE_CP_DELIVERY", "value": "kube"}]
+    pod.pop("automountServiceAccountToken", None)  # the writer authenticates with the pod's token
+    resource = extensions.KUBE_RESOURCES[extensions.MODE_KIND[control_plane_env(objects).get(
+        "MESHCACHE_CP_ISTIO_MODE", "full")]]
+    labels = dict(dep["metadata"].get("labels", {}))
+    role = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+            "metadata": {"name": WRITER_ROLE, "namespace": namespace, "labels": labels},
+            "rules": [{"apiGroups": [resource.group], "resources": [resource.plural],
+                       "verbs": list(extensions.WRITER_VERBS)}]}
+    binding = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+               "metadata": {"name": WRITER_ROLE, "namespace": namespace, "labels": labels},
+               "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": WRITER_ROLE},
+               "subjects": [{"kind": "ServiceAccount", "name": pod.get("serviceAccountName", "default"),
+                             "namespace": namespace}]}
+    return [role, binding]
+
+
+def delivery_of(objects: list[Obj]) -> str:
+    return control_plane_env(objects).get("MESHCACHE_CP_DELIVERY", "mcp")
 
 
 def render_operators(opts: RenderOptions) -> tuple[Obj, Obj]:
@@ -283,16 +327,28 @@ def control_plane_env(objects: list[Obj]) -> dict[str, str]:
     return {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}
 
 
+def control_plane_probe(objects: list[Obj] | None = None, kind: str = "livenessProbe") -> Obj:
+    """The control plane's probe as rendered (the base's by default): the local meshes'
+    supervisors apply the very same one (meshcache/ctl/mesh/healing.py `Liveness`)."""
+    objects = objects if objects is not None else kustomize.build(BASE_DIR)
+    dep = next(o for o in objects if o["kind"] == "Deployment" and o["metadata"]["name"] == CONTROL_PLANE)
+    return dict(dep["spec"]["template"]["spec"]["containers"][0][kind])
+
+
 def mcp_objects(objects: list[Obj], plugin_config: dict[str, Any]) -> list[Obj]:
-    """What the rendered control plane serves istiod over MCP for this policy snapshot (its mode,
-    colours, cached workloads and module pin come from the Deployment's environment), with the
-    namespace set."""
+    """What the rendered control plane gives istiod for this policy snapshot (its mode, colours,
+    cached workloads and module pin come from the Deployment's environment), with the namespace
+    set: served over MCP, or with delivery kube exactly as it writes them to the API server."""
     env = control_plane_env(objects)
     namespace = next(o["metadata"]["name"] for o in objects if o["kind"] == "Namespace")
     colors = [c for c in env.get("MESHCACHE_CP_ISTIO_COLOR", "").split(",") if c] or [""]
     out = extensions.objects(env.get("MESHCACHE_CP_ISTIO_MODE", "full"), colors=colors,
                              url=env["MESHCACHE_CP_ISTIO_WASM_URL"], sha256=env["MESHCACHE_CP_ISTIO_WASM_SHA256"],
                              plugin_config=plugin_config, workloads=workloads_from_env(env))
+    if env.get("MESHCACHE_CP_DELIVERY") == "kube":
+        version = int(plugin_config.get("version") or 0)
+        return [extensions.kube_object(o, namespace=namespace, version=version,
+                                       revision=env.get("MESHCACHE_CP_ISTIO_REVISION", "")) for o in out]
     for o in out:
         o["metadata"]["namespace"] = namespace
         if env.get("MESHCACHE_CP_ISTIO_REVISION"):
@@ -474,13 +530,18 @@ def write(objects: list[Obj], operators: tuple[Obj, Obj], mcp: list[Obj], out_di
         "istio-operator.yaml": yaml.safe_dump(operators[0], sort_keys=False),
         "namespace.yaml": NAMESPACE_HEADER + kustomize.dump(namespace),
         "meshcache-istio.yaml": kustomize.dump(objects),
-        "istio-operator-mcp.yaml": yaml.safe_dump(operators[1], sort_keys=False),
-        "istio-operator-existing.yaml": EXISTING_OPERATOR_HEADER + yaml.safe_dump(
-            existing_operator(operators[1]), sort_keys=False),
-        "istiod-values.yaml": HELM_VALUES_HEADER + yaml.safe_dump(istiod_values(operators[1]), sort_keys=False),
-        "mcp-preview.yaml": MCP_PREVIEW_HEADER + kustomize.dump(mcp),
-        "monitoring.yaml": MONITORING_HEADER + kustomize.dump(monitors(objects)),
     }
+    if delivery_of(objects) == "kube":  # istiod is not changed at all: no MCP source to add
+        files["kube-preview.yaml"] = KUBE_PREVIEW_HEADER + kustomize.dump(mcp)
+    else:
+        files |= {
+            "istio-operator-mcp.yaml": yaml.safe_dump(operators[1], sort_keys=False),
+            "istio-operator-existing.yaml": EXISTING_OPERATOR_HEADER + yaml.safe_dump(
+                existing_operator(operators[1]), sort_keys=False),
+            "istiod-values.yaml": HELM_VALUES_HEADER + yaml.safe_dump(istiod_values(operators[1]), sort_keys=False),
+            "mcp-preview.yaml": MCP_PREVIEW_HEADER + kustomize.dump(mcp),
+        }
+    files["monitoring.yaml"] = MONITORING_HEADER + kustomize.dump(monitors(objects))
     for name, text in files.items():
         (out_dir / name).write_text(text)
     return [out_dir / name for name in files]
@@ -505,6 +566,13 @@ MCP_PREVIEW_HEADER = """\
 # What the control plane serves istiod over MCP for the rendered policy snapshot (it re-sends the
 # current one on every change). For review and `meshcache istio validate`; do not also apply it
 # with kubectl next to the MCP source, or two cache filters run.
+"""
+KUBE_PREVIEW_HEADER = """\
+# What the control plane writes to the API server for the rendered policy snapshot (delivery kube:
+# server-side apply, field manager meshcache-control-plane; it rewrites them on every change and
+# deletes those it no longer serves). For review and `meshcache istio validate`; don't apply it
+# yourself: an object of the same name that the control plane did not create is left alone and
+# reported, not taken over.
 """
 EXISTING_OPERATOR_HEADER = """\
 # An existing Istio installed with istioctl: an overlay that only adds meshcache's config source.
@@ -536,6 +604,17 @@ def istiod_values(step2: Obj) -> Obj:
 
 def install_steps(opts: RenderOptions, out_dir: Path) -> str:
     ns = opts.namespace
+    if opts.delivery == "kube":
+        return f"""next steps, top to bottom (docs/istio.md; delivery kube: istiod is not reconfigured):
+  1. Istio, as you run it (fresh: istioctl install -f {out_dir}/istio-operator.yaml)
+  2. kubectl apply -f {out_dir}/namespace.yaml
+  3. meshcache istio xds-certs --namespace {ns} --out certs/   # then the two kubectl commands it prints
+     kubectl -n {ns} create secret generic meshcache-cp-tokens --from-file=tokens=tokens.txt
+  4. kubectl apply -f {out_dir}/meshcache-istio.yaml   # with the control plane's Role and RoleBinding
+     kubectl -n {ns} rollout status deploy/{CONTROL_PLANE}
+     kubectl apply -f {out_dir}/monitoring.yaml   # with the Prometheus Operator only
+  5. after the first policy: kubectl -n {ns} get {_kube_plural(opts)} -l app.kubernetes.io/managed-by={CONTROL_PLANE}
+"""
     return f"""next steps, top to bottom (docs/istio.md):
   1. Istio without the MCP source:
        fresh:    istioctl install -f {out_dir}/istio-operator.yaml
@@ -553,15 +632,28 @@ def install_steps(opts: RenderOptions, out_dir: Path) -> str:
 """
 
 
+def _kube_plural(opts: RenderOptions) -> str:
+    objects = kustomize.build(opts.source)
+    mode = control_plane_env(objects).get("MESHCACHE_CP_ISTIO_MODE", "full")
+    return extensions.KUBE_RESOURCES[extensions.MODE_KIND[mode]].plural
+
+
 def mesh_changes(opts: RenderOptions) -> str:
     """Every mesh-wide change the install files make, in plain words."""
+    if opts.delivery == "kube":
+        return (f"mesh-wide changes: none. istiod's configuration is not touched (no configSources entry): the "
+                f"control plane writes its {_kube_plural(opts)} into namespace {opts.namespace} through the API "
+                f"server (Role {WRITER_ROLE}: those objects in that namespace only), and istiod reads them as any "
+                "Istio config.\n")
     xds = f"xds://{CONTROL_PLANE}.{opts.namespace}.svc.cluster.local:18000"
     lines = [
         "mesh-wide changes (everything else stays as your Istio has it):",
         f"  - meshConfig.configSources: istiod also reads {xds} (TLS, CA from the Secret "
         "istio-system/meshcache-cp-xds-ca). The list replaces Istio's default, so k8s:// is listed too.",
-        "    istiod waits for every config source to sync before it serves xDS or sidecar injection: while the "
-        "control plane is unreachable, a restarting istiod does not become ready.",
+        "    istiod waits for every config source to sync before it serves xDS or sidecar injection, and exits if it "
+        "cannot reach one at start: while no control-plane replica is ready, a restarting istiod does not serve "
+        "(the manifests keep one ready: probes through the xDS path, PodDisruptionBudget, anti-affinity, priority "
+        "class, surge-only rollouts).",
     ]
     if opts.mesh_tls13:
         lines.append("  - meshConfig.meshMTLS.minProtocolVersion: TLSV1_3 (--mesh-tls13): every sidecar's mTLS, "

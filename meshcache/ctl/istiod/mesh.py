@@ -37,7 +37,7 @@ from meshcache.contract.paths import FILTER_WASM, envoy_binary
 from meshcache.ctl import launchers, procs
 from meshcache.ctl.istio import render, xds_tls
 from meshcache.ctl.mesh.errors import MeshError
-from meshcache.ctl.mesh.healing import Healer, RestartPolicy
+from meshcache.ctl.mesh.healing import Healer, Liveness, RestartPolicy
 from meshcache.ctl.mesh.state import process_start_time
 from meshcache.ctl.pki import CertificateAuthority, spiffe_id, write_private
 
@@ -275,6 +275,8 @@ class IstiodMesh:
         self.cp_http, self.cp_xds = procs.free_port(), procs.free_port()
         argv = launchers.control_plane_argv(self.redis_port, self.cp_http, self.cp_xds, "--host", "127.0.0.1",
                                            "--instance-id", "meshcache-istiod-local",
+                                           # the last good snapshot, served after a restart without Redis
+                                           "--state-dir", str(self.work / "control-plane"),
                                            "--xds-tls-cert", str(tls_dir / "tls.crt"),
                                            "--xds-tls-key", str(tls_dir / "tls.key"),
                                            "--proxy-stats", ",".join(f"{n}={u}" for n, u in self._stats_urls()),
@@ -365,7 +367,14 @@ class IstiodMesh:
                  "log": str(p.log_path)} for p in self.procs]
 
     def healer(self, policy: RestartPolicy, log: Callable[[str], None]) -> Healer:
-        return Healer(self.procs, self.restart, {"control-plane": ("redis",)}, policy, log)
+        """Restarts what exits, and the control plane when its rendered liveness probe (an ADS
+        round trip through its xDS server) fails, as kubelet would: a wedged control plane must
+        not keep a restarting istiod from syncing."""
+        return Healer(self.procs, self.restart, {"control-plane": ("redis",)}, policy, log,
+                      liveness={"control-plane": self.control_plane_liveness()})
+
+    def control_plane_liveness(self) -> Liveness:
+        return Liveness.http_get(render.control_plane_probe(self.objects), f"http://127.0.0.1:{self.cp_http}")
 
     def refresh_certificates(self, force: bool = False) -> tuple[str, ...]:
         return ()  # workload certificates are issued for 24 h at start; no rotation here (docs)

@@ -30,8 +30,10 @@ def _ratio(hits: int | None, misses: int | None) -> str:
 def format_cache_table(stats: dict[str, Any]) -> str:
     """`stats` is the control plane's GET /v1/stats answer."""
     total = stats["proxies_read"] + stats["proxies_unread"]
-    lines = [f"cache (policy version {stats['version']}; counters since each proxy started; "
-             f"stats of {stats['proxies_read']} of {total} proxies read)"]
+    serving = stats.get("serving") or {}
+    lines = [f"control plane DEGRADED: {serving['detail']}; writes answer 503"] if serving.get("degraded") else []
+    lines.append(f"cache (policy version {stats['version']}; counters since each proxy started; "
+                 f"stats of {stats['proxies_read']} of {total} proxies read)")
     width = max([len("(no current policy)"), *(len(m["model_prefix"]) for m in stats["models"])]) + 2
     lines.append(f"  {'model prefix':<{width}}{'hits':>10}{'misses':>10}{'hit ratio':>11}{'entries':>9}{'bytes':>10}")
     for m in stats["models"]:

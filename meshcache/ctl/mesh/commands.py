@@ -260,6 +260,8 @@ def cmd_status(args: argparse.Namespace) -> int:
                               "restarts": c.get("restarts", 0), "last_exit": c.get("last_exit", ""),
                               "note": c.get("note", "")} for c in current["children"]}
     cache, cache_error = _cache_stats(current) if current["status"] == "ready" else (None, None)
+    if cache is not None and (cache.get("serving") or {}).get("degraded"):
+        healthy = False  # serving the last good snapshot, but its store is unreachable
     sync, sync_error = _istiod_sync(current.get("endpoints") or {}) if current["status"] == "ready" else (None, None)
     if sync is not None:
         expected = set((current.get("endpoints") or {}).get("sidecars", {}))

@@ -96,6 +96,7 @@ def supervise(config: MeshConfig) -> int:
     try:  # from "ready" on (`up` may stop it as soon as it reads that), a stop is an orderly stop
         ready.update(endpoints=mesh.endpoints(), started_at=time.time())
         healer = mesh.healer(_restart_policy(config), log=_say)
+        healer.start_probes()  # liveness (the control plane's xDS round trip), as kubelet's
         record("ready")
         _say("mesh is up")
         next_cert_check = time.monotonic() + config.cert_check_interval_s
@@ -108,6 +109,8 @@ def supervise(config: MeshConfig) -> int:
             if changed:
                 record("ready")
     except _Stop as exc:
+        if healer is not None:
+            healer.stop_probes()  # no liveness kill of what the orderly stop is stopping
         _quiet_stop(mesh, config.state_dir, f"stopping ({exc})")
     return 0
 

@@ -33,11 +33,12 @@ from meshcache.contract.filter_config import client_plugin_config
 from meshcache.contract.paths import FILTER_NATIVE, FILTER_WASM, envoy_binary
 from meshcache.ctl import launchers, procs
 from meshcache.ctl.envoy_config import Affinity, CacheProxy, ClientSidecar, Upstream, write
+from meshcache.ctl.istio import render
 from meshcache.ctl.mesh.api_client import ApiError, PolicyApi
 from meshcache.ctl.mesh.certs import CONTROL_PLANE_NAME, MeshCertificates, ensure_certificates
 from meshcache.ctl.mesh.config import HOST_NAMES, MeshConfig, Ports, ReplicaPorts
 from meshcache.ctl.mesh.errors import MeshError
-from meshcache.ctl.mesh.healing import Healer, RestartPolicy
+from meshcache.ctl.mesh.healing import Healer, Liveness, RestartPolicy
 from meshcache.ctl.mesh.state import process_start_time
 
 SERVER_NODE = "meshcache-server-sidecar"
@@ -253,9 +254,13 @@ class Mesh:
         return proc
 
     def healer(self, policy: RestartPolicy, log: Callable[[str], None]) -> Healer:
+        # The control plane's liveness probe as Kubernetes runs it (istio/base): a wedged one is
+        # killed and restarted.
+        liveness = Liveness.http_get(render.control_plane_probe(), f"http://127.0.0.1:{self.config.ports.cp_http}")
         return Healer(self.procs, self.restart, DEPENDS_ON, policy, log,
                       on_restart_note=lambda name: (f"{restart_note(name)} at {time.strftime('%H:%M:%S')}"
-                                                    if restart_note(name) else ""))
+                                                    if restart_note(name) else ""),
+                      liveness={"control-plane": liveness})
 
     def refresh_certificates(self, force: bool = False) -> tuple[str, ...]:
         """Re-issue certificates that are due (or all of them with `force`); returns what was issued.
@@ -277,6 +282,8 @@ class Mesh:
         argv = launchers.control_plane_argv(ports.redis, ports.cp_http, ports.cp_xds, "--host", "127.0.0.1",
                                            "--wasm-path", str(FILTER_WASM), "--native-module", str(FILTER_NATIVE),
                                            "--instance-id", "meshcache-up",
+                                           # the last good snapshot, served after a restart without Redis
+                                           "--state-dir", str(self.config.state_dir / "control-plane"),
                                            "--xds-tls-cert", str(certs.control_plane.cert),
                                            "--xds-tls-key", str(certs.control_plane.key),
                                            "--xds-tls-client-ca", str(certs.ca_cert),

@@ -1,0 +1,106 @@
+"""The Kubernetes-mode mesh's control side, as child processes on loopback:
+
+    meshcache control plane (Redis; MCP over TLS) --xds://--> istiod <--> kube-apiserver (LocalCluster)
+                                                              webhooks: injection, validation
+
+rendered from istio/ (`meshcache istio render`): the control plane runs with the rendered
+Deployment's MCP settings, istiod from the rendered IstioOperator (istiod.py). Workloads are
+applied with `kubectl apply --server-side` (`apply_rendered`); pods that really run come from the
+test kubelet (not yet: see docs/istio.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import secrets
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from meshcache.contract.paths import FILTER_WASM
+from meshcache.ctl import launchers, procs
+from meshcache.ctl.istio import render, xds_tls
+
+from . import istiod as kube_istiod
+from .cluster import LocalCluster, start_cluster
+
+Obj = dict[str, Any]
+
+
+@dataclass
+class KubeMeshConfig:
+    work_dir: Path
+    namespace: str = render.BASE_NAMESPACE
+    module: Path = FILTER_WASM
+
+
+@dataclass
+class KubeMesh:
+    """Start with `start()` (or as a context manager), stop with `stop()`."""
+
+    config: KubeMeshConfig
+    cluster: LocalCluster | None = None
+    istiod: kube_istiod.KubeIstiod | None = None
+    objects: list[Obj] = field(default_factory=list)  # the rendered istio/ objects
+    operator: Obj = field(default_factory=dict)  # the rendered istio-operator-mcp.yaml
+    token: str = field(default_factory=lambda: secrets.token_urlsafe(24))
+    cp_http: int = 0
+    cp_xds: int = 0
+    procs: list[procs.Proc] = field(default_factory=list)
+
+    def __enter__(self) -> KubeMesh:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        cfg = self.config
+        work = cfg.work_dir
+        opts = render.RenderOptions(namespace=cfg.namespace, module_path=cfg.module)
+        self.objects = render.render(opts)
+        self.operator = render.render_operators(opts)[1]
+        self.cluster = start_cluster(work / "cluster")
+        self._start_control_plane(work)
+        self.istiod = kube_istiod.start(self.cluster, self.operator, f"127.0.0.1:{self.cp_xds}",
+                                        (work / "xds-tls" / "ca.crt").read_text(), work / "istiod")
+
+    def _start_control_plane(self, work: Path) -> None:
+        """The control plane as the rendered Deployment runs it (its MCP settings unchanged),
+        with its xDS server certificate for the Service name istiod checks."""
+        tls_dir = work / "xds-tls"
+        xds_tls.issue(self.config.namespace, tls_dir)
+        redis_port = procs.free_port()
+        self.procs.append(launchers.start_redis(work / "redis", port=redis_port)[0])
+        self.cp_http, self.cp_xds = procs.free_port(), procs.free_port()
+        argv = launchers.control_plane_argv(redis_port, self.cp_http, self.cp_xds, "--host", "127.0.0.1",
+                                           "--instance-id", "meshcache-kube-local",
+                                           "--xds-tls-cert", str(tls_dir / "tls.crt"),
+                                           "--xds-tls-key", str(tls_dir / "tls.key"))
+        env = {k: v for k, v in render.control_plane_env(self.objects).items() if k.startswith("MESHCACHE_CP_ISTIO_")}
+        env |= {"MESHCACHE_CP_TOKENS": f"write:mesh:{self.token}", "MESHCACHE_CP_RESYNC_INTERVAL_S": "0.5"}
+        self.procs.append(launchers.start_control_plane(argv, env, work / "logs", self.cp_http, self.cp_xds))
+
+    def apply_rendered(self, objects: list[Obj] | None = None) -> None:
+        """`kubectl apply --server-side` of the rendered objects (Namespace first), through
+        istiod's validation webhook."""
+        assert self.cluster is not None
+        objs = self.objects if objects is None else objects
+        kube_istiod.apply(self.cluster, [o for o in objs if o["kind"] == "Namespace"])
+        kube_istiod.apply(self.cluster, [o for o in objs if o["kind"] != "Namespace"])
+
+    def stop(self) -> None:
+        """istiod, the control plane and Redis, then the cluster."""
+        if self.istiod is not None:
+            with contextlib.suppress(Exception):
+                self.istiod.stop()
+        while self.procs:
+            with contextlib.suppress(Exception):
+                self.procs.pop().stop()
+        if self.cluster is not None:
+            self.cluster.stop()
