@@ -15,6 +15,8 @@ from pydantic import ValidationError
 
 from .api import create_app
 from .auth import TokenConfigError, TokenTable
+from .istiod_sync import IstiodSyncConfigError
+from .istiod_sync import check_url as check_istiod_url
 from .kube_client import KubeConfigError, connect
 from .model_index import IndexConfigError, parse_engine_urls
 from .proxy_stats import ProxyStatsReader, StatsConfigError, parse_dns_names, parse_sources
@@ -58,6 +60,8 @@ def parse_args(argv: Sequence[str] | None) -> dict[str, Any]:
                                              "through the template: headless Services of the cached pods")
     p.add_argument("--engine-index", help="engines' REST base URLs (comma-separated): a policy prefix matching "
                                           "no model in their repository index gets a warning")
+    p.add_argument("--istiod-debug", help="istiod's debug URL (e.g. http://istiod.istio-system:15014/debug): the "
+                                          "sidecars it configures and their ACKs, from its /debug/syncz")
     p.add_argument("--xds-workers", type=int,
                    help="xDS processes behind the xDS port (SO_REUSEPORT), this one included; default 1")
     p.add_argument("--log-level", default="info")
@@ -106,6 +110,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     log_level = str(args.pop("log_level")).lower()
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # httpx logs every request at INFO: a line per proxy stats, syncz or index read (--log-level debug keeps them).
+    if log_level != "debug":
+        for name in ("httpx", "httpcore"):
+            logging.getLogger(name).setLevel(logging.WARNING)
     try:
         settings = Settings(**args)
         tokens = TokenTable.from_settings(settings)
@@ -113,9 +121,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         ProxyStatsReader(parse_sources(settings.proxy_stats), settings.proxy_stats_template,
                          dns_names=parse_dns_names(settings.proxy_stats_dns))
         parse_engine_urls(settings.engine_index)
+        check_istiod_url(settings.istiod_debug)
         if settings.delivery == "kube":
             connect(settings.kubeconfig)  # no API server to write to: refuse to start, say why
-    except (ValidationError, TokenConfigError, StatsConfigError, IndexConfigError, KubeConfigError, OSError) as exc:
+    except (ValidationError, TokenConfigError, StatsConfigError, IndexConfigError, IstiodSyncConfigError,
+            KubeConfigError, OSError) as exc:
         print(f"meshcache-control-plane: bad configuration: {exc}", file=sys.stderr)
         return 2
     if len(tokens) == 0:

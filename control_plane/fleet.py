@@ -19,6 +19,7 @@ import os
 import time
 from typing import Any
 
+from .mcp import GVK_RE
 from .proxy_registry import Connection, ProxyRegistry
 from .store import Store, StoreUnavailable
 
@@ -32,11 +33,29 @@ def replica_id(instance_id: str) -> str:
     return f"{instance_id}:{os.getpid()}"
 
 
+def is_config_client(c: Connection) -> bool:
+    """istiod (an MCP client): it asks for Istio config kinds only, never Envoy's xDS types."""
+    types = set(c.acked) | set(c.resources)
+    return bool(types) and all(GVK_RE.match(t) for t in types)
+
+
+def config_client_entries(entries: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(Envoy proxies, config clients: istiod). A replica older than the `role` field lists proxies."""
+    proxies = [e for e in entries if e.get("role", "proxy") != "config-client"]
+    return proxies, [e for e in entries if e.get("role") == "config-client"]
+
+
 def proxy_entry(c: Connection, replica: str) -> dict[str, Any]:
-    """One proxy as /v1/proxies shows it (without `current`, computed at read time)."""
+    """One proxy as /v1/proxies shows it (without `current`, computed at read time). For istiod
+    the version is the policy snapshot it ACKed (its other kinds are answered once, "empty")."""
+    client = is_config_client(c)
     acked, acked_at = c.acked_version()
+    if client:
+        acked, acked_at = max(((v, at) for v, at in c.acked.values() if v.isdigit()),
+                              key=lambda va: int(va[0]), default=("", None))
     nack = c.last_nack
     return {"node_id": c.node_id, "cluster": c.cluster, "stream_id": c.stream_id, "transport": c.transport,
+            "role": "config-client" if client else "proxy",
             "type_urls": sorted(c.acked), "resources": sorted({n for names in c.resources.values() for n in names}),
             "connected_since": c.connected_since, "acked_version": acked,
             "acked_at": acked_at, "replica": replica,

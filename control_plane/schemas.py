@@ -243,14 +243,21 @@ class ProxyOut(BaseModel):
     acked_at: float | None
     current: bool
     last_nack: NackOut | None
-    replica: str = Field(description="the control-plane replica holding this proxy's stream")
+    replica: str = Field(description="the control-plane replica holding this proxy's stream (`istiod URL`: "
+                         "a sidecar read from istiod's syncz)")
+    role: str = Field("proxy", description="`proxy` (an Envoy), `config-client` (istiod, over MCP)")
 
 
 class ProxiesOut(BaseModel):
     version: int
     replica: str = Field(description="the replica that answered")
-    complete: bool = Field(description="false: the other replicas' proxies could not be read (Redis down)")
-    proxies: list[ProxyOut]
+    complete: bool = Field(description="false: the other replicas' proxies could not be read (Redis down), "
+                           "or istiod's syncz (see istiod_error)")
+    proxies: list[ProxyOut] = Field(description="Envoys: connected here, or (transport `istiod`) configured by "
+                                    "istiod, as its /debug/syncz reports them")
+    config_clients: list[ProxyOut] = Field(default_factory=list,
+                                           description="istiod instances reading this control plane over MCP")
+    istiod_error: str | None = Field(None, description="why istiod's syncz could not be read (--istiod-debug)")
 
 
 class FieldError(BaseModel):

@@ -98,6 +98,9 @@ class Settings(BaseSettings):
     # models exist, so a policy prefix matching none gets a warning (control_plane/model_index.py).
     engine_index: str = ""
     engine_index_timeout_s: float = Field(1.0, gt=0, le=30)
+    # istiod's debug base URL (its monitoring port, e.g. http://istiod.istio-system:15014/debug):
+    # the sidecars it configures and what they ACKed, from its /debug/syncz (control_plane/istiod_sync.py).
+    istiod_debug: str = ""
 
     @model_validator(mode="after")
     def _tls_pair(self) -> Settings:

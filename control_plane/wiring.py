@@ -6,10 +6,12 @@ import asyncio
 import contextlib
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 from .auth import TokenTable
-from .fleet import FleetView, replica_id
+from .fleet import FleetView, config_client_entries, replica_id
 from .istio_objects import IstioObjects
+from .istiod_sync import IstiodSync
 from .kube_client import KubeApi, connect
 from .kube_writer import KubeWriter
 from .mcp import IstioMcpRenderer, mcp_fallback
@@ -28,6 +30,14 @@ from .xds_server import XdsServer
 from .xds_tls import xds_credentials
 
 log = logging.getLogger("meshcache.control_plane")
+
+
+@dataclass
+class MeshProxies:
+    proxies: list[dict[str, Any]]
+    config_clients: list[dict[str, Any]]
+    complete: bool
+    istiod_error: str | None
 
 
 SOURCES = ("redis", "memory", "disk", "none")
@@ -90,6 +100,7 @@ class ControlPlane:
         self.proxy_stats = ProxyStatsReader(parse_sources(settings.proxy_stats), settings.proxy_stats_template,
                                             timeout_s=settings.proxy_stats_timeout_s,
                                             dns_names=parse_dns_names(settings.proxy_stats_dns))
+        self.istiod_sync = IstiodSync(settings.istiod_debug, settings.proxy_stats_timeout_s)
         self.model_index = ModelIndex(parse_engine_urls(settings.engine_index), settings.engine_index_timeout_s)
         self.fleet = FleetView(self.store, self.xds.registry, replica_id(settings.instance_id),
                                settings.resync_interval_s)
@@ -129,6 +140,18 @@ class ControlPlane:
         port = await self.xds.start(self.settings.host, self.settings.xds_port, xds_credentials(self.settings))
         log.info("xDS on %s:%d", self.settings.host, port)
 
+    async def mesh_proxies(self) -> MeshProxies:
+        """Every proxy of the fleet (connected to any replica, or configured by istiod) and the
+        config clients (istiod)."""
+        entries, complete = await self.fleet.all()
+        proxies, clients = config_client_entries(entries)
+        istiod_acked = max((e["acked_version"] for e in clients if str(e["acked_version"]).isdigit()),
+                           key=int, default="")
+        sync = await self.istiod_sync.read(istiod_acked)
+        known = {e["node_id"] for e in proxies}
+        proxies += [e for e in sync.entries if e["node_id"] not in known]
+        return MeshProxies(proxies, clients, complete and sync.error is None, sync.error)
+
     async def stop(self) -> None:
         await self.xds.stop(grace=0.5)
         for task in self._tasks:
@@ -137,6 +160,7 @@ class ControlPlane:
                 await task
         await self.fleet.withdraw()
         await self.proxy_stats.close()
+        await self.istiod_sync.close()
         await self.store.close()
         if self.kube_writer is not None:
             await self.kube_writer.stop()

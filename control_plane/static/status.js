@@ -244,8 +244,14 @@ async function refresh() {
     if (hist && !armed) renderHistory(hist); // don't pull an armed button from under the user
     const stale = proxies.proxies.filter((p) => !p.current).length;
     const n = proxies.proxies.length;
-    $("summary").textContent = "policy version " + snap.version + " · " + n
-      + (n === 1 ? " proxy" : " proxies") + (stale ? " (" + stale + " not current)" : "") + " · updated " + fmtTime(Date.now() / 1000).slice(11);
+    // istiod (an MCP client) is no proxy: its ACKed snapshot is shown apart.
+    const clients = (proxies.config_clients || []).map((c) => "istiod at version " + (c.acked_version || "none"));
+    const degraded = stale || proxies.istiod_error || !stats.complete;
+    $("summary").textContent = (degraded ? "DEGRADED · " : "") + "policy version " + snap.version + " · " + n
+      + (n === 1 ? " proxy" : " proxies") + (stale ? " (" + stale + " not current)" : "")
+      + (clients.length ? " · " + clients.join(", ") : "") + " · updated " + fmtTime(Date.now() / 1000).slice(11);
+    $("summary").className = degraded ? "warn" : "";
+    if (proxies.istiod_error) setMessage(proxies.istiod_error, true);
     document.body.dataset.version = String(snap.version);
     document.body.dataset.loaded = "1";
   } catch (e) {

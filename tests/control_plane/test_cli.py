@@ -43,6 +43,10 @@ def test_refuses_to_start_without_tokens_or_with_bad_ones(tmp_path: Path) -> Non
     r = subprocess.run([SCRIPT, "--http-port", "70000"], env={**env, "MESHCACHE_CP_TOKENS": "x"},
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "http_port" in r.stderr
+    r = subprocess.run([SCRIPT, "--istiod-debug", "istiod:15014/debug"],
+                       env={**env, "MESHCACHE_CP_TOKENS": "read:viewer:" + "r" * 24},
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "istiod_debug: 'istiod:15014/debug' is not an http(s) URL" in r.stderr
 
 
 def test_meshcache_policy_set_carries_coalescing_and_stale_flags(cp: ControlPlaneProc) -> None:

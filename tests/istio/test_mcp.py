@@ -46,7 +46,10 @@ def _env(mode: str = "full", colors: str = "green,blue") -> dict[str, str]:
 
 
 def _proxies(cp: ControlPlaneProc) -> list[dict]:
-    return cp.client().get("/v1/proxies").json()["proxies"]  # type: ignore[no-any-return]
+    """istiod's streams: listed as config clients (MCP), never as proxies."""
+    out = cp.client().get("/v1/proxies").json()
+    assert out["proxies"] == [], out["proxies"]
+    return out["config_clients"]  # type: ignore[no-any-return]
 
 
 def _expected(kind_builder: Callable[..., dict], cp: ControlPlaneProc, color: str) -> dict:
@@ -104,6 +107,7 @@ def test_istiod_syncs_then_gets_the_envoy_filters_on_every_change(start_cp: Call
                 await istiod.recv(timeout=0.5)  # ACKed: nothing more until the next change
             [p] = _proxies(cp)
             assert p["node_id"] == "istiod-0" and p["last_nack"] is None
+            assert p["role"] == "config-client" and p["acked_version"] == "2"  # the snapshot, not "empty"
             assert not istiod.state[WASM_PLUGIN_TYPE_URL] and not istiod.state[TRAFFIC_EXTENSION_TYPE_URL]
             await istiod.close()
 

@@ -28,6 +28,11 @@ def test_up_istiod_status_demo_down(tmp_path: Path) -> None:
         up = run("up", "--istiod", "--detach", "--state-dir", str(state_dir))
         assert up.returncode == 0, up.stdout + up.stderr
         assert "istiod ready (every config source synced)" in up.stdout and "istiod:" in up.stdout
+        endpoints = state.read_state(state_dir)["endpoints"]  # type: ignore[index]
+        assert f"status page:                   {endpoints['control_plane_api']}/status" in up.stdout
+        assert f"{endpoints['control_plane_api']}/metrics" in up.stdout
+        for url in endpoints["engine_metrics"].values():
+            assert f"metrics {url}" in up.stdout
         status = run("status", "--json", "--state-dir", str(state_dir))
         assert status.returncode == 0, status.stdout + status.stderr
         report = json.loads(status.stdout)
@@ -38,6 +43,19 @@ def test_up_istiod_status_demo_down(tmp_path: Path) -> None:
         assert engine["synced"] and engine["types"]["TypedExtensionConfig"] == "ACKED", engine
         text = run("status", "--state-dir", str(state_dir)).stdout
         assert "istiod sync state (/debug/syncz):" in text and "ok   meshcache-engine-green-1.meshcache" in text
+        assert text.startswith("mesh ready ("), text
+
+        # A sidecar that stops answering (stopped, not exited: nothing heals it): degraded, not "ready".
+        client = next(c for c in state.read_state(state_dir)["children"]  # type: ignore[index]
+                      if c["name"] == "sidecar-meshcache-client-1")
+        os.kill(client["pid"], signal.SIGSTOP)
+        try:
+            stopped = run("status", "--state-dir", str(state_dir))
+        finally:
+            os.kill(client["pid"], signal.SIGCONT)
+        assert stopped.returncode == 1
+        first = stopped.stdout.splitlines()[0]
+        assert first.startswith("mesh DEGRADED: ") and "sidecar meshcache-client-1.meshcache" in first, stopped.stdout
 
         # The supervisor restarts istiod (same ports); the sidecars reconnect and resync.
         istiod = next(c for c in state.read_state(state_dir)["children"] if c["name"] == "istiod")  # type: ignore[index]

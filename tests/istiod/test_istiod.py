@@ -219,6 +219,14 @@ def test_a_config_the_filter_rejects_is_a_nack_istiod_reports_and_the_sidecar_ke
     eventually(lambda: sc.stats(fail).get(fail, 0) >= 1, timeout=10)  # syncz may report before Envoy's stat shows
     assert bad_version > good
     assert "max_ttl_s: must be at least ttl_s" in sc.envoy.log_path.read_text()
+    # The status page's proxy row (from istiod's syncz): the NACK, and not at the rejected version.
+    with mesh.api() as api:
+        def row() -> dict:
+            return next(p for p in api.get("/v1/proxies").json()["proxies"] if p["node_id"] == sc.pod.proxy_id)
+
+        nacked = eventually(lambda: row() if row()["last_nack"] else None, timeout=10)
+    assert "meshcache" in nacked["last_nack"]["error"] and not nacked["current"], nacked
+    assert nacked["acked_version"] != str(bad_version), nacked
     # The last good config (and its cache) keeps serving: had the rejected one been applied, the
     # plugin would have failed open and answered uncached.
     assert rest_infer(mesh, "mlp-classifier", body).headers["cache-status"].startswith("meshcache; hit")
@@ -229,3 +237,57 @@ def test_a_config_the_filter_rejects_is_a_nack_istiod_reports_and_the_sidecar_ke
     mesh.wait_synced(version, timeout=15)
     assert time.monotonic() - t0 < 15
     eventually(lambda: not syncz_of(mesh, sc)["resources"][ECDS_TYPE].get("lastError"), timeout=10)
+
+
+def test_status_lists_the_sidecars_through_istiods_syncz_and_istiod_apart(istiod_mesh: IstiodMesh) -> None:
+    """/v1/proxies and /v1/stats under istiod: istiod (an MCP client) is no proxy and has no stats
+    row; the engine sidecars are listed from istiod's syncz with the policy version they ACKed."""
+    mesh = istiod_mesh
+    engines = {sc.pod.proxy_id for sc in mesh.server_sidecars()}
+    with mesh.api() as api:
+        version = api.put("/v1/policies/status-through-istiod", json={"ttl_s": 60}).raise_for_status().json()["version"]
+        mesh.wait_synced(version, timeout=15)
+
+        def listed() -> dict | None:
+            out = api.get("/v1/proxies").raise_for_status().json()
+            rows = {p["node_id"]: p for p in out["proxies"]}
+            ok = engines <= set(rows) and all(rows[e]["current"] for e in engines)
+            return out if ok else None
+
+        out = eventually(listed, timeout=15)
+        rows = {p["node_id"]: p for p in out["proxies"]}
+        for e in engines:
+            assert rows[e]["transport"] == "istiod" and rows[e]["acked_version"] == str(version), rows[e]
+            assert rows[e]["last_nack"] is None
+        assert out["complete"] and out["istiod_error"] is None
+        assert [c["acked_version"] for c in out["config_clients"]] == [str(version)], out["config_clients"]
+        istiod_ids = {c["node_id"] for c in out["config_clients"]}
+        assert istiod_ids and not istiod_ids & set(rows)
+        assert all(p["role"] == "proxy" for p in out["proxies"])
+        stats = api.get("/v1/stats").raise_for_status().json()
+        read = {p["node_id"]: p for p in stats["proxies"]}
+        assert not istiod_ids & set(read)
+        # The engine sidecars' stats; the client sidecar (no cache, no stats source) is not an unread proxy.
+        assert set(read) == engines and stats["complete"] and all(p["ok"] for p in read.values()), read
+
+
+def test_a_policy_prefix_no_engine_serves_warns_under_istiod(istiod_mesh: IstiodMesh) -> None:
+    """The control plane of the istiod mesh knows its engines' model index (--engine-index)."""
+    with istiod_mesh.api() as api:
+        typo = api.put("/v1/policies/renset-mini", json={"ttl_s": 60}).raise_for_status().json()
+        fine = api.put("/v1/policies/mlp-class", json={"ttl_s": 60}).raise_for_status().json()
+    assert any("'renset-mini' matches no model the engines serve" in w for w in typo["warnings"]), typo
+    assert fine["warnings"] == []
+
+
+def test_logs_stay_quiet(istiod_mesh: IstiodMesh) -> None:
+    """No Envoy deprecation lines from the sidecars (istio-agent's misc:error), no line per stats read."""
+    mesh = istiod_mesh
+    with mesh.api() as api:
+        for _ in range(3):
+            assert api.get("/v1/stats").raise_for_status().json()["proxies_read"] >= 1
+    for sc in mesh.sidecars():
+        log = sc.envoy.log_path.read_text()
+        assert "Deprecated field" not in log and "max_grpc_timeout" not in log, sc.envoy.log_path
+    cp_log = mesh.cp_proc.log_path.read_text()
+    assert "HTTP Request:" not in cp_log, [line for line in cp_log.splitlines() if "HTTP Request:" in line][:3]

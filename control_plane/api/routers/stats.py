@@ -6,6 +6,7 @@ import time
 
 from fastapi import APIRouter
 
+from ...istiod_sync import TRANSPORT
 from ...proxy_stats import ProxyReading, per_model, unattributed
 from ...schemas import ModelStats, ProxyStats, StatsOut, WhoAmI
 from ..dependencies import CP, Reader, serving_out
@@ -27,8 +28,10 @@ def _proxy_stats(r: ProxyReading) -> ProxyStats:
 async def stats(cp: CP, _p: Reader) -> StatsOut:
     """Cache counters per model (summed over the proxies whose stats could be read) and per proxy."""
     snap = cp.cache.current
-    entries, _ = await cp.fleet.all()  # every replica's proxies, not only this one's
-    nodes = [e["node_id"] for e in entries if e["node_id"]]
+    # Every replica's proxies, and those of istiod's sidecars with a stats source (the rest, the
+    # callers' client role, have no cache); not istiod itself.
+    nodes = [e["node_id"] for e in (await cp.mesh_proxies()).proxies if e["node_id"]
+             and (e["transport"] != TRANSPORT or cp.proxy_stats.source_of(e["node_id"]) is not None)]
     readings = await cp.proxy_stats.read(nodes)
     models = [ModelStats(model_prefix=m.model_prefix, in_policy=m.in_policy, hits=m.hits, misses=m.misses,
                          hit_ratio=m.hit_ratio, entries=m.entries, bytes=m.bytes, ambiguous_with=m.ambiguous_with)

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from meshcache.contract import oci
-from meshcache.contract.paths import FILTER_WASM
+from meshcache.contract.paths import FILTER_WASM, REPO_ROOT
 
 from . import kustomize, render
 
@@ -34,7 +34,8 @@ def register(subparsers: Any) -> None:
     r.add_argument("--also-color", action="append", default=[], metavar="COLOR",
                    help="a colour already live: keep its subset and header route (repeatable)")
     r.add_argument("--overlay", type=Path, default=render.BASE_DIR,
-                   help="kustomization directory (default istio/base; e.g. istio/overlays/basic)")
+                   help="kustomization directory (default istio/base; e.g. istio/overlays/basic): from the "
+                        "current directory, else the package's (istio/overlays/kserve or just kserve)")
     r.add_argument("--ingress-host", default=render.INGRESS_HOST,
                    help="external host of the ingress Gateway and its VirtualService")
     r.add_argument("--image-digest", help="manifest digest of the pushed filter image (64 hex); default: "
@@ -96,12 +97,27 @@ def register(subparsers: Any) -> None:
     c.set_defaults(func=_xds_certs)
 
     v = sub.add_parser("validate", help="validate manifest files against Istio's CRDs and Kubernetes schemas")
-    v.add_argument("files", type=Path, nargs="+")
+    v.add_argument("files", type=Path, nargs="+", metavar="FILE|DIR",
+                   help="manifests; a directory: every *.yaml / *.yml in it (recursively)")
     v.add_argument("--module", type=Path, default=FILTER_WASM, help="also check the pins against this module")
     v.add_argument("--workload", type=Path, action="append", default=[], metavar="FILE",
                    help="your cached workloads' manifests (overlays kserve, triton; e.g. `kubectl get deploy,svc "
                         "NAME -o yaml`), for the cross-references only (repeatable)")
+    v.add_argument("--allow-principal", action="append", default=[], metavar="PRINCIPAL",
+                   help="a caller principal whose ServiceAccount lives outside these manifests (as `render "
+                        "--allow-principal` records in the meshcache.io/allowed-principals annotation; repeatable)")
     v.set_defaults(func=_validate)
+
+
+def overlay_dir(given: Path) -> Path:
+    """`--overlay`: from the current directory, else the package's (`istio/overlays/kserve` or
+    `kserve`), so the documented commands work outside the checkout's root."""
+    for candidate in (given, REPO_ROOT / given, render.ISTIO_DIR / "overlays" / given):
+        if (candidate / kustomize.KUSTOMIZATION).is_file():
+            return candidate
+    overlays = sorted(p.parent.name for p in (render.ISTIO_DIR / "overlays").glob(f"*/{kustomize.KUSTOMIZATION}"))
+    raise ValueError(f"--overlay {given}: no {kustomize.KUSTOMIZATION} there, nor in {REPO_ROOT / given} "
+                     f"(the package's overlays: {', '.join(overlays)})")
 
 
 def _render(args: argparse.Namespace) -> int:
@@ -119,6 +135,7 @@ def _render(args: argparse.Namespace) -> int:
     else:
         plugin_config = render.demo_plugin_config()
     try:
+        args.overlay = overlay_dir(args.overlay)
         opts = render.RenderOptions(
             namespace=args.namespace, color=args.color, also_colors=tuple(args.also_color),
             plugin_config=plugin_config, module_path=args.module, image_digest=args.image_digest,
@@ -175,40 +192,51 @@ def _oci_layout(args: argparse.Namespace) -> int:
 def _validate(args: argparse.Namespace) -> int:
     from . import crossref, validate
 
-    objects = [o for f in args.files for o in validate.load_yaml_objects(f) if "apiVersion" in o or "kind" in o]
     try:
         validate.crd_file()
-    except FileNotFoundError as exc:
-        print(f"meshcache istio validate: {exc}", file=sys.stderr)
+        files = validate.manifest_files(args.files)
+        loaded = {f: validate.load_yaml_objects(f) for f in files}
+        theirs = [o for f in args.workload for o in validate.load_yaml_objects(f)]
+    except (FileNotFoundError, validate.ManifestError) as exc:
+        print(f"meshcache istio validate: {validate.one_line(str(exc))}", file=sys.stderr)
         return 2
-    errors = validate.validate_all(objects).errors
+    per_file = {f: [o for o in objs if "apiVersion" in o or "kind" in o] for f, objs in loaded.items()}
+    objects = [o for objs in per_file.values() for o in objs]
+    errors = [f"{f}: {e}" for f, objs in per_file.items() for e in validate.validate_all(objs).errors]
+    # Cross-file checks name objects (`Kind/name: ...`): each error is prefixed with its object's file.
+    where = {validate.short_id(o): f for f, objs in per_file.items() for o in objs}
+    found = []
     if args.module.exists():
         image = oci.image_for(args.module)
         manifests = [o for o in objects if o["kind"] != "IstioOperator"]
-        theirs = [o for f in args.workload for o in validate.load_yaml_objects(f)]
         theirs = [i for o in theirs for i in (o.get("items", []) if o.get("kind") == "List" else [o])]
+        where |= {validate.short_id(o): f for f in args.workload for o in theirs}
         startup = any(o["kind"] == "Deployment" and o["metadata"]["name"] == render.CONTROL_PLANE for o in manifests)
+        allowed = frozenset(args.allow_principal)
         if startup and not render.own_engine(manifests) and not theirs:
             # In front of the user's servers: what selects them is checked only against them.
-            errors += crossref.check_delivery(manifests)
+            found += crossref.check_delivery(manifests)
             print("cross-references of the cached workloads skipped: pass their manifests with --workload FILE "
                   "(e.g. `kubectl get deploy,svc NAME -o yaml`)")
-            errors += (crossref.check_module(manifests, image.digest) + crossref.check_startup(manifests)
-                       + crossref.check_availability(manifests))
+            found += (crossref.check_module(manifests, image.digest) + crossref.check_startup(manifests)
+                      + crossref.check_availability(manifests))
         else:
             # Partial sets (an MCP preview alone) skip the startup rules, which need the control plane.
-            errors += crossref.check_all(manifests + theirs, image.digest, startup=startup)
-    operators = [o for o in objects if o["kind"] == "IstioOperator"]
+            found += crossref.check_all(manifests + theirs, image.digest, startup=startup,
+                                        allowed_principals=allowed)
+    operators = [(f, o) for f, objs in per_file.items() for o in objs if o["kind"] == "IstioOperator"]
     # The fresh install's two steps carry a profile (step 1 the fewer sources); the existing-Istio
     # overlay has none and, like step 2, must add the control plane over TLS and keep k8s://.
-    fresh = sorted((o for o in operators if "profile" in o["spec"]),
-                   key=lambda o: len(o["spec"].get("meshConfig", {}).get("configSources", [])))
-    overlays = [o for o in operators if "profile" not in o["spec"]]
+    fresh = sorted(((f, o) for f, o in operators if "profile" in o["spec"]),
+                   key=lambda fo: len(fo[1]["spec"].get("meshConfig", {}).get("configSources", [])))
     if len(fresh) == 2:
-        errors += crossref.check_operator_steps(fresh[0], fresh[1])
-    for overlay in overlays:
-        errors += crossref.check_operator_steps({"spec": {}}, overlay)
+        (f1, step1), (f2, step2) = fresh
+        errors += [f"{f1}, {f2}: {e}" for e in crossref.check_operator_steps(step1, step2)]
+    for f, overlay in operators:
+        if "profile" not in overlay["spec"]:
+            errors += [f"{f}: {e}" for e in crossref.check_operator_steps({"spec": {}}, overlay)]
+    errors += [f"{where[e.split(': ', 1)[0]]}: {e}" if e.split(": ", 1)[0] in where else e for e in found]
     for e in errors:
-        print(e, file=sys.stderr)
-    print(f"{len(objects)} objects, {len(errors)} errors")
+        print(validate.one_line(e), file=sys.stderr)
+    print(f"{len(objects)} objects in {len(files)} files, {len(errors)} errors")
     return 1 if errors else 0

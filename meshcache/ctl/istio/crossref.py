@@ -29,6 +29,7 @@ EXTERNAL_SECRETS = {"meshcache-cp-tokens", "meshcache-redis-url", "meshcache-cp-
 CONTROL_PLANE = "meshcache-control-plane"
 # AuthorizationPolicy annotation: principals added by `render --allow-principal` (space-separated).
 EXTERNAL_PRINCIPALS = "meshcache.io/allowed-principals"
+DEFAULT_ACCOUNT = "default"  # every namespace has it
 XDS_PORT = 18000
 
 
@@ -70,9 +71,15 @@ def _walk(node: Any) -> Iterator[tuple[str, Any]]:
             yield from _walk(v)
 
 
+def _accounts(objects: list[Obj]) -> set[str]:
+    """ServiceAccounts known to exist: those defined here, and `default`, which Kubernetes
+    creates in every namespace."""
+    return {_name(o) for o in _of(objects, "ServiceAccount")} | {DEFAULT_ACCOUNT}
+
+
 def check_workloads(objects: list[Obj]) -> list[str]:
     errors = []
-    accounts = {_name(o) for o in _of(objects, "ServiceAccount")}
+    accounts = _accounts(objects)
     secrets = {_name(o) for o in _of(objects, "Secret")} | EXTERNAL_SECRETS
     for w in _workloads(objects):
         where = f"{w['kind']}/{_name(w)}"
@@ -151,10 +158,14 @@ def check_traffic(objects: list[Obj], elsewhere: frozenset[str] = frozenset()) -
     return errors
 
 
-def check_security(objects: list[Obj]) -> list[str]:
+def check_security(objects: list[Obj], allowed_principals: frozenset[str] = frozenset()) -> list[str]:
+    """`allowed_principals`: callers whose accounts live elsewhere (`validate --allow-principal`),
+    like those `render --allow-principal` records in the policy's annotation."""
     errors = []
     namespaces = {o["metadata"].get("namespace") for o in objects} - {None}
-    accounts = {_name(o) for o in _of(objects, "ServiceAccount")}
+    # The accounts the workloads given here run as exist too (the user's, with --workload).
+    accounts = _accounts(objects) | {w["spec"]["template"]["spec"].get("serviceAccountName", DEFAULT_ACCOUNT)
+                                     for w in _workloads(objects)}
     for pol in _of(objects, "AuthorizationPolicy") + _of(objects, "PeerAuthentication"):
         where = f"{pol['kind']}/{_name(pol)}"
         sel = pol["spec"].get("selector", {}).get("matchLabels")
@@ -166,6 +177,7 @@ def check_security(objects: list[Obj]) -> list[str]:
             if int(key) not in ports:
                 errors.append(f"{where}: portLevelMtls port {key} is no container port of the selected pods")
         external = set((pol["metadata"].get("annotations") or {}).get(EXTERNAL_PRINCIPALS, "").split())
+        external |= allowed_principals
         for rule in pol["spec"].get("rules", []):
             for to in rule.get("to", []):
                 for p in to["operation"].get("ports", []):
@@ -662,9 +674,9 @@ def check_delivery(objects: list[Obj]) -> list[str]:
 
 
 def check_all(objects: list[Obj], image_digest: str, elsewhere: frozenset[str] = frozenset(),
-              startup: bool = True) -> list[str]:
+              startup: bool = True, allowed_principals: frozenset[str] = frozenset()) -> list[str]:
     return (check_delivery(objects)
-            + check_workloads(objects) + check_traffic(objects, elsewhere) + check_security(objects)
+            + check_workloads(objects) + check_traffic(objects, elsewhere) + check_security(objects, allowed_principals)
             + check_sidecar_annotations(objects) + check_module(objects, image_digest)
             + check_extensions(objects, elsewhere) + check_proxy_stats(objects) + check_monitors(objects)
             + (check_startup(objects) + check_availability(objects) if startup else []))

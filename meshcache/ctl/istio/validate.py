@@ -296,6 +296,49 @@ def validate_all(objects: Iterable[dict[str, Any]]) -> Report:
     return report
 
 
+class ManifestError(ValueError):
+    """A manifest path that can't be read as YAML objects (one line, naming the file)."""
+
+
+def one_line(text: str) -> str:
+    """Schema messages may span lines (a repr of the offending value): one line per error."""
+    return " ".join(text.split())
+
+
+def short_id(obj: dict[str, Any]) -> str:
+    """`Kind/name`, as the cross-reference checks name objects."""
+    return f"{obj.get('kind', '?')}/{(obj.get('metadata') or {}).get('name', '?')}"
+
+
+def manifest_files(paths: Iterable[Path]) -> list[Path]:
+    """The files to validate: each file given, and every *.yaml / *.yml under a directory given."""
+    out: list[Path] = []
+    for path in paths:
+        if path.is_dir():
+            found = sorted(p for p in path.rglob("*") if p.suffix in (".yaml", ".yml") and p.is_file())
+            if not found:
+                raise ManifestError(f"{path}: a directory with no *.yaml or *.yml file")
+            out += found
+        elif path.is_file():
+            out.append(path)
+        else:
+            raise ManifestError(f"{path}: no such file or directory")
+    return list(dict.fromkeys(out))
+
+
 def load_yaml_objects(path: Path) -> list[dict[str, Any]]:
-    with open(path) as f:
-        return [d for d in yaml.safe_load_all(f) if d]
+    """The YAML documents in a file that are mappings; ManifestError (one line) when it is no
+    readable YAML file."""
+    try:
+        with open(path) as f:
+            docs = [d for d in yaml.safe_load_all(f) if d]
+    except IsADirectoryError as exc:
+        raise ManifestError(f"{path}: a directory (`meshcache istio validate DIR` takes every YAML in it)") from exc
+    except OSError as exc:
+        raise ManifestError(f"{path}: {exc.strerror or exc}") from exc
+    except (yaml.YAMLError, UnicodeDecodeError) as exc:
+        raise ManifestError(f"{path}: not valid YAML: {one_line(str(exc))}") from exc
+    for n, d in enumerate(docs, start=1):
+        if not isinstance(d, dict):
+            raise ManifestError(f"{path}: document {n} is a {type(d).__name__}, not a Kubernetes object")
+    return docs

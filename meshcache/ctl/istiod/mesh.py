@@ -44,7 +44,7 @@ from meshcache.ctl.pki import CertificateAuthority, spiffe_id, write_private
 from . import status, translate
 from .binary import IstiodMissing, require
 from .server import Istiod, IstiodPorts, start_istiod, write_mesh_config
-from .sidecar import Sidecar, node_id, proxy_metadata_of, start_sidecar
+from .sidecar import Sidecar, proxy_metadata_of, start_sidecar
 from .translate import Pod
 
 CLIENT_APP = "meshcache-client"
@@ -172,8 +172,10 @@ class IstiodMesh:
         if canary_repo is not None:
             canary_dep = self._deployment(self._render_color(cfg.canary_color), cfg.canary_color)
             self.canary = self._engine(canary_dep, canary_repo, f"{canary_dep['metadata']['name']}-1")
+        # istiod's ports first: the control plane reads its syncz (the sidecars' ACKs, status page).
+        ports = IstiodPorts.free()
         self.log("starting the control plane (MCP for istiod over TLS) ...")
-        self._start_control_plane()
+        self._start_control_plane(ports)
         labels = {"app": CLIENT_APP}
         if cfg.replicas > 1 and cfg.affinity:
             labels[AFFINITY_LABEL] = "true"
@@ -182,7 +184,6 @@ class IstiodMesh:
         translate.write(translate.translate(self.objects, self.pods()), self.fs_dir)
         mesh = translate.mesh_config(operator, self.fs_dir, self.cp_xds, (self.work / "xds-tls" / "ca.crt").read_text())
         mesh_config_path = write_mesh_config(mesh, self.work / "mesh.yaml")
-        ports = IstiodPorts.free()
         t1 = time.monotonic()
         self.log("starting istiod (pilot-discovery, no Kubernetes) ...")
 
@@ -266,7 +267,7 @@ class IstiodMesh:
         self._starters[sc.envoy.name] = start_envoy
         return sc
 
-    def _start_control_plane(self) -> None:
+    def _start_control_plane(self, istiod: IstiodPorts) -> None:
         cfg = self.config
         tls_dir = self.work / "xds-tls"
         xds_tls.issue(cfg.namespace, tls_dir)
@@ -278,7 +279,10 @@ class IstiodMesh:
                                            "--state-dir", str(self.work / "control-plane"),
                                            "--xds-tls-cert", str(tls_dir / "tls.crt"),
                                            "--xds-tls-key", str(tls_dir / "tls.key"),
-                                           "--proxy-stats", ",".join(f"{n}={u}" for n, u in self._stats_urls()))
+                                           "--proxy-stats", ",".join(f"{n}={u}" for n, u in self._stats_urls()),
+                                           "--istiod-debug", f"http://127.0.0.1:{istiod.monitoring}/debug",
+                                           # policy-prefix typo warnings: the engines' model index
+                                           "--engine-index", ",".join(e.engine.http_url for e in self._all_engines()))
         # The rendered Deployment's MCP settings; the module as a local file (no registry, no
         # istio-agent to fetch oci://: docs/istio.md, "Running against a real istiod").
         env = {k: v for k, v in env_of_deployment.items() if k.startswith("MESHCACHE_CP_ISTIO_")}
@@ -292,9 +296,13 @@ class IstiodMesh:
 
     def _stats_urls(self) -> list[tuple[str, str]]:
         """Where the control plane's status page reads the engine sidecars' counters (their admin
-        ports are picked with the engines, before the control plane starts)."""
-        return [(node_id(e.pod), f"http://127.0.0.1:{self._admin_ports[e.pod.name]}/stats/prometheus")
-                for e in [*self.engines, *([self.canary] if self.canary else [])]]
+        ports are picked with the engines, before the control plane starts), under istiod's proxy
+        ids: the rows of istiod's syncz."""
+        return [(e.pod.proxy_id, f"http://127.0.0.1:{self._admin_ports[e.pod.name]}/stats/prometheus")
+                for e in self._all_engines()]
+
+    def _all_engines(self) -> list[Engine]:
+        return [*self.engines, *([self.canary] if self.canary else [])]
 
     # ---- use -------------------------------------------------------------------------------
 
@@ -385,6 +393,8 @@ class IstiodMesh:
             "token_file": str(self.work / "token"),
             "istiod_debug": f"http://127.0.0.1:{self.istiod.ports.monitoring}/debug",
             "istiod_xds": f"127.0.0.1:{self.istiod.ports.grpc}",
+            "engine_metrics": {e.pod.name: e.engine.metrics_url
+                               for e in self._all_engines()},
             "sidecars": {sc.pod.proxy_id: {"admin": sc.admin, "ip": sc.pod.ip} for sc in self.sidecars()},
         }
 

@@ -68,12 +68,25 @@ def format_istiod_endpoints(e: dict[str, Any]) -> str:
         f"  app (the client pod's sidecar): REST {e['app_http']}   gRPC {e['app_grpc']}   "
         f"(Host / :authority {e['app_authority']}; x-traffic-color: {e['canary_color'] or '-'} for the canary)",
         f"  control-plane API:             {e['control_plane_api']}   (write token in {e['token_file']})",
+        f"  status page:                   {e['control_plane_api']}/status   (sign in with that token)",
+        f"  control-plane metrics:         {e['control_plane_api']}/metrics",
         f"  control-plane MCP (for istiod): {e['control_plane_xds']}",
         f"  istiod:                        xDS {e['istiod_xds']}   debug {e['istiod_debug']}/syncz",
     ]
+    # .get: a mesh started before the field existed.
+    for pod, url in e.get("engine_metrics", {}).items():
+        lines.append(f"  engine {pod:<33} metrics {url}")
     for proxy, sc in e["sidecars"].items():
-        lines.append(f"  sidecar {proxy:<32} pod IP {sc['ip']:<15} admin {sc['admin']}")
+        lines.append(f"  sidecar {proxy:<32} pod IP {sc['ip']:<15} admin {sc['admin']}   "
+                     f"stats {sc['admin']}/stats/prometheus")
     return "\n".join(lines)
+
+
+def headline(status: str, healthy: bool, failing: list[str]) -> str:
+    """The first line of `meshcache status`: never "ready" next to a failing check."""
+    if status == "ready" and not healthy:
+        return f"mesh DEGRADED: {', '.join(failing) if failing else 'not every check passes'}"
+    return f"mesh {status}"
 
 
 def _load_config(args: argparse.Namespace) -> MeshConfig:
@@ -263,7 +276,13 @@ def cmd_status(args: argparse.Namespace) -> int:
                           **({"istiod": {"proxies": sync, "error": sync_error}}
                              if current.get("endpoints", {}).get("mode") == "istiod" else {})}))
         return 0 if healthy else 1
-    print(f"mesh {current['status']} (supervisor pid {current['pid']}, state dir {state_dir})")
+    failing = [n for n, c in components.items() if c["state"] != "running" or not c["running"]]
+    failing += [n for n, ok in health.items() if not ok]
+    if sync is not None:
+        failing += [f"sidecar {p['proxy']} not synced" for p in sync if not p["synced"]]
+    elif sync_error:
+        failing.append("istiod sync state")
+    print(f"{headline(current['status'], healthy, failing)} (supervisor pid {current['pid']}, state dir {state_dir})")
     for name, c in components.items():
         shown = c["state"] if c["state"] != "running" or c["running"] else "EXITED"
         extra = "".join(f"; {part}" for part in (f"last exit: {c['last_exit']}" if c["last_exit"] else "",
