@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
+import httpx
 import pytest
 
 from meshcache.control_plane.mcp import ENVOY_FILTER_TYPE_URL
@@ -34,12 +35,19 @@ def _env(state_dir: Path | None, mcp: bool = True) -> dict[str, str]:
 
 
 def _seed(cp: ControlPlaneProc, n: int) -> int:
+    """n policy writes as a client makes them: a 503 (a Redis call timed out on a loaded machine)
+    says nothing was applied and to retry; any other refusal fails at once."""
     version = 0
     for i in range(n):
-        r = cp.client().put(f"/v1/policies/m{i}", json={"ttl_s": 10 + i})
+        r = eventually(lambda i=i: _not_503(cp.client().put(f"/v1/policies/m{i}", json={"ttl_s": 10 + i})),
+                       timeout=15, interval=0.5)
         assert r.status_code == 200, r.text
         version = r.json()["version"]
     return version
+
+
+def _not_503(r: httpx.Response) -> httpx.Response | None:
+    return None if r.status_code == 503 else r
 
 
 def _saved_version(state_dir: Path) -> int:

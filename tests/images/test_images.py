@@ -22,6 +22,8 @@ from pathlib import Path
 import pytest
 
 from meshcache.contract.paths import REPO_ROOT
+from meshcache.control_plane.snapshots import Snapshot
+from meshcache.control_plane.state_file import StateFile
 from meshcache.ctl.istio import render, xds_tls
 from meshcache.ctl.procs import Proc, local_http, start, supervised, wait_until
 from tests.images.pods import PodRun, container, deployment, pod_run
@@ -198,6 +200,14 @@ def test_control_plane_image_starts_as_the_deployment_runs_it(images: dict[str, 
         shutil.copy(tmp_path / "certs" / name, volumes["xds-tls"] / name)
     for f in [*volumes["tokens"].iterdir(), *volumes["xds-tls"].iterdir()]:
         f.chmod(0o644)  # a Secret volume's default mode
+    # No Redis here: the container is a restarted one, its emptyDir holding the snapshot it saved
+    # (without it, it would serve no policies and stay unready, as designed).
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    state_mount = next(m["mountPath"] for m in c["volumeMounts"] if m["name"] == "state")
+    assert env["MESHCACHE_CP_STATE_DIR"] == state_mount
+    assert StateFile(volumes["state"], "meshcache:cp").save(Snapshot(version=4, action="saved"))
+    for f in volumes["state"].iterdir():
+        os.chown(f, uid, uid)  # written by the pod's user before its restart
 
     run = pod_run(dep, c, volumes)
     read_only = {m["mountPath"] for m in c["volumeMounts"] if m.get("readOnly")}
@@ -217,6 +227,8 @@ def test_control_plane_image_starts_as_the_deployment_runs_it(images: dict[str, 
         with socket.create_connection(("127.0.0.1", run.ports["xds"]), timeout=5) as raw, \
                 ctx.wrap_socket(raw, server_hostname=host) as tls:
             assert tls.version() in ("TLSv1.2", "TLSv1.3")
+        serving = local_http().get(f"{api}/readyz", timeout=5).json()["serving"]
+        assert (serving["source"], serving["version"], serving["degraded"]) == ("disk", 4, True)
         _stops_on_sigterm(proc)
 
 

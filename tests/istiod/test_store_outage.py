@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from meshcache.control_plane.mcp import ENVOY_FILTER_TYPE_URL
+from meshcache.control_plane.renderers import ECDS_TYPE_URL
 from meshcache.ctl.istiod.mesh import IstiodMesh, ecds_version
 from tests.helpers.signals import stopped
 from tests.helpers.wait import eventually
@@ -35,19 +36,20 @@ def meshcache_filters(mesh: IstiodMesh) -> dict[str, str]:
             if c["kind"] == "EnvoyFilter" and c["metadata"]["name"].startswith("meshcache")}
 
 
-def proxies(mesh: IstiodMesh) -> list[dict[str, Any]]:
+def config_clients(mesh: IstiodMesh) -> list[dict[str, Any]]:
+    """The control plane's MCP streams (istiod's), which /v1/proxies lists apart from proxies."""
     with mesh.api() as api:
-        return api.get("/v1/proxies").json()["proxies"]  # type: ignore[no-any-return]
+        return api.get("/v1/proxies").json()["config_clients"]  # type: ignore[no-any-return]
 
 
 def istiod_node(mesh: IstiodMesh) -> str:
     """The node id of istiod's MCP stream (the one that acknowledged EnvoyFilters)."""
-    return next(p["node_id"] for p in proxies(mesh) if ENVOY_FILTER_TYPE_URL in p["type_urls"])
+    return next(p["node_id"] for p in config_clients(mesh) if ENVOY_FILTER_TYPE_URL in p["type_urls"])
 
 
 def istiod_stream(mesh: IstiodMesh, node: str, since: float) -> dict[str, Any] | None:
     """istiod's MCP stream to the control plane, opened after `since` (the control plane's view)."""
-    return next((p for p in proxies(mesh) if p["node_id"] == node and p["connected_since"] > since), None)
+    return next((p for p in config_clients(mesh) if p["node_id"] == node and p["connected_since"] > since), None)
 
 
 def responses_sent(mesh: IstiodMesh, type_url: str = "") -> float:
@@ -106,7 +108,10 @@ def test_stalled_redis_and_killed_control_plane_leave_istiod_and_the_sidecars_as
             assert api.get("/readyz").status_code == 503
         eventually(lambda: istiod_stream(mesh, node, restarted_at), timeout=60)  # istiod is connected ...
         load.wait_hits(load.hits)
-        assert responses_sent(mesh) == 0  # ... and got no answer, to no type
+        # ... and got no answer for any kind that carries policies (the empty kinds meshcache
+        # never serves are answered: they replace nothing, and the liveness probe reads them).
+        assert responses_sent(mesh, ENVOY_FILTER_TYPE_URL) == 0
+        assert responses_sent(mesh, ECDS_TYPE_URL) == 0
         assert meshcache_filters(mesh) == before
         assert all(ecds_version(sc) == version for sc in mesh.server_sidecars())
         assert all_hits(mesh)
