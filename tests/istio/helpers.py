@@ -18,3 +18,8 @@ OWN_ENGINE_KUSTOMIZATIONS = [p for p in KUSTOMIZATIONS if p not in FRONT_OVERLAY
 # The real kustomize, built by scripts/setup.sh (KUSTOMIZE_VERSION there).
 KUSTOMIZE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "meshcache" / "tools" / \
     "kustomize-v5.8.2" / "kustomize"
+
+# The real Helm, built by scripts/setup.sh (HELM_VERSION there), and meshcache's chart.
+HELM = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "meshcache" / "tools" / \
+    "helm-v3.22.0" / "helm"
+CHART = render.REPO_ROOT / "charts" / "meshcache"
