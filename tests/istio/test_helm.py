@@ -56,7 +56,7 @@ def _by_id(objects: list[Obj]) -> dict[tuple[str, str], Obj]:
 
 # (id, render options, chart values): the defaults; meshcache in front of a KServe predictor (no
 # engine, its selector, ports, Service and another caller); Triton's overlay; delivery kube in another
-# namespace with two colours and images of one's own.
+# namespace with two colours and images of one's own; the basic, revision and external-redis overlays.
 CASES: list[tuple[str, render.RenderOptions, Obj]] = [
     ("default", render.RenderOptions(image_digest=DIGEST), {}),
     ("kserve", render.RenderOptions(
@@ -81,6 +81,12 @@ CASES: list[tuple[str, render.RenderOptions, Obj]] = [
                  "image": "registry.corp.example/ml/engine:1.2"},
       "controlPlane": {"image": "registry.corp.example/ml/cp:1.2"},
       "cache": {"allowPrincipals": ["cluster.local/ns/apps/sa/frontend"]}}),
+    ("basic-kube", render.RenderOptions(image_digest=DIGEST, source=ISTIO_DIR / "overlays" / "basic", delivery="kube"),
+     {"mode": "basic", "delivery": "kube"}),
+    ("revision", render.RenderOptions(image_digest=DIGEST, source=ISTIO_DIR / "overlays" / "revision"),
+     {"revision": "1-30-3"}),
+    ("external-redis", render.RenderOptions(image_digest=DIGEST, source=ISTIO_DIR / "overlays" / "external-redis"),
+     {"redis": {"enabled": False}}),
 ]
 
 
@@ -128,10 +134,11 @@ def test_chart_pins_the_base_module() -> None:
     ("kserve-apps", {"engine": {"enabled": False}}, "cache.selector: set the pod labels"),
     ("meshcache", {"filter": {"digest": "sha256:" + "a" * 64}}, "/filter/digest"),
     ("meshcache", {"delivery": "istiod"}, "/delivery"),
+    ("meshcache", {"mode": "lite"}, "/mode"),
     ("meshcache", {"cache": {"allowPrincipals": ["Frontend"]}}, 'cache.allowPrincipals "Frontend"'),
     ("meshcache", {"controlPlane": {"replicas": 1}}, "/controlPlane/replicas"),
     ("meshcache", {"engine": {"colour": "red"}}, "colour"),
-], ids=["reserved-namespace", "no-selector", "digest-prefix", "delivery", "principal", "one-replica", "typo"])
+], ids=["reserved-namespace", "no-selector", "digest-prefix", "delivery", "mode", "principal", "one-replica", "typo"])
 def test_helm_refuses_bad_values(tmp_path: Path, namespace: str, values: Obj, message: str) -> None:
     path = tmp_path / "values.json"
     path.write_text(json.dumps(values))
