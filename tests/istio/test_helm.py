@@ -145,3 +145,24 @@ def test_helm_refuses_bad_values(tmp_path: Path, namespace: str, values: Obj, me
     r = helm("template", "meshcache", str(CHART), "--namespace", namespace, "-f", str(path))
     assert r.returncode != 0
     assert message in r.stderr, r.stderr
+
+
+def test_docs_values_example_equals_render(tmp_path: Path) -> None:
+    """docs/istio.md "Install with Helm": its values file, with a digest, makes what render does
+    for the KServe walk-through's flags, and cross-references with that predictor."""
+    doc = (render.REPO_ROOT / "docs" / "istio.md").read_text()
+    section = doc[doc.index("## Install with Helm"):]
+    body = section[section.index("<<'VALUES'\n") + len("<<'VALUES'\n"):section.index("\nVALUES\n")]
+    values = yaml.safe_load(body.replace("<DIGEST>", DIGEST))
+    assert "helm install meshcache charts/meshcache -n ml -f meshcache-values.yaml" in section
+    templated = template(tmp_path, "ml", values)
+    opts = render.RenderOptions(
+        namespace="ml", image_digest=DIGEST, source=ISTIO_DIR / "overlays" / "kserve",
+        engine_selector={"component": "predictor", "serving.kserve.io/inferenceservice": "sklearn-iris"},
+        engine_service="sklearn-iris-predictor", allow_principals=("ml/my-app",))
+    rendered = render.render(opts)
+    assert _by_id(templated) == {k: v for k, v in _by_id(rendered).items() if k[0] != "Namespace"}
+    namespace = next(o for o in rendered if o["kind"] == "Namespace")
+    objects = [namespace, *templated, *kserve_predictor("sklearn-iris", "ml")]
+    served = render.mcp_objects(objects, render.demo_plugin_config())
+    assert not crossref.check_all(objects + served, DIGEST)
