@@ -94,8 +94,9 @@ CASES: list[tuple[str, render.RenderOptions, Obj]] = [
 def test_helm_template_equals_render(tmp_path: Path, opts: render.RenderOptions, values: Obj,
                                      crds: dict) -> None:
     rendered = render.render(opts)
-    templated = template(tmp_path, opts.namespace, values)
-    want = {k: v for k, v in _by_id(rendered).items() if k[0] != "Namespace"}
+    templated = template(tmp_path, opts.namespace, {**values, "monitoring": {"podMonitors": True}})
+    # render's meshcache-istio.yaml and monitoring.yaml together
+    want = {k: v for k, v in _by_id(rendered + render.monitors(rendered)).items() if k[0] != "Namespace"}
     got = _by_id(templated)
     assert sorted(got) == sorted(want)
     for key, obj in want.items():
@@ -104,6 +105,8 @@ def test_helm_template_equals_render(tmp_path: Path, opts: render.RenderOptions,
     # references with what the control plane would serve (the Namespace is the release's).
     report = validate.validate_all(templated)
     assert report.ok, report.errors
+    assert {o["kind"] for o in template(tmp_path, opts.namespace, values)} == {o["kind"] for o in rendered} - {
+        "Namespace"}  # PodMonitors only when asked (their CRDs may be missing)
     namespace = next(o for o in rendered if o["kind"] == "Namespace")
     # In front of KServe or Triton: their workloads, as test_existing_servers has them.
     theirs = {"kserve": kserve_predictor("sklearn", opts.namespace),
@@ -117,7 +120,7 @@ def test_helm_template_equals_render(tmp_path: Path, opts: render.RenderOptions,
 def test_helm_lint_strict(tmp_path: Path) -> None:
     for i, (_, _, values) in enumerate(CASES):
         path = tmp_path / f"values-{i}.json"
-        path.write_text(json.dumps(values))
+        path.write_text(json.dumps({**values, "monitoring": {"podMonitors": i % 2 == 0}}))
         r = helm("lint", "--strict", str(CHART), "-f", str(path))
         assert r.returncode == 0, r.stdout + r.stderr
         assert "1 chart(s) linted, 0 chart(s) failed" in r.stdout
