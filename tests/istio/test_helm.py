@@ -56,7 +56,8 @@ def _by_id(objects: list[Obj]) -> dict[tuple[str, str], Obj]:
 
 # (id, render options, chart values): the defaults; meshcache in front of a KServe predictor (no
 # engine, its selector, ports, Service and another caller); Triton's overlay; delivery kube in another
-# namespace with two colours and images of one's own; the basic, revision and external-redis overlays.
+# namespace with two colours and images of one's own; meshcache's engine on other ports and labels;
+# the basic, revision and external-redis overlays.
 CASES: list[tuple[str, render.RenderOptions, Obj]] = [
     ("default", render.RenderOptions(image_digest=DIGEST), {}),
     ("kserve", render.RenderOptions(
@@ -81,6 +82,10 @@ CASES: list[tuple[str, render.RenderOptions, Obj]] = [
                  "image": "registry.corp.example/ml/engine:1.2"},
       "controlPlane": {"image": "registry.corp.example/ml/cp:1.2"},
       "cache": {"allowPrincipals": ["cluster.local/ns/apps/sa/frontend"]}}),
+    ("own-engine-ports", render.RenderOptions(
+        image_digest=DIGEST, engine_selector={"app": "meshcache-engine", "tier": "ml"},
+        engine_ports={"http": 9000, "grpc": None}),
+     {"cache": {"selector": {"app": "meshcache-engine", "tier": "ml"}, "httpPorts": [9000], "grpcPorts": []}}),
     ("basic-kube", render.RenderOptions(image_digest=DIGEST, source=ISTIO_DIR / "overlays" / "basic", delivery="kube"),
      {"mode": "basic", "delivery": "kube"}),
     ("revision", render.RenderOptions(image_digest=DIGEST, source=ISTIO_DIR / "overlays" / "revision"),

@@ -31,10 +31,14 @@ app: meshcache-engine
 {{- join "," $out -}}
 {{- end -}}
 
-{{/* The cached workloads' Service ports (the callers' side): cache.servicePorts, else the container ports. */}}
+{{/* The cached workloads' Service ports (the callers' side): cache.servicePorts; else meshcache's
+engine Service (8000, and 8001 with a gRPC port); else the container ports. */}}
 {{- define "meshcache.servicePorts" -}}
-{{- $ports := .Values.cache.servicePorts | default (concat .Values.cache.httpPorts .Values.cache.grpcPorts) -}}
-{{- join "," $ports -}}
+{{- $ports := concat .Values.cache.httpPorts .Values.cache.grpcPorts -}}
+{{- if .Values.engine.enabled -}}
+{{- $ports = ternary (list 8000 8001) (list 8000) (gt (len .Values.cache.grpcPorts) 0) -}}
+{{- end -}}
+{{- join "," (.Values.cache.servicePorts | default $ports) -}}
 {{- end -}}
 
 {{/* All colours: this rollout's first, then the live ones (engine on only). */}}
