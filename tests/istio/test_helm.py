@@ -6,6 +6,8 @@ The templated objects pass the same schema and cross-reference checks as rendere
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -14,6 +16,7 @@ import pytest
 import yaml
 
 from meshcache.ctl.istio import crossref, render, validate
+from meshcache.ctl.istiod import binary as istiod_binary
 from tests.istio.helpers import CHART, HELM, ISTIO_DIR
 from tests.istio.test_existing_servers import kserve_predictor, triton_deployment
 
@@ -174,3 +177,38 @@ def test_docs_values_example_equals_render(tmp_path: Path) -> None:
     objects = [namespace, *templated, *kserve_predictor("sklearn-iris", "ml")]
     served = render.mcp_objects(objects, render.demo_plugin_config())
     assert not crossref.check_all(objects + served, DIGEST)
+
+
+def _istiod_chart() -> Path:
+    """The istiod chart of the pinned istio.io/istio module (the one scripts/build_istiod.sh builds
+    istiod from), from Go's module cache."""
+    go = shutil.which("go") or "/usr/local/go/bin/go"
+    r = subprocess.run([go, "mod", "download", "-json", f"istio.io/istio@{istiod_binary.module_version()}"],
+                       capture_output=True, text=True, timeout=300, env={**os.environ, "GOTOOLCHAIN": "local"})
+    assert r.returncode == 0, r.stderr
+    return Path(json.loads(r.stdout)["Dir"]) / "manifests" / "charts" / "istio-control" / "istio-discovery"
+
+
+@pytest.mark.parametrize("revision", ["", "1-30"], ids=["default", "revisioned"])
+def test_istiod_values_preview(tmp_path: Path, revision: str) -> None:
+    """docs/istio.md's preview of the istiod upgrade, on the istiod chart itself: with render's
+    istiod-values.yaml only the mesh ConfigMap gains the config sources (and the values ConfigMap
+    records them); the Deployment is unchanged, which is why the docs restart istiod."""
+    chart = _istiod_chart()
+    values = tmp_path / "istiod-values.yaml"
+    values.write_text(yaml.safe_dump(render.istiod_values(render.render_operators(
+        render.RenderOptions(namespace="ml"))[1])))
+    args = ["template", "istiod", str(chart), "--namespace", "istio-system", "--set", f"revision={revision}"]
+    before, after = (helm(*args, *extra) for extra in ((), ("-f", str(values))))
+    assert before.returncode == 0 and after.returncode == 0, before.stderr + after.stderr
+    objects = [{(o["kind"], o["metadata"]["name"]): o for o in yaml.safe_load_all(r.stdout) if o}
+               for r in (before, after)]
+    assert objects[0].keys() == objects[1].keys()
+    changed = {k for k in objects[0] if objects[0][k] != objects[1][k]}
+    suffix = f"-{revision}" if revision else ""
+    assert changed == {("ConfigMap", f"istio{suffix}"), ("ConfigMap", f"values{suffix}")}
+    mesh = [yaml.safe_load(o[("ConfigMap", f"istio{suffix}")]["data"]["mesh"]) for o in objects]
+    sources = yaml.safe_load(values.read_text())["meshConfig"]["configSources"]
+    assert mesh[1].pop("configSources") == sources
+    assert mesh[0] == mesh[1]  # nothing else in the mesh config moves
+    assert sources[1]["address"] == "xds://meshcache-control-plane.ml.svc.cluster.local:18000"
