@@ -212,3 +212,11 @@ def test_istiod_values_preview(tmp_path: Path, revision: str) -> None:
     assert mesh[1].pop("configSources") == sources
     assert mesh[0] == mesh[1]  # nothing else in the mesh config moves
     assert sources[1]["address"] == "xds://meshcache-control-plane.ml.svc.cluster.local:18000"
+    # The docs' undo: Kubernetes alone again.
+    unset = 'meshConfig.configSources=[{"address":"k8s://"}]'
+    assert f"--set-json '{unset}'" in (render.REPO_ROOT / "docs" / "istio.md").read_text()
+    undo = helm(*args, "-f", str(values), "--set-json", unset)
+    assert undo.returncode == 0, undo.stderr
+    undone = {(o["kind"], o["metadata"]["name"]): o for o in yaml.safe_load_all(undo.stdout) if o}
+    assert yaml.safe_load(undone[("ConfigMap", f"istio{suffix}")]["data"]["mesh"]) == {
+        **mesh[0], "configSources": [{"address": "k8s://"}]}
