@@ -89,7 +89,11 @@ def _manifest(env: dict[str, str], namespace: str) -> list[Obj]:
 
 def test_helm_install_upgrade_uninstall(cluster: LocalCluster, helm_env: dict[str, str], namespace: str,
                                         tmp_path: Path) -> None:
-    helm(helm_env, "install", "meshcache", str(CHART), "--namespace", namespace)
+    notes = helm(helm_env, "install", "meshcache", str(CHART), "--namespace", namespace).stdout
+    # The next step (delivery mcp): istiod's values change, pinned, and the restart it needs.
+    assert f"meshcache istio render --namespace {namespace} --out rendered/" in notes
+    assert "helm upgrade istiod istio/istiod -n istio-system --version <VERSION> --reuse-values" in notes
+    assert "kubectl -n istio-system rollout restart deploy/istiod" in notes
     installed = _manifest(helm_env, namespace)
     assert len(installed) == 21
     for obj in installed:
@@ -110,7 +114,9 @@ def test_helm_install_upgrade_uninstall(cluster: LocalCluster, helm_env: dict[st
 
     values = tmp_path / "kserve.json"
     values.write_text(json.dumps(KSERVE))
-    helm(helm_env, "upgrade", "meshcache", str(CHART), "--namespace", namespace, "-f", str(values))
+    notes = helm(helm_env, "upgrade", "meshcache", str(CHART), "--namespace", namespace, "-f", str(values)).stdout
+    assert "istiod is not changed" in notes and "helm upgrade istiod" not in notes
+    assert "caching the pods labelled component=predictor,serving.kserve.io/inferenceservice=sklearn" in notes
     upgraded = _manifest(helm_env, namespace)
     kept = {_ref(o) for o in upgraded}
     for obj in installed:
