@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 from meshcache.ctl.istio import render
@@ -19,7 +20,9 @@ OWN_ENGINE_KUSTOMIZATIONS = [p for p in KUSTOMIZATIONS if p not in FRONT_OVERLAY
 KUSTOMIZE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "meshcache" / "tools" / \
     "kustomize-v5.8.2" / "kustomize"
 
-# The real Helm, built by scripts/setup.sh (HELM_VERSION there), and meshcache's chart.
+# The real Helm, built by scripts/setup.sh at its HELM_VERSION (the one pin), and meshcache's chart.
+HELM_VERSION = re.search(r"^HELM_VERSION=(v[0-9.]+)$", (render.REPO_ROOT / "scripts" / "setup.sh").read_text(),
+                         re.MULTILINE).group(1)  # type: ignore[union-attr]
 HELM = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "meshcache" / "tools" / \
-    "helm-v3.22.0" / "helm"
+    f"helm-{HELM_VERSION}" / "helm"
 CHART = render.REPO_ROOT / "charts" / "meshcache"

@@ -17,7 +17,7 @@ import yaml
 
 from meshcache.ctl.istio import crossref, render, validate
 from meshcache.ctl.istiod import binary as istiod_binary
-from tests.istio.helpers import CHART, HELM, ISTIO_DIR
+from tests.istio.helpers import CHART, HELM, HELM_VERSION, ISTIO_DIR
 from tests.istio.test_existing_servers import kserve_predictor, triton_deployment
 
 Obj = dict[str, Any]
@@ -220,3 +220,8 @@ def test_istiod_values_preview(tmp_path: Path, revision: str) -> None:
     undone = {(o["kind"], o["metadata"]["name"]): o for o in yaml.safe_load_all(undo.stdout) if o}
     assert yaml.safe_load(undone[("ConfigMap", f"istio{suffix}")]["data"]["mesh"]) == {
         **mesh[0], "configSources": [{"address": "k8s://"}]}
+
+
+def test_helm_is_the_pinned_build() -> None:
+    r = helm("version", "--template", "{{ .Version }}")
+    assert r.returncode == 0 and r.stdout.strip() == HELM_VERSION
