@@ -23,6 +23,8 @@ from meshcache.ctl.istio import render, xds_tls
 
 from . import istiod as kube_istiod
 from .cluster import LocalCluster, start_cluster
+from .kubelet import TestKubelet
+from .netns import NodeNetwork
 
 Obj = dict[str, Any]
 
@@ -32,6 +34,7 @@ class KubeMeshConfig:
     work_dir: Path
     namespace: str = render.BASE_NAMESPACE
     module: Path = FILTER_WASM
+    kubelet: bool = False  # a test node whose pods run Istio's containers (kubelet.py; root)
 
 
 @dataclass
@@ -47,6 +50,8 @@ class KubeMesh:
     cp_http: int = 0
     cp_xds: int = 0
     procs: list[procs.Proc] = field(default_factory=list)
+    network: NodeNetwork | None = None
+    kubelet: TestKubelet | None = None
 
     def __enter__(self) -> KubeMesh:
         try:
@@ -67,8 +72,14 @@ class KubeMesh:
         self.operator = render.render_operators(opts)[1]
         self.cluster = start_cluster(work / "cluster")
         self._start_control_plane(work)
+        if cfg.kubelet:
+            self.network = NodeNetwork.create()
         self.istiod = kube_istiod.start(self.cluster, self.operator, f"127.0.0.1:{self.cp_xds}",
-                                        (work / "xds-tls" / "ca.crt").read_text(), work / "istiod")
+                                        (work / "xds-tls" / "ca.crt").read_text(), work / "istiod",
+                                        pod_facing_host=self.network.node_ip if self.network else None)
+        if self.network is not None:
+            self.kubelet = TestKubelet(self.cluster, self.network, work / "kubelet")
+            self.kubelet.start()
 
     def _start_control_plane(self, work: Path) -> None:
         """The control plane as the rendered Deployment runs it (its MCP settings unchanged),
@@ -95,7 +106,10 @@ class KubeMesh:
         kube_istiod.apply(self.cluster, [o for o in objs if o["kind"] != "Namespace"])
 
     def stop(self) -> None:
-        """istiod, the control plane and Redis, then the cluster."""
+        """The kubelet's pods, istiod, the control plane and Redis, the cluster, the node network."""
+        if self.kubelet is not None:
+            with contextlib.suppress(Exception):
+                self.kubelet.stop()
         if self.istiod is not None:
             with contextlib.suppress(Exception):
                 self.istiod.stop()
@@ -104,3 +118,5 @@ class KubeMesh:
                 self.procs.pop().stop()
         if self.cluster is not None:
             self.cluster.stop()
+        if self.network is not None:
+            self.network.delete()

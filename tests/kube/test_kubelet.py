@@ -1,0 +1,107 @@
+"""The test kubelet (meshcache.ctl.kube.kubelet): an injected engine pod scheduled to its node
+gets a network namespace with an address from the node's pod CIDR, Istio's own traffic capture
+(`istio-init`: pilot-agent istio-iptables), and a running `istio-proxy` (pilot-agent driving
+upstream Envoy) whose workload certificate comes from istiod's CA for the pod's ServiceAccount;
+the pod's IP and the sidecar's readiness, probed as kubelet does, go back to the API server."""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from cryptography import x509
+
+from meshcache.ctl.istio import render
+from meshcache.ctl.kube.mesh import KubeMesh, KubeMeshConfig
+from tests.helpers.wait import eventually
+
+Obj = dict[str, Any]
+NS = render.BASE_NAMESPACE
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory: pytest.TempPathFactory, filter_wasm: Path) -> Iterator[KubeMesh]:
+    with KubeMesh(KubeMeshConfig(tmp_path_factory.mktemp("kube-node"), module=filter_wasm, kubelet=True)) as m:
+        m.apply_rendered()
+        yield m
+
+
+def _engine_pods(mesh: KubeMesh) -> list[Obj]:
+    assert mesh.cluster is not None and mesh.kubelet is not None
+    pods = mesh.cluster.get(f"/api/v1/namespaces/{NS}/pods?labelSelector=app%3D{render.ENGINE_APP}")
+    return pods["items"] if pods else []
+
+
+def _proxy_status(pod: Obj) -> Obj | None:
+    return next((c for c in pod["status"].get("initContainerStatuses", []) if c["name"] == "istio-proxy"), None)
+
+
+def test_engine_pods_get_pod_cidr_addresses_capture_and_a_ready_sidecar(mesh: KubeMesh) -> None:
+    assert mesh.network is not None and mesh.kubelet is not None
+
+    def ready() -> list[Obj]:
+        pods = _engine_pods(mesh)
+        ok = pods and all((_proxy_status(p) or {}).get("ready") for p in pods)
+        assert ok, (mesh.kubelet.errors[-3:], [p["status"] for p in pods])  # type: ignore[union-attr]
+        return pods
+
+    pods = eventually(ready, timeout=120, interval=0.5)
+    cidr = ipaddress.ip_network(mesh.network.cidr)
+    for pod in pods:
+        ip = pod["status"]["podIP"]
+        assert ipaddress.ip_address(ip) in cidr and pod["status"]["hostIP"] == mesh.network.node_ip
+        init = next(c for c in pod["status"]["initContainerStatuses"] if c["name"] == "istio-init")
+        assert init["state"]["terminated"]["exitCode"] == 0
+        # The app containers are not run by the test kubelet: the pod is honestly not Ready.
+        assert pod["status"]["phase"] == "Pending"
+        running = mesh.kubelet.pods[f"{NS}/{pod['metadata']['name']}"]
+        rules = subprocess.run(running.net.exec_argv("iptables-save", "-t", "nat"), capture_output=True,
+                               text=True, check=True).stdout
+        assert "-A ISTIO_INBOUND" in rules and "--to-ports 15006" in rules and "--to-ports 15001" in rules
+        assert "--uid-owner 1337" in rules
+
+
+def test_the_sidecar_certificate_comes_from_istiods_ca(mesh: KubeMesh) -> None:
+    assert mesh.cluster is not None and mesh.kubelet is not None
+    pods = eventually(lambda: [p for p in _engine_pods(mesh) if (_proxy_status(p) or {}).get("ready")], timeout=120)
+    pod = pods[0]
+    running = mesh.kubelet.pods[f"{NS}/{pod['metadata']['name']}"]
+    # Envoy's admin port is on the pod's loopback: read its certificates from inside the namespace.
+    script = "import urllib.request;print(urllib.request.urlopen('http://127.0.0.1:15000/certs').read().decode())"
+
+    def workload_certs() -> list[Obj]:
+        out = subprocess.run(running.net.exec_argv(sys.executable, "-c", script), capture_output=True, text=True,
+                             check=True).stdout
+        return [c for c in json.loads(out)["certificates"] if c.get("cert_chain")]
+
+    certs = eventually(workload_certs, timeout=30)
+    uris = {san.get("uri") for c in certs for cert in c["cert_chain"] for san in cert.get("subject_alt_names", [])}
+    assert "spiffe://cluster.local/ns/meshcache/sa/meshcache-engine" in uris
+    # Signed by istiod's own CA (its self-signed root, published to the namespace as istio-ca-root-cert).
+    root_map = mesh.cluster.get(f"/api/v1/namespaces/{NS}/configmaps/istio-ca-root-cert")
+    assert root_map is not None
+    root = x509.load_pem_x509_certificate(root_map["data"]["root-cert.pem"].encode())
+    roots = {ca["serial_number"].lstrip("0").lower() for c in certs for ca in c.get("ca_cert", [])}
+    assert format(root.serial_number, "x") in roots, (roots, format(root.serial_number, "x"))
+
+
+def test_istiod_sees_the_sidecars_and_they_ack_its_config(mesh: KubeMesh) -> None:
+    assert mesh.istiod is not None
+    pods = eventually(lambda: [p for p in _engine_pods(mesh) if (_proxy_status(p) or {}).get("ready")], timeout=120)
+    wanted = {f"{p['metadata']['name']}.{NS}" for p in pods}
+
+    def acked() -> bool:
+        sync = {s["proxy"]: s for s in mesh.istiod.debug("syncz") or []}  # type: ignore[union-attr]
+        assert wanted <= set(sync), sorted(sync)
+        for proxy in wanted:
+            for kind in ("cluster", "listener", "route"):
+                assert sync[proxy][f"{kind}_acked"] == sync[proxy][f"{kind}_sent"], (proxy, kind, sync[proxy])
+        return True
+
+    eventually(acked, timeout=60)
