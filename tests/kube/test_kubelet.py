@@ -2,7 +2,8 @@
 gets a network namespace with an address from the node's pod CIDR, Istio's own traffic capture
 (`istio-init`: pilot-agent istio-iptables), and a running `istio-proxy` (pilot-agent driving
 upstream Envoy) whose workload certificate comes from istiod's CA for the pod's ServiceAccount;
-the pod's IP and the sidecar's readiness, probed as kubelet does, go back to the API server."""
+then the engine's own init container and container run, the pod turns Ready through the agent's
+probe rewrite, its Service gets the pod IPs as endpoints, and STRICT mTLS holds at the sidecar."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from cryptography import x509
 
@@ -58,8 +60,6 @@ def test_engine_pods_get_pod_cidr_addresses_capture_and_a_ready_sidecar(mesh: Ku
         assert ipaddress.ip_address(ip) in cidr and pod["status"]["hostIP"] == mesh.network.node_ip
         init = next(c for c in pod["status"]["initContainerStatuses"] if c["name"] == "istio-init")
         assert init["state"]["terminated"]["exitCode"] == 0
-        # The app containers are not run by the test kubelet: the pod is honestly not Ready.
-        assert pod["status"]["phase"] == "Pending"
         running = mesh.kubelet.pods[f"{NS}/{pod['metadata']['name']}"]
         rules = subprocess.run(running.net.exec_argv("iptables-save", "-t", "nat"), capture_output=True,
                                text=True, check=True).stdout
@@ -105,3 +105,61 @@ def test_istiod_sees_the_sidecars_and_they_ack_its_config(mesh: KubeMesh) -> Non
         return True
 
     eventually(acked, timeout=60)
+
+
+def _ready_engine_pods(mesh: KubeMesh) -> list[Obj]:
+    def ready() -> list[Obj]:
+        pods = _engine_pods(mesh)
+        conditions = [{c["type"]: c["status"] for c in p["status"].get("conditions", [])} for p in pods]
+        ok = pods and all(p["status"].get("phase") == "Running" and c.get("Ready") == "True"
+                          for p, c in zip(pods, conditions, strict=True))
+        assert ok, (mesh.kubelet.errors[-3:], [p["status"] for p in pods])  # type: ignore[union-attr]
+        return pods
+
+    return eventually(ready, timeout=180, interval=0.5)
+
+
+def test_engine_pods_turn_ready_through_the_agents_probe_rewrite_and_become_endpoints(mesh: KubeMesh) -> None:
+    assert mesh.cluster is not None
+    pods = _ready_engine_pods(mesh)
+    for pod in pods:
+        engine = next(c for c in pod["spec"]["containers"] if c["name"] == "engine")
+        # The injector rewrote the engine's probe to the agent (port 15020), which probes the app.
+        assert engine["readinessProbe"]["httpGet"]["port"] == 15020
+        assert engine["readinessProbe"]["httpGet"]["path"].startswith("/app-health/engine/")
+        states = {c["name"]: c for c in pod["status"]["initContainerStatuses"] + pod["status"]["containerStatuses"]}
+        assert states["demo-models"]["state"]["terminated"]["exitCode"] == 0 and states["engine"]["ready"]
+
+    def endpoints() -> set[str]:
+        slices = mesh.cluster.get(f"/apis/discovery.k8s.io/v1/namespaces/{NS}/endpointslices"  # type: ignore[union-attr]
+                                  f"?labelSelector=kubernetes.io%2Fservice-name%3D{render.ENGINE_APP}")
+        return {a for s in (slices or {}).get("items", []) for e in s.get("endpoints") or []
+                if e.get("conditions", {}).get("ready") for a in e["addresses"]}
+
+    want = {p["status"]["podIP"] for p in pods}
+    eventually(lambda: endpoints() == want, timeout=30)
+
+
+def test_strict_mtls_holds_at_the_captured_port(mesh: KubeMesh) -> None:
+    pod = _ready_engine_pods(mesh)[0]
+    running = mesh.kubelet.pods[f"{NS}/{pod['metadata']['name']}"]  # type: ignore[union-attr]
+    # Inside the pod, on loopback (not captured), the engine answers.
+    script = "import urllib.request;print(urllib.request.urlopen('http://127.0.0.1:8000/v2/health/ready').status)"
+    inside = subprocess.run(running.net.exec_argv(sys.executable, "-c", script), capture_output=True, text=True,
+                            check=True).stdout.strip()
+    assert inside == "200"
+    # From the node, plaintext to the same port is captured (istio-iptables redirects it to the
+    # sidecar's 15006) and refused there: PeerAuthentication STRICT. The connection is accepted
+    # (not ConnectError: something listens) and the redirect rule counts it.
+    before = _redirected(running.net.exec_argv)
+    with pytest.raises(httpx.HTTPError) as refused:
+        httpx.get(f"http://{running.net.ip}:8000/v2/health/ready", timeout=5).raise_for_status()
+    assert not isinstance(refused.value, httpx.ConnectError), refused.value
+    assert _redirected(running.net.exec_argv) > before
+
+
+def _redirected(exec_argv: Any) -> int:
+    """Packets istio-iptables' inbound redirect (to 15006) has matched in the pod's namespace."""
+    out = subprocess.run(exec_argv("iptables", "-t", "nat", "-L", "ISTIO_IN_REDIRECT", "-v", "-n", "-x"),
+                         capture_output=True, text=True, check=True).stdout
+    return sum(int(line.split()[0]) for line in out.splitlines()[2:] if "15006" in line)

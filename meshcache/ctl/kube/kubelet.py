@@ -17,10 +17,16 @@ What it does, per pod bound to its Node (by the scheduler):
   pod's status (IPs, init container states, conditions) patched back to the API server;
 - a deleted pod's processes stopped, its namespace removed, the pod object then deleted.
 
-What it does not do (yet): run the app containers and their own init containers (they are
-reported `waiting` with reason `NotRunByTestKubelet`, so the pod stays Pending and not Ready), the
-agent's app-probe rewrite, restarts, resource limits, mounts in a mount namespace. It acts with
-the cluster-admin identity, not a Node identity.
+- the project's own images (`RUNNABLE_IMAGES`: the engine) run as their entrypoints, processes
+  of this virtualenv, in the pod's namespace as the pod's `runAsUser`: its init containers to
+  completion once the native sidecar is started (`holdApplicationUntilProxyStarts`: its startup
+  probe passed), then its containers; a volume's mount path in their arguments becomes the
+  volume's directory (no mount namespace). Readiness probes run from the node against the pod IP,
+  so an injected pod's probes go through the agent's rewrite (`/app-health/...` on 15020).
+
+What it does not do (yet): containers of other images (reported `waiting`, reason
+`NotRunByTestKubelet`: the pod then stays Pending), restarts, liveness probes, resource limits,
+mounts in a mount namespace. It acts with the cluster-admin identity, not a Node identity.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -59,6 +66,8 @@ ALLOCATABLE = {"cpu": "2", "memory": "4Gi", "pods": "110"}
 LEASE_S = 40
 SYNC_INTERVAL_S = 0.5
 NOT_RUN = "NotRunByTestKubelet"
+# Image (without tag) -> where its entrypoints are: this virtualenv's console scripts.
+RUNNABLE_IMAGES = {"registry.example.com/meshcache/engine": Path(sys.executable).parent}
 MERGE_PATCH = {"Content-Type": "application/merge-patch+json"}
 LEASES = "/apis/coordination.k8s.io/v1/namespaces/kube-node-lease/leases"
 
@@ -130,6 +139,9 @@ class RunningPod:
     started_at: str = field(default_factory=now)
     reported: str = ""  # the last status sent (only changes are patched)
     next_probe: float = 0.0
+    ready: dict[str, bool] = field(default_factory=dict)  # app container -> last readiness probe
+    worker: threading.Thread | None = None
+    stopping: threading.Event = field(default_factory=threading.Event)
 
 
 class TestKubelet:
@@ -251,7 +263,86 @@ class TestKubelet:
             container = next((c for c in containers if c["name"] == name), None)
             if container is not None:
                 run(running, pod, container)
+        running.worker = threading.Thread(target=self._run_app, args=(running, pod), daemon=True,
+                                          name=f"pod-{running.net.name}")
+        running.worker.start()
         return running
+
+    @staticmethod
+    def _image_bin(container: Obj) -> Path | None:
+        image = container.get("image", "").split("@", 1)[0].rsplit(":", 1)[0]
+        return RUNNABLE_IMAGES.get(image)
+
+    def _run_app(self, running: RunningPod, pod: Obj) -> None:
+        """The app's init containers then its containers (runnable images only), once the
+        native sidecar has started (its startup probe), as kubelet orders them."""
+        try:
+            spec = pod["spec"]
+            proxy = next((c for c in spec.get("initContainers", []) if c["name"] == "istio-proxy"), None)
+            if proxy is not None and proxy.get("startupProbe"):
+                while not running.stopping.is_set() and not self._probe_ok(running, proxy, proxy["startupProbe"]):
+                    running.stopping.wait(0.5)
+            for container in spec.get("initContainers", []):
+                if container["name"].startswith("istio-") or self._image_bin(container) is None:
+                    continue
+                if running.stopping.is_set():
+                    return
+                proc = self._app_process(running, pod, container)
+                while proc.alive() and not running.stopping.is_set():
+                    running.stopping.wait(0.2)
+                proc.stop()
+                code = proc.popen.returncode
+                running.init_status[container["name"]] = {"terminated": {
+                    "exitCode": code, "reason": "Completed" if code == 0 else "Error", "finishedAt": now()}}
+                if code != 0:
+                    return
+            for container in spec.get("containers", []):
+                if container["name"].startswith("istio-") or self._image_bin(container) is None:
+                    continue
+                if running.stopping.is_set():
+                    return
+                running.procs[container["name"]] = self._app_process(running, pod, container)
+                running.init_status[container["name"]] = {"running": {"startedAt": now()}}
+        except Exception as exc:  # noqa: BLE001 - reported, the kubelet goes on
+            self.errors = [*self.errors[-19:], f"{running.key}: {type(exc).__name__}: {exc}"]
+
+    def _app_process(self, running: RunningPod, pod: Obj, container: Obj) -> procs.Proc:
+        """A container of a runnable image: its entrypoint from this virtualenv, as the pod's user."""
+        self._volumes(running, pod, container)
+        bin_dir = self._image_bin(container)
+        assert bin_dir is not None
+        env = container_env(container, pod, running.net.ip, self.network.node_ip)
+        mounts = {m["mountPath"]: str(running.root / m["mountPath"].lstrip("/"))
+                  for m in container.get("volumeMounts", [])}
+
+        def local(arg: str) -> str:
+            for path, directory in mounts.items():
+                if arg == path or arg.startswith(path + "/"):
+                    return directory + arg[len(path):]
+            return arg
+
+        command = [*(container.get("command") or []), *(container.get("args") or [])]
+        argv = [str(bin_dir / command[0]), *(local(a) for a in expand(command[1:], env))]
+        security = {**pod["spec"].get("securityContext", {}), **container.get("securityContext", {})}
+        user = security.get("runAsUser", 0)
+        group = security.get("runAsGroup", pod["spec"].get("securityContext", {}).get("fsGroup", user))
+        subprocess.run(["chown", "-R", f"{user}:{group}", str(running.root / "volumes")], check=True)
+        as_user = ["setpriv", f"--reuid={user}", f"--regid={group}", "--clear-groups"] if user else []
+        return procs.start(f"{running.net.name}-{container['name']}", running.net.exec_argv(*as_user, *argv),
+                           self.work / "logs", env=env, cwd=running.root)
+
+    def _probe_ok(self, running: RunningPod, container: Obj, probe: Obj) -> bool:
+        """An HTTP GET or TCP probe from the node to the pod IP, as kubelet runs it."""
+        ports = {p.get("name"): p["containerPort"] for p in container.get("ports", [])}
+        with contextlib.suppress(httpx.HTTPError, OSError):
+            if "httpGet" in probe:
+                get = probe["httpGet"]
+                port = ports.get(get["port"], get["port"])
+                return self._probe.get(f"http://{running.net.ip}:{port}{get.get('path', '/')}").status_code < 400
+            if "tcpSocket" in probe:
+                port = ports.get(probe["tcpSocket"]["port"], probe["tcpSocket"]["port"])
+                return procs.port_open(int(port), running.net.ip)
+        return False
 
     def _volumes(self, running: RunningPod, pod: Obj, container: Obj) -> None:
         """The container's volume mounts under the pod's root: each volume materialized once in
@@ -361,21 +452,22 @@ class TestKubelet:
         running.init_status["istio-proxy"] = {"running": {"startedAt": now()}}
 
     def _probe_and_report(self, running: RunningPod, pod: Obj) -> None:
-        proxy = running.procs.get("istio-proxy")
-        if proxy is not None and time.monotonic() >= running.next_probe:
+        if time.monotonic() >= running.next_probe:
             running.next_probe = time.monotonic() + 1.0
-            container = next(c for c in pod["spec"].get("initContainers", []) + pod["spec"]["containers"]
-                             if c["name"] == "istio-proxy")
-            probe = (container.get("readinessProbe") or {}).get("httpGet")
-            ready = False
-            if proxy.alive() and probe:
-                with contextlib.suppress(httpx.HTTPError):
-                    url = f"http://{running.net.ip}:{probe['port']}{probe['path']}"
-                    ready = self._probe.get(url).status_code == 200
-            running.proxy_ready = ready
-            if not proxy.alive():
-                running.init_status["istio-proxy"] = {"terminated": {"exitCode": proxy.popen.returncode,
-                                                                     "reason": "Error", "finishedAt": now()}}
+            spec = pod["spec"]
+            for container in spec.get("initContainers", []) + spec["containers"]:
+                proc = running.procs.get(container["name"])
+                if proc is None:
+                    continue
+                probe = container.get("readinessProbe")
+                ready = proc.alive() and (self._probe_ok(running, container, probe) if probe else True)
+                if container["name"] == "istio-proxy":
+                    running.proxy_ready = ready
+                else:
+                    running.ready[container["name"]] = ready
+                if not proc.alive():
+                    running.init_status[container["name"]] = {"terminated": {
+                        "exitCode": proc.popen.returncode, "reason": "Error", "finishedAt": now()}}
         status = self._status(running, pod)
         body = json.dumps(status, sort_keys=True)
         if body != running.reported:
@@ -387,20 +479,28 @@ class TestKubelet:
             running.reported = body
 
     def _status(self, running: RunningPod, pod: Obj) -> Obj:
-        def state(name: str) -> Obj:
-            return running.init_status.get(name) or {"waiting": {"reason": NOT_RUN}}
+        def state(c: Obj) -> Obj:
+            runnable = c["name"].startswith("istio-") or self._image_bin(c) is not None
+            return running.init_status.get(c["name"]) or {"waiting": {"reason": "PodInitializing" if runnable
+                                                                      else NOT_RUN}}
 
         def entry(c: Obj) -> Obj:
-            st = state(c["name"])
-            ready = c["name"] == "istio-proxy" and running.proxy_ready or "terminated" in st and \
-                st["terminated"].get("exitCode") == 0 and c["name"] != "istio-proxy"
+            st = state(c)
+            if c["name"] == "istio-proxy":
+                ready = running.proxy_ready
+            elif "running" in st:
+                ready = running.ready.get(c["name"], False)
+            else:
+                ready = "terminated" in st and st["terminated"].get("exitCode") == 0
             return {"name": c["name"], "image": c.get("image", ""), "imageID": "", "state": st, "ready": bool(ready),
                     "restartCount": 0, "started": "running" in st}
 
         spec = pod["spec"]
         inits = [entry(c) for c in spec.get("initContainers", [])]
         apps = [entry(c) for c in spec.get("containers", [])]
-        initialized = all(i["ready"] or i["name"] == "istio-proxy" and i["started"] for i in inits)
+        # A native sidecar counts as initialized once started; a finished init container when done.
+        initialized = all(i["started"] if c.get("restartPolicy") == "Always" else i["ready"]
+                          for c, i in zip(spec.get("initContainers", []), inits, strict=True))
         all_ready = initialized and all(a["ready"] for a in apps)
 
         def cond(kind: str, ok: bool) -> Obj:
@@ -420,6 +520,9 @@ class TestKubelet:
         running = self.pods.pop(key, None)
         if running is None:
             return
+        running.stopping.set()
+        if running.worker is not None:
+            running.worker.join(timeout=10)
         for proc in running.procs.values():
             with contextlib.suppress(Exception):
                 proc.stop()
