@@ -163,3 +163,60 @@ def _redirected(exec_argv: Any) -> int:
     out = subprocess.run(exec_argv("iptables", "-t", "nat", "-L", "ISTIO_IN_REDIRECT", "-v", "-n", "-x"),
                          capture_output=True, text=True, check=True).stdout
     return sum(int(line.split()[0]) for line in out.splitlines()[2:] if "15006" in line)
+
+
+APP_UID = 1000  # the test acts as the app container of a pod: a process in its namespace, not UID 1337
+CALL = """import sys, urllib.request, urllib.error
+req = urllib.request.Request(sys.argv[1], headers={"Host": sys.argv[2]})
+try:
+    r = urllib.request.urlopen(req, timeout=10)
+    print(r.status, r.headers.get("server"), r.read().decode())
+except urllib.error.HTTPError as e:
+    print(e.code, e.headers.get("server"), e.read().decode())
+"""
+
+
+def _caller_pod(mesh: KubeMesh, name: str, account: str) -> Any:
+    """An injected pod whose app is this test (its container's image is not one the kubelet runs)."""
+    assert mesh.cluster is not None and mesh.kubelet is not None
+    if mesh.cluster.get(f"/api/v1/namespaces/{NS}/serviceaccounts/{account}") is None:
+        mesh.cluster.kubectl("create", "serviceaccount", account, "-n", NS)
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": NS, "labels": {"app": name}},
+           "spec": {"serviceAccountName": account,
+                    "containers": [{"name": "app", "image": "example.invalid/caller:1"}]}}
+    mesh.cluster.kubectl("apply", "--server-side", "-f", "-", input=json.dumps(pod))
+
+    def proxy_ready() -> Any:
+        got = mesh.cluster.get(f"/api/v1/namespaces/{NS}/pods/{name}")  # type: ignore[union-attr]
+        assert got is not None and (_proxy_status(got) or {}).get("ready"), got and got["status"]
+        return mesh.kubelet.pods[f"{NS}/{name}"]  # type: ignore[union-attr]
+
+    return eventually(proxy_ready, timeout=90, interval=0.5)
+
+
+def _call(running: Any, url: str, host: str) -> tuple[int, str, str]:
+    argv = running.net.exec_argv("setpriv", f"--reuid={APP_UID}", f"--regid={APP_UID}", "--clear-groups",
+                                 sys.executable, "-c", CALL, url, host)
+    out = subprocess.run(argv, capture_output=True, text=True, check=True, timeout=30).stdout.split(" ", 2)
+    return int(out[0]), out[1], out[2]
+
+
+def test_a_client_pod_reaches_the_engine_service_through_both_sidecars_and_an_outsider_is_denied(
+        mesh: KubeMesh) -> None:
+    assert mesh.cluster is not None
+    _ready_engine_pods(mesh)
+    service = mesh.cluster.get(f"/api/v1/namespaces/{NS}/services/{render.ENGINE_APP}")
+    assert service is not None
+    url = f"http://{service['spec']['clusterIP']}:8000/v2/health/ready"  # no kube-proxy: only capture routes it
+    client = _caller_pod(mesh, "caller", "meshcache-client")
+
+    def answered() -> tuple[int, str, str]:
+        result = _call(client, url, render.ENGINE_APP)
+        assert result[0] == 200, result  # 503 until the client's sidecar has the engine endpoints
+        return result
+
+    assert eventually(answered, timeout=30)[1] == "envoy"
+    # Not a principal the engine's AuthorizationPolicy admits: the engine's sidecar refuses it.
+    outsider = _caller_pod(mesh, "outsider", "someone-else")
+    status, _, body = _call(outsider, url, render.ENGINE_APP)
+    assert status == 403 and "RBAC: access denied" in body

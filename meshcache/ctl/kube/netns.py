@@ -77,11 +77,15 @@ class NodeNetwork:
 
     @classmethod
     def create(cls) -> NodeNetwork:
-        free = sorted(set(range(1, 255)) - _used_subnets())
-        if not free:
-            raise NetworkError("no free 10.244.X.0/24 for a test node")
-        net = cls(random.choice(free))
-        _ip("link", "add", net.bridge, "type", "bridge")
+        for _ in range(8):  # another node made at the same moment may pick the same X: pick again
+            free = sorted(set(range(1, 255)) - _used_subnets())
+            if not free:
+                raise NetworkError("no free 10.244.X.0/24 for a test node")
+            net = cls(random.choice(free))
+            if _ip("link", "add", net.bridge, "type", "bridge", check=False).returncode == 0:
+                break
+        else:
+            raise NetworkError("could not create a test node bridge (mcbr<X>) after 8 tries")
         try:
             _ip("addr", "add", f"{net.node_ip}/24", "dev", net.bridge)
             _ip("link", "set", net.bridge, "up")
