@@ -19,9 +19,12 @@ import httpx
 import pytest
 from cryptography import x509
 
+from meshcache.contract import oci
+from meshcache.contract.extensions import AFFINITY_LABEL
 from meshcache.ctl.istio import render
 from meshcache.ctl.kube.mesh import KubeMesh, KubeMeshConfig
 from tests.helpers.wait import eventually
+from tests.mesh.helpers import mlp_json
 
 Obj = dict[str, Any]
 NS = render.BASE_NAMESPACE
@@ -29,7 +32,8 @@ NS = render.BASE_NAMESPACE
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory: pytest.TempPathFactory, filter_wasm: Path) -> Iterator[KubeMesh]:
-    with KubeMesh(KubeMeshConfig(tmp_path_factory.mktemp("kube-node"), module=filter_wasm, kubelet=True)) as m:
+    config = KubeMeshConfig(tmp_path_factory.mktemp("kube-node"), module=filter_wasm, kubelet=True, seed_policies=True)
+    with KubeMesh(config) as m:
         m.apply_rendered()
         yield m
 
@@ -176,12 +180,13 @@ except urllib.error.HTTPError as e:
 """
 
 
-def _caller_pod(mesh: KubeMesh, name: str, account: str) -> Any:
+def _caller_pod(mesh: KubeMesh, name: str, account: str, labels: dict[str, str] | None = None) -> Any:
     """An injected pod whose app is this test (its container's image is not one the kubelet runs)."""
     assert mesh.cluster is not None and mesh.kubelet is not None
     if mesh.cluster.get(f"/api/v1/namespaces/{NS}/serviceaccounts/{account}") is None:
         mesh.cluster.kubectl("create", "serviceaccount", account, "-n", NS)
-    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": NS, "labels": {"app": name}},
+    pod = {"apiVersion": "v1", "kind": "Pod",
+           "metadata": {"name": name, "namespace": NS, "labels": {"app": name, **(labels or {})}},
            "spec": {"serviceAccountName": account,
                     "containers": [{"name": "app", "image": "example.invalid/caller:1"}]}}
     mesh.cluster.kubectl("apply", "--server-side", "-f", "-", input=json.dumps(pod))
@@ -208,7 +213,8 @@ def test_a_client_pod_reaches_the_engine_service_through_both_sidecars_and_an_ou
     service = mesh.cluster.get(f"/api/v1/namespaces/{NS}/services/{render.ENGINE_APP}")
     assert service is not None
     url = f"http://{service['spec']['clusterIP']}:8000/v2/health/ready"  # no kube-proxy: only capture routes it
-    client = _caller_pod(mesh, "caller", "meshcache-client")
+    # Cache affinity (two engine replicas): the client's sidecar keys the route on the request.
+    client = _caller_pod(mesh, "caller", "meshcache-client", {AFFINITY_LABEL: "true"})
 
     def answered() -> tuple[int, str, str]:
         result = _call(client, url, render.ENGINE_APP)
@@ -220,3 +226,57 @@ def test_a_client_pod_reaches_the_engine_service_through_both_sidecars_and_an_ou
     outsider = _caller_pod(mesh, "outsider", "someone-else")
     status, _, body = _call(outsider, url, render.ENGINE_APP)
     assert status == 403 and "RBAC: access denied" in body
+
+
+POST = """import sys, urllib.request
+req = urllib.request.Request(sys.argv[1], data=sys.argv[3].encode(), method="POST",
+                             headers={"Host": sys.argv[2], "Content-Type": "application/json"})
+r = urllib.request.urlopen(req, timeout=20)
+print(r.headers.get("cache-status"))
+print(r.read().decode())
+"""
+
+
+def test_the_filter_comes_over_oci_through_istio_agent_and_the_second_rest_infer_is_a_hit(
+        mesh: KubeMesh, filter_wasm: Path) -> None:
+    """The rendered EnvoyFilter (from the control plane over MCP, through istiod) names the module
+    as oci://registry.example.com/...@sha256:<digest>: istio-agent fetched it from the node's
+    registry, checked the digest and handed Envoy the local file; the filter then caches."""
+    assert mesh.cluster is not None and mesh.kubelet is not None
+    pods = _ready_engine_pods(mesh)
+    running = mesh.kubelet.pods[f"{NS}/{pods[0]['metadata']['name']}"]
+    script = ("import urllib.request,json;"
+              "d=json.loads(urllib.request.urlopen('http://127.0.0.1:15000/config_dump').read());"
+              "print(json.dumps([f for c in d['configs'] if 'Ecds' in c['@type'] for f in c['ecds_filters']]))")
+
+    def wasm_loaded() -> Obj:
+        out = subprocess.run(running.net.exec_argv(sys.executable, "-c", script), capture_output=True, text=True,
+                             check=True).stdout
+        ecds = {f["ecds_filter"]["name"]: f["ecds_filter"]["typed_config"] for f in json.loads(out)}
+        config = ecds.get("meshcache", {})
+        # Until the agent has the module it serves Istio's fail-open stand-in (an allow-all RBAC filter).
+        assert config.get("@type", "").endswith("wasm.v3.Wasm"), config
+        return config
+
+    code = eventually(wasm_loaded, timeout=90, interval=0.5)["config"]["vm_config"]["code"]["local"]["filename"]
+    # The agent's cache names the module by the digest it pulled and checked: the one render pinned.
+    assert code.startswith("/var/lib/istio/data/") and code.endswith(f"/{oci.image_for(filter_wasm).digest}.wasm")
+
+    service = mesh.cluster.get(f"/api/v1/namespaces/{NS}/services/{render.ENGINE_APP}")
+    assert service is not None
+    client = _caller_pod(mesh, "hit-caller", "meshcache-client", {AFFINITY_LABEL: "true"})
+    url = f"http://{service['spec']['clusterIP']}:8000/v2/models/mlp-classifier/infer"
+    body = json.dumps(mlp_json(seed=3401))
+
+    def post() -> tuple[str, str]:
+        argv = client.net.exec_argv("setpriv", f"--reuid={APP_UID}", f"--regid={APP_UID}", "--clear-groups",
+                                    sys.executable, "-c", POST, url, render.ENGINE_APP, body)
+        status, _, payload = subprocess.run(argv, capture_output=True, text=True, check=True,
+                                            timeout=60).stdout.partition("\n")
+        return status, payload
+
+    first_status, first = eventually(post, timeout=30)
+    assert first_status == "meshcache; fwd=miss; stored", first_status
+    second_status, second = post()
+    assert second_status.startswith("meshcache; hit; ttl="), second_status
+    assert second == first

@@ -62,12 +62,15 @@ class KubeIstiodPorts:
         return cls(*(procs.free_port() for _ in range(6)))
 
 
-def localize_operator(operator: Obj, xds_address: str) -> Obj:
+def localize_operator(operator: Obj, xds_address: str, proxy_metadata: dict[str, str] | None = None) -> Obj:
     """The rendered IstioOperator with its control plane source at `xds_address` (host:port), and
     no default metrics provider: the profile's `prometheus` makes istiod add `istio.stats`, an
     istio-proxy-only extension upstream Envoy rejects (as PILOT_ENABLE_METADATA_EXCHANGE)."""
     out = copy.deepcopy(operator)
     out["spec"]["meshConfig"].setdefault("defaultProviders", {})["metrics"] = []
+    if proxy_metadata:  # mesh-wide agent settings (meshConfig.defaultConfig.proxyMetadata)
+        default = out["spec"]["meshConfig"].setdefault("defaultConfig", {})
+        default["proxyMetadata"] = {**default.get("proxyMetadata", {}), **proxy_metadata}
     for source in out["spec"]["meshConfig"].get("configSources", []):
         if source["address"].startswith("xds://"):
             source["address"] = f"xds://{xds_address}"
@@ -217,7 +220,8 @@ POD_FACING_PORT = 15012  # the CA and xDS port injected pods dial (mesh defaultC
 
 
 def start(cluster: LocalCluster, operator: Obj, xds_address: str, xds_ca_pem: str, work: Path,
-          pod_facing_host: str | None = None, timeout: float = START_TIMEOUT_S) -> KubeIstiod:
+          pod_facing_host: str | None = None, proxy_metadata: dict[str, str] | None = None,
+          timeout: float = START_TIMEOUT_S) -> KubeIstiod:
     """Istio's cluster objects applied, then istiod as a supervised child; ready once /ready
     answers (every config source synced, the MCP control plane included) and its webhooks carry
     its CA. `xds_ca_pem`: the CA of the control plane's xDS certificate (the operator's
@@ -228,7 +232,7 @@ def start(cluster: LocalCluster, operator: Obj, xds_address: str, xds_ca_pem: st
     if pod_facing_host is not None:
         ports = dataclasses.replace(ports, secure_grpc=POD_FACING_PORT)
         secure_grpc = f"{pod_facing_host}:{POD_FACING_PORT}"
-    operator = localize_operator(operator, xds_address)
+    operator = localize_operator(operator, xds_address, proxy_metadata)
     objects, deployment = localize(generate(operator, work), ports.webhook)
     namespace = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}}
     secrets = [{"apiVersion": "v1", "kind": "Secret", "type": "Opaque",

@@ -148,11 +148,13 @@ class TestKubelet:
     """Start with `start()`, stop with `stop()` (stops every pod it runs)."""
 
     def __init__(self, cluster: LocalCluster, network: NodeNetwork, work: Path, node_name: str = NODE_NAME,
-                 log: Callable[[str], None] = lambda _: None) -> None:
+                 hosts: dict[str, str] | None = None, log: Callable[[str], None] = lambda _: None) -> None:
         self.cluster = cluster
         self.network = network
         self.work = work
         self.node = node_name
+        # Names every pod resolves (/etc/hosts), as cluster DNS would: istiod's Service -> the node.
+        self.hosts = {"istiod.istio-system.svc": network.node_ip, **(hosts or {})}
         self.log = log
         self.pods: dict[str, RunningPod] = {}
         self.errors: list[str] = []  # the last sync errors (bounded), for test failure messages
@@ -250,7 +252,7 @@ class TestKubelet:
     def _start_pod(self, key: str, pod: Obj) -> RunningPod:
         meta = pod["metadata"]
         name, namespace = meta["name"], meta["namespace"]
-        net = self.network.add_pod(key, name, {"istiod.istio-system.svc": self.network.node_ip})
+        net = self.network.add_pod(key, name, self.hosts)
         root = self.pods_dir / f"{namespace}_{name}_{meta['uid'][:8]}"
         running = RunningPod(key, meta["uid"], net, root)
         self.pods[key] = running
@@ -445,7 +447,12 @@ class TestKubelet:
         proxy_config = json.loads(env.get("PROXY_CONFIG") or "{}")
         proxy_config["binaryPath"] = str(envoy_binary())
         env["PROXY_CONFIG"] = json.dumps(proxy_config)
-        argv = running.net.exec_argv("setpriv", f"--reuid={PROXY_UID}", f"--regid={PROXY_UID}", "--clear-groups",
+        # istio-agent keeps downloaded Wasm modules in the absolute /var/lib/istio/data (the pod's
+        # istio-data volume): `ip netns exec` runs in its own mount namespace, where the pod's
+        # var/lib is bind-mounted over /var/lib for the agent and Envoy only.
+        argv = running.net.exec_argv("sh", "-c", 'mount --bind "$0" /var/lib && exec "$@"',
+                                     str(running.root / "var" / "lib"),
+                                     "setpriv", f"--reuid={PROXY_UID}", f"--regid={PROXY_UID}", "--clear-groups",
                                      str(require_istio("pilot-agent")), *expand(container.get("args", []), env))
         running.procs["istio-proxy"] = procs.start(f"{running.net.name}-istio-proxy", argv, self.work / "logs",
                                                    env=env, cwd=running.root)

@@ -17,11 +17,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import httpx
+
+from meshcache.contract.filter_config import DEMO_POLICIES
 from meshcache.contract.paths import FILTER_WASM
 from meshcache.ctl import launchers, procs
 from meshcache.ctl.istio import render, xds_tls
 
 from . import istiod as kube_istiod
+from . import registry
 from .cluster import LocalCluster, start_cluster
 from .kubelet import TestKubelet
 from .netns import NodeNetwork
@@ -35,6 +39,7 @@ class KubeMeshConfig:
     namespace: str = render.BASE_NAMESPACE
     module: Path = FILTER_WASM
     kubelet: bool = False  # a test node whose pods run Istio's containers (kubelet.py; root)
+    seed_policies: bool = False  # the demo policies PUT at start (the filter then has work to do)
 
 
 @dataclass
@@ -72,14 +77,30 @@ class KubeMesh:
         self.operator = render.render_operators(opts)[1]
         self.cluster = start_cluster(work / "cluster")
         self._start_control_plane(work)
+        metadata: dict[str, str] = {}
+        hosts: dict[str, str] = {}
         if cfg.kubelet:
             self.network = NodeNetwork.create()
+            # The filter's registry on the node (registry.py): the agents fetch the rendered oci:// URL.
+            self.procs.append(registry.start_registry(self.network.node_ip, cfg.module, work / "registry"))
+            metadata["WASM_INSECURE_REGISTRIES"] = registry.HOST
+            hosts[registry.HOST] = self.network.node_ip
         self.istiod = kube_istiod.start(self.cluster, self.operator, f"127.0.0.1:{self.cp_xds}",
                                         (work / "xds-tls" / "ca.crt").read_text(), work / "istiod",
-                                        pod_facing_host=self.network.node_ip if self.network else None)
+                                        pod_facing_host=self.network.node_ip if self.network else None,
+                                        proxy_metadata=metadata)
         if self.network is not None:
-            self.kubelet = TestKubelet(self.cluster, self.network, work / "kubelet")
+            self.kubelet = TestKubelet(self.cluster, self.network, work / "kubelet", hosts=hosts)
             self.kubelet.start()
+        if cfg.seed_policies:
+            with self.api() as api:
+                for prefix, spec in DEMO_POLICIES.items():
+                    api.put(f"/v1/policies/{prefix}", json=spec).raise_for_status()
+
+    def api(self) -> httpx.Client:
+        """The control plane's API with its write token."""
+        return procs.http_client(base_url=f"http://127.0.0.1:{self.cp_http}",
+                                 headers={"Authorization": f"Bearer {self.token}"}, timeout=10)
 
     def _start_control_plane(self, work: Path) -> None:
         """The control plane as the rendered Deployment runs it (its MCP settings unchanged),
