@@ -45,6 +45,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -539,9 +540,10 @@ class TestKubelet:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=10)
-        for key in list(self.pods):
-            with contextlib.suppress(Exception):
-                self._remove(key)
+        # Concurrently: each agent drains for its terminationDrainDuration before it exits.
+        with ThreadPoolExecutor(max_workers=max(1, len(self.pods))) as pool:
+            for key in list(self.pods):
+                pool.submit(self._remove, key)
         self._probe.close()
         shutil.rmtree(self.pods_dir, ignore_errors=True)
         if self._api is not None:
