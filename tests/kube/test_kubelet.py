@@ -24,7 +24,7 @@ from meshcache.contract.extensions import AFFINITY_LABEL
 from meshcache.ctl.istio import render
 from meshcache.ctl.kube.mesh import KubeMesh, KubeMeshConfig
 from tests.helpers.wait import eventually
-from tests.mesh.helpers import mlp_json
+from tests.mesh.helpers import MODEL_INFER, mlp_json, mlp_request
 
 Obj = dict[str, Any]
 NS = render.BASE_NAMESPACE
@@ -280,3 +280,35 @@ def test_the_filter_comes_over_oci_through_istio_agent_and_the_second_rest_infer
     second_status, second = post()
     assert second_status.startswith("meshcache; hit; ttl="), second_status
     assert second == first
+
+
+GRPC = """import sys, grpc
+request = bytes.fromhex(sys.argv[3])
+with grpc.insecure_channel(sys.argv[1], options=[("grpc.default_authority", sys.argv[2])]) as channel:
+    response, call = channel.unary_unary(sys.argv[4]).with_call(request, timeout=20)
+    sys.stdout.write(dict(call.initial_metadata()).get("cache-status", "") + "\\n" + response.hex())
+"""
+
+
+def test_the_second_grpc_model_infer_from_a_client_pod_is_a_hit(mesh: KubeMesh) -> None:
+    assert mesh.cluster is not None
+    _ready_engine_pods(mesh)
+    service = mesh.cluster.get(f"/api/v1/namespaces/{NS}/services/{render.ENGINE_APP}")
+    assert service is not None
+    client = _caller_pod(mesh, "grpc-caller", "meshcache-client", {AFFINITY_LABEL: "true"})
+    request = mlp_request(seed=3402).SerializeToString().hex()
+
+    def infer() -> tuple[str, str]:
+        argv = client.net.exec_argv("setpriv", f"--reuid={APP_UID}", f"--regid={APP_UID}", "--clear-groups",
+                                    sys.executable, "-c", GRPC, f"{service['spec']['clusterIP']}:8001",
+                                    f"{render.ENGINE_APP}:8001", request, MODEL_INFER)
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr[-800:]  # UNAVAILABLE until the client sidecar has endpoints
+        status, _, payload = out.stdout.partition("\n")
+        return status, payload
+
+    first_status, first = eventually(infer, timeout=30)
+    assert first_status == "meshcache; fwd=miss; stored", first_status
+    second_status, second = infer()
+    assert second_status.startswith("meshcache; hit; ttl="), second_status
+    assert second == first and first
