@@ -28,11 +28,13 @@ from tests.mesh.helpers import MODEL_INFER, mlp_json, mlp_request
 
 Obj = dict[str, Any]
 NS = render.BASE_NAMESPACE
+CERT_TTL_S = 40  # short workload certificates: the agents rotate them every ~20 s
 
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory: pytest.TempPathFactory, filter_wasm: Path) -> Iterator[KubeMesh]:
-    config = KubeMeshConfig(tmp_path_factory.mktemp("kube-node"), module=filter_wasm, kubelet=True, seed_policies=True)
+    config = KubeMeshConfig(tmp_path_factory.mktemp("kube-node"), module=filter_wasm, kubelet=True, seed_policies=True,
+                            workload_cert_ttl=f"{CERT_TTL_S}s")
     with KubeMesh(config) as m:
         m.apply_rendered()
         yield m
@@ -76,15 +78,7 @@ def test_the_sidecar_certificate_comes_from_istiods_ca(mesh: KubeMesh) -> None:
     pods = eventually(lambda: [p for p in _engine_pods(mesh) if (_proxy_status(p) or {}).get("ready")], timeout=120)
     pod = pods[0]
     running = mesh.kubelet.pods[f"{NS}/{pod['metadata']['name']}"]
-    # Envoy's admin port is on the pod's loopback: read its certificates from inside the namespace.
-    script = "import urllib.request;print(urllib.request.urlopen('http://127.0.0.1:15000/certs').read().decode())"
-
-    def workload_certs() -> list[Obj]:
-        out = subprocess.run(running.net.exec_argv(sys.executable, "-c", script), capture_output=True, text=True,
-                             check=True).stdout
-        return [c for c in json.loads(out)["certificates"] if c.get("cert_chain")]
-
-    certs = eventually(workload_certs, timeout=30)
+    certs = eventually(lambda: _workload_certs(running), timeout=30)
     uris = {san.get("uri") for c in certs for cert in c["cert_chain"] for san in cert.get("subject_alt_names", [])}
     assert "spiffe://cluster.local/ns/meshcache/sa/meshcache-engine" in uris
     # Signed by istiod's own CA (its self-signed root, published to the namespace as istio-ca-root-cert).
@@ -93,6 +87,31 @@ def test_the_sidecar_certificate_comes_from_istiods_ca(mesh: KubeMesh) -> None:
     root = x509.load_pem_x509_certificate(root_map["data"]["root-cert.pem"].encode())
     roots = {ca["serial_number"].lstrip("0").lower() for c in certs for ca in c.get("ca_cert", [])}
     assert format(root.serial_number, "x") in roots, (roots, format(root.serial_number, "x"))
+
+
+def _workload_certs(running: Any) -> list[Obj]:
+    """Envoy's certificates (admin /certs) read from inside the pod's namespace (admin is on its loopback)."""
+    script = "import urllib.request;print(urllib.request.urlopen('http://127.0.0.1:15000/certs').read().decode())"
+    out = subprocess.run(running.net.exec_argv(sys.executable, "-c", script), capture_output=True, text=True,
+                         check=True).stdout
+    return [c for c in json.loads(out)["certificates"] if c.get("cert_chain")]
+
+
+def test_the_agent_rotates_the_workload_certificate_before_it_expires(mesh: KubeMesh) -> None:
+    assert mesh.kubelet is not None
+    pod = _ready_engine_pods(mesh)[0]
+    running = mesh.kubelet.pods[f"{NS}/{pod['metadata']['name']}"]
+
+    def serials() -> set[str]:
+        return {cert["serial_number"] for c in _workload_certs(running) for cert in c["cert_chain"]}
+
+    first = eventually(serials, timeout=30)
+    # A new certificate from istiod's CA for the same identity, on the agent's own schedule.
+    rotated = eventually(lambda: serials() - first, timeout=CERT_TTL_S * 1.5, interval=1.0)
+    certs = _workload_certs(running)
+    assert rotated and all(int(cert["days_until_expiration"]) == 0 for c in certs for cert in c["cert_chain"])
+    uris = {san.get("uri") for c in certs for cert in c["cert_chain"] for san in cert.get("subject_alt_names", [])}
+    assert "spiffe://cluster.local/ns/meshcache/sa/meshcache-engine" in uris
 
 
 def test_istiod_sees_the_sidecars_and_they_ack_its_config(mesh: KubeMesh) -> None:

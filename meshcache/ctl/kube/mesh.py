@@ -40,6 +40,7 @@ class KubeMeshConfig:
     module: Path = FILTER_WASM
     kubelet: bool = False  # a test node whose pods run Istio's containers (kubelet.py; root)
     seed_policies: bool = False  # the demo policies PUT at start (the filter then has work to do)
+    workload_cert_ttl: str = ""  # e.g. "40s": the lifetime the agents ask istiod's CA for (SECRET_TTL)
 
 
 @dataclass
@@ -85,6 +86,8 @@ class KubeMesh:
             self.procs.append(registry.start_registry(self.network.node_ip, cfg.module, work / "registry"))
             metadata["WASM_INSECURE_REGISTRIES"] = registry.HOST
             hosts[registry.HOST] = self.network.node_ip
+        if cfg.workload_cert_ttl:  # the agents rotate at half the lifetime (SECRET_GRACE_PERIOD_RATIO)
+            metadata["SECRET_TTL"] = cfg.workload_cert_ttl
         self.istiod = kube_istiod.start(self.cluster, self.operator, f"127.0.0.1:{self.cp_xds}",
                                         (work / "xds-tls" / "ca.crt").read_text(), work / "istiod",
                                         pod_facing_host=self.network.node_ip if self.network else None,
