@@ -94,6 +94,29 @@ if [ ! -x "$kustomize_dir/kustomize" ]; then
     "sigs.k8s.io/kustomize/kustomize/v5@$KUSTOMIZE_VERSION"
 fi
 
+# The real Helm (tests/istio/test_helm.py lints charts/meshcache and checks that `helm template`
+# makes the objects `meshcache istio render` writes): helm.sh/helm/v3 at HELM_VERSION, built from its
+# Go module once per machine like kustomize. The -X flags are the ones Helm's own Makefile sets:
+# its version, and the Kubernetes version that lint and template assume (that of its client-go
+# module, v0.37 -> 1.37) instead of the 1.20 a plain `go install` leaves.
+HELM_VERSION=v3.22.0
+HELM_KUBE_MINOR=37
+helm_dir="${XDG_CACHE_HOME:-$HOME/.cache}/meshcache/tools/helm-$HELM_VERSION"
+if [ ! -x "$helm_dir/helm" ]; then
+  go_bin=$(command -v go || echo /usr/local/go/bin/go)
+  if [ ! -x "$go_bin" ]; then
+    echo "setup: Go is needed to build helm $HELM_VERSION (none on PATH or at /usr/local/go/bin/go)" >&2
+    exit 1
+  fi
+  echo "setup: building helm $HELM_VERSION into $helm_dir (once per machine)"
+  helm_ldflags="-X helm.sh/helm/v3/internal/version.version=$HELM_VERSION"
+  for pkg in helm.sh/helm/v3/pkg/lint/rules helm.sh/helm/v3/pkg/chartutil; do
+    helm_ldflags="$helm_ldflags -X $pkg.k8sVersionMajor=1 -X $pkg.k8sVersionMinor=$HELM_KUBE_MINOR"
+  done
+  GOTOOLCHAIN=local GOFLAGS=-mod=mod GOBIN="$helm_dir" "$go_bin" install -ldflags "$helm_ldflags" \
+    "helm.sh/helm/v3/cmd/helm@$HELM_VERSION"
+fi
+
 # A real istiod for tests/istiod and `meshcache up --istiod`: pilot-discovery and istioctl from the
 # pinned istio.io/istio module (scripts/istiod/module-version) with scripts/istiod/patches applied,
 # built once per machine into /var/cache/meshcache (MESHCACHE_CACHE); needs Go 1.26 (docs/istio.md,

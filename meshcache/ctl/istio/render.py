@@ -583,8 +583,11 @@ EXISTING_OPERATOR_HEADER = """\
 HELM_VALUES_HEADER = """\
 # An existing Istio installed with Helm: values for the `istiod` chart that only add meshcache's
 # config source to the mesh config.
-#   helm upgrade istiod istio/istiod -n istio-system --reuse-values -f istiod-values.yaml
-# configSources replaces the default list, so k8s:// is listed.
+#   helm upgrade istiod istio/istiod -n istio-system --version <YOUR ISTIOD CHART VERSION> \\
+#     --reuse-values -f istiod-values.yaml
+# --version: the chart version you run now (`helm -n istio-system list`), or helm takes the newest;
+# a revisioned release (istiod-1-30) is upgraded by its own name. Preview first (docs/istio.md,
+# "Install with Helm"). configSources replaces the default list, so k8s:// is listed.
 """
 
 
@@ -628,7 +631,8 @@ def install_steps(opts: RenderOptions, out_dir: Path) -> str:
   5. istiod also reads the control plane:
        fresh:    istioctl install -f {out_dir}/istio-operator-mcp.yaml
        istioctl: istioctl install -f YOUR-ISTIO-OPERATOR.yaml -f {out_dir}/istio-operator-existing.yaml
-       Helm:     helm upgrade istiod istio/istiod -n istio-system --reuse-values -f {out_dir}/istiod-values.yaml
+       Helm:     helm upgrade istiod istio/istiod -n istio-system --version <your istiod chart version> \
+                   --reuse-values -f {out_dir}/istiod-values.yaml   # preview: docs/istio.md "Install with Helm"
 """
 
 
@@ -671,4 +675,8 @@ def update_base(module_path: Path = FILTER_WASM) -> list[Path]:
     text = re.sub(r"@sha256:[a-f0-9]{64}", f"@sha256:{pins.image_digest}", path.read_text())
     text = re.sub(r"(MESHCACHE_CP_ISTIO_WASM_SHA256\n\s+value: )[a-f0-9]{64}", rf"\g<1>{pins.image_digest}", text)
     path.write_text(text)
-    return [path]
+    # The chart's default pin is the base's (tests/istio/test_helm.py).
+    chart_values = REPO_ROOT / "charts" / "meshcache" / "values.yaml"
+    chart_text = re.sub(r"(\n  digest: )[a-f0-9]{64}", rf"\g<1>{pins.image_digest}", chart_values.read_text())
+    chart_values.write_text(chart_text)
+    return [path, chart_values]

@@ -1,0 +1,74 @@
+{{/* The label every object carries (istio/base/kustomization.yaml). */}}
+{{- define "meshcache.partOf" -}}
+app.kubernetes.io/part-of: meshcache
+{{- end -}}
+
+{{/* The release namespace, refused where render refuses it (Istio's and Kubernetes' own). */}}
+{{- define "meshcache.namespace" -}}
+{{- $reserved := list "istio-system" "istio-ingress" "istio-egress" "istio-gateways" "istio-operator" "istio-cni" "kube-system" "kube-public" "kube-node-lease" -}}
+{{- if has .Release.Namespace $reserved -}}
+{{- fail (printf "namespace %s: that is Istio's or Kubernetes' own namespace; install meshcache into a namespace of its own" .Release.Namespace) -}}
+{{- end -}}
+{{- .Release.Namespace -}}
+{{- end -}}
+
+{{/* The cached pods' labels (YAML map): cache.selector, else meshcache's own engine. */}}
+{{- define "meshcache.selector" -}}
+{{- if .Values.cache.selector -}}
+{{- toYaml .Values.cache.selector -}}
+{{- else if .Values.engine.enabled -}}
+app: meshcache-engine
+{{- else -}}
+{{- fail "cache.selector: set the pod labels of the workloads to cache (engine.enabled is false)" -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The selector as the control plane reads it: k=v,k=v in the order given. */}}
+{{- define "meshcache.selectorString" -}}
+{{- $sel := include "meshcache.selector" . | fromYaml -}}
+{{- $out := list -}}
+{{- range $k, $v := $sel -}}{{- $out = append $out (printf "%s=%s" $k $v) -}}{{- end -}}
+{{- join "," $out -}}
+{{- end -}}
+
+{{/* The cached workloads' Service ports (the callers' side): cache.servicePorts; else meshcache's
+engine Service (8000, and 8001 with a gRPC port); else the container ports. */}}
+{{- define "meshcache.servicePorts" -}}
+{{- $ports := concat .Values.cache.httpPorts .Values.cache.grpcPorts -}}
+{{- if .Values.engine.enabled -}}
+{{- $ports = ternary (list 8000 8001) (list 8000) (gt (len .Values.cache.grpcPorts) 0) -}}
+{{- end -}}
+{{- join "," (.Values.cache.servicePorts | default $ports) -}}
+{{- end -}}
+
+{{/* All colours: this rollout's first, then the live ones (engine on only). */}}
+{{- define "meshcache.colors" -}}
+{{- if .Values.engine.enabled -}}
+{{- $colors := list .Values.engine.color -}}
+{{- range .Values.engine.alsoColors -}}{{- if not (has . $colors) -}}{{- $colors = append $colors . -}}{{- end -}}{{- end -}}
+{{- join "," $colors -}}
+{{- end -}}
+{{- end -}}
+
+{{/* A principal in Istio's AuthorizationPolicy form (render normalize_principal). */}}
+{{- define "meshcache.principal" -}}
+{{- $p := trim . -}}
+{{- if hasPrefix "spiffe://" $p -}}{{- trimPrefix "spiffe://" $p -}}
+{{- else if contains "/ns/" $p -}}{{- $p -}}
+{{- else if regexMatch "^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?/[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$" $p -}}
+{{- $parts := splitList "/" $p -}}cluster.local/ns/{{ index $parts 0 }}/sa/{{ index $parts 1 }}
+{{- else -}}{{- fail (printf "cache.allowPrincipals %q: use NS/SERVICEACCOUNT, TRUSTDOMAIN/ns/NS/sa/SA or spiffe://TRUSTDOMAIN/ns/NS/sa/SA" $p) -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The Role the control plane writes its objects with (delivery kube). */}}
+{{- define "meshcache.writerRole" -}}meshcache-control-plane-istio-objects{{- end -}}
+
+{{/* The cache-affinity load balancer (render extensions.consistent_hash). */}}
+{{- define "meshcache.consistentHash" -}}
+loadBalancer:
+  consistentHash:
+    httpHeaderName: x-meshcache-route-key
+    ringHash:
+      minimumRingSize: 4096
+{{- end -}}

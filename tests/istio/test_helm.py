@@ -1,0 +1,227 @@
+"""charts/meshcache with the real Helm (built by scripts/setup.sh): it lints, and `helm template`
+makes, object by object, what `meshcache istio render` writes for the same settings (render is the
+source of truth; the chart leaves out only the Namespace, which is created before the release).
+The templated objects pass the same schema and cross-reference checks as rendered ones."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from meshcache.ctl.istio import crossref, render, validate
+from meshcache.ctl.istiod import binary as istiod_binary
+from tests.istio.helpers import CHART, HELM, HELM_VERSION, ISTIO_DIR
+from tests.istio.test_existing_servers import kserve_predictor, triton_deployment
+
+Obj = dict[str, Any]
+DEFAULTS = yaml.safe_load((CHART / "values.yaml").read_text())
+DIGEST = DEFAULTS["filter"]["digest"]
+
+
+def helm(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(HELM), *args], capture_output=True, text=True, timeout=120)
+
+
+def template(tmp_path: Path, namespace: str, values: Obj) -> list[Obj]:
+    path = tmp_path / "values.json"
+    path.write_text(json.dumps(values))  # JSON is YAML: exact types, no quoting surprises
+    r = helm("template", "meshcache", str(CHART), "--namespace", namespace, "-f", str(path))
+    assert r.returncode == 0, r.stderr
+    return [o for o in yaml.safe_load_all(r.stdout) if o]
+
+
+def _normal(obj: Obj) -> Obj:
+    """Differences that carry no meaning: env order (kustomize puts patched entries first) and the
+    YAML layout of the sidecar's proxy config annotation."""
+    obj = json.loads(json.dumps(obj))
+    pod = obj.get("spec", {}).get("template", {}).get("spec", {})
+    for c in pod.get("containers", []):
+        if "env" in c:
+            c["env"] = sorted(c["env"], key=lambda e: e["name"])
+    ann = obj.get("spec", {}).get("template", {}).get("metadata", {}).get("annotations", {})
+    if "proxy.istio.io/config" in ann:
+        ann["proxy.istio.io/config"] = yaml.safe_load(ann["proxy.istio.io/config"])
+    return obj
+
+
+def _by_id(objects: list[Obj]) -> dict[tuple[str, str], Obj]:
+    out = {(o["kind"], o["metadata"]["name"]): _normal(o) for o in objects}
+    assert len(out) == len(objects), "duplicate kind/name"
+    return out
+
+
+# (id, render options, chart values): the defaults; meshcache in front of a KServe predictor (no
+# engine, its selector, ports, Service and another caller); Triton's overlay; delivery kube in another
+# namespace with two colours and images of one's own; meshcache's engine on other ports and labels;
+# the basic, revision and external-redis overlays.
+CASES: list[tuple[str, render.RenderOptions, Obj]] = [
+    ("default", render.RenderOptions(image_digest=DIGEST), {}),
+    ("kserve", render.RenderOptions(
+        image_digest=DIGEST, source=ISTIO_DIR / "overlays" / "kserve", engine_service="sklearn-predictor",
+        engine_selector={"component": "predictor", "serving.kserve.io/inferenceservice": "sklearn"},
+        allow_principals=("apps/frontend", "spiffe://cluster.local/ns/batch/sa/scorer")),
+     {"engine": {"enabled": False},
+      "cache": {"selector": {"serving.kserve.io/inferenceservice": "sklearn", "component": "predictor"},
+                "httpPorts": [8080], "grpcPorts": [], "servicePorts": [80], "service": "sklearn-predictor",
+                "allowPrincipals": ["apps/frontend", "spiffe://cluster.local/ns/batch/sa/scorer"]}}),
+    ("triton", render.RenderOptions(image_digest=DIGEST, source=ISTIO_DIR / "overlays" / "triton"),
+     {"engine": {"enabled": False},
+      "cache": {"selector": {"app": "triton-inference-server"}, "service": "triton"}}),
+    ("kube", render.RenderOptions(
+        namespace="ml-cache", delivery="kube", color="green", also_colors=("blue",), image_digest="ab" * 32,
+        filter_repository="registry.corp.example/ml/meshcache-filter", ingress_host="infer.corp.example",
+        engine_image="registry.corp.example/ml/engine:1.2", control_plane_image="registry.corp.example/ml/cp:1.2",
+        allow_principals=("cluster.local/ns/apps/sa/frontend",)),
+     {"delivery": "kube",
+      "filter": {"repository": "registry.corp.example/ml/meshcache-filter", "digest": "ab" * 32},
+      "engine": {"color": "green", "alsoColors": ["blue"], "ingressHost": "infer.corp.example",
+                 "image": "registry.corp.example/ml/engine:1.2"},
+      "controlPlane": {"image": "registry.corp.example/ml/cp:1.2"},
+      "cache": {"allowPrincipals": ["cluster.local/ns/apps/sa/frontend"]}}),
+    ("own-engine-ports", render.RenderOptions(
+        image_digest=DIGEST, engine_selector={"app": "meshcache-engine", "tier": "ml"},
+        engine_ports={"http": 9000, "grpc": None}),
+     {"cache": {"selector": {"app": "meshcache-engine", "tier": "ml"}, "httpPorts": [9000], "grpcPorts": []}}),
+    ("basic-kube", render.RenderOptions(image_digest=DIGEST, source=ISTIO_DIR / "overlays" / "basic", delivery="kube"),
+     {"mode": "basic", "delivery": "kube"}),
+    ("revision", render.RenderOptions(image_digest=DIGEST, source=ISTIO_DIR / "overlays" / "revision"),
+     {"revision": "1-30-3"}),
+    ("external-redis", render.RenderOptions(image_digest=DIGEST, source=ISTIO_DIR / "overlays" / "external-redis"),
+     {"redis": {"enabled": False}}),
+]
+
+
+@pytest.mark.parametrize(("opts", "values"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_helm_template_equals_render(tmp_path: Path, opts: render.RenderOptions, values: Obj,
+                                     crds: dict) -> None:
+    rendered = render.render(opts)
+    templated = template(tmp_path, opts.namespace, {**values, "monitoring": {"podMonitors": True}})
+    # render's meshcache-istio.yaml and monitoring.yaml together
+    want = {k: v for k, v in _by_id(rendered + render.monitors(rendered)).items() if k[0] != "Namespace"}
+    got = _by_id(templated)
+    assert sorted(got) == sorted(want)
+    for key, obj in want.items():
+        assert got[key] == obj, key
+    # Checked like rendered manifests: schemas (core kinds and Istio's CRDs), then the cross
+    # references with what the control plane would serve (the Namespace is the release's).
+    report = validate.validate_all(templated)
+    assert report.ok, report.errors
+    assert {o["kind"] for o in template(tmp_path, opts.namespace, values)} == {o["kind"] for o in rendered} - {
+        "Namespace"}  # PodMonitors only when asked (their CRDs may be missing)
+    namespace = next(o for o in rendered if o["kind"] == "Namespace")
+    # In front of KServe or Triton: their workloads, as test_existing_servers has them.
+    theirs = {"kserve": kserve_predictor("sklearn", opts.namespace),
+              "triton": triton_deployment(opts.namespace)}.get(opts.source.name, [])
+    objects = [namespace, *templated, *theirs]
+    served = render.mcp_objects(objects, render.demo_plugin_config())
+    assert not crossref.check_all(objects + served, opts.image_digest or DIGEST,
+                                  elsewhere=frozenset(opts.also_colors))
+
+
+def test_helm_lint_strict(tmp_path: Path) -> None:
+    for i, (_, _, values) in enumerate(CASES):
+        path = tmp_path / f"values-{i}.json"
+        path.write_text(json.dumps({**values, "monitoring": {"podMonitors": i % 2 == 0}}))
+        r = helm("lint", "--strict", str(CHART), "-f", str(path))
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert "1 chart(s) linted, 0 chart(s) failed" in r.stdout
+
+
+def test_chart_pins_the_base_module() -> None:
+    """The chart's default filter digest is the one istio/base pins (`render --update-base` moves both)."""
+    env = render.control_plane_env(render.kustomize.build(render.BASE_DIR))
+    assert env["MESHCACHE_CP_ISTIO_WASM_SHA256"] == DIGEST
+
+
+@pytest.mark.parametrize(("namespace", "values", "message"), [
+    ("istio-system", {}, "namespace istio-system: that is Istio's or Kubernetes' own namespace"),
+    ("kserve-apps", {"engine": {"enabled": False}}, "cache.selector: set the pod labels"),
+    ("meshcache", {"filter": {"digest": "sha256:" + "a" * 64}}, "/filter/digest"),
+    ("meshcache", {"delivery": "istiod"}, "/delivery"),
+    ("meshcache", {"mode": "lite"}, "/mode"),
+    ("meshcache", {"cache": {"allowPrincipals": ["Frontend"]}}, 'cache.allowPrincipals "Frontend"'),
+    ("meshcache", {"controlPlane": {"replicas": 1}}, "/controlPlane/replicas"),
+    ("meshcache", {"engine": {"colour": "red"}}, "colour"),
+], ids=["reserved-namespace", "no-selector", "digest-prefix", "delivery", "mode", "principal", "one-replica", "typo"])
+def test_helm_refuses_bad_values(tmp_path: Path, namespace: str, values: Obj, message: str) -> None:
+    path = tmp_path / "values.json"
+    path.write_text(json.dumps(values))
+    r = helm("template", "meshcache", str(CHART), "--namespace", namespace, "-f", str(path))
+    assert r.returncode != 0
+    assert message in r.stderr, r.stderr
+
+
+def test_docs_values_example_equals_render(tmp_path: Path) -> None:
+    """docs/istio.md "Install with Helm": its values file, with a digest, makes what render does
+    for the KServe walk-through's flags, and cross-references with that predictor."""
+    doc = (render.REPO_ROOT / "docs" / "istio.md").read_text()
+    section = doc[doc.index("## Install with Helm"):]
+    body = section[section.index("<<'VALUES'\n") + len("<<'VALUES'\n"):section.index("\nVALUES\n")]
+    values = yaml.safe_load(body.replace("<DIGEST>", DIGEST))
+    assert "helm install meshcache charts/meshcache -n ml -f meshcache-values.yaml" in section
+    templated = template(tmp_path, "ml", values)
+    opts = render.RenderOptions(
+        namespace="ml", image_digest=DIGEST, source=ISTIO_DIR / "overlays" / "kserve",
+        engine_selector={"component": "predictor", "serving.kserve.io/inferenceservice": "sklearn-iris"},
+        engine_service="sklearn-iris-predictor", allow_principals=("ml/my-app",))
+    rendered = render.render(opts)
+    assert _by_id(templated) == {k: v for k, v in _by_id(rendered).items() if k[0] != "Namespace"}
+    namespace = next(o for o in rendered if o["kind"] == "Namespace")
+    objects = [namespace, *templated, *kserve_predictor("sklearn-iris", "ml")]
+    served = render.mcp_objects(objects, render.demo_plugin_config())
+    assert not crossref.check_all(objects + served, DIGEST)
+
+
+def _istiod_chart() -> Path:
+    """The istiod chart of the pinned istio.io/istio module (the one scripts/build_istiod.sh builds
+    istiod from), from Go's module cache."""
+    go = shutil.which("go") or "/usr/local/go/bin/go"
+    r = subprocess.run([go, "mod", "download", "-json", f"istio.io/istio@{istiod_binary.module_version()}"],
+                       capture_output=True, text=True, timeout=300, env={**os.environ, "GOTOOLCHAIN": "local"})
+    assert r.returncode == 0, r.stderr
+    return Path(json.loads(r.stdout)["Dir"]) / "manifests" / "charts" / "istio-control" / "istio-discovery"
+
+
+@pytest.mark.parametrize("revision", ["", "1-30"], ids=["default", "revisioned"])
+def test_istiod_values_preview(tmp_path: Path, revision: str) -> None:
+    """docs/istio.md's preview of the istiod upgrade, on the istiod chart itself: with render's
+    istiod-values.yaml only the mesh ConfigMap gains the config sources (and the values ConfigMap
+    records them); the Deployment is unchanged, which is why the docs restart istiod."""
+    chart = _istiod_chart()
+    values = tmp_path / "istiod-values.yaml"
+    values.write_text(yaml.safe_dump(render.istiod_values(render.render_operators(
+        render.RenderOptions(namespace="ml"))[1])))
+    args = ["template", "istiod", str(chart), "--namespace", "istio-system", "--set", f"revision={revision}"]
+    before, after = (helm(*args, *extra) for extra in ((), ("-f", str(values))))
+    assert before.returncode == 0 and after.returncode == 0, before.stderr + after.stderr
+    objects = [{(o["kind"], o["metadata"]["name"]): o for o in yaml.safe_load_all(r.stdout) if o}
+               for r in (before, after)]
+    assert objects[0].keys() == objects[1].keys()
+    changed = {k for k in objects[0] if objects[0][k] != objects[1][k]}
+    suffix = f"-{revision}" if revision else ""
+    assert changed == {("ConfigMap", f"istio{suffix}"), ("ConfigMap", f"values{suffix}")}
+    mesh = [yaml.safe_load(o[("ConfigMap", f"istio{suffix}")]["data"]["mesh"]) for o in objects]
+    sources = yaml.safe_load(values.read_text())["meshConfig"]["configSources"]
+    assert mesh[1].pop("configSources") == sources
+    assert mesh[0] == mesh[1]  # nothing else in the mesh config moves
+    assert sources[1]["address"] == "xds://meshcache-control-plane.ml.svc.cluster.local:18000"
+    # The docs' undo: Kubernetes alone again.
+    unset = 'meshConfig.configSources=[{"address":"k8s://"}]'
+    assert f"--set-json '{unset}'" in (render.REPO_ROOT / "docs" / "istio.md").read_text()
+    undo = helm(*args, "-f", str(values), "--set-json", unset)
+    assert undo.returncode == 0, undo.stderr
+    undone = {(o["kind"], o["metadata"]["name"]): o for o in yaml.safe_load_all(undo.stdout) if o}
+    assert yaml.safe_load(undone[("ConfigMap", f"istio{suffix}")]["data"]["mesh"]) == {
+        **mesh[0], "configSources": [{"address": "k8s://"}]}
+
+
+def test_helm_is_the_pinned_build() -> None:
+    r = helm("version", "--template", "{{ .Version }}")
+    assert r.returncode == 0 and r.stdout.strip() == HELM_VERSION
