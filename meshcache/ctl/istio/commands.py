@@ -48,6 +48,14 @@ def register(subparsers: Any) -> None:
                    help="a caller the cached workloads' AuthorizationPolicy admits, besides meshcache-client and "
                         "the ingress gateway (repeatable): spiffe://cluster.local/ns/NS/sa/SA, "
                         "cluster.local/ns/NS/sa/SA or NS/SA")
+    r.add_argument("--ingress-principal", action="append", default=[], metavar="PRINCIPAL[,PRINCIPAL]",
+                   help="the ingress gateway's identity, in the same forms (repeatable, or a comma list); replaces "
+                        f"the default {render.INGRESS_PRINCIPAL} (istioctl's gateway); a Helm-installed gateway "
+                        "`helm install NAME istio/gateway -n NS` runs as NS/NAME")
+    r.add_argument("--authz", choices=render.AUTHZ_MODES, default="allow-callers",
+                   help="allow-callers (default): an ALLOW AuthorizationPolicy on the cached pods, the inference "
+                        "ports for meshcache-client, the ingress gateway and --allow-principal only, every other "
+                        "port for any caller; none: no AuthorizationPolicy (authorization is yours)")
     r.add_argument("--engine-selector", action="append", default=[], metavar="KEY=VALUE",
                    help="a pod label of the workloads whose sidecars cache (repeatable; all must match; default "
                         "the overlay's: app=meshcache-engine in istio/base)")
@@ -142,6 +150,8 @@ def _render(args: argparse.Namespace) -> int:
             filter_repository=args.filter_repository, source=args.overlay, ingress_host=args.ingress_host,
             engine_image=args.engine_image, control_plane_image=args.control_plane_image,
             allow_principals=tuple(args.allow_principal),
+            ingress_principals=tuple(p.strip() for item in args.ingress_principal for p in item.split(",") if p.strip()),
+            authz=args.authz,
             engine_selector=render.parse_engine_selector(args.engine_selector) if args.engine_selector else None,
             engine_ports=render.parse_engine_ports(args.engine_port), engine_service=args.engine_service,
             mesh_tls13=args.mesh_tls13, delivery=args.delivery)
