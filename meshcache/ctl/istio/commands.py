@@ -200,7 +200,7 @@ def _oci_layout(args: argparse.Namespace) -> int:
 
 
 def _validate(args: argparse.Namespace) -> int:
-    from . import crossref, validate
+    from . import authz, crossref, validate
 
     try:
         validate.crd_file()
@@ -216,11 +216,13 @@ def _validate(args: argparse.Namespace) -> int:
     # Cross-file checks name objects (`Kind/name: ...`): each error is prefixed with its object's file.
     where = {validate.short_id(o): f for f, objs in per_file.items() for o in objs}
     found = []
+    manifests = [o for o in objects if o["kind"] != "IstioOperator"]
+    theirs = [i for o in theirs for i in (o.get("items", []) if o.get("kind") == "List" else [o])]
+    where |= {validate.short_id(o): f for f in args.workload for o in theirs}
+    # Who the AuthorizationPolicies would deny by surprise, on the workloads given (own or --workload).
+    warned = authz.check_authorization(manifests + theirs)
     if args.module.exists():
         image = oci.image_for(args.module)
-        manifests = [o for o in objects if o["kind"] != "IstioOperator"]
-        theirs = [i for o in theirs for i in (o.get("items", []) if o.get("kind") == "List" else [o])]
-        where |= {validate.short_id(o): f for f in args.workload for o in theirs}
         startup = any(o["kind"] == "Deployment" and o["metadata"]["name"] == render.CONTROL_PLANE for o in manifests)
         allowed = frozenset(args.allow_principal)
         if startup and not render.own_engine(manifests) and not theirs:
@@ -246,7 +248,10 @@ def _validate(args: argparse.Namespace) -> int:
         if "profile" not in overlay["spec"]:
             errors += [f"{f}: {e}" for e in crossref.check_operator_steps({"spec": {}}, overlay)]
     errors += [f"{where[e.split(': ', 1)[0]]}: {e}" if e.split(": ", 1)[0] in where else e for e in found]
-    for e in errors:
+    warnings = [f"{where[w.split(': ', 1)[0]]}: warning: {w}" if w.split(": ", 1)[0] in where else f"warning: {w}"
+                for w in warned]
+    for e in [*errors, *warnings]:
         print(validate.one_line(e), file=sys.stderr)
-    print(f"{len(objects)} objects in {len(files)} files, {len(errors)} errors")
+    summary = f"{len(objects)} objects in {len(files)} files, {len(errors)} errors"
+    print(summary + (f", {len(warnings)} warnings (exit status unchanged)" if warnings else ""))
     return 1 if errors else 0
