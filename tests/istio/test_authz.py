@@ -157,7 +157,7 @@ def test_meshcache_own_engine_is_strict_and_warns_about_nothing(tmp_path: Path, 
     second rule: no warning."""
     out = tmp_path / "out"
     objects = _render(out)
-    engine = next(o for o in objects if o["kind"] == "Deployment" and o["metadata"]["name"].startswith("meshcache-engine"))
+    engine = next(o for o in objects if o["kind"] == "Deployment" and o["metadata"]["name"] == "meshcache-engine-blue")
     assert {p["containerPort"] for c in engine["spec"]["template"]["spec"]["containers"] for p in c["ports"]} >= {8002}
     code, lines = _validate(capsys, out, filter_wasm)
     assert code == 0 and lines[-1].endswith(" 0 errors"), lines

@@ -71,7 +71,8 @@ def mtls_mode(objects: list[Obj], w: Obj, port: int) -> tuple[str, str]:
     mesh = [p for p in peers if not (p["spec"].get("selector") or {}).get("matchLabels")
             and _namespace(p) == ROOT_NAMESPACE]
     for p in own:
-        level = (p["spec"].get("portLevelMtls") or {}).get(str(port)) or (p["spec"].get("portLevelMtls") or {}).get(port)
+        by_port = p["spec"].get("portLevelMtls") or {}
+        level = by_port.get(str(port)) or by_port.get(port)
         if level and level.get("mode", "UNSET") != "UNSET":
             return level["mode"], f"PeerAuthentication/{_name(p)}"
     for group in (own, namespace, mesh):

@@ -150,7 +150,7 @@ def _render(args: argparse.Namespace) -> int:
             filter_repository=args.filter_repository, source=args.overlay, ingress_host=args.ingress_host,
             engine_image=args.engine_image, control_plane_image=args.control_plane_image,
             allow_principals=tuple(args.allow_principal),
-            ingress_principals=tuple(p.strip() for item in args.ingress_principal for p in item.split(",") if p.strip()),
+            ingress_principals=tuple(p.strip() for i in args.ingress_principal for p in i.split(",") if p.strip()),
             authz=args.authz,
             engine_selector=render.parse_engine_selector(args.engine_selector) if args.engine_selector else None,
             engine_ports=render.parse_engine_ports(args.engine_port), engine_service=args.engine_service,
