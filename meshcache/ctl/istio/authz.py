@@ -86,8 +86,9 @@ def mtls_mode(objects: list[Obj], w: Obj, port: int) -> tuple[str, str]:
 def check_authorization(objects: list[Obj]) -> list[str]:
     """Warnings, each `AuthorizationPolicy/name: ...` (the policy that selects the workload)."""
     warnings = []
+    # Sidecar policies only: not CUSTOM (provider) ones, nor those bound to a waypoint or gateway.
     allow = [p for p in _of(objects, "AuthorizationPolicy") if p["spec"].get("action", "ALLOW") == "ALLOW"
-             and not p["spec"].get("provider")]
+             and not p["spec"].get("provider") and not p["spec"].get("targetRef") and not p["spec"].get("targetRefs")]
     for w in _workloads(objects):
         policies = [p for p in allow if _applies(p, w)]
         if not policies or not injected(w):  # no sidecar: no policy is enforced there
