@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Builds istiod (pilot-discovery), istioctl and pilot-agent (istio-agent, the sidecar's
-# supervisor: tests/kube) from the pinned istio.io/istio module, with the
+# supervisor: tests/kube, with the proxy image's Envoy bootstrap template) from the pinned
+# istio.io/istio module, with the
 # patches in scripts/istiod/patches applied, once per machine: the result is cached outside the
 # work tree under a directory keyed on the module version and the patches' hash, so a version or
 # patch change builds again and nothing else does.
@@ -21,7 +22,7 @@ if [ "${1:-}" = "--print-dir" ]; then
   echo "$bin"
   exit 0
 fi
-if [ -x "$bin/pilot-discovery" ] && [ -x "$bin/istioctl" ] && [ -x "$bin/pilot-agent" ]; then
+if [ -x "$bin/pilot-discovery" ] && [ -x "$bin/istioctl" ] && [ -x "$bin/pilot-agent" ] && [ -f "$bin/envoy_bootstrap_tmpl.json" ]; then
   echo "$bin"
   exit 0
 fi
@@ -39,7 +40,7 @@ export GOFLAGS="${GOFLAGS:--buildvcs=false}"
 mkdir -p "$root"
 exec 9>"$root.lock"
 flock 9
-if [ -x "$bin/pilot-discovery" ] && [ -x "$bin/istioctl" ] && [ -x "$bin/pilot-agent" ]; then
+if [ -x "$bin/pilot-discovery" ] && [ -x "$bin/istioctl" ] && [ -x "$bin/pilot-agent" ] && [ -f "$bin/envoy_bootstrap_tmpl.json" ]; then
   echo "$bin"
   exit 0
 fi
@@ -68,6 +69,9 @@ mkdir -p "$root/bin.tmp"
 (cd "$work" && go build -ldflags "$ldflags" -o "$root/bin.tmp/pilot-discovery" ./pilot/cmd/pilot-discovery)
 (cd "$work" && go build -ldflags "$ldflags" -o "$root/bin.tmp/istioctl" ./istioctl/cmd/istioctl)
 (cd "$work" && go build -ldflags "$ldflags" -o "$root/bin.tmp/pilot-agent" ./pilot/cmd/pilot-agent)
+# The proxyv2 image's Envoy bootstrap template (its Dockerfile copies it to
+# /var/lib/istio/envoy/envoy_bootstrap_tmpl.json): the test kubelet puts it in each pod's root.
+cp "$work/tools/packaging/common/envoy_bootstrap.json" "$root/bin.tmp/envoy_bootstrap_tmpl.json"
 rm -rf "$bin"
 mv "$root/bin.tmp" "$bin"
 echo "build_istiod: built in $(( $(date +%s) - start ))s" >&2

@@ -20,6 +20,9 @@ APT_PACKAGES=(
   buildah debootstrap
   # tests/istio/test_oci_publish.py: the filter's OCI image pushed with skopeo to a real registry.
   skopeo docker-registry
+  # tests/kube: the test kubelet's pod network namespaces, veths and bridge (ip), Istio's traffic
+  # capture inside them (pilot-agent istio-iptables runs iptables-restore).
+  iproute2 iptables
 )
 
 missing=()

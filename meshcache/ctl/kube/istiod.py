@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,9 +62,15 @@ class KubeIstiodPorts:
         return cls(*(procs.free_port() for _ in range(6)))
 
 
-def localize_operator(operator: Obj, xds_address: str) -> Obj:
-    """The rendered IstioOperator with its control plane source at `xds_address` (host:port)."""
+def localize_operator(operator: Obj, xds_address: str, proxy_metadata: dict[str, str] | None = None) -> Obj:
+    """The rendered IstioOperator with its control plane source at `xds_address` (host:port), and
+    no default metrics provider: the profile's `prometheus` makes istiod add `istio.stats`, an
+    istio-proxy-only extension upstream Envoy rejects (as PILOT_ENABLE_METADATA_EXCHANGE)."""
     out = copy.deepcopy(operator)
+    out["spec"]["meshConfig"].setdefault("defaultProviders", {})["metrics"] = []
+    if proxy_metadata:  # mesh-wide agent settings (meshConfig.defaultConfig.proxyMetadata)
+        default = out["spec"]["meshConfig"].setdefault("defaultConfig", {})
+        default["proxyMetadata"] = {**default.get("proxyMetadata", {}), **proxy_metadata}
     for source in out["spec"]["meshConfig"].get("configSources", []):
         if source["address"].startswith("xds://"):
             source["address"] = f"xds://{xds_address}"
@@ -109,7 +116,8 @@ def localize(manifest: list[Obj], webhook_port: int) -> tuple[list[Obj], Obj]:
     return objects, istiod
 
 
-def process_of(deployment: Obj, kubeconfig: Path, ports: KubeIstiodPorts) -> tuple[list[str], dict[str, str]]:
+def process_of(deployment: Obj, kubeconfig: Path, ports: KubeIstiodPorts,
+               secure_grpc: str | None = None) -> tuple[list[str], dict[str, str]]:
     """istiod's command line and environment as its Deployment's container has them, with
     local addresses, the kubeconfig, and the fieldRefs resolved."""
     pod = deployment["spec"]["template"]["spec"]
@@ -129,7 +137,7 @@ def process_of(deployment: Obj, kubeconfig: Path, ports: KubeIstiodPorts) -> tup
     # The container's flags first; later flags win (pflag), so ours set the addresses.
     argv = [str(require_istio("pilot-discovery")), *container.get("args", []),
             f"--kubeconfig={kubeconfig}",
-            f"--grpcAddr=127.0.0.1:{ports.grpc}", f"--secureGRPCAddr=127.0.0.1:{ports.secure_grpc}",
+            f"--grpcAddr=127.0.0.1:{ports.grpc}", f"--secureGRPCAddr={secure_grpc or f'127.0.0.1:{ports.secure_grpc}'}",
             f"--httpAddr=127.0.0.1:{ports.http}", f"--monitoringAddr=127.0.0.1:{ports.monitoring}",
             f"--httpsAddr=127.0.0.1:{ports.webhook}",
             f"--ctrlz_port={ports.ctrlz}", "--ctrlz_address=127.0.0.1"]
@@ -208,14 +216,23 @@ def apply(cluster: LocalCluster, objects: list[Obj], field_manager: str = "meshc
                         input=yaml.safe_dump_all(rest))
 
 
+POD_FACING_PORT = 15012  # the CA and xDS port injected pods dial (mesh defaultConfig.discoveryAddress)
+
+
 def start(cluster: LocalCluster, operator: Obj, xds_address: str, xds_ca_pem: str, work: Path,
+          pod_facing_host: str | None = None, proxy_metadata: dict[str, str] | None = None,
           timeout: float = START_TIMEOUT_S) -> KubeIstiod:
     """Istio's cluster objects applied, then istiod as a supervised child; ready once /ready
     answers (every config source synced, the MCP control plane included) and its webhooks carry
     its CA. `xds_ca_pem`: the CA of the control plane's xDS certificate (the operator's
-    `credentialName` Secret)."""
+    `credentialName` Secret). `pod_facing_host`: the node address pods reach istiod's CA and xDS
+    on (port 15012, as injected pods dial `istiod.istio-system.svc:15012`)."""
     ports = KubeIstiodPorts.free()
-    operator = localize_operator(operator, xds_address)
+    secure_grpc = f"127.0.0.1:{ports.secure_grpc}"
+    if pod_facing_host is not None:
+        ports = dataclasses.replace(ports, secure_grpc=POD_FACING_PORT)
+        secure_grpc = f"{pod_facing_host}:{POD_FACING_PORT}"
+    operator = localize_operator(operator, xds_address, proxy_metadata)
     objects, deployment = localize(generate(operator, work), ports.webhook)
     namespace = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}}
     secrets = [{"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
@@ -228,7 +245,7 @@ def start(cluster: LocalCluster, operator: Obj, xds_address: str, xds_ca_pem: st
     kubeconfig = cluster.kubeconfig_for(
         "istiod", f"system:serviceaccount:{NAMESPACE}:{SERVICE_ACCOUNT}",
         ("system:serviceaccounts", f"system:serviceaccounts:{NAMESPACE}"))
-    argv, env = process_of(deployment, kubeconfig, ports)
+    argv, env = process_of(deployment, kubeconfig, ports, secure_grpc)
     # istiod writes its DNS certificates under ./var/run/secrets and finds no ./etc/istio files
     # here, so it reads the `istio` and `istio-sidecar-injector` ConfigMaps from the API server.
     run_dir = work / "run"

@@ -17,12 +17,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import httpx
+
+from meshcache.contract.filter_config import DEMO_POLICIES
 from meshcache.contract.paths import FILTER_WASM
 from meshcache.ctl import launchers, procs
 from meshcache.ctl.istio import render, xds_tls
 
 from . import istiod as kube_istiod
+from . import registry
 from .cluster import LocalCluster, start_cluster
+from .kubelet import TestKubelet
+from .netns import NodeNetwork
 
 Obj = dict[str, Any]
 
@@ -32,6 +38,9 @@ class KubeMeshConfig:
     work_dir: Path
     namespace: str = render.BASE_NAMESPACE
     module: Path = FILTER_WASM
+    kubelet: bool = False  # a test node whose pods run Istio's containers (kubelet.py; root)
+    seed_policies: bool = False  # the demo policies PUT at start (the filter then has work to do)
+    workload_cert_ttl: str = ""  # e.g. "40s": the lifetime the agents ask istiod's CA for (SECRET_TTL)
 
 
 @dataclass
@@ -47,6 +56,8 @@ class KubeMesh:
     cp_http: int = 0
     cp_xds: int = 0
     procs: list[procs.Proc] = field(default_factory=list)
+    network: NodeNetwork | None = None
+    kubelet: TestKubelet | None = None
 
     def __enter__(self) -> KubeMesh:
         try:
@@ -67,8 +78,32 @@ class KubeMesh:
         self.operator = render.render_operators(opts)[1]
         self.cluster = start_cluster(work / "cluster")
         self._start_control_plane(work)
+        metadata: dict[str, str] = {}
+        hosts: dict[str, str] = {}
+        if cfg.kubelet:
+            self.network = NodeNetwork.create()
+            # The filter's registry on the node (registry.py): the agents fetch the rendered oci:// URL.
+            self.procs.append(registry.start_registry(self.network.node_ip, cfg.module, work / "registry"))
+            metadata["WASM_INSECURE_REGISTRIES"] = registry.HOST
+            hosts[registry.HOST] = self.network.node_ip
+        if cfg.workload_cert_ttl:  # the agents rotate at half the lifetime (SECRET_GRACE_PERIOD_RATIO)
+            metadata["SECRET_TTL"] = cfg.workload_cert_ttl
         self.istiod = kube_istiod.start(self.cluster, self.operator, f"127.0.0.1:{self.cp_xds}",
-                                        (work / "xds-tls" / "ca.crt").read_text(), work / "istiod")
+                                        (work / "xds-tls" / "ca.crt").read_text(), work / "istiod",
+                                        pod_facing_host=self.network.node_ip if self.network else None,
+                                        proxy_metadata=metadata)
+        if self.network is not None:
+            self.kubelet = TestKubelet(self.cluster, self.network, work / "kubelet", hosts=hosts)
+            self.kubelet.start()
+        if cfg.seed_policies:
+            with self.api() as api:
+                for prefix, spec in DEMO_POLICIES.items():
+                    api.put(f"/v1/policies/{prefix}", json=spec).raise_for_status()
+
+    def api(self) -> httpx.Client:
+        """The control plane's API with its write token."""
+        return procs.http_client(base_url=f"http://127.0.0.1:{self.cp_http}",
+                                 headers={"Authorization": f"Bearer {self.token}"}, timeout=10)
 
     def _start_control_plane(self, work: Path) -> None:
         """The control plane as the rendered Deployment runs it (its MCP settings unchanged),
@@ -95,7 +130,10 @@ class KubeMesh:
         kube_istiod.apply(self.cluster, [o for o in objs if o["kind"] != "Namespace"])
 
     def stop(self) -> None:
-        """istiod, the control plane and Redis, then the cluster."""
+        """The kubelet's pods, istiod, the control plane and Redis, the cluster, the node network."""
+        if self.kubelet is not None:
+            with contextlib.suppress(Exception):
+                self.kubelet.stop()
         if self.istiod is not None:
             with contextlib.suppress(Exception):
                 self.istiod.stop()
@@ -104,3 +142,5 @@ class KubeMesh:
                 self.procs.pop().stop()
         if self.cluster is not None:
             self.cluster.stop()
+        if self.network is not None:
+            self.network.delete()

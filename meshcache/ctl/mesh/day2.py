@@ -137,13 +137,20 @@ def history(api: PolicyApi, args: argparse.Namespace) -> int:
     return 0
 
 
-def rollback(api: PolicyApi, args: argparse.Namespace) -> int:
-    result = guarded_write(api, lambda m, dry: api.rollback(args.version, if_match=m, dry_run=dry),
-                           f"rollback to version {args.version}", args.yes, args.if_match)
+def _guarded(api: PolicyApi, args: argparse.Namespace, write: Callable[[int | None, bool], dict[str, Any]],
+             what: str, done: Callable[[dict[str, Any]], str]) -> int:
+    """One write that may lose cached entries: shown and confirmed first (guarded_write), then printed."""
+    result = guarded_write(api, write, what, args.yes, args.if_match)
     if result is None:
         return REFUSED
-    _print_result(args, result, f"rolled back to version {args.version}: now version {result['version']}")
+    _print_result(args, result, done(result))
     return 0
+
+
+def rollback(api: PolicyApi, args: argparse.Namespace) -> int:
+    return _guarded(api, args, lambda m, dry: api.rollback(args.version, if_match=m, dry_run=dry),
+                    f"rollback to version {args.version}",
+                    lambda r: f"rolled back to version {args.version}: now version {r['version']}")
 
 
 def purge(api: PolicyApi, args: argparse.Namespace) -> int:
@@ -152,21 +159,13 @@ def purge(api: PolicyApi, args: argparse.Namespace) -> int:
         return 2
     prefix = None if args.all else args.model_prefix
     name = "every policy" if prefix is None else prefix
-    result = guarded_write(api, lambda m, dry: api.purge(prefix, if_match=m, dry_run=dry), f"purge {name}",
-                           args.yes, args.if_match)
-    if result is None:
-        return REFUSED
-    _print_result(args, result, f"purge {name}: version {result['version']}")
-    return 0
+    return _guarded(api, args, lambda m, dry: api.purge(prefix, if_match=m, dry_run=dry), f"purge {name}",
+                    lambda r: f"purge {name}: version {r['version']}")
 
 
 def delete(api: PolicyApi, args: argparse.Namespace) -> int:
-    result = guarded_write(api, lambda m, dry: api.delete(args.model_prefix, if_match=m, dry_run=dry),
-                           f"delete {args.model_prefix}", args.yes, args.if_match)
-    if result is None:
-        return REFUSED
-    _print_result(args, result, f"delete {args.model_prefix}: version {result['version']}")
-    return 0
+    return _guarded(api, args, lambda m, dry: api.delete(args.model_prefix, if_match=m, dry_run=dry),
+                    f"delete {args.model_prefix}", lambda r: f"delete {args.model_prefix}: version {r['version']}")
 
 
 def limits(api: PolicyApi, args: argparse.Namespace) -> int:

