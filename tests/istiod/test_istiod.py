@@ -42,6 +42,8 @@ from tests.istiod.helpers import (
 )
 from tests.mesh.helpers import mlp_json, mlp_request
 
+METRICS_PORT = 8002  # the engine pod's `metrics` container port (istio/base/engine.yaml)
+
 XDS_TYPES = ("Cluster", "Listener", "RouteConfiguration", "ClusterLoadAssignment")
 
 
@@ -155,16 +157,20 @@ def test_strict_mtls_and_the_rendered_authorization_policy(istiod_mesh: IstiodMe
     with pytest.raises(httpx.HTTPError):
         httpx.get(url.replace("https://", "http://"), timeout=5)
 
-    def get_as(account: str) -> httpx.Response:
+    def get_as(account: str, at: str = url) -> httpx.Response:
         ident = mesh.ca.issue(spiffe_id("meshcache", account), tmp_path / account, "tls")  # type: ignore[union-attr]
         ctx = ssl.create_default_context(cafile=str(ident.ca))
         ctx.check_hostname = False  # Istio checks the peer's SPIFFE identity, not a host name
         ctx.load_cert_chain(str(ident.cert), str(ident.key))
-        return httpx.get(url, verify=ctx, timeout=5)
+        return httpx.get(at, verify=ctx, timeout=5)
 
     denied = get_as("intruder")
     assert denied.status_code == 403 and "RBAC" in denied.text
     assert get_as("meshcache-client").status_code == 200
+    # Every other port of the pod admits any caller (the policy's notPorts rule): the engine's
+    # metrics port answers the same intruder, as it would Prometheus.
+    metrics = get_as("intruder", f"https://{mesh.engines[0].pod.ip}:{METRICS_PORT}/metrics")
+    assert metrics.status_code == 200 and "# TYPE" in metrics.text
 
 
 def test_policy_put_reaches_the_sidecars_through_istiod(istiod_mesh: IstiodMesh) -> None:

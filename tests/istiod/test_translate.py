@@ -55,6 +55,19 @@ def test_services_become_service_entries_and_pods_workload_entries(rendered: tup
     assert not {"Namespace", "Deployment", "Service", "NetworkPolicy", "EnvoyFilter"} & set(by_kind)
 
 
+def test_a_served_container_port_outside_the_service_gets_an_ingress_listener(rendered: tuple[list[Obj], Obj]) -> None:
+    """The engine's metrics port (in no Service): bound like the Service ports when the pod serves
+    it, so the AuthorizationPolicy applies there as behind iptables; not bound when it does not."""
+    objects, _ = rendered
+    pod = engine_pod(objects)
+    served = translate.Pod(pod.name, pod.namespace, pod.ip, pod.labels, pod.service_account, pod.container_ports,
+                           app_ports={**pod.app_ports, 8002: 18002})
+    by_name = {o["metadata"]["name"]: o for o in translate.translate(objects, [served]) if o["kind"] == "Sidecar"}
+    assert [(i["port"]["number"], i["port"]["protocol"], i["defaultEndpoint"])
+            for i in by_name["engine-1"]["spec"]["ingress"]] == [
+        (8000, "HTTP", "127.0.0.1:18000"), (8001, "GRPC", "127.0.0.1:18001"), (8002, "TCP", "127.0.0.1:18002")]
+
+
 def test_a_pod_without_its_app_port_is_an_error(rendered: tuple[list[Obj], Obj]) -> None:
     objects, _ = rendered
     pod = engine_pod(objects)

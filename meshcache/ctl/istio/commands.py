@@ -48,6 +48,14 @@ def register(subparsers: Any) -> None:
                    help="a caller the cached workloads' AuthorizationPolicy admits, besides meshcache-client and "
                         "the ingress gateway (repeatable): spiffe://cluster.local/ns/NS/sa/SA, "
                         "cluster.local/ns/NS/sa/SA or NS/SA")
+    r.add_argument("--ingress-principal", action="append", default=[], metavar="PRINCIPAL[,PRINCIPAL]",
+                   help="the ingress gateway's identity, in the same forms (repeatable, or a comma list); replaces "
+                        f"the default {render.INGRESS_PRINCIPAL} (istioctl's gateway); a Helm-installed gateway "
+                        "`helm install NAME istio/gateway -n NS` runs as NS/NAME")
+    r.add_argument("--authz", choices=render.AUTHZ_MODES, default="allow-callers",
+                   help="allow-callers (default): an ALLOW AuthorizationPolicy on the cached pods, the inference "
+                        "ports for meshcache-client, the ingress gateway and --allow-principal only, every other "
+                        "port for any caller; none: no AuthorizationPolicy (authorization is yours)")
     r.add_argument("--engine-selector", action="append", default=[], metavar="KEY=VALUE",
                    help="a pod label of the workloads whose sidecars cache (repeatable; all must match; default "
                         "the overlay's: app=meshcache-engine in istio/base)")
@@ -142,6 +150,8 @@ def _render(args: argparse.Namespace) -> int:
             filter_repository=args.filter_repository, source=args.overlay, ingress_host=args.ingress_host,
             engine_image=args.engine_image, control_plane_image=args.control_plane_image,
             allow_principals=tuple(args.allow_principal),
+            ingress_principals=tuple(p.strip() for i in args.ingress_principal for p in i.split(",") if p.strip()),
+            authz=args.authz,
             engine_selector=render.parse_engine_selector(args.engine_selector) if args.engine_selector else None,
             engine_ports=render.parse_engine_ports(args.engine_port), engine_service=args.engine_service,
             mesh_tls13=args.mesh_tls13, delivery=args.delivery)
@@ -190,7 +200,7 @@ def _oci_layout(args: argparse.Namespace) -> int:
 
 
 def _validate(args: argparse.Namespace) -> int:
-    from . import crossref, validate
+    from . import authz, crossref, validate
 
     try:
         validate.crd_file()
@@ -206,11 +216,13 @@ def _validate(args: argparse.Namespace) -> int:
     # Cross-file checks name objects (`Kind/name: ...`): each error is prefixed with its object's file.
     where = {validate.short_id(o): f for f, objs in per_file.items() for o in objs}
     found = []
+    manifests = [o for o in objects if o["kind"] != "IstioOperator"]
+    theirs = [i for o in theirs for i in (o.get("items", []) if o.get("kind") == "List" else [o])]
+    where |= {validate.short_id(o): f for f in args.workload for o in theirs}
+    # Who the AuthorizationPolicies would deny by surprise, on the workloads given (own or --workload).
+    warned = authz.check_authorization(manifests + theirs)
     if args.module.exists():
         image = oci.image_for(args.module)
-        manifests = [o for o in objects if o["kind"] != "IstioOperator"]
-        theirs = [i for o in theirs for i in (o.get("items", []) if o.get("kind") == "List" else [o])]
-        where |= {validate.short_id(o): f for f in args.workload for o in theirs}
         startup = any(o["kind"] == "Deployment" and o["metadata"]["name"] == render.CONTROL_PLANE for o in manifests)
         allowed = frozenset(args.allow_principal)
         if startup and not render.own_engine(manifests) and not theirs:
@@ -236,7 +248,10 @@ def _validate(args: argparse.Namespace) -> int:
         if "profile" not in overlay["spec"]:
             errors += [f"{f}: {e}" for e in crossref.check_operator_steps({"spec": {}}, overlay)]
     errors += [f"{where[e.split(': ', 1)[0]]}: {e}" if e.split(": ", 1)[0] in where else e for e in found]
-    for e in errors:
+    warnings = [f"{where[w.split(': ', 1)[0]]}: warning: {w}" if w.split(": ", 1)[0] in where else f"warning: {w}"
+                for w in warned]
+    for e in [*errors, *warnings]:
         print(validate.one_line(e), file=sys.stderr)
-    print(f"{len(objects)} objects in {len(files)} files, {len(errors)} errors")
+    summary = f"{len(objects)} objects in {len(files)} files, {len(errors)} errors"
+    print(summary + (f", {len(warnings)} warnings (exit status unchanged)" if warnings else ""))
     return 1 if errors else 0

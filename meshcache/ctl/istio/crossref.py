@@ -162,7 +162,9 @@ def check_security(objects: list[Obj], allowed_principals: frozenset[str] = froz
     """`allowed_principals`: callers whose accounts live elsewhere (`validate --allow-principal`),
     like those `render --allow-principal` records in the policy's annotation."""
     errors = []
-    namespaces = {o["metadata"].get("namespace") for o in objects} - {None}
+    # Namespaces whose accounts these manifests define; a mesh-wide PeerAuthentication given with
+    # `validate --workload` (istio-system) does not make the gateway's account one to define here.
+    namespaces = {o["metadata"].get("namespace") for o in objects if o["kind"] != "PeerAuthentication"} - {None}
     # The accounts the workloads given here run as exist too (the user's, with --workload).
     accounts = _accounts(objects) | {w["spec"]["template"]["spec"].get("serviceAccountName", DEFAULT_ACCOUNT)
                                      for w in _workloads(objects)}

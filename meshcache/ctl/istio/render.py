@@ -41,6 +41,10 @@ ENGINE_IMAGE_PREFIX = "registry.example.com/meshcache/engine:"
 CONTROL_PLANE_IMAGE_PREFIX = "registry.example.com/meshcache/control-plane:"
 # Objects the renderer fills in, found by name (overlays keep the names, change the content).
 AUTHZ = "meshcache-engine"
+AUTHZ_MODES = ("allow-callers", "none")
+# The ingress gateway's identity in the committed manifests: istioctl's default gateway. A Helm
+# gateway (`helm install NAME istio/gateway -n NS`) runs as NS/NAME: `render --ingress-principal`.
+INGRESS_PRINCIPAL = "cluster.local/ns/istio-system/sa/istio-ingressgateway-service-account"
 DESTINATION_RULE = "meshcache-engine"
 PROXIES_SERVICE = "meshcache-engine-proxies"
 COLOR_RE = re.compile(r"^[a-z0-9]([-a-z0-9]{0,30}[a-z0-9])?$")
@@ -99,7 +103,7 @@ _PRINCIPAL_FORMS = (
 DEFAULT_TRUST_DOMAIN = "cluster.local"
 
 
-def normalize_principal(value: str) -> str:
+def normalize_principal(value: str, flag: str = "--allow-principal") -> str:
     """`spiffe://cluster.local/ns/X/sa/Y`, `cluster.local/ns/X/sa/Y` or `X/Y` -> Istio's
     AuthorizationPolicy form `cluster.local/ns/X/sa/Y` (the SPIFFE id without `spiffe://`)."""
     for form in _PRINCIPAL_FORMS:
@@ -107,7 +111,7 @@ def normalize_principal(value: str) -> str:
         if m:
             td = m.groupdict().get("td") or DEFAULT_TRUST_DOMAIN
             return f"{td}/ns/{m.group('ns')}/sa/{m.group('sa')}"
-    raise ValueError(f"--allow-principal {value!r}: use spiffe://<trust domain>/ns/<namespace>/sa/<serviceaccount>, "
+    raise ValueError(f"{flag} {value!r}: use spiffe://<trust domain>/ns/<namespace>/sa/<serviceaccount>, "
                      "<trust domain>/ns/<namespace>/sa/<serviceaccount> or <namespace>/<serviceaccount> "
                      "(lowercase DNS names)")
 
@@ -163,6 +167,8 @@ class RenderOptions:
     engine_image: str | None = None
     control_plane_image: str | None = None
     allow_principals: tuple[str, ...] = ()  # added to the engine AuthorizationPolicy's callers
+    ingress_principals: tuple[str, ...] = ()  # the ingress gateway's identities; () keeps INGRESS_PRINCIPAL
+    authz: str = "allow-callers"  # AUTHZ_MODES: the ALLOW policy, or none (authorization is the user's)
     engine_selector: dict[str, str] | None = None  # None: the build's (the control plane's env)
     engine_ports: dict[str, int | None] = field(default_factory=dict)  # parse_engine_ports()
     engine_service: str | None = None  # the Service callers use; None: the build's DestinationRule host
@@ -245,6 +251,12 @@ def render(opts: RenderOptions) -> list[Obj]:
         if not COLOR_RE.fullmatch(c):  # fullmatch: `$` alone lets a trailing newline through
             raise ValueError(f"colour {c!r} must be a DNS label of at most 32 characters")
     principals = tuple(normalize_principal(p) for p in opts.allow_principals)
+    ingress = tuple(normalize_principal(p, "--ingress-principal") for p in opts.ingress_principals)
+    if opts.authz not in AUTHZ_MODES:
+        raise ValueError(f"--authz {opts.authz!r}: use one of {', '.join(AUTHZ_MODES)}")
+    if opts.authz == "none" and (principals or ingress):
+        raise ValueError("--allow-principal/--ingress-principal name callers of meshcache's AuthorizationPolicy, "
+                         "which --authz none does not render")
     for flag, image in (("--engine-image", opts.engine_image), ("--control-plane-image", opts.control_plane_image)):
         if image is not None and not IMAGE_RE.match(image):
             raise ValueError(f"{flag} {image!r} is not an image reference (registry/repository[:tag][@sha256:...])")
@@ -266,7 +278,9 @@ def render(opts: RenderOptions) -> list[Obj]:
     if opts.delivery == "kube" and opts.mesh_tls13:
         raise ValueError("--mesh-tls13 changes istiod's mesh config, which --delivery kube leaves alone: set "
                          "meshMTLS.minProtocolVersion in your Istio install instead")
-    customize(objects, opts, pins_for(opts), workloads, own, principals)
+    customize(objects, opts, pins_for(opts), workloads, own, principals, ingress)
+    if opts.authz == "none":  # the user's own policies decide who reaches the cached pods
+        objects = [o for o in objects if not (o["kind"] == "AuthorizationPolicy" and o["metadata"]["name"] == AUTHZ)]
     if opts.delivery == "kube":
         objects += kube_delivery(objects, opts.namespace)
     return objects
@@ -360,7 +374,7 @@ def mcp_objects(objects: list[Obj], plugin_config: dict[str, Any]) -> list[Obj]:
 
 
 def customize(objects: list[Obj], opts: RenderOptions, pins: Pins, workloads: Workloads, own: bool,
-              principals: tuple[str, ...] = ()) -> None:
+              principals: tuple[str, ...] = (), ingress: tuple[str, ...] = ()) -> None:
     colors = opts.colors(own)
     for obj in objects:
         _rename_namespace(obj, opts.namespace)
@@ -380,7 +394,7 @@ def customize(objects: list[Obj], opts: RenderOptions, pins: Pins, workloads: Wo
             for server in obj["spec"]["servers"]:
                 server["hosts"] = [opts.ingress_host]
         elif kind == "AuthorizationPolicy" and name == AUTHZ:
-            _authorization_policy(obj, workloads, principals)
+            _authorization_policy(obj, workloads, principals, ingress)
         elif kind == "Service" and name == PROXIES_SERVICE:
             obj["spec"]["selector"] = dict(workloads.labels)
 
@@ -399,17 +413,25 @@ def _destination_rule(obj: Obj, colors: list[str], host: str | None) -> None:
         spec.setdefault("trafficPolicy", {})["loadBalancer"] = extensions.consistent_hash()
 
 
-def _authorization_policy(obj: Obj, workloads: Workloads, principals: tuple[str, ...]) -> None:
+def _authorization_policy(obj: Obj, workloads: Workloads, principals: tuple[str, ...],
+                          ingress: tuple[str, ...] = ()) -> None:
+    """The callers' rule (`from` principals) on the inference ports; the rule for every other port
+    (`notPorts`, any source) follows them, so metrics and health ports stay reachable."""
     spec = obj["spec"]
-    if principals:  # named for review, and so `istio validate` knows their accounts live elsewhere
-        obj["metadata"].setdefault("annotations", {})["meshcache.io/allowed-principals"] = " ".join(principals)
+    given = tuple(dict.fromkeys((*principals, *ingress)))
+    if given:  # named for review, and so `istio validate` knows their accounts live elsewhere
+        obj["metadata"].setdefault("annotations", {})["meshcache.io/allowed-principals"] = " ".join(given)
     spec["selector"] = {"matchLabels": dict(workloads.labels)}
+    ports = [str(p) for p in workloads.ports]
     for rule in spec.get("rules", []):
         for src in rule.get("from", []):
             listed = src["source"].setdefault("principals", [])
-            listed += [p for p in principals if p not in listed]
+            if ingress:  # the gateway's identities replace the default one (a Helm gateway has its own)
+                listed[:] = [p for p in listed if p != INGRESS_PRINCIPAL]
+            listed += [p for p in (*ingress, *principals) if p not in listed]
         for to in rule.get("to", []):
-            to["operation"]["ports"] = [str(p) for p in workloads.ports]
+            op = to["operation"]
+            op["notPorts" if "notPorts" in op else "ports"] = list(ports)
 
 
 def _rename_namespace(obj: Obj, namespace: str) -> None:

@@ -238,8 +238,10 @@ class IstiodMesh:
             return engine.proc
 
         self._run(f"engine-{name}", start)
+        metrics = next(p["containerPort"] for c in deployment["spec"]["template"]["spec"]["containers"]
+                       for p in c.get("ports", []) if p.get("name") == "metrics")
         pod = translate.pod_from_template(deployment, name, next(self._ips),
-                                          app_ports={HTTP_PORT: ports[0], GRPC_PORT: ports[1]})
+                                          app_ports={HTTP_PORT: ports[0], GRPC_PORT: ports[1], metrics: ports[2]})
         self._deployments[name] = deployment
         self._admin_ports[name] = procs.free_port()
         return Engine(pod, holder[0])

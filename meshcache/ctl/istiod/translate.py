@@ -147,6 +147,14 @@ def sidecar(pod: Pod, services: list[Obj]) -> Obj | None:
             ingress.append({"port": {"number": target, "protocol": _protocol(p), "name": p["name"]},
                             "bind": pod.ip, "captureMode": "NONE",
                             "defaultEndpoint": f"127.0.0.1:{pod.app_ports[target]}"})
+    # The pod's other ports its app listens on (the engine's metrics): in a cluster iptables hands
+    # them to the sidecar's inbound chain too, where the AuthorizationPolicy applies to them.
+    served = {i["port"]["number"] for i in ingress}
+    for name, number in sorted(pod.container_ports.items(), key=lambda kv: kv[1]):
+        if number not in served and number in pod.app_ports:
+            ingress.append({"port": {"number": number, "protocol": _protocol({"name": name}), "name": name},
+                            "bind": pod.ip, "captureMode": "NONE",
+                            "defaultEndpoint": f"127.0.0.1:{pod.app_ports[number]}"})
     if ingress:
         spec["ingress"] = ingress
     if pod.caller:
