@@ -95,6 +95,10 @@ CASES: list[tuple[str, render.RenderOptions, Obj]] = [
      {"revision": "1-30-3"}),
     ("external-redis", render.RenderOptions(image_digest=DIGEST, source=ISTIO_DIR / "overlays" / "external-redis"),
      {"redis": {"enabled": False}}),
+    ("helm-gateway", render.RenderOptions(image_digest=DIGEST, ingress_principals=("gateways/public-gw",),
+                                          allow_principals=("apps/frontend",)),
+     {"cache": {"ingressPrincipals": ["gateways/public-gw"], "allowPrincipals": ["apps/frontend"]}}),
+    ("authz-none", render.RenderOptions(image_digest=DIGEST, authz="none"), {"cache": {"authz": "none"}}),
 ]
 
 
@@ -149,7 +153,11 @@ def test_chart_pins_the_base_module() -> None:
     ("meshcache", {"cache": {"allowPrincipals": ["Frontend"]}}, 'cache.allowPrincipals "Frontend"'),
     ("meshcache", {"controlPlane": {"replicas": 1}}, "/controlPlane/replicas"),
     ("meshcache", {"engine": {"colour": "red"}}, "colour"),
-], ids=["reserved-namespace", "no-selector", "digest-prefix", "delivery", "mode", "principal", "one-replica", "typo"])
+    ("meshcache", {"cache": {"ingressPrincipals": ["Gateway"]}}, 'cache.ingressPrincipals "Gateway"'),
+    ("meshcache", {"cache": {"authz": "off"}}, "/cache/authz"),
+    ("meshcache", {"cache": {"authz": "none", "allowPrincipals": ["apps/frontend"]}}, "cache.authz none renders no"),
+], ids=["reserved-namespace", "no-selector", "digest-prefix", "delivery", "mode", "principal", "one-replica", "typo",
+        "ingress-principal", "authz-mode", "authz-none-with-callers"])
 def test_helm_refuses_bad_values(tmp_path: Path, namespace: str, values: Obj, message: str) -> None:
     path = tmp_path / "values.json"
     path.write_text(json.dumps(values))

@@ -52,12 +52,12 @@ engine Service (8000, and 8001 with a gRPC port); else the container ports. */}}
 
 {{/* A principal in Istio's AuthorizationPolicy form (render normalize_principal). */}}
 {{- define "meshcache.principal" -}}
-{{- $p := trim . -}}
+{{- $p := trim (index . 1) -}}
 {{- if hasPrefix "spiffe://" $p -}}{{- trimPrefix "spiffe://" $p -}}
 {{- else if contains "/ns/" $p -}}{{- $p -}}
 {{- else if regexMatch "^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?/[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$" $p -}}
 {{- $parts := splitList "/" $p -}}cluster.local/ns/{{ index $parts 0 }}/sa/{{ index $parts 1 }}
-{{- else -}}{{- fail (printf "cache.allowPrincipals %q: use NS/SERVICEACCOUNT, TRUSTDOMAIN/ns/NS/sa/SA or spiffe://TRUSTDOMAIN/ns/NS/sa/SA" $p) -}}
+{{- else -}}{{- fail (printf "cache.%s %q: use NS/SERVICEACCOUNT, TRUSTDOMAIN/ns/NS/sa/SA or spiffe://TRUSTDOMAIN/ns/NS/sa/SA" (index . 0) $p) -}}
 {{- end -}}
 {{- end -}}
 
