@@ -84,7 +84,7 @@ fi
 # The dependencies are resolved for the image's Python, Debian 12's 3.11.2 on glibc 2.36 (binary
 # wheels only). pip evaluates python_full_version markers with this interpreter's version, so
 # redis's `async-timeout; python_full_version < "3.11.3"` is named explicitly.
-# The project's wheel in dist/wheel/self, its dependencies in dist/wheel/deps (their own layer).
+# The project's wheel in dist/wheel/self, each image's dependencies in dist/wheel/deps-IMAGE (their own layer).
 rm -rf dist/wheel
 # Zip timestamps from the last commit: the same sources give the same wheel, so the builder's
 # layer cache (buildah --layers) skips the install when nothing changed.
