@@ -25,18 +25,30 @@ SANITIZE_STEPS = 8
 # Istio's injected istio-proxy container declares Envoy's Prometheus listener under this name.
 SIDECAR_STATS_PORT = SIDECAR_STATS_PORT_NAME
 _POLICY_STAT = r"meshcache_policy_(.+)_(hits|misses|entries|bytes)"
+# The filter's per-reason bypass counters (`meshcache.bypass.<detail>`, Envoy's Prometheus output
+# `meshcache_bypass_<detail with - as _>`) become `meshcache_bypasses_by_reason{reason="<detail>"}`,
+# the reason spelled as in `Cache-Status: ...; detail=<detail>`. No detail has more than
+# REASON_HYPHENS hyphens (filter/core/src/names.rs; tests/filter/test_http_cache.py checks).
+_BYPASS_STAT = r"meshcache_bypass_(.+)"
+BYPASS_REASON_METRIC = "meshcache_bypasses_by_reason"
+REASON_HYPHENS = 2
 
 
 def filter_model_rules() -> list[Obj]:
     """Prometheus `metric_relabel_configs` for sidecar stats: the native host's names as the Wasm
     filter's (an Envoy without a Wasm filter keeps `envoy_wasmcustom_` in front), then the model
-    into a `model` label."""
+    into a `model` label and each bypass counter's reason into a `reason` label."""
     return [
         {"source_labels": ["__name__"], "regex": "envoy_wasmcustom_(meshcache_.+)", "target_label": "__name__",
          "replacement": "$1"},
         {"source_labels": ["__name__"], "regex": _POLICY_STAT, "target_label": "model", "replacement": "$1"},
         {"source_labels": ["__name__"], "regex": _POLICY_STAT, "target_label": "__name__",
          "replacement": "meshcache_policy_$2"},
+        {"source_labels": ["__name__"], "regex": _BYPASS_STAT, "target_label": "reason", "replacement": "$1"},
+        *({"source_labels": ["reason"], "regex": "(.*)_(.*)", "target_label": "reason", "replacement": "${1}-${2}"}
+          for _ in range(REASON_HYPHENS)),
+        {"source_labels": ["__name__"], "regex": _BYPASS_STAT, "target_label": "__name__",
+         "replacement": BYPASS_REASON_METRIC},
     ]
 
 
