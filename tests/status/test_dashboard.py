@@ -100,6 +100,8 @@ def test_every_dashboard_query_has_live_data(running_mesh: RunningMesh, promethe
         grpc_call(e["app"], request)
     credentials = rest_infer(e["app"], "mlp-classifier", mlp_json(9104), {"authorization": "Bearer x"})
     assert credentials.headers["cache-status"] == "meshcache; fwd=bypass; detail=credentials"
+    no_store = rest_infer(e["app"], "mlp-classifier", mlp_json(9105), {"cache-control": "no-store"})
+    assert no_store.headers["cache-status"] == "meshcache; fwd=bypass; detail=no-store"
     bad = {"inputs": [{"name": "input", "shape": [1, 3], "datatype": "FP32", "data": [1, 2, 3]}]}
     refused = local_http().post(f"{e['engine_http']}/v2/models/mlp-classifier/infer", json=bad, timeout=10)
     assert refused.status_code == 400
@@ -152,6 +154,17 @@ def test_every_dashboard_query_has_live_data(running_mesh: RunningMesh, promethe
     joined = _query(prometheus, "sum by (model) (meshcache_engine_requests_total) and on (model) "
                                 "sum by (model) (meshcache_policy_hits)")
     assert "mlp_classifier" in {r["metric"]["model"] for r in joined}, joined
+
+    # Bypasses per reason, the label spelled as the Cache-Status detail (`no-store`, not `no_store`).
+    reasons = {r["metric"]["reason"]: float(r["value"][1])
+               for r in _query(prometheus, "sum by (reason) (meshcache_bypasses_by_reason)")}
+    assert reasons["credentials"] >= 1 and reasons["no-store"] >= 1 and reasons["no-policy"] == 0, reasons
+    assert not [r for r in reasons if "_" in r], reasons
+    # The sidecar's own filter-config verdicts: it took the control plane's config and rejected none.
+    verdicts = {(r["metric"]["__name__"], r["metric"]["filter"]): float(r["value"][1])
+                for r in _query(prometheus, '{__name__=~"meshcache_config_(fail|reload)"}')}
+    assert verdicts.get(("meshcache_config_reload", "meshcache"), 0) >= 1, verdicts
+    assert verdicts.get(("meshcache_config_fail", "meshcache")) == 0, verdicts
 
 
 def test_kubernetes_scrape_config_keeps_the_same_names() -> None:

@@ -32,15 +32,25 @@ _POLICY_STAT = r"meshcache_policy_(.+)_(hits|misses|entries|bytes)"
 _BYPASS_STAT = r"meshcache_bypass_(.+)"
 BYPASS_REASON_METRIC = "meshcache_bypasses_by_reason"
 REASON_HYPHENS = 2
+# The sidecar's own verdict on the filter config it was sent (by this control plane or by
+# istiod): Envoy's `extension_config_discovery.http_filter.<filter>.config_fail|config_reload`
+# has no tag rule, so its Prometheus name carries the filter's name; any filter whose name holds
+# `meshcache` (`meshcache`, `meshcache-native`, Istio's `<ns>.<name>`) becomes
+# `meshcache_config_fail|reload{filter="<name as Envoy spelled it>"}`.
+_ECDS_STAT = r"envoy_extension_config_discovery_http_filter_(.*meshcache.*)_config_(fail|reload)"
 
 
 def filter_model_rules() -> list[Obj]:
     """Prometheus `metric_relabel_configs` for sidecar stats: the native host's names as the Wasm
-    filter's (an Envoy without a Wasm filter keeps `envoy_wasmcustom_` in front), then the model
-    into a `model` label and each bypass counter's reason into a `reason` label."""
+    filter's (an Envoy without a Wasm filter keeps `envoy_wasmcustom_` in front), the sidecar's
+    filter config reloads and rejections (NACKs) under meshcache names, then the model into a
+    `model` label and each bypass counter's reason into a `reason` label."""
     return [
         {"source_labels": ["__name__"], "regex": "envoy_wasmcustom_(meshcache_.+)", "target_label": "__name__",
          "replacement": "$1"},
+        {"source_labels": ["__name__"], "regex": _ECDS_STAT, "target_label": "filter", "replacement": "$1"},
+        {"source_labels": ["__name__"], "regex": _ECDS_STAT, "target_label": "__name__",
+         "replacement": "meshcache_config_$2"},
         {"source_labels": ["__name__"], "regex": _POLICY_STAT, "target_label": "model", "replacement": "$1"},
         {"source_labels": ["__name__"], "regex": _POLICY_STAT, "target_label": "__name__",
          "replacement": "meshcache_policy_$2"},
