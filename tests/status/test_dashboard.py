@@ -146,6 +146,12 @@ def test_every_dashboard_query_has_live_data(running_mesh: RunningMesh, promethe
     models = local_http().get(f"{prometheus}/api/v1/label/model/values",
                               params={"match[]": "meshcache_policy_hits"}, timeout=10).json()["data"]
     assert {"mlp_classifier", "resnet_mini", "text_embedder"} <= set(models)
+    # The same prefix under the label that says what it is.
+    policies = local_http().get(f"{prometheus}/api/v1/label/policy/values",
+                                params={"match[]": "meshcache_policy_entries"}, timeout=10).json()["data"]
+    assert set(policies) == set(local_http().get(f"{prometheus}/api/v1/label/model/values",
+                                                 params={"match[]": "meshcache_policy_entries"},
+                                                 timeout=10).json()["data"]) >= {"mlp_classifier"}, policies
     # One model label across filter and engine metrics: the engine's requests join the filter's
     # hits on `model` (the engine's own name is mlp-classifier; the scrape config rewrites it).
     engine_models = local_http().get(f"{prometheus}/api/v1/label/model/values",

@@ -40,6 +40,9 @@ REASON_HYPHENS = 2
 _ECDS_STAT = r"envoy_extension_config_discovery_http_filter_(.*meshcache.*)_config_(fail|reload)"
 
 
+# The per-policy series carry the policy's model prefix twice: as `policy` (what it is: a prefix,
+# `llama` covers `llama3-70b` too) and, kept for the dashboards and the join with the servers'
+# own `model` label, as `model` (equal to a model's name only where the prefix is the full name).
 def filter_model_rules() -> list[Obj]:
     """Prometheus `metric_relabel_configs` for sidecar stats: the native host's names as the Wasm
     filter's (an Envoy without a Wasm filter keeps `envoy_wasmcustom_` in front), the sidecar's
@@ -51,6 +54,7 @@ def filter_model_rules() -> list[Obj]:
         {"source_labels": ["__name__"], "regex": _ECDS_STAT, "target_label": "filter", "replacement": "$1"},
         {"source_labels": ["__name__"], "regex": _ECDS_STAT, "target_label": "__name__",
          "replacement": "meshcache_config_$2"},
+        {"source_labels": ["__name__"], "regex": _POLICY_STAT, "target_label": "policy", "replacement": "$1"},
         {"source_labels": ["__name__"], "regex": _POLICY_STAT, "target_label": "model", "replacement": "$1"},
         {"source_labels": ["__name__"], "regex": _POLICY_STAT, "target_label": "__name__",
          "replacement": "meshcache_policy_$2"},
