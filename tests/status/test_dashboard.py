@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import yaml
 
+from meshcache.contract.extensions import Workloads
 from meshcache.contract.paths import REPO_ROOT
 from meshcache.ctl import procs
 from meshcache.ctl.istio import monitoring
@@ -186,3 +187,5 @@ def test_kubernetes_scrape_config_keeps_the_same_names() -> None:
     assert engine["metric_relabel_configs"] == jobs["meshcache-engine"]["metric_relabel_configs"] == \
         monitoring.server_model_rules()
     assert jobs["meshcache-sidecars"]["metrics_path"] == "/stats/prometheus"
+    # The whole file is what `render` writes for the default selector (prometheus-kubernetes.yml).
+    assert k8s["scrape_configs"] == monitoring.kubernetes_scrape_configs(Workloads(), own_engine=True)

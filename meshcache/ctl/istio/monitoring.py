@@ -14,6 +14,7 @@ cover model names with that many. deploy/prometheus/*.yml carry the same rules
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from meshcache.contract.extensions import Workloads
@@ -102,3 +103,46 @@ def pod_monitors(namespace: str, workloads: Workloads, own_engine: bool) -> list
             "port": "metrics", "path": "/metrics", "relabelings": color,
             "metricRelabelings": operator_rules(server_model_rules())}))
     return out
+
+
+def _pod_label(name: str) -> str:
+    """Prometheus's Kubernetes discovery label for a pod label (characters outside [A-Za-z0-9_] as `_`)."""
+    return "__meta_kubernetes_pod_label_" + re.sub(r"[^A-Za-z0-9_]", "_", name)
+
+
+def kubernetes_scrape_configs(workloads: Workloads, own_engine: bool) -> list[Obj]:
+    """The same three jobs as the PodMonitors for a Prometheus without the Operator (Kubernetes pod
+    discovery): the sidecars of the pods `--engine-selector` picks (each label a keep rule, through
+    the Istio agent's merged :15020 page), the control plane, and meshcache's engine when it runs.
+    deploy/prometheus/kubernetes.yml is this for the default selector; `render` writes it for the
+    given one (prometheus-kubernetes.yml)."""
+    selected = [{"source_labels": [_pod_label(k)], "regex": v.replace(".", r"\."), "action": "keep"}
+                for k, v in sorted(workloads.labels.items())]
+    pod = [{"source_labels": ["__meta_kubernetes_pod_name"], "target_label": "pod"}]
+    color = [{"source_labels": ["__meta_kubernetes_pod_label_color"], "target_label": "color"}]
+    jobs: list[Obj] = [
+        {"job_name": "meshcache-sidecars", "metrics_path": "/stats/prometheus",
+         "kubernetes_sd_configs": [{"role": "pod"}],
+         "relabel_configs": [
+             {"source_labels": ["__meta_kubernetes_pod_container_name"], "regex": "istio-proxy", "action": "keep"},
+             *selected,
+             {"source_labels": ["__meta_kubernetes_pod_ip"], "regex": "(.+)", "target_label": "__address__",
+              "replacement": "$1:15020"},
+             {"source_labels": ["__meta_kubernetes_namespace"], "target_label": "namespace"},
+             *pod, *color],
+         "metric_relabel_configs": filter_model_rules()},
+        {"job_name": "meshcache-control-plane", "metrics_path": "/metrics",
+         "kubernetes_sd_configs": [{"role": "pod"}],
+         "relabel_configs": [
+             {"source_labels": ["__meta_kubernetes_pod_label_app", "__meta_kubernetes_pod_container_port_name"],
+              "regex": "meshcache-control-plane;http", "action": "keep"}, *pod]},
+    ]
+    if own_engine:
+        jobs.append(
+            {"job_name": "meshcache-engine", "metrics_path": "/metrics",
+             "kubernetes_sd_configs": [{"role": "pod"}],
+             "relabel_configs": [
+                 {"source_labels": ["__meta_kubernetes_pod_label_app", "__meta_kubernetes_pod_container_port_name"],
+                  "regex": "meshcache-engine.*;metrics", "action": "keep"}, *pod, *color],
+             "metric_relabel_configs": server_model_rules()})
+    return jobs
