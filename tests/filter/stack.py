@@ -16,6 +16,7 @@ from typing import Any
 import grpc
 import httpx
 import pytest
+import yaml
 
 from meshcache.contract.paths import FILTER_NATIVE, FILTER_WASM
 from meshcache.ctl import launchers, procs
@@ -91,13 +92,13 @@ def filter_stack(tmp: Path, config: dict[str, Any], concurrency: int = 1,
                  upstream: tuple[int, int] | None = None,
                  without_grpc_hit_route: bool = False,
                  route_timeout_s: float | None = None,
-                 host: str = "wasm") -> Iterator[Stack]:
+                 host: str = "wasm", access_log: list[dict[str, Any]] | None = None) -> Iterator[Stack]:
     """`host`: which host of the cache core runs it, `wasm` (the proxy-wasm filter) or `native`
     (the Envoy dynamic module, filter/native/; see conftest.py). `upstream`: (HTTP, gRPC) ports
     of a server the caller runs (the engine) instead of the test origin.
     `without_grpc_hit_route`: a misconfigured Envoy lacking the single-pass hit route and Lua
     filter. `route_timeout_s`: the routes' upstream timeout (Envoy answers 504, gRPC UNAVAILABLE,
-    past it)."""
+    past it). `access_log`: Envoy `access_log` entries for the listener's HTTP connection manager."""
     if host not in ("wasm", "native"):
         raise ValueError(f"host: wasm or native, not {host!r}")
     listen_port, admin_port = procs.free_port(), procs.free_port()
@@ -122,8 +123,21 @@ def filter_stack(tmp: Path, config: dict[str, Any], concurrency: int = 1,
                            grpc_hit_route=not without_grpc_hit_route,
                            **({"route_timeout_s": route_timeout_s} if route_timeout_s is not None else {}))
         config_path = write(proxy, tmp / "envoy.yaml")
+        if access_log:
+            _add_access_log(config_path, access_log)
         started.append(launchers.start_envoy(config_path, admin_port, tmp, concurrency=concurrency))
         yield Stack(listen_port, admin_port, http_port, grpc_port, tmp, origin)
+
+
+def _add_access_log(config_path: Path, access_log: list[dict[str, Any]]) -> None:
+    doc = yaml.safe_load(config_path.read_text())
+    managers = [f["typed_config"] for listener in doc["static_resources"]["listeners"]
+                for chain in listener["filter_chains"] for f in chain["filters"]
+                if f["typed_config"]["@type"].endswith("HttpConnectionManager")]
+    assert managers, f"no HTTP connection manager in {config_path}"
+    for manager in managers:
+        manager["access_log"] = access_log
+    config_path.write_text(yaml.safe_dump(doc, sort_keys=False))
 
 
 class SharedStacks:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -10,7 +11,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from meshcache.contract.paths import REPO_ROOT
 from meshcache.ctl import procs
+from meshcache.ctl.istio import monitoring
 from meshcache.ctl.procs import local_http
 from tests.filter.stack import SharedStacks, config, expected_hash, filter_stack, policy
 from tests.helpers.filter_stats import filter_stats
@@ -175,7 +178,27 @@ def test_model_without_policy_and_non_inference_requests(tmp_path: Path, host: s
         assert "cache-status" not in plain_post.headers
         # Another method on an inference path says why it is not cached.
         assert c.get(s.url("/v2/models/m/infer")).headers["cache-status"] == "meshcache; fwd=bypass; detail=method"
-        s.stats_reaching({"meshcache.bypasses": 5})
+        # Counted in all, and per reason (the Cache-Status detail; every reason is defined up front).
+        s.stats_reaching({"meshcache.bypasses": 5, "meshcache.bypass.no-policy": 2, "meshcache.bypass.disabled": 2,
+                          "meshcache.bypass.method": 1})
+        prom = local_http().get(f"http://127.0.0.1:{s.admin_port}/stats/prometheus", timeout=5).text
+    reasons = {name: int(value) for name, value in BYPASS_REASON_LINE.findall(prom)}
+    assert reasons == {detail.replace("-", "_"): {"no-policy": 2, "disabled": 2, "method": 1}.get(detail, 0)
+                       for detail in documented_bypass_details()}, reasons
+
+
+BYPASS_REASON_LINE = re.compile(r"^(?:envoy_wasmcustom_)?meshcache_bypass_(\w+)(?:\{\})? (\d+)$", re.M)
+
+
+def documented_bypass_details() -> list[str]:
+    """The `detail` column of docs/filter.md's bypass table: the fixed set of reasons."""
+    doc = (REPO_ROOT / "docs" / "filter.md").read_text()
+    table = doc.split("### Why a request bypasses", 1)[1].split("\n\n")[2]
+    details = re.findall(r"^\| `([a-z-]+)` \|", table, re.M)
+    assert len(details) >= 19, table
+    # The scrape configs restore at most REASON_HYPHENS `-` in the `reason` label (deploy/).
+    assert max(d.count("-") for d in details) <= monitoring.REASON_HYPHENS, details
+    return details
 
 
 def test_oversized_answers_pass_through_unstored(tmp_path: Path, host: str) -> None:

@@ -20,6 +20,7 @@ Where the reference manifests' labels and ports come from:
 from __future__ import annotations
 
 import copy
+import re
 from pathlib import Path
 
 import pytest
@@ -144,6 +145,22 @@ def test_kserve_inference_service(tmp_path: Path, pins: render.Pins, crds: dict)
                               "--allow-principal", "ml/frontend")
     servers = kserve_predictor("iris", "ml")
     _check_in_front_of(objects, served, servers, pins.image_digest, {8080}, [80])
+    # The plain-Prometheus scrape config follows the selector too: its sidecar job keeps these
+    # pods (every keep rule matches their labels) and not meshcache's engine; no engine job.
+    scrape = yaml.safe_load((tmp_path / "out" / "prometheus-kubernetes.yml").read_text())["scrape_configs"]
+    assert [j["job_name"] for j in scrape] == ["meshcache-sidecars", "meshcache-control-plane"]
+    keeps = [r for r in scrape[0]["relabel_configs"] if r.get("action") == "keep"
+             and r["source_labels"][0].startswith("__meta_kubernetes_pod_label_")]
+    assert len(keeps) == 2, keeps
+
+    def kept(labels: dict[str, str]) -> bool:
+        discovered = {"__meta_kubernetes_pod_label_" + re.sub(r"[^A-Za-z0-9_]", "_", k): v for k, v in labels.items()}
+        return all(re.fullmatch(r["regex"], discovered.get(r["source_labels"][0], "")) for r in keeps)
+
+    [deployment] = [s for s in servers if s["kind"] == "Deployment"]
+    assert kept(deployment["spec"]["template"]["metadata"]["labels"])
+    assert not kept({"app": "meshcache-engine"})
+    assert not kept(kserve_predictor("bert", "ml")[0]["spec"]["template"]["metadata"]["labels"])
     rule = _get(objects, "AuthorizationPolicy", "meshcache-engine")["spec"]["rules"][0]
     assert rule["to"][0]["operation"]["ports"] == ["8080"]
     assert "cluster.local/ns/ml/sa/frontend" in rule["from"][0]["source"]["principals"]

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import yaml
 
+from meshcache.contract.extensions import Workloads
 from meshcache.contract.paths import REPO_ROOT
 from meshcache.ctl import procs
 from meshcache.ctl.istio import monitoring
@@ -100,6 +101,8 @@ def test_every_dashboard_query_has_live_data(running_mesh: RunningMesh, promethe
         grpc_call(e["app"], request)
     credentials = rest_infer(e["app"], "mlp-classifier", mlp_json(9104), {"authorization": "Bearer x"})
     assert credentials.headers["cache-status"] == "meshcache; fwd=bypass; detail=credentials"
+    no_store = rest_infer(e["app"], "mlp-classifier", mlp_json(9105), {"cache-control": "no-store"})
+    assert no_store.headers["cache-status"] == "meshcache; fwd=bypass; detail=no-store"
     bad = {"inputs": [{"name": "input", "shape": [1, 3], "datatype": "FP32", "data": [1, 2, 3]}]}
     refused = local_http().post(f"{e['engine_http']}/v2/models/mlp-classifier/infer", json=bad, timeout=10)
     assert refused.status_code == 400
@@ -144,6 +147,12 @@ def test_every_dashboard_query_has_live_data(running_mesh: RunningMesh, promethe
     models = local_http().get(f"{prometheus}/api/v1/label/model/values",
                               params={"match[]": "meshcache_policy_hits"}, timeout=10).json()["data"]
     assert {"mlp_classifier", "resnet_mini", "text_embedder"} <= set(models)
+    # The same prefix under the label that says what it is.
+    policies = local_http().get(f"{prometheus}/api/v1/label/policy/values",
+                                params={"match[]": "meshcache_policy_entries"}, timeout=10).json()["data"]
+    assert set(policies) == set(local_http().get(f"{prometheus}/api/v1/label/model/values",
+                                                 params={"match[]": "meshcache_policy_entries"},
+                                                 timeout=10).json()["data"]) >= {"mlp_classifier"}, policies
     # One model label across filter and engine metrics: the engine's requests join the filter's
     # hits on `model` (the engine's own name is mlp-classifier; the scrape config rewrites it).
     engine_models = local_http().get(f"{prometheus}/api/v1/label/model/values",
@@ -152,6 +161,17 @@ def test_every_dashboard_query_has_live_data(running_mesh: RunningMesh, promethe
     joined = _query(prometheus, "sum by (model) (meshcache_engine_requests_total) and on (model) "
                                 "sum by (model) (meshcache_policy_hits)")
     assert "mlp_classifier" in {r["metric"]["model"] for r in joined}, joined
+
+    # Bypasses per reason, the label spelled as the Cache-Status detail (`no-store`, not `no_store`).
+    reasons = {r["metric"]["reason"]: float(r["value"][1])
+               for r in _query(prometheus, "sum by (reason) (meshcache_bypasses_by_reason)")}
+    assert reasons["credentials"] >= 1 and reasons["no-store"] >= 1 and reasons["no-policy"] == 0, reasons
+    assert not [r for r in reasons if "_" in r], reasons
+    # The sidecar's own filter-config verdicts: it took the control plane's config and rejected none.
+    verdicts = {(r["metric"]["__name__"], r["metric"]["filter"]): float(r["value"][1])
+                for r in _query(prometheus, '{__name__=~"meshcache_config_(fail|reload)"}')}
+    assert verdicts.get(("meshcache_config_reload", "meshcache"), 0) >= 1, verdicts
+    assert verdicts.get(("meshcache_config_fail", "meshcache")) == 0, verdicts
 
 
 def test_kubernetes_scrape_config_keeps_the_same_names() -> None:
@@ -167,3 +187,5 @@ def test_kubernetes_scrape_config_keeps_the_same_names() -> None:
     assert engine["metric_relabel_configs"] == jobs["meshcache-engine"]["metric_relabel_configs"] == \
         monitoring.server_model_rules()
     assert jobs["meshcache-sidecars"]["metrics_path"] == "/stats/prometheus"
+    # The whole file is what `render` writes for the default selector (prometheus-kubernetes.yml).
+    assert k8s["scrape_configs"] == monitoring.kubernetes_scrape_configs(Workloads(), own_engine=True)

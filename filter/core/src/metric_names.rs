@@ -2,9 +2,40 @@
 //! `wasmcustom.` prefix; the native host's metrics namespace is set to the same), so stats
 //! readers, the status page and dashboards see the same names whichever host runs.
 
+use crate::names::Bypass;
+
 pub const HITS: &str = "meshcache.hits";
 pub const MISSES: &str = "meshcache.misses";
 pub const BYPASSES: &str = "meshcache.bypasses";
+/// Bypasses again, one counter per reason: `meshcache.bypass.<detail>`, the `detail` of the
+/// bypass's `Cache-Status` (a fixed set: `Bypass::ALL`). Prometheus spells them
+/// `meshcache_bypass_<detail with _ for ->`; the scrape configs in deploy/ move the reason into a
+/// `reason` label (`meshcache_bypasses_by_reason{reason="no-policy"}`). A stat-name convention,
+/// not Envoy tag extraction: an Istio sidecar's bootstrap has no tag rule for it, and the native
+/// host must spell it the same.
+pub fn bypass_counter(why: Bypass) -> &'static str {
+    match why {
+        Bypass::Method => "meshcache.bypass.method",
+        Bypass::Path => "meshcache.bypass.path",
+        Bypass::GrpcWeb => "meshcache.bypass.grpc-web",
+        Bypass::RepeatedHeader => "meshcache.bypass.repeated-header",
+        Bypass::HeaderBytes => "meshcache.bypass.header-bytes",
+        Bypass::NoStore => "meshcache.bypass.no-store",
+        Bypass::Compressed => "meshcache.bypass.compressed",
+        Bypass::TooBig => "meshcache.bypass.too-big",
+        Bypass::NoModel => "meshcache.bypass.no-model",
+        Bypass::AmbiguousModel => "meshcache.bypass.ambiguous-model",
+        Bypass::ModelConflict => "meshcache.bypass.model-conflict",
+        Bypass::NoPolicy => "meshcache.bypass.no-policy",
+        Bypass::Disabled => "meshcache.bypass.disabled",
+        Bypass::Credentials => "meshcache.bypass.credentials",
+        Bypass::NoIdentity => "meshcache.bypass.no-identity",
+        Bypass::BinaryLength => "meshcache.bypass.binary-length",
+        Bypass::Unparsable => "meshcache.bypass.unparsable",
+        Bypass::Nondeterministic => "meshcache.bypass.nondeterministic",
+        Bypass::NoHitRoute => "meshcache.bypass.no-hit-route",
+    }
+}
 pub const STORES: &str = "meshcache.stores";
 pub const EVICTIONS: &str = "meshcache.evictions";
 pub const ERRORS: &str = "meshcache.errors";
@@ -48,4 +79,18 @@ pub fn safe_name(prefix: &str) -> String {
 /// The per-policy counter's or gauge's name.
 pub fn policy_metric(prefix: &str, what: &str) -> String {
     format!("meshcache.policy.{}.{}", safe_name(prefix), what)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn one_bypass_counter_per_reason_named_after_its_detail() {
+        let mut seen = std::collections::BTreeSet::new();
+        for why in Bypass::ALL.iter() {
+            assert_eq!(bypass_counter(*why), format!("meshcache.bypass.{}", why.detail()));
+            assert!(seen.insert(why.detail()), "{} twice", why.detail());
+        }
+    }
 }

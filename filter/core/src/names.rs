@@ -106,6 +106,29 @@ pub enum Bypass {
 }
 
 impl Bypass {
+    /// Every reason, each with its own counter (`metric_names::bypass_counter`).
+    pub const ALL: [Bypass; 19] = [
+        Bypass::Method,
+        Bypass::Path,
+        Bypass::GrpcWeb,
+        Bypass::RepeatedHeader,
+        Bypass::HeaderBytes,
+        Bypass::NoStore,
+        Bypass::Compressed,
+        Bypass::TooBig,
+        Bypass::NoModel,
+        Bypass::AmbiguousModel,
+        Bypass::ModelConflict,
+        Bypass::NoPolicy,
+        Bypass::Disabled,
+        Bypass::Credentials,
+        Bypass::NoIdentity,
+        Bypass::BinaryLength,
+        Bypass::Unparsable,
+        Bypass::Nondeterministic,
+        Bypass::NoHitRoute,
+    ];
+
     pub fn detail(self) -> &'static str {
         match self {
             Bypass::Method => "method",

@@ -230,6 +230,7 @@ impl Stream {
             return Flow::Continue;
         }
         host.count(metric_names::BYPASSES, 1);
+        host.count(metric_names::bypass_counter(why), 1);
         self.state = State::Bypass(why);
         Flow::Continue
     }

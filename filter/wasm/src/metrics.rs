@@ -95,6 +95,9 @@ pub fn define_all<'a, I: Iterator<Item = &'a str>>(prefixes: I) {
     for name in COUNTERS.iter() {
         metric(MetricKind::Counter, name);
     }
+    for why in crate::names::Bypass::ALL.iter() {
+        metric(MetricKind::Counter, bypass_counter(*why));
+    }
     for name in [ENTRIES, BYTES, UNATTRIBUTED_ENTRIES, UNATTRIBUTED_BYTES].iter() {
         metric(MetricKind::Gauge, name);
     }

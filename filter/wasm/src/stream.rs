@@ -293,6 +293,7 @@ impl Stream {
         }
         self.phase = Phase::Bypass(why);
         h.count(m::BYPASSES, 1);
+        h.count(m::bypass_counter(why), 1);
         CONTINUE
     }
 

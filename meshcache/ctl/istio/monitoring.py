@@ -14,6 +14,7 @@ cover model names with that many. deploy/prometheus/*.yml carry the same rules
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from meshcache.contract.extensions import Workloads
@@ -25,18 +26,44 @@ SANITIZE_STEPS = 8
 # Istio's injected istio-proxy container declares Envoy's Prometheus listener under this name.
 SIDECAR_STATS_PORT = SIDECAR_STATS_PORT_NAME
 _POLICY_STAT = r"meshcache_policy_(.+)_(hits|misses|entries|bytes)"
+# The filter's per-reason bypass counters (`meshcache.bypass.<detail>`, Envoy's Prometheus output
+# `meshcache_bypass_<detail with - as _>`) become `meshcache_bypasses_by_reason{reason="<detail>"}`,
+# the reason spelled as in `Cache-Status: ...; detail=<detail>`. No detail has more than
+# REASON_HYPHENS hyphens (filter/core/src/names.rs; tests/filter/test_http_cache.py checks).
+_BYPASS_STAT = r"meshcache_bypass_(.+)"
+BYPASS_REASON_METRIC = "meshcache_bypasses_by_reason"
+REASON_HYPHENS = 2
+# The sidecar's own verdict on the filter config it was sent (by this control plane or by
+# istiod): Envoy's `extension_config_discovery.http_filter.<filter>.config_fail|config_reload`
+# has no tag rule, so its Prometheus name carries the filter's name; any filter whose name holds
+# `meshcache` (`meshcache`, `meshcache-native`, Istio's `<ns>.<name>`) becomes
+# `meshcache_config_fail|reload{filter="<name as Envoy spelled it>"}`.
+_ECDS_STAT = r"envoy_extension_config_discovery_http_filter_(.*meshcache.*)_config_(fail|reload)"
 
 
+# The per-policy series carry the policy's model prefix twice: as `policy` (what it is: a prefix,
+# `llama` covers `llama3-70b` too) and, kept for the dashboards and the join with the servers'
+# own `model` label, as `model` (equal to a model's name only where the prefix is the full name).
 def filter_model_rules() -> list[Obj]:
     """Prometheus `metric_relabel_configs` for sidecar stats: the native host's names as the Wasm
-    filter's (an Envoy without a Wasm filter keeps `envoy_wasmcustom_` in front), then the model
-    into a `model` label."""
+    filter's (an Envoy without a Wasm filter keeps `envoy_wasmcustom_` in front), the sidecar's
+    filter config reloads and rejections (NACKs) under meshcache names, then the model into a
+    `model` label and each bypass counter's reason into a `reason` label."""
     return [
         {"source_labels": ["__name__"], "regex": "envoy_wasmcustom_(meshcache_.+)", "target_label": "__name__",
          "replacement": "$1"},
+        {"source_labels": ["__name__"], "regex": _ECDS_STAT, "target_label": "filter", "replacement": "$1"},
+        {"source_labels": ["__name__"], "regex": _ECDS_STAT, "target_label": "__name__",
+         "replacement": "meshcache_config_$2"},
+        {"source_labels": ["__name__"], "regex": _POLICY_STAT, "target_label": "policy", "replacement": "$1"},
         {"source_labels": ["__name__"], "regex": _POLICY_STAT, "target_label": "model", "replacement": "$1"},
         {"source_labels": ["__name__"], "regex": _POLICY_STAT, "target_label": "__name__",
          "replacement": "meshcache_policy_$2"},
+        {"source_labels": ["__name__"], "regex": _BYPASS_STAT, "target_label": "reason", "replacement": "$1"},
+        *({"source_labels": ["reason"], "regex": "(.*)_(.*)", "target_label": "reason", "replacement": "${1}-${2}"}
+          for _ in range(REASON_HYPHENS)),
+        {"source_labels": ["__name__"], "regex": _BYPASS_STAT, "target_label": "__name__",
+         "replacement": BYPASS_REASON_METRIC},
     ]
 
 
@@ -76,3 +103,46 @@ def pod_monitors(namespace: str, workloads: Workloads, own_engine: bool) -> list
             "port": "metrics", "path": "/metrics", "relabelings": color,
             "metricRelabelings": operator_rules(server_model_rules())}))
     return out
+
+
+def _pod_label(name: str) -> str:
+    """Prometheus's Kubernetes discovery label for a pod label (characters outside [A-Za-z0-9_] as `_`)."""
+    return "__meta_kubernetes_pod_label_" + re.sub(r"[^A-Za-z0-9_]", "_", name)
+
+
+def kubernetes_scrape_configs(workloads: Workloads, own_engine: bool) -> list[Obj]:
+    """The same three jobs as the PodMonitors for a Prometheus without the Operator (Kubernetes pod
+    discovery): the sidecars of the pods `--engine-selector` picks (each label a keep rule, through
+    the Istio agent's merged :15020 page), the control plane, and meshcache's engine when it runs.
+    deploy/prometheus/kubernetes.yml is this for the default selector; `render` writes it for the
+    given one (prometheus-kubernetes.yml)."""
+    selected = [{"source_labels": [_pod_label(k)], "regex": v.replace(".", r"\."), "action": "keep"}
+                for k, v in sorted(workloads.labels.items())]
+    pod = [{"source_labels": ["__meta_kubernetes_pod_name"], "target_label": "pod"}]
+    color = [{"source_labels": ["__meta_kubernetes_pod_label_color"], "target_label": "color"}]
+    jobs: list[Obj] = [
+        {"job_name": "meshcache-sidecars", "metrics_path": "/stats/prometheus",
+         "kubernetes_sd_configs": [{"role": "pod"}],
+         "relabel_configs": [
+             {"source_labels": ["__meta_kubernetes_pod_container_name"], "regex": "istio-proxy", "action": "keep"},
+             *selected,
+             {"source_labels": ["__meta_kubernetes_pod_ip"], "regex": "(.+)", "target_label": "__address__",
+              "replacement": "$1:15020"},
+             {"source_labels": ["__meta_kubernetes_namespace"], "target_label": "namespace"},
+             *pod, *color],
+         "metric_relabel_configs": filter_model_rules()},
+        {"job_name": "meshcache-control-plane", "metrics_path": "/metrics",
+         "kubernetes_sd_configs": [{"role": "pod"}],
+         "relabel_configs": [
+             {"source_labels": ["__meta_kubernetes_pod_label_app", "__meta_kubernetes_pod_container_port_name"],
+              "regex": "meshcache-control-plane;http", "action": "keep"}, *pod]},
+    ]
+    if own_engine:
+        jobs.append(
+            {"job_name": "meshcache-engine", "metrics_path": "/metrics",
+             "kubernetes_sd_configs": [{"role": "pod"}],
+             "relabel_configs": [
+                 {"source_labels": ["__meta_kubernetes_pod_label_app", "__meta_kubernetes_pod_container_port_name"],
+                  "regex": "meshcache-engine.*;metrics", "action": "keep"}, *pod, *color],
+             "metric_relabel_configs": server_model_rules()})
+    return jobs

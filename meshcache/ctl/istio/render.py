@@ -564,6 +564,8 @@ def write(objects: list[Obj], operators: tuple[Obj, Obj], mcp: list[Obj], out_di
             "mcp-preview.yaml": MCP_PREVIEW_HEADER + kustomize.dump(mcp),
         }
     files["monitoring.yaml"] = MONITORING_HEADER + kustomize.dump(monitors(objects))
+    files["prometheus-kubernetes.yml"] = PROMETHEUS_HEADER + yaml.safe_dump(
+        {"scrape_configs": scrape_configs(objects)}, sort_keys=False)
     for name, text in files.items():
         (out_dir / name).write_text(text)
     return [out_dir / name for name in files]
@@ -575,6 +577,16 @@ def monitors(objects: list[Obj]) -> list[Obj]:
     return monitoring.pod_monitors(namespace, workloads_from_env(control_plane_env(objects)), own_engine(objects))
 
 
+def scrape_configs(objects: list[Obj]) -> list[Obj]:
+    """Prometheus scrape jobs (Kubernetes pod discovery) for what the rendered manifests run."""
+    return monitoring.kubernetes_scrape_configs(workloads_from_env(control_plane_env(objects)), own_engine(objects))
+
+
+PROMETHEUS_HEADER = """\
+# Without the Prometheus Operator: scrape_configs for your Prometheus (Kubernetes pod discovery),
+# the same jobs and relabelling as monitoring.yaml's PodMonitors, the sidecar job keeping the pods
+# --engine-selector picks (deploy/README.md). Not a Kubernetes object: not for kubectl apply.
+"""
 MONITORING_HEADER = """\
 # For the Prometheus Operator (its CRDs must be installed): PodMonitors for the cached pods' sidecars
 # (the filter's stats on Envoy's :15090), the control plane and meshcache's engine, with one `model`
