@@ -13,6 +13,7 @@ import grpc
 import httpx
 
 from meshcache.ctl.istio import render
+from meshcache.ctl.kube.netns import NodeNetwork
 from meshcache.ctl.kube.up import RECORD
 from meshcache.ctl.mesh import state
 from tests.mesh.helpers import MODEL_INFER, mlp_json, mlp_request
@@ -93,3 +94,23 @@ def test_up_kube_status_requests_through_the_client_pod_and_down(tmp_path: Path)
     assert not {n for n in _netns() if n.startswith(f"mc-{record['index']}-")}
     assert not _link_exists(str(record["bridge"])) and not (state_dir / RECORD).exists()
     assert state.read_state(state_dir) is None
+
+
+def test_down_removes_what_a_killed_up_kube_left_behind(tmp_path: Path) -> None:
+    """A supervisor killed mid-start never stopped its pods: the network it recorded
+    (kube-network.json) is removed by `down`, with what still runs in the pods' namespaces."""
+    state_dir = tmp_path / "state"
+    state_dir.mkdir()
+    net = NodeNetwork.create()
+    pod = net.add_pod("meshcache/orphan", "orphan", {})
+    orphan = subprocess.Popen(pod.exec_argv("sleep", "300"))
+    try:
+        (state_dir / RECORD).write_text(json.dumps({"index": net.index, "bridge": net.bridge}))
+        down = run("down", "--state-dir", str(state_dir), timeout=60)
+        assert down.returncode == 0 and f"netns {pod.name} (1 processes)" in down.stdout, down.stdout + down.stderr
+        assert orphan.wait(timeout=10) == -9
+        assert pod.name not in _netns() and not _link_exists(net.bridge) and not (state_dir / RECORD).exists()
+    finally:
+        if orphan.poll() is None:
+            orphan.kill()
+        net.delete()
