@@ -52,7 +52,12 @@ def ecds_filters(admin: str) -> list[dict[str, Any]]:
 def ecds_version(admin: str) -> int:
     """The policy snapshot version in the sidecar's meshcache filter config (0 = none yet). The
     config_dump shows the last config received, a NACKed one too: see `acked`."""
-    for item in ecds_filters(admin):
+    return policy_version(ecds_filters(admin))
+
+
+def policy_version(filters: list[dict[str, Any]]) -> int:
+    """The policy snapshot version in the meshcache filter config among ECDS `filters` (0 = none)."""
+    for item in filters:
         ecds = item.get("ecds_filter", {})
         name = ecds.get("name", "")
         if not (name == FILTER_NAME or name.startswith(TRAFFIC_EXTENSION_ECDS_PREFIX)):

@@ -6,13 +6,14 @@
 rendered from istio/ (`meshcache istio render`): the control plane runs with the rendered
 Deployment's MCP settings, istiod from the rendered IstioOperator (istiod.py). Workloads are
 applied with `kubectl apply --server-side` (`apply_rendered`); pods that really run come from the
-test kubelet (not yet: see docs/istio.md).
+test kubelet (kubelet.py); `meshcache up --kube` runs it all (up.py).
 """
 
 from __future__ import annotations
 
 import contextlib
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,8 @@ class KubeMeshConfig:
     kubelet: bool = False  # a test node whose pods run Istio's containers (kubelet.py; root)
     seed_policies: bool = False  # the demo policies PUT at start (the filter then has work to do)
     workload_cert_ttl: str = ""  # e.g. "40s": the lifetime the agents ask istiod's CA for (SECRET_TTL)
+    # Told of the node network as soon as it exists (`meshcache up --kube` records it for `down`).
+    on_network: Callable[[NodeNetwork], None] | None = None
 
 
 @dataclass
@@ -82,6 +85,8 @@ class KubeMesh:
         hosts: dict[str, str] = {}
         if cfg.kubelet:
             self.network = NodeNetwork.create()
+            if cfg.on_network is not None:
+                cfg.on_network(self.network)
             # The filter's registry on the node (registry.py): the agents fetch the rendered oci:// URL.
             self.procs.append(registry.start_registry(self.network.node_ip, cfg.module, work / "registry"))
             metadata["WASM_INSECURE_REGISTRIES"] = registry.HOST

@@ -42,6 +42,8 @@ def format_endpoints(endpoints: dict[str, Any]) -> str:
     e = endpoints
     if e.get("mode") == "istiod":
         return format_istiod_endpoints(e)
+    if e.get("mode") == "kube":
+        return format_kube_endpoints(e)
     lines = [
         f"  app (gRPC + HTTP, plaintext):  {e['app']}   traffic colour {e['app_color']!r}",
         # .get: a mesh started before the field existed ran the Wasm filter.
@@ -82,6 +84,28 @@ def format_istiod_endpoints(e: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def format_kube_endpoints(e: dict[str, Any]) -> str:
+    return "\n".join([
+        f"  app (the client pod's sidecar): REST {e['app_http']}   gRPC {e['app_grpc']}   "
+        f"(Host / :authority {e['app_authority']})",
+        f"  kubectl:                       kubectl --kubeconfig {e['kubeconfig']} -n {e['namespace']} get pods",
+        f"  control-plane API:             {e['control_plane_api']}   (write token in {e['token_file']})",
+        f"  status page:                   {e['control_plane_api']}/status   (sign in with that token)",
+        f"  control-plane MCP (for istiod): {e['control_plane_xds']}",
+        f"  istiod:                        debug {e['istiod_debug']}/syncz",
+    ])
+
+
+def format_pods(pods: list[dict[str, Any]]) -> str:
+    lines = ["pods (from the API server):"]
+    for p in pods:
+        sidecar = f"istio-proxy injected ({'ready' if p['sidecar_ready'] else 'NOT READY'})" if p["injected"] \
+            else "no sidecar"
+        lines.append(f"  {p['name']:<44} {p['ip'] or '-':<15} {p['phase']:<8} "
+                     f"{'ready' if p['ready'] else 'not ready':<10} {sidecar}")
+    return "\n".join(lines)
+
+
 def headline(status: str, healthy: bool, failing: list[str]) -> str:
     """The first line of `meshcache status`: never "ready" next to a failing check."""
     if status == "ready" and not healthy:
@@ -99,10 +123,12 @@ def _load_config(args: argparse.Namespace) -> MeshConfig:
         overrides["lb_policy"] = args.lb_policy
     if getattr(args, "istiod", False):
         overrides["istiod"] = True
+    if getattr(args, "kube", False):
+        overrides["kube"] = True
     if getattr(args, "filter", None):
         overrides["filter"] = args.filter
     config = MeshConfig.from_file(Path(args.config), **overrides) if args.config else MeshConfig(**overrides)
-    return config.with_free_ports() if args.free_ports and not config.istiod else config
+    return config.with_free_ports() if args.free_ports and not (config.istiod or config.kube) else config
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -134,7 +160,11 @@ def cmd_up(args: argparse.Namespace) -> int:
                         f"`meshcache down --state-dir {config.state_dir}` stops it")
         if current is not None:
             state.stop_mesh(config.state_dir, timeout=5)  # a stale record: stop any leftovers
-        if config.istiod:
+        if config.kube:
+            from meshcache.ctl.kube.up import check_prerequisites as check_kube_prerequisites
+
+            check_kube_prerequisites()
+        elif config.istiod:
             from meshcache.ctl.istiod.mesh import check_prerequisites as check_istiod_prerequisites
 
             check_istiod_prerequisites()  # missing binary: say so at once (ports are picked free)
@@ -146,7 +176,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         # never runs on with nobody to stop it.
         with deferred_stop_signals():
             proc = supervisor.spawn(config)
-        ready = supervisor.wait_ready(proc, config, follower)
+        ready = supervisor.wait_ready(proc, config, follower, **({"timeout": supervisor.KUBE_READY_TIMEOUT_S}
+                                                                 if config.kube else {}))
         print(f"\nmeshcache mesh is up (state dir {config.state_dir}, supervisor pid {ready['pid']}):")
         print(format_endpoints(ready["endpoints"]), flush=True)
         if args.detach:
@@ -171,20 +202,26 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 def cmd_down(args: argparse.Namespace) -> int:
     state_dir = _state_dir(args)
+    from meshcache.ctl.kube.up import remove_leftovers
+
     current = state.read_state(state_dir)
     if current is None:
-        print(f"no mesh running from {state_dir}")
+        removed = remove_leftovers(state_dir)  # a `up --kube` that died before recording itself
+        print(f"no mesh running from {state_dir}" + (f"; removed its leftovers: {', '.join(removed)}"
+                                                      if removed else ""))
         return 0
     forced = state.stop_mesh(state_dir, timeout=args.timeout)
+    removed = remove_leftovers(state_dir)  # the supervisor removes them; not if it was killed
     left = state.leftover_children(current)
     if left:
         return _err(f"could not stop: {', '.join(c['name'] for c in left)}")
-    print("mesh stopped" + (f" (had to kill: {', '.join(forced)})" if forced else ""))
+    print("mesh stopped" + (f" (had to kill: {', '.join(forced)})" if forced else "")
+          + (f" (removed leftovers: {', '.join(removed)})" if removed else ""))
     return 0
 
 
 def _health(endpoints: dict[str, Any]) -> dict[str, bool]:
-    if endpoints.get("mode") == "istiod":
+    if endpoints.get("mode") in ("istiod", "kube"):
         return _istiod_health(endpoints)
     checks = {
         "app path (client sidecar -> mTLS -> server sidecar -> engine)":
@@ -210,7 +247,8 @@ def _istiod_health(e: dict[str, Any]) -> dict[str, bool]:
             (f"{e['app_http']}/v2/health/ready", {"host": e["app_authority"]}),
         "control plane": (f"{e['control_plane_api']}/readyz", {}),
         "istiod": (f"{e['istiod_debug']}/syncz", {}),
-        **{f"sidecar {proxy}": (f"{sc['admin']}/ready", {}) for proxy, sc in e["sidecars"].items()},
+        # .get: the kube mesh's sidecars are in their pods (pods and istiod's sync state cover them).
+        **{f"sidecar {proxy}": (f"{sc['admin']}/ready", {}) for proxy, sc in e.get("sidecars", {}).items()},
     }
     out = {}
     for name, (url, headers) in checks.items():
@@ -223,7 +261,7 @@ def _istiod_health(e: dict[str, Any]) -> dict[str, bool]:
 
 def _istiod_sync(endpoints: dict[str, Any]) -> tuple[list[dict[str, Any]] | None, str | None]:
     """istiod's per-proxy sync state (/debug/syncz), or why not."""
-    if endpoints.get("mode") != "istiod":
+    if endpoints.get("mode") not in ("istiod", "kube"):
         return None, None
     from meshcache.ctl.istiod.status import proxy_sync
 
@@ -231,6 +269,19 @@ def _istiod_sync(endpoints: dict[str, Any]) -> tuple[list[dict[str, Any]] | None
         return proxy_sync(endpoints["istiod_debug"]), None
     except (httpx.HTTPError, ValueError) as exc:
         return None, f"istiod unreachable: {exc}"
+
+
+def _kube_pods(current: dict[str, Any]) -> tuple[list[dict[str, Any]] | None, str | None]:
+    """The kube mesh's pods as the API server reports them, or why not."""
+    endpoints = current.get("endpoints") or {}
+    if endpoints.get("mode") != "kube":
+        return None, None
+    from meshcache.ctl.kube.up import kube_pods
+
+    try:
+        return kube_pods(endpoints["kubeconfig"], endpoints["namespace"]), None
+    except (MeshError, OSError, ValueError, subprocess.SubprocessError) as exc:
+        return None, f"API server unreachable: {exc}"
 
 
 def _cache_stats(current: dict[str, Any]) -> tuple[dict[str, Any] | None, str | None]:
@@ -263,8 +314,18 @@ def cmd_status(args: argparse.Namespace) -> int:
     if cache is not None and (cache.get("serving") or {}).get("degraded"):
         healthy = False  # serving the last good snapshot, but its store is unreachable
     sync, sync_error = _istiod_sync(current.get("endpoints") or {}) if current["status"] == "ready" else (None, None)
+    pods, pods_error = _kube_pods(current) if current["status"] == "ready" else (None, None)
+    if pods is not None:
+        from meshcache.ctl.kube.up import pod_ok
+
+        healthy = healthy and all(pod_ok(p) for p in pods)
+    elif pods_error:
+        healthy = False
     if sync is not None:
         expected = set((current.get("endpoints") or {}).get("sidecars", {}))
+        if pods is not None:  # kube: every injected pod's sidecar (proxy id <pod>.<namespace>)
+            namespace = current["endpoints"]["namespace"]
+            expected = {f"{p['name']}.{namespace}" for p in pods if p["injected"]}
         healthy = healthy and expected <= {p["proxy"] for p in sync if p["synced"]}
     elif sync_error:
         healthy = False
@@ -274,7 +335,9 @@ def cmd_status(args: argparse.Namespace) -> int:
                           "certificates": current.get("certificates", {}),
                           "endpoints": current.get("endpoints"), "cache": cache, "cache_error": cache_error,
                           **({"istiod": {"proxies": sync, "error": sync_error}}
-                             if current.get("endpoints", {}).get("mode") == "istiod" else {})}))
+                             if current.get("endpoints", {}).get("mode") in ("istiod", "kube") else {}),
+                          **({"pods": pods, "pods_error": pods_error}
+                             if current.get("endpoints", {}).get("mode") == "kube" else {})}))
         return 0 if healthy else 1
     failing = [n for n, c in components.items() if c["state"] != "running" or not c["running"]]
     failing += [n for n, ok in health.items() if not ok]
@@ -282,6 +345,12 @@ def cmd_status(args: argparse.Namespace) -> int:
         failing += [f"sidecar {p['proxy']} not synced" for p in sync if not p["synced"]]
     elif sync_error:
         failing.append("istiod sync state")
+    if pods is not None:
+        from meshcache.ctl.kube.up import pod_ok
+
+        failing += [f"pod {p['name']} not ready" for p in pods if not pod_ok(p)]
+    elif pods_error:
+        failing.append("pods")
     print(f"{headline(current['status'], healthy, failing)} (supervisor pid {current['pid']}, state dir {state_dir})")
     for name, c in components.items():
         shown = c["state"] if c["state"] != "running" or c["running"] else "EXITED"
@@ -300,6 +369,10 @@ def cmd_status(args: argparse.Namespace) -> int:
             print(f"  {'ok  ' if p['synced'] else 'FAIL'} {p['proxy']:<36} {types}")
     elif sync_error:
         print(f"istiod: {sync_error}")
+    if pods is not None:
+        print(format_pods(pods))
+    elif pods_error:
+        print(f"pods: {pods_error}")
     if current.get("endpoints"):
         print(format_endpoints(current["endpoints"]))
     if cache is not None:
@@ -313,7 +386,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from meshcache.ctl.mesh import demo
 
     try:
-        return demo.run(_state_dir(args), istiod=args.istiod, host=args.filter)
+        return demo.run(_state_dir(args), istiod=args.istiod, host=args.filter, kube=args.kube)
     except (MeshError, ApiError) as exc:
         return _err(str(exc))
 
@@ -465,6 +538,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     up.add_argument("--lb-policy", choices=LB_POLICIES, help="consistent hashing for affinity (default RING_HASH)")
     up.add_argument("--istiod", action="store_true",
                     help="a real istiod in the middle: control plane -> istiod (MCP) -> sidecars (docs/istio.md)")
+    up.add_argument("--kube", action="store_true",
+                    help="Kubernetes in the loop: a local cluster, istiod in Kubernetes mode, injected engine pods "
+                         "and a client pod run by the test kubelet (root; docs/istio.md)")
     _add_filter(up, "")
     up.add_argument("--supervise", action="store_true", help=argparse.SUPPRESS)
     up.set_defaults(func=cmd_up)
@@ -483,6 +559,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     _add_state_dir(demo)
     demo.add_argument("--istiod", action="store_true",
                       help="without a running mesh: start a private one with a real istiod in the middle")
+    demo.add_argument("--kube", action="store_true",
+                      help="without a running mesh: start a private `up --kube` mesh (Kubernetes in the loop)")
     _add_filter(demo, " of the private mesh (a running mesh keeps its own)")
     demo.set_defaults(func=cmd_demo)
 

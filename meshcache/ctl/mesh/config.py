@@ -192,6 +192,9 @@ class MeshConfig:
     # A real istiod in the middle (`meshcache up --istiod`, meshcache/ctl/istiod): the control plane
     # feeds istiod over MCP and istiod configures the sidecars; ports are then picked free.
     istiod: bool = False
+    # Kubernetes in the loop (`meshcache up --kube`, meshcache/ctl/kube/up.py): a local cluster,
+    # istiod in Kubernetes mode, the test kubelet's injected pods and a client pod (root).
+    kube: bool = False
     # The cache's host (FILTER_HOSTS): in the server sidecars, and with replicas in the client
     # sidecar's client role (affinity) too.
     filter: str = "wasm"
@@ -214,6 +217,9 @@ class MeshConfig:
         if self.filter == "native" and self.istiod:
             raise ValueError("filter native with istiod: istio-proxy 1.30 has no dynamic modules "
                              "(docs/istio.md), so the mesh with istiod runs the Wasm filter")
+        if self.kube and (self.istiod or self.filter != "wasm" or self.replicas != 1):
+            raise ValueError("kube: runs istio/ as rendered (the Wasm filter, istiod in Kubernetes mode, "
+                             "the rendered replicas); not with istiod, filter or replicas")
         if self.lb_policy not in LB_POLICIES:
             raise ValueError(f"lb_policy must be one of {', '.join(LB_POLICIES)}; got {self.lb_policy!r}")
         if not 0 < self.renew_before_hours < self.cert_hours:

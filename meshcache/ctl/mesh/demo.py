@@ -119,7 +119,7 @@ def _header(title: str) -> None:
 
 
 @contextlib.contextmanager
-def _mesh_for_demo(state_dir: Path | None, istiod: bool = False, host: str | None = None
+def _mesh_for_demo(state_dir: Path | None, istiod: bool = False, host: str | None = None, kube: bool = False
                    ) -> Iterator[tuple[dict[str, Any], str, bool]]:
     """(endpoints, token, started_here): a running mesh if there is one, else a private one whose
     server sidecars run the cache in `host` (MeshConfig.filter; default wasm)."""
@@ -131,6 +131,21 @@ def _mesh_for_demo(state_dir: Path | None, istiod: bool = False, host: str | Non
               + (f", not the {host} asked for: that applies to a mesh the demo starts)" if host and host != running
                  else ")"))
         yield endpoints, Path(endpoints["token_file"]).read_text().strip(), False
+        return
+    if kube:
+        from meshcache.ctl.kube.up import KubeUp, KubeUpConfig, check_prerequisites
+
+        check_prerequisites()
+        with tempfile.TemporaryDirectory(prefix="meshcache-demo-kube-") as tmp:
+            print("starting Kubernetes in the loop (cluster, istiod in Kubernetes mode, control plane, injected "
+                  "engine pods and a client pod on the test kubelet) ...")
+            kmesh = KubeUp(KubeUpConfig(state_dir=Path(tmp)), log=lambda m: print(f"  {m}"))
+            try:
+                kmesh.start()
+                yield kmesh.endpoints(), kmesh.mesh.token if kmesh.mesh else "", True
+            finally:
+                kmesh.stop()
+            print("stopped the mesh.")
         return
     if istiod:
         from meshcache.ctl.istiod.mesh import IstiodMesh, IstiodMeshConfig
@@ -156,11 +171,11 @@ def _mesh_for_demo(state_dir: Path | None, istiod: bool = False, host: str | Non
         print("stopped the mesh.")
 
 
-def run(state_dir: Path | None, istiod: bool = False, host: str | None = None) -> int:
-    with _mesh_for_demo(state_dir, istiod, host) as (endpoints, token, _started):
+def run(state_dir: Path | None, istiod: bool = False, host: str | None = None, kube: bool = False) -> int:
+    with _mesh_for_demo(state_dir, istiod, host, kube) as (endpoints, token, _started):
         api = PolicyApi(endpoints["control_plane_api"], token)
         rng = np.random.default_rng(time.time_ns())
-        if endpoints.get("mode") == "istiod":
+        if endpoints.get("mode") in ("istiod", "kube"):
             client = Client(endpoints["app_http"].removeprefix("http://"), endpoints["app_color"], rng,
                             app_grpc=endpoints["app_grpc"], authority=endpoints["app_authority"])
         else:
@@ -178,6 +193,12 @@ Waiter = tuple[Callable[[int], None], str]
 
 def _applied_by(endpoints: dict[str, Any], api: PolicyApi) -> Waiter:
     """How to wait until a policy version is in the server sidecar(s), and what to call it."""
+    if endpoints.get("mode") == "kube":
+        from meshcache.ctl.kube.up import wait_applied as wait_applied_kube
+
+        return ((lambda version: wait_applied_kube(endpoints["istiod_debug"], endpoints["engine_netns"], version)),
+                "the engine pods' sidecars (control plane -> MCP -> istiod -> istio-agent -> Envoy, ACK seen by "
+                "istiod)")
     if endpoints.get("mode") != "istiod":
         return (lambda version: api.wait_acked(SERVER_NODE, version)), "the server sidecar (ECDS)"
     from meshcache.ctl.istiod.status import wait_applied

@@ -33,6 +33,7 @@ from meshcache.ctl.mesh.topology import Mesh
 CONFIG_FILE = "mesh-config.json"
 SUPERVISOR_LOG = "supervisor.log"
 READY_TIMEOUT_S = 120.0
+KUBE_READY_TIMEOUT_S = 300.0  # `up --kube`: a cluster, istiod, and pods whose agents fetch the filter
 STOP_TIMEOUT_S = 60.0
 
 
@@ -118,6 +119,10 @@ def supervise(config: MeshConfig) -> int:
 def build_mesh(config: MeshConfig, log: Callable[[str], None]) -> Any:
     """The local mesh, or with `istiod` the one with a real istiod in the middle (same interface
     for the supervisor: start/stop, children, endpoints, healer, certificates)."""
+    if config.kube:
+        from meshcache.ctl.kube.up import KubeUp, KubeUpConfig
+
+        return KubeUp(KubeUpConfig(state_dir=config.state_dir), log=log)
     if not config.istiod:
         return Mesh(config, log=log)
     from meshcache.ctl.istiod.mesh import IstiodMesh, IstiodMeshConfig
