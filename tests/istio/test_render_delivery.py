@@ -13,7 +13,8 @@ from meshcache.contract import extensions
 from meshcache.ctl.cli import main
 from meshcache.ctl.istio import crossref, render, validate
 
-FILES_KUBE = ["istio-operator.yaml", "namespace.yaml", "meshcache-istio.yaml", "kube-preview.yaml", "monitoring.yaml"]
+FILES_KUBE = ["istio-operator.yaml", "namespace.yaml", "meshcache-istio.yaml", "kube-preview.yaml", "monitoring.yaml",
+              "prometheus-kubernetes.yml"]
 
 
 def _render(tmp_path: Path, *args: str) -> tuple[list[dict], list[dict], Path]:

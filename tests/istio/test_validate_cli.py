@@ -34,11 +34,12 @@ def test_a_directory_validates_every_yaml_in_it(tmp_path: Path, filter_wasm: Pat
                                                 capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "out"
     assert main(["istio", "render", "--out", str(out)]) == 0
-    files = sorted(out.glob("*.yaml"))
+    files = sorted([*out.glob("*.yaml"), *out.glob("*.yml")])
     capsys.readouterr()
     assert main(["istio", "validate", str(out), "--module", str(filter_wasm)]) == 0
     summary = capsys.readouterr().out.strip().splitlines()[-1]
-    # istiod-values.yaml (Helm values, no object) is read and holds no object.
+    # istiod-values.yaml (Helm values) and prometheus-kubernetes.yml (a scrape config) are read and
+    # hold no object.
     assert summary.endswith(f"in {len(files)} files, 0 errors"), summary
     assert int(summary.split()[0]) == sum(
         1 for f in files for d in yaml.safe_load_all(f.read_text()) if d and "kind" in d)
