@@ -262,10 +262,11 @@ pub fn key_request_with(
     };
     // Every header a server reads to choose the model or its version is keyed on every path
     // (absent and empty apart): `x-model-version` picks the version `/v1/infer` runs.
-    let mut model_headers: Vec<Option<&str>> = Vec::with_capacity(MODEL_SELECTING_HEADERS.len());
-    for name in MODEL_SELECTING_HEADERS {
+    // A fixed array: this runs on every request, no allocation needed for two headers.
+    let mut model_headers: [Option<&str>; MODEL_SELECTING_HEADERS.len()] = [None; MODEL_SELECTING_HEADERS.len()];
+    for (slot, name) in model_headers.iter_mut().zip(MODEL_SELECTING_HEADERS) {
         match single(head, name) {
-            Ok(v) => model_headers.push(v),
+            Ok(v) => *slot = v,
             Err(why) => return BodyDecision::Bypass(why),
         }
     }
