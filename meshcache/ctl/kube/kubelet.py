@@ -363,26 +363,22 @@ class TestKubelet:
                 target.symlink_to(source)
 
     def _fill(self, directory: Path, volume: Obj, pod: Obj) -> None:
+        # A projected volume is its sources written into one directory; every other kind is one
+        # source (emptyDir: the directory itself).
+        for src in volume["projected"]["sources"] if "projected" in volume else [volume]:
+            self._fill_source(directory, src, pod)
+
+    def _fill_source(self, directory: Path, src: Obj, pod: Obj) -> None:
         namespace = pod["metadata"]["namespace"]
-        if "configMap" in volume:
-            self._config_map(directory, namespace, volume["configMap"])
-        elif "secret" in volume:
-            self._secret(directory, namespace, volume["secret"])
-        elif "downwardAPI" in volume:
-            for item in volume["downwardAPI"]["items"]:
+        if "serviceAccountToken" in src:
+            self._token(directory, pod, src["serviceAccountToken"])
+        elif "configMap" in src:
+            self._config_map(directory, namespace, src["configMap"])
+        elif "secret" in src:
+            self._secret(directory, namespace, src["secret"])
+        elif "downwardAPI" in src:
+            for item in src["downwardAPI"]["items"]:
                 (directory / item["path"]).write_text(_downward(pod, item["fieldRef"]["fieldPath"]))
-        elif "projected" in volume:
-            for src in volume["projected"]["sources"]:
-                if "serviceAccountToken" in src:
-                    self._token(directory, pod, src["serviceAccountToken"])
-                elif "configMap" in src:
-                    self._config_map(directory, namespace, src["configMap"])
-                elif "secret" in src:
-                    self._secret(directory, namespace, src["secret"])
-                elif "downwardAPI" in src:
-                    for item in src["downwardAPI"]["items"]:
-                        (directory / item["path"]).write_text(_downward(pod, item["fieldRef"]["fieldPath"]))
-        # emptyDir: the directory itself.
 
     def _config_map(self, directory: Path, namespace: str, ref: Obj) -> None:
         assert self._api is not None
