@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from xdist.scheduler import LoadScopeScheduling
 
 from meshcache.contract.paths import MissingOutsideFile, require_filter_wasm
 from meshcache.ctl import launchers, procs
@@ -39,8 +40,25 @@ SLOW_FIRST = (
     "tests/filter/test_stale.py", "tests/mesh/test_cli.py", "tests/mesh/test_rotation.py",
     "tests/images/", "tests/filter/test_affinity.py", "tests/filter/test_coalescing.py",
     "tests/mesh/test_self_healing.py", "tests/mesh/test_affinity.py", "tests/filter/test_streaming.py",
-    "tests/istiod/", "tests/kube/", "tests/status/", "tests/mesh/",
+    "tests/istiod/", "tests/kube/mesh/", "tests/kube/cluster/", "tests/kube/", "tests/status/", "tests/mesh/",
 )
+
+
+# Directories whose modules share session-scoped stacks (a local Kubernetes cluster, a kube mesh):
+# all their tests go to one worker, so each stack starts once per run, not once per module.
+SHARED_STACK_DIRS = ("tests/kube/cluster/", "tests/kube/mesh/")
+
+
+class _SharedStackScheduling(LoadScopeScheduling):
+    """`--dist loadscope` with one scope per SHARED_STACK_DIRS directory (modules elsewhere)."""
+
+    def _split_scope(self, nodeid: str) -> str:
+        return next((d for d in SHARED_STACK_DIRS if nodeid.startswith(d)), None) or super()._split_scope(nodeid)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> LoadScopeScheduling | None:
+    return _SharedStackScheduling(config, log) if config.getvalue("dist") == "loadscope" else None  # type: ignore[arg-type]
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 
-from meshcache.ctl.istio import validate
 from meshcache.ctl.kube.binary import versions
 from meshcache.ctl.kube.cluster import LocalCluster
 from tests.helpers.wait import eventually
@@ -19,10 +18,8 @@ def test_kubectl_and_server_report_the_pinned_version(kube_cluster: LocalCluster
     assert out["serverVersion"]["gitVersion"] == pinned
 
 
-def test_istio_crds_apply_server_side_and_serve_their_kinds(kube_cluster: LocalCluster) -> None:
-    kube_cluster.kubectl("apply", "--server-side", "-f", str(validate.crd_file()))
-    kube_cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s",
-                         "crd/envoyfilters.networking.istio.io", "crd/destinationrules.networking.istio.io")
+def test_istio_crds_apply_server_side_and_serve_their_kinds(istio_cluster: LocalCluster) -> None:
+    kube_cluster = istio_cluster
     kube_cluster.kubectl("create", "namespace", "crd-check")
     good = {"apiVersion": "networking.istio.io/v1", "kind": "DestinationRule",
             "metadata": {"name": "engine", "namespace": "crd-check"},

@@ -16,9 +16,7 @@ from typing import Any
 import pytest
 import yaml
 
-from meshcache.ctl.istio import validate
 from meshcache.ctl.kube.cluster import LocalCluster
-from tests.helpers.wait import eventually
 from tests.istio.helpers import CHART, HELM
 
 Obj = dict[str, Any]
@@ -28,34 +26,20 @@ KSERVE = {"delivery": "kube", "engine": {"enabled": False},
                     "httpPorts": [8080], "grpcPorts": [], "servicePorts": [80], "service": "sklearn-predictor"}}
 
 
-@pytest.fixture(scope="module")
-def cluster(kube_cluster: LocalCluster) -> LocalCluster:
-    kube_cluster.kubectl("apply", "--server-side", "--field-manager=meshcache", "-f", str(validate.crd_file()))
-    kube_cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s",
-                         "crd/destinationrules.networking.istio.io", "crd/virtualservices.networking.istio.io",
-                         "crd/gateways.networking.istio.io", "crd/authorizationpolicies.security.istio.io",
-                         "crd/peerauthentications.security.istio.io")
-    # Established is not yet served: wait until the kinds answer.
-    for path in ("/apis/networking.istio.io/v1/namespaces/default/destinationrules",
-                 "/apis/security.istio.io/v1/namespaces/default/authorizationpolicies"):
-        eventually(lambda p=path: kube_cluster.get(p) is not None, timeout=60)
-    return kube_cluster
-
-
 @pytest.fixture
 def namespace() -> str:
     return f"helm-{uuid.uuid4().hex[:8]}"  # a deleted namespace takes a while to go
 
 
 @pytest.fixture
-def helm_env(tmp_path: Path, cluster: LocalCluster, namespace: str) -> Iterator[dict[str, str]]:
-    env = {**os.environ, "KUBECONFIG": str(cluster.kubeconfig), "HELM_CACHE_HOME": str(tmp_path / "cache"),
+def helm_env(tmp_path: Path, istio_cluster: LocalCluster, namespace: str) -> Iterator[dict[str, str]]:
+    env = {**os.environ, "KUBECONFIG": str(istio_cluster.kubeconfig), "HELM_CACHE_HOME": str(tmp_path / "cache"),
            "HELM_CONFIG_HOME": str(tmp_path / "config"), "HELM_DATA_HOME": str(tmp_path / "data")}
-    cluster.kubectl("create", "namespace", namespace)
-    cluster.kubectl("label", "namespace", namespace, "istio-injection=enabled")
+    istio_cluster.kubectl("create", "namespace", namespace)
+    istio_cluster.kubectl("label", "namespace", namespace, "istio-injection=enabled")
     yield env
     helm(env, "uninstall", "meshcache", "--namespace", namespace, check=False)
-    cluster.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
+    istio_cluster.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
 
 
 def helm(env: dict[str, str], *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -70,11 +54,11 @@ def _ref(obj: Obj) -> str:
     return f"{obj['kind'].lower()}{'.' + group if group else ''}/{obj['metadata']['name']}"
 
 
-def _live(cluster: LocalCluster, obj: Obj) -> Obj | None:
+def _live(istio_cluster: LocalCluster, obj: Obj) -> Obj | None:
     args = ["get", _ref(obj), "-o", "json", "--ignore-not-found"]
     if "namespace" in obj["metadata"]:
         args += ["-n", obj["metadata"]["namespace"]]
-    out = cluster.kubectl(*args).stdout
+    out = istio_cluster.kubectl(*args).stdout
     return json.loads(out) if out.strip() else None
 
 
@@ -87,7 +71,7 @@ def _manifest(env: dict[str, str], namespace: str) -> list[Obj]:
     return [o for o in yaml.safe_load_all(text) if o]
 
 
-def test_helm_install_upgrade_uninstall(cluster: LocalCluster, helm_env: dict[str, str], namespace: str,
+def test_helm_install_upgrade_uninstall(istio_cluster: LocalCluster, helm_env: dict[str, str], namespace: str,
                                         tmp_path: Path) -> None:
     notes = helm(helm_env, "install", "meshcache", str(CHART), "--namespace", namespace).stdout
     # The next step (delivery mcp): istiod's values change, pinned, and the restart it needs.
@@ -97,7 +81,7 @@ def test_helm_install_upgrade_uninstall(cluster: LocalCluster, helm_env: dict[st
     installed = _manifest(helm_env, namespace)
     assert len(installed) == 21
     for obj in installed:
-        live = _live(cluster, obj)
+        live = _live(istio_cluster, obj)
         assert live is not None, _ref(obj)
         assert live["metadata"]["annotations"]["meta.helm.sh/release-name"] == "meshcache"
         if obj["kind"] == "Deployment":  # what was asked is what the API server keeps
@@ -106,7 +90,7 @@ def test_helm_install_upgrade_uninstall(cluster: LocalCluster, helm_env: dict[st
             # (the API server defaults fieldRef.apiVersion: compare the names and plain values)
             assert _env(got) == _env(want)
             assert got["image"] == want["image"]
-    ap = _live(cluster, {"apiVersion": "security.istio.io/v1", "kind": "AuthorizationPolicy",
+    ap = _live(istio_cluster, {"apiVersion": "security.istio.io/v1", "kind": "AuthorizationPolicy",
                          "metadata": {"name": "meshcache-engine", "namespace": namespace}})
     assert ap is not None
     assert ap["spec"]["rules"][0]["from"][0]["source"]["principals"][0] == \
@@ -121,30 +105,30 @@ def test_helm_install_upgrade_uninstall(cluster: LocalCluster, helm_env: dict[st
     kept = {_ref(o) for o in upgraded}
     for obj in installed:
         if _ref(obj) not in kept:  # meshcache's engine, its routes, gateway and PeerAuthentication
-            assert _live(cluster, obj) is None, _ref(obj)
+            assert _live(istio_cluster, obj) is None, _ref(obj)
     assert {_ref(o) for o in installed} - kept == {
         "serviceaccount/meshcache-engine", "deployment.apps/meshcache-engine-blue", "service/meshcache-engine",
         "peerauthentication.security.istio.io/default", "virtualservice.networking.istio.io/meshcache-engine",
         "virtualservice.networking.istio.io/meshcache-engine-ingress", "gateway.networking.istio.io/meshcache-ingress"}
-    role = _live(cluster, {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": {
+    role = _live(istio_cluster, {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": {
         "name": "meshcache-control-plane-istio-objects", "namespace": namespace}})
     assert role is not None and role["rules"] == [{"apiGroups": ["networking.istio.io"], "resources": ["envoyfilters"],
                                                    "verbs": ["get", "list", "create", "patch", "delete"]}]
     # The control plane's ServiceAccount may now write EnvoyFilters here, and nothing else.
     sa = f"system:serviceaccount:{namespace}:meshcache-control-plane"
-    can = cluster.kubectl("auth", "can-i", "create", "envoyfilters.networking.istio.io", "-n", namespace,
+    can = istio_cluster.kubectl("auth", "can-i", "create", "envoyfilters.networking.istio.io", "-n", namespace,
                           f"--as={sa}", check=False)
     assert can.stdout.strip() == "yes"
-    cannot = cluster.kubectl("auth", "can-i", "create", "envoyfilters.networking.istio.io", "-n", "default",
+    cannot = istio_cluster.kubectl("auth", "can-i", "create", "envoyfilters.networking.istio.io", "-n", "default",
                              f"--as={sa}", check=False)
     assert cannot.stdout.strip() == "no"
 
     helm(helm_env, "uninstall", "meshcache", "--namespace", namespace)
     for obj in upgraded:
-        assert _live(cluster, obj) is None, _ref(obj)
+        assert _live(istio_cluster, obj) is None, _ref(obj)
 
 
-def test_helm_install_refused_in_istio_system(cluster: LocalCluster, helm_env: dict[str, str]) -> None:
+def test_helm_install_refused_in_istio_system(istio_cluster: LocalCluster, helm_env: dict[str, str]) -> None:
     r = helm(helm_env, "install", "meshcache", str(CHART), "--namespace", "istio-system", check=False)
     assert r.returncode != 0
     assert "namespace istio-system: that is Istio's or Kubernetes' own namespace" in r.stderr

@@ -11,7 +11,6 @@ import ipaddress
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,27 +21,18 @@ from cryptography import x509
 from meshcache.contract import oci
 from meshcache.contract.extensions import AFFINITY_LABEL
 from meshcache.ctl.istio import render
-from meshcache.ctl.kube.mesh import KubeMesh, KubeMeshConfig
+from meshcache.ctl.kube.mesh import KubeMesh
 from tests.helpers.wait import eventually
+from tests.kube.mesh.conftest import CERT_TTL_S
 from tests.mesh.helpers import MODEL_INFER, mlp_json, mlp_request
 
 Obj = dict[str, Any]
 NS = render.BASE_NAMESPACE
-CERT_TTL_S = 40  # short workload certificates: the agents rotate them every ~20 s
 
 
-@pytest.fixture(scope="module")
-def mesh(tmp_path_factory: pytest.TempPathFactory, filter_wasm: Path) -> Iterator[KubeMesh]:
-    config = KubeMeshConfig(tmp_path_factory.mktemp("kube-node"), module=filter_wasm, kubelet=True, seed_policies=True,
-                            workload_cert_ttl=f"{CERT_TTL_S}s")
-    with KubeMesh(config) as m:
-        m.apply_rendered()
-        yield m
-
-
-def _engine_pods(mesh: KubeMesh) -> list[Obj]:
-    assert mesh.cluster is not None and mesh.kubelet is not None
-    pods = mesh.cluster.get(f"/api/v1/namespaces/{NS}/pods?labelSelector=app%3D{render.ENGINE_APP}")
+def _engine_pods(kube_mesh: KubeMesh) -> list[Obj]:
+    assert kube_mesh.cluster is not None and kube_mesh.kubelet is not None
+    pods = kube_mesh.cluster.get(f"/api/v1/namespaces/{NS}/pods?labelSelector=app%3D{render.ENGINE_APP}")
     return pods["items"] if pods else []
 
 
@@ -50,39 +40,43 @@ def _proxy_status(pod: Obj) -> Obj | None:
     return next((c for c in pod["status"].get("initContainerStatuses", []) if c["name"] == "istio-proxy"), None)
 
 
-def test_engine_pods_get_pod_cidr_addresses_capture_and_a_ready_sidecar(mesh: KubeMesh) -> None:
-    assert mesh.network is not None and mesh.kubelet is not None
+def _ready_sidecars(kube_mesh: KubeMesh) -> list[Obj]:
+    return [p for p in _engine_pods(kube_mesh) if (_proxy_status(p) or {}).get("ready")]
+
+
+def test_engine_pods_get_pod_cidr_addresses_capture_and_a_ready_sidecar(kube_mesh: KubeMesh) -> None:
+    assert kube_mesh.network is not None and kube_mesh.kubelet is not None
 
     def ready() -> list[Obj]:
-        pods = _engine_pods(mesh)
+        pods = _engine_pods(kube_mesh)
         ok = pods and all((_proxy_status(p) or {}).get("ready") for p in pods)
-        assert ok, (mesh.kubelet.errors[-3:], [p["status"] for p in pods])  # type: ignore[union-attr]
+        assert ok, (kube_mesh.kubelet.errors[-3:], [p["status"] for p in pods])  # type: ignore[union-attr]
         return pods
 
     pods = eventually(ready, timeout=120, interval=0.5)
-    cidr = ipaddress.ip_network(mesh.network.cidr)
+    cidr = ipaddress.ip_network(kube_mesh.network.cidr)
     for pod in pods:
         ip = pod["status"]["podIP"]
-        assert ipaddress.ip_address(ip) in cidr and pod["status"]["hostIP"] == mesh.network.node_ip
+        assert ipaddress.ip_address(ip) in cidr and pod["status"]["hostIP"] == kube_mesh.network.node_ip
         init = next(c for c in pod["status"]["initContainerStatuses"] if c["name"] == "istio-init")
         assert init["state"]["terminated"]["exitCode"] == 0
-        running = mesh.kubelet.pods[f"{NS}/{pod['metadata']['name']}"]
+        running = kube_mesh.kubelet.pods[f"{NS}/{pod['metadata']['name']}"]
         rules = subprocess.run(running.net.exec_argv("iptables-save", "-t", "nat"), capture_output=True,
                                text=True, check=True).stdout
         assert "-A ISTIO_INBOUND" in rules and "--to-ports 15006" in rules and "--to-ports 15001" in rules
         assert "--uid-owner 1337" in rules
 
 
-def test_the_sidecar_certificate_comes_from_istiods_ca(mesh: KubeMesh) -> None:
-    assert mesh.cluster is not None and mesh.kubelet is not None
-    pods = eventually(lambda: [p for p in _engine_pods(mesh) if (_proxy_status(p) or {}).get("ready")], timeout=120)
+def test_the_sidecar_certificate_comes_from_istiods_ca(kube_mesh: KubeMesh) -> None:
+    assert kube_mesh.cluster is not None and kube_mesh.kubelet is not None
+    pods = eventually(lambda: _ready_sidecars(kube_mesh), timeout=120)
     pod = pods[0]
-    running = mesh.kubelet.pods[f"{NS}/{pod['metadata']['name']}"]
+    running = kube_mesh.kubelet.pods[f"{NS}/{pod['metadata']['name']}"]
     certs = eventually(lambda: _workload_certs(running), timeout=30)
     uris = {san.get("uri") for c in certs for cert in c["cert_chain"] for san in cert.get("subject_alt_names", [])}
     assert "spiffe://cluster.local/ns/meshcache/sa/meshcache-engine" in uris
     # Signed by istiod's own CA (its self-signed root, published to the namespace as istio-ca-root-cert).
-    root_map = mesh.cluster.get(f"/api/v1/namespaces/{NS}/configmaps/istio-ca-root-cert")
+    root_map = kube_mesh.cluster.get(f"/api/v1/namespaces/{NS}/configmaps/istio-ca-root-cert")
     assert root_map is not None
     root = x509.load_pem_x509_certificate(root_map["data"]["root-cert.pem"].encode())
     roots = {ca["serial_number"].lstrip("0").lower() for c in certs for ca in c.get("ca_cert", [])}
@@ -97,10 +91,10 @@ def _workload_certs(running: Any) -> list[Obj]:
     return [c for c in json.loads(out)["certificates"] if c.get("cert_chain")]
 
 
-def test_the_agent_rotates_the_workload_certificate_before_it_expires(mesh: KubeMesh) -> None:
-    assert mesh.kubelet is not None
-    pod = _ready_engine_pods(mesh)[0]
-    running = mesh.kubelet.pods[f"{NS}/{pod['metadata']['name']}"]
+def test_the_agent_rotates_the_workload_certificate_before_it_expires(kube_mesh: KubeMesh) -> None:
+    assert kube_mesh.kubelet is not None
+    pod = _ready_engine_pods(kube_mesh)[0]
+    running = kube_mesh.kubelet.pods[f"{NS}/{pod['metadata']['name']}"]
 
     def serials() -> set[str]:
         return {cert["serial_number"] for c in _workload_certs(running) for cert in c["cert_chain"]}
@@ -114,13 +108,13 @@ def test_the_agent_rotates_the_workload_certificate_before_it_expires(mesh: Kube
     assert "spiffe://cluster.local/ns/meshcache/sa/meshcache-engine" in uris
 
 
-def test_istiod_sees_the_sidecars_and_they_ack_its_config(mesh: KubeMesh) -> None:
-    assert mesh.istiod is not None
-    pods = eventually(lambda: [p for p in _engine_pods(mesh) if (_proxy_status(p) or {}).get("ready")], timeout=120)
+def test_istiod_sees_the_sidecars_and_they_ack_its_config(kube_mesh: KubeMesh) -> None:
+    assert kube_mesh.istiod is not None
+    pods = eventually(lambda: _ready_sidecars(kube_mesh), timeout=120)
     wanted = {f"{p['metadata']['name']}.{NS}" for p in pods}
 
     def acked() -> bool:
-        sync = {s["proxy"]: s for s in mesh.istiod.debug("syncz") or []}  # type: ignore[union-attr]
+        sync = {s["proxy"]: s for s in kube_mesh.istiod.debug("syncz") or []}  # type: ignore[union-attr]
         assert wanted <= set(sync), sorted(sync)
         for proxy in wanted:
             for kind in ("cluster", "listener", "route"):
@@ -130,21 +124,21 @@ def test_istiod_sees_the_sidecars_and_they_ack_its_config(mesh: KubeMesh) -> Non
     eventually(acked, timeout=60)
 
 
-def _ready_engine_pods(mesh: KubeMesh) -> list[Obj]:
+def _ready_engine_pods(kube_mesh: KubeMesh) -> list[Obj]:
     def ready() -> list[Obj]:
-        pods = _engine_pods(mesh)
+        pods = _engine_pods(kube_mesh)
         conditions = [{c["type"]: c["status"] for c in p["status"].get("conditions", [])} for p in pods]
         ok = pods and all(p["status"].get("phase") == "Running" and c.get("Ready") == "True"
                           for p, c in zip(pods, conditions, strict=True))
-        assert ok, (mesh.kubelet.errors[-3:], [p["status"] for p in pods])  # type: ignore[union-attr]
+        assert ok, (kube_mesh.kubelet.errors[-3:], [p["status"] for p in pods])  # type: ignore[union-attr]
         return pods
 
     return eventually(ready, timeout=180, interval=0.5)
 
 
-def test_engine_pods_turn_ready_through_the_agents_probe_rewrite_and_become_endpoints(mesh: KubeMesh) -> None:
-    assert mesh.cluster is not None
-    pods = _ready_engine_pods(mesh)
+def test_engine_pods_turn_ready_through_the_agents_probe_rewrite_and_become_endpoints(kube_mesh: KubeMesh) -> None:
+    assert kube_mesh.cluster is not None
+    pods = _ready_engine_pods(kube_mesh)
     for pod in pods:
         engine = next(c for c in pod["spec"]["containers"] if c["name"] == "engine")
         # The injector rewrote the engine's probe to the agent (port 15020), which probes the app.
@@ -154,7 +148,7 @@ def test_engine_pods_turn_ready_through_the_agents_probe_rewrite_and_become_endp
         assert states["demo-models"]["state"]["terminated"]["exitCode"] == 0 and states["engine"]["ready"]
 
     def endpoints() -> set[str]:
-        slices = mesh.cluster.get(f"/apis/discovery.k8s.io/v1/namespaces/{NS}/endpointslices"  # type: ignore[union-attr]
+        slices = kube_mesh.cluster.get(f"/apis/discovery.k8s.io/v1/namespaces/{NS}/endpointslices"  # type: ignore[union-attr]
                                   f"?labelSelector=kubernetes.io%2Fservice-name%3D{render.ENGINE_APP}")
         return {a for s in (slices or {}).get("items", []) for e in s.get("endpoints") or []
                 if e.get("conditions", {}).get("ready") for a in e["addresses"]}
@@ -163,9 +157,9 @@ def test_engine_pods_turn_ready_through_the_agents_probe_rewrite_and_become_endp
     eventually(lambda: endpoints() == want, timeout=30)
 
 
-def test_strict_mtls_holds_at_the_captured_port(mesh: KubeMesh) -> None:
-    pod = _ready_engine_pods(mesh)[0]
-    running = mesh.kubelet.pods[f"{NS}/{pod['metadata']['name']}"]  # type: ignore[union-attr]
+def test_strict_mtls_holds_at_the_captured_port(kube_mesh: KubeMesh) -> None:
+    pod = _ready_engine_pods(kube_mesh)[0]
+    running = kube_mesh.kubelet.pods[f"{NS}/{pod['metadata']['name']}"]  # type: ignore[union-attr]
     # Inside the pod, on loopback (not captured), the engine answers.
     script = "import urllib.request;print(urllib.request.urlopen('http://127.0.0.1:8000/v2/health/ready').status)"
     inside = subprocess.run(running.net.exec_argv(sys.executable, "-c", script), capture_output=True, text=True,
@@ -199,21 +193,21 @@ except urllib.error.HTTPError as e:
 """
 
 
-def _caller_pod(mesh: KubeMesh, name: str, account: str, labels: dict[str, str] | None = None) -> Any:
+def _caller_pod(kube_mesh: KubeMesh, name: str, account: str, labels: dict[str, str] | None = None) -> Any:
     """An injected pod whose app is this test (its container's image is not one the kubelet runs)."""
-    assert mesh.cluster is not None and mesh.kubelet is not None
-    if mesh.cluster.get(f"/api/v1/namespaces/{NS}/serviceaccounts/{account}") is None:
-        mesh.cluster.kubectl("create", "serviceaccount", account, "-n", NS)
+    assert kube_mesh.cluster is not None and kube_mesh.kubelet is not None
+    if kube_mesh.cluster.get(f"/api/v1/namespaces/{NS}/serviceaccounts/{account}") is None:
+        kube_mesh.cluster.kubectl("create", "serviceaccount", account, "-n", NS)
     pod = {"apiVersion": "v1", "kind": "Pod",
            "metadata": {"name": name, "namespace": NS, "labels": {"app": name, **(labels or {})}},
            "spec": {"serviceAccountName": account,
                     "containers": [{"name": "app", "image": "example.invalid/caller:1"}]}}
-    mesh.cluster.kubectl("apply", "--server-side", "-f", "-", input=json.dumps(pod))
+    kube_mesh.cluster.kubectl("apply", "--server-side", "-f", "-", input=json.dumps(pod))
 
     def proxy_ready() -> Any:
-        got = mesh.cluster.get(f"/api/v1/namespaces/{NS}/pods/{name}")  # type: ignore[union-attr]
+        got = kube_mesh.cluster.get(f"/api/v1/namespaces/{NS}/pods/{name}")  # type: ignore[union-attr]
         assert got is not None and (_proxy_status(got) or {}).get("ready"), got and got["status"]
-        return mesh.kubelet.pods[f"{NS}/{name}"]  # type: ignore[union-attr]
+        return kube_mesh.kubelet.pods[f"{NS}/{name}"]  # type: ignore[union-attr]
 
     return eventually(proxy_ready, timeout=90, interval=0.5)
 
@@ -226,14 +220,14 @@ def _call(running: Any, url: str, host: str) -> tuple[int, str, str]:
 
 
 def test_a_client_pod_reaches_the_engine_service_through_both_sidecars_and_an_outsider_is_denied(
-        mesh: KubeMesh) -> None:
-    assert mesh.cluster is not None
-    _ready_engine_pods(mesh)
-    service = mesh.cluster.get(f"/api/v1/namespaces/{NS}/services/{render.ENGINE_APP}")
+        kube_mesh: KubeMesh) -> None:
+    assert kube_mesh.cluster is not None
+    _ready_engine_pods(kube_mesh)
+    service = kube_mesh.cluster.get(f"/api/v1/namespaces/{NS}/services/{render.ENGINE_APP}")
     assert service is not None
     url = f"http://{service['spec']['clusterIP']}:8000/v2/health/ready"  # no kube-proxy: only capture routes it
     # Cache affinity (two engine replicas): the client's sidecar keys the route on the request.
-    client = _caller_pod(mesh, "caller", "meshcache-client", {AFFINITY_LABEL: "true"})
+    client = _caller_pod(kube_mesh, "caller", "meshcache-client", {AFFINITY_LABEL: "true"})
 
     def answered() -> tuple[int, str, str]:
         result = _call(client, url, render.ENGINE_APP)
@@ -242,7 +236,7 @@ def test_a_client_pod_reaches_the_engine_service_through_both_sidecars_and_an_ou
 
     assert eventually(answered, timeout=30)[1] == "envoy"
     # Not a principal the engine's AuthorizationPolicy admits: the engine's sidecar refuses it.
-    outsider = _caller_pod(mesh, "outsider", "someone-else")
+    outsider = _caller_pod(kube_mesh, "outsider", "someone-else")
     status, _, body = _call(outsider, url, render.ENGINE_APP)
     assert status == 403 and "RBAC: access denied" in body
 
@@ -257,13 +251,13 @@ print(r.read().decode())
 
 
 def test_the_filter_comes_over_oci_through_istio_agent_and_the_second_rest_infer_is_a_hit(
-        mesh: KubeMesh, filter_wasm: Path) -> None:
+        kube_mesh: KubeMesh, filter_wasm: Path) -> None:
     """The rendered EnvoyFilter (from the control plane over MCP, through istiod) names the module
     as oci://registry.example.com/...@sha256:<digest>: istio-agent fetched it from the node's
     registry, checked the digest and handed Envoy the local file; the filter then caches."""
-    assert mesh.cluster is not None and mesh.kubelet is not None
-    pods = _ready_engine_pods(mesh)
-    running = mesh.kubelet.pods[f"{NS}/{pods[0]['metadata']['name']}"]
+    assert kube_mesh.cluster is not None and kube_mesh.kubelet is not None
+    pods = _ready_engine_pods(kube_mesh)
+    running = kube_mesh.kubelet.pods[f"{NS}/{pods[0]['metadata']['name']}"]
     script = ("import urllib.request,json;"
               "d=json.loads(urllib.request.urlopen('http://127.0.0.1:15000/config_dump').read());"
               "print(json.dumps([f for c in d['configs'] if 'Ecds' in c['@type'] for f in c['ecds_filters']]))")
@@ -281,9 +275,9 @@ def test_the_filter_comes_over_oci_through_istio_agent_and_the_second_rest_infer
     # The agent's cache names the module by the digest it pulled and checked: the one render pinned.
     assert code.startswith("/var/lib/istio/data/") and code.endswith(f"/{oci.image_for(filter_wasm).digest}.wasm")
 
-    service = mesh.cluster.get(f"/api/v1/namespaces/{NS}/services/{render.ENGINE_APP}")
+    service = kube_mesh.cluster.get(f"/api/v1/namespaces/{NS}/services/{render.ENGINE_APP}")
     assert service is not None
-    client = _caller_pod(mesh, "hit-caller", "meshcache-client", {AFFINITY_LABEL: "true"})
+    client = _caller_pod(kube_mesh, "hit-caller", "meshcache-client", {AFFINITY_LABEL: "true"})
     url = f"http://{service['spec']['clusterIP']}:8000/v2/models/mlp-classifier/infer"
     body = json.dumps(mlp_json(seed=3401))
 
@@ -309,12 +303,12 @@ with grpc.insecure_channel(sys.argv[1], options=[("grpc.default_authority", sys.
 """
 
 
-def test_the_second_grpc_model_infer_from_a_client_pod_is_a_hit(mesh: KubeMesh) -> None:
-    assert mesh.cluster is not None
-    _ready_engine_pods(mesh)
-    service = mesh.cluster.get(f"/api/v1/namespaces/{NS}/services/{render.ENGINE_APP}")
+def test_the_second_grpc_model_infer_from_a_client_pod_is_a_hit(kube_mesh: KubeMesh) -> None:
+    assert kube_mesh.cluster is not None
+    _ready_engine_pods(kube_mesh)
+    service = kube_mesh.cluster.get(f"/api/v1/namespaces/{NS}/services/{render.ENGINE_APP}")
     assert service is not None
-    client = _caller_pod(mesh, "grpc-caller", "meshcache-client", {AFFINITY_LABEL: "true"})
+    client = _caller_pod(kube_mesh, "grpc-caller", "meshcache-client", {AFFINITY_LABEL: "true"})
     request = mlp_request(seed=3402).SerializeToString().hex()
 
     def infer() -> tuple[str, str]:

@@ -26,7 +26,7 @@ import yaml
 
 from meshcache.contract import extensions
 from meshcache.ctl import procs
-from meshcache.ctl.istio import kustomize, render, validate
+from meshcache.ctl.istio import kustomize, render
 from meshcache.ctl.kube import istiod as kube_istiod
 from meshcache.ctl.kube.cluster import LocalCluster
 from meshcache.ctl.kube.istiod import KubeIstiod
@@ -38,18 +38,6 @@ DIGEST = "c0ffee" + "0" * 58
 URL = f"oci://registry.example.com/meshcache/filter@sha256:{DIGEST}"
 MANAGER = extensions.FIELD_MANAGER
 Obj = dict[str, Any]
-
-
-@pytest.fixture(scope="module")
-def istio_cluster(kube_cluster: LocalCluster) -> LocalCluster:
-    # The field manager istio installs use here (meshcache.ctl.kube.istiod re-applies its own CRDs).
-    kube_cluster.kubectl("apply", "--server-side", "--field-manager=meshcache", "-f", str(validate.crd_file()))
-    kube_cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s",
-                         "crd/envoyfilters.networking.istio.io", "crd/trafficextensions.extensions.istio.io")
-    # Established is not yet served: the API server answers 429 until the kinds' storage is up.
-    for resource in (extensions.KUBE_RESOURCES["EnvoyFilter"], extensions.KUBE_RESOURCES["TrafficExtension"]):
-        eventually(lambda r=resource: kube_cluster.get(r.path("default")) is not None, timeout=60)
-    return kube_cluster
 
 
 @dataclass

@@ -8,26 +8,16 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
-import pytest
 import yaml
 
 from meshcache.ctl.istio import render
-from meshcache.ctl.kube.mesh import KubeMesh, KubeMeshConfig
+from meshcache.ctl.kube.mesh import KubeMesh
 from tests.helpers.wait import eventually
 
 Obj = dict[str, Any]
 NS = render.BASE_NAMESPACE
-
-
-@pytest.fixture(scope="module")
-def kube_mesh(tmp_path_factory: pytest.TempPathFactory, filter_wasm: Path) -> Iterator[KubeMesh]:
-    with KubeMesh(KubeMeshConfig(tmp_path_factory.mktemp("kube-mesh"), module=filter_wasm)) as mesh:
-        mesh.apply_rendered()
-        yield mesh
 
 
 def _pods(mesh: KubeMesh, app: str, count: int) -> list[Obj]:
