@@ -23,7 +23,6 @@ from meshcache.contract.extensions import AFFINITY_LABEL
 from meshcache.ctl.istio import render
 from meshcache.ctl.kube.mesh import KubeMesh
 from tests.helpers.wait import eventually
-from tests.kube.mesh.conftest import CERT_TTL_S
 from tests.mesh.helpers import MODEL_INFER, mlp_json, mlp_request
 
 Obj = dict[str, Any]
@@ -99,9 +98,10 @@ def test_the_agent_rotates_the_workload_certificate_before_it_expires(kube_mesh:
     def serials() -> set[str]:
         return {cert["serial_number"] for c in _workload_certs(running) for cert in c["cert_chain"]}
 
+    ttl_s = int(kube_mesh.config.workload_cert_ttl.removesuffix("s"))  # short: tests/kube/mesh/conftest.py
     first = eventually(serials, timeout=30)
     # A new certificate from istiod's CA for the same identity, on the agent's own schedule.
-    rotated = eventually(lambda: serials() - first, timeout=CERT_TTL_S * 1.5, interval=1.0)
+    rotated = eventually(lambda: serials() - first, timeout=ttl_s * 1.5, interval=1.0)
     certs = _workload_certs(running)
     assert rotated and all(int(cert["days_until_expiration"]) == 0 for c in certs for cert in c["cert_chain"])
     uris = {san.get("uri") for c in certs for cert in c["cert_chain"] for san in cert.get("subject_alt_names", [])}
