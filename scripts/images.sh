@@ -71,7 +71,7 @@ esac
 
 # What --prepare builds depends only on the base, the Dockerfiles and the pins (pyproject.toml):
 # a tag named after them says it was built, so `make setup` is quick when nothing changed.
-prepared="localhost/meshcache/prepared:$(cat engine/Dockerfile control_plane/Dockerfile pyproject.toml \
+prepared="localhost/meshcache/prepared:$(cat engine/Dockerfile control_plane/Dockerfile scripts/image_rootfs.py pyproject.toml \
   <(echo "$base") | sha256sum | cut -c1-16)"
 if $prepare && "$builder" inspect --type image "$prepared-engine" >/dev/null 2>&1 \
     && "$builder" inspect --type image "$prepared-control-plane" >/dev/null 2>&1; then

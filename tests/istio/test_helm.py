@@ -23,6 +23,7 @@ from tests.istio.test_existing_servers import kserve_predictor, triton_deploymen
 Obj = dict[str, Any]
 DEFAULTS = yaml.safe_load((CHART / "values.yaml").read_text())
 DIGEST = DEFAULTS["filter"]["digest"]
+SCRAPE_CONFIGMAP = "meshcache-prometheus-scrape"
 
 
 def helm(*args: str) -> subprocess.CompletedProcess[str]:
@@ -106,7 +107,14 @@ CASES: list[tuple[str, render.RenderOptions, Obj]] = [
 def test_helm_template_equals_render(tmp_path: Path, opts: render.RenderOptions, values: Obj,
                                      crds: dict) -> None:
     rendered = render.render(opts)
-    templated = template(tmp_path, opts.namespace, {**values, "monitoring": {"podMonitors": True}})
+    templated = template(tmp_path, opts.namespace, {**values, "monitoring": {"podMonitors": True,
+                                                                             "scrapeConfig": True}})
+    # render's prometheus-kubernetes.yml, as the ConfigMap's one key (the same jobs, rule for rule).
+    scrape = next(o for o in templated if o["kind"] == "ConfigMap" and o["metadata"]["name"] == SCRAPE_CONFIGMAP)
+    assert scrape["metadata"]["namespace"] == opts.namespace
+    assert yaml.safe_load(scrape["data"]["prometheus-kubernetes.yml"]) == {
+        "scrape_configs": render.scrape_configs(rendered)}
+    templated.remove(scrape)
     # render's meshcache-istio.yaml and monitoring.yaml together
     want = {k: v for k, v in _by_id(rendered + render.monitors(rendered)).items() if k[0] != "Namespace"}
     got = _by_id(templated)
@@ -117,8 +125,10 @@ def test_helm_template_equals_render(tmp_path: Path, opts: render.RenderOptions,
     # references with what the control plane would serve (the Namespace is the release's).
     report = validate.validate_all(templated)
     assert report.ok, report.errors
-    assert {o["kind"] for o in template(tmp_path, opts.namespace, values)} == {o["kind"] for o in rendered} - {
+    plain = template(tmp_path, opts.namespace, values)
+    assert {o["kind"] for o in plain} == {o["kind"] for o in rendered} - {
         "Namespace"}  # PodMonitors only when asked (their CRDs may be missing)
+    assert SCRAPE_CONFIGMAP not in {o["metadata"]["name"] for o in plain}  # nor the scrape config
     namespace = next(o for o in rendered if o["kind"] == "Namespace")
     # In front of KServe or Triton: their workloads, as test_existing_servers has them.
     theirs = {"kserve": kserve_predictor("sklearn", opts.namespace),
@@ -132,7 +142,7 @@ def test_helm_template_equals_render(tmp_path: Path, opts: render.RenderOptions,
 def test_helm_lint_strict(tmp_path: Path) -> None:
     for i, (_, _, values) in enumerate(CASES):
         path = tmp_path / f"values-{i}.json"
-        path.write_text(json.dumps({**values, "monitoring": {"podMonitors": i % 2 == 0}}))
+        path.write_text(json.dumps({**values, "monitoring": {"podMonitors": i % 2 == 0, "scrapeConfig": i % 3 == 0}}))
         r = helm("lint", "--strict", str(CHART), "-f", str(path))
         assert r.returncode == 0, r.stdout + r.stderr
         assert "1 chart(s) linted, 0 chart(s) failed" in r.stdout

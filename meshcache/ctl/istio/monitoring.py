@@ -10,6 +10,13 @@ server's `model` label the way Envoy rewrote the stat name. Prometheus relabelli
 replace-all, so each server rule replaces one such character (the last); SANITIZE_STEPS of them
 cover model names with that many. deploy/prometheus/*.yml carry the same rules
 (tests/status/test_dashboard.py checks that they are these).
+
+In front of the user's own servers (no meshcache engine) the same `model` label reaches their
+metrics: Triton's `nv_inference_*{model}` and a KServe Python runtime's `request_*_seconds{model_name}`
+(model_name copied into `model`), through the Istio agent's merged page (:15020, the server's
+own metrics merged in when its pod carries Istio's `prometheus.io/*` annotations, as KServe sets
+with `serving.kserve.io/enable-prometheus-scraping` and Triton's chart with `podAnnotations`),
+for the pods `--engine-selector` picks.
 """
 
 from __future__ import annotations
@@ -74,10 +81,25 @@ def server_model_rules() -> list[Obj]:
              "replacement": "${1}_${2}"} for _ in range(SANITIZE_STEPS)]
 
 
+# The user's servers' metrics on the Istio agent's merged page, kept by name: Triton's and a KServe
+# Python runtime's (the page also carries Envoy's stats, which the sidecar job scrapes already).
+SERVER_METRICS = r"nv_inference_.+|request_(predict|preprocess|postprocess|explain)_seconds_.+"
+MERGED_STATS_PORT = 15020
+
+
+def servers_rules() -> list[Obj]:
+    """The user's servers' metrics only, their model as a `model` label (a KServe Python runtime
+    calls it `model_name`; Triton `model`), spelt as the filter's stat names spell it."""
+    return [{"source_labels": ["__name__"], "regex": SERVER_METRICS, "action": "keep"},
+            {"source_labels": ["model", "model_name"], "regex": ";(.+)", "target_label": "model",
+             "replacement": "$1"},
+            *server_model_rules()]
+
+
 def operator_rules(rules: list[Obj]) -> list[Obj]:
     """The same rules as the Prometheus Operator's RelabelConfig (camelCase, explicit action)."""
     names = {"source_labels": "sourceLabels", "target_label": "targetLabel"}
-    return [{**{names.get(k, k): v for k, v in r.items()}, "action": "replace"} for r in rules]
+    return [{**{names.get(k, k): v for k, v in r.items()}, "action": r.get("action", "replace")} for r in rules]
 
 
 def _monitor(name: str, namespace: str, selector: dict[str, str], endpoint: Obj) -> Obj:
@@ -88,8 +110,9 @@ def _monitor(name: str, namespace: str, selector: dict[str, str], endpoint: Obj)
 
 def pod_monitors(namespace: str, workloads: Workloads, own_engine: bool) -> list[Obj]:
     """The cached pods' sidecars (the filter's stats), the control plane, and meshcache's own engine
-    when it is deployed (a user's servers keep their own monitors: add server_model_rules() to
-    their metricRelabelings)."""
+    when it is deployed, else the user's servers (Triton, KServe) the selector picks: their own
+    metrics from the Istio agent's merged page (the address moved from Envoy's named stats port,
+    the only one istio-proxy declares, to :15020), with the same `model` label."""
     color = [{"sourceLabels": ["__meta_kubernetes_pod_label_color"], "targetLabel": "color"}]
     out = [
         _monitor("meshcache-sidecars", namespace, dict(workloads.labels), {
@@ -102,6 +125,13 @@ def pod_monitors(namespace: str, workloads: Workloads, own_engine: bool) -> list
         out.append(_monitor("meshcache-engine", namespace, {"app": "meshcache-engine"}, {
             "port": "metrics", "path": "/metrics", "relabelings": color,
             "metricRelabelings": operator_rules(server_model_rules())}))
+    else:
+        out.append(_monitor("meshcache-servers", namespace, dict(workloads.labels), {
+            "port": SIDECAR_STATS_PORT, "path": "/stats/prometheus",
+            "relabelings": [{"sourceLabels": ["__meta_kubernetes_pod_ip"], "regex": "(.+)",
+                             "targetLabel": "__address__", "replacement": f"$1:{MERGED_STATS_PORT}",
+                             "action": "replace"}],
+            "metricRelabelings": operator_rules(servers_rules())}))
     return out
 
 
@@ -113,7 +143,8 @@ def _pod_label(name: str) -> str:
 def kubernetes_scrape_configs(workloads: Workloads, own_engine: bool) -> list[Obj]:
     """The same three jobs as the PodMonitors for a Prometheus without the Operator (Kubernetes pod
     discovery): the sidecars of the pods `--engine-selector` picks (each label a keep rule, through
-    the Istio agent's merged :15020 page), the control plane, and meshcache's engine when it runs.
+    the Istio agent's merged :15020 page), the control plane, and meshcache's engine when it runs,
+    else the user's servers (their metrics on the same merged page, as the servers PodMonitor).
     deploy/prometheus/kubernetes.yml is this for the default selector; `render` writes it for the
     given one (prometheus-kubernetes.yml)."""
     selected = [{"source_labels": [_pod_label(k)], "regex": v.replace(".", r"\."), "action": "keep"}
@@ -130,7 +161,10 @@ def kubernetes_scrape_configs(workloads: Workloads, own_engine: bool) -> list[Ob
               "replacement": "$1:15020"},
              {"source_labels": ["__meta_kubernetes_namespace"], "target_label": "namespace"},
              *pod, *color],
-         "metric_relabel_configs": filter_model_rules()},
+         # The user's servers' own metrics, merged into the same page, go to their own job.
+         "metric_relabel_configs": [
+             *([] if own_engine else [{"source_labels": ["__name__"], "regex": SERVER_METRICS, "action": "drop"}]),
+             *filter_model_rules()]},
         {"job_name": "meshcache-control-plane", "metrics_path": "/metrics",
          "kubernetes_sd_configs": [{"role": "pod"}],
          "relabel_configs": [
@@ -145,4 +179,15 @@ def kubernetes_scrape_configs(workloads: Workloads, own_engine: bool) -> list[Ob
                  {"source_labels": ["__meta_kubernetes_pod_label_app", "__meta_kubernetes_pod_container_port_name"],
                   "regex": "meshcache-engine.*;metrics", "action": "keep"}, *pod, *color],
              "metric_relabel_configs": server_model_rules()})
+    else:
+        jobs.append(
+            {"job_name": "meshcache-servers", "metrics_path": "/stats/prometheus",
+             "kubernetes_sd_configs": [{"role": "pod"}],
+             "relabel_configs": [
+                 {"source_labels": ["__meta_kubernetes_pod_container_name"], "regex": "istio-proxy", "action": "keep"},
+                 *selected,
+                 {"source_labels": ["__meta_kubernetes_pod_ip"], "regex": "(.+)", "target_label": "__address__",
+                  "replacement": f"$1:{MERGED_STATS_PORT}"},
+                 {"source_labels": ["__meta_kubernetes_namespace"], "target_label": "namespace"}, *pod],
+             "metric_relabel_configs": servers_rules()})
     return jobs
