@@ -37,6 +37,26 @@ def parse_engine_urls(text: str) -> list[str]:
     return urls
 
 
+def index_names(where: str, rows: object) -> set[str]:
+    """The model names of one engine's repository index (KServe v2: a list of {"name": ...})."""
+    if not isinstance(rows, list):
+        raise ValueError(f"{where}: the index is not a list")
+    return {row["name"] for row in rows if isinstance(row, dict) and isinstance(row.get("name"), str)}
+
+
+def prefix_warnings(model_prefix: str, names: set[str], errors: list[str]) -> list[str]:
+    """Warnings for a policy with this prefix, given the engines' model names and why some could
+    not be read: the one rule, for the control plane and for the CLI (a kube mesh's engine pods)."""
+    warnings = []
+    if errors:
+        warnings.append("could not read every engine's model index (" + "; ".join(errors[:3]) + ")")
+    if names and not any(n.startswith(model_prefix) for n in names):
+        shown = ", ".join(sorted(names)[:SHOWN]) + (", ..." if len(names) > SHOWN else "")
+        warnings.append(f"model_prefix {model_prefix!r} matches no model the engines serve ({shown}); "
+                        "applied anyway")
+    return warnings
+
+
 class ModelIndex:
     def __init__(self, urls: list[str], timeout_s: float) -> None:
         self.urls = urls
@@ -49,10 +69,7 @@ class ModelIndex:
             raise ValueError(f"{url}: HTTP {r.status_code}")
         if len(r.content) > MAX_INDEX_BYTES:
             raise ValueError(f"{url}: index larger than {MAX_INDEX_BYTES} bytes")
-        rows = r.json()
-        if not isinstance(rows, list):
-            raise ValueError(f"{url}: the index is not a list")
-        return {row["name"] for row in rows if isinstance(row, dict) and isinstance(row.get("name"), str)}
+        return index_names(url, r.json())
 
     async def models(self) -> tuple[set[str], list[str]]:
         """Every model name the engines list, and why an engine could not be read."""
@@ -75,11 +92,4 @@ class ModelIndex:
         if not self.urls:
             return []
         names, errors = await self.models()
-        warnings = []
-        if errors:
-            warnings.append("could not read every engine's model index (" + "; ".join(errors[:3]) + ")")
-        if names and not any(n.startswith(model_prefix) for n in names):
-            shown = ", ".join(sorted(names)[:SHOWN]) + (", ..." if len(names) > SHOWN else "")
-            warnings.append(f"model_prefix {model_prefix!r} matches no model the engines serve ({shown}); "
-                            "applied anyway")
-        return warnings
+        return prefix_warnings(model_prefix, names, errors)

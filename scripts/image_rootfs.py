@@ -32,8 +32,8 @@ DYNLOAD_SKIP = ("readline.", "_curses", "_dbm.", "_gdbm.", "nis.", "_tkinter.", 
                 "_testbuffer.", "_testinternalcapi.", "_testimportmultiple.", "_testmultiphase.", "_xxtestfuzz.",
                 "xxlimited")
 # Files read by the process itself (name service, MIME types for starlette, OpenSSL's config,
-# Python's site customization), copied as they are.
-ETC = ["/etc/nsswitch.conf", "/etc/mime.types", "/usr/lib/ssl/openssl.cnf", "/etc/python3.11",
+# Python's site customization, the C.UTF-8 locale) and the distribution's identity for scanners.
+ETC = ["/etc/os-release", "/etc/nsswitch.conf", "/etc/mime.types", "/usr/lib/ssl/openssl.cnf", "/etc/python3.11",
        "/usr/lib/locale/C.utf8", "/etc/host.conf"]
 USER_ID = 10001
 

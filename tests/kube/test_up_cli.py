@@ -85,6 +85,15 @@ def test_up_kube_status_requests_through_the_client_pod_and_down(tmp_path: Path)
         marks = [dict(call.initial_metadata()).get("cache-status", "") for _, call in calls]
         assert marks[0] == "meshcache; fwd=miss; stored" and marks[1].startswith("meshcache; hit; ttl="), marks
         assert calls[0][0] == calls[1][0]
+
+        # A policy prefix matching no model: warned from the engine pods' own index (read inside
+        # them: the host's control plane cannot reach them past their sidecars), applied anyway.
+        typo = run("policy", "set", "renset-mini", "--ttl", "60", "--state-dir", str(state_dir))
+        assert typo.returncode == 0 and typo.stdout.startswith("set renset-mini: version"), typo.stdout + typo.stderr
+        assert "warning: model_prefix 'renset-mini' matches no model the engines serve (mlp-classifier" \
+            in typo.stderr, typo.stderr
+        good = run("policy", "set", "resnet", "--ttl", "60", "--state-dir", str(state_dir))
+        assert good.returncode == 0 and "warning" not in good.stderr, good.stdout + good.stderr
     finally:
         down = run("down", "--state-dir", str(state_dir))
     assert down.returncode == 0, down.stdout + down.stderr

@@ -421,6 +421,20 @@ def _format_changes(result: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _kube_typo_warnings(args: argparse.Namespace) -> list[str]:
+    """A kube mesh's control plane cannot read its engines' model index (they are behind their
+    sidecars): the CLI reads it inside the engine pods (meshcache/ctl/kube/model_index.py). Only
+    for the mesh of the state dir, not for an API given by --url."""
+    if args.url:
+        return []
+    current = state.read_state(_state_dir(args))
+    if not current or current.get("endpoints", {}).get("mode") != "kube":
+        return []
+    from meshcache.ctl.kube.model_index import typo_warnings
+
+    return typo_warnings(current["endpoints"], args.model_prefix)
+
+
 def _policy_set(api: PolicyApi, args: argparse.Namespace) -> int:
     """Changes only the fields whose flags are given (PATCH; a missing policy is created from the
     defaults), or, with --replace, sets the whole policy (PUT: fields not given take defaults)."""
@@ -438,7 +452,7 @@ def _policy_set(api: PolicyApi, args: argparse.Namespace) -> int:
         if not fields and not args.unset:
             return _err("nothing to change: give the fields to set (see --help)")
         result = api.patch(args.model_prefix, {**fields, **dict.fromkeys(args.unset or ())}, if_match=args.if_match)
-    for warning in result.get("warnings", []):
+    for warning in [*result.get("warnings", []), *_kube_typo_warnings(args)]:
         print(f"meshcache: warning: {warning}", file=sys.stderr)
     if args.json:
         print(json.dumps(result))
