@@ -145,13 +145,16 @@ def test_kserve_inference_service(tmp_path: Path, pins: render.Pins, crds: dict)
                               "--allow-principal", "ml/frontend")
     servers = kserve_predictor("iris", "ml")
     _check_in_front_of(objects, served, servers, pins.image_digest, {8080}, [80])
-    # The plain-Prometheus scrape config follows the selector too: its sidecar job keeps these
-    # pods (every keep rule matches their labels) and not meshcache's engine; no engine job.
+    # The plain-Prometheus scrape config follows the selector too: its sidecar job and the
+    # servers' own metrics (KServe's, through the agent's merged page) keep these pods (every keep
+    # rule matches their labels) and not meshcache's engine; no engine job.
     scrape = yaml.safe_load((tmp_path / "out" / "prometheus-kubernetes.yml").read_text())["scrape_configs"]
-    assert [j["job_name"] for j in scrape] == ["meshcache-sidecars", "meshcache-control-plane"]
+    assert [j["job_name"] for j in scrape] == ["meshcache-sidecars", "meshcache-control-plane", "meshcache-servers"]
     keeps = [r for r in scrape[0]["relabel_configs"] if r.get("action") == "keep"
              and r["source_labels"][0].startswith("__meta_kubernetes_pod_label_")]
     assert len(keeps) == 2, keeps
+    assert keeps == [r for r in scrape[2]["relabel_configs"] if r.get("action") == "keep"
+                     and r["source_labels"][0].startswith("__meta_kubernetes_pod_label_")]
 
     def kept(labels: dict[str, str]) -> bool:
         discovered = {"__meta_kubernetes_pod_label_" + re.sub(r"[^A-Za-z0-9_]", "_", k): v for k, v in labels.items()}
