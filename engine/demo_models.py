@@ -200,10 +200,11 @@ def demo_config(name: str, **changes: Any) -> mc.ModelConfig:
     return json_format.ParseDict({"name": name, **DEMO_MODELS[name][2], **changes}, mc.ModelConfig())
 
 
-def write_demo_models(directory: Path, serve_versions: dict[str, int] | None = None) -> list[str]:
+def write_demo_models(directory: Path, serve_versions: dict[str, int] | None = None, llm: bool = False) -> list[str]:
     """Write every demo model into `directory` (overwriting) and the version stamp; returns the model
     names. `serve_versions` (model -> version) makes a model serve only that version (Triton's
-    version_policy `specific`; the other versions stay on disk), as a canary repository does."""
+    version_policy `specific`; the other versions stay on disk), as a canary repository does.
+    `llm` adds the OpenAI-served models of engine/llm_models.py (their weights come from a package)."""
     serve = dict(serve_versions or {})
     for name, version in serve.items():
         if name not in DEMO_MODELS or version not in DEMO_MODELS[name][1]:
@@ -217,5 +218,10 @@ def write_demo_models(directory: Path, serve_versions: dict[str, int] | None = N
             path.write_bytes(build(seed).SerializeToString(deterministic=True))
         changes = {"version_policy": {"specific": {"versions": [serve[name]]}}} if name in serve else {}
         (model_dir / CONFIG_FILE).write_text(to_text(demo_config(name, **changes)))
-    (directory / STAMP_FILE).write_text(stamp(serve) + "\n")
-    return list(DEMO_MODELS)
+    names = list(DEMO_MODELS)
+    if llm:
+        from meshcache.engine.llm_models import write_llm_models  # imports this module
+
+        names += write_llm_models(directory)
+    (directory / STAMP_FILE).write_text(stamp(serve, llm) + "\n")
+    return names

@@ -8,17 +8,21 @@ import hashlib
 from pathlib import Path
 
 STAMP_FILE = "demo-models.version"
-# The generator whose source the stamp names: its hash changes whenever the models it writes may.
+# The generators whose source the stamp names: its hash changes whenever the models they write may.
 GENERATOR = Path(__file__).with_name("demo_models.py")
+LLM_GENERATOR = Path(__file__).with_name("llm_models.py")
 
 
-def stamp(serve_versions: dict[str, int]) -> str:
-    """What `write_demo_models(directory, serve_versions)` writes to the stamp file."""
+def stamp(serve_versions: dict[str, int], llm: bool = False) -> str:
+    """What `write_demo_models(directory, serve_versions, llm)` writes to the stamp file."""
     version = hashlib.sha256(GENERATOR.read_bytes()).hexdigest()
-    return " ".join([version, *(f"{m}={v}" for m, v in sorted(serve_versions.items()))])
+    parts = [version, *(f"{m}={v}" for m, v in sorted(serve_versions.items()))]
+    if llm:
+        parts.append("llm=" + hashlib.sha256(LLM_GENERATOR.read_bytes()).hexdigest())
+    return " ".join(parts)
 
 
-def is_current(directory: Path, serve_versions: dict[str, int] | None = None) -> bool:
-    """Whether `directory` holds what `write_demo_models(directory, serve_versions)` writes (its stamp matches)."""
+def is_current(directory: Path, serve_versions: dict[str, int] | None = None, llm: bool = False) -> bool:
+    """Whether `directory` holds what `write_demo_models(directory, serve_versions, llm)` writes (its stamp matches)."""
     path = directory / STAMP_FILE
-    return path.is_file() and path.read_text().strip() == stamp(dict(serve_versions or {}))
+    return path.is_file() and path.read_text().strip() == stamp(dict(serve_versions or {}), llm)

