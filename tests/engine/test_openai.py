@@ -6,6 +6,7 @@ OpenAI's error shape for bad input."""
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -300,3 +301,25 @@ def test_an_unloaded_model_is_not_found_and_listed_no_more(llm_repo: Path, tmp_p
         assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
         # The embedder keeps serving, also on KServe v2 (the same model, the same batcher).
         assert c.post("/v1/embeddings", json={"model": EMBEDDER, "input": "still here"}).status_code == 200
+
+
+def _digests(repo: Path) -> dict[str, str]:
+    return {str(p.relative_to(repo)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(repo.rglob("*"))
+            if p.is_file()}
+
+
+def test_init_models_llm_is_deterministic_and_stamped_apart(llm_repo: Path, tmp_path: Path) -> None:
+    from meshcache.ctl import launchers
+
+    again = launchers.init_demo_models(tmp_path / "again", llm=True)
+    digests = _digests(again)
+    assert digests == _digests(llm_repo)
+    for name in (GENERATOR, EMBEDDER):
+        assert {f"{name}/config.pbtxt", f"{name}/1/model.onnx", f"{name}/openai.json",
+                f"{name}/tokenizer.json"} <= set(digests)
+    assert " llm=" in (again / "demo-models.version").read_text()
+    # A repository written without --llm is stale for --llm (and the other way round).
+    launchers.init_demo_models(again, if_stale=True)
+    assert not (again / GENERATOR).exists()
+    launchers.init_demo_models(again, if_stale=True, llm=True)
+    assert _digests(again) == digests
