@@ -9,6 +9,7 @@ import base64
 import hashlib
 import json
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -323,3 +324,13 @@ def test_init_models_llm_is_deterministic_and_stamped_apart(llm_repo: Path, tmp_
     assert not (again / GENERATOR).exists()
     launchers.init_demo_models(again, if_stale=True, llm=True)
     assert _digests(again) == digests
+
+
+def test_concurrent_requests_batch_without_changing_answers(client: httpx.Client) -> None:
+    # Concurrent requests may share the generator's batches (dynamic batching); each answer is the
+    # one the request gets alone.
+    bodies = [{"temperature": 0.7, "seed": s, "max_tokens": 12, "n": 1 + s % 2} for s in range(8)]
+    alone = [chat(client, **b)["choices"] for b in bodies]
+    with ThreadPoolExecutor(8) as pool:
+        together = list(pool.map(lambda b: chat(client, **b)["choices"], bodies))
+    assert together == alone
