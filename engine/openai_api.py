@@ -230,6 +230,7 @@ class Choice:
     text: str = ""
     finish_reason: str | None = None
     counts: dict[int, int] = field(default_factory=dict)
+    sent: int = 0  # characters of `text` a stream has sent
 
 
 class Generation:
@@ -258,18 +259,16 @@ class Generation:
             logits[token] -= s.presence_penalty + s.frequency_penalty * count
         return logits
 
-    async def step(self, call: Any) -> list[tuple[Choice, str]]:
-        """One token for every open choice; returns (choice, text added) for those that changed."""
+    async def step(self, call: Any) -> list[Choice]:
+        """One token for every open choice; returns the choices that were open."""
         open_choices = [c for c in self.choices if c.finish_reason is None]
         if not open_choices:
             return []
         model = call.resolve("")
         feeds = np.stack([self._feed(c) for c in open_choices])
         logits = (await self.service.infer(call, model, {"context": feeds}, ["logits"], 0))["logits"]
-        changed = []
         for choice, row in zip(open_choices, logits, strict=True):
             token = pick(self._penalised(choice, row), self.sampling.temperature, self.sampling.top_p, choice.rng)
-            before = len(choice.text)
             if token == self.model.eos_token_id:
                 choice.finish_reason = "stop"
             else:
@@ -281,9 +280,16 @@ class Generation:
                 self._apply_stop(choice)
                 if choice.finish_reason is None and len(choice.ids) >= self.sampling.max_tokens:
                     choice.finish_reason = "length"
-            if len(choice.text) != before or choice.finish_reason is not None:
-                changed.append((choice, choice.text[before:]))
-        return changed
+        return open_choices
+
+    def sendable(self, choice: Choice) -> str:
+        """The text of `choice` a stream may send now: all of it once the choice finished, else all
+        but the tail that could still be the start of a stop string (which would be cut), so the
+        streamed text always equals the whole answer."""
+        hold = 0 if choice.finish_reason else max((len(s) - 1 for s in self.sampling.stop), default=0)
+        end = max(choice.sent, len(choice.text) - hold)
+        text, choice.sent = choice.text[choice.sent:end], end
+        return text
 
     def _apply_stop(self, choice: Choice) -> None:
         cuts = [i for i in (choice.text.find(s) for s in self.sampling.stop) if i >= 0]
@@ -401,7 +407,8 @@ class OpenAIEndpoints:
                 for choice in generation.choices:
                     yield sse({**reply.chunk(choice.index, "", None, first=True), **usage_field})
                 while not generation.done:
-                    for choice, text in await generation.step(call):
+                    for choice in await generation.step(call):
+                        text = generation.sendable(choice)
                         if text:
                             yield sse({**reply.chunk(choice.index, text, None), **usage_field})
                         if choice.finish_reason is not None:

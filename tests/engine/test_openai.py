@@ -173,15 +173,19 @@ def test_chat_stream_is_framed_sse_with_the_same_answer(client: httpx.Client, in
         assert mine[-1]["finish_reason"] == choice["finish_reason"] and mine[-1]["delta"] == {}
 
 
-def test_stop_strings_cut_the_answer(client: httpx.Client) -> None:
+@pytest.mark.parametrize("words", [1, 2])
+def test_stop_strings_cut_the_answer_streamed_or_not(client: httpx.Client, words: int) -> None:
     full = chat(client, temperature=0, max_tokens=8)["choices"][0]["message"]["content"]
-    third = full.split(" ")[2]
-    cut = chat(client, temperature=0, max_tokens=8, stop=[" " + third])["choices"][0]
-    assert cut["message"]["content"] == full[:full.index(" " + third)]
+    # One word, or two (a stop string that spans two streamed deltas: the stream must hold the
+    # first back until it knows, or it would send text the whole answer does not have).
+    stop = " ".join(full.split(" ")[2:2 + words])
+    cut = chat(client, temperature=0, max_tokens=8, stop=["zzzz", stop])["choices"][0]
+    assert cut["message"]["content"] == full[:full.index(stop)]
     assert cut["finish_reason"] == "stop"
     _, chunks = stream(client, CHAT, {"model": GENERATOR, "messages": HELLO, "temperature": 0, "max_tokens": 8,
-                                      "stop": " " + third})
+                                      "stop": ["zzzz", stop]})
     assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == cut["message"]["content"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
 
 
 def test_text_completions_whole_echo_and_stream(client: httpx.Client, tokenizer: Tokenizer) -> None:
