@@ -88,8 +88,9 @@ def pick(logits: np.ndarray, temperature: float, top_p: float, rng: np.random.Ge
     nucleus. float64 and numpy's PCG64 only: the same draw on every machine."""
     if temperature == 0:
         return int(np.argmax(logits))
-    z = logits.astype(np.float64) / temperature
-    p = np.exp(z - z.max())
+    # Shift before dividing: a tiny temperature then underflows to greedy instead of inf - inf = NaN.
+    z = logits.astype(np.float64)
+    p = np.exp((z - z.max()) / temperature)
     p /= p.sum()
     if top_p < 1.0:
         order = np.argsort(-p, kind="stable")

@@ -17,6 +17,8 @@ import httpx
 import numpy as np
 import onnxruntime as ort
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
 from meshcache.engine.llm_models import CONTEXT, EMBEDDER, GENERATOR, read_bundle, weights_zip
@@ -149,6 +151,8 @@ def test_seeded_sampling_repeats_and_another_seed_differs(client: httpx.Client, 
     assert greedy not in texts
     nucleus = chat(client, temperature=1.0, top_p=1e-6, seed=1, max_tokens=10)
     assert nucleus["choices"][0]["message"]["content"] == greedy
+    # So is the smallest positive temperature (no overflow to NaN on the way).
+    assert chat(client, temperature=5e-324, seed=1, max_tokens=10)["choices"][0]["message"]["content"] == greedy
 
 
 @pytest.mark.parametrize("include_usage", [True, False])
@@ -338,3 +342,35 @@ def test_concurrent_requests_batch_without_changing_answers(client: httpx.Client
     with ThreadPoolExecutor(8) as pool:
         together = list(pool.map(lambda b: chat(client, **b)["choices"], bodies))
     assert together == alone
+
+
+_SCALARS = (st.none() | st.booleans() | st.integers(-(2**70), 2**70)
+            | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=20))
+_JSON = st.recursive(_SCALARS, lambda inner: st.lists(inner, max_size=4)
+                     | st.dictionaries(st.text(max_size=8), inner, max_size=4), max_leaves=8)
+_FIELDS = ["model", "messages", "prompt", "input", "temperature", "top_p", "seed", "n", "max_tokens",
+           "max_completion_tokens", "stop", "stream", "stream_options", "echo", "presence_penalty",
+           "frequency_penalty", "encoding_format", "dimensions", "tools", "response_format", "logprobs"]
+_VALID = {"model": st.sampled_from([GENERATOR, EMBEDDER]),
+          "messages": st.just([{"role": "user", "content": "hi"}]), "prompt": st.just("hi"),
+          "input": st.just("hi"), "max_tokens": st.integers(1, 4), "stream": st.booleans()}
+
+
+@given(path=st.sampled_from([CHAT, "/v1/completions", "/v1/embeddings"]),
+       body=st.dictionaries(st.sampled_from(_FIELDS), _JSON, max_size=6),
+       valid=st.fixed_dictionaries({}, optional=_VALID))
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                 HealthCheck.too_slow])
+def test_any_json_body_gets_an_answer_or_an_openai_error(client: httpx.Client, path: str, body: dict[str, Any],
+                                                         valid: dict[str, Any]) -> None:
+    # Fields of any JSON type mixed with valid ones: never a server error, and every refusal in
+    # OpenAI's shape (a 200 stream is checked for its framing).
+    r = client.post(path, json={**valid, **body})
+    assert r.status_code in (200, 400, 404), r.text
+    if r.status_code != 200:
+        error = r.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    elif r.headers["content-type"] == "text/event-stream":
+        assert events(r.content)[-1] == b"[DONE]"
+    else:
+        assert "usage" in r.json()
