@@ -90,7 +90,8 @@ def pick(logits: np.ndarray, temperature: float, top_p: float, rng: np.random.Ge
         return int(np.argmax(logits))
     # Shift before dividing: a tiny temperature then underflows to greedy instead of inf - inf = NaN.
     z = logits.astype(np.float64)
-    p = np.exp((z - z.max()) / temperature)
+    with np.errstate(over="ignore", under="ignore"):  # -inf and 0 are the intended results
+        p = np.exp((z - z.max()) / temperature)
     p /= p.sum()
     if top_p < 1.0:
         order = np.argsort(-p, kind="stable")
