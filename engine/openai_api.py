@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from meshcache.engine import rest_codec
-from meshcache.engine.errors import EngineError, InvalidInput, NotFound, TooLarge
+from meshcache.engine.errors import EngineError, InvalidInput, NotFound, TooLarge, Unavailable
 from meshcache.engine.openai_models import ServedModel, chat_prompt, pick, rng_for
 from meshcache.engine.service import InferenceService
 
@@ -324,6 +324,9 @@ class OpenAIEndpoints:
         except EngineError as exc:
             error = from_engine_error(exc)
             return JsonReply(error.status, error.body())
+        except Exception as exc:  # a bug must answer in OpenAI's shape, not take the connection down
+            error = ApiError(500, f"internal error: {type(exc).__name__}", kind="server_error")
+            return JsonReply(error.status, error.body())
 
     async def _route(self, method: str, path: str, read_body: ReadBody) -> JsonReply | EventStream:
         if path == "/v1/models" or path.startswith("/v1/models/"):
@@ -356,6 +359,8 @@ class OpenAIEndpoints:
         reply = _Reply(chat, model.name, prompt_tokens=sum(len(p) for p in prompts),
                        echo_texts=texts if echo else [], n=sampling.n)
         if sampling.stream:
+            if self.service.draining:  # refused now, while the answer can still be a status
+                raise Unavailable("engine is shutting down")
             return EventStream(self._stream(generation, reply, sampling.include_usage))
         async with self.service.request(model.name, "http") as call:
             while not generation.done:
