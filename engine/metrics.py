@@ -47,6 +47,12 @@ class EngineMetrics:
             "meshcache_engine_pending_requests", "Requests waiting in a model's batch queue", ["model"],
             registry=self.registry,
         )
+        # The OpenAI routes' usage, as their answers report it: what a cache in front saves shows
+        # here as tokens the engine did not have to read or write.
+        self.tokens = Counter(
+            "meshcache_engine_tokens", "Tokens of OpenAI-route answers (their usage), per model and kind "
+            "(prompt, completion)", ["model", "kind"], registry=self.registry,
+        )
         self.batch_size = Histogram(
             "meshcache_engine_batch_size", "Rows per onnxruntime run", ["model"],
             buckets=_BATCH_BUCKETS, registry=self.registry,

@@ -365,7 +365,12 @@ class OpenAIEndpoints:
         async with self.service.request(model.name, "http") as call:
             while not generation.done:
                 await generation.step(call)
+        self._count(reply.usage(generation), model.name)
         return JsonReply(200, reply.whole(generation))
+
+    def _count(self, usage: dict[str, int], model: str) -> None:
+        self.service.metrics.tokens.labels(model, "prompt").inc(usage["prompt_tokens"])
+        self.service.metrics.tokens.labels(model, "completion").inc(usage.get("completion_tokens", 0))
 
     def _check_loaded(self, model: ServedModel) -> None:
         # Unloaded through the repository API: refuse before a stream starts.
@@ -425,8 +430,10 @@ class OpenAIEndpoints:
         except Exception as exc:  # a bug must end the stream with an error event, not a cut connection
             yield sse(ApiError(500, f"internal error: {type(exc).__name__}", kind="server_error").body())
             return
+        usage = reply.usage(generation)
+        self._count(usage, reply.model)
         if include_usage:
-            yield sse({**reply.envelope(), "choices": [], "usage": reply.usage(generation)})
+            yield sse({**reply.envelope(), "choices": [], "usage": usage})
         yield DONE
 
     def _models(self, name: str | None) -> JsonReply:
@@ -475,6 +482,7 @@ class OpenAIEndpoints:
                                                ["embedding"], 0)
                 vectors.extend(out["embedding"])
         tokens = sum(len(e) for e in encoded)
+        self._count({"prompt_tokens": tokens}, model.name)
         data = [{"object": "embedding", "index": i,
                  "embedding": (base64.b64encode(v.astype("<f4").tobytes()).decode() if encoding == "base64"
                                else v.astype(np.float32).tolist())}

@@ -23,7 +23,7 @@ from tokenizers import Tokenizer
 
 from meshcache.engine.llm_models import CONTEXT, EMBEDDER, GENERATOR, read_bundle, weights_zip
 from tests.engine import minilm_reference
-from tests.engine.helpers import Engine, running_engine
+from tests.engine.helpers import Engine, metric_value, running_engine
 from tests.helpers.wait import eventually
 
 CHAT = "/v1/chat/completions"
@@ -374,3 +374,21 @@ def test_any_json_body_gets_an_answer_or_an_openai_error(client: httpx.Client, p
         assert events(r.content)[-1] == b"[DONE]"
     else:
         assert "usage" in r.json()
+
+
+def test_tokens_metric_counts_the_answers_usage(client: httpx.Client, llm_engine: Engine) -> None:
+    def tokens(model: str, kind: str) -> float:
+        return metric_value(httpx.get(llm_engine.metrics_url, timeout=10).text, "meshcache_engine_tokens_total",
+                            model=model, kind=kind)
+
+    before = {(m, k): tokens(m, k) for m in (GENERATOR, EMBEDDER) for k in ("prompt", "completion")}
+    whole = chat(client, temperature=0, max_tokens=5)["usage"]
+    _, chunks = stream(client, CHAT, {"model": GENERATOR, "messages": HELLO, "temperature": 0, "max_tokens": 7,
+                                      "stream_options": {"include_usage": True}})
+    streamed = chunks[-1]["usage"]
+    embedded = client.post("/v1/embeddings", json={"model": EMBEDDER, "input": ["one", "two words"]}).json()["usage"]
+    prompt = tokens(GENERATOR, "prompt") - before[GENERATOR, "prompt"]
+    assert prompt == whole["prompt_tokens"] + streamed["prompt_tokens"] > 0
+    completion = tokens(GENERATOR, "completion") - before[GENERATOR, "completion"]
+    assert completion == whole["completion_tokens"] + streamed["completion_tokens"] > 0
+    assert tokens(EMBEDDER, "prompt") - before[EMBEDDER, "prompt"] == embedded["prompt_tokens"]
