@@ -8,7 +8,8 @@ endpoints (engine/openai_api.py) as well as by KServe v2 like every other model:
   CONTEXT tokens' embeddings -> tanh layer -> next-token logits over the tokenizer's vocabulary,
   restricted to whole lowercase words and [SEP] (its end of text), so what it writes re-tokenizes
   to the same tokens. Its answers are nonsense by design; they are deterministic, which is what
-  the cache is shown with. Named `llama3-…` so `llama3` cache policies apply to it.
+  the cache is shown with. Named `llama3-…` so `llama3` cache policies apply to it, and also served
+  as GENERATOR_ALIASES.
 
 Both use the real tokenizer shipped with the embedder (BERT WordPiece, tokenizer.json), copied
 next to each model's config.pbtxt with an `openai.json` that tells the engine how to serve it.
@@ -43,6 +44,9 @@ TOKENIZER_FILE = "tokenizer.json"
 EMBEDDER = "all-minilm-l6-v2"
 GENERATOR = "llama3-tiny"
 GENERATOR_SEED = 401
+# Also served under the names of the LLMs in the product's TTL table, so cache policies written for
+# them (model prefixes `llama3-70b`, `gemma2-27b`) apply; `-demo` says what they really are.
+GENERATOR_ALIASES = ("llama3-70b-demo", "gemma2-27b-demo")
 CONTEXT = 8  # tokens the generator sees
 EMBED_DIM, HEADS, LAYERS, MAX_EMBED_TOKENS = 384, 12, 6, 256
 LAYER_NORM_EPS = 1e-12
@@ -178,7 +182,7 @@ def write_llm_models(directory: Path) -> list[str]:
             "dynamic_batching": {"max_queue_delay_microseconds": 100, "preferred_batch_size": [4, 8, 16],
                                  "default_queue_policy": {"max_queue_size": 256}},
             "instance_group": [{"count": 1, "kind": "KIND_CPU"}],
-        }, {"kind": "generation", "context": CONTEXT, "eos_token_id": eos}),
+        }, {"kind": "generation", "context": CONTEXT, "eos_token_id": eos, "aliases": list(GENERATOR_ALIASES)}),
     }
     for name, (model, config, serving) in models.items():
         model_dir = directory / name

@@ -362,10 +362,10 @@ class OpenAIEndpoints:
             if self.service.draining:  # refused now, while the answer can still be a status
                 raise Unavailable("engine is shutting down")
             return EventStream(self._stream(generation, reply, sampling.include_usage))
-        async with self.service.request(model.name, "http") as call:
+        async with self.service.request(model.repository_name, "http") as call:
             while not generation.done:
                 await generation.step(call)
-        self._count(reply.usage(generation), model.name)
+        self._count(reply.usage(generation), model.repository_name)
         return JsonReply(200, reply.whole(generation))
 
     def _count(self, usage: dict[str, int], model: str) -> None:
@@ -375,7 +375,7 @@ class OpenAIEndpoints:
     def _check_loaded(self, model: ServedModel) -> None:
         # Unloaded through the repository API: refuse before a stream starts.
         try:
-            self.service.repository.get(model.name)
+            self.service.repository.get(model.repository_name)
         except NotFound as exc:
             raise ApiError(404, str(exc), "model", "model_not_found") from None
 
@@ -413,7 +413,7 @@ class OpenAIEndpoints:
     async def _stream(self, generation: Generation, reply: _Reply, include_usage: bool) -> AsyncGenerator[bytes, None]:
         usage_field = {"usage": None} if include_usage else {}
         try:
-            async with self.service.request(reply.model, "http") as call:
+            async with self.service.request(generation.model.repository_name, "http") as call:
                 for choice in generation.choices:
                     yield sse({**reply.chunk(choice.index, "", None, first=True), **usage_field})
                 while not generation.done:
@@ -431,13 +431,13 @@ class OpenAIEndpoints:
             yield sse(ApiError(500, f"internal error: {type(exc).__name__}", kind="server_error").body())
             return
         usage = reply.usage(generation)
-        self._count(usage, reply.model)
+        self._count(usage, generation.model.repository_name)
         if include_usage:
             yield sse({**reply.envelope(), "choices": [], "usage": usage})
         yield DONE
 
     def _models(self, name: str | None) -> JsonReply:
-        loaded = {n: m for n, m in self.served.items() if n in self.service.repository.models}
+        loaded = {n: m for n, m in self.served.items() if m.repository_name in self.service.repository.models}
         if name is not None:
             model = loaded.get(name)
             if model is None:
@@ -462,7 +462,7 @@ class OpenAIEndpoints:
                        "invalid_value")
         dimensions = _integer(body, "dimensions", None, 1, 2**31)
         self._check_loaded(model)
-        async with self.service.request(model.name, "http") as call:
+        async with self.service.request(model.repository_name, "http") as call:
             engine_model = call.resolve("")
             width = engine_model.config.outputs[0].shape[-1]
             if dimensions is not None and dimensions != width:
@@ -482,7 +482,7 @@ class OpenAIEndpoints:
                                                ["embedding"], 0)
                 vectors.extend(out["embedding"])
         tokens = sum(len(e) for e in encoded)
-        self._count({"prompt_tokens": tokens}, model.name)
+        self._count({"prompt_tokens": tokens}, model.repository_name)
         data = [{"object": "embedding", "index": i,
                  "embedding": (base64.b64encode(v.astype("<f4").tobytes()).decode() if encoding == "base64"
                                else v.astype(np.float32).tolist())}

@@ -3,8 +3,11 @@ tokenizer, the chat prompt template and sampling.
 
 A repository model is served on /v1/* when its directory holds `openai.json` (written by
 engine/llm_models.py) next to config.pbtxt:
-  {"kind": "generation", "context": 8, "eos_token_id": 102, "tokenizer": "tokenizer.json"}
+  {"kind": "generation", "context": 8, "eos_token_id": 102, "tokenizer": "tokenizer.json",
+   "aliases": ["llama3-70b-demo"]}
   {"kind": "embedding", "max_input_tokens": 256, "tokenizer": "tokenizer.json"}
+It is served under its directory's name and each of its `aliases` (the same model; an answer's
+`model` is the name asked for).
 A generation model takes `context` [batch, N] token ids (left-padded with 0) and returns `logits`
 [batch, vocab] for the next token; an embedding model takes `input_ids` and `attention_mask`
 [batch, seq] and returns `embedding` [batch, dim]. Both run through the engine's batchers, so
@@ -29,7 +32,8 @@ KINDS = ("generation", "embedding")
 
 @dataclass(frozen=True)
 class ServedModel:
-    name: str
+    name: str  # what requests name it (the repository name or an alias)
+    repository_name: str  # the repository model that serves it
     kind: str
     tokenizer: Tokenizer
     created: int  # Unix time of openai.json (GET /v1/models' `created`)
@@ -45,7 +49,7 @@ class ServedModel:
         return str(self.tokenizer.decode([token_id]))
 
 
-def _load(model_dir: Path) -> ServedModel:
+def _load(model_dir: Path) -> list[ServedModel]:
     path = model_dir / OPENAI_FILE
     try:
         spec = json.loads(path.read_text())
@@ -53,21 +57,31 @@ def _load(model_dir: Path) -> ServedModel:
         if kind not in KINDS:
             raise ValueError(f"kind {kind!r} is not one of {', '.join(KINDS)}")
         tokenizer = Tokenizer.from_file(str(model_dir / str(spec["tokenizer"])))
+        aliases = spec.get("aliases", [])
+        if not isinstance(aliases, list) or not all(isinstance(a, str) and a for a in aliases):
+            raise ValueError("aliases must be a list of names")
     except Exception as exc:  # tokenizers raises its own exception types for a bad file
         raise ConfigError(f"{path}: cannot serve it on /v1: {exc}") from None
     # Counting needs every token; the embedder truncates explicitly (engine/openai_api.py).
     tokenizer.no_truncation()
     tokenizer.no_padding()
-    return ServedModel(
-        name=model_dir.name, kind=kind, tokenizer=tokenizer, created=int(path.stat().st_mtime),
+    return [ServedModel(
+        name=name, repository_name=model_dir.name, kind=kind, tokenizer=tokenizer, created=int(path.stat().st_mtime),
         context=int(spec.get("context", 0)), eos_token_id=int(spec.get("eos_token_id", -1)),
         max_input_tokens=int(spec.get("max_input_tokens", 0)),
-    )
+    ) for name in [model_dir.name, *aliases]]
 
 
 def load_served(directory: Path, names: Iterable[str]) -> dict[str, ServedModel]:
-    """The repository's models (of `names`) that have an openai.json."""
-    return {n: _load(directory / n) for n in names if (directory / n / OPENAI_FILE).is_file()}
+    """The repository's models (of `names`) that have an openai.json, by every name they answer to."""
+    served: dict[str, ServedModel] = {}
+    for n in names:
+        if (directory / n / OPENAI_FILE).is_file():
+            for model in _load(directory / n):
+                if model.name in served:
+                    raise ConfigError(f"{directory / n / OPENAI_FILE}: the name {model.name!r} is served twice")
+                served[model.name] = model
+    return served
 
 
 def chat_prompt(messages: list[tuple[str, str]]) -> str:

@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
-from meshcache.engine.llm_models import CONTEXT, EMBEDDER, GENERATOR, read_bundle, weights_zip
+from meshcache.engine.llm_models import CONTEXT, EMBEDDER, GENERATOR, GENERATOR_ALIASES, read_bundle, weights_zip
 from tests.engine import minilm_reference
 from tests.engine.helpers import Engine, metric_value, running_engine
 from tests.helpers.wait import eventually
@@ -97,7 +97,8 @@ def test_models_lists_the_openai_models(client: httpx.Client) -> None:
     assert r.status_code == 200
     listed = r.json()
     assert listed["object"] == "list"
-    assert [m["id"] for m in listed["data"]] == [EMBEDDER, GENERATOR]
+    assert [m["id"] for m in listed["data"]] == sorted([EMBEDDER, GENERATOR, *GENERATOR_ALIASES])
+    assert GENERATOR_ALIASES == ("llama3-70b-demo", "gemma2-27b-demo")  # the TTL table's model prefixes
     assert all(m["object"] == "model" and isinstance(m["created"], int) for m in listed["data"])
     assert client.get(f"/v1/models/{GENERATOR}").json()["id"] == GENERATOR
     missing = client.get("/v1/models/gpt-4")
@@ -305,7 +306,7 @@ def test_wrong_methods_are_405_in_openai_shape(client: httpx.Client) -> None:
 def test_an_unloaded_model_is_not_found_and_listed_no_more(llm_repo: Path, tmp_path: Path) -> None:
     with running_engine(llm_repo, tmp_path) as engine, httpx.Client(base_url=engine.http_url, timeout=60) as c:
         assert c.post(f"/v2/repository/models/{GENERATOR}/unload").status_code == 200
-        eventually(lambda: GENERATOR not in [m["id"] for m in c.get("/v1/models").json()["data"]], timeout=30)
+        eventually(lambda: [m["id"] for m in c.get("/v1/models").json()["data"]] == [EMBEDDER], timeout=30)
         r = c.post(CHAT, json=GOOD_CHAT)
         assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
         # The embedder keeps serving, also on KServe v2 (the same model, the same batcher).
@@ -392,3 +393,13 @@ def test_tokens_metric_counts_the_answers_usage(client: httpx.Client, llm_engine
     completion = tokens(GENERATOR, "completion") - before[GENERATOR, "completion"]
     assert completion == whole["completion_tokens"] + streamed["completion_tokens"] > 0
     assert tokens(EMBEDDER, "prompt") - before[EMBEDDER, "prompt"] == embedded["prompt_tokens"]
+
+
+def test_an_alias_is_the_same_model_under_its_own_name(client: httpx.Client) -> None:
+    plain = chat(client, temperature=0, max_tokens=6)
+    for alias in GENERATOR_ALIASES:
+        aliased = chat(client, model=alias, temperature=0, max_tokens=6)
+        assert aliased["model"] == alias
+        assert aliased["choices"] == plain["choices"] and aliased["usage"] == plain["usage"]
+        _, chunks = stream(client, CHAT, {"model": alias, "messages": HELLO, "temperature": 0, "max_tokens": 2})
+        assert {c["model"] for c in chunks} == {alias}
