@@ -32,6 +32,10 @@ MAX_CHOICES = 8  # n
 MAX_ROWS = 16  # prompts x n in one request (the generator's max_batch_size)
 MAX_MESSAGES = 256
 MAX_PROMPT_TOKENS = 8192
+# Characters of one prompt (a chat's rendered messages, one completion prompt, one embedding
+# input): WordPiece on one long text grows faster than linearly (~20 ms at this size), so a 1 MiB
+# body of one text would take seconds.
+MAX_TEXT_CHARS = 32768
 MAX_EMBED_INPUTS = 64
 EMBED_BATCH = 16  # the embedder's max_batch_size
 MAX_STOP = 4
@@ -345,16 +349,18 @@ class OpenAIEndpoints:
         chat = path == "/v1/chat/completions"
         model = parse_model(body, self.served, "generation")
         texts = [] if chat else self._completion_texts(body)
-        prompts = [self._chat_prompt(body, model)] if chat else [self._bounded(model.count(t), "prompt") for t in texts]
+        chat_text = self._chat_text(body) if chat else ""
         sampling = parse_sampling(body, ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",))
         echo = False if chat else _boolean(body, "echo")
         if not chat:
             _refuse(body, "suffix", lambda v: v == "", "the demo models do not insert text")
             _refuse(body, "best_of", lambda v: v == sampling.n or v == 1, "best_of must equal n")
-        if len(prompts) * sampling.n > MAX_ROWS:
-            raise _bad(f"prompts x n must be at most {MAX_ROWS}, got {len(prompts)} x {sampling.n}", "n",
+        rows = 1 if chat else len(texts)
+        if rows * sampling.n > MAX_ROWS:
+            raise _bad(f"prompts x n must be at most {MAX_ROWS}, got {rows} x {sampling.n}", "n",
                        "invalid_value")
         self._check_loaded(model)
+        prompts = await (self._tokens(model, [chat_text], "messages") if chat else self._tokens(model, texts, "prompt"))
         generation = Generation(self.service, model, prompts, sampling, leading_space=not chat)
         reply = _Reply(chat, model.name, prompt_tokens=sum(len(p) for p in prompts),
                        echo_texts=texts if echo else [], n=sampling.n)
@@ -379,15 +385,15 @@ class OpenAIEndpoints:
         except NotFound as exc:
             raise ApiError(404, str(exc), "model", "model_not_found") from None
 
-    def _chat_prompt(self, body: dict[str, Any], model: ServedModel) -> list[int]:
+    @staticmethod
+    def _chat_text(body: dict[str, Any]) -> str:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise _bad("'messages' must be a non-empty list", "messages", "invalid_type")
         if len(messages) > MAX_MESSAGES:
             raise _bad(f"'messages' holds {len(messages)} messages; at most {MAX_MESSAGES}", "messages",
                        "invalid_value")
-        ids = model.count(chat_prompt([_message_text(i, m) for i, m in enumerate(messages)]))
-        return self._bounded(ids, "messages")
+        return chat_prompt([_message_text(i, m) for i, m in enumerate(messages)])
 
     @staticmethod
     def _completion_texts(body: dict[str, Any]) -> list[str]:
@@ -404,11 +410,20 @@ class OpenAIEndpoints:
         return prompts
 
     @staticmethod
-    def _bounded(ids: list[int], param: str) -> list[int]:
-        if len(ids) > MAX_PROMPT_TOKENS:
-            raise _bad(f"the prompt is {len(ids)} tokens; at most {MAX_PROMPT_TOKENS}", param,
-                       "context_length_exceeded")
-        return ids
+    def _check_length(texts: list[str], param: str) -> None:
+        for text in texts:
+            if len(text) > MAX_TEXT_CHARS:
+                raise _bad(f"'{param}' holds a text of {len(text)} characters; at most {MAX_TEXT_CHARS}", param,
+                           "context_length_exceeded")
+
+    async def _tokens(self, model: ServedModel, texts: list[str], param: str) -> list[list[int]]:
+        self._check_length(texts, param)
+        prompts = await model.tokenize(texts, special=False)
+        for ids in prompts:
+            if len(ids) > MAX_PROMPT_TOKENS:
+                raise _bad(f"the prompt is {len(ids)} tokens; at most {MAX_PROMPT_TOKENS}", param,
+                           "context_length_exceeded")
+        return prompts
 
     async def _stream(self, generation: Generation, reply: _Reply, include_usage: bool) -> AsyncGenerator[bytes, None]:
         usage_field = {"usage": None} if include_usage else {}
@@ -461,6 +476,7 @@ class OpenAIEndpoints:
             raise _bad(f"'encoding_format' must be 'float' or 'base64', got {encoding!r}", "encoding_format",
                        "invalid_value")
         dimensions = _integer(body, "dimensions", None, 1, 2**31)
+        self._check_length(inputs, "input")
         self._check_loaded(model)
         async with self.service.request(model.repository_name, "http") as call:
             engine_model = call.resolve("")
@@ -469,7 +485,7 @@ class OpenAIEndpoints:
                 raise _bad(f"model '{model.name}' embeds in {width} dimensions; 'dimensions' {dimensions} is not "
                            f"served", "dimensions", "invalid_value")
             # With [CLS] and [SEP], cut to the model's length as sentence-transformers does.
-            encoded = [model.tokenizer.encode(s).ids for s in inputs]
+            encoded = await model.tokenize(inputs, special=True)
             encoded = [ids if len(ids) <= model.max_input_tokens else ids[:model.max_input_tokens - 1] + ids[-1:]
                        for ids in encoded]
             vectors: list[np.ndarray] = []

@@ -16,6 +16,7 @@ their requests share the statistics, metrics and draining of KServe v2 requests.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -41,9 +42,11 @@ class ServedModel:
     eos_token_id: int = -1
     max_input_tokens: int = 0
 
-    def count(self, text: str) -> list[int]:
-        """The token ids of `text` without special tokens (what usage.prompt_tokens counts)."""
-        return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+    async def tokenize(self, texts: list[str], special: bool) -> list[list[int]]:
+        """The token ids of each text (with [CLS]/[SEP] if `special`). In a thread: encode_batch
+        releases the GIL, and a long text takes milliseconds the event loop must not stall for."""
+        encodings = await asyncio.to_thread(self.tokenizer.encode_batch, texts, add_special_tokens=special)
+        return [list(e.ids) for e in encodings]
 
     def token_text(self, token_id: int) -> str:
         return str(self.tokenizer.decode([token_id]))

@@ -284,6 +284,10 @@ GOOD_CHAT = {"model": GENERATOR, "messages": [{"role": "user", "content": "hi"}]
      "invalid_value"),
     ("/v1/embeddings", {"model": GENERATOR, "input": "a"}, 400, "model", "model_not_supported"),
     (CHAT, {**GOOD_CHAT, "messages": [{"role": "user", "content": "x" * (2**20)}]}, 413, None, "request_too_large"),
+    (CHAT, {**GOOD_CHAT, "messages": [{"role": "user", "content": "x " * 20000}]}, 400, "messages",
+     "context_length_exceeded"),
+    ("/v1/completions", {"model": GENERATOR, "prompt": ["ok", "y" * 40000]}, 400, "prompt", "context_length_exceeded"),
+    ("/v1/embeddings", {"model": EMBEDDER, "input": ["ok", "z " * 20000]}, 400, "input", "context_length_exceeded"),
 ])
 def test_bad_requests_get_openai_errors(client: httpx.Client, path: str, body: dict[str, Any] | bytes, status: int,
                                         param: str | None, code: str) -> None:
