@@ -93,8 +93,10 @@ class HttpApp:
             await send({"type": "http.response.body", "body": body})
             return
         assert isinstance(reply, EventStream)
+        # No Cache-Control (OpenAI sends no-cache): the mesh's cache stores what the engine answers,
+        # and would not store a no-cache answer (docs/filter.md, Storing). Chunked, no length.
         await send({"type": "http.response.start", "status": 200, "headers": [
-            (b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]})
+            (b"content-type", b"text/event-stream")]})
         try:
             async for event in reply.events:
                 await send({"type": "http.response.body", "body": event, "more_body": True})

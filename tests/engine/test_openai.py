@@ -81,6 +81,8 @@ def stream(client: httpx.Client, path: str, body: dict[str, Any]) -> tuple[httpx
         raw = r.read()
     assert r.status_code == 200, raw
     assert r.headers["content-type"] == "text/event-stream"
+    # Storable by the mesh's cache: no Cache-Control no-cache (the filter would not store it).
+    assert "cache-control" not in r.headers and r.headers["transfer-encoding"] == "chunked"
     data = events(raw)
     assert data[-1] == b"[DONE]"
     return r, [json.loads(d) for d in data[:-1]]
