@@ -336,7 +336,7 @@ fn body_status(flow: Flow) -> u32 {
 
 #[no_mangle]
 pub extern "C" fn envoy_dynamic_module_on_program_init() -> *const c_char {
-    abi::abi_version()
+    abi::program_init()
 }
 
 /// A null return makes Envoy reject the filter config (the error is on stderr).
