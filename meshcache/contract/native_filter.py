@@ -1,8 +1,9 @@
 """The Envoy config that runs meshcache as a dynamic module (`filter/native/`, issue 24).
 
 `envoy.filters.http.dynamic_modules` loads `filter/dist/libmeshcache_native.so` (Envoy 1.40's
-dynamic-module ABI) and hands it the same plugin configuration JSON as the Wasm filter, carried as
-a `google.protobuf.StringValue` so the module receives the JSON text itself.
+dynamic-module ABI; `libmeshcache_native-envoy-1.39.so` for Envoy 1.39, with the same config) and
+hands it the same plugin configuration JSON as the Wasm filter, carried as a
+`google.protobuf.StringValue` so the module receives the JSON text itself.
 
 Over ECDS the native filter is its own resource, `meshcache-native` (the Wasm filter's is
 `meshcache`), and so is its client role, `meshcache-native-client` (the Wasm one's

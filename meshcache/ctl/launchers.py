@@ -37,11 +37,13 @@ def start_redis(data_dir: Path, port: int | None = None, name: str = "redis") ->
 def start_envoy(
     config_path: Path, admin_port: int, log_dir: Path, name: str = "envoy", concurrency: int = 1,
     extra_args: list[str] | None = None, log_level: str = "info", timeout: float = 30.0, what: str = "LIVE",
+    envoy: str = "1.40",
 ) -> procs.Proc:
     """Envoy as a child process; ready once its admin endpoint reports LIVE (every listener
-    warmed: with xDS, the initial config and its SDS secrets have arrived)."""
+    warmed: with xDS, the initial config and its SDS secrets have arrived). `envoy`: which
+    Envoy (meshcache.contract.paths.ENVOYS)."""
     argv = [
-        envoy_binary(), "-c", str(config_path), "--disable-hot-restart",
+        envoy_binary(envoy), "-c", str(config_path), "--disable-hot-restart",
         "--concurrency", str(concurrency), "--log-level", log_level, *(extra_args or []),
     ]
 

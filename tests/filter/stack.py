@@ -18,7 +18,7 @@ import httpx
 import pytest
 import yaml
 
-from meshcache.contract.paths import FILTER_NATIVE, FILTER_WASM
+from meshcache.contract.paths import FILTER_WASM, filter_native
 from meshcache.ctl import launchers, procs
 from meshcache.ctl.envoy_config import BUFFER_LIMIT_BYTES, CacheProxy, write
 from meshcache.ctl.pki import Identity
@@ -84,6 +84,10 @@ class Stack:
             return response, c
 
 
+# The hosts filter_stack runs and the Envoy each runs on (meshcache.contract.paths.ENVOYS).
+HOST_ENVOYS = {"wasm": "1.40", "native": "1.40", "native-1.39": "1.39"}
+
+
 @contextlib.contextmanager
 def filter_stack(tmp: Path, config: dict[str, Any], concurrency: int = 1,
                  tls: Identity | None = None, allowed_peers: list[str] | None = None,
@@ -93,14 +97,16 @@ def filter_stack(tmp: Path, config: dict[str, Any], concurrency: int = 1,
                  without_grpc_hit_route: bool = False,
                  route_timeout_s: float | None = None,
                  host: str = "wasm", access_log: list[dict[str, Any]] | None = None) -> Iterator[Stack]:
-    """`host`: which host of the cache core runs it, `wasm` (the proxy-wasm filter) or `native`
-    (the Envoy dynamic module, filter/native/; see conftest.py). `upstream`: (HTTP, gRPC) ports
+    """`host`: which host of the cache core runs it, `wasm` (the proxy-wasm filter), `native`
+    (the Envoy dynamic module, filter/native/; see conftest.py) or `native-1.39` (the module's
+    Envoy 1.39 build on Envoy 1.39.3). `upstream`: (HTTP, gRPC) ports
     of a server the caller runs (the engine) instead of the test origin.
     `without_grpc_hit_route`: a misconfigured Envoy lacking the single-pass hit route and Lua
     filter. `route_timeout_s`: the routes' upstream timeout (Envoy answers 504, gRPC UNAVAILABLE,
     past it). `access_log`: Envoy `access_log` entries for the listener's HTTP connection manager."""
-    if host not in ("wasm", "native"):
-        raise ValueError(f"host: wasm or native, not {host!r}")
+    if host not in HOST_ENVOYS:
+        raise ValueError(f"host: one of {', '.join(HOST_ENVOYS)}, not {host!r}")
+    envoy = HOST_ENVOYS[host]
     listen_port, admin_port = procs.free_port(), procs.free_port()
     started: list[procs.Proc] = []
     origin: procs.Proc | None = None
@@ -119,13 +125,13 @@ def filter_stack(tmp: Path, config: dict[str, Any], concurrency: int = 1,
                            downstream_tls=tls, allowed_peers=allowed_peers or [],
                            allow_on_headers_stop_iteration=allow_on_headers_stop_iteration,
                            buffer_limit_bytes=buffer_limit_bytes,
-                           native_module=FILTER_NATIVE if host == "native" else None,
+                           native_module=filter_native(envoy) if host != "wasm" else None,
                            grpc_hit_route=not without_grpc_hit_route,
                            **({"route_timeout_s": route_timeout_s} if route_timeout_s is not None else {}))
         config_path = write(proxy, tmp / "envoy.yaml")
         if access_log:
             _add_access_log(config_path, access_log)
-        started.append(launchers.start_envoy(config_path, admin_port, tmp, concurrency=concurrency))
+        started.append(launchers.start_envoy(config_path, admin_port, tmp, concurrency=concurrency, envoy=envoy))
         yield Stack(listen_port, admin_port, http_port, grpc_port, tmp, origin)
 
 

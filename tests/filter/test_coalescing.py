@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 
 import grpc
 import httpx
+import pytest
 
 from meshcache.contract.headers import CACHE_STATUS_COLLAPSED
 from meshcache.ctl import launchers, procs
@@ -104,6 +105,7 @@ def coalescing(**fields: Any) -> dict[str, Any]:
     return config(policy("m", **fields), policy("resnet", **fields))
 
 
+@pytest.mark.envoy_1_39
 def test_32_identical_http_misses_make_one_origin_call_on_both_workers(tmp_path: Path, host: str) -> None:
     with filter_stack(tmp_path, coalescing(coalesce_timeout_ms=10_000), concurrency=2, host=host) as s:
         answers = held(s, "lead", 32, posts(s, body(), {"x-origin-hold": "lead"}),

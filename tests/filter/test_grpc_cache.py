@@ -28,6 +28,7 @@ def _envoy_clusters(s: Stack) -> str:
     return local_http().get(f"http://127.0.0.1:{s.admin_port}/clusters", timeout=5).text
 
 
+@pytest.mark.envoy_1_39
 @pytest.mark.parametrize("limits", LIMITS)
 def test_grpc_hit_returns_full_message_without_calling_origin(tmp_path: Path, limits: str, host: str) -> None:
     with filter_stack(tmp_path, config(policy("resnet")), buffer_limit_bytes=LIMITS[limits], host=host) as s:

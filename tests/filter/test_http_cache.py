@@ -24,6 +24,7 @@ NOT_STORED = "meshcache; fwd=miss; detail="
 BODY = b'{"inputs": [{"name": "x", "shape": [1, 2], "datatype": "FP32", "data": [1, 2]}]}'
 
 
+@pytest.mark.envoy_1_39
 def test_second_identical_request_is_a_hit_and_origin_is_not_called(tmp_path: Path, host: str) -> None:
     with filter_stack(tmp_path, config(), host=host) as s, httpx.Client() as c:
         first = c.post(s.url(INFER), content=BODY, headers={"content-type": "application/json"})
@@ -201,6 +202,7 @@ def documented_bypass_details() -> list[str]:
     return details
 
 
+@pytest.mark.envoy_1_39
 def test_oversized_answers_pass_through_unstored(tmp_path: Path, host: str) -> None:
     with filter_stack(tmp_path, config(max_entry_bytes=1000), host=host) as s, httpx.Client() as c:
         for _ in range(2):

@@ -1,4 +1,5 @@
-"""What is particular to the dynamic-module host (filter/native/, issue 24) in a real Envoy 1.40.
+"""What is particular to the dynamic-module host (filter/native/, issue 24) in a real Envoy 1.40
+(and, for the ABI it speaks, Envoy 1.39.3 with the module's 1.39 build, issue 37).
 
 The cache's behaviour is tested against both hosts by the parametrized suite (the `host`
 fixture, tests/filter/conftest.py); this file holds what only this host has: Envoy loading the
@@ -8,12 +9,14 @@ back under Envoy's default buffer limit, Envoy rejecting an invalid config.
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import pytest
 
 from meshcache.contract.paths import envoy_binary, require_filter_native
 from meshcache.ctl import launchers
@@ -25,12 +28,50 @@ BODY = b'{"inputs": [{"name": "x", "shape": [1, 2], "datatype": "FP32", "data": 
 JSON = {"content-type": "application/json"}
 
 
-def test_module_loads_with_the_abi_version_envoy_expects(tmp_path: Path) -> None:
-    require_filter_native()
-    with filter_stack(tmp_path, config(), host="native"):
+@pytest.mark.parametrize(("stack_host", "envoy", "abi"),
+                         [("native", "1.40", "v0.2.0"), ("native-1.39", "1.39", "v0.1.0")],
+                         ids=["envoy-1.40", "envoy-1.39"])
+def test_module_loads_with_the_abi_version_envoy_expects(tmp_path: Path, stack_host: str, envoy: str,
+                                                         abi: str) -> None:
+    require_filter_native(envoy)
+    with filter_stack(tmp_path, config(), host=stack_host):
         log = (tmp_path / "envoy.log").read_text()
-    # Envoy only warns on a mismatched ABI version and loads the module anyway: assert the match.
-    assert "Dynamic module ABI version v0.2.0 matched." in log, log[-2000:]
+    # Envoy only warns on a mismatched ABI version ("... is deprecated") and loads the module
+    # anyway: assert the match.
+    assert f"Dynamic module ABI version {abi} matched." in log, log[-2000:]
+    assert "deprecated" not in log
+
+
+@pytest.mark.parametrize(("envoy", "abi"), [("1.40", "v0.2.0"), ("1.39", "v0.1.0")])
+def test_each_build_names_its_abi_in_an_exported_symbol(envoy: str, abi: str) -> None:
+    nm = shutil.which("nm")
+    assert nm, "nm (binutils, which the native build's linker comes with) is missing"
+    out = subprocess.run([nm, "-D", "--defined-only", str(require_filter_native(envoy))],
+                         capture_output=True, text=True, timeout=60, check=True).stdout
+    assert any(line.split()[-1:] == ["meshcache_envoy_abi"] for line in out.splitlines()), out[-500:]
+    # Its value ("envoy-<minor> <abi>") is checked in filter/native/src/abi.rs's unit tests.
+
+
+@pytest.mark.parametrize(("module", "envoy", "why"), [
+    ("1.40", "1.39", "speaks Envoy 1.40's dynamic-module ABI (v0.2.0) and this Envoy is older"),
+    ("1.39", "1.40", "speaks Envoy 1.39's dynamic-module ABI (v0.1.0) and this Envoy is newer"),
+], ids=["1.40-module-on-envoy-1.39", "1.39-module-on-envoy-1.40"])
+def test_a_module_for_the_other_envoy_is_refused_with_the_reason(tmp_path: Path, module: str, envoy: str,
+                                                                  why: str) -> None:
+    # Both Envoys would load the other's module with only a warning; the module refuses itself
+    # (program_init returns null), so Envoy rejects the config with an error, and exits: no crash.
+    proxy = CacheProxy(listen_port=1, admin_port=2, http_upstream_port=3, native_module=require_filter_native(module),
+                       plugin_config=config())
+    path = write(proxy, tmp_path / "envoy.yaml")
+    result = subprocess.run([envoy_binary(envoy), "--mode", "validate", "-c", str(path), "--log-level", "error"],
+                            capture_output=True, text=True, timeout=60)
+    log = result.stdout + result.stderr
+    assert result.returncode == 1, (result.returncode, log[-2000:])
+    assert why in log, log[-2000:]
+    instead = "libmeshcache_native-envoy-1.39.so" if envoy == "1.39" else "libmeshcache_native.so"
+    assert f"use {instead}" in log
+    assert f"Failed to initialize dynamic module: {require_filter_native(module)}" in log
+    assert "Caught" not in log and "backtrace" not in log
 
 
 def test_miss_is_stored_then_hits_come_from_the_store(tmp_path: Path) -> None:

@@ -6,6 +6,7 @@ import ssl
 from pathlib import Path
 
 import httpx
+import pytest
 
 from meshcache.ctl.pki import CertificateAuthority, Identity, spiffe_id
 from tests.filter.stack import config, filter_stack, policy
@@ -19,6 +20,7 @@ def _client(identity: Identity) -> httpx.Client:
     return httpx.Client(verify=ctx)
 
 
+@pytest.mark.envoy_1_39
 def test_entries_are_separated_by_peer_identity(tmp_path: Path, host: str) -> None:
     ca = CertificateAuthority.create()
     server = ca.issue(spiffe_id("ml", "engine"), tmp_path / "pki", "server")

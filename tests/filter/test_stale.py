@@ -29,6 +29,7 @@ def _wait_past(seconds: float, since: float) -> None:
     time.sleep(max(0.0, since + seconds - time.monotonic()))
 
 
+@pytest.mark.envoy_1_39
 @pytest.mark.parametrize("held", [True, False], ids=["held-headers", "istio-style"])
 def test_http_5xx_after_ttl_serves_stale_within_the_window_then_the_error(tmp_path: Path, held: bool,
                                                                           host: str) -> None:
@@ -87,6 +88,7 @@ def _grpc_code(s: Stack, request: bytes, metadata: tuple[tuple[str, str], ...]) 
     return err.value.code()  # type: ignore[no-any-return]
 
 
+@pytest.mark.envoy_1_39
 @pytest.mark.parametrize("held", [True, False], ids=["held-headers", "istio-style"])
 def test_grpc_unavailable_after_ttl_serves_the_stored_message_byte_identical(tmp_path: Path, held: bool,
                                                                               host: str) -> None:
@@ -126,6 +128,7 @@ def test_grpc_origin_unreachable_serves_stale(tmp_path: Path, host: str) -> None
         assert _grpc_code(s, infer_request("resnet-other"), ()) == grpc.StatusCode.UNAVAILABLE
 
 
+@pytest.mark.envoy_1_39
 @pytest.mark.parametrize("held", [True, False], ids=["held-headers", "istio-style"])
 def test_stale_while_revalidate_answers_at_once_and_one_background_request_refreshes(
     tmp_path: Path, held: bool, host: str) -> None:

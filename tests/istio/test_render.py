@@ -147,6 +147,27 @@ def test_namespace_must_be_a_dns_label_and_not_istio_or_kubernetes_own(capsys: p
     assert main(["istio", "render", "--namespace", "a" * 63]) == 0
 
 
+def test_filter_native_is_refused_for_an_istio_without_dynamic_modules(capsys: pytest.CaptureFixture[str],
+                                                                         tmp_path: Path) -> None:
+    """`--filter native` (issue 37): istio-proxy links envoy.filters.http.dynamic_modules from 1.31
+    on; with an older Istio (the default, 1.30.3, what the manifests target) render refuses and
+    says why, writing nothing. 1.31+ is refused too until the native render exists, saying so."""
+    out = tmp_path / "out"
+    for older in ([], ["--istio-version", "1.30.3"], ["--istio-version", "1.29"]):
+        assert main(["istio", "render", "--filter", "native", *older, "--out", str(out)]) == 2, older
+        err = capsys.readouterr().err
+        assert "--filter native needs Istio 1.31 or later" in err, err
+        assert "does not link envoy.filters.http.dynamic_modules" in err and "--filter wasm" in err, err
+    assert "built on Envoy 1.38" in (main(["istio", "render", "--filter", "native"]), capsys.readouterr().err)[1]
+    assert main(["istio", "render", "--filter", "native", "--istio-version", "1.31.0", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "not rendered yet" in err and "libmeshcache_native-envoy-1.39.so for its Envoy 1.39" in err, err
+    assert main(["istio", "render", "--filter", "native", "--istio-version", "one.31"]) == 2
+    assert "expected MAJOR.MINOR[.PATCH]" in capsys.readouterr().err
+    assert not out.exists()
+    assert main(["istio", "render", "--filter", "wasm", "--out", str(out)]) == 0, "the default host renders"
+
+
 def test_render_the_basic_overlay(tmp_path: Path, pins: render.Pins, crds: dict) -> None:
     objects, _, served = _render(tmp_path, "--overlay", str(render.ISTIO_DIR / "overlays" / "basic"),
                                  "--namespace", "ml")

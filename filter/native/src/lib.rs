@@ -19,6 +19,7 @@ pub mod park;
 pub mod store;
 
 use std::os::raw::{c_char, c_void};
+use std::cell::Cell;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, OnceLock};
@@ -101,6 +102,36 @@ struct StreamContext {
     stream: Stream,
     metrics: Arc<Metrics>,
     background: Arc<Background>,
+    hooks: HookGuard,
+}
+
+/// Envoy 1.39 can destroy a stream from inside one of its hooks: a local reply sent from the
+/// response path (`send_response`, or `send_response_trailers`, in the response headers hook:
+/// stale-if-error) completes the stream, and its filter manager calls
+/// `on_http_filter_destroy` before the callback returns (seen in its debug log and a crash in
+/// the hook's later frees); 1.40 does not. So the destroy hook, arriving while a hook of the
+/// same stream runs, only marks the stream, and that hook frees it when it returns.
+#[derive(Default)]
+struct HookGuard {
+    depth: Cell<u32>,
+    destroyed: Cell<bool>,
+}
+
+/// Marks a hook of `module`'s stream as running; pair with `leave_hook`.
+unsafe fn enter_hook(module: FilterModulePtr) -> *mut StreamContext {
+    let ctx = module as *mut StreamContext;
+    let guard = &(*ctx).hooks;
+    guard.depth.set(guard.depth.get() + 1);
+    ctx
+}
+
+/// Ends a hook; frees the stream if Envoy destroyed it meanwhile.
+unsafe fn leave_hook(ctx: *mut StreamContext) {
+    let guard = &(*ctx).hooks;
+    guard.depth.set(guard.depth.get() - 1);
+    if guard.depth.get() == 0 && guard.destroyed.get() {
+        let _ = catch_unwind(AssertUnwindSafe(|| drop(Box::from_raw(ctx))));
+    }
 }
 
 struct EnvoyHost<'m> {
@@ -300,15 +331,19 @@ impl Host for EnvoyHost<'_> {
 /// Runs a stream hook; a panic fails the stream open.
 unsafe fn with_stream(envoy: FilterEnvoyPtr, module: FilterModulePtr, f: impl FnOnce(&mut Stream, &mut EnvoyHost) -> Flow)
     -> Flow {
-    let StreamContext { stream, metrics, background } = &mut *(module as *mut StreamContext);
-    let mut host = EnvoyHost { ptr: envoy, metrics, background };
-    match catch_unwind(AssertUnwindSafe(|| f(stream, &mut host))) {
+    let ctx = enter_hook(module);
+    // Field by field, so the destroy hook may reach `hooks` while the stream is borrowed.
+    let stream = &mut (*ctx).stream;
+    let mut host = EnvoyHost { ptr: envoy, metrics: &(*ctx).metrics, background: &(*ctx).background };
+    let flow = match catch_unwind(AssertUnwindSafe(|| f(stream, &mut host))) {
         Ok(flow) => flow,
         Err(_) => {
             stream.fail_open();
             Flow::Continue
         }
-    }
+    };
+    leave_hook(ctx);
+    flow
 }
 
 fn headers_status(flow: Flow) -> u32 {
@@ -336,7 +371,7 @@ fn body_status(flow: Flow) -> u32 {
 
 #[no_mangle]
 pub extern "C" fn envoy_dynamic_module_on_program_init() -> *const c_char {
-    abi::abi_version()
+    abi::program_init()
 }
 
 /// A null return makes Envoy reject the filter config (the error is on stderr).
@@ -388,7 +423,9 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_new(config: ConfigM
         id: NEXT_STREAM.fetch_add(1, Ordering::Relaxed).max(1),
     };
     let stream = Stream::new(c.config.clone(), c.shared.clone()).coalescing(place);
-    Box::into_raw(Box::new(StreamContext { stream, metrics: c.metrics.clone(), background: c.background.clone() }))
+    Box::into_raw(Box::new(StreamContext {
+        stream, metrics: c.metrics.clone(), background: c.background.clone(), hooks: HookGuard::default(),
+    }))
         as FilterModulePtr
 }
 
@@ -396,8 +433,14 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_new(config: ConfigM
 /// `module` is a pointer returned by `envoy_dynamic_module_on_http_filter_new`.
 #[no_mangle]
 pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_destroy(module: FilterModulePtr) {
-    // Dropping the stream unparks it and hands on a key it leads (filter.rs).
-    let _ = catch_unwind(AssertUnwindSafe(|| drop(Box::from_raw(module as *mut StreamContext))));
+    // Dropping the stream unparks it and hands on a key it leads (filter.rs). Inside one of the
+    // stream's hooks (Envoy 1.39, HookGuard), that hook drops it when it returns.
+    let ctx = module as *mut StreamContext;
+    if (*ctx).hooks.depth.get() > 0 {
+        (*ctx).hooks.destroyed.set(true);
+        return;
+    }
+    let _ = catch_unwind(AssertUnwindSafe(|| drop(Box::from_raw(ctx))));
 }
 
 /// # Safety
@@ -511,13 +554,15 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_http_stream_reset(
 #[no_mangle]
 pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_scheduled(
     envoy: FilterEnvoyPtr, module: FilterModulePtr, event_id: u64) {
-    let StreamContext { stream, metrics, background } = &mut *(module as *mut StreamContext);
-    let mut host = EnvoyHost { ptr: envoy, metrics, background };
+    let ctx = enter_hook(module);
+    let stream = &mut (*ctx).stream;
+    let mut host = EnvoyHost { ptr: envoy, metrics: &(*ctx).metrics, background: &(*ctx).background };
     if catch_unwind(AssertUnwindSafe(|| stream.on_scheduled(&mut host, event_id))).is_err() {
         // Fail open: a parked request must not stay stopped.
         stream.fail_open();
         envoy_dynamic_module_callback_http_filter_continue_decoding(envoy);
     }
+    leave_hook(ctx);
 }
 
 /// # Safety

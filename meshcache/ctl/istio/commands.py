@@ -12,7 +12,7 @@ from typing import Any
 from meshcache.contract import oci
 from meshcache.contract.paths import FILTER_WASM, REPO_ROOT
 
-from . import kustomize, render
+from . import filter_host, kustomize, render
 
 # crossref, validate (jsonschema, the Kubernetes schemas) and xds_tls are imported by the commands
 # that use them: every `meshcache` run (status, policy, up) builds this parser, and they would
@@ -42,6 +42,11 @@ def register(subparsers: Any) -> None:
                                           "the digest of `meshcache istio oci-layout` for the built module")
     r.add_argument("--filter-repository", default=render.FILTER_REPOSITORY, help="registry/repository of the image")
     r.add_argument("--module", type=Path, default=FILTER_WASM, help="the built filter module")
+    r.add_argument("--filter", choices=filter_host.FILTERS, default="wasm",
+                   help="the cache's host in the sidecars: wasm (the proxy-wasm filter, any Istio) or native "
+                        "(the Envoy dynamic module; istio-proxy links it from Istio 1.31)")
+    r.add_argument("--istio-version", default=filter_host.ISTIO_VERSION,
+                   help=f"the mesh's Istio version (default {filter_host.ISTIO_VERSION}, what the manifests target)")
     r.add_argument("--engine-image", help="image of meshcache's engine (default the manifests' placeholder)")
     r.add_argument("--control-plane-image", help="image of the control plane (default the manifests' placeholder)")
     r.add_argument("--allow-principal", action="append", default=[], metavar="PRINCIPAL",
@@ -133,6 +138,11 @@ def _render(args: argparse.Namespace) -> int:
         for path in render.update_base(args.module):
             print(f"updated {path}")
         return 0
+    try:
+        filter_host.check(args.filter, args.istio_version)  # before reading a control plane
+    except ValueError as exc:
+        print(f"meshcache istio render: {exc}", file=sys.stderr)
+        return 2
     if args.control_plane:
         if not args.token:
             print("meshcache istio render: --control-plane needs --token or $MESHCACHE_TOKEN", file=sys.stderr)
