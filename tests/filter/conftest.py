@@ -1,10 +1,6 @@
 """The filter suite runs against both hosts of the cache core (issue 24): the proxy-wasm filter
-(`wasm`, what Istio loads) and the Envoy dynamic module (`native`), so neither drifts.
-
-A test that takes a `host` argument runs once per host. A test marked
-`@pytest.mark.wasm_only("why")` tests something the native host does not do yet: it still runs
-there, as a strict expected failure, so it shows in every run with its reason, a native change
-that makes it pass fails the run until the mark goes, and the Wasm host's run is unchanged.
+(`wasm`, what Istio loads) and the Envoy dynamic module (`native`), so neither drifts. A test that
+takes a `host` argument runs once per host.
 
 A test marked `@pytest.mark.envoy_1_39` runs a third time, as `native-1.39`: the module's Envoy
 1.39 build (filter/dist/libmeshcache_native-envoy-1.39.so, what istio-proxy 1.31 would load) on
@@ -27,9 +23,6 @@ NATIVE_ENVOY_1_39 = "native-1.39"
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
-        "markers", "wasm_only(reason): the native host lacks this yet (runs there as a strict xfail)"
-    )
-    config.addinivalue_line(
         "markers", "envoy_1_39: also runs on the module's Envoy 1.39 build on Envoy 1.39.3 (host native-1.39)"
     )
 
@@ -45,16 +38,6 @@ def shared_stacks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedSt
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    if "host" not in metafunc.fixturenames:
-        return
-    mark = metafunc.definition.get_closest_marker("wasm_only")
-    params = []
-    hosts = HOSTS + ((NATIVE_ENVOY_1_39,) if metafunc.definition.get_closest_marker("envoy_1_39") else ())
-    for host in hosts:
-        marks = []
-        if host != "wasm" and mark is not None:
-            reason = mark.args[0] if mark.args else mark.kwargs.get("reason", "")
-            assert reason, f"{metafunc.definition.nodeid}: wasm_only needs the reason"
-            marks = [pytest.mark.xfail(reason=f"wasm only: {reason}", strict=True)]
-        params.append(pytest.param(host, id=host, marks=marks))
-    metafunc.parametrize("host", params)
+    if "host" in metafunc.fixturenames:
+        extra = (NATIVE_ENVOY_1_39,) if metafunc.definition.get_closest_marker("envoy_1_39") else ()
+        metafunc.parametrize("host", HOSTS + extra)

@@ -9,11 +9,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from meshcache.contract.paths import FILTER_WASM
 from meshcache.ctl.mesh.config import MeshConfig
 from meshcache.ctl.mesh.topology import Mesh
-
-pytestmark = pytest.mark.skipif(not FILTER_WASM.exists(), reason="filter not built (make filter)")
 
 
 @pytest.fixture(scope="session")

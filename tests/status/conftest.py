@@ -7,11 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from meshcache.contract.paths import FILTER_WASM
 from meshcache.ctl.mesh import state
 from tests.status.helpers import RunningMesh, meshcache
-
-pytestmark = pytest.mark.skipif(not FILTER_WASM.exists(), reason="filter not built (make filter)")
 
 
 @pytest.fixture(scope="session")
