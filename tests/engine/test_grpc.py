@@ -9,6 +9,7 @@ import pytest
 
 from meshcache.contract.protos import grpc_predict_v2_pb2 as pb
 from tests.engine.helpers import DEMO_INPUTS, DEMO_OUTPUTS, Engine, demo_batch, grpc_infer_request, grpc_outputs
+from tests.helpers.kserve import MODEL_INFER
 
 
 def test_health_and_server_metadata(engine: Engine) -> None:
@@ -119,7 +120,7 @@ def test_invalid_arguments_name_the_input_and_expectation(engine: Engine) -> Non
 
 def test_malformed_protobuf_is_invalid_argument(engine: Engine) -> None:
     channel = grpc.insecure_channel(engine.grpc_target)
-    call = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
+    call = channel.unary_unary(MODEL_INFER)
     with pytest.raises(grpc.RpcError) as err:
         call(b"\x0a\xff\xff\xff\xff\x0f")  # field 1, length far past the end
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -134,7 +135,7 @@ def test_malformed_protobuf_is_invalid_argument(engine: Engine) -> None:
 def test_deterministic_responses(engine: Engine) -> None:
     request = grpc_infer_request("text-embedder", {"token_ids": demo_batch("text-embedder", 2, seed=5)})
     channel = grpc.insecure_channel(engine.grpc_target)
-    call = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
+    call = channel.unary_unary(MODEL_INFER)
     answers = set()
     metadata = set()
     for _ in range(5):

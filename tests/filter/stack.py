@@ -23,8 +23,8 @@ from meshcache.ctl import launchers, procs
 from meshcache.ctl.envoy_config import BUFFER_LIMIT_BYTES, CacheProxy, write
 from meshcache.ctl.pki import Identity
 from tests.helpers.filter_stats import filter_stats_reaching, filter_stats_where
+from tests.helpers.kserve import MODEL_INFER
 
-MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"
 DEFAULT_HASH_HEADERS = ("content-type", "x-model-id")
 METRICS_FLUSH_S = 0.45  # the filter flushes metrics every 200 ms; each worker on its own tick
 # Buffer limits the Envoy under test runs with: the project's configs (16 MiB) and Envoy's

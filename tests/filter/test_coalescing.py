@@ -23,7 +23,8 @@ import pytest
 
 from meshcache.contract.headers import CACHE_STATUS_COLLAPSED
 from meshcache.ctl import launchers, procs
-from tests.filter.stack import MODEL_INFER, Stack, config, filter_stack, infer_request, policy
+from tests.filter.stack import Stack, config, filter_stack, infer_request, policy
+from tests.helpers.kserve import MODEL_INFER
 from tests.helpers.wait import eventually
 
 INFER = "/v2/models/m/infer"

@@ -26,7 +26,8 @@ import grpc
 import httpx
 
 from tests.filter import server_reading
-from tests.filter.stack import MODEL_INFER, config, filter_stack, policy
+from tests.filter.stack import config, filter_stack, policy
+from tests.helpers.kserve import MODEL_INFER
 
 SEED = 22
 REST_REQUESTS = 600

@@ -13,6 +13,7 @@ import pytest
 from meshcache.ctl.procs import local_http
 from tests.filter.stack import LIMITS, SharedStacks, Stack, config, filter_stack, infer_request, policy
 from tests.helpers.filter_stats import filter_stats
+from tests.helpers.kserve import MODEL_INFER
 from tests.helpers.wait import eventually
 
 
@@ -110,7 +111,7 @@ def test_grpc_hits_never_fail_under_eviction_churn(tmp_path: Path, host: str) ->
         requests = [infer_request("resnet-mini", version=f"r{i}") for i in range(24)]
         expected = {}
         with grpc.insecure_channel(f"127.0.0.1:{s.listen_port}") as channel:
-            call = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
+            call = channel.unary_unary(MODEL_INFER)
             for r in requests:
                 expected[r] = call(r, timeout=10)
 
@@ -137,7 +138,7 @@ def test_grpc_web_bypasses(tmp_path: Path, host: str) -> None:
         framed = b"\x00" + len(message).to_bytes(4, "big") + message
         headers = {"content-type": "application/grpc-web+proto", "x-grpc-web": "1"}
         for _ in range(2):
-            r = local_http().post(s.url("/inference.GRPCInferenceService/ModelInfer"), content=framed, headers=headers,
+            r = local_http().post(s.url(MODEL_INFER), content=framed, headers=headers,
                                   timeout=10)
             assert r.headers.get("cache-status") == "meshcache; fwd=bypass; detail=grpc-web"
         s.stats_reaching({"meshcache.bypasses": 2, "meshcache.hits": 0})
@@ -150,7 +151,7 @@ def test_compressed_messages_say_so(shared_stacks: SharedStacks, host: str) -> N
     # Compressible (gRPC sends a message uncompressed when gzip would not shrink it).
     request = infer_request(s.model("resnet-mini"), request_id=b"z-1", extra=b"\x7a\x80\x02" + b"a" * 256)
     with grpc.insecure_channel(f"127.0.0.1:{s.listen_port}", compression=grpc.Compression.Gzip) as channel:
-        call = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
+        call = channel.unary_unary(MODEL_INFER)
         for _ in range(2):
             answer, c = call.with_call(request, timeout=10)
             assert dict(c.initial_metadata())["cache-status"] == "meshcache; fwd=bypass; detail=compressed"

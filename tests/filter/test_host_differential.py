@@ -21,9 +21,10 @@ from pathlib import Path
 import grpc
 import httpx
 
-from tests.filter.stack import MODEL_INFER, Stack, config, filter_stack
+from tests.filter.stack import Stack, config, filter_stack
 from tests.filter.test_differential import POLICIES, RestRequest, grpc_request, rest_request, rest_variant
 from tests.helpers.http2 import post_with_trailers
+from tests.helpers.kserve import MODEL_INFER
 
 SEED = 32
 REST_REQUESTS = 160

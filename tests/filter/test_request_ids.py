@@ -12,6 +12,7 @@ import httpx
 
 from meshcache.ctl.procs import local_http
 from tests.filter.stack import SharedStacks, config, filter_stack, infer_request, policy
+from tests.helpers.kserve import MODEL_INFER
 
 INFER = "/v2/models/m/infer"
 INPUTS = [{"name": "x", "shape": [1, 2], "datatype": "FP32", "data": [1, 2]}]
@@ -122,7 +123,7 @@ def test_grpc_hit_answers_with_the_callers_id(shared_stacks: SharedStacks, host:
     assert md2["cache-status"].startswith("meshcache; hit; ttl=")
     assert s.origin_calls()["grpc"] == 1
     with grpc.insecure_channel(f"127.0.0.1:{s.grpc_port}") as ch:
-        direct = ch.unary_unary("/inference.GRPCInferenceService/ModelInfer")(request, timeout=10)
+        direct = ch.unary_unary(MODEL_INFER)(request, timeout=10)
     assert second == direct, "byte for byte what the origin answers that id"
     assert md2["x-response-hash"] == md1["x-response-hash"]
     # No id in, no id out; such requests get their own entry.

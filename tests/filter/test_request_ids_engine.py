@@ -20,12 +20,10 @@ from meshcache.ctl.launchers import Engine
 from meshcache.ctl.procs import local_http
 from tests.engine.helpers import init_demo_models, running_engine
 from tests.filter.stack import config, filter_stack, policy
+from tests.helpers.kserve import MLP, MODEL_INFER, engine_calls, infer_path
 from tests.helpers.wait import eventually
-from tests.mesh.helpers import engine_requests
 
-MODEL = "mlp-classifier"
-INFER = f"/v2/models/{MODEL}/infer"
-MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"
+INFER = infer_path(MLP)
 
 
 @pytest.fixture(scope="module")
@@ -62,13 +60,13 @@ def _binary_body(seed: int, request_id: str) -> tuple[bytes, dict[str, str]]:
 def test_rest_hits_are_what_the_engine_answers_for_that_id(tmp_path: Path, engine: Engine, host: str) -> None:
     with filter_stack(tmp_path, config(policy("mlp")), upstream=(engine.http_port, engine.grpc_port), host=host) as s, \
             httpx.Client(timeout=10) as c:
-        calls = engine_requests(engine.metrics_url, MODEL)
+        calls = engine_calls(MLP, engine.metrics_url)
         first = c.post(s.url(INFER), content=_json_body(1, "rest-1"))
         assert first.headers["cache-status"] == "meshcache; fwd=miss; stored"
         second = c.post(s.url(INFER), content=_json_body(1, "rest-2"))
         assert second.headers["cache-status"].startswith("meshcache; hit; ttl=")
         # One engine call, the miss's (the engine counts it as it answers: waited for).
-        eventually(lambda: engine_requests(engine.metrics_url, MODEL) == calls + 1)
+        eventually(lambda: engine_calls(MLP, engine.metrics_url) == calls + 1)
         direct = local_http().post(f"{engine.http_url}{INFER}", content=_json_body(1, "rest-2"), timeout=10)
         assert second.content == direct.content
         assert second.json()["id"] == "rest-2"
@@ -90,7 +88,7 @@ def test_rest_hits_are_what_the_engine_answers_for_that_id(tmp_path: Path, engin
         assert hit.content == direct.content
         for name in ("content-type", "inference-header-content-length"):
             assert hit.headers[name] == direct.headers[name]
-        eventually(lambda: engine_requests(engine.metrics_url, MODEL) == calls + 6)  # 3 misses, 3 direct calls
+        eventually(lambda: engine_calls(MLP, engine.metrics_url) == calls + 6)  # 3 misses, 3 direct calls
 
 
 def test_binary_lengths_the_engine_reads_otherwise_bypass(tmp_path: Path, engine: Engine, host: str) -> None:
@@ -117,19 +115,19 @@ def test_binary_lengths_the_engine_reads_otherwise_bypass(tmp_path: Path, engine
 
 def test_grpc_hits_are_what_the_engine_answers_for_that_id(tmp_path: Path, engine: Engine, host: str) -> None:
     def request(request_id: str) -> bytes:
-        r = pb.ModelInferRequest(model_name=MODEL, id=request_id)
+        r = pb.ModelInferRequest(model_name=MLP, id=request_id)
         r.inputs.add(name="input", datatype="FP32", shape=[1, 16])
         r.raw_input_contents.append(_x(3).tobytes())
         return r.SerializeToString()
 
     with filter_stack(tmp_path, config(policy("mlp")), upstream=(engine.http_port, engine.grpc_port), host=host) as s:
-        calls = engine_requests(engine.metrics_url, MODEL)
+        calls = engine_calls(MLP, engine.metrics_url)
         first, call1 = s.grpc_infer(request("g-1"))
         assert dict(call1.initial_metadata())["cache-status"] == "meshcache; fwd=miss; stored"
         second, call2 = s.grpc_infer(request("g-2-longer"))
         md2 = dict(call2.initial_metadata())
         assert md2["cache-status"].startswith("meshcache; hit")
-        eventually(lambda: engine_requests(engine.metrics_url, MODEL) == calls + 1)
+        eventually(lambda: engine_calls(MLP, engine.metrics_url) == calls + 1)
         with grpc.insecure_channel(engine.grpc_target) as ch:
             direct = ch.unary_unary(MODEL_INFER)(request("g-2-longer"), timeout=10)
         assert second == direct
@@ -140,7 +138,7 @@ def test_grpc_hits_are_what_the_engine_answers_for_that_id(tmp_path: Path, engin
 def test_triton_clients_get_their_own_ids(tmp_path: Path, engine: Engine, host: str) -> None:
     x = _x(4)
     with filter_stack(tmp_path, config(policy("mlp")), upstream=(engine.http_port, engine.grpc_port), host=host) as s:
-        calls = engine_requests(engine.metrics_url, MODEL)
+        calls = engine_calls(MLP, engine.metrics_url)
         http_client = triton_http.InferenceServerClient(f"127.0.0.1:{s.listen_port}")
         grpc_client = triton_grpc.InferenceServerClient(f"127.0.0.1:{s.listen_port}")
         try:
@@ -149,15 +147,15 @@ def test_triton_clients_get_their_own_ids(tmp_path: Path, engine: Engine, host: 
                 inp = triton_http.InferInput("input", [1, 16], "FP32")
                 inp.set_data_from_numpy(x)
                 out = triton_http.InferRequestedOutput("probabilities")
-                result = http_client.infer(MODEL, [inp], outputs=[out], request_id=f"http-{i}")
+                result = http_client.infer(MLP, [inp], outputs=[out], request_id=f"http-{i}")
                 assert result.get_response()["id"] == f"http-{i}"
                 g_inp = triton_grpc.InferInput("input", [1, 16], "FP32")
                 g_inp.set_data_from_numpy(x)
-                g_result = grpc_client.infer(MODEL, [g_inp], request_id=f"grpc-{i}")
+                g_result = grpc_client.infer(MLP, [g_inp], request_id=f"grpc-{i}")
                 assert g_result.get_response().id == f"grpc-{i}"
                 np.testing.assert_array_equal(result.as_numpy("probabilities"), g_result.as_numpy("probabilities"))
         finally:
             http_client.close()
             grpc_client.close()
-        eventually(lambda: engine_requests(engine.metrics_url, MODEL) == calls + 2)  # one miss per protocol, then hits
+        eventually(lambda: engine_calls(MLP, engine.metrics_url) == calls + 2)  # one miss per protocol, then hits
         s.stats_reaching({"meshcache.hits": 4})

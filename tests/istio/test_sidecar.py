@@ -24,8 +24,9 @@ from meshcache.ctl import envoy_config, launchers, procs
 from meshcache.ctl.istio import kustomize, render
 from meshcache.ctl.pki import CertificateAuthority, Identity, spiffe_id
 from meshcache.ctl.procs import local_http
-from tests.filter.stack import MODEL_INFER, infer_request
+from tests.filter.stack import infer_request
 from tests.helpers.control_plane import ControlPlaneProc, run
+from tests.helpers.kserve import MODEL_INFER
 from tests.helpers.wait import eventually
 from tests.istio import sidecar
 from tests.istio.envoyfilter_apply import UnsupportedPatch, apply

@@ -7,17 +7,16 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
-import grpc
 import httpx
 import pytest
 
 from meshcache.contract.headers import COLOR_HEADER
-from meshcache.ctl import procs
 from meshcache.ctl.istiod import binary
 from meshcache.ctl.istiod.mesh import IstiodMesh, IstiodMeshConfig
 from meshcache.ctl.istiod.sidecar import Sidecar
-from meshcache.ctl.mesh.engine_metrics import engine_requests
-from tests.mesh.helpers import MODEL_INFER
+from tests.helpers import kserve
+from tests.helpers.kserve import engine_calls, grpc_call
+from tests.helpers.load import Load, call, rest_kinds
 
 ROUTER = "envoy.filters.http.router"
 # Istio's inbound HTTP filter order (listener_builder.go), the ones a stock Envoy runs; the
@@ -47,24 +46,39 @@ def istiod_mesh(tmp_path_factory: pytest.TempPathFactory, name: str, **config: A
 def grpc_infer(mesh: IstiodMesh, request: bytes, color: str = "") -> tuple[bytes, str]:
     """Raw bytes through the client sidecar (the app calls the Service name); (response, Cache-Status)."""
     metadata = ((COLOR_HEADER, color),) if color else ()
-    with grpc.insecure_channel(mesh.app_grpc, options=[("grpc.default_authority",
-                                                         f"{mesh.service_authority}:8001")]) as channel:
-        response, call = channel.unary_unary(MODEL_INFER).with_call(request, metadata=metadata, timeout=10)
-        return response, dict(call.initial_metadata()).get("cache-status", "")
+    return grpc_call(mesh.app_grpc, request, metadata, authority=f"{mesh.service_authority}:8001")
 
 
 def rest_infer(mesh: IstiodMesh, model: str, body: dict, color: str = "") -> httpx.Response:
     headers = {"host": mesh.service_authority, **({COLOR_HEADER: color} if color else {})}
-    return procs.local_http().post(f"{mesh.app_http}/v2/models/{model}/infer", json=body, headers=headers, timeout=10)
+    return kserve.rest_infer(mesh.app_http, model, body, headers)
 
 
 def main_engine_calls(mesh: IstiodMesh, model: str) -> float:
-    return sum(engine_requests(e.engine.metrics_url, model) for e in mesh.engines)
+    return engine_calls(model, *(e.engine.metrics_url for e in mesh.engines))
 
 
 def canary_engine_calls(mesh: IstiodMesh, model: str) -> float:
     assert mesh.canary is not None
-    return engine_requests(mesh.canary.engine.metrics_url, model)
+    return engine_calls(model, mesh.canary.engine.metrics_url)
+
+
+# The requests of the load tests (faults, store outage, xDS TLS rotation): mlp-classifier seeds.
+SEEDS = range(2600, 2608)
+
+
+def warmed_load(mesh: IstiodMesh) -> Load:
+    """One caller repeating the SEEDS' REST requests through the client sidecar, without pause;
+    their expected bytes are the mesh's answers now (which also warms the cache)."""
+    target, kinds = mesh.app_http.removeprefix("http://"), rest_kinds(SEEDS, {"host": mesh.service_authority})
+    expected = {kind.name: call(kind, target, timeout=10) for kind in kinds}
+    return Load(target, expected, threads=1, pause_s=0, kinds=kinds, timeout_s=10)
+
+
+def put_and_sync(mesh: IstiodMesh, ttl: int) -> None:
+    with mesh.api() as api:
+        version = api.put("/v1/policies/resnet-mini", json={"ttl_s": ttl, "max_ttl_s": 1800}).json()["version"]
+    mesh.wait_synced(version, timeout=30)
 
 
 _CAMEL = re.compile(r"^[a-z][a-z0-9]*([A-Z][a-z0-9]*)+$")

@@ -9,9 +9,8 @@ from collections.abc import Iterator
 import pytest
 
 from meshcache.ctl.istiod.mesh import IstiodMesh, ecds_filters
-from meshcache.ctl.mesh.engine_metrics import engine_requests
+from tests.helpers.kserve import engine_calls, mlp_json, mlp_request
 from tests.istiod.helpers import grpc_infer, istiod_mesh, rest_infer
-from tests.mesh.helpers import mlp_json, mlp_request
 
 
 @pytest.fixture(scope="module")
@@ -21,7 +20,7 @@ def mesh3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[IstiodMesh]:
 
 
 def per_replica(mesh: IstiodMesh, model: str) -> list[float]:
-    return [engine_requests(e.engine.metrics_url, model) for e in mesh.engines]
+    return [engine_calls(model, e.engine.metrics_url) for e in mesh.engines]
 
 
 def test_identical_requests_reach_the_replica_that_holds_the_answer(mesh3: IstiodMesh) -> None:

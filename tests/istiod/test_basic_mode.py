@@ -11,8 +11,8 @@ import pytest
 
 from meshcache.contract.extensions import GRPC_PORT, HTTP_PORT
 from meshcache.ctl.istiod.mesh import IstiodMesh
+from tests.helpers.kserve import mlp_json, mlp_request
 from tests.istiod.helpers import ROUTER, grpc_infer, hcm, inbound_listener, istiod_mesh, main_engine_calls, rest_infer
-from tests.mesh.helpers import mlp_json, mlp_request
 
 EXTENSION = "extensions.istio.io/trafficextension/meshcache.meshcache-green"
 

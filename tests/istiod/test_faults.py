@@ -11,19 +11,16 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 
-import httpx
 import pytest
 
 from meshcache.ctl import procs
 from meshcache.ctl.istiod.mesh import IstiodMesh
 from meshcache.ctl.mesh.healing import RestartPolicy
+from tests.helpers.kserve import mlp_json
 from tests.helpers.wait import eventually
-from tests.istiod.helpers import istiod_mesh, rest_infer
-from tests.mesh.helpers import mlp_json
+from tests.istiod.helpers import SEEDS, istiod_mesh, put_and_sync, rest_infer, warmed_load
 
-SEEDS = range(2600, 2608)
 ISTIOD_BACK_LIMIT_S = 30.0  # the issue's bound: istiod serving again after it was killed
 
 
@@ -31,57 +28,6 @@ ISTIOD_BACK_LIMIT_S = 30.0  # the issue's bound: istiod serving again after it w
 def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[IstiodMesh]:
     with istiod_mesh(tmp_path_factory, "istiod-faults", canary_color="") as m:
         yield m
-
-
-@dataclass
-class Load:
-    """Repeats known requests from a thread; records hits, and every answer that differs."""
-
-    mesh: IstiodMesh
-    expected: dict[int, bytes]
-    hits: int = 0
-    answers: int = 0
-    wrong: list[str] = field(default_factory=list)
-    _stop: threading.Event = field(default_factory=threading.Event)
-
-    def run(self) -> None:
-        while not self._stop.is_set():
-            for seed in SEEDS:
-                try:
-                    r = rest_infer(self.mesh, "mlp-classifier", mlp_json(seed))
-                except httpx.HTTPError as exc:
-                    self.wrong.append(f"{seed}: {exc!r}")
-                    continue
-                self.answers += 1
-                if r.status_code != 200 or r.content != self.expected[seed]:
-                    self.wrong.append(f"{seed}: {r.status_code} {r.content[:200]!r}")
-                elif r.headers.get("cache-status", "").startswith("meshcache; hit"):
-                    self.hits += 1
-
-    def __enter__(self) -> Load:
-        self._thread = threading.Thread(target=self.run, daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(timeout=30)
-
-    def wait_hits(self, more_than: int, timeout: float = 10.0) -> None:
-        try:
-            eventually(lambda: self.hits > more_than, timeout=timeout)
-        except AssertionError:
-            raise AssertionError(f"no hits served ({self.answers} answers, {self.wrong[:3]})") from None
-
-
-def warm(mesh: IstiodMesh) -> dict[int, bytes]:
-    return {seed: rest_infer(mesh, "mlp-classifier", mlp_json(seed)).content for seed in SEEDS}
-
-
-def put_and_sync(mesh: IstiodMesh, ttl: int) -> None:
-    with mesh.api() as api:
-        version = api.put("/v1/policies/resnet-mini", json={"ttl_s": ttl, "max_ttl_s": 1800}).json()["version"]
-    mesh.wait_synced(version, timeout=30)
 
 
 def test_restarts_under_load(mesh: IstiodMesh) -> None:
@@ -93,8 +39,7 @@ def test_restarts_under_load(mesh: IstiodMesh) -> None:
 
 
 def control_plane_restart(mesh: IstiodMesh) -> None:
-    expected = warm(mesh)
-    with Load(mesh, expected) as load:
+    with warmed_load(mesh) as load:
         load.wait_hits(0)
         mesh.proc("control-plane").stop()
         during = load.hits
@@ -102,13 +47,12 @@ def control_plane_restart(mesh: IstiodMesh) -> None:
         mesh.restart("control-plane")
         put_and_sync(mesh, 121)  # istiod reconnected to the control plane and passed it on
         load.wait_hits(load.hits)
-    assert not load.wrong, load.wrong[:5]
+    assert not load.failed(), load.failed()[:5]
 
 
 def istiod_restart(mesh: IstiodMesh) -> None:
     assert mesh.istiod is not None
-    expected = warm(mesh)
-    with Load(mesh, expected) as load:
+    with warmed_load(mesh) as load:
         load.wait_hits(0)
         mesh.proc("istiod").stop()
         during = load.hits
@@ -117,7 +61,7 @@ def istiod_restart(mesh: IstiodMesh) -> None:
         put_and_sync(mesh, 122)  # the sidecars reconnected, and policies flow again
         after = load.hits
         load.wait_hits(after)
-    assert not load.wrong, load.wrong[:5]
+    assert not load.failed(), load.failed()[:5]
     # The cache survived: the warmed answers are still hits after istiod re-sent everything.
     assert all(rest_infer(mesh, "mlp-classifier", mlp_json(s)).headers["cache-status"].startswith("meshcache; hit")
                for s in SEEDS)
@@ -129,7 +73,6 @@ def istiod_restart_with_the_control_plane_hung(mesh: IstiodMesh) -> None:
     long as the control plane stays stopped. Supervised as `meshcache up --istiod` does it (the
     healer's restarts, and the rendered liveness probe from its own thread), the wedged control
     plane is killed and restarted, and istiod serves again within 30 s; hits never stop."""
-    expected = warm(mesh)
     said: list[str] = []
     healer = mesh.healer(RestartPolicy(), log=said.append)
     stop = threading.Event()
@@ -139,9 +82,9 @@ def istiod_restart_with_the_control_plane_hung(mesh: IstiodMesh) -> None:
             healer.tick()
 
     ticker = threading.Thread(target=supervise, daemon=True)
-    wedged = mesh.cp_proc.popen.pid
+    wedged = mesh.proc("control-plane").popen.pid
     old_istiod = mesh.proc("istiod")
-    with Load(mesh, expected) as load:
+    with warmed_load(mesh) as load:
         load.wait_hits(0)
         os.kill(wedged, signal.SIGSTOP)
         try:
@@ -167,7 +110,7 @@ def istiod_restart_with_the_control_plane_hung(mesh: IstiodMesh) -> None:
             healer.stop_probes()
         put_and_sync(mesh, 123)  # the new istiod passes the new control plane's policies on
         load.wait_hits(load.hits)
-    assert not load.wrong, load.wrong[:5]
+    assert not load.failed(), load.failed()[:5]
     cp = healer.records["control-plane"]
     assert cp.restarts == 1 and cp.last_exit.startswith("killed by its liveness probe"), (cp, said)
     assert any("liveness probes failed in a row" in m for m in said), said

@@ -26,6 +26,7 @@ from meshcache.control_plane.store import Store
 from meshcache.ctl.istiod.mesh import IstiodMesh, ecds_filters, ecds_version
 from meshcache.ctl.istiod.status import ECDS_TYPE_URL as ECDS_TYPE
 from meshcache.ctl.pki import spiffe_id
+from tests.helpers.kserve import mlp_json, mlp_request
 from tests.helpers.wait import eventually
 from tests.istiod.helpers import (
     ISTIO_INBOUND_ORDER,
@@ -40,7 +41,6 @@ from tests.istiod.helpers import (
     snake_keys,
     syncz_of,
 )
-from tests.mesh.helpers import mlp_json, mlp_request
 
 METRICS_PORT = 8002  # the engine pod's `metrics` container port (istio/base/engine.yaml)
 

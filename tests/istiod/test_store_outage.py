@@ -15,11 +15,10 @@ import pytest
 from meshcache.control_plane.mcp import ENVOY_FILTER_TYPE_URL
 from meshcache.control_plane.renderers import ECDS_TYPE_URL
 from meshcache.ctl.istiod.mesh import IstiodMesh, ecds_version
+from tests.helpers.kserve import mlp_json
 from tests.helpers.signals import stopped
 from tests.helpers.wait import eventually
-from tests.istiod.helpers import istiod_mesh, rest_infer
-from tests.istiod.test_faults import SEEDS, Load, put_and_sync, warm
-from tests.mesh.helpers import mlp_json
+from tests.istiod.helpers import SEEDS, istiod_mesh, put_and_sync, rest_infer, warmed_load
 
 
 @pytest.fixture(scope="module")
@@ -72,14 +71,13 @@ def test_stalled_redis_and_killed_control_plane_leave_istiod_and_the_sidecars_as
     assert version > 0
     before = meshcache_filters(mesh)
     assert before and set(before.values()) == {str(version)}, before
-    expected = warm(mesh)
     node = istiod_node(mesh)
     state_file = mesh.work / "control-plane" / "snapshot.json"
     eventually(state_file.exists)
-    with Load(mesh, expected) as load, stopped(mesh.proc("redis")) as resume_redis:
+    with warmed_load(mesh) as load, stopped(mesh.proc("redis")) as resume_redis:
         load.wait_hits(0)
         # 1. Killed and restarted while Redis is stalled: it serves the snapshot it saved.
-        hits_before, answers_before, t_kill = load.hits, load.answers, time.monotonic()
+        hits_before, sent_before, t_kill = load.hits, len(load.outcomes), time.monotonic()
         mesh.proc("control-plane").kill()
         restarted_at = time.time()
         mesh.restart("control-plane")
@@ -123,10 +121,11 @@ def test_stalled_redis_and_killed_control_plane_leave_istiod_and_the_sidecars_as
         put_and_sync(mesh, 123)
         load.wait_hits(load.hits)
         t_back = time.monotonic()
-    assert not load.wrong, load.wrong[:5]
+    assert not load.failed(), load.failed()[:5]
     assert set(meshcache_filters(mesh).values()) == {str(version + 1)}
     assert all_hits(mesh)
     print(f"\ncontrol plane restarted (Redis stalled) in {t_started - t_kill:.2f} s, istiod had the saved "
           f"version {version} again {t_resent - t_kill:.2f} s after the kill; {load.hits - hits_before} hits of "
-          f"{load.answers - answers_before} answers, none wrong, over the {t_back - t_kill:.1f} s outage and recovery")
+          f"{len(load.outcomes) - sent_before} answers, none wrong, over the {t_back - t_kill:.1f} s outage and "
+          "recovery")
 

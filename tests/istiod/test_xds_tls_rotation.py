@@ -22,10 +22,9 @@ from cryptography import x509
 
 from meshcache.ctl.cli import main
 from meshcache.ctl.istiod.mesh import IstiodMesh
+from tests.helpers.kserve import mlp_json
 from tests.helpers.wait import eventually
-from tests.istiod.helpers import istiod_mesh, rest_infer
-from tests.istiod.test_faults import SEEDS, Load, put_and_sync, warm
-from tests.mesh.helpers import mlp_json
+from tests.istiod.helpers import SEEDS, istiod_mesh, put_and_sync, rest_infer, warmed_load
 
 
 @pytest.fixture(scope="module")
@@ -67,8 +66,7 @@ def test_rotation_with_overlap_under_load(mesh: IstiodMesh, tmp_path: Path) -> N
     shutil.copytree(served, certs)
     ca1 = (certs / "ca.crt").read_bytes()
     namespace = mesh.config.namespace
-    expected = warm(mesh)
-    with Load(mesh, expected) as load:
+    with warmed_load(mesh) as load:
         load.wait_hits(0)
         # 1. A new CA; istiod trusts both (restarted: it reads its trust at start).
         assert main(["istio", "xds-certs", "--namespace", namespace, "--out", str(certs), "--new-ca"]) == 0
@@ -92,8 +90,8 @@ def test_rotation_with_overlap_under_load(mesh: IstiodMesh, tmp_path: Path) -> N
         istiod_trusts(mesh, ca2)
         put_and_sync(mesh, 134)
         load.wait_hits(load.hits)
-    print(f"rotation under load: {load.answers} answers, {load.hits} hits, {len(load.wrong)} wrong or failed")
-    assert not load.wrong, load.wrong[:5]
+    print(f"rotation under load: {len(load.outcomes)} answers, {load.hits} hits, {len(load.failed())} wrong or failed")
+    assert not load.failed(), load.failed()[:5]
     assert presented_serial(mesh.cp_xds) == x509.load_pem_x509_certificate(
         (certs / "tls.crt").read_bytes()).serial_number
     # The cache survived every step: the warmed answers are still hits.

@@ -16,7 +16,7 @@ from meshcache.ctl.istio import render
 from meshcache.ctl.kube.netns import NodeNetwork
 from meshcache.ctl.kube.up import RECORD
 from meshcache.ctl.mesh import state
-from tests.mesh.helpers import MODEL_INFER, mlp_json, mlp_request
+from tests.helpers.kserve import MODEL_INFER, mlp_json, mlp_request
 
 CLI = [str(Path(sys.executable).parent / "meshcache")]
 

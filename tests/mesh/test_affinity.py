@@ -17,18 +17,19 @@ from meshcache.ctl.mesh.cache_table import format_cache_table
 from meshcache.ctl.mesh.config import MeshConfig
 from meshcache.ctl.mesh.topology import CLIENT_NODE, Mesh, server_node
 from tests.helpers.filter_stats import filter_counter
-from tests.helpers.wait import eventually
-from tests.mesh.helpers import (
+from tests.helpers.kserve import (
+    MLP,
     MODEL_INFER,
-    canary_engine_calls,
-    engine_requests,
+    engine_calls,
     grpc_call,
+    infer_path,
     mlp_json,
     mlp_request,
     rest_infer,
 )
+from tests.helpers.wait import eventually
+from tests.mesh.helpers import canary_engine_calls
 
-MLP = "mlp-classifier"
 REPLICAS = 3
 
 
@@ -60,8 +61,8 @@ def replica_deltas(mesh: Mesh, what: str, before: list[int], total: int) -> list
     return eventually(added_up)
 
 
-def engine_calls(mesh: Mesh) -> list[float]:
-    return [engine_requests(f"http://127.0.0.1:{mesh.config.ports.replica(k).engine_metrics}/metrics", MLP)
+def replica_engine_calls(mesh: Mesh) -> list[float]:
+    return [engine_calls(MLP, f"http://127.0.0.1:{mesh.config.ports.replica(k).engine_metrics}/metrics")
             for k in range(1, REPLICAS + 1)]
 
 
@@ -75,7 +76,8 @@ def test_every_replica_and_the_client_sidecar_get_the_policies(replicated: Mesh)
 
 def test_identical_requests_hit_on_the_replica_that_stored_them(replicated: Mesh) -> None:
     app = replicated.endpoints()["app"]
-    (stores_before, hits_before), calls_before = replica_stats(replicated, "stores", "hits"), engine_calls(replicated)
+    (stores_before, hits_before) = replica_stats(replicated, "stores", "hits")
+    calls_before = replica_engine_calls(replicated)
     body = mlp_json(seed=1301)
     assert rest_infer(replicated.endpoints()["app"], MLP, body).headers["cache-status"] == "meshcache; fwd=miss; stored"
     for _ in range(4):
@@ -86,7 +88,7 @@ def test_identical_requests_hit_on_the_replica_that_stored_them(replicated: Mesh
         assert grpc_call(app, request)[1].startswith("meshcache; hit")
     stores = replica_deltas(replicated, "stores", stores_before, 2)
     hits = replica_deltas(replicated, "hits", hits_before, 7)
-    calls = [a - b for a, b in zip(engine_calls(replicated), calls_before, strict=True)]
+    calls = [a - b for a, b in zip(replica_engine_calls(replicated), calls_before, strict=True)]
     assert sum(calls) == 2
     # Each answer's hits are on the replica whose engine computed it.
     for k in range(REPLICAS):
@@ -180,7 +182,7 @@ def test_losing_a_replica_under_load_costs_no_request(replicated: Mesh) -> None:
             while not stop.is_set():
                 for s in seeds:
                     try:
-                        r = client.post(f"http://{app}/v2/models/{MLP}/infer", json=mlp_json(s))
+                        r = client.post(f"http://{app}{infer_path(MLP)}", json=mlp_json(s))
                         if r.status_code != 200 or r.json()["outputs"] != rest_answers[s]:
                             failures.append(f"REST {s}: {r.status_code} {r.headers.get('cache-status')} {r.text[:200]}")
                     except httpx.HTTPError as exc:

@@ -25,8 +25,8 @@ from meshcache.ctl import launchers
 from meshcache.ctl.interrupts import deferred_stop_signals
 from meshcache.ctl.mesh import state
 from meshcache.ctl.procs import local_http
+from tests.helpers.kserve import mlp_json, rest_infer
 from tests.helpers.wait import eventually
-from tests.mesh.helpers import mlp_json, rest_infer
 
 CLI = [str(Path(sys.executable).parent / "meshcache")]
 WASM_RUNTIME_STATS = r"^wasm\."  # Envoy's Wasm runtime (`wasm.envoy.wasm.runtime.v8.*`); a regex

@@ -22,7 +22,8 @@ from meshcache.contract.filter_config import policy_spec
 from meshcache.contract.headers import CACHE_STATUS_COLLAPSED
 from meshcache.ctl.mesh.topology import SERVER_NODE, Mesh
 from tests.helpers.filter_stats import filter_counter
-from tests.mesh.helpers import MODEL_INFER, default_engine_calls, mlp_request
+from tests.helpers.kserve import MODEL_INFER, mlp_request
+from tests.mesh.helpers import default_engine_calls
 
 MODEL = "mlp-classifier"
 STORED = "meshcache; fwd=miss; stored"

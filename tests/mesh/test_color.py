@@ -7,16 +7,8 @@ import json
 
 from meshcache.contract.protos import grpc_predict_v2_pb2 as pb
 from meshcache.ctl.mesh.topology import Mesh
-from tests.mesh.helpers import (
-    canary_engine_calls,
-    default_engine_calls,
-    grpc_call,
-    mlp_json,
-    mlp_request,
-    rest_infer,
-)
-
-MLP = "mlp-classifier"
+from tests.helpers.kserve import MLP, grpc_call, mlp_json, mlp_request, rest_infer
+from tests.mesh.helpers import canary_engine_calls, default_engine_calls
 
 
 def _version(response: bytes) -> str:

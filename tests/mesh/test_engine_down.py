@@ -12,7 +12,7 @@ import pytest
 
 from meshcache.ctl.mesh.config import MeshConfig
 from meshcache.ctl.mesh.topology import SERVER_NODE, Mesh
-from tests.mesh.helpers import grpc_call, mlp_json, mlp_request, rest_infer
+from tests.helpers.kserve import grpc_call, mlp_json, mlp_request, rest_infer
 
 
 @pytest.fixture

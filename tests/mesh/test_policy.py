@@ -9,7 +9,8 @@ import numpy as np
 from meshcache.contract.filter_config import policy_spec
 from meshcache.contract.protos import grpc_predict_v2_pb2 as pb
 from meshcache.ctl.mesh.topology import SERVER_NODE, Mesh
-from tests.mesh.helpers import default_engine_calls, grpc_call, mlp_request
+from tests.helpers.kserve import grpc_call, mlp_request
+from tests.mesh.helpers import default_engine_calls
 
 MODEL = "text-embedder"
 

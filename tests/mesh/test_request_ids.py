@@ -17,7 +17,8 @@ from meshcache.contract.filter_config import policy_spec
 from meshcache.contract.paths import REPO_ROOT
 from meshcache.ctl.mesh.topology import SERVER_NODE, Mesh
 from meshcache.ctl.procs import local_http
-from tests.mesh.helpers import default_engine_calls, mlp_json, rest_infer
+from tests.helpers.kserve import mlp_json, rest_infer
+from tests.mesh.helpers import default_engine_calls
 
 KSERVE_PYTHON = REPO_ROOT / ".venv-kserve" / "bin" / "python"
 KSERVE_CLIENT = Path(__file__).with_name("kserve_client.py")

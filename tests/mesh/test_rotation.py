@@ -32,9 +32,9 @@ from meshcache.ctl.mesh.config import MeshConfig, Ports
 from meshcache.ctl.mesh.topology import SERVER_NODE, Mesh
 from meshcache.ctl.pki import CertificateAuthority, Identity
 from meshcache.ctl.procs import local_http
+from tests.helpers.kserve import mlp_json, rest_infer
+from tests.helpers.load import KINDS, Load, expected_answers
 from tests.helpers.wait import eventually
-from tests.mesh.helpers import mlp_json, rest_infer
-from tests.mesh.load import KINDS, Load, expected_answers
 
 REQUEST = b"GET /v2/health/ready HTTP/1.1\r\nHost: localhost\r\n\r\n"
 CLI = [str(Path(sys.executable).parent / "meshcache")]

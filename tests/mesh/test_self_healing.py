@@ -26,7 +26,7 @@ from meshcache.ctl.mesh import state
 from meshcache.ctl.mesh.api_client import ApiError, PolicyApi
 from meshcache.ctl.mesh.config import Ports
 from meshcache.ctl.mesh.topology import SERVER_NODE
-from tests.mesh.load import KINDS, Load, call, expected_answers
+from tests.helpers.load import KINDS, Load, call, expected_answers
 
 CLI = [str(Path(sys.executable).parent / "meshcache")]
 RECOVERY_LIMIT_S = 30.0  # generous for a shared 2-core machine; the measured times are printed

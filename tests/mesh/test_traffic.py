@@ -9,7 +9,8 @@ import tritonclient.http as thttp
 
 from meshcache.ctl.mesh.topology import Mesh
 from meshcache.engine import perf_analyzer
-from tests.mesh.helpers import default_engine_calls, grpc_call, mlp_request, rest_infer
+from tests.helpers.kserve import grpc_call, mlp_request, rest_infer
+from tests.mesh.helpers import default_engine_calls
 
 
 def test_grpcio_miss_then_hit_byte_identical_without_engine_call(mesh: Mesh) -> None:

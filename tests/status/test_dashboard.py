@@ -24,7 +24,7 @@ from meshcache.contract.paths import REPO_ROOT
 from meshcache.ctl import procs
 from meshcache.ctl.istio import monitoring
 from meshcache.ctl.procs import local_http
-from tests.mesh.helpers import grpc_call, mlp_json, mlp_request, rest_infer
+from tests.helpers.kserve import grpc_call, mlp_json, mlp_request, rest_infer
 from tests.status.helpers import RunningMesh
 
 DEPLOY = REPO_ROOT / "deploy"

@@ -13,8 +13,8 @@ from meshcache.ctl import launchers, procs
 from meshcache.ctl.procs import local_http
 from tests.helpers.control_plane import READ_TOKEN, WRITE_TOKEN, ControlPlaneProc, start_control_plane
 from tests.helpers.filter_stats import filter_stats, filter_stats_where
+from tests.helpers.kserve import grpc_call, mlp_request
 from tests.helpers.wait import eventually
-from tests.mesh.helpers import grpc_call, mlp_request
 from tests.status.helpers import RunningMesh, meshcache
 
 SERVER_NODE = "meshcache-server-sidecar"

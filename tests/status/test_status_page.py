@@ -17,8 +17,8 @@ from selenium.webdriver.support.ui import WebDriverWait
 from meshcache.contract.paths import REPO_ROOT
 from meshcache.ctl import launchers, procs
 from tests.helpers.control_plane import READ_TOKEN, WRITE_TOKEN, start_control_plane
+from tests.helpers.kserve import grpc_call, mlp_request
 from tests.helpers.signals import stopped
-from tests.mesh.helpers import grpc_call, mlp_request
 from tests.status import browser
 from tests.status.helpers import RunningMesh
 

@@ -22,8 +22,8 @@ from meshcache.contract import oci
 from meshcache.contract.extensions import AFFINITY_LABEL
 from meshcache.ctl.istio import render
 from meshcache.ctl.kube.mesh import KubeMesh
+from tests.helpers.kserve import MODEL_INFER, mlp_json, mlp_request
 from tests.helpers.wait import eventually
-from tests.mesh.helpers import MODEL_INFER, mlp_json, mlp_request
 
 Obj = dict[str, Any]
 NS = render.BASE_NAMESPACE
