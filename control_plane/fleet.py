@@ -40,9 +40,8 @@ def is_config_client(c: Connection) -> bool:
 
 
 def config_client_entries(entries: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """(Envoy proxies, config clients: istiod). A replica older than the `role` field lists proxies."""
-    proxies = [e for e in entries if e.get("role", "proxy") != "config-client"]
-    return proxies, [e for e in entries if e.get("role") == "config-client"]
+    """(Envoy proxies, config clients: istiod), by the `role` every replica publishes."""
+    return [e for e in entries if e["role"] == "proxy"], [e for e in entries if e["role"] == "config-client"]
 
 
 def proxy_entry(c: Connection, replica: str) -> dict[str, Any]:

@@ -235,8 +235,7 @@ class ProxyOut(BaseModel):
     stream_id: int
     transport: str
     type_urls: list[str]
-    # Default: a replica that predates the field publishes its proxies without it.
-    resources: list[str] = Field(default_factory=list, description="the resource names it asked for: ECDS "
+    resources: list[str] = Field(description="the resource names it asked for: ECDS "
                                  "`meshcache` (Wasm filter), `meshcache-native` (native host), `meshcache-client`")
     connected_since: float
     acked_version: str

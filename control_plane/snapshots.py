@@ -241,10 +241,9 @@ class SnapshotCache:
     def current(self) -> Snapshot:
         return self._current
 
-    def set(self, snapshot: Snapshot, force: bool = False, origin: str = "redis") -> bool:
-        """Install `snapshot` if it is newer, or the first one known (or `force`, for tests
-        injecting raw configs)."""
-        if self.known and snapshot.version <= self._current.version and not force:
+    def set(self, snapshot: Snapshot, origin: str = "redis") -> bool:
+        """Install `snapshot` if it is newer, or the first one known."""
+        if self.known and snapshot.version <= self._current.version:
             return False
         self._current = snapshot
         self.known = True
@@ -261,6 +260,3 @@ class SnapshotCache:
 
     def unwatch(self, watch_id: int) -> None:
         self._watchers.pop(watch_id, None)
-
-    def watcher_count(self) -> int:
-        return len(self._watchers)

@@ -119,8 +119,7 @@ def test_field_names_are_the_ones_the_filter_reads() -> None:
     fields = [*top, *fc.Policy.model_fields, *fc.Limits.model_fields]
     missing = [f for f in fields if f'"{f}"' not in CONFIG_RS]
     assert not missing, f"config.rs does not read {missing}"
-    for role in ("cache", fc.ROLE_SERVER):
-        assert f'Some("{role}") => Role::Server' in CONFIG_RS
+    assert f'Some("{fc.ROLE_SERVER}") => Role::Server' in CONFIG_RS
     assert f'Some("{fc.ROLE_CLIENT}") => Role::Client' in CONFIG_RS
 
 

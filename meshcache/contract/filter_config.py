@@ -45,7 +45,7 @@ VERSION = "version"
 COLOR = "color"
 HOLD_HEADERS = "hold_headers"
 POLICIES = "policies"
-ROLE = "role"  # optional: "server" (default; "cache" is its older spelling) or "client"
+ROLE = "role"  # optional: "server" (default) or "client"
 ROLE_SERVER = "server"
 ROLE_CLIENT = "client"  # the caller's sidecar: only sets the routing key (headers.ROUTE_KEY_HEADER)
 

@@ -295,5 +295,5 @@ def test_logs_stay_quiet(istiod_mesh: IstiodMesh) -> None:
     for sc in mesh.sidecars():
         log = sc.envoy.log_path.read_text()
         assert "Deprecated field" not in log and "max_grpc_timeout" not in log, sc.envoy.log_path
-    cp_log = mesh.cp_proc.log_path.read_text()
+    cp_log = mesh.proc("control-plane").log_path.read_text()
     assert "HTTP Request:" not in cp_log, [line for line in cp_log.splitlines() if "HTTP Request:" in line][:3]

@@ -308,10 +308,6 @@ class IstiodMesh:
 
     # ---- use -------------------------------------------------------------------------------
 
-    @property
-    def cp_proc(self) -> procs.Proc:
-        return self.proc("control-plane")
-
     def proc(self, name: str) -> procs.Proc:
         return next(p for p in self.procs if p.name == name)
 

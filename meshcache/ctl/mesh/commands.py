@@ -476,10 +476,9 @@ def cmd_policy(args: argparse.Namespace) -> int:
                 print(f"{'model_prefix':<24} {'ttl_s':>7} {'max_ttl_s':>9} {'gen':>5} {'scope':<9} {'enabled':<7} "
                       f"{'coalesce_ms':>11} {'stale_if_error_s':>16} {'stale_while_reval_s':>19}")
                 for p in data["policies"]:
-                    # .get: a control plane older than these fields does not list them.
                     print(f"{p['model_prefix']:<24} {p['ttl_s']:>7} {p['max_ttl_s']:>9} {p['generation']:>5} "
-                          f"{p['scope']:<9} {p['enabled']!s:<7} {p.get('coalesce_timeout_ms', ''):>11} "
-                          f"{p.get('stale_if_error_s', ''):>16} {p.get('stale_while_revalidate_s', ''):>19}")
+                          f"{p['scope']:<9} {p['enabled']!s:<7} {p['coalesce_timeout_ms']:>11} "
+                          f"{p['stale_if_error_s']:>16} {p['stale_while_revalidate_s']:>19}")
                 return 0
             if args.action == "set":
                 return _policy_set(api, args)
