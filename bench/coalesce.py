@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-import numpy as np
 
 from bench.filter import REQUEST_JSON, REQUEST_LUA, start_origin
 from bench.loadgen import LoadResult, wrk
@@ -36,15 +35,12 @@ from bench.report import publish, table
 from bench.stats import percentile, quantiles_ms
 from meshcache.contract.headers import CACHE_STATUS_COLLAPSED, CACHE_STATUS_HEADER
 from meshcache.contract.paths import require_filter_wasm
-from meshcache.contract.protos import grpc_predict_v2_pb2 as pb
 from meshcache.ctl import launchers, procs
 from meshcache.ctl.envoy_config import CacheProxy, write
 from meshcache.ctl.mesh.config import MeshConfig
-from meshcache.ctl.mesh.engine_metrics import engine_requests
 from meshcache.ctl.mesh.topology import SERVER_NODE, Mesh
+from tests.helpers.kserve import MODEL_INFER, RESNET, engine_calls, resnet_request
 
-MODEL = "resnet-mini"
-INFER = "/inference.GRPCInferenceService/ModelInfer"
 CALLERS = 32
 MODES = {"coalescing on": 5000, "coalescing off": 0}
 TARGET_WAITER_RATIO = 1.2
@@ -60,11 +56,7 @@ WHAT_LIMITS = (
 def _request(round_tag: str, caller: int) -> bytes:
     """The same tensor for every caller of a round (one key), a tensor no other round used."""
     seed = int.from_bytes(round_tag.encode()[-8:], "big") % 2**32
-    x = np.random.default_rng(seed).standard_normal((1, 3, 32, 32)).astype(np.float32)
-    request = pb.ModelInferRequest(model_name=MODEL, id=f"{round_tag}-{caller}")
-    request.inputs.add(name="image", datatype="FP32", shape=[1, 3, 32, 32])
-    request.raw_input_contents.append(x.tobytes())
-    return request.SerializeToString()
+    return resnet_request(seed, f"{round_tag}-{caller}").SerializeToString()
 
 
 @dataclasses.dataclass
@@ -82,7 +74,7 @@ class Round:
 async def _round(app: str, round_tag: str) -> tuple[list[float], list[str], int]:
     async with grpc.aio.insecure_channel(app) as channel:
         await channel.channel_ready()
-        call = channel.unary_unary(INFER)
+        call = channel.unary_unary(MODEL_INFER)
         bodies = [_request(round_tag, i) for i in range(CALLERS)]
 
         async def one(body: bytes) -> tuple[float, str]:
@@ -103,7 +95,7 @@ async def _round(app: str, round_tag: str) -> tuple[list[float], list[str], int]
 def _set_mode(mesh: Mesh, timeout_ms: int) -> None:
     with mesh.api() as api:
         spec = {"ttl_s": 3600, "max_ttl_s": 3600, "coalesce_timeout_ms": timeout_ms}
-        api.wait_acked(SERVER_NODE, api.put(MODEL, spec)["version"])
+        api.wait_acked(SERVER_NODE, api.put(RESNET, spec)["version"])
 
 
 def _summary(rounds: list[Round]) -> dict[str, Any]:
@@ -174,9 +166,9 @@ def main(argv: list[str] | None = None) -> int:
                 order = list(MODES) if n % 2 == 0 else list(reversed(MODES))
                 for mode in order:
                     _set_mode(mesh, MODES[mode])
-                    before = engine_requests(metrics, MODEL)
+                    before = engine_calls(RESNET, metrics)
                     latencies, statuses, errors = asyncio.run(_round(app, f"{run_tag}-{mode}-{n}"))
-                    calls = int(engine_requests(metrics, MODEL) - before)
+                    calls = int(engine_calls(RESNET, metrics) - before)
                     rounds[mode].append(Round(mode, calls, latencies, statuses, errors))
                     print(f"round {n} {mode}: engine calls {calls}, p50 {statistics.median(latencies) * 1e3:.1f} ms, "
                           f"errors {errors}", flush=True)

@@ -44,9 +44,9 @@ from meshcache.ctl import launchers, procs
 from meshcache.engine import perf_analyzer
 from meshcache.engine.demo_models import DEMO_MODELS, demo_config, write_demo_models
 from meshcache.engine.model_config import CONFIG_FILE, to_text
+from tests.helpers.kserve import MODEL_INFER
 
 MODEL = "resnet-mini"
-INFER = "/inference.GRPCInferenceService/ModelInfer"
 LIVE = "/inference.GRPCInferenceService/ServerLive"
 MLSERVER_VERSION = "1.7.1"
 MLSERVER_VENV = REPO_ROOT / ".bench" / f"mlserver-{MLSERVER_VERSION}"
@@ -130,7 +130,7 @@ async def _grpc_load(target: str, concurrency: int, warmup: float, duration: flo
     payloads = [_request_bytes(i) for i in range(64)]
     latencies: list[float] = []
     async with grpc.aio.insecure_channel(target) as channel:
-        call = channel.unary_unary(INFER)  # bytes in, bytes out: no client-side protobuf work
+        call = channel.unary_unary(MODEL_INFER)  # bytes in, bytes out: no client-side protobuf work
         start = time.perf_counter()
         measure_from, stop_at = start + warmup, start + warmup + duration
 

@@ -48,8 +48,8 @@ from meshcache.contract.headers import CACHE_STATUS_HEADER
 from meshcache.contract.paths import require_filter_native, require_filter_wasm
 from meshcache.ctl import launchers, procs
 from meshcache.ctl.envoy_config import CacheProxy, write
+from tests.helpers.kserve import MODEL_INFER
 
-MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"
 PIDS: dict[tuple[str, str], int] = {}  # (answer size, envoy name) -> pid, for profiling
 CACHE_HOSTS = ("Wasm", "native")  # the mode prefixes whose rows show the cache's counters
 REQUEST_JSON = json.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 32], "data": list(range(32))}]})

@@ -38,18 +38,9 @@ from bench.stats import LatencyResult, ms, quantiles_ms
 from meshcache.contract.protos import grpc_predict_v2_pb2 as pb
 from meshcache.ctl.mesh.config import MeshConfig
 from meshcache.ctl.mesh.topology import SERVER_NODE, Mesh
+from tests.helpers.kserve import MODEL_INFER, RESNET, resnet_request
 
-MODEL = "resnet-mini"
-INFER = "/inference.GRPCInferenceService/ModelInfer"
 TARGET_RATIO = 0.1
-
-
-def _base_request() -> pb.ModelInferRequest:
-    x = np.random.default_rng(7).standard_normal((1, 3, 32, 32)).astype(np.float32)
-    request = pb.ModelInferRequest(model_name=MODEL)
-    request.inputs.add(name="image", datatype="FP32", shape=[1, 3, 32, 32])
-    request.raw_input_contents.append(x.tobytes())
-    return request
 
 
 def _request(base: pb.ModelInferRequest, request_id: str, first_value: float | None = None) -> bytes:
@@ -80,7 +71,7 @@ async def _load(target: str, payload: Callable[[int], bytes], concurrency: int, 
     kinds: collections.Counter[str] = collections.Counter()
     counter = itertools.count()
     async with grpc.aio.insecure_channel(target) as channel:
-        call = channel.unary_unary(INFER)  # bytes in and out: no client-side protobuf work
+        call = channel.unary_unary(MODEL_INFER)  # bytes in and out: no client-side protobuf work
         start = time.perf_counter()
         measure_from, stop_at = start + warmup, start + warmup + duration
 
@@ -111,7 +102,7 @@ async def _load(target: str, payload: Callable[[int], bytes], concurrency: int, 
 
 def _set_enabled(mesh: Mesh, enabled: bool) -> None:
     with mesh.api() as api:
-        version = api.put(MODEL, {"ttl_s": 3600, "max_ttl_s": 3600, "enabled": enabled})["version"]
+        version = api.put(RESNET, {"ttl_s": 3600, "max_ttl_s": 3600, "enabled": enabled})["version"]
         api.wait_acked(SERVER_NODE, version)
 
 
@@ -120,7 +111,7 @@ def _h2load_levels(case: str, app: str, data: Path, tmp: Path, seconds: int) -> 
     out = {}
     for c in (1, 16):
         print(f"{case}, h2load, {c} connection(s) ...", flush=True)
-        out[c] = h2load(f"http://{app}{INFER}", data, ["content-type: application/grpc", "te: trailers"],
+        out[c] = h2load(f"http://{app}{MODEL_INFER}", data, ["content-type: application/grpc", "te: trailers"],
                         seconds=seconds, connections=c, log_file=tmp / f"h2load-{case.replace(' ', '-')}-{c}.log")
     return out
 
@@ -134,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     levels = [int(c) for c in args.levels.split(",")]
     load_before = os.getloadavg()[0]
-    base = _base_request()
+    base = resnet_request(7)
     run_tag = str(time.time_ns())  # ids never seen by a previous run's cache
     stored = [_request(base, f"hit-{run_tag}-{i}") for i in range(64)]
     results: dict[tuple[str, int], LatencyResult] = {}

@@ -22,18 +22,14 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-import numpy as np
 
 from bench.report import publish, table
 from bench.stats import percentile, quantiles_ms
 from meshcache.contract.headers import CACHE_STATUS_HEADER
-from meshcache.contract.protos import grpc_predict_v2_pb2 as pb
 from meshcache.ctl.mesh.config import MeshConfig
-from meshcache.ctl.mesh.engine_metrics import engine_requests
 from meshcache.ctl.mesh.topology import SERVER_NODE, Mesh
+from tests.helpers.kserve import MODEL_INFER, RESNET, engine_calls, resnet_request
 
-MODEL = "resnet-mini"
-INFER = "/inference.GRPCInferenceService/ModelInfer"
 MODES = {"stale-while-revalidate 60 s": 60, "plain expiry": 0}
 TTL_S = 1
 WHAT_LIMITS = (
@@ -50,11 +46,7 @@ WHAT_LIMITS = (
 
 def _request(tag: str) -> bytes:
     seed = int.from_bytes(tag.encode()[-8:], "big") % 2**32
-    x = np.random.default_rng(seed).standard_normal((1, 3, 32, 32)).astype(np.float32)
-    request = pb.ModelInferRequest(model_name=MODEL)
-    request.inputs.add(name="image", datatype="FP32", shape=[1, 3, 32, 32])
-    request.raw_input_contents.append(x.tobytes())
-    return request.SerializeToString()
+    return resnet_request(seed).SerializeToString()
 
 
 def _timed(call: grpc.UnaryUnaryMultiCallable, body: bytes) -> tuple[float, str, bytes]:
@@ -76,19 +68,19 @@ class Round:
 def _set_mode(mesh: Mesh, swr_s: int) -> None:
     with mesh.api() as api:
         spec = {"ttl_s": TTL_S, "max_ttl_s": TTL_S, "coalesce_timeout_ms": 0, "stale_while_revalidate_s": swr_s}
-        api.wait_acked(SERVER_NODE, api.put(MODEL, spec)["version"])
+        api.wait_acked(SERVER_NODE, api.put(RESNET, spec)["version"])
 
 
 def _round(call: grpc.UnaryUnaryMultiCallable, metrics: str, tag: str) -> Round:
     body = _request(tag)
-    before = engine_requests(metrics, MODEL)
+    before = engine_calls(RESNET, metrics)
     stored_at = time.monotonic()
     miss, _, first = _timed(call, body)
     hit, _, _ = _timed(call, body)
     time.sleep(max(0.0, stored_at + TTL_S + 0.2 - time.monotonic()))
     expired, status, answer = _timed(call, body)
     time.sleep(0.5)  # the background refresh lands before the engine counter is read
-    return Round(miss, hit, expired, status, answer == first, int(engine_requests(metrics, MODEL) - before))
+    return Round(miss, hit, expired, status, answer == first, int(engine_calls(RESNET, metrics) - before))
 
 
 def _summary(rounds: list[Round]) -> dict[str, Any]:
@@ -117,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         with Mesh(config, log=lambda m: print(f"  {m}", flush=True)) as mesh:
             app, metrics = mesh.endpoints()["app"], mesh.endpoints()["engine_metrics"]
             with grpc.insecure_channel(app) as channel:
-                call = channel.unary_unary(INFER)
+                call = channel.unary_unary(MODEL_INFER)
                 _set_mode(mesh, 0)
                 _round(call, metrics, f"{run_tag}-warmup")  # engine, sidecars and connections warm
                 for n in range(args.rounds):

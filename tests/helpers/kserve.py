@@ -1,5 +1,6 @@
-"""KServe v2 as the tests speak it: the ModelInfer method path, unique mlp-classifier requests per
-seed (gRPC and REST), one inference call each way, and how many requests an engine answered."""
+"""KServe v2 as the tests and benchmarks speak it: the ModelInfer method path, unique requests per
+seed (mlp-classifier over gRPC and REST, resnet-mini over gRPC), one inference call each way, and
+how many requests an engine answered."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from meshcache.ctl.mesh.engine_metrics import engine_requests
 
 MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"
 MLP = "mlp-classifier"
+RESNET = "resnet-mini"
 
 
 def infer_path(model: str) -> str:
@@ -25,6 +27,15 @@ def mlp_request(seed: int, version: str = "") -> pb.ModelInferRequest:
     x = np.random.default_rng(seed).random((1, 16), dtype=np.float32)
     request = pb.ModelInferRequest(model_name=MLP, model_version=version)
     request.inputs.add(name="input", datatype="FP32", shape=[1, 16])
+    request.raw_input_contents.append(x.tobytes())
+    return request
+
+
+def resnet_request(seed: int, request_id: str = "") -> pb.ModelInferRequest:
+    """A resnet-mini request of one image drawn from `seed` (the benchmarks' gRPC requests)."""
+    x = np.random.default_rng(seed).standard_normal((1, 3, 32, 32)).astype(np.float32)
+    request = pb.ModelInferRequest(model_name=RESNET, id=request_id)
+    request.inputs.add(name="image", datatype="FP32", shape=[1, 3, 32, 32])
     request.raw_input_contents.append(x.tobytes())
     return request
 
