@@ -16,7 +16,6 @@ import contextlib
 import io
 import os
 import shutil
-import ssl
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -29,6 +28,7 @@ from meshcache.control_plane.xds_client import XdsClient, plugin_config_of
 from meshcache.ctl.cli import main
 from meshcache.ctl.istio import xds_tls
 from tests.helpers.control_plane import ControlPlaneProc, run
+from tests.helpers.tls import presented_serial, serial_of
 from tests.helpers.wait import aeventually, eventually
 
 NAMESPACE = "ml"
@@ -56,15 +56,6 @@ def mount(volume: Path, certs: Path, version: int, key_from: Path | None = None)
     for name in ("tls.crt", "tls.key"):
         if not (volume / name).is_symlink():
             (volume / name).symlink_to(f"..data/{name}")
-
-
-def serial_of(pem: bytes) -> int:
-    return x509.load_pem_x509_certificate(pem).serial_number
-
-
-def presented_serial(port: int) -> int:
-    """The serial of the certificate the xDS port shows a new handshake."""
-    return serial_of(ssl.get_server_certificate(("127.0.0.1", port), timeout=5).encode())
 
 
 def channel(port: int, ca_pem: bytes) -> grpc.aio.Channel:

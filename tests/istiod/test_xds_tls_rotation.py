@@ -12,17 +12,16 @@ from __future__ import annotations
 
 import os
 import shutil
-import ssl
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import yaml
-from cryptography import x509
 
 from meshcache.ctl.cli import main
 from meshcache.ctl.istiod.mesh import IstiodMesh
 from tests.helpers.kserve import mlp_json
+from tests.helpers.tls import presented_serial, serial_of
 from tests.helpers.wait import eventually
 from tests.istiod.helpers import SEEDS, istiod_mesh, put_and_sync, rest_infer, warmed_load
 
@@ -31,11 +30,6 @@ from tests.istiod.helpers import SEEDS, istiod_mesh, put_and_sync, rest_infer, w
 def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[IstiodMesh]:
     with istiod_mesh(tmp_path_factory, "istiod-xds-rotation", canary_color="") as m:
         yield m
-
-
-def presented_serial(port: int) -> int:
-    pem = ssl.get_server_certificate(("127.0.0.1", port), timeout=5).encode()
-    return x509.load_pem_x509_certificate(pem).serial_number
 
 
 def istiod_trusts(mesh: IstiodMesh, bundle: bytes) -> None:
@@ -92,8 +86,7 @@ def test_rotation_with_overlap_under_load(mesh: IstiodMesh, tmp_path: Path) -> N
         load.wait_hits(load.hits)
     print(f"rotation under load: {len(load.outcomes)} answers, {load.hits} hits, {len(load.failed())} wrong or failed")
     assert not load.failed(), load.failed()[:5]
-    assert presented_serial(mesh.cp_xds) == x509.load_pem_x509_certificate(
-        (certs / "tls.crt").read_bytes()).serial_number
+    assert presented_serial(mesh.cp_xds) == serial_of((certs / "tls.crt").read_bytes())
     # The cache survived every step: the warmed answers are still hits.
     assert all(rest_infer(mesh, "mlp-classifier", mlp_json(s)).headers["cache-status"].startswith("meshcache; hit")
                for s in SEEDS)

@@ -34,6 +34,7 @@ from meshcache.ctl.pki import CertificateAuthority, Identity
 from meshcache.ctl.procs import local_http
 from tests.helpers.kserve import mlp_json, rest_infer
 from tests.helpers.load import KINDS, Load, expected_answers
+from tests.helpers.tls import serial_of
 from tests.helpers.wait import eventually
 
 REQUEST = b"GET /v2/health/ready HTTP/1.1\r\nHost: localhost\r\n\r\n"
@@ -90,7 +91,7 @@ def _loaded_serials(admin_port: int) -> set[int]:
 
 
 def _file_serial(path: Path) -> int:
-    return x509.load_pem_x509_certificate(path.read_bytes()).serial_number
+    return serial_of(path.read_bytes())
 
 
 def test_rotation_keeps_connections_and_cache(own_mesh: Mesh) -> None:
