@@ -15,9 +15,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.filter.stack import SharedStacks
+from tests.filter.stack import HOSTS, SharedStacks
 
-HOSTS = ("wasm", "native")
 NATIVE_ENVOY_1_39 = "native-1.39"
 
 

@@ -25,6 +25,7 @@ from meshcache.ctl.pki import Identity
 from tests.helpers.filter_stats import filter_stats_reaching, filter_stats_where
 from tests.helpers.kserve import MODEL_INFER
 
+HOSTS = ("wasm", "native")  # the filter's hosts: proxy-wasm and the Envoy dynamic module
 DEFAULT_HASH_HEADERS = ("content-type", "x-model-id")
 METRICS_FLUSH_S = 0.45  # the filter flushes metrics every 200 ms; each worker on its own tick
 # Buffer limits the Envoy under test runs with: the project's configs (16 MiB) and Envoy's

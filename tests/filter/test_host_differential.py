@@ -21,7 +21,7 @@ from pathlib import Path
 import grpc
 import httpx
 
-from tests.filter.stack import Stack, config, filter_stack
+from tests.filter.stack import HOSTS, Stack, config, filter_stack
 from tests.filter.test_differential import POLICIES, RestRequest, grpc_request, rest_request, rest_variant
 from tests.helpers.http2 import post_with_trailers
 from tests.helpers.kserve import MODEL_INFER
@@ -30,7 +30,6 @@ SEED = 32
 REST_REQUESTS = 160
 GRPC_REQUESTS = 50
 TRAILER_REQUESTS = 40
-HOSTS = ("wasm", "native")
 
 
 @dataclass(frozen=True)
