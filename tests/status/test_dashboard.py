@@ -104,7 +104,7 @@ def test_every_dashboard_query_has_live_data(running_mesh: RunningMesh, promethe
     no_store = rest_infer(e["app"], "mlp-classifier", mlp_json(9105), {"cache-control": "no-store"})
     assert no_store.headers["cache-status"] == "meshcache; fwd=bypass; detail=no-store"
     bad = {"inputs": [{"name": "input", "shape": [1, 3], "datatype": "FP32", "data": [1, 2, 3]}]}
-    refused = local_http().post(f"{e['engine_http']}/v2/models/mlp-classifier/infer", json=bad, timeout=10)
+    refused = rest_infer(e["engine_http"], "mlp-classifier", bad)
     assert refused.status_code == 400
 
     queries = dashboard_queries()
