@@ -140,10 +140,6 @@ def test_patched_sidecar_serves_a_grpc_hit_in_one_pass(tmp_path: Path, pins: ren
     """MCP (real control plane, full mode) -> EnvoyFilter -> applied to the istiod-shaped config ->
     ECDS over ADS (module fetched and digest-checked as istio-agent does) -> a real Envoy that
     answers the second identical ModelInfer from the cache, through the single-pass hit route."""
-    if b"meshcache_local" not in filter_wasm.read_bytes():
-        # The single-pass gRPC hit is issue 10's filter work (its marker is this filter state):
-        # until that filter is built, a hit here would go to the old stub cluster.
-        pytest.skip("the built filter predates the single-pass gRPC hit (issue 10)")
     url = extensions.oci_url(REPOSITORY, pins.image_digest)
     cp = start_cp(extra_env={"MESHCACHE_CP_ISTIO_WASM_URL": url, "MESHCACHE_CP_ISTIO_WASM_SHA256": pins.image_digest,
                              "MESHCACHE_CP_ISTIO_NAMESPACE": "ml", "MESHCACHE_CP_ISTIO_COLOR": "blue"})
