@@ -6,4 +6,4 @@ answer whose prompt differs only in the last user message, by embedding similari
 # semantic-precision). It is specific to that data: measure your own traffic in shadow mode.
 EMBEDDER_MODEL = "all-minilm-l6-v2"
 DIMS = 384
-DEFAULT_THRESHOLD = 0.95
+DEFAULT_THRESHOLD = 0.999

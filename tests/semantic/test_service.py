@@ -62,9 +62,12 @@ def test_paraphrase_in_scope_hits_and_shadow_only_reports(http: httpx.Client) ->
     scope, text = semantic_scope(_chat(), POLICY)
     assert text == QUESTION
     _store(http, scope, text, "key-1")
-    got = _lookup(http, scope, PARAPHRASE)
-    assert got["hit"] and got["key"] == "key-1" and DEFAULT_THRESHOLD <= got["similarity"] < 1.0, got
-    shadow = _lookup(http, scope, PARAPHRASE, shadow=True)
+    # The threshold is the policy's (the caller's); the shipped default only lets near-identical
+    # text through (docs/benchmarks.md, semantic-precision), so this one is lower.
+    got = _lookup(http, scope, PARAPHRASE, threshold=0.95)
+    assert got["hit"] and got["key"] == "key-1" and 0.95 <= got["similarity"] < DEFAULT_THRESHOLD, got
+    assert not _lookup(http, scope, PARAPHRASE)["hit"], "below the default threshold"
+    shadow = _lookup(http, scope, PARAPHRASE, shadow=True, threshold=0.95)
     assert (shadow["hit"], shadow["would_hit"], shadow["key"]) == (False, True, "key-1")
     assert shadow["similarity"] == got["similarity"]
     # Unrelated text in the same scope: the best similarity is reported, nothing is served.
