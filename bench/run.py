@@ -14,13 +14,17 @@ import bench.coalesce
 import bench.engine
 import bench.filter
 import bench.filter_ab
+import bench.llm
 import bench.mesh
 import bench.propagation
 import bench.replicas
+import bench.semantic_index
+import bench.semantic_precision
 import bench.stale
 
 BENCHMARKS: tuple[ModuleType, ...] = (bench.filter, bench.filter_ab, bench.engine, bench.propagation, bench.mesh,
-                                     bench.replicas, bench.coalesce, bench.affinity, bench.stale)
+                                     bench.replicas, bench.coalesce, bench.affinity, bench.stale, bench.llm,
+                                     bench.semantic_precision, bench.semantic_index)
 
 
 def main() -> int:

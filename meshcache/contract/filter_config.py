@@ -175,5 +175,15 @@ DEMO_POLICIES: dict[str, dict[str, int]] = {
 }
 
 
+# The LLM demo models' policies (`meshcache demo --llm`, `init-models --llm`): the TTL table's
+# llama3/gemma2 prefixes (the engine serves llama3-tiny also as llama3-70b-demo and
+# gemma2-27b-demo). Only deterministic requests (temperature 0, or an integer seed) are cached;
+# `user` and `metadata` do not shape the answer.
+LLM_DEMO_POLICIES: dict[str, dict[str, Any]] = {
+    "llama3-": {"ttl_s": 600, "max_ttl_s": 3600, "deterministic_only": True, "ignore_fields": ["user", "metadata"]},
+    "gemma2-": {"ttl_s": 600, "max_ttl_s": 3600, "deterministic_only": True, "ignore_fields": ["user", "metadata"]},
+}
+
+
 def demo_policies(generation: int = 0) -> list[Policy]:
     return [Policy(model_prefix=prefix, generation=generation, **spec) for prefix, spec in DEMO_POLICIES.items()]

@@ -157,3 +157,24 @@ def start_control_plane(argv: list[str], env: dict[str, str], log_dir: Path, htt
         (procs.http_ok(f"http://127.0.0.1:{http_port}{ready_path}"), 30, "ready"),
         (procs.tcp_open(xds_port), 10, "serving xDS"),
     ], env=env)
+
+
+@dataclass
+class Semantic:
+    """A running semantic index service (python -m meshcache.semantic)."""
+
+    proc: procs.Proc
+    port: int
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+def start_semantic(embedder_url: str, log_dir: Path, max_entries: int = 100_000, max_per_scope: int = 1_000,
+                   name: str = "semantic") -> Semantic:
+    port = procs.free_port()
+    argv = [sys.executable, "-m", "meshcache.semantic", "--port", str(port), "--embedder-url", embedder_url,
+            "--max-entries", str(max_entries), "--max-per-scope", str(max_per_scope)]
+    proc = procs.start_ready(name, argv, log_dir, [(procs.http_ok(f"http://127.0.0.1:{port}/healthz"), 30, "ready")])
+    return Semantic(proc, port)

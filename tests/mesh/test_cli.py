@@ -354,3 +354,21 @@ def test_demo_starts_its_own_mesh_shows_hits_and_stops_it(tmp_path: Path) -> Non
     assert "stopped the mesh." in out.stdout
     ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
     assert "meshcache-demo-" not in ps  # nothing of its temporary mesh is left
+
+
+def test_demo_llm_shows_chat_completions_cached_stream_and_not(tmp_path: Path) -> None:
+    out = run("demo", "--llm", "--state-dir", str(tmp_path / "no-mesh-here"), timeout=180)
+    assert out.returncode == 0, out.stdout + out.stderr
+    rows = [line.split() for line in out.stdout.splitlines() if "meshcache; " in line]
+    kinds = [(r[0], r[1], " ".join(r[6:])) for r in rows]  # model, chat|stream, Cache-Status and note
+    assert kinds[0][1:] == ("chat", "meshcache; fwd=miss; stored")
+    assert kinds[1][2].startswith("meshcache; hit; ttl=600") and kinds[1][2].endswith("same answer")
+    assert kinds[3][:2] == ("gemma2-27b-demo", "chat") and kinds[3][2] == "meshcache; fwd=miss; stored"
+    assert kinds[4][1:] == ("stream", "meshcache; fwd=miss")
+    assert kinds[5][1] == "stream" and "hit" in kinds[5][2] and "the first stream's bytes" in kinds[5][2]
+    assert "last '[DONE]'; deltas joined equal the non-streamed answer" in out.stdout
+    assert kinds[6][2] == "meshcache; fwd=bypass; detail=nondeterministic"
+    assert "4/9 answered by the cache" in out.stdout and "stopped the mesh." in out.stdout
+    # Not with istiod (yet): said at once, nothing started.
+    refused = run("demo", "--llm", "--istiod", "--state-dir", str(tmp_path / "none"), timeout=30)
+    assert refused.returncode == 1 and "--llm runs on the local mesh" in refused.stderr

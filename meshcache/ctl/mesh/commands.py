@@ -386,7 +386,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from meshcache.ctl.mesh import demo
 
     try:
-        return demo.run(_state_dir(args), istiod=args.istiod, host=args.filter, kube=args.kube)
+        return demo.run(_state_dir(args), istiod=args.istiod, host=args.filter, kube=args.kube, llm=args.llm)
     except (MeshError, ApiError) as exc:
         return _err(str(exc))
 
@@ -574,6 +574,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
                       help="without a running mesh: start a private one with a real istiod in the middle")
     demo.add_argument("--kube", action="store_true",
                       help="without a running mesh: start a private `up --kube` mesh (Kubernetes in the loop)")
+    demo.add_argument("--llm", action="store_true",
+                      help="OpenAI-compatible chat completions (the engine's LLM demo models) instead of KServe v2")
     _add_filter(demo, " of the private mesh (a running mesh keeps its own)")
     demo.set_defaults(func=cmd_demo)
 

@@ -198,6 +198,9 @@ class MeshConfig:
     # The cache's host (FILTER_HOSTS): in the server sidecars, and with replicas in the client
     # sidecar's client role (affinity) too.
     filter: str = "wasm"
+    # The engines also serve the OpenAI-compatible LLM demo models (`init-models --llm`: llama3-tiny,
+    # its llama3-70b-demo / gemma2-27b-demo aliases, all-minilm-l6-v2).
+    llm: bool = False
     # Seeded into the control plane on a fresh state dir (policy version 0); kept across restarts.
     policies: dict[str, dict[str, Any]] = field(default_factory=lambda: {k: dict(v) for k, v in DEMO_POLICIES.items()})
 

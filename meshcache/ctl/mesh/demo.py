@@ -21,7 +21,7 @@ import grpc
 import httpx
 import numpy as np
 
-from meshcache.contract.filter_config import policy_spec
+from meshcache.contract.filter_config import DEMO_POLICIES, LLM_DEMO_POLICIES, policy_spec
 from meshcache.contract.headers import CACHE_STATUS_HEADER, COLOR_HEADER
 from meshcache.contract.protos import grpc_predict_v2_pb2 as pb
 from meshcache.contract.protos import grpc_predict_v2_pb2_grpc as pb_grpc
@@ -119,8 +119,8 @@ def _header(title: str) -> None:
 
 
 @contextlib.contextmanager
-def _mesh_for_demo(state_dir: Path | None, istiod: bool = False, host: str | None = None, kube: bool = False
-                   ) -> Iterator[tuple[dict[str, Any], str, bool]]:
+def _mesh_for_demo(state_dir: Path | None, istiod: bool = False, host: str | None = None, kube: bool = False,
+                   llm: bool = False) -> Iterator[tuple[dict[str, Any], str, bool]]:
     """(endpoints, token, started_here): a running mesh if there is one, else a private one whose
     server sidecars run the cache in `host` (MeshConfig.filter; default wasm)."""
     current = state.read_state(state_dir) if state_dir else None
@@ -132,6 +132,8 @@ def _mesh_for_demo(state_dir: Path | None, istiod: bool = False, host: str | Non
                  else ")"))
         yield endpoints, Path(endpoints["token_file"]).read_text().strip(), False
         return
+    if llm and (kube or istiod):
+        raise MeshError("--llm runs on the local mesh (no --istiod, --kube yet)")
     if kube:
         from meshcache.ctl.kube.up import KubeUp, KubeUpConfig, check_prerequisites
 
@@ -161,7 +163,8 @@ def _mesh_for_demo(state_dir: Path | None, istiod: bool = False, host: str | Non
             print("stopped the mesh.")
         return
     with tempfile.TemporaryDirectory(prefix="meshcache-demo-") as tmp:
-        config = MeshConfig(state_dir=Path(tmp), filter=host or "wasm").with_free_ports()
+        config = MeshConfig(state_dir=Path(tmp), filter=host or "wasm", llm=llm,
+                            policies={**DEMO_POLICIES, **(LLM_DEMO_POLICIES if llm else {})}).with_free_ports()
         print(f"starting a local mesh (redis, control plane, engines, two sidecars with mTLS; cache: "
               f"{HOST_NAMES[config.filter]}) ...")
         t0 = time.perf_counter()
@@ -171,9 +174,16 @@ def _mesh_for_demo(state_dir: Path | None, istiod: bool = False, host: str | Non
         print("stopped the mesh.")
 
 
-def run(state_dir: Path | None, istiod: bool = False, host: str | None = None, kube: bool = False) -> int:
-    with _mesh_for_demo(state_dir, istiod, host, kube) as (endpoints, token, _started):
+def run(state_dir: Path | None, istiod: bool = False, host: str | None = None, kube: bool = False,
+        llm: bool = False) -> int:
+    with _mesh_for_demo(state_dir, istiod, host, kube, llm) as (endpoints, token, _started):
         api = PolicyApi(endpoints["control_plane_api"], token)
+        if llm:
+            try:
+                _llm(endpoints, api)
+            finally:
+                api.close()
+            return 0
         rng = np.random.default_rng(time.time_ns())
         if endpoints.get("mode") in ("istiod", "kube"):
             client = Client(endpoints["app_http"].removeprefix("http://"), endpoints["app_color"], rng,
@@ -186,6 +196,16 @@ def run(state_dir: Path | None, istiod: bool = False, host: str | None = None, k
             client.close()
             api.close()
     return 0
+
+
+def _llm(endpoints: dict[str, Any], api: PolicyApi) -> None:
+    from meshcache.ctl.mesh import demo_llm
+
+    with httpx.Client(base_url=f"http://{endpoints['app']}", timeout=30) as http:
+        demo_llm.check_models(http)
+        for version in demo_llm.ensure_policies(api.policies()["policies"], api.put):
+            api.wait_acked(SERVER_NODE, version)
+        demo_llm.scenario(http, time.time_ns() // 1000)
 
 
 Waiter = tuple[Callable[[int], None], str]

@@ -118,12 +118,13 @@ def _model_repos(config: MeshConfig) -> tuple[Path, Path | None]:
     models = config.state_dir / "models"
     default = models / "default"
     # The engine's own command writes them, and only when its generator changed (its version stamp).
-    launchers.init_demo_models(default, if_stale=True)
+    launchers.init_demo_models(default, if_stale=True, llm=config.llm)
     if not config.canary_color:
         return default, None
     # Same models; the canary serves the configured versions only (e.g. mlp-classifier 1, where the
     # default engine serves the highest, 2), so routing is visible in the answers.
-    canary = launchers.init_demo_models(models / "canary", if_stale=True, serve_versions=config.canary_defaults)
+    canary = launchers.init_demo_models(models / "canary", if_stale=True, serve_versions=config.canary_defaults,
+                                        llm=config.llm)
     return default, canary
 
 
