@@ -63,7 +63,10 @@ from .netns import NodeNetwork, PodNetns
 Obj = dict[str, Any]
 NODE_NAME = "meshcache-node"
 PROXY_UID = 1337  # istio-proxy's runAsUser; istio-iptables exempts its traffic (-u 1337)
-ALLOCATABLE = {"cpu": "2", "memory": "4Gi", "pods": "110"}
+# What the scheduler packs pods against. The test kubelet runs processes without cgroup limits, so
+# this is room for the mesh's pods (up to 8 engine replicas at 500m + the sidecar's 100m, their
+# callers, the control plane and Redis), not the machine's cores.
+ALLOCATABLE = {"cpu": "16", "memory": "32Gi", "pods": "110"}
 LEASE_S = 40
 SYNC_INTERVAL_S = 0.5
 NOT_RUN = "NotRunByTestKubelet"

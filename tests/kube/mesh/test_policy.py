@@ -19,6 +19,7 @@ from meshcache.ctl.kube.mesh import KubeMesh
 from meshcache.ctl.kube.up import wait_applied
 from tests.helpers.wait import eventually
 from tests.kube.mesh.helpers import (
+    CACHE_CALLER,
     NS,
     caller_pod,
     ecds_filters,
@@ -110,7 +111,7 @@ def test_a_purge_through_istiod_empties_the_cached_entries(kube_mesh: KubeMesh) 
     assert kube_mesh.istiod is not None
     pods = ready_engine_pods(kube_mesh)
     ip = service_ip(kube_mesh)
-    client = caller_pod(kube_mesh, "purge-caller", "meshcache-client", {AFFINITY_LABEL: "true"})
+    client = caller_pod(kube_mesh, CACHE_CALLER, "meshcache-client", {AFFINITY_LABEL: "true"})
     path, body = "/v2/models/mlp-classifier/infer", json.dumps(mlp_json(seed=3403))
 
     def post() -> Obj:

@@ -21,6 +21,7 @@ from meshcache.ctl.istiod.status import ECDS_TYPE_URL
 from meshcache.ctl.kube.mesh import KubeMesh
 from tests.helpers.wait import eventually
 from tests.kube.mesh.helpers import (
+    CACHE_CALLER,
     NS,
     caller_pod,
     ecds_filters,
@@ -47,7 +48,7 @@ def test_a_wrong_digest_is_refused_by_istio_agent_and_the_sidecars_keep_serving(
     assert kube_mesh.istiod is not None
     pods = ready_engine_pods(kube_mesh)
     ip = service_ip(kube_mesh)
-    client = caller_pod(kube_mesh, "digest-caller", "meshcache-client", {AFFINITY_LABEL: "true"})
+    client = caller_pod(kube_mesh, CACHE_CALLER, "meshcache-client", {AFFINITY_LABEL: "true"})
     path, body = "/v2/models/mlp-classifier/infer", json.dumps(mlp_json(seed=3404))
 
     def post() -> Obj:
