@@ -18,6 +18,7 @@ from meshcache.ctl.kube.up import scale_engine
 from tests.helpers.wait import eventually
 from tests.kube.mesh.helpers import (
     CACHE_CALLER,
+    NS,
     caller_pod,
     ecds_filters,
     engine_calls,
@@ -81,3 +82,7 @@ def test_identical_requests_reach_the_replica_that_holds_the_answer(kube_mesh: K
     finally:  # the shared mesh's engine Deployment as rendered
         kube_mesh.apply_rendered([rendered])
         ready_engine_pods(kube_mesh, count=rendered["spec"]["replicas"])
+        # The third pod gone from the API server, not only terminating: other tests list the pods.
+        listed = f"/api/v1/namespaces/{NS}/pods?labelSelector=app%3D{render.ENGINE_APP}"
+        eventually(lambda: len((kube_mesh.cluster.get(listed) or {}).get("items", []))  # type: ignore[union-attr]
+                   == rendered["spec"]["replicas"], timeout=90, interval=0.5)

@@ -22,7 +22,6 @@ from tests.kube.mesh.helpers import (
     caller_pod,
     ecds_filters,
     engine_calls,
-    engine_pods,
     envoy_admin,
     grpc_call,
     http_call,
@@ -115,7 +114,10 @@ def test_blue_reaches_its_pods_through_the_rendered_routes_and_is_cached_apart(k
         kube_mesh.cluster.kubectl("delete", "deployment", f"{render.ENGINE_APP}-{GREEN}", "-n", NS,
                                   "--ignore-not-found", "--wait=false")
         kube_mesh.roll_control_plane(kube_mesh.objects)
-        eventually(lambda: not engine_pods(kube_mesh, _selector(GREEN)), timeout=60, interval=0.5)
+        # Gone from the API server, not only terminating: other tests list the engine pods.
+        green_listed = f"/api/v1/namespaces/{NS}/pods?labelSelector=color%3D{GREEN}"
+        eventually(lambda: not (kube_mesh.cluster.get(green_listed) or {}).get("items"),  # type: ignore[union-attr]
+                   timeout=90, interval=0.5)
         eventually(lambda: "meshcache-green" not in {c["metadata"]["name"]
                                                      for c in kube_mesh.istiod.debug("configz")  # type: ignore[union-attr]
                                                      if c["kind"] == "EnvoyFilter"}, timeout=30)

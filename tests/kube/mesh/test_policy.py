@@ -57,10 +57,11 @@ def _engine_netns(mesh: KubeMesh, pods: list[Obj]) -> dict[str, str]:
 
 
 def _ecds_status(mesh: KubeMesh) -> dict[str, Obj]:
-    """`istioctl proxy-status -o json`: each proxy's ECDS sync state as istiod reports it."""
+    """`istioctl proxy-status -o json`: each proxy's ECDS sync state as istiod reports it (proxies
+    without an ECDS filter, such as a caller without the client role, subscribe to none)."""
     out = json.loads(_istioctl(mesh, "proxy-status", *_xds(mesh), "-o", "json"))
-    return {r["node"]["id"]: next(c for c in r["genericXdsConfigs"] if c["typeUrl"] == ECDS_TYPE_URL)
-            for r in out["resources"]}
+    return {r["node"]["id"]: c for r in out["resources"] for c in r["genericXdsConfigs"]
+            if c["typeUrl"] == ECDS_TYPE_URL}
 
 
 def test_a_policy_put_reaches_the_sidecars_through_istiod_and_istioctl_shows_the_filter(
