@@ -49,8 +49,8 @@ def _endpoints(caller: Any, port: int) -> set[str]:
 
 def test_identical_requests_reach_the_replica_that_holds_the_answer(kube_mesh: KubeMesh) -> None:
     rendered = _engine_deployment(kube_mesh.objects)
-    kube_mesh.apply_rendered([_engine_deployment(scale_engine(kube_mesh.objects, 3))])
     try:
+        kube_mesh.apply_rendered([_engine_deployment(scale_engine(kube_mesh.objects, 3))])
         pods = ready_engine_pods(kube_mesh, count=3)
         ips = {p["status"]["podIP"] for p in pods}
         client = caller_pod(kube_mesh, CACHE_CALLER, "meshcache-client", {AFFINITY_LABEL: "true"})

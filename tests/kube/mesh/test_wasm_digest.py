@@ -65,8 +65,8 @@ def test_a_wrong_digest_is_refused_by_istio_agent_and_the_sidecars_keep_serving(
     cfg = kube_mesh.config
     opts = render.RenderOptions(namespace=cfg.namespace, module_path=cfg.module, image_digest=WRONG_DIGEST)
     wrong = render.render(opts)
-    kube_mesh.roll_control_plane(wrong)
     try:
+        kube_mesh.roll_control_plane(wrong)
         # Each agent tried the pinned URL, refused it and gave Envoy the fail-open stand-in.
         def refused() -> dict[str, str]:
             types = _types(kube_mesh, pods)
