@@ -2,7 +2,9 @@
 plane, with one real Envoy (running the real filter) and with 500, 2,000 and 5,000 simulated ECDS
 streams (`--clients`, a fresh control plane for each); and the
 same through a real istiod (control plane -> MCP -> istiod -> ECDS): one sidecar configured by
-istiod, and 200 simulated sidecars connected to istiod (`--istiod-clients`).
+istiod, and 200 simulated sidecars connected to istiod (`--istiod-clients`); and through istiod in
+Kubernetes mode to the rendered engine pods' sidecars, each istio-agent driving Envoy
+(meshcache/ctl/kube, root; `--no-kube` skips it).
 Run with `python -m bench.propagation`; writes the `propagation` section of docs/benchmarks.md.
 
 Through istiod the ACK reaches istiod, not the control plane: latency = the moment the benchmark
@@ -274,6 +276,36 @@ def bench_istiod(tmp: Path, rounds: int, clients: int, sim_rounds: int) -> tuple
         return one, many
 
 
+def bench_kube(tmp: Path, rounds: int) -> tuple[list[float], int]:
+    """(latencies, sidecars): the engine pods of istio/ as rendered in the local cluster
+    (meshcache/ctl/kube: istiod in Kubernetes mode, pods run by the test kubelet), each sidecar
+    istio-agent driving Envoy, the module fetched by the agent over OCI. Needs root."""
+    from meshcache.ctl.istio import render
+    from meshcache.ctl.kube.mesh import KubeMesh, KubeMeshConfig
+
+    with KubeMesh(KubeMeshConfig(tmp, kubelet=True, seed_policies=True)) as mesh, mesh.api() as api:
+        assert mesh.cluster is not None and mesh.istiod is not None
+        mesh.apply_rendered()
+        ns = mesh.config.namespace
+        debug = f"http://127.0.0.1:{mesh.istiod.ports.monitoring}/debug"
+        replicas = next(o["spec"]["replicas"] for o in mesh.objects if o["kind"] == "Deployment"
+                        and o["metadata"]["labels"].get("app") == render.ENGINE_APP)
+        deadline = time.monotonic() + 300
+        while True:  # every engine pod Ready and its sidecar's ECDS ACKed by istiod
+            pods = (mesh.cluster.get(f"/api/v1/namespaces/{ns}/pods?labelSelector=app%3D{render.ENGINE_APP}")
+                    or {}).get("items", [])
+            ready = {f"{p['metadata']['name']}.{ns}" for p in pods
+                     if any(c["type"] == "Ready" and c["status"] == "True" for c in p["status"].get("conditions", []))}
+            acked = {p for p, (sent, ack, err) in _ecds_nonces(debug).items() if ack and ack == sent and not err}
+            if len(ready) == replicas and ready <= acked:
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"engine pods not Ready and ACKed: ready {sorted(ready)}, acked {sorted(acked)}")
+            time.sleep(0.5)
+        istiod_rounds(api, debug, ready, 3, 0.01)  # warm-up
+        return istiod_rounds(api, debug, ready, rounds, 0.01), len(ready)
+
+
 async def _istiod_clients_worker(port: int, n: int) -> None:
     """`n` sidecars as istiod sees them (node id, NAMESPACE, LABELS of an engine pod), each on its
     own channel, subscribed to the meshcache ECDS resource over delta ADS, ACKing at once."""
@@ -333,6 +365,9 @@ def main() -> None:
     p.add_argument("--istiod-sim-rounds", type=int, default=20, help="policy changes through istiod, many")
     p.add_argument("--istiod-clients", type=int, default=200, help="simulated sidecars connected to istiod")
     p.add_argument("--no-istiod", action="store_true", help="skip the istiod path")
+    p.add_argument("--kube-rounds", type=int, default=30,
+                   help="policy changes through istiod in Kubernetes mode (agent-driven sidecars in pods)")
+    p.add_argument("--no-kube", action="store_true", help="skip the Kubernetes path (it needs root)")
     p.add_argument("--xds-workers", type=int, default=1, help="the control plane's --xds-workers")
     p.add_argument("--no-publish", action="store_true",
                    help="print the table only (docs/benchmarks.md and its JSON untouched)")
@@ -356,6 +391,8 @@ def main() -> None:
         if not args.no_istiod:
             istiod_one, istiod_many = bench_istiod(Path(d) / "istiod", args.istiod_rounds, args.istiod_clients,
                                                    args.istiod_sim_rounds)
+        if not args.no_kube:
+            kube, kube_sidecars = bench_kube(Path(d) / "kube", args.kube_rounds)
     rows: list[list[object]] = [
         ["1 real Envoy (filter via ECDS)", args.rounds, len(envoy_all), ms(percentile(envoy_all, 0.5)),
          ms(percentile(envoy_all, 0.99)), ms(max(envoy_all)), "", "", "p99 < 100 ms",
@@ -380,6 +417,11 @@ def main() -> None:
              ms(percentile(istiod_many, 0.99)), ms(max(istiod_many)), "", "", "p99 < 1 s",
              "yes" if percentile(istiod_many, 0.99) < 1.0 else "no"]]
         samples += [istiod_one, istiod_many]
+    if not args.no_kube:
+        rows.append([f"through istiod in Kubernetes: {kube_sidecars} engine pods, istio-agent + Envoy each "
+                     "(last ACK of each change)", args.kube_rounds, len(kube), ms(percentile(kube, 0.5)),
+                     ms(percentile(kube, 0.99)), ms(max(kube)), "", "", "", ""])
+        samples.append(kube)
     body = (
         "`python -m bench.propagation`: one control plane (uvicorn + grpcio aio, one process) on a "
         "local redis-server, started afresh for each fleet size; each round is one `PUT "
@@ -395,6 +437,10 @@ def main() -> None:
         "(PILOT_DEBOUNCE_AFTER, default 100 ms); latency = istiod's /debug/syncz showing the new push "
         "ACKed by every sidecar (polled) minus the PUT's answer. Simulated sidecars: delta ADS streams "
         "subscribed to the meshcache ECDS resource, one channel each, in a second process. "
+        "In Kubernetes (meshcache/ctl/kube: the local cluster, istiod in Kubernetes mode, istio/ applied "
+        "with kubectl, the engine pods run by the test kubelet): each sidecar is istio-agent driving "
+        "Envoy, the agent between istiod and Envoy on the xDS stream (it rewrites the ECDS resource's "
+        "OCI module to its local copy before Envoy sees it); same measure as through istiod. "
         f"1-minute load average when the run started: {load:.2f} on {os.cpu_count()} cores.\n\n"
         + table(["setup", "changes", "samples", "p50 ms", "p99 ms", "max ms", "KiB/stream", "reconnects",
                  "target", "met"], rows)

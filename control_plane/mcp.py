@@ -16,6 +16,8 @@ type (absent = deleted). What shapes this module:
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
 from collections.abc import Callable
 from typing import Any
@@ -94,10 +96,14 @@ class IstioMcpRenderer(Renderer):
             labels[extensions.REVISION_LABEL] = self.revision
         body = any_pb2.Any()
         body.Pack(json_format.ParseDict(obj["spec"], self.body_type()))
+        # istiod (pkg/adsc) replaces a stored object only when this version changes: the snapshot
+        # alone would hide a rollout that changes the spec but not the policies (a new module pin,
+        # selector or ports), so the version also names the spec's content.
+        spec_hash = hashlib.sha256(json.dumps(obj["spec"], sort_keys=True).encode()).hexdigest()[:12]
         return resource_pb2.Resource(
             metadata=metadata_pb2.Metadata(
                 name=f"{self.namespace}/{obj['metadata']['name']}", create_time=created,
-                version=str(snapshot.version), labels=labels,
+                version=f"{snapshot.version}-{spec_hash}", labels=labels,
                 annotations={extensions.SNAPSHOT_ANNOTATION: str(snapshot.version)}),
             body=body)
 

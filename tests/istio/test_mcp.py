@@ -215,11 +215,29 @@ def test_every_served_object_decodes_with_istios_numbers(mode: str) -> None:
     for name, packed in served.items():
         res = wire.decode("Resource", packed.value)
         meta = res["metadata"]
-        assert (meta["name"], meta["version"], meta["labels"]["istio.io/rev"]) == (name, "5", "1-30")
+        assert (meta["name"], meta["version"].split("-")[0], meta["labels"]["istio.io/rev"]) == (name, "5", "1-30")
         assert meta["createTime"]["seconds"] == 1_700_000_000
         schema, _ = istiod_client.BODIES[res["body"]["typeUrl"]]
         assert wire.decode(schema, res["body"]["value"]) == specs[name]["spec"]
     assert renderer.resources(EMPTY) == {}
+
+
+def test_the_resource_version_changes_with_the_spec_not_only_with_the_snapshot() -> None:
+    """istiod replaces a stored MCP object only when its version changes: a control plane rolled
+    out with another module pin (same policies, same snapshot) must serve a new version, and the
+    same settings the same one (no push for a restart that changes nothing)."""
+    def versions(url: str, sha256: str) -> dict[str, str]:
+        renderer = IstioMcpRenderer.from_settings(Settings(istio_wasm_url=url, istio_wasm_sha256=sha256,
+                                                           istio_color="blue", istio_namespace="ml"))
+        assert renderer is not None
+        return {name: wire.decode("Resource", packed.value)["metadata"]["version"]
+                for name, packed in renderer.resources(_snapshot()).items()}
+
+    pinned = versions(URL, DIGEST)
+    assert pinned == versions(URL, DIGEST)
+    other = versions(URL.replace(DIGEST, "0" * 64), "0" * 64)
+    assert set(other) == set(pinned) and all(other[n] != pinned[n] for n in pinned), (other, pinned)
+    assert all(v.startswith("5-") for v in [*pinned.values(), *other.values()])
 
 
 def test_bad_settings_fail_at_startup() -> None:

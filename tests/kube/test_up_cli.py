@@ -8,14 +8,17 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import grpc
 import httpx
+import pytest
 
 from meshcache.ctl.istio import render
 from meshcache.ctl.kube.netns import NodeNetwork
-from meshcache.ctl.kube.up import RECORD
+from meshcache.ctl.kube.up import RECORD, scale_engine
 from meshcache.ctl.mesh import state
+from meshcache.ctl.mesh.config import MAX_REPLICAS, MeshConfig
 from tests.helpers.kserve import MODEL_INFER, mlp_json, mlp_request
 
 CLI = [str(Path(sys.executable).parent / "meshcache")]
@@ -39,7 +42,8 @@ def test_up_kube_status_requests_through_the_client_pod_and_down(tmp_path: Path)
     children: list[dict[str, object]] = []
     record: dict[str, object] = {}
     try:
-        up = run("up", "--kube", "--detach", "--state-dir", str(state_dir))
+        # --replicas: the engine Deployment scaled (the rendering has 2).
+        up = run("up", "--kube", "--replicas", "3", "--detach", "--state-dir", str(state_dir))
         assert up.returncode == 0, up.stdout[-3000:] + up.stderr[-3000:]
         current = state.read_state(state_dir)
         assert current is not None
@@ -56,7 +60,8 @@ def test_up_kube_status_requests_through_the_client_pod_and_down(tmp_path: Path)
         assert Path(e["kubeconfig"]).is_file()
         pods = {p["name"]: p for p in report["pods"]}
         engines = [p for n, p in pods.items() if n.startswith(f"{render.ENGINE_APP}-")]
-        assert engines and all(p["injected"] and p["ready"] and p["ip"].startswith("10.244.") for p in engines)
+        assert len(engines) == 3, sorted(pods)
+        assert all(p["injected"] and p["ready"] and p["ip"].startswith("10.244.") for p in engines)
         assert pods["meshcache-client"]["injected"] and pods["meshcache-client"]["sidecar_ready"]
         assert all(p["sidecar_ready"] for p in engines)
         synced = {p["proxy"] for p in report["istiod"]["proxies"] if p["synced"]}
@@ -123,3 +128,22 @@ def test_down_removes_what_a_killed_up_kube_left_behind(tmp_path: Path) -> None:
         if orphan.poll() is None:
             orphan.kill()
         net.delete()
+
+
+def test_replicas_with_kube_scale_the_rendered_engine_deployment() -> None:
+    """`up --kube --replicas N` (MeshConfig.kube_replicas): the rendered engine Deployment at N pods,
+    the rendering itself untouched; N only with --kube, and bounded."""
+    rendered = render.render(render.RenderOptions())
+    scaled = scale_engine(rendered, 3)
+
+    def engine(objects: list[dict[str, Any]]) -> dict[str, Any]:
+        return next(o for o in objects if o["kind"] == "Deployment" and o["metadata"]["labels"].get("app")
+                    == render.ENGINE_APP)
+
+    assert engine(scaled)["spec"]["replicas"] == 3 and engine(rendered)["spec"]["replicas"] == 2
+    assert [o for o in scaled if o["kind"] != "Deployment"] == [o for o in rendered if o["kind"] != "Deployment"]
+    assert MeshConfig(kube=True, kube_replicas=3).kube_replicas == 3
+    for bad in ({"kube_replicas": 3}, {"kube": True, "kube_replicas": MAX_REPLICAS + 1},
+                {"kube": True, "replicas": 3}):
+        with pytest.raises(ValueError, match="kube"):
+            MeshConfig(**bad)  # type: ignore[arg-type]

@@ -63,7 +63,10 @@ from .netns import NodeNetwork, PodNetns
 Obj = dict[str, Any]
 NODE_NAME = "meshcache-node"
 PROXY_UID = 1337  # istio-proxy's runAsUser; istio-iptables exempts its traffic (-u 1337)
-ALLOCATABLE = {"cpu": "2", "memory": "4Gi", "pods": "110"}
+# What the scheduler packs pods against. The test kubelet runs processes without cgroup limits, so
+# this is room for the mesh's pods (up to 8 engine replicas at 500m + the sidecar's 100m, their
+# callers, the control plane and Redis), not the machine's cores.
+ALLOCATABLE = {"cpu": "16", "memory": "32Gi", "pods": "110"}
 LEASE_S = 40
 SYNC_INTERVAL_S = 0.5
 NOT_RUN = "NotRunByTestKubelet"
@@ -329,7 +332,7 @@ class TestKubelet:
         security = {**pod["spec"].get("securityContext", {}), **container.get("securityContext", {})}
         user = security.get("runAsUser", 0)
         group = security.get("runAsGroup", pod["spec"].get("securityContext", {}).get("fsGroup", user))
-        subprocess.run(["chown", "-R", f"{user}:{group}", str(running.root / "volumes")], check=True)
+        self._own(running, container, user, group)
         as_user = ["setpriv", f"--reuid={user}", f"--regid={group}", "--clear-groups"] if user else []
         return procs.start(f"{running.net.name}-{container['name']}", running.net.exec_argv(*as_user, *argv),
                            self.work / "logs", env=env, cwd=running.root)
@@ -361,6 +364,13 @@ class TestKubelet:
             target.parent.mkdir(parents=True, exist_ok=True)
             if not target.is_symlink() and not target.exists():
                 target.symlink_to(source)
+
+    @staticmethod
+    def _own(running: RunningPod, container: Obj, user: int, group: int) -> None:
+        """The container's own volumes made its user's. Only those: the agent (UID 1337) writes
+        its Wasm cache into istio-data while the app's containers start, as another user."""
+        for name in {m["name"] for m in container.get("volumeMounts", [])}:
+            subprocess.run(["chown", "-R", f"{user}:{group}", str(running.root / "volumes" / name)], check=True)
 
     def _fill(self, directory: Path, volume: Obj, pod: Obj) -> None:
         # A projected volume is its sources written into one directory; every other kind is one
@@ -439,7 +449,7 @@ class TestKubelet:
         template = running.root / "var" / "lib" / "istio" / "envoy" / "envoy_bootstrap_tmpl.json"
         template.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(istio_bin_dir() / "envoy_bootstrap_tmpl.json", template)
-        subprocess.run(["chown", "-R", f"{PROXY_UID}:{PROXY_UID}", str(running.root / "volumes")], check=True)
+        self._own(running, container, PROXY_UID, PROXY_UID)
         env = container_env(container, pod, running.net.ip, self.network.node_ip)
         proxy_config = json.loads(env.get("PROXY_CONFIG") or "{}")
         proxy_config["binaryPath"] = str(envoy_binary())

@@ -61,6 +61,7 @@ class KubeMesh:
     procs: list[procs.Proc] = field(default_factory=list)
     network: NodeNetwork | None = None
     kubelet: TestKubelet | None = None
+    _cp_argv: list[str] = field(default_factory=list)
 
     def __enter__(self) -> KubeMesh:
         try:
@@ -118,13 +119,25 @@ class KubeMesh:
         redis_port = procs.free_port()
         self.procs.append(launchers.start_redis(work / "redis", port=redis_port)[0])
         self.cp_http, self.cp_xds = procs.free_port(), procs.free_port()
-        argv = launchers.control_plane_argv(redis_port, self.cp_http, self.cp_xds, "--host", "127.0.0.1",
-                                           "--instance-id", "meshcache-kube-local",
-                                           "--xds-tls-cert", str(tls_dir / "tls.crt"),
-                                           "--xds-tls-key", str(tls_dir / "tls.key"))
-        env = {k: v for k, v in render.control_plane_env(self.objects).items() if k.startswith("MESHCACHE_CP_ISTIO_")}
+        self._cp_argv = launchers.control_plane_argv(redis_port, self.cp_http, self.cp_xds, "--host", "127.0.0.1",
+                                                     "--instance-id", "meshcache-kube-local",
+                                                     "--xds-tls-cert", str(tls_dir / "tls.crt"),
+                                                     "--xds-tls-key", str(tls_dir / "tls.key"))
+        self.procs.append(self._control_plane(self.objects))
+
+    def _control_plane(self, objects: list[Obj]) -> procs.Proc:
+        env = {k: v for k, v in render.control_plane_env(objects).items() if k.startswith("MESHCACHE_CP_ISTIO_")}
         env |= {"MESHCACHE_CP_TOKENS": f"write:mesh:{self.token}", "MESHCACHE_CP_RESYNC_INTERVAL_S": "0.5"}
-        self.procs.append(launchers.start_control_plane(argv, env, work / "logs", self.cp_http, self.cp_xds))
+        return launchers.start_control_plane(self._cp_argv, env, self.config.work_dir / "logs", self.cp_http,
+                                             self.cp_xds)
+
+    def roll_control_plane(self, objects: list[Obj]) -> None:
+        """What `kubectl apply` of a changed control-plane Deployment rolls out in a cluster: the
+        control plane again (same ports, Redis and token: the policies stay) with the MCP settings
+        of the rendered `objects` (another module pin, another colour list)."""
+        index = next(i for i, p in enumerate(self.procs) if p.name == "control-plane")
+        self.procs[index].stop()
+        self.procs[index] = self._control_plane(objects)
 
     def apply_rendered(self, objects: list[Obj] | None = None) -> None:
         """`kubectl apply --server-side` of the rendered objects (Namespace first), through

@@ -12,6 +12,7 @@ in it), their /etc/netns files and the pods' root directory.
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import os
 import shutil
@@ -108,6 +109,19 @@ class _Records(dict):  # type: ignore[type-arg]
 class KubeUpConfig:
     state_dir: Path
     module: Path | None = None
+    replicas: int | None = None  # the engine Deployment's pods; None: as rendered
+
+
+def scale_engine(objects: list[Obj], replicas: int) -> list[Obj]:
+    """The rendered objects with the engine Deployment at `replicas` pods (what `kubectl scale`
+    would set, applied with the rest so the field stays the rendering's field manager's)."""
+    out = copy.deepcopy(objects)
+    engines = [o for o in out if o["kind"] == "Deployment" and o["metadata"].get("labels", {}).get("app")
+               == render.ENGINE_APP]
+    if len(engines) != 1:
+        raise MeshError(f"--replicas scales meshcache's engine Deployment; the rendering has {len(engines)}")
+    engines[0]["spec"]["replicas"] = replicas
+    return out
 
 
 @dataclass
@@ -138,6 +152,9 @@ class KubeUp:
         (state_dir / "token").write_text(self.mesh.token + "\n")
         (state_dir / "token").chmod(0o600)
         self.log("cluster, istiod, control plane and the test kubelet are up; applying istio/ with kubectl")
+        if self.config.replicas is not None:
+            self.mesh.objects = scale_engine(self.mesh.objects, self.config.replicas)
+            self.log(f"engine Deployment at {self.config.replicas} replicas")
         self.mesh.apply_rendered()
         self._client_pod()
         self._wait_ready()

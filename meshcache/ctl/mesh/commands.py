@@ -116,7 +116,8 @@ def headline(status: str, healthy: bool, failing: list[str]) -> str:
 def _load_config(args: argparse.Namespace) -> MeshConfig:
     overrides: dict[str, Any] = {"state_dir": _state_dir(args)} if args.state_dir or not args.config else {}
     if getattr(args, "replicas", None) is not None:
-        overrides["replicas"] = args.replicas
+        # --kube: the engine Deployment's pods (each with its sidecar and cache), not local pairs.
+        overrides["kube_replicas" if getattr(args, "kube", False) else "replicas"] = args.replicas
     if getattr(args, "no_affinity", False):
         overrides["affinity"] = False
     if getattr(args, "lb_policy", None):
@@ -546,7 +547,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     up.add_argument("--free-ports", action="store_true", help="pick free ports instead of the defaults")
     up.add_argument("--replicas", type=int, metavar="N",
                     help=f"engine + server-sidecar pairs, 1 to {MAX_REPLICAS} (default 1); with more than one "
-                         "the client sidecar routes by cache affinity")
+                         "the client sidecar routes by cache affinity. With --kube: the engine Deployment's "
+                         "pods (default as rendered, 2)")
     up.add_argument("--no-affinity", action="store_true", help="with --replicas: balance round robin instead")
     up.add_argument("--lb-policy", choices=LB_POLICIES, help="consistent hashing for affinity (default RING_HASH)")
     up.add_argument("--istiod", action="store_true",

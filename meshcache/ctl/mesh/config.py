@@ -195,6 +195,8 @@ class MeshConfig:
     # Kubernetes in the loop (`meshcache up --kube`, meshcache/ctl/kube/up.py): a local cluster,
     # istiod in Kubernetes mode, the test kubelet's injected pods and a client pod (root).
     kube: bool = False
+    # `up --kube --replicas N`: the engine Deployment scaled to N pods (0: as rendered, istio/base's 2).
+    kube_replicas: int = 0
     # The cache's host (FILTER_HOSTS): in the server sidecars, and with replicas in the client
     # sidecar's client role (affinity) too.
     filter: str = "wasm"
@@ -221,8 +223,11 @@ class MeshConfig:
             raise ValueError("filter native with istiod: istio-proxy 1.30 has no dynamic modules "
                              "(docs/istio.md), so the mesh with istiod runs the Wasm filter")
         if self.kube and (self.istiod or self.filter != "wasm" or self.replicas != 1):
-            raise ValueError("kube: runs istio/ as rendered (the Wasm filter, istiod in Kubernetes mode, "
-                             "the rendered replicas); not with istiod, filter or replicas")
+            raise ValueError("kube: runs istio/ as rendered (the Wasm filter, istiod in Kubernetes mode); not with "
+                             "istiod or filter, and its engine pods are kube_replicas (--replicas with --kube)")
+        if not 0 <= self.kube_replicas <= MAX_REPLICAS or (self.kube_replicas and not self.kube):
+            raise ValueError(f"kube_replicas must be 1 to {MAX_REPLICAS} (0: as rendered), with kube only; "
+                             f"got {self.kube_replicas}")
         if self.lb_policy not in LB_POLICIES:
             raise ValueError(f"lb_policy must be one of {', '.join(LB_POLICIES)}; got {self.lb_policy!r}")
         if not 0 < self.renew_before_hours < self.cert_hours:

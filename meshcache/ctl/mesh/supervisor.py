@@ -122,7 +122,7 @@ def build_mesh(config: MeshConfig, log: Callable[[str], None]) -> Any:
     if config.kube:
         from meshcache.ctl.kube.up import KubeUp, KubeUpConfig
 
-        return KubeUp(KubeUpConfig(state_dir=config.state_dir), log=log)
+        return KubeUp(KubeUpConfig(state_dir=config.state_dir, replicas=config.kube_replicas or None), log=log)
     if not config.istiod:
         return Mesh(config, log=log)
     from meshcache.ctl.istiod.mesh import IstiodMesh, IstiodMeshConfig

@@ -24,31 +24,30 @@ from meshcache.ctl.istio import render
 from meshcache.ctl.kube.mesh import KubeMesh
 from tests.helpers.kserve import MODEL_INFER, mlp_json, mlp_request
 from tests.helpers.wait import eventually
+from tests.kube.mesh.helpers import (
+    caller_pod,
+    ecds_filters,
+    engine_calls,
+    engine_pods,
+    grpc_call,
+    http_call,
+    proxy_status,
+    ready_engine_pods,
+    ready_sidecars,
+    running,
+    service_ip,
+)
 
 Obj = dict[str, Any]
 NS = render.BASE_NAMESPACE
-
-
-def _engine_pods(kube_mesh: KubeMesh) -> list[Obj]:
-    assert kube_mesh.cluster is not None and kube_mesh.kubelet is not None
-    pods = kube_mesh.cluster.get(f"/api/v1/namespaces/{NS}/pods?labelSelector=app%3D{render.ENGINE_APP}")
-    return pods["items"] if pods else []
-
-
-def _proxy_status(pod: Obj) -> Obj | None:
-    return next((c for c in pod["status"].get("initContainerStatuses", []) if c["name"] == "istio-proxy"), None)
-
-
-def _ready_sidecars(kube_mesh: KubeMesh) -> list[Obj]:
-    return [p for p in _engine_pods(kube_mesh) if (_proxy_status(p) or {}).get("ready")]
 
 
 def test_engine_pods_get_pod_cidr_addresses_capture_and_a_ready_sidecar(kube_mesh: KubeMesh) -> None:
     assert kube_mesh.network is not None and kube_mesh.kubelet is not None
 
     def ready() -> list[Obj]:
-        pods = _engine_pods(kube_mesh)
-        ok = pods and all((_proxy_status(p) or {}).get("ready") for p in pods)
+        pods = engine_pods(kube_mesh)
+        ok = pods and all((proxy_status(p) or {}).get("ready") for p in pods)
         assert ok, (kube_mesh.kubelet.errors[-3:], [p["status"] for p in pods])  # type: ignore[union-attr]
         return pods
 
@@ -68,7 +67,7 @@ def test_engine_pods_get_pod_cidr_addresses_capture_and_a_ready_sidecar(kube_mes
 
 def test_the_sidecar_certificate_comes_from_istiods_ca(kube_mesh: KubeMesh) -> None:
     assert kube_mesh.cluster is not None and kube_mesh.kubelet is not None
-    pods = eventually(lambda: _ready_sidecars(kube_mesh), timeout=120)
+    pods = eventually(lambda: ready_sidecars(kube_mesh), timeout=120)
     pod = pods[0]
     running = kube_mesh.kubelet.pods[f"{NS}/{pod['metadata']['name']}"]
     certs = eventually(lambda: _workload_certs(running), timeout=30)
@@ -92,7 +91,7 @@ def _workload_certs(running: Any) -> list[Obj]:
 
 def test_the_agent_rotates_the_workload_certificate_before_it_expires(kube_mesh: KubeMesh) -> None:
     assert kube_mesh.kubelet is not None
-    pod = _ready_engine_pods(kube_mesh)[0]
+    pod = ready_engine_pods(kube_mesh)[0]
     running = kube_mesh.kubelet.pods[f"{NS}/{pod['metadata']['name']}"]
 
     def serials() -> set[str]:
@@ -110,7 +109,7 @@ def test_the_agent_rotates_the_workload_certificate_before_it_expires(kube_mesh:
 
 def test_istiod_sees_the_sidecars_and_they_ack_its_config(kube_mesh: KubeMesh) -> None:
     assert kube_mesh.istiod is not None
-    pods = eventually(lambda: _ready_sidecars(kube_mesh), timeout=120)
+    pods = eventually(lambda: ready_sidecars(kube_mesh), timeout=120)
     wanted = {f"{p['metadata']['name']}.{NS}" for p in pods}
 
     def acked() -> bool:
@@ -124,21 +123,9 @@ def test_istiod_sees_the_sidecars_and_they_ack_its_config(kube_mesh: KubeMesh) -
     eventually(acked, timeout=60)
 
 
-def _ready_engine_pods(kube_mesh: KubeMesh) -> list[Obj]:
-    def ready() -> list[Obj]:
-        pods = _engine_pods(kube_mesh)
-        conditions = [{c["type"]: c["status"] for c in p["status"].get("conditions", [])} for p in pods]
-        ok = pods and all(p["status"].get("phase") == "Running" and c.get("Ready") == "True"
-                          for p, c in zip(pods, conditions, strict=True))
-        assert ok, (kube_mesh.kubelet.errors[-3:], [p["status"] for p in pods])  # type: ignore[union-attr]
-        return pods
-
-    return eventually(ready, timeout=180, interval=0.5)
-
-
 def test_engine_pods_turn_ready_through_the_agents_probe_rewrite_and_become_endpoints(kube_mesh: KubeMesh) -> None:
     assert kube_mesh.cluster is not None
-    pods = _ready_engine_pods(kube_mesh)
+    pods = ready_engine_pods(kube_mesh)
     for pod in pods:
         engine = next(c for c in pod["spec"]["containers"] if c["name"] == "engine")
         # The injector rewrote the engine's probe to the agent (port 15020), which probes the app.
@@ -158,7 +145,7 @@ def test_engine_pods_turn_ready_through_the_agents_probe_rewrite_and_become_endp
 
 
 def test_strict_mtls_holds_at_the_captured_port(kube_mesh: KubeMesh) -> None:
-    pod = _ready_engine_pods(kube_mesh)[0]
+    pod = ready_engine_pods(kube_mesh)[0]
     running = kube_mesh.kubelet.pods[f"{NS}/{pod['metadata']['name']}"]  # type: ignore[union-attr]
     # Inside the pod, on loopback (not captured), the engine answers.
     script = "import urllib.request;print(urllib.request.urlopen('http://127.0.0.1:8000/v2/health/ready').status)"
@@ -182,91 +169,36 @@ def _redirected(exec_argv: Any) -> int:
     return sum(int(line.split()[0]) for line in out.splitlines()[2:] if "15006" in line)
 
 
-APP_UID = 1000  # the test acts as the app container of a pod: a process in its namespace, not UID 1337
-CALL = """import sys, urllib.request, urllib.error
-req = urllib.request.Request(sys.argv[1], headers={"Host": sys.argv[2]})
-try:
-    r = urllib.request.urlopen(req, timeout=10)
-    print(r.status, r.headers.get("server"), r.read().decode())
-except urllib.error.HTTPError as e:
-    print(e.code, e.headers.get("server"), e.read().decode())
-"""
-
-
-def _caller_pod(kube_mesh: KubeMesh, name: str, account: str, labels: dict[str, str] | None = None) -> Any:
-    """An injected pod whose app is this test (its container's image is not one the kubelet runs)."""
-    assert kube_mesh.cluster is not None and kube_mesh.kubelet is not None
-    if kube_mesh.cluster.get(f"/api/v1/namespaces/{NS}/serviceaccounts/{account}") is None:
-        kube_mesh.cluster.kubectl("create", "serviceaccount", account, "-n", NS)
-    pod = {"apiVersion": "v1", "kind": "Pod",
-           "metadata": {"name": name, "namespace": NS, "labels": {"app": name, **(labels or {})}},
-           "spec": {"serviceAccountName": account,
-                    "containers": [{"name": "app", "image": "example.invalid/caller:1"}]}}
-    kube_mesh.cluster.kubectl("apply", "--server-side", "-f", "-", input=json.dumps(pod))
-
-    def proxy_ready() -> Any:
-        got = kube_mesh.cluster.get(f"/api/v1/namespaces/{NS}/pods/{name}")  # type: ignore[union-attr]
-        assert got is not None and (_proxy_status(got) or {}).get("ready"), got and got["status"]
-        return kube_mesh.kubelet.pods[f"{NS}/{name}"]  # type: ignore[union-attr]
-
-    return eventually(proxy_ready, timeout=90, interval=0.5)
-
-
-def _call(running: Any, url: str, host: str) -> tuple[int, str, str]:
-    argv = running.net.exec_argv("setpriv", f"--reuid={APP_UID}", f"--regid={APP_UID}", "--clear-groups",
-                                 sys.executable, "-c", CALL, url, host)
-    out = subprocess.run(argv, capture_output=True, text=True, check=True, timeout=30).stdout.split(" ", 2)
-    return int(out[0]), out[1], out[2]
-
-
 def test_a_client_pod_reaches_the_engine_service_through_both_sidecars_and_an_outsider_is_denied(
         kube_mesh: KubeMesh) -> None:
-    assert kube_mesh.cluster is not None
-    _ready_engine_pods(kube_mesh)
-    service = kube_mesh.cluster.get(f"/api/v1/namespaces/{NS}/services/{render.ENGINE_APP}")
-    assert service is not None
-    url = f"http://{service['spec']['clusterIP']}:8000/v2/health/ready"  # no kube-proxy: only capture routes it
+    ready_engine_pods(kube_mesh)
+    ip = service_ip(kube_mesh)  # no kube-proxy: only capture routes it
     # Cache affinity (two engine replicas): the client's sidecar keys the route on the request.
-    client = _caller_pod(kube_mesh, "caller", "meshcache-client", {AFFINITY_LABEL: "true"})
+    client = caller_pod(kube_mesh, "caller", "meshcache-client", {AFFINITY_LABEL: "true"})
 
-    def answered() -> tuple[int, str, str]:
-        result = _call(client, url, render.ENGINE_APP)
-        assert result[0] == 200, result  # 503 until the client's sidecar has the engine endpoints
+    def answered() -> Obj:
+        result = http_call(client, "/v2/health/ready", render.ENGINE_APP, ip)
+        assert result["status"] == 200, result  # 503 until the client's sidecar has the engine endpoints
         return result
 
-    assert eventually(answered, timeout=30)[1] == "envoy"
+    assert eventually(answered, timeout=30)["headers"]["server"] == "envoy"
     # Not a principal the engine's AuthorizationPolicy admits: the engine's sidecar refuses it.
-    outsider = _caller_pod(kube_mesh, "outsider", "someone-else")
-    status, _, body = _call(outsider, url, render.ENGINE_APP)
-    assert status == 403 and "RBAC: access denied" in body
-
-
-POST = """import sys, urllib.request
-req = urllib.request.Request(sys.argv[1], data=sys.argv[3].encode(), method="POST",
-                             headers={"Host": sys.argv[2], "Content-Type": "application/json"})
-r = urllib.request.urlopen(req, timeout=20)
-print(r.headers.get("cache-status"))
-print(r.read().decode())
-"""
+    outsider = caller_pod(kube_mesh, "outsider", "someone-else")
+    denied = http_call(outsider, "/v2/health/ready", render.ENGINE_APP, ip)
+    assert denied["status"] == 403 and "RBAC: access denied" in denied["body"]
 
 
 def test_the_filter_comes_over_oci_through_istio_agent_and_the_second_rest_infer_is_a_hit(
         kube_mesh: KubeMesh, filter_wasm: Path) -> None:
     """The rendered EnvoyFilter (from the control plane over MCP, through istiod) names the module
     as oci://registry.example.com/...@sha256:<digest>: istio-agent fetched it from the node's
-    registry, checked the digest and handed Envoy the local file; the filter then caches."""
-    assert kube_mesh.cluster is not None and kube_mesh.kubelet is not None
-    pods = _ready_engine_pods(kube_mesh)
-    running = kube_mesh.kubelet.pods[f"{NS}/{pods[0]['metadata']['name']}"]
-    script = ("import urllib.request,json;"
-              "d=json.loads(urllib.request.urlopen('http://127.0.0.1:15000/config_dump').read());"
-              "print(json.dumps([f for c in d['configs'] if 'Ecds' in c['@type'] for f in c['ecds_filters']]))")
+    registry, checked the digest and handed Envoy the local file; the filter then caches: the
+    second identical request is answered by the engine's sidecar, byte-identical, the engine
+    called once in the whole mesh."""
+    pods = ready_engine_pods(kube_mesh)
 
     def wasm_loaded() -> Obj:
-        out = subprocess.run(running.net.exec_argv(sys.executable, "-c", script), capture_output=True, text=True,
-                             check=True).stdout
-        ecds = {f["ecds_filter"]["name"]: f["ecds_filter"]["typed_config"] for f in json.loads(out)}
-        config = ecds.get("meshcache", {})
+        config = ecds_filters(running(kube_mesh, pods[0])).get("meshcache", {}).get("typed_config", {})
         # Until the agent has the module it serves Istio's fail-open stand-in (an allow-all RBAC filter).
         assert config.get("@type", "").endswith("wasm.v3.Wasm"), config
         return config
@@ -275,53 +207,41 @@ def test_the_filter_comes_over_oci_through_istio_agent_and_the_second_rest_infer
     # The agent's cache names the module by the digest it pulled and checked: the one render pinned.
     assert code.startswith("/var/lib/istio/data/") and code.endswith(f"/{oci.image_for(filter_wasm).digest}.wasm")
 
-    service = kube_mesh.cluster.get(f"/api/v1/namespaces/{NS}/services/{render.ENGINE_APP}")
-    assert service is not None
-    client = _caller_pod(kube_mesh, "hit-caller", "meshcache-client", {AFFINITY_LABEL: "true"})
-    url = f"http://{service['spec']['clusterIP']}:8000/v2/models/mlp-classifier/infer"
-    body = json.dumps(mlp_json(seed=3401))
+    ip = service_ip(kube_mesh)
+    client = caller_pod(kube_mesh, "hit-caller", "meshcache-client", {AFFINITY_LABEL: "true"})
+    path, body = "/v2/models/mlp-classifier/infer", json.dumps(mlp_json(seed=3401))
 
-    def post() -> tuple[str, str]:
-        argv = client.net.exec_argv("setpriv", f"--reuid={APP_UID}", f"--regid={APP_UID}", "--clear-groups",
-                                    sys.executable, "-c", POST, url, render.ENGINE_APP, body)
-        status, _, payload = subprocess.run(argv, capture_output=True, text=True, check=True,
-                                            timeout=60).stdout.partition("\n")
-        return status, payload
+    def post() -> Obj:
+        result = http_call(client, path, render.ENGINE_APP, ip, body=body)
+        assert result["status"] == 200, result  # 503 until the client's sidecar has the engine endpoints
+        return result
 
-    first_status, first = eventually(post, timeout=30)
-    assert first_status == "meshcache; fwd=miss; stored", first_status
-    second_status, second = post()
-    assert second_status.startswith("meshcache; hit; ttl="), second_status
-    assert second == first
-
-
-GRPC = """import sys, grpc
-request = bytes.fromhex(sys.argv[3])
-with grpc.insecure_channel(sys.argv[1], options=[("grpc.default_authority", sys.argv[2])]) as channel:
-    response, call = channel.unary_unary(sys.argv[4]).with_call(request, timeout=20)
-    sys.stdout.write(dict(call.initial_metadata()).get("cache-status", "") + "\\n" + response.hex())
-"""
+    before = sum(engine_calls(kube_mesh, "mlp-classifier", pods).values())
+    first = eventually(post, timeout=30)
+    assert first["headers"]["cache-status"] == "meshcache; fwd=miss; stored", first["headers"]
+    second = post()
+    assert second["headers"]["cache-status"].startswith("meshcache; hit; ttl="), second["headers"]
+    assert second["body"] == first["body"]
+    assert sum(engine_calls(kube_mesh, "mlp-classifier", pods).values()) == before + 1
 
 
 def test_the_second_grpc_model_infer_from_a_client_pod_is_a_hit(kube_mesh: KubeMesh) -> None:
-    assert kube_mesh.cluster is not None
-    _ready_engine_pods(kube_mesh)
-    service = kube_mesh.cluster.get(f"/api/v1/namespaces/{NS}/services/{render.ENGINE_APP}")
-    assert service is not None
-    client = _caller_pod(kube_mesh, "grpc-caller", "meshcache-client", {AFFINITY_LABEL: "true"})
-    request = mlp_request(seed=3402).SerializeToString().hex()
+    """A single-pass hit: the engine's sidecar answers the repeat itself (byte-identical protobuf),
+    the engine called once in the whole mesh."""
+    pods = ready_engine_pods(kube_mesh)
+    ip = service_ip(kube_mesh)
+    client = caller_pod(kube_mesh, "grpc-caller", "meshcache-client", {AFFINITY_LABEL: "true"})
+    request = mlp_request(seed=3402).SerializeToString()
 
-    def infer() -> tuple[str, str]:
-        argv = client.net.exec_argv("setpriv", f"--reuid={APP_UID}", f"--regid={APP_UID}", "--clear-groups",
-                                    sys.executable, "-c", GRPC, f"{service['spec']['clusterIP']}:8001",
-                                    f"{render.ENGINE_APP}:8001", request, MODEL_INFER)
-        out = subprocess.run(argv, capture_output=True, text=True, timeout=60)
-        assert out.returncode == 0, out.stderr[-800:]  # UNAVAILABLE until the client sidecar has endpoints
-        status, _, payload = out.stdout.partition("\n")
-        return status, payload
+    def infer() -> Obj:
+        result = grpc_call(client, MODEL_INFER, request, render.ENGINE_APP, ip)
+        assert result["code"] == "OK", result  # UNAVAILABLE until the client sidecar has endpoints
+        return result
 
-    first_status, first = eventually(infer, timeout=30)
-    assert first_status == "meshcache; fwd=miss; stored", first_status
-    second_status, second = infer()
-    assert second_status.startswith("meshcache; hit; ttl="), second_status
-    assert second == first and first
+    before = sum(engine_calls(kube_mesh, "mlp-classifier", pods).values())
+    first = eventually(infer, timeout=30)
+    assert first["cache_status"] == "meshcache; fwd=miss; stored", first
+    second = infer()
+    assert second["cache_status"].startswith("meshcache; hit; ttl="), second
+    assert second["response"] == first["response"] and first["response"]
+    assert sum(engine_calls(kube_mesh, "mlp-classifier", pods).values()) == before + 1
