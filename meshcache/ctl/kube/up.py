@@ -238,8 +238,8 @@ class KubeUp:
             "kubeconfig": str(mesh.cluster.kubeconfig),
             "namespace": mesh.config.namespace,
             "client_pod": CLIENT_POD,
-            "control_plane_api": f"http://127.0.0.1:{mesh.cp_http}",
-            "control_plane_xds": f"127.0.0.1:{mesh.cp_xds} (TLS, MCP for istiod)",
+            "control_plane_api": mesh.control_plane_api,
+            "control_plane_xds": f"{mesh.control_plane_xds} (TLS, MCP for istiod)",
             "token_file": str(self.config.state_dir / "token"),
             "istiod_debug": f"http://127.0.0.1:{mesh.istiod.ports.monitoring}/debug",
             "app_color": "",  # istio/ as rendered: one colour, no canary
