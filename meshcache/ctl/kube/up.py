@@ -326,13 +326,12 @@ def pod_summary(pod: Obj) -> Obj:
 
 
 def pod_ok(pod: Obj) -> bool:
-    """What the kube mesh needs of a pod: engine pods Ready, every injected pod's sidecar ready.
-    The rendered control plane and Redis pods stay Pending (the test kubelet does not run their
-    images; the control plane and Redis run on the host, mesh.py), as does the client pod's app
-    container (its app is forward.py, started by up.py)."""
+    """What the kube mesh needs of a pod: every pod Ready (engines, control plane, Redis), every
+    injected pod's sidecar ready. The client pod's app container stays Pending (its image is not
+    run by the test kubelet: its app is forward.py, started by up.py): its sidecar must be ready."""
     if pod["injected"] and not pod["sidecar_ready"]:
         return False
-    return pod["ready"] or pod["app"] != render.ENGINE_APP
+    return pod["ready"] or pod["app"] == CLIENT_POD
 
 
 def kube_pods(kubeconfig: str, namespace: str) -> list[Obj]:
