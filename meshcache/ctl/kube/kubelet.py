@@ -17,16 +17,23 @@ What it does, per pod bound to its Node (by the scheduler):
   pod's status (IPs, init container states, conditions) patched back to the API server;
 - a deleted pod's processes stopped, its namespace removed, the pod object then deleted.
 
-- the project's own images (`RUNNABLE_IMAGES`: the engine) run as their entrypoints, processes
-  of this virtualenv, in the pod's namespace as the pod's `runAsUser`: its init containers to
-  completion once the native sidecar is started (`holdApplicationUntilProxyStarts`: its startup
-  probe passed), then its containers; a volume's mount path in their arguments becomes the
-  volume's directory (no mount namespace). Readiness probes run from the node against the pod IP,
-  so an injected pod's probes go through the agent's rewrite (`/app-health/...` on 15020).
+- the images it knows (`RUNNABLE_IMAGES`): the project's engine and control plane as their
+  entrypoints, processes of this virtualenv (its interpreter made reachable for the pod's user:
+  `_interpreter_visible`), Redis's as Debian's redis-server; in the pod's namespace as the pod's
+  `runAsUser`: its init containers to completion once the native sidecar is started
+  (`holdApplicationUntilProxyStarts`: its startup probe passed), then its containers, each
+  supervised by a ContainerRunner (containers.py: startup/liveness/readiness probes as kubelet
+  runs them, liveness kills, restarts with crash back-off, restartCount/lastState in status). A
+  volume's mount path in their arguments and environment becomes the volume's directory (no mount
+  namespace for them). Probes run from the node against the pod IP, so an injected pod's probes
+  go through the agent's rewrite (`/app-health/...` on 15020); exec probes in the pod's namespace;
+- PersistentVolumeClaims without a class get a hostPath PV under the pods directory (storage.py),
+  and every pod's /etc/hosts names the cluster's Services (dns.py: cluster DNS as hosts files).
 
 What it does not do (yet): containers of other images (reported `waiting`, reason
-`NotRunByTestKubelet`: the pod then stays Pending), restarts, liveness probes, resource limits,
-mounts in a mount namespace. It acts with the cluster-admin identity, not a Node identity.
+`NotRunByTestKubelet`: the pod then stays Pending), restarts of istio-proxy (the native sidecar
+is started once), resource limits, mounts in a mount namespace for app containers, network
+policies. It acts with the cluster-admin identity, not a Node identity.
 """
 
 from __future__ import annotations
