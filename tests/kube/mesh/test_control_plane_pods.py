@@ -151,7 +151,7 @@ def _post(mesh: KubeMesh, caller: Any, seed: int) -> tuple[str, str]:
     return status, payload
 
 
-def _heal(kube_mesh: KubeMesh, kill: Any, pods: list[Obj]) -> list[Obj]:
+def _heal(kube_mesh: KubeMesh, kill: Any, pods: list[Obj]) -> tuple[list[Obj], dict[str, Obj]]:
     """`kill(proc)` on the control-plane container of each of `pods`; then, until every one is
     restarted and Ready again, the engine sidecars' config is checked to stay as it was."""
     engines = _ready_pods(kube_mesh, render.ENGINE_APP, _replicas(kube_mesh, "Deployment", render.ENGINE_APP))
@@ -171,7 +171,7 @@ def _heal(kube_mesh: KubeMesh, kill: Any, pods: list[Obj]) -> list[Obj]:
             assert status["restartCount"] == count + 1 and status["ready"], status
         return list(now.values())
 
-    return eventually(restarted, timeout=120, interval=0.5)
+    return eventually(restarted, timeout=120, interval=0.5), before
 
 
 def test_a_killed_control_plane_is_restarted_by_the_kubelet_and_the_sidecars_keep_config_and_cache(
@@ -187,15 +187,17 @@ def test_a_killed_control_plane_is_restarted_by_the_kubelet_and_the_sidecars_kee
 
     first = eventually(hit, timeout=60, interval=0.5)
     # Every replica killed at once: istiod loses its MCP source until the kubelet restarts them.
-    after = _heal(kube_mesh, lambda proc: proc.popen.send_signal(signal.SIGKILL), cps)
+    after, before = _heal(kube_mesh, lambda proc: proc.popen.send_signal(signal.SIGKILL), cps)
     for pod in after:
         assert _cp_container(pod)["lastState"]["terminated"]["exitCode"] == 128 + signal.SIGKILL
     status, second = _post(kube_mesh, caller, 3421)
+    engines = _ready_pods(kube_mesh, render.ENGINE_APP, _replicas(kube_mesh, "Deployment", render.ENGINE_APP))
+    for engine in engines:  # still the config from before the outage (no new VM: same cache)
+        assert _sidecar_config(kube_mesh, engine) == before[engine["metadata"]["name"]]
     assert status.startswith("meshcache; hit; ttl="), status  # the sidecar's cache outlived it
     assert second == first
     # And the restarted control plane configures the mesh again through istiod: a new policy
     # reaches the engine sidecars' filter config (then removed: the mesh left as found).
-    engines = _ready_pods(kube_mesh, render.ENGINE_APP, _replicas(kube_mesh, "Deployment", render.ENGINE_APP))
     with kube_mesh.api() as api:
         api.put("/v1/policies/heal-check", json={"ttl_s": 60, "max_ttl_s": 60}).raise_for_status()
         try:
@@ -217,7 +219,7 @@ def test_a_hung_control_plane_is_killed_by_its_liveness_probe_and_restarted(kube
         stopped.append(proc.popen.pid)
         proc.popen.send_signal(signal.SIGSTOP)
 
-    after = _heal(kube_mesh, hang, cps[:1])
+    after, _ = _heal(kube_mesh, hang, cps[:1])
     assert not Path(f"/proc/{stopped[0]}").exists()  # the stopped process was killed, not resumed
     pod = next(p for p in after if p["metadata"]["name"] == cps[0]["metadata"]["name"])
     assert _cp_container(pod)["lastState"]["terminated"]["exitCode"] == 128 + signal.SIGKILL
