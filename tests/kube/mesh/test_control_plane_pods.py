@@ -19,6 +19,7 @@ from typing import Any
 import yaml
 
 from meshcache.contract.extensions import AFFINITY_LABEL
+from meshcache.contract.wasm_filter import CLIENT_FILTER_NAME
 from meshcache.ctl.istio import render
 from meshcache.ctl.kube.mesh import CP_NAME, REDIS_NAME, KubeMesh
 from tests.helpers.wait import eventually
@@ -129,12 +130,18 @@ def _caller(mesh: KubeMesh, name: str) -> Any:
                     "containers": [{"name": "app", "image": "example.invalid/caller:1"}]}}
     mesh.cluster.kubectl("apply", "--server-side", "-f", "-", input=json.dumps(pod))
 
-    def proxy_ready() -> Any:
+    def affinity_ready() -> Any:
         running = mesh.kubelet.pods.get(f"{NS}/{name}")  # type: ignore[union-attr]
         assert running is not None and running.proxy_ready
+        # The client-role filter (cache affinity) loaded, not the agent's stand-in: before it,
+        # requests are balanced without the route key and a hit is luck.
+        out = subprocess.run(running.net.exec_argv(sys.executable, "-c", DUMP), capture_output=True, text=True,
+                             check=True, timeout=20).stdout
+        config = json.loads(out)["ecds"].get(CLIENT_FILTER_NAME, {})
+        assert config.get("@type", "").endswith("wasm.v3.Wasm"), config
         return running
 
-    return eventually(proxy_ready, timeout=90, interval=0.5)
+    return eventually(affinity_ready, timeout=120, interval=0.5)
 
 
 def _post(mesh: KubeMesh, caller: Any, seed: int) -> tuple[str, str]:
