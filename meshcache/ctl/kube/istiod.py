@@ -11,9 +11,12 @@ install sets it: `set_default_tag`), with three local changes:
   ExternalName resolves to localhost and the API server still checks istiod's certificate for
   `istiod.istio-system.svc`;
 - the webhooks' Service port is the free port istiod's webhook server (`--httpsAddr`) listens on.
-The mesh config's `xds://` source names the control plane's Service, which has no DNS here: its
-address becomes 127.0.0.1:PORT, its `sni`/`subjectAltNames` stay, and its `credentialName` is a
-real Secret in istio-system that istiod reads from the API server.
+The mesh config's `xds://` source names the control plane's Service. With `hosts` (the test
+node's mesh: the control plane runs as pods) the address stays as rendered, and istiod runs in its
+own mount namespace whose /etc/hosts (the host's, plus `hosts`) names that Service's DNS name as the
+node address, where the Service's proxy listens (services.py), as cluster DNS would name its
+ClusterIP. Without, the address becomes the given host:port. Its `sni`/`subjectAltNames` stay, and
+its `credentialName` is a real Secret in istio-system that istiod reads from the API server.
 
 Istio-only Envoy extensions are turned off with istiod's own settings (meshcache.ctl.istiod.server).
 """
@@ -62,7 +65,7 @@ class KubeIstiodPorts:
         return cls(*(procs.free_port() for _ in range(6)))
 
 
-def localize_operator(operator: Obj, xds_address: str, proxy_metadata: dict[str, str] | None = None) -> Obj:
+def localize_operator(operator: Obj, xds_address: str | None, proxy_metadata: dict[str, str] | None = None) -> Obj:
     """The rendered IstioOperator with its control plane source at `xds_address` (host:port), and
     no default metrics provider: the profile's `prometheus` makes istiod add `istio.stats`, an
     istio-proxy-only extension upstream Envoy rejects (as PILOT_ENABLE_METADATA_EXCHANGE)."""
@@ -72,7 +75,7 @@ def localize_operator(operator: Obj, xds_address: str, proxy_metadata: dict[str,
         default = out["spec"]["meshConfig"].setdefault("defaultConfig", {})
         default["proxyMetadata"] = {**default.get("proxyMetadata", {}), **proxy_metadata}
     for source in out["spec"]["meshConfig"].get("configSources", []):
-        if source["address"].startswith("xds://"):
+        if xds_address is not None and source["address"].startswith("xds://"):
             source["address"] = f"xds://{xds_address}"
     return out
 
@@ -219,9 +222,9 @@ def apply(cluster: LocalCluster, objects: list[Obj], field_manager: str = "meshc
 POD_FACING_PORT = 15012  # the CA and xDS port injected pods dial (mesh defaultConfig.discoveryAddress)
 
 
-def start(cluster: LocalCluster, operator: Obj, xds_address: str, xds_ca_pem: str, work: Path,
+def start(cluster: LocalCluster, operator: Obj, xds_address: str | None, xds_ca_pem: str, work: Path,
           pod_facing_host: str | None = None, proxy_metadata: dict[str, str] | None = None,
-          timeout: float = START_TIMEOUT_S) -> KubeIstiod:
+          hosts: dict[str, str] | None = None, timeout: float = START_TIMEOUT_S) -> KubeIstiod:
     """Istio's cluster objects applied, then istiod as a supervised child; ready once /ready
     answers (every config source synced, the MCP control plane included) and its webhooks carry
     its CA. `xds_ca_pem`: the CA of the control plane's xDS certificate (the operator's
@@ -250,6 +253,13 @@ def start(cluster: LocalCluster, operator: Obj, xds_address: str, xds_ca_pem: st
     # here, so it reads the `istio` and `istio-sidecar-injector` ConfigMaps from the API server.
     run_dir = work / "run"
     run_dir.mkdir(parents=True, exist_ok=True)
+    if hosts:
+        hosts_file = work / "hosts"
+        hosts_file.write_text(Path("/etc/hosts").read_text() + "".join(f"{ip} {n}\n" for n, ip in hosts.items()))
+        # Its own mount namespace (root): the hosts file over /etc/hosts for istiod only, the rest
+        # of the host as it is (unshare execs: istiod keeps the pid).
+        argv = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                'mount --bind "$0" /etc/hosts && exec "$@"', str(hosts_file), *argv]
     proc = procs.start("istiod", argv, work / "logs", env=env, cwd=run_dir)
     try:
         procs.wait_until(proc, procs.http_ok(f"http://127.0.0.1:{ports.http}/ready"), timeout=timeout,

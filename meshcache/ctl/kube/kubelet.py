@@ -17,16 +17,23 @@ What it does, per pod bound to its Node (by the scheduler):
   pod's status (IPs, init container states, conditions) patched back to the API server;
 - a deleted pod's processes stopped, its namespace removed, the pod object then deleted.
 
-- the project's own images (`RUNNABLE_IMAGES`: the engine) run as their entrypoints, processes
-  of this virtualenv, in the pod's namespace as the pod's `runAsUser`: its init containers to
-  completion once the native sidecar is started (`holdApplicationUntilProxyStarts`: its startup
-  probe passed), then its containers; a volume's mount path in their arguments becomes the
-  volume's directory (no mount namespace). Readiness probes run from the node against the pod IP,
-  so an injected pod's probes go through the agent's rewrite (`/app-health/...` on 15020).
+- the images it knows (`RUNNABLE_IMAGES`): the project's engine and control plane as their
+  entrypoints, processes of this virtualenv (its interpreter made reachable for the pod's user:
+  `_interpreter_visible`), Redis's as Debian's redis-server; in the pod's namespace as the pod's
+  `runAsUser`: its init containers to completion once the native sidecar is started
+  (`holdApplicationUntilProxyStarts`: its startup probe passed), then its containers, each
+  supervised by a ContainerRunner (containers.py: startup/liveness/readiness probes as kubelet
+  runs them, liveness kills, restarts with crash back-off, restartCount/lastState in status). A
+  volume's mount path in their arguments and environment becomes the volume's directory (no mount
+  namespace for them). Probes run from the node against the pod IP, so an injected pod's probes
+  go through the agent's rewrite (`/app-health/...` on 15020); exec probes in the pod's namespace;
+- PersistentVolumeClaims without a class get a hostPath PV under the pods directory (storage.py),
+  and every pod's /etc/hosts names the cluster's Services (dns.py: cluster DNS as hosts files).
 
 What it does not do (yet): containers of other images (reported `waiting`, reason
-`NotRunByTestKubelet`: the pod then stays Pending), restarts, liveness probes, resource limits,
-mounts in a mount namespace. It acts with the cluster-admin identity, not a Node identity.
+`NotRunByTestKubelet`: the pod then stays Pending), restarts of istio-proxy (the native sidecar
+is started once), resource limits, mounts in a mount namespace for app containers, network
+policies. It acts with the cluster-admin identity, not a Node identity.
 """
 
 from __future__ import annotations
@@ -56,8 +63,10 @@ from meshcache.ctl import procs
 from meshcache.ctl.istiod.binary import bin_dir as istio_bin_dir
 from meshcache.ctl.istiod.binary import require as require_istio
 
+from . import dns, storage
 from .binary import versions
 from .cluster import LocalCluster
+from .containers import ContainerRunner
 from .netns import NodeNetwork, PodNetns
 
 Obj = dict[str, Any]
@@ -69,9 +78,18 @@ PROXY_UID = 1337  # istio-proxy's runAsUser; istio-iptables exempts its traffic 
 ALLOCATABLE = {"cpu": "16", "memory": "32Gi", "pods": "110"}
 LEASE_S = 40
 SYNC_INTERVAL_S = 0.5
+CLUSTER_INTERVAL_S = 1.0
 NOT_RUN = "NotRunByTestKubelet"
-# Image (without tag) -> where its entrypoints are: this virtualenv's console scripts.
-RUNNABLE_IMAGES = {"registry.example.com/meshcache/engine": Path(sys.executable).parent}
+# Image (without tag) -> where its executables are, and its entrypoint (used when the container
+# has no `command`). The project's images: this virtualenv's console scripts. Redis's official
+# image: Debian's redis-server (the same 7.0.15), with the image's build-time default of
+# protected mode off (docker-library/redis patches it so, as nothing but the pod reaches it).
+VENV_BIN = Path(sys.executable).parent
+RUNNABLE_IMAGES: dict[str, tuple[Path, list[str]]] = {
+    "registry.example.com/meshcache/engine": (VENV_BIN, []),
+    "registry.example.com/meshcache/control-plane": (VENV_BIN, []),
+    "redis": (Path("/usr/bin"), ["redis-server", "--protected-mode", "no"]),
+}
 MERGE_PATCH = {"Content-Type": "application/merge-patch+json"}
 LEASES = "/apis/coordination.k8s.io/v1/namespaces/kube-node-lease/leases"
 
@@ -143,7 +161,8 @@ class RunningPod:
     started_at: str = field(default_factory=now)
     reported: str = ""  # the last status sent (only changes are patched)
     next_probe: float = 0.0
-    ready: dict[str, bool] = field(default_factory=dict)  # app container -> last readiness probe
+    containers: dict[str, ContainerRunner] = field(default_factory=dict)  # the app's containers
+    hosts: str = ""  # the /etc/hosts last written (cluster DNS)
     worker: threading.Thread | None = None
     stopping: threading.Event = field(default_factory=threading.Event)
 
@@ -167,6 +186,7 @@ class TestKubelet:
         self._api: httpx.Client | None = None
         self._probe = httpx.Client(timeout=3.0)
         self._lease_due = 0.0
+        self._cluster_due = 0.0  # the next volume provisioning and cluster-DNS pass
         # Pod roots where UID 1337 can reach them (test temp dirs are 0700) and with short paths
         # (the agent's Unix sockets live there); removed at stop.
         self.pods_dir = Path(tempfile.mkdtemp(prefix="meshcache-pods-"))
@@ -223,6 +243,9 @@ class TestKubelet:
             try:
                 if time.monotonic() >= self._lease_due:
                     self._renew_lease()
+                if time.monotonic() >= self._cluster_due:
+                    self._cluster_due = time.monotonic() + CLUSTER_INTERVAL_S
+                    self._provision_and_dns()
                 self._sync()
             except Exception as exc:  # noqa: BLE001 - one failed sync must not end the kubelet
                 self.errors = [*self.errors[-19:], f"{type(exc).__name__}: {exc}"]
@@ -251,6 +274,19 @@ class TestKubelet:
         for key in set(self.pods) - seen:
             self._remove(key)
 
+    def _provision_and_dns(self) -> None:
+        """Volumes for pending claims (storage.py), and every pod's hosts file (dns.py)."""
+        assert self._api is not None
+        storage.provision(self._api, self.pods_dir / "volumes")
+        services = self._api.get("/api/v1/services").raise_for_status().json()["items"]
+        slices = self._api.get("/apis/discovery.k8s.io/v1/endpointslices").raise_for_status().json()["items"]
+        for key, running in list(self.pods.items()):
+            hosts = dns.hosts_lines(services, slices, key.split("/", 1)[0])
+            text = "\n".join(hosts)
+            if text != running.hosts:
+                running.net.write_hosts(hosts)
+                running.hosts = text
+
     # ---- a pod -----------------------------------------------------------------------------
 
     def _start_pod(self, key: str, pod: Obj) -> RunningPod:
@@ -275,9 +311,13 @@ class TestKubelet:
         return running
 
     @staticmethod
-    def _image_bin(container: Obj) -> Path | None:
+    def _image(container: Obj) -> tuple[Path, list[str]] | None:
         image = container.get("image", "").split("@", 1)[0].rsplit(":", 1)[0]
         return RUNNABLE_IMAGES.get(image)
+
+    def _image_bin(self, container: Obj) -> Path | None:
+        image = self._image(container)
+        return image[0] if image else None
 
     def _run_app(self, running: RunningPod, pod: Obj) -> None:
         """The app's init containers then its containers (runnable images only), once the
@@ -307,17 +347,73 @@ class TestKubelet:
                     continue
                 if running.stopping.is_set():
                     return
-                running.procs[container["name"]] = self._app_process(running, pod, container)
-                running.init_status[container["name"]] = {"running": {"startedAt": now()}}
+                self._volumes(running, pod, container)
+                name = container["name"]
+                runner = ContainerRunner(
+                    container, launch=lambda c=container: self._app_process(running, pod, c),
+                    probe=lambda probe, timeout, c=container: self._probe_ok(running, c, probe, timeout, pod),
+                    restart_policy=spec.get("restartPolicy", "Always"),
+                    grace_s=float(spec.get("terminationGracePeriodSeconds", 30)),
+                    on_start=lambda proc, n=name: running.procs.__setitem__(n, proc))
+                running.containers[name] = runner
+                runner.start()
         except Exception as exc:  # noqa: BLE001 - reported, the kubelet goes on
             self.errors = [*self.errors[-19:], f"{running.key}: {type(exc).__name__}: {exc}"]
 
     def _app_process(self, running: RunningPod, pod: Obj, container: Obj) -> procs.Proc:
         """A container of a runnable image: its entrypoint from this virtualenv, as the pod's user."""
         self._volumes(running, pod, container)
-        bin_dir = self._image_bin(container)
-        assert bin_dir is not None
+        image = self._image(container)
+        assert image is not None
+        bin_dir, entrypoint = image
         env = container_env(container, pod, running.net.ip, self.network.node_ip)
+        local = self._local_paths(running, container)
+        env = {k: local(v) for k, v in env.items()}  # e.g. a tokens file under a mounted Secret
+        command = [*(container.get("command") or entrypoint), *(container.get("args") or [])]
+        argv = [str(bin_dir / command[0]), *(local(a) for a in expand(command[1:], env))]
+        user, group = self._user(pod, container)
+        self._own(running, container, user, group)
+        for claim in self._claim_dirs(running, pod, container):  # fsGroup ownership, as kubelet sets it
+            subprocess.run(["chown", "-R", f"{user}:{group}", str(claim)], check=True)
+        if bin_dir == VENV_BIN:
+            argv = [*self._interpreter_visible(running), *self._as_user(user, group), *argv]
+        else:
+            argv = [*self._as_user(user, group), *argv]
+        return procs.start(f"{running.net.name}-{container['name']}", running.net.exec_argv(*argv),
+                           self.work / "logs", env=env, cwd=running.root)
+
+    @staticmethod
+    def _interpreter_visible(running: RunningPod) -> list[str]:
+        """A prefix that makes this virtualenv's base interpreter reachable by the pod's user, as
+        an image's own interpreter is: when it lives under a directory others cannot enter (a
+        pyenv build under /root, 0700), that directory is replaced, in the pod's mount namespace
+        only, by an empty tmpfs holding a bind mount of the interpreter's prefix. Without it the
+        kernel cannot follow the virtualenv's python symlink for that user and another Python
+        on the PATH would run instead."""
+        prefix = Path(sys.base_prefix).resolve()
+        hidden = next((d for d in reversed(prefix.parents) if d != Path("/") and not d.stat().st_mode & 0o001), None)
+        if hidden is None:
+            return []
+        keep = running.root / ".interpreter"
+        script = ('mkdir -p "$1" && mount --bind "$0" "$1" && mount -t tmpfs -o mode=0755 tmpfs "$2" '
+                  '&& mkdir -p "$0" && mount --bind "$1" "$0" && shift 3 && exec "$@"')
+        return ["sh", "-c", script, str(prefix), str(keep), str(hidden), "--"]
+
+    @staticmethod
+    def _user(pod: Obj, container: Obj) -> tuple[int, int]:
+        security = {**pod["spec"].get("securityContext", {}), **container.get("securityContext", {})}
+        user = int(security.get("runAsUser", 0))
+        group = int(security.get("runAsGroup", pod["spec"].get("securityContext", {}).get("fsGroup", user)))
+        return user, group
+
+    @staticmethod
+    def _as_user(user: int, group: int) -> list[str]:
+        return ["setpriv", f"--reuid={user}", f"--regid={group}", "--clear-groups"] if user else []
+
+    @staticmethod
+    def _local_paths(running: RunningPod, container: Obj) -> Callable[[str], str]:
+        """A path under one of the container's mount paths -> the same path under the pod's root
+        (no mount namespace: the mount path is a symlink there to the volume's directory)."""
         mounts = {m["mountPath"]: str(running.root / m["mountPath"].lstrip("/"))
                   for m in container.get("volumeMounts", [])}
 
@@ -327,27 +423,36 @@ class TestKubelet:
                     return directory + arg[len(path):]
             return arg
 
-        command = [*(container.get("command") or []), *(container.get("args") or [])]
-        argv = [str(bin_dir / command[0]), *(local(a) for a in expand(command[1:], env))]
-        security = {**pod["spec"].get("securityContext", {}), **container.get("securityContext", {})}
-        user = security.get("runAsUser", 0)
-        group = security.get("runAsGroup", pod["spec"].get("securityContext", {}).get("fsGroup", user))
-        self._own(running, container, user, group)
-        as_user = ["setpriv", f"--reuid={user}", f"--regid={group}", "--clear-groups"] if user else []
-        return procs.start(f"{running.net.name}-{container['name']}", running.net.exec_argv(*as_user, *argv),
-                           self.work / "logs", env=env, cwd=running.root)
+        return local
 
-    def _probe_ok(self, running: RunningPod, container: Obj, probe: Obj) -> bool:
-        """An HTTP GET or TCP probe from the node to the pod IP, as kubelet runs it."""
+    def _claim_dirs(self, running: RunningPod, pod: Obj, container: Obj) -> list[Path]:
+        volumes = {v["name"]: v for v in pod["spec"].get("volumes", [])}
+        names = {m["name"] for m in container.get("volumeMounts", [])}
+        return [(running.root / "volumes" / n).resolve() for n in names
+                if "persistentVolumeClaim" in volumes.get(n, {})]
+
+    def _probe_ok(self, running: RunningPod, container: Obj, probe: Obj, timeout: float = 3.0,
+                  pod: Obj | None = None) -> bool:
+        """An HTTP GET or TCP probe from the node to the pod IP, or an exec probe in the pod's
+        network namespace as the container's user, as kubelet runs them."""
         ports = {p.get("name"): p["containerPort"] for p in container.get("ports", [])}
-        with contextlib.suppress(httpx.HTTPError, OSError):
+        with contextlib.suppress(httpx.HTTPError, OSError, subprocess.SubprocessError):
             if "httpGet" in probe:
                 get = probe["httpGet"]
                 port = ports.get(get["port"], get["port"])
-                return self._probe.get(f"http://{running.net.ip}:{port}{get.get('path', '/')}").status_code < 400
+                url = f"http://{running.net.ip}:{port}{get.get('path', '/')}"
+                return self._probe.get(url, timeout=timeout).status_code < 400
             if "tcpSocket" in probe:
                 port = ports.get(probe["tcpSocket"]["port"], probe["tcpSocket"]["port"])
                 return procs.port_open(int(port), running.net.ip)
+            if "exec" in probe and pod is not None:
+                bin_dir = self._image_bin(container)
+                command = list(probe["exec"]["command"])
+                if bin_dir is None or not command:
+                    return False
+                argv = running.net.exec_argv(*self._as_user(*self._user(pod, container)),
+                                             str(bin_dir / command[0]), *command[1:])
+                return subprocess.run(argv, capture_output=True, timeout=timeout, cwd=running.root).returncode == 0
         return False
 
     def _volumes(self, running: RunningPod, pod: Obj, container: Obj) -> None:
@@ -357,9 +462,16 @@ class TestKubelet:
         volumes = {v["name"]: v for v in pod["spec"].get("volumes", [])}
         for mount in sorted(container.get("volumeMounts", []), key=lambda m: len(m["mountPath"])):
             source = running.root / "volumes" / mount["name"]
-            if not source.exists():
-                source.mkdir(parents=True)
-                self._fill(source, volumes[mount["name"]], pod)
+            volume = volumes[mount["name"]]
+            if not source.exists() and not source.is_symlink():
+                node_dir = self._node_dir(pod, volume)
+                if node_dir is not None:  # a PersistentVolume's or hostPath's directory on the node
+                    source.parent.mkdir(parents=True, exist_ok=True)
+                    node_dir.mkdir(parents=True, exist_ok=True)
+                    source.symlink_to(node_dir)
+                else:
+                    source.mkdir(parents=True)
+                    self._fill(source, volume, pod)
             target = running.root / mount["mountPath"].lstrip("/")
             target.parent.mkdir(parents=True, exist_ok=True)
             if not target.is_symlink() and not target.exists():
@@ -371,6 +483,21 @@ class TestKubelet:
         its Wasm cache into istio-data while the app's containers start, as another user."""
         for name in {m["name"] for m in container.get("volumeMounts", [])}:
             subprocess.run(["chown", "-R", f"{user}:{group}", str(running.root / "volumes" / name)], check=True)
+
+    def _node_dir(self, pod: Obj, volume: Obj) -> Path | None:
+        """The node directory of a hostPath volume, or of the PersistentVolume (hostPath) bound to
+        a claim (the scheduler places a pod only once its claims are bound)."""
+        if "hostPath" in volume:
+            return Path(volume["hostPath"]["path"])
+        if "persistentVolumeClaim" not in volume:
+            return None
+        claim = self.cluster.get(f"/api/v1/namespaces/{pod['metadata']['namespace']}/persistentvolumeclaims/"
+                                 f"{volume['persistentVolumeClaim']['claimName']}")
+        name = (claim or {}).get("spec", {}).get("volumeName")
+        pv = self.cluster.get(f"/api/v1/persistentvolumes/{name}") if name else None
+        if pv is None or "hostPath" not in pv["spec"]:
+            raise RuntimeError(f"volume {volume['name']}: claim not bound to a hostPath PersistentVolume")
+        return Path(pv["spec"]["hostPath"]["path"])
 
     def _fill(self, directory: Path, volume: Obj, pod: Obj) -> None:
         # A projected volume is its sources written into one directory; every other kind is one
@@ -469,16 +596,13 @@ class TestKubelet:
         if time.monotonic() >= running.next_probe:
             running.next_probe = time.monotonic() + 1.0
             spec = pod["spec"]
+            # The native sidecar here (the app's containers probe themselves: containers.py).
             for container in spec.get("initContainers", []) + spec["containers"]:
                 proc = running.procs.get(container["name"])
-                if proc is None:
+                if proc is None or container["name"] != "istio-proxy":
                     continue
                 probe = container.get("readinessProbe")
-                ready = proc.alive() and (self._probe_ok(running, container, probe) if probe else True)
-                if container["name"] == "istio-proxy":
-                    running.proxy_ready = ready
-                else:
-                    running.ready[container["name"]] = ready
+                running.proxy_ready = proc.alive() and (self._probe_ok(running, container, probe) if probe else True)
                 if not proc.alive():
                     running.init_status[container["name"]] = {"terminated": {
                         "exitCode": proc.popen.returncode, "reason": "Error", "finishedAt": now()}}
@@ -499,11 +623,12 @@ class TestKubelet:
                                                                       else NOT_RUN}}
 
         def entry(c: Obj) -> Obj:
+            runner = running.containers.get(c["name"])
+            if runner is not None:
+                return runner.status(c.get("image", ""))
             st = state(c)
             if c["name"] == "istio-proxy":
                 ready = running.proxy_ready
-            elif "running" in st:
-                ready = running.ready.get(c["name"], False)
             else:
                 ready = "terminated" in st and st["terminated"].get("exitCode") == 0
             return {"name": c["name"], "image": c.get("image", ""), "imageID": "", "state": st, "ready": bool(ready),
@@ -520,8 +645,10 @@ class TestKubelet:
         def cond(kind: str, ok: bool) -> Obj:
             return {"type": kind, "status": "True" if ok else "False", "lastTransitionTime": running.started_at}
 
+        # Running once every container has started (a restarting one keeps the pod Running).
+        started = initialized and all(a["started"] or a["restartCount"] for a in apps)
         return {
-            "phase": "Running" if all_ready else "Pending",
+            "phase": "Running" if started else "Pending",
             "hostIP": self.network.node_ip, "hostIPs": [{"ip": self.network.node_ip}],
             "podIP": running.net.ip, "podIPs": [{"ip": running.net.ip}], "startTime": running.started_at,
             "conditions": [cond("PodScheduled", True), cond("PodReadyToStartContainers", True),
@@ -537,6 +664,9 @@ class TestKubelet:
         running.stopping.set()
         if running.worker is not None:
             running.worker.join(timeout=10)
+        for runner in list(running.containers.values()):
+            with contextlib.suppress(Exception):
+                runner.stop()
         for proc in running.procs.values():
             with contextlib.suppress(Exception):
                 proc.stop()

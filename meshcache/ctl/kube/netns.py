@@ -51,6 +51,12 @@ class PodNetns:
     name: str  # the network namespace
     ip: str
     host_veth: str
+    base_hosts: list[str] = field(default_factory=list)  # its own name, the node's fixed names
+
+    def write_hosts(self, extra: list[str] = ()) -> None:  # type: ignore[assignment]
+        """The pod's /etc/hosts, rewritten in place: the bind mounts of running processes see it."""
+        with open(NETNS_ETC / self.name / "hosts", "w") as f:
+            f.write("\n".join([*self.base_hosts, *extra]) + "\n")
 
     def exec_argv(self, *argv: str) -> list[str]:
         """argv run inside the namespace (with its /etc/hosts)."""
@@ -109,10 +115,10 @@ class NodeNetwork:
         for args in (("link", "set", "lo", "up"), ("addr", "add", f"{pod.ip}/24", "dev", "eth0"),
                      ("link", "set", "eth0", "up"), ("route", "add", "default", "via", self.node_ip)):
             _ip("-n", pod.name, *args)
-        etc = NETNS_ETC / pod.name
-        etc.mkdir(parents=True, exist_ok=True)
-        lines = ["127.0.0.1 localhost", f"{pod.ip} {hostname}", *(f"{ip} {name}" for name, ip in hosts.items())]
-        (etc / "hosts").write_text("\n".join(lines) + "\n")
+        (NETNS_ETC / pod.name).mkdir(parents=True, exist_ok=True)
+        pod.base_hosts = ["127.0.0.1 localhost", f"{pod.ip} {hostname}",
+                          *(f"{ip} {name}" for name, ip in hosts.items())]
+        pod.write_hosts()
         return pod
 
     def remove_pod(self, key: str) -> None:

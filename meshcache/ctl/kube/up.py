@@ -255,8 +255,8 @@ class KubeUp:
             "kubeconfig": str(mesh.cluster.kubeconfig),
             "namespace": mesh.config.namespace,
             "client_pod": CLIENT_POD,
-            "control_plane_api": f"http://127.0.0.1:{mesh.cp_http}",
-            "control_plane_xds": f"127.0.0.1:{mesh.cp_xds} (TLS, MCP for istiod)",
+            "control_plane_api": mesh.control_plane_api,
+            "control_plane_xds": f"{mesh.control_plane_xds} (TLS, MCP for istiod)",
             "token_file": str(self.config.state_dir / "token"),
             "istiod_debug": f"http://127.0.0.1:{mesh.istiod.ports.monitoring}/debug",
             "app_color": "",  # istio/ as rendered: one colour, no canary
@@ -343,13 +343,12 @@ def pod_summary(pod: Obj) -> Obj:
 
 
 def pod_ok(pod: Obj) -> bool:
-    """What the kube mesh needs of a pod: engine pods Ready, every injected pod's sidecar ready.
-    The rendered control plane and Redis pods stay Pending (the test kubelet does not run their
-    images; the control plane and Redis run on the host, mesh.py), as does the client pod's app
-    container (its app is forward.py, started by up.py)."""
+    """What the kube mesh needs of a pod: every pod Ready (engines, control plane, Redis), every
+    injected pod's sidecar ready. The client pod's app container stays Pending (its image is not
+    run by the test kubelet: its app is forward.py, started by up.py): its sidecar must be ready."""
     if pod["injected"] and not pod["sidecar_ready"]:
         return False
-    return pod["ready"] or pod["app"] != render.ENGINE_APP
+    return pod["ready"] or pod["app"] == CLIENT_POD
 
 
 def kube_pods(kubeconfig: str, namespace: str) -> list[Obj]:
