@@ -22,8 +22,8 @@ from meshcache.contract.extensions import AFFINITY_LABEL
 from meshcache.contract.wasm_filter import CLIENT_FILTER_NAME
 from meshcache.ctl.istio import render
 from meshcache.ctl.kube.mesh import CP_NAME, REDIS_NAME, KubeMesh
+from tests.helpers.kserve import mlp_json
 from tests.helpers.wait import eventually
-from tests.mesh.helpers import mlp_json
 
 Obj = dict[str, Any]
 NS = render.BASE_NAMESPACE
