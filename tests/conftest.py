@@ -37,10 +37,11 @@ _own_port_range()
 # (its module-scoped fixtures started once), so the long ones do not end up last on one worker
 # while the others sit idle. The order changes how long the run takes, never what it checks.
 SLOW_FIRST = (
+    "tests/kube/mesh/", "tests/kube/test_up_cli.py",
     "tests/filter/test_stale.py", "tests/mesh/test_cli.py", "tests/mesh/test_rotation.py",
     "tests/images/", "tests/filter/test_affinity.py", "tests/filter/test_coalescing.py",
     "tests/mesh/test_self_healing.py", "tests/mesh/test_affinity.py", "tests/filter/test_streaming.py",
-    "tests/istiod/", "tests/kube/mesh/", "tests/kube/cluster/", "tests/kube/", "tests/status/", "tests/mesh/",
+    "tests/istiod/", "tests/kube/cluster/", "tests/kube/", "tests/status/", "tests/mesh/",
 )
 
 
