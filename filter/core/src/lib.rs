@@ -18,6 +18,7 @@ pub mod grpc;
 pub mod hashing;
 pub mod headermap;
 pub mod json;
+pub mod logs;
 pub mod metric_names;
 pub mod model;
 pub mod names;

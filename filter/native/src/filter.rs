@@ -21,6 +21,7 @@ use meshcache_core::entry::Entry;
 use meshcache_core::shaping::RequestId;
 use meshcache_core::stale;
 use meshcache_core::grpc;
+use meshcache_core::logs;
 use meshcache_core::request::{self, BodyDecision, Cacheable, HeadDecision, RequestHead};
 use meshcache_core::accounting::{attribute, policy_tag};
 use meshcache_core::headermap::{self, Headers};
@@ -63,6 +64,9 @@ pub trait Host {
     /// Adds to a counter (`meshcache_core::metric_names`).
     fn count(&mut self, name: &str, n: u64);
     fn set_gauge(&mut self, name: &str, value: u64);
+    /// A line for Envoy's log at debug level (`meshcache_core::logs`), formatted only when that
+    /// level is on.
+    fn log_debug(&mut self, line: &dyn Fn() -> String);
     /// What wakes this stream once it is parked (coalescing); None: it cannot wait.
     fn waker(&mut self) -> Option<Box<dyn Wake>>;
     /// Resumes the held request (outside the request hooks: a parked stream going upstream).
@@ -223,7 +227,7 @@ impl Stream {
         self
     }
 
-    fn bypass(&mut self, host: &mut dyn Host, why: Bypass) -> Flow {
+    fn bypass(&mut self, host: &mut dyn Host, why: Bypass, request: &[(String, String)]) -> Flow {
         if self.config.role == Role::Client {
             // The client role only routes: no routing key, the request balances normally.
             self.state = State::Done;
@@ -231,6 +235,7 @@ impl Stream {
         }
         host.count(metric_names::BYPASSES, 1);
         host.count(metric_names::bypass_counter(why), 1);
+        host.log_debug(&|| logs::bypass_line(why, request));
         self.state = State::Bypass(why);
         Flow::Continue
     }
@@ -268,7 +273,7 @@ impl Stream {
         };
         match decision {
             HeadDecision::Ignore => Flow::Continue,
-            HeadDecision::Bypass(why) => self.bypass(host, why),
+            HeadDecision::Bypass(why) => self.bypass(host, why, &headers.pairs),
             HeadDecision::Buffer { source, refresh } => {
                 if end_of_stream {
                     return self.decide_request(host, &headers, &source, refresh, &[]);
@@ -278,7 +283,7 @@ impl Stream {
                     return Flow::Continue;
                 }
                 if request::request_declared_too_big(headermap::header(&headers.pairs, "content-length")) {
-                    return self.bypass(host, Bypass::TooBig);
+                    return self.bypass(host, Bypass::TooBig, &headers.pairs);
                 }
                 self.state = State::Buffering { source, refresh, headers, seen: 0 };
                 Flow::Hold
@@ -291,9 +296,10 @@ impl Stream {
             State::Buffering { seen, .. } => host.received_body(false, &mut |chunk| *seen += chunk.len()),
             _ => return Flow::Continue,
         }
-        if let State::Buffering { seen, .. } = self.state {
-            if seen > request::MAX_REQUEST_BYTES {
-                return self.bypass(host, Bypass::TooBig);
+        if let State::Buffering { seen, headers, .. } = &self.state {
+            if *seen > request::MAX_REQUEST_BYTES {
+                let request = headers.pairs.clone();
+                return self.bypass(host, Bypass::TooBig, &request);
             }
             if !end_of_stream {
                 return Flow::Hold;
@@ -334,7 +340,7 @@ impl Stream {
         // The peer identity is asked for only when the matched policy scopes by it.
         let principal = || host.peer_identity();
         let mut c = match request::key_request(&self.config, &head, source, refresh, body, principal) {
-            BodyDecision::Bypass(why) => return self.bypass(host, why),
+            BodyDecision::Bypass(why) => return self.bypass(host, why, headers),
             BodyDecision::Cacheable(c) => c,
         };
         let now = host.now_ms();
@@ -863,6 +869,7 @@ mod tests {
         refresh_ok: bool,
         refreshes: Vec<Cacheable>,
         routes_cleared: u32,
+        logged: Vec<String>,
     }
 
     struct FakeWake(Arc<std::sync::Mutex<Vec<u64>>>);
@@ -934,6 +941,9 @@ mod tests {
         }
         fn set_gauge(&mut self, name: &str, value: u64) {
             self.gauges.insert(name.to_string(), value);
+        }
+        fn log_debug(&mut self, line: &dyn Fn() -> String) {
+            self.logged.push(line());
         }
         fn waker(&mut self) -> Option<Box<dyn Wake>> {
             Some(Box::new(FakeWake(self.woken.clone())))
@@ -1116,8 +1126,10 @@ mod tests {
     #[test]
     fn bypasses_say_why_and_ignored_requests_get_no_header() {
         let e = env(r#"{"policies": [{"model_prefix": "m", "ttl_s": 60}]}"#);
-        assert_eq!(status(&exchange(&e, "/v2/models/zz/infer", &[], &[BODY], &[ANSWER], &[])),
-                   "meshcache; fwd=bypass; detail=no-policy");
+        let no_policy = exchange(&e, "/v2/models/zz/infer", &[], &[BODY], &[ANSWER], &[]);
+        assert_eq!(status(&no_policy), "meshcache; fwd=bypass; detail=no-policy");
+        assert_eq!(no_policy.logged, vec!["meshcache: bypass detail=no-policy model=zz path=/v2/models/zz/infer".to_string()]);
+        assert_eq!(no_policy.counts.get("meshcache.bypass.no-policy"), Some(&1));
         assert_eq!(status(&exchange(&e, INFER, &[("cache-control", "no-store")], &[BODY], &[ANSWER], &[])),
                    "meshcache; fwd=bypass; detail=no-store");
         assert_eq!(status(&exchange(&e, INFER, &[], &[b"{not json"], &[ANSWER], &[])),

@@ -12,6 +12,7 @@ pub const STATUS_OK: u32 = 0;
 #[derive(Clone, Copy)]
 #[repr(u32)]
 pub enum LogLevel {
+    Debug = 1,
     Info = 2,
     Warn = 3,
     Error = 4,
@@ -26,6 +27,7 @@ pub enum MetricKind {
 
 extern "C" {
     fn proxy_log(level: u32, ptr: *const u8, len: usize) -> u32;
+    fn proxy_get_log_level(out: *mut u32) -> u32;
     fn proxy_get_current_time_nanoseconds(out: *mut u64) -> u32;
     fn proxy_get_buffer_bytes(kind: u32, start: usize, max: usize, out_ptr: *mut *mut u8, out_len: *mut usize) -> u32;
     fn proxy_get_buffer_status(kind: u32, out_len: *mut usize, out_flags: *mut u32) -> u32;
@@ -77,6 +79,13 @@ pub fn log(level: LogLevel, msg: &str) {
     unsafe {
         proxy_log(level as u32, msg.as_ptr(), msg.len());
     }
+}
+
+/// Whether Envoy's `wasm` logger writes lines at `level` (so a line is formatted only then).
+pub fn log_enabled(level: LogLevel) -> bool {
+    let mut current: u32 = LogLevel::Info as u32;
+    let rc = unsafe { proxy_get_log_level(&mut current) };
+    rc == STATUS_OK && current <= level as u32
 }
 
 pub fn now_ms() -> u64 {
@@ -418,6 +427,11 @@ impl crate::host::Host for Abi {
     }
     fn error(&mut self, msg: &str) {
         crate::metrics::error(msg)
+    }
+    fn log_debug(&mut self, line: &dyn Fn() -> String) {
+        if log_enabled(LogLevel::Debug) {
+            log(LogLevel::Debug, &line());
+        }
     }
     fn register_queue(&mut self, name: &str) -> Option<u32> {
         register_queue(name)

@@ -77,6 +77,8 @@ pub trait Host {
     fn count_policy(&mut self, prefix: &str, what: &str);
     /// An internal surprise: counted and logged; the caller fails open.
     fn error(&mut self, msg: &str);
+    /// A line for Envoy's log at debug level (`crate::logs`), formatted only when that level is on.
+    fn log_debug(&mut self, line: &dyn Fn() -> String);
     fn record_outcome(&mut self, out: &Outcome) {
         self.count(EVICTIONS, out.evicted as u64);
         self.count(ERRORS, out.corrupt as u64);

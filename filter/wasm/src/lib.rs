@@ -7,7 +7,7 @@
 
 // The core's modules under their old paths, so the host modules read `crate::config` etc.
 pub use meshcache_core::{
-    accounting, answer, cache_control, coalesce, config, entry, grpc, hashing, headermap, json, metric_names, model, names, refresh,
+    accounting, answer, cache_control, coalesce, config, entry, grpc, hashing, headermap, json, logs, metric_names, model, names, refresh,
     request, response, route_key, shaping, stale, store, storing,
 };
 

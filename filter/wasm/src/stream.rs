@@ -9,6 +9,7 @@ use crate::coalesce::{self, AfterWait, Join, LockTable, Release, Ticket, Waiters
 use crate::config::{Config, Limits, Role};
 use crate::request::{self, BodyDecision, Cacheable, HeadDecision, RequestHead};
 use crate::grpc;
+use crate::logs;
 use crate::headermap::{self, Headers};
 use crate::response;
 use crate::metric_names as m;
@@ -285,7 +286,7 @@ impl Stream {
     }
 
     /// The cache stays out of this request: counted, and its answer says `fwd=bypass` and why.
-    fn bypass<H: Host>(&mut self, h: &mut H, why: Bypass) -> u32 {
+    fn bypass<H: Host>(&mut self, h: &mut H, why: Bypass, request: &[(String, String)]) -> u32 {
         if self.is_client() {
             // The client role only routes: no routing key, the request balances normally.
             self.phase = Phase::Done;
@@ -294,6 +295,7 @@ impl Stream {
         self.phase = Phase::Bypass(why);
         h.count(m::BYPASSES, 1);
         h.count(m::bypass_counter(why), 1);
+        h.log_debug(&|| logs::bypass_line(why, request));
         CONTINUE
     }
 
@@ -316,7 +318,7 @@ impl Stream {
         let head = RequestHead { method, path, headers: &headers.pairs, not_utf8: &headers.not_utf8 };
         match request::classify_head(&head) {
             HeadDecision::Ignore => CONTINUE,
-            HeadDecision::Bypass(why) => self.bypass(h, why),
+            HeadDecision::Bypass(why) => self.bypass(h, why, &headers.pairs),
             HeadDecision::Buffer { source, refresh } => {
                 if eos {
                     return self.decide_request(h, cfg, &headers, &source, refresh, &[]);
@@ -326,10 +328,10 @@ impl Stream {
                     return CONTINUE;
                 }
                 if cfg.role == Role::Server && source == ModelSource::GrpcBody && GRPC_HITS_BROKEN.with(|b| b.get()) {
-                    return self.bypass(h, Bypass::NoHitRoute);
+                    return self.bypass(h, Bypass::NoHitRoute, &headers.pairs);
                 }
                 if request::request_declared_too_big(headermap::header(&headers.pairs, "content-length")) {
-                    return self.bypass(h, Bypass::TooBig);
+                    return self.bypass(h, Bypass::TooBig, &headers.pairs);
                 }
                 self.phase = Phase::Buffering { source, refresh, headers };
                 // Held headers: routing waits for the decision. Otherwise the body alone waits.
@@ -343,12 +345,13 @@ impl Stream {
     }
 
     pub fn on_request_body<H: Host>(&mut self, h: &mut H, size: usize, eos: bool) -> u32 {
-        match &self.phase {
-            Phase::Buffering { .. } => {}
+        let request = match &self.phase {
+            Phase::Buffering { headers, .. } if size > request::MAX_REQUEST_BYTES => headers.pairs.clone(),
+            Phase::Buffering { .. } => Vec::new(),
             _ => return CONTINUE,
-        }
+        };
         if size > request::MAX_REQUEST_BYTES {
-            return self.bypass(h, Bypass::TooBig);
+            return self.bypass(h, Bypass::TooBig, &request);
         }
         if !eos {
             return PAUSE;
@@ -389,7 +392,7 @@ impl Stream {
         }
         let principal = || h.peer_identity();
         let mut c = match request::key_request(cfg, &head, source, refresh, body, principal) {
-            BodyDecision::Bypass(why) => return self.bypass(h, why),
+            BodyDecision::Bypass(why) => return self.bypass(h, why, headers),
             BodyDecision::Cacheable(c) => c,
         };
         let now = h.now_ms();

@@ -56,6 +56,7 @@ struct Fake {
     queues: HashMap<u32, VecDeque<Vec<u8>>>,
     refresh_ok: bool,
     refreshes: Vec<(u32, u32, crate::hashing::KeyDigest)>,
+    logged: Vec<String>,
 }
 
 fn set(h: &mut Vec<(String, String)>, name: &str, value: &str) {
@@ -171,6 +172,9 @@ impl Host for Fake {
     fn error(&mut self, msg: &str) {
         self.count(m::ERRORS, 1);
         self.errors.push(msg.to_string());
+    }
+    fn log_debug(&mut self, line: &dyn Fn() -> String) {
+        self.logged.push(line());
     }
     fn register_queue(&mut self, _name: &str) -> Option<u32> {
         self.queues.insert(7, VecDeque::new());
@@ -475,4 +479,12 @@ fn the_client_role_puts_a_routing_key_on_the_request() {
     assert_eq!(f.counted(m::ROUTED), 1);
     ask(&mut f, &cfg, 3, ASK);
     assert_eq!(get(&f.x[&3].req, names::ROUTE_KEY_HEADER), Some(key.as_str()), "identical requests, one key");
+}
+
+#[test]
+fn a_bypass_is_counted_by_reason_and_logged_at_debug() {
+    let (mut f, cfg) = setup(r#""ttl_s": 60"#);
+    assert_eq!(ask(&mut f, &cfg, 2, br#"{"model": "other"}"#), CONTINUE);
+    assert_eq!(f.counted(m::bypass_counter(Bypass::NoPolicy)), 1);
+    assert_eq!(f.logged, vec!["meshcache: bypass detail=no-policy model=- path=/v1/chat/completions".to_string()]);
 }
