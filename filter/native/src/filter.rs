@@ -14,7 +14,7 @@
 
 use std::sync::Arc;
 
-use meshcache_core::answer::{self, HitRequest};
+use meshcache_core::hit::{self, HitRequest};
 use meshcache_core::cache_control::{NotStored, Ttl};
 use meshcache_core::config::{Config, Policy, Role};
 use meshcache_core::entry::Entry;
@@ -31,9 +31,9 @@ use meshcache_core::model::ModelSource;
 use meshcache_core::names::{self, Bypass};
 use meshcache_core::route_key;
 use meshcache_core::store::{Cache, Lifetime, Lookup, Outcome};
-use meshcache_core::storing;
+use meshcache_core::insert;
 use meshcache_core::coalesce::{self, AfterWait, Join, LockTable, Release, Ticket};
-use meshcache_core::refresh::{self, Claim};
+use meshcache_core::revalidate::{self, Claim};
 
 use crate::park::{self, Parking, Wake};
 use crate::store::Shared;
@@ -72,8 +72,8 @@ pub trait Host {
     /// Resumes the held request (outside the request hooks: a parked stream going upstream).
     fn resume_request(&mut self);
     /// Sends `c`'s request again in the background to refresh its entry
-    /// (stale-while-revalidate): the answer goes to `store_refresh`, then `refresh::release`
-    /// (stored) or `refresh::failed`. False: it cannot be sent (this request refreshes instead).
+    /// (stale-while-revalidate): the answer goes to `store_refresh`, then `revalidate::release`
+    /// (stored) or `revalidate::failed`. False: it cannot be sent (this request refreshes instead).
     fn refresh(&mut self, c: &Cacheable, headers: &[(String, String)], body: &[u8]) -> bool;
 }
 
@@ -113,7 +113,7 @@ pub fn store_refresh(shared: &Shared, limits: &meshcache_core::config::Limits, c
     c.request_ms = now_ms;
     let cache = Cache { data: shared, limits };
     let mut out = Outcome::default();
-    storing::store_answer(&cache, &c, &response.pairs, 200, body, ttl, &mut out)?;
+    insert::store_answer(&cache, &c, &response.pairs, 200, body, ttl, &mut out)?;
     Ok(out)
 }
 
@@ -211,7 +211,7 @@ impl Drop for Stream {
         }
         self.release(Release::Retry);
         if let Some(key) = self.refreshing.take() {
-            refresh::release(&*self.shared, &key);
+            revalidate::release(&*self.shared, &key);
         }
     }
 }
@@ -364,7 +364,7 @@ impl Stream {
             Lookup::Stale(e, seen) => {
                 c.seen = Some(seen);
                 if let Some(u) = stale::stale_use(&e, &c.policy, now).filter(|u| u.while_revalidate) {
-                    match refresh::claim(&*self.shared, &c.key, now) {
+                    match revalidate::claim(&*self.shared, &c.key, now) {
                         Claim::Busy => return self.answer_stale_while_revalidate(host, &c, &e, headers, body, u, now),
                         Claim::Background => {
                             if host.refresh(&c, headers, body) {
@@ -428,18 +428,18 @@ impl Stream {
                     cache_status: Option<String>) {
         self.state = State::Done;
         if c.grpc {
-            let mut reply = answer::grpc_hit(entry, request, now);
+            let mut reply = hit::grpc_hit(entry, request, now);
             if let Some(status) = cache_status {
-                answer::set_cache_status(&mut reply, status);
+                hit::set_cache_status(&mut reply, status);
             }
             let mut h: Vec<(&str, &[u8])> = vec![(":status", b"200")];
             h.extend(reply.headers.iter().map(|(n, v)| (n.as_str(), v.as_bytes())));
             host.send_response_with_trailers(&h, &grpc::frame(&reply.body), &[("grpc-status", b"0")]);
             return;
         }
-        let mut reply = answer::http_hit(entry, request, now);
+        let mut reply = hit::http_hit(entry, request, now);
         if let Some(status) = cache_status {
-            answer::set_cache_status(&mut reply, status);
+            hit::set_cache_status(&mut reply, status);
         }
         let h: Vec<(&str, &[u8])> = reply.headers.iter().map(|(n, v)| (n.as_str(), v.as_bytes())).collect();
         host.send_response(reply.status as u32, &h, &reply.body);
@@ -639,8 +639,8 @@ impl Stream {
             None => return false,
         };
         let request = HitRequest { headers: &f.headers, body: b"", id: &f.id };
-        let mut reply = answer::http_hit(&f.entry, &request, now);
-        answer::set_cache_status(&mut reply, names::cache_status_stale_if_error(u.past_s(), Some(status)));
+        let mut reply = hit::http_hit(&f.entry, &request, now);
+        hit::set_cache_status(&mut reply, names::cache_status_stale_if_error(u.past_s(), Some(status)));
         let h: Vec<(&str, &[u8])> = reply.headers.iter().map(|(n, v)| (n.as_str(), v.as_bytes())).collect();
         host.count(metric_names::STALE_IF_ERROR, 1);
         host.send_response(reply.status as u32, &h, &reply.body);
@@ -659,8 +659,8 @@ impl Stream {
             None => return false,
         };
         let request = HitRequest { headers: &f.headers, body: b"", id: &f.id };
-        let mut reply = answer::grpc_hit(&f.entry, &request, now);
-        answer::set_cache_status(&mut reply, names::cache_status_stale_if_error(u.past_s(), None));
+        let mut reply = hit::grpc_hit(&f.entry, &request, now);
+        hit::set_cache_status(&mut reply, names::cache_status_stale_if_error(u.past_s(), None));
         let framed = grpc::frame(&reply.body);
         host.count(metric_names::STALE_IF_ERROR, 1);
         let mut h: Vec<(&str, &[u8])> = vec![(":status", b"200")];
@@ -798,7 +798,7 @@ impl Stream {
         let cache = Cache { data: &*self.shared, limits: &self.config.limits };
         let refresh = c.refresh;
         let mut out = Outcome::default();
-        let result = storing::store_answer(&cache, &c, &headers, status, body, ttl, &mut out);
+        let result = insert::store_answer(&cache, &c, &headers, status, body, ttl, &mut out);
         self.record_outcome(host, &out);
         match result {
             Ok(stored) => {
@@ -1511,7 +1511,7 @@ mod tests {
         let limits = e.config.limits.clone();
         let newer = br#"{"id":"a","outputs":[{"name":"y","data":[3]}]}"#.to_vec();
         store_refresh(&e.shared, &limits, &a.refreshes[0], &refreshed_answer(), newer.clone(), e.now + 10).unwrap();
-        refresh::release(&*e.shared, &a.refreshes[0].key);
+        revalidate::release(&*e.shared, &a.refreshes[0].key);
         let (_c, c, _) = stale_request(&e, true);
         assert!(sent_status(&c).starts_with("meshcache; hit; ttl="), "{}", sent_status(&c));
         assert_eq!(c.sent.borrow().as_ref().unwrap().2, newer);
@@ -1535,7 +1535,7 @@ mod tests {
         let mut failed = refreshed_answer();
         failed.pairs[0].1 = "503".into();
         assert!(store_refresh(&e.shared, &limits, &c.refreshes[0], &failed, b"x".to_vec(), e.now).is_err());
-        refresh::failed(&*e.shared, &c.refreshes[0].key, e.now);
+        revalidate::failed(&*e.shared, &c.refreshes[0].key, e.now);
         let (_d, d, flow) = stale_request(&e, true);
         assert_eq!(flow, Flow::Continue);
         assert!(d.refreshes.is_empty(), "forwarded, not sent in the background");

@@ -332,7 +332,7 @@ impl Host for EnvoyHost<'_> {
         if cluster.is_empty() {
             return false;
         }
-        let headers = headers.iter().filter(|(n, _)| meshcache_core::refresh::repeats_header(n)).cloned().collect();
+        let headers = headers.iter().filter(|(n, _)| meshcache_core::revalidate::repeats_header(n)).cloned().collect();
         self.background.submit(Job { c: c.clone(), cluster, headers, body: body.to_vec() })
     }
 }

@@ -3,23 +3,23 @@
 //! surprise the request continues and `errors` counts it. Thread-locals here are per VM/worker.
 
 use crate::host::{Buffer, Host, Map};
-use crate::answer::{self, HitRequest};
-use crate::cache_control::NotStored;
-use crate::coalesce::{self, AfterWait, Join, LockTable, Release, Ticket, Waiters};
-use crate::config::{Config, Limits, Role};
-use crate::request::{self, BodyDecision, Cacheable, HeadDecision, RequestHead};
-use crate::grpc;
-use crate::logs;
-use crate::headermap::{self, Headers};
-use crate::response;
-use crate::metric_names as m;
-use crate::model::ModelSource;
-use crate::names::{self, Bypass};
-use crate::route_key;
-use crate::refresh::{self, Claim};
-use crate::stale;
-use crate::store::{Cache, Lifetime, Lookup, Outcome};
-use crate::storing;
+use meshcache_core::hit::{self, HitRequest};
+use meshcache_core::cache_control::NotStored;
+use meshcache_core::coalesce::{self, AfterWait, Join, LockTable, Release, Ticket, Waiters};
+use meshcache_core::config::{Config, Limits, Role};
+use meshcache_core::request::{self, BodyDecision, Cacheable, HeadDecision, RequestHead};
+use meshcache_core::grpc;
+use meshcache_core::logs;
+use meshcache_core::headermap::{self, Headers};
+use meshcache_core::response;
+use meshcache_core::metric_names as m;
+use meshcache_core::model::ModelSource;
+use meshcache_core::names::{self, Bypass};
+use meshcache_core::route_key;
+use meshcache_core::revalidate::{self, Claim};
+use meshcache_core::stale;
+use meshcache_core::store::{Cache, Lifetime, Lookup, Outcome};
+use meshcache_core::insert;
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::rc::Rc;
@@ -41,7 +41,7 @@ pub fn delete<H: Host>(h: &mut H, id: u32) {
     let gone = STREAMS.with(|s| s.borrow_mut().remove(&id));
     if let Some(key) = gone.as_ref().and_then(|s| s.refreshing) {
         // This forwarded request was the key's refresh: done, stored or not.
-        refresh::release(&h.shared(), &key);
+        revalidate::release(&h.shared(), &key);
     }
     GRPC_REPLIES.with(|r| r.borrow_mut().remove(&id));
     WAITERS.with(|w| w.borrow_mut().remove(id));
@@ -229,13 +229,13 @@ pub struct Waiting {
 
 pub struct Collecting {
     c: Cacheable,
-    ttl: crate::cache_control::Ttl,
+    ttl: meshcache_core::cache_control::Ttl,
     status: u16,
     headers: Vec<(String, String)>,
     /// The answer so far (absolute body offsets), while it may still be stored.
     copy: Vec<u8>,
     /// The answer's hash, fed each chunk as it arrives (None: hashed whole when stored).
-    hasher: Option<crate::hashing::AnswerHasher>,
+    hasher: Option<meshcache_core::hashing::AnswerHasher>,
     /// Response headers not yet sent (paused): they can still say `stored` and the hash.
     held: bool,
     /// Body bytes already passed on before the host's current buffer starts.
@@ -268,15 +268,15 @@ pub struct Stream {
     lock: Option<Ticket>,
     /// This forwarded request refreshes the key (stale-while-revalidate without a background
     /// request): its lock is released when the stream ends.
-    refreshing: Option<crate::hashing::KeyDigest>,
+    refreshing: Option<meshcache_core::hashing::KeyDigest>,
 }
 
 struct Fallback {
-    entry: crate::entry::Entry,
-    policy: crate::config::Policy,
+    entry: meshcache_core::entry::Entry,
+    policy: meshcache_core::config::Policy,
     /// Request headers and id, for the answer (If-None-Match, the caller's id).
     headers: Vec<(String, String)>,
-    id: crate::shaping::RequestId,
+    id: meshcache_core::shaping::RequestId,
     grpc: bool,
 }
 
@@ -418,7 +418,7 @@ impl Stream {
                 c.seen = Some(seen);
                 let u = stale::stale_use(&e, &c.policy, now);
                 if let Some(u) = u.filter(|u| u.while_revalidate) {
-                    match refresh::claim(&h.shared(), &c.key, now) {
+                    match revalidate::claim(&h.shared(), &c.key, now) {
                         Claim::Busy => return self.answer_stale_while_revalidate(h, &c, &e, headers, body, u, now),
                         Claim::Background => {
                             if h.refresh(self.root, self.id, &c, headers, body, &cfg.limits, now) {
@@ -444,7 +444,7 @@ impl Stream {
 
     /// Answers from a stored entry (PAUSE), or CONTINUE when the local reply failed.
     /// `cache_status`: other than the hit's (a request that waited for an identical one).
-    fn answer_hit<H: Host>(&mut self, h: &mut H, c: &Cacheable, request: &HitRequest, entry: &crate::entry::Entry, now: u64,
+    fn answer_hit<H: Host>(&mut self, h: &mut H, c: &Cacheable, request: &HitRequest, entry: &meshcache_core::entry::Entry, now: u64,
                   cache_status: Option<String>) -> u32 {
         h.count(m::HITS, 1);
         h.count_policy(&c.policy.model_prefix, "hits");
@@ -456,7 +456,7 @@ impl Stream {
     fn answer_entry<H: Host>(&mut self, h: &mut H,
         c: &Cacheable,
         request: &HitRequest,
-        entry: &crate::entry::Entry,
+        entry: &meshcache_core::entry::Entry,
         now: u64,
         cache_status: Option<String>,
     ) -> u32 {
@@ -464,9 +464,9 @@ impl Stream {
         if c.grpc {
             return self.answer_grpc_hit(h, entry, request, now, cache_status);
         }
-        let mut reply = answer::http_hit(entry, request, now);
+        let mut reply = hit::http_hit(entry, request, now);
         if let Some(status) = cache_status {
-            answer::set_cache_status(&mut reply, status);
+            hit::set_cache_status(&mut reply, status);
         }
         let hdrs: Vec<(&str, &str)> = reply.headers.iter().map(|(n, v)| (n.as_str(), v.as_str())).collect();
         if !h.send_local_response(reply.status as u32, "meshcache_hit", &reply.body, &hdrs, -1) {
@@ -479,7 +479,7 @@ impl Stream {
     /// Stale-while-revalidate: the expired entry answers at once; its refresh is under way.
     fn answer_stale_while_revalidate<H: Host>(&mut self, h: &mut H,
         c: &Cacheable,
-        entry: &crate::entry::Entry,
+        entry: &meshcache_core::entry::Entry,
         headers: &[(String, String)],
         body: &[u8],
         u: stale::StaleUse,
@@ -492,7 +492,7 @@ impl Stream {
 
     /// A request whose entry expired is forwarded (a fresh answer replaces the entry where it
     /// is); if stale-if-error may use the entry, it stands by for an origin failure.
-    fn forward_expired<H: Host>(&mut self, h: &mut H, cfg: &Config, mut c: Cacheable, e: crate::entry::Entry, seen: crate::store::SlotSeen,
+    fn forward_expired<H: Host>(&mut self, h: &mut H, cfg: &Config, mut c: Cacheable, e: meshcache_core::entry::Entry, seen: meshcache_core::store::SlotSeen,
                        headers: &[(String, String)], now: u64) -> u32 {
         c.seen = Some(seen);
         let if_error = stale::stale_use(&e, &c.policy, now).map_or(false, |u| u.if_error);
@@ -521,10 +521,10 @@ impl Stream {
     /// Marks the request (filter state, so the local reply selects the hit route whose Lua step
     /// gives it a body), then sends the empty local reply; `grpc_reply_*` fill it. The entry was
     /// read whole at lookup, so eviction meanwhile cannot fail the answer.
-    fn answer_grpc_hit<H: Host>(&mut self, h: &mut H, entry: &crate::entry::Entry, request: &HitRequest, now: u64, cache_status: Option<String>) -> u32 {
-        let mut reply = answer::grpc_hit(entry, request, now);
+    fn answer_grpc_hit<H: Host>(&mut self, h: &mut H, entry: &meshcache_core::entry::Entry, request: &HitRequest, now: u64, cache_status: Option<String>) -> u32 {
+        let mut reply = hit::grpc_hit(entry, request, now);
         if let Some(status) = cache_status {
-            answer::set_cache_status(&mut reply, status);
+            hit::set_cache_status(&mut reply, status);
         }
         if !h.set_property(LOCAL_MARKER, b"1") || !h.clear_route_cache() {
             h.error("gRPC hit: could not mark the request; forwarding it");
@@ -699,7 +699,7 @@ impl Stream {
 
     /// Answers a waiter from an entry, `Cache-Status` set to `status`; a failed local reply
     /// sends it upstream uncached.
-    fn answer_waiter<H: Host>(&mut self, h: &mut H, c: &Cacheable, request: &HitRequest, entry: &crate::entry::Entry, now: u64,
+    fn answer_waiter<H: Host>(&mut self, h: &mut H, c: &Cacheable, request: &HitRequest, entry: &meshcache_core::entry::Entry, now: u64,
                      status: String) -> u32 {
         if self.answer_hit(h, c, request, entry, now, Some(status)) == CONTINUE {
             self.phase = Phase::Pass;
@@ -773,8 +773,8 @@ impl Stream {
                 h.error("stale-if-error: a gRPC error arrived without the stale route's body; passing it through");
                 return None;
             }
-            let mut reply = answer::grpc_hit(&f.entry, &request, now);
-            answer::set_cache_status(&mut reply, names::cache_status_stale_if_error(u.past_s(), None));
+            let mut reply = hit::grpc_hit(&f.entry, &request, now);
+            hit::set_cache_status(&mut reply, names::cache_status_stale_if_error(u.past_s(), None));
             let mut all: Vec<(&str, &str)> = vec![(":status", "200")];
             all.extend(reply.headers.iter().map(|(n, v)| (n.as_str(), v.as_str())));
             if !h.set_headers(Map::ResponseHeaders, &all) {
@@ -787,8 +787,8 @@ impl Stream {
             h.count(m::STALE_IF_ERROR, 1);
             return Some(CONTINUE);
         }
-        let mut reply = answer::http_hit(&f.entry, &request, now);
-        answer::set_cache_status(&mut reply, names::cache_status_stale_if_error(u.past_s(), Some(status)));
+        let mut reply = hit::http_hit(&f.entry, &request, now);
+        hit::set_cache_status(&mut reply, names::cache_status_stale_if_error(u.past_s(), Some(status)));
         let hdrs: Vec<(&str, &str)> = reply.headers.iter().map(|(n, v)| (n.as_str(), v.as_str())).collect();
         // In the response phase Envoy sends a local reply straight to the client (the error
         // answer is dropped).
@@ -803,7 +803,7 @@ impl Stream {
     fn limits(&self) -> Limits {
         match self.config().as_deref() {
             Some(cfg) => cfg.limits.clone(),
-            _ => crate::config::Config::empty().limits,
+            _ => meshcache_core::config::Config::empty().limits,
         }
     }
 
@@ -863,9 +863,9 @@ impl Stream {
         // Hashed as it arrives when the hash's leading length is known now and the stored body
         // is the body as received (an echoed request id is taken out first: hashed at the end).
         let hasher = match (&c.request_id, c.grpc, declared) {
-            (crate::shaping::RequestId::Spliced(_), _, _) => None,
-            (_, true, _) => Some(crate::hashing::AnswerHasher::grpc()),
-            (_, false, Some(n)) => Some(crate::hashing::AnswerHasher::http(n as u64)),
+            (meshcache_core::shaping::RequestId::Spliced(_), _, _) => None,
+            (_, true, _) => Some(meshcache_core::hashing::AnswerHasher::grpc()),
+            (_, false, Some(n)) => Some(meshcache_core::hashing::AnswerHasher::http(n as u64)),
             (_, false, None) => None,
         };
         // Room for the whole declared answer up front: chunks land in it without regrowing.
@@ -961,11 +961,11 @@ impl Stream {
 
     fn finish_store<H: Host>(&mut self, h: &mut H,
         c: Cacheable,
-        ttl: crate::cache_control::Ttl,
+        ttl: meshcache_core::cache_control::Ttl,
         status: u16,
         headers: Vec<(String, String)>,
         body: Vec<u8>,
-        hashed: Option<crate::hashing::AnswerHasher>,
+        hashed: Option<meshcache_core::hashing::AnswerHasher>,
         open: Open,
     ) -> u32 {
         let headers_open = open == Open::Headers;
@@ -973,7 +973,7 @@ impl Stream {
         let refresh = c.refresh;
         let cache = Cache { data: &h.shared(), limits: &limits };
         let mut out = Outcome::default();
-        let result = storing::store_streamed(&cache, &c, &headers, status, body, ttl, hashed, &mut out);
+        let result = insert::store_streamed(&cache, &c, &headers, status, body, ttl, hashed, &mut out);
         h.record_outcome(&out);
         match result {
             Ok(stored) => {

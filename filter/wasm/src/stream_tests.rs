@@ -4,8 +4,8 @@
 //! (tests/filter) checks the same cases against the real host.
 
 use super::*;
-use crate::config::parse_plugin_config;
-use crate::store::SharedData;
+use meshcache_core::config::parse_plugin_config;
+use meshcache_core::store::SharedData;
 use std::collections::VecDeque;
 
 /// Envoy's shared data for one VM: cas 0 writes unconditionally, each write a fresh cas.
@@ -55,7 +55,7 @@ struct Fake {
     errors: Vec<String>,
     queues: HashMap<u32, VecDeque<Vec<u8>>>,
     refresh_ok: bool,
-    refreshes: Vec<(u32, u32, crate::hashing::KeyDigest)>,
+    refreshes: Vec<(u32, u32, meshcache_core::hashing::KeyDigest)>,
     logged: Vec<String>,
 }
 
@@ -167,7 +167,7 @@ impl Host for Fake {
         *self.counts.entry(name.to_string()).or_default() += n;
     }
     fn count_policy(&mut self, prefix: &str, what: &str) {
-        self.count(&crate::metric_names::policy_metric(prefix, what), 1);
+        self.count(&meshcache_core::metric_names::policy_metric(prefix, what), 1);
     }
     fn error(&mut self, msg: &str) {
         self.count(m::ERRORS, 1);
@@ -436,7 +436,7 @@ fn a_grpc_answer_is_stored_at_its_trailers_and_hit_in_one_pass() {
         create(id, ROOT, Some(cfg.clone()));
         f.current = id;
         let x = f.x();
-        for (n, v) in [(":method", "POST"), (":path", crate::model::GRPC_MODEL_INFER_PATH), ("content-type", "application/grpc")] {
+        for (n, v) in [(":method", "POST"), (":path", meshcache_core::model::GRPC_MODEL_INFER_PATH), ("content-type", "application/grpc")] {
             set(&mut x.req, n, v);
         }
         x.req_body = ask_grpc.clone();
