@@ -26,7 +26,8 @@ use meshcache_core::request::{self, BodyDecision, Cacheable, HeadDecision, Reque
 use meshcache_core::accounting::{attribute, policy_tag};
 use meshcache_core::headermap::{self, Headers};
 use meshcache_core::metric_names;
-use meshcache_core::response;
+use meshcache_core::response::{self, Collect};
+use meshcache_core::hashing::AnswerHasher;
 use meshcache_core::model::ModelSource;
 use meshcache_core::names::{self, Bypass};
 use meshcache_core::route_key;
@@ -145,6 +146,10 @@ struct Collecting {
     seen: usize,
     /// Response headers not yet sent: they can still say `stored` and carry the hash.
     held: bool,
+    /// What the answer may grow to and still be stored.
+    limit: usize,
+    /// The answer's hash, fed each chunk as it arrives (None: hashed whole when stored).
+    hasher: Option<AnswerHasher>,
 }
 
 enum State {
@@ -671,42 +676,28 @@ impl Stream {
 
     fn start_collect(&mut self, host: &mut dyn Host, c: Cacheable, end_of_stream: bool) -> Flow {
         let response = host.response_headers();
+        let (status, plan) = response::begin_collect(&c, &response, end_of_stream, host.now_ms(),
+                                                     self.config.limits.max_entry_bytes, self.config.hold_headers);
         let headers = response.pairs;
-        let status: u16 = headermap::header(&headers, ":status").and_then(|s| s.parse().ok()).unwrap_or(0);
-        let grpc_status = headermap::header(&headers, "grpc-status");
-        if status != 200 {
-            self.release(Release::for_status(status, stale::is_origin_error(status, grpc_status)));
-            return self.not_stored(host, c.refresh, NotStored::Status, true);
-        }
-        if c.grpc && (end_of_stream || grpc_status.is_some()) {
-            // Trailers-only gRPC responses are errors (or empty): nothing to store.
-            if stale::is_origin_error(status, grpc_status) {
-                self.release(Release::OriginError);
+        match plan {
+            Collect::Skip { why, release } => {
+                self.release(release);
+                self.not_stored(host, c.refresh, why, true)
             }
-            return self.not_stored(host, c.refresh, NotStored::GrpcStatus, true);
-        }
-        let ttl = match response::check_storable(&c.policy, &headers, &response.not_utf8, host.now_ms()) {
-            Ok(t) => t,
-            Err(why) => return self.not_stored(host, c.refresh, why, true),
-        };
-        let limit = self.limit(&c);
-        let declared = headermap::header(&headers, "content-length");
-        if declared.and_then(|v| v.trim().parse::<usize>().ok()).map_or(false, |n| n > limit) {
-            return self.not_stored(host, c.refresh, NotStored::TooBig, true);
-        }
-        if end_of_stream {
-            return self.finish_store(host, c, ttl, status, headers, Vec::new(), Open::Headers);
-        }
-        let held = self.config.hold_headers && response::should_hold(c.grpc, headermap::header(&headers, "content-type"), declared);
-        if !held {
-            // The answer streams: say what is known now; it is copied and stored at its end.
-            host.set_response_header(names::CACHE_STATUS, names::cache_status_forwarded(c.refresh).as_bytes());
-        }
-        self.state = State::Collect(Box::new(Collecting { c, ttl, status, headers, copy: Vec::new(), seen: 0, held }));
-        if held {
-            Flow::Hold
-        } else {
-            Flow::Continue
+            Collect::StoreNow(ttl) => self.finish_store(host, c, ttl, status, headers, Vec::new(), None, Open::Headers),
+            Collect::Start { ttl, limit, held, hasher, .. } => {
+                if !held {
+                    // The answer streams: say what is known now; it is copied and stored at its end.
+                    host.set_response_header(names::CACHE_STATUS, names::cache_status_forwarded(c.refresh).as_bytes());
+                }
+                let k = Collecting { c, ttl, status, headers, copy: Vec::new(), seen: 0, held, limit, hasher };
+                self.state = State::Collect(Box::new(k));
+                if held {
+                    Flow::Hold
+                } else {
+                    Flow::Continue
+                }
+            }
         }
     }
 
@@ -720,19 +711,23 @@ impl Stream {
                 return Flow::Continue;
             }
         };
-        let limit = self.limit(&k.c);
         {
-            let Collecting { copy, seen, held, .. } = &mut *k;
+            let Collecting { copy, seen, held, limit, hasher, .. } = &mut *k;
             let mut arrived = 0;
             host.received_body(true, &mut |chunk| {
                 arrived += chunk.len();
-                if !*held && copy.len() + chunk.len() <= limit {
-                    copy.extend_from_slice(chunk);
+                if *seen + arrived <= *limit {
+                    if let Some(h) = hasher.as_mut() {
+                        h.update(chunk);
+                    }
+                    if !*held {
+                        copy.extend_from_slice(chunk);
+                    }
                 }
             });
             *seen += arrived;
         }
-        if k.seen > limit {
+        if k.seen > k.limit {
             return self.not_stored(host, k.c.refresh, NotStored::TooBig, k.held);
         }
         if end_of_stream {
@@ -742,8 +737,8 @@ impl Stream {
             }
             let open = if k.held { Open::Headers } else { Open::Closed };
             let body = self.take_body(host, &mut k);
-            let Collecting { c, ttl, status, headers, .. } = *k;
-            return self.finish_store(host, c, ttl, status, headers, body, open);
+            let Collecting { c, ttl, status, headers, hasher, .. } = *k;
+            return self.finish_store(host, c, ttl, status, headers, body, hasher, open);
         }
         if k.held && k.seen <= response::HOLD_BYTES {
             self.state = State::Collect(k);
@@ -757,11 +752,6 @@ impl Stream {
         }
         self.state = State::Collect(k);
         Flow::Continue
-    }
-
-    /// What a miss's answer may grow to and still be stored (a gRPC message's frame on top).
-    fn limit(&self, c: &Cacheable) -> usize {
-        self.config.limits.max_entry_bytes as usize + if c.grpc { 5 } else { 0 }
     }
 
     /// The answer so far: Envoy's held buffer while held, the copy once it streamed.
@@ -782,8 +772,8 @@ impl Stream {
                     return self.not_stored(host, k.c.refresh, NotStored::GrpcStatus, k.held);
                 }
                 let body = self.take_body(host, &mut k);
-                let Collecting { c, ttl, status, headers, .. } = *k;
-                self.finish_store(host, c, ttl, status, headers, body, open)
+                let Collecting { c, ttl, status, headers, hasher, .. } = *k;
+                self.finish_store(host, c, ttl, status, headers, body, hasher, open)
             }
             other => {
                 self.state = other;
@@ -794,11 +784,11 @@ impl Stream {
 
     #[allow(clippy::too_many_arguments)]
     fn finish_store(&mut self, host: &mut dyn Host, c: Cacheable, ttl: Ttl, status: u16, headers: Vec<(String, String)>,
-                    body: Vec<u8>, open: Open) -> Flow {
+                    body: Vec<u8>, hashed: Option<AnswerHasher>, open: Open) -> Flow {
         let cache = Cache { data: &*self.shared, limits: &self.config.limits };
         let refresh = c.refresh;
         let mut out = Outcome::default();
-        let result = insert::store_answer(&cache, &c, &headers, status, body, ttl, &mut out);
+        let result = insert::store_streamed(&cache, &c, &headers, status, body, ttl, hashed, &mut out);
         self.record_outcome(host, &out);
         match result {
             Ok(stored) => {

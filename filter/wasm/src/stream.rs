@@ -11,7 +11,7 @@ use meshcache_core::request::{self, BodyDecision, Cacheable, HeadDecision, Reque
 use meshcache_core::grpc;
 use meshcache_core::logs;
 use meshcache_core::headermap::{self, Headers};
-use meshcache_core::response;
+use meshcache_core::response::{self, Collect};
 use meshcache_core::metric_names as m;
 use meshcache_core::model::ModelSource;
 use meshcache_core::names::{self, Bypass};
@@ -828,53 +828,29 @@ impl Stream {
 
     fn start_collect<H: Host>(&mut self, h: &mut H, c: Cacheable, eos: bool) -> u32 {
         let response = h.headers(Map::ResponseHeaders);
+        let max_entry_bytes = self.limits().max_entry_bytes;
+        let (status, plan) = response::begin_collect(&c, &response, eos, h.now_ms(), max_entry_bytes, self.holds_headers());
         let headers = response.pairs;
-        let status: u16 = headermap::header(&headers, ":status").and_then(|s| s.parse().ok()).unwrap_or(0);
-        let grpc_status = headermap::header(&headers, "grpc-status");
-        if status != 200 {
-            self.release(h, Release::for_status(status, stale::is_origin_error(status, grpc_status)));
-            return self.not_stored(h, c.refresh, NotStored::Status, true);
-        }
-        if c.grpc && (eos || grpc_status.is_some()) {
-            // Trailers-only gRPC responses are errors (or empty): nothing to store.
-            if stale::is_origin_error(status, grpc_status) {
-                self.release(h, Release::OriginError);
+        match plan {
+            Collect::Skip { why, release } => {
+                self.release(h, release);
+                self.not_stored(h, c.refresh, why, true)
             }
-            return self.not_stored(h, c.refresh, NotStored::GrpcStatus, true);
-        }
-        let ttl = match response::check_storable(&c.policy, &headers, &response.not_utf8, h.now_ms()) {
-            Ok(t) => t,
-            Err(why) => return self.not_stored(h, c.refresh, why, true),
-        };
-        let limit = self.limits().max_entry_bytes as usize + if c.grpc { 5 } else { 0 };
-        let declared = headermap::header(&headers, "content-length");
-        if declared.and_then(|v| v.trim().parse::<usize>().ok()).map_or(false, |n| n > limit) {
-            return self.not_stored(h, c.refresh, NotStored::TooBig, true);
-        }
-        if eos {
-            return self.finish_store(h, c, ttl, status, headers, Vec::new(), None, Open::Headers);
-        }
-        let held = self.holds_headers() && response::should_hold(c.grpc, headermap::header(&headers, "content-type"), declared);
-        if !held {
-            // The answer streams: say what is known now; it is copied and stored at its end.
-            h.set_header(Map::ResponseHeaders, names::CACHE_STATUS, names::cache_status_forwarded(c.refresh));
-        }
-        let declared = declared.and_then(|v| v.trim().parse::<usize>().ok());
-        // Hashed as it arrives when the hash's leading length is known now and the stored body
-        // is the body as received (an echoed request id is taken out first: hashed at the end).
-        let hasher = match (&c.request_id, c.grpc, declared) {
-            (meshcache_core::shaping::RequestId::Spliced(_), _, _) => None,
-            (_, true, _) => Some(meshcache_core::hashing::AnswerHasher::grpc()),
-            (_, false, Some(n)) => Some(meshcache_core::hashing::AnswerHasher::http(n as u64)),
-            (_, false, None) => None,
-        };
-        // Room for the whole declared answer up front: chunks land in it without regrowing.
-        let copy = Vec::with_capacity(declared.unwrap_or(0).min(limit));
-        self.phase = Phase::Collect(Box::new(Collecting { c, ttl, status, headers, copy, hasher, held, base: 0 }));
-        if held {
-            PAUSE
-        } else {
-            CONTINUE
+            Collect::StoreNow(ttl) => self.finish_store(h, c, ttl, status, headers, Vec::new(), None, Open::Headers),
+            Collect::Start { ttl, held, hasher, declared, .. } => {
+                if !held {
+                    // The answer streams: say what is known now; it is copied and stored at its end.
+                    h.set_header(Map::ResponseHeaders, names::CACHE_STATUS, names::cache_status_forwarded(c.refresh));
+                }
+                // Room for the whole declared answer up front: chunks land in it without regrowing.
+                let copy = Vec::with_capacity(declared);
+                self.phase = Phase::Collect(Box::new(Collecting { c, ttl, status, headers, copy, hasher, held, base: 0 }));
+                if held {
+                    PAUSE
+                } else {
+                    CONTINUE
+                }
+            }
         }
     }
 
