@@ -33,7 +33,7 @@ use meshcache_core::names::{self, Bypass};
 use meshcache_core::route_key;
 use meshcache_core::store::{Cache, Lifetime, Lookup, Outcome};
 use meshcache_core::insert;
-use meshcache_core::coalesce::{self, AfterWait, Join, LockTable, Release, Ticket};
+use meshcache_core::coalesce::{self, Join, LockTable, Release, Ticket, Woken};
 use meshcache_core::revalidate::{self, Claim};
 
 use crate::park::{self, Parking, Wake};
@@ -545,47 +545,24 @@ impl Stream {
         let now = host.now_ms();
         let cache = Cache { data: &*self.shared, limits: &self.config.limits };
         let mut out = Outcome::default();
-        // Keeping what stale-if-error may still use: a woken waiter must not free it.
-        let found = cache.lookup_keeping(&c.key, now, Lifetime::of(&c.policy), &mut out);
+        let woken = coalesce::wake(&cache, &mut c, release, now, deadline, &mut out, &mut |name| host.count(name, 1));
         self.record_outcome(host, &out);
-        let request = HitRequest { headers: &headers, body: &[], id: &c.request_id };
-        let after = coalesce::after_wait(&found, &c.policy, release, now, deadline);
-        let (expired, seen) = match found {
-            Lookup::Hit(entry) => {
-                host.count(metric_names::COALESCE_SERVED, 1);
-                self.answer_hit(host, &c, &request, &entry, now, Some(names::CACHE_STATUS_COLLAPSED.to_string()));
+        let (again, expired) = match woken {
+            Woken::Answer { entry, cache_status } => {
+                let request = HitRequest { headers: &headers, body: &[], id: &c.request_id };
+                self.answer_hit(host, &c, &request, &entry, now, Some(cache_status));
                 return;
             }
-            Lookup::Stale(entry, seen) => {
-                // The leader's origin failed and the expired entry may stand in for it
-                // (stale-if-error): every waiter is answered with it at once.
-                if let AfterWait::AnswerStale(u) = after {
-                    host.count(metric_names::COALESCE_SERVED, 1);
-                    host.count(metric_names::STALE_IF_ERROR, 1);
-                    let status = names::cache_status_collapsed(&names::cache_status_stale_if_error(u.past_s(), None));
-                    self.answer_hit(host, &c, &request, &entry, now, Some(status));
-                    return;
-                }
-                (Some(entry), Some(seen))
-            }
-            Lookup::Miss(seen) => (None, seen),
+            Woken::Upstream { again, expired } => (again, expired),
         };
-        if release.is_some() {
-            host.count(metric_names::COALESCE_RELEASED, 1);
-        }
-        c.seen = seen;
-        if after == AfterWait::TryAgain && self.lead_or_wait(host, &c, now, deadline) {
+        if again && self.lead_or_wait(host, &c, now, deadline) {
             self.state = State::Waiting(Box::new(Waiting { c, headers, deadline }));
             return;
         }
         match expired {
-            Some(entry) => {
-                self.forward_expired(host, c, entry, &headers, now);
-            }
-            None => {
-                self.miss(host, c);
-            }
-        }
+            Some(entry) => self.forward_expired(host, c, entry, &headers, now),
+            None => self.miss(host, c),
+        };
         host.resume_request();
     }
 

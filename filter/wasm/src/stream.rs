@@ -5,7 +5,7 @@
 use crate::host::{Buffer, Host, Map};
 use meshcache_core::hit::{self, HitRequest};
 use meshcache_core::cache_control::NotStored;
-use meshcache_core::coalesce::{self, AfterWait, Join, LockTable, Release, Ticket, Waiters};
+use meshcache_core::coalesce::{self, Join, LockTable, Release, Ticket, Waiters, Woken};
 use meshcache_core::config::{Config, Limits, Role};
 use meshcache_core::request::{self, BodyDecision, Cacheable, HeadDecision, RequestHead};
 use meshcache_core::grpc;
@@ -436,7 +436,7 @@ impl Stream {
                 if self.refreshing.is_none() && self.joins_in_flight(h, &c, now) {
                     return self.wait(h, c, headers);
                 }
-                return self.forward_expired(h, cfg, c, e, seen, headers, now);
+                return self.forward_expired(h, cfg, c, e, headers, now);
             }
         };
         self.answer_hit(h, &c, &HitRequest { headers, body, id: &c.request_id }, &entry, now, None)
@@ -492,9 +492,8 @@ impl Stream {
 
     /// A request whose entry expired is forwarded (a fresh answer replaces the entry where it
     /// is); if stale-if-error may use the entry, it stands by for an origin failure.
-    fn forward_expired<H: Host>(&mut self, h: &mut H, cfg: &Config, mut c: Cacheable, e: meshcache_core::entry::Entry, seen: meshcache_core::store::SlotSeen,
+    fn forward_expired<H: Host>(&mut self, h: &mut H, cfg: &Config, c: Cacheable, e: meshcache_core::entry::Entry,
                        headers: &[(String, String)], now: u64) -> u32 {
-        c.seen = Some(seen);
         let if_error = stale::stale_use(&e, &c.policy, now).map_or(false, |u| u.if_error);
         if if_error && (!c.grpc || self.take_stale_route(h, cfg.hold_headers)) {
             let (id, grpc, policy) = (c.request_id.clone(), c.grpc, c.policy.clone());
@@ -654,46 +653,24 @@ impl Stream {
         };
         let now = h.now_ms();
         let mut out = Outcome::default();
-        // Keeping what stale-if-error may still use: a woken waiter must not free it.
         let cache = Cache { data: &h.shared(), limits: &cfg.limits };
-        let found = cache.lookup_keeping(&c.key, now, Lifetime::of(&c.policy), &mut out);
+        let woken = coalesce::wake(&cache, &mut c, release, now, deadline, &mut out, &mut |name| h.count(name, 1));
         h.record_outcome(&out);
-        let request = HitRequest { headers: &headers, body: &[], id: &c.request_id };
-        let after = coalesce::after_wait(&found, &c.policy, release, now, deadline);
-        let (expired, seen) = match found {
-            Lookup::Hit(entry) => {
-                h.count(m::COALESCE_SERVED, 1);
-                return self.answer_waiter(h, &c, &request, &entry, now, names::CACHE_STATUS_COLLAPSED.to_string());
+        let (again, expired) = match woken {
+            Woken::Answer { entry, cache_status } => {
+                let request = HitRequest { headers: &headers, body: &[], id: &c.request_id };
+                return self.answer_waiter(h, &c, &request, &entry, now, cache_status);
             }
-            Lookup::Stale(entry, seen) => {
-                // The leader's origin failed and the expired entry may stand in for it
-                // (stale-if-error): every waiter is answered with it at once.
-                if let AfterWait::AnswerStale(u) = after {
-                    h.count(m::COALESCE_SERVED, 1);
-                    h.count(m::STALE_IF_ERROR, 1);
-                    let status = names::cache_status_collapsed(&names::cache_status_stale_if_error(u.past_s(), None));
-                    return self.answer_waiter(h, &c, &request, &entry, now, status);
-                }
-                (Some(entry), Some(seen))
-            }
-            Lookup::Miss(seen) => (None, seen),
+            Woken::Upstream { again, expired } => (again, expired),
         };
-        if release.is_some() {
-            h.count(m::COALESCE_RELEASED, 1);
-        }
-        c.seen = seen;
-        if after == AfterWait::TryAgain && self.lead_or_wait(h, &c, now, deadline) {
+        if again && self.lead_or_wait(h, &c, now, deadline) {
             self.phase = Phase::Waiting(Box::new(Waiting { c, headers }));
             return PAUSE;
         }
-        match (expired, seen) {
-            (Some(entry), Some(seen)) => {
-                self.forward_expired(h, &cfg, c, entry, seen, &headers, now);
-            }
-            _ => {
-                self.miss(h, c);
-            }
-        }
+        match expired {
+            Some(entry) => self.forward_expired(h, &cfg, c, entry, &headers, now),
+            None => self.miss(h, c),
+        };
         continue_now(h)
     }
 
