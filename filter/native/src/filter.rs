@@ -6,11 +6,10 @@
 //! ABI; the tests below over a fake). gRPC hits are answered in one pass with headers, the
 //! framed message and a `grpc-status: 0` trailer (no hit route or Lua step, unlike the Wasm
 //! host); stale-if-error answers an origin error (HTTP or gRPC) with the expired entry.
-//! Identical misses are coalesced by the core's rules (`coalesce::LockTable`): waiters park
-//! (`park.rs`) and are woken by their leader's outcome or their timeout through Envoy's
-//! scheduler. What this host does not do yet answers as the Wasm host does when the feature is
-//! off: the client role passes untouched (no routing key), stale-while-revalidate is not served
-//! (the request is forwarded and its answer replaces the entry).
+//! Identical misses are coalesced by the core's rules (`coalesce::LockTable`, `coalesce::wake`):
+//! waiters park (`park.rs`) and are woken by their leader's outcome or their timeout through
+//! Envoy's scheduler. Stale-while-revalidate refreshes go out as config-level callouts
+//! (`background.rs`); the client role puts the routing key on the held request headers.
 
 use std::sync::Arc;
 

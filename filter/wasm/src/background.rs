@@ -50,7 +50,6 @@ pub fn start(root: u32, stream: u32, c: &Cacheable, request: &[(String, String)]
             let mut c = c.clone();
             c.request_ms = now;
             PENDING.with(|p| p.borrow_mut().insert(token, Pending { c, limits: limits.clone(), sent_ms: now }));
-            count(metrics::REFRESHES, 1);
             true
         }
         None => false,

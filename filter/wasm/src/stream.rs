@@ -422,6 +422,7 @@ impl Stream {
                         Claim::Busy => return self.answer_stale_while_revalidate(h, &c, &e, headers, body, u, now),
                         Claim::Background => {
                             if h.refresh(self.root, self.id, &c, headers, body, &cfg.limits, now) {
+                                h.count(m::REFRESHES, 1);
                                 return self.answer_stale_while_revalidate(h, &c, &e, headers, body, u, now);
                             }
                             // No background request here: this request refreshes the entry.

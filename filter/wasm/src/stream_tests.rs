@@ -411,6 +411,7 @@ fn stale_while_revalidate_answers_at_once_and_refreshes_once() {
     assert_eq!(f.refreshes.len(), 1, "one background refresh for the key");
     assert_eq!(f.refreshes[0].0, ROOT, "owned by the root context");
     assert_eq!(f.counted(m::STALE_WHILE_REVALIDATE), 3);
+    assert_eq!(f.counted(m::REFRESHES), 1, "counted where it is sent, as on the native host");
 }
 
 #[test]
