@@ -1,9 +1,9 @@
 """OpenAI-compatible chat completions from the real engine (its LLM demo models) through a real
 Envoy running the cache, on both hosts: what the cache does with LLM traffic today (issue 38,
 docs/llm.md). A deterministic chat is stored and hit; the body's model, `stream` flag and
-sampling fields are keyed; `ignore_fields` leaves `user` out; a sample bypasses under
-`deterministic_only`; a streamed answer goes through at once, is stored whole and a hit replays
-its exact bytes (valid SSE ending `data: [DONE]`)."""
+sampling fields are keyed; `ignore_fields` leaves `user` out; a sample, `n > 1` and offered tools
+bypass under `deterministic_only`; a streamed answer goes through at once, is stored whole and a
+hit replays its exact bytes (valid SSE ending `data: [DONE]`)."""
 
 from __future__ import annotations
 
@@ -66,6 +66,21 @@ def test_chat_completion_miss_then_hit(tmp_path: Path, engine: Engine, host: str
         seeded = chat(http, _body(temperature=0.7, seed=11))
         assert seeded.cache_status == STORED
         assert chat(http, _body(temperature=0.7, seed=11)).body == seeded.body
+
+
+def test_several_choices_and_tools_bypass_under_deterministic_only(tmp_path: Path, engine: Engine, host: str) -> None:
+    with filter_stack(tmp_path, _policies(), upstream=(engine.http_port, engine.grpc_port), host=host) as s, \
+            httpx.Client(base_url=s.url(""), timeout=30) as http:
+        tool = {"type": "function", "function": {"name": "light", "parameters": {"type": "object"}}}
+        # Even greedy: n > 1 hands every caller the first caller's set of answers, a tool call
+        # its call ids. Each bypass says why, whatever the engine answers (it refuses tools).
+        for body, detail in ((_body(n=2), "multiple-choices"), (_body(tools=[tool]), "tool-calls"),
+                             (_body(n=2, temperature=0.7, seed=4), "multiple-choices")):
+            for _ in range(2):
+                assert chat(http, body).cache_status == f"meshcache; fwd=bypass; detail={detail}"
+        # No tools offered and one choice are the plain deterministic request: cached.
+        assert chat(http, _body(n=1, tools=[])).cache_status == STORED
+        s.stats_reaching({"meshcache.bypass.multiple-choices": 4, "meshcache.bypass.tool-calls": 2})
 
 
 def test_stream_stored_whole_and_replayed_apart_from_non_stream(tmp_path: Path, engine: Engine, host: str) -> None:

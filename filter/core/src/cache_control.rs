@@ -86,9 +86,34 @@ pub enum NotStored {
     SetCookie,
     /// A header that is not valid UTF-8 could not be stored byte for byte.
     HeaderBytes,
+    /// An event stream that did not end with its terminal event (`data: [DONE]`): cut short.
+    StreamIncomplete,
+    /// An event stream carrying an error event (`data: {"error": ...}`).
+    StreamError,
 }
 
 impl NotStored {
+    /// Every reason, each with its own counter (`metric_names::not_stored_counter`).
+    pub const ALL: [NotStored; 17] = [
+        NotStored::Status,
+        NotStored::GrpcStatus,
+        NotStored::NoStore,
+        NotStored::Private,
+        NotStored::NoCache,
+        NotStored::ZeroTtl,
+        NotStored::TooBig,
+        NotStored::StoreFull,
+        NotStored::Contended,
+        NotStored::Error,
+        NotStored::Unparsable,
+        NotStored::Stale,
+        NotStored::Vary,
+        NotStored::SetCookie,
+        NotStored::HeaderBytes,
+        NotStored::StreamIncomplete,
+        NotStored::StreamError,
+    ];
+
     pub fn detail(self) -> &'static str {
         match self {
             NotStored::Status => "status",
@@ -106,6 +131,8 @@ impl NotStored {
             NotStored::Vary => "vary",
             NotStored::SetCookie => "set-cookie",
             NotStored::HeaderBytes => "header-bytes",
+            NotStored::StreamIncomplete => "stream-incomplete",
+            NotStored::StreamError => "stream-error",
         }
     }
 }

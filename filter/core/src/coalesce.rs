@@ -92,7 +92,9 @@ impl Release {
     /// The waiters' outcome when the leader's answer was not stored for this reason.
     pub fn not_stored(why: NotStored) -> Release {
         match why {
-            NotStored::GrpcStatus | NotStored::StoreFull | NotStored::Contended | NotStored::Error => Release::Retry,
+            NotStored::GrpcStatus | NotStored::StoreFull | NotStored::Contended | NotStored::Error
+            // A stream cut short or failing mid-way: the next try may complete.
+            | NotStored::StreamIncomplete | NotStored::StreamError => Release::Retry,
             _ => Release::Uncacheable,
         }
     }

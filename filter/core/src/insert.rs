@@ -5,6 +5,7 @@ use crate::cache_control::{NotStored, Ttl};
 use crate::request::Cacheable;
 use crate::response::{self, Stored};
 use crate::grpc;
+use crate::sse;
 use crate::hashing::AnswerHasher;
 use crate::store::{Cache, Outcome, SharedData, StoreError};
 
@@ -40,6 +41,10 @@ pub fn store_streamed<S: SharedData>(
     let message = if c.grpc { grpc::unframe(&body).ok_or(NotStored::Error)?.to_vec() } else { body };
     if message.len() as u64 > max {
         return Err(NotStored::TooBig);
+    }
+    if !c.grpc && sse::is_event_stream(crate::headermap::header(headers, "content-type")) {
+        // Only a stream that ended with its terminal event and carried no error is an answer.
+        sse::check_complete(&message)?;
     }
     let stored = response::build_entry(c, headers, status, message, ttl, hashed)?;
     if stored.entry.encoded_len() as u64 > max {

@@ -29,6 +29,7 @@ pub mod response;
 pub mod revalidate;
 pub mod route_key;
 pub mod shaping;
+pub mod sse;
 pub mod stale;
 pub mod store;
 #[cfg(test)]

@@ -2,6 +2,7 @@
 //! `wasmcustom.` prefix; the native host's metrics namespace is set to the same), so stats
 //! readers, the status page and dashboards see the same names whichever host runs.
 
+use crate::cache_control::NotStored;
 use crate::names::Bypass;
 
 pub const HITS: &str = "meshcache.hits";
@@ -33,7 +34,33 @@ pub fn bypass_counter(why: Bypass) -> &'static str {
         Bypass::BinaryLength => "meshcache.bypass.binary-length",
         Bypass::Unparsable => "meshcache.bypass.unparsable",
         Bypass::Nondeterministic => "meshcache.bypass.nondeterministic",
+        Bypass::MultipleChoices => "meshcache.bypass.multiple-choices",
+        Bypass::ToolCalls => "meshcache.bypass.tool-calls",
         Bypass::NoHitRoute => "meshcache.bypass.no-hit-route",
+    }
+}
+/// Misses whose answer was not stored, one counter per reason: `meshcache.not_stored.<detail>`,
+/// the `detail` of the miss's `Cache-Status` (`NotStored::ALL`). The only record of why a
+/// streamed answer was not stored: its headers left before its end.
+pub fn not_stored_counter(why: NotStored) -> &'static str {
+    match why {
+        NotStored::Status => "meshcache.not_stored.status",
+        NotStored::GrpcStatus => "meshcache.not_stored.grpc-status",
+        NotStored::NoStore => "meshcache.not_stored.no-store",
+        NotStored::Private => "meshcache.not_stored.private",
+        NotStored::NoCache => "meshcache.not_stored.no-cache",
+        NotStored::ZeroTtl => "meshcache.not_stored.ttl-zero",
+        NotStored::TooBig => "meshcache.not_stored.too-big",
+        NotStored::StoreFull => "meshcache.not_stored.store-full",
+        NotStored::Contended => "meshcache.not_stored.contended",
+        NotStored::Error => "meshcache.not_stored.error",
+        NotStored::Unparsable => "meshcache.not_stored.unparsable",
+        NotStored::Stale => "meshcache.not_stored.stale",
+        NotStored::Vary => "meshcache.not_stored.vary",
+        NotStored::SetCookie => "meshcache.not_stored.set-cookie",
+        NotStored::HeaderBytes => "meshcache.not_stored.header-bytes",
+        NotStored::StreamIncomplete => "meshcache.not_stored.stream-incomplete",
+        NotStored::StreamError => "meshcache.not_stored.stream-error",
     }
 }
 pub const STORES: &str = "meshcache.stores";
@@ -90,6 +117,11 @@ mod tests {
         let mut seen = std::collections::BTreeSet::new();
         for why in Bypass::ALL.iter() {
             assert_eq!(bypass_counter(*why), format!("meshcache.bypass.{}", why.detail()));
+            assert!(seen.insert(why.detail()), "{} twice", why.detail());
+        }
+        let mut seen = std::collections::BTreeSet::new();
+        for why in NotStored::ALL.iter() {
+            assert_eq!(not_stored_counter(*why), format!("meshcache.not_stored.{}", why.detail()));
             assert!(seen.insert(why.detail()), "{} twice", why.detail());
         }
     }

@@ -101,13 +101,19 @@ pub enum Bypass {
     Unparsable,
     /// `deterministic_only` and the answer would be a sample.
     Nondeterministic,
+    /// `deterministic_only` and the body asks for several answers (`n` other than 1): each
+    /// caller would get the first caller's set of samples.
+    MultipleChoices,
+    /// `deterministic_only` and the body offers tools (`tools`, or the older `functions`): the
+    /// answer may be a tool call, whose ids and arguments belong to one conversation.
+    ToolCalls,
     /// This worker found the gRPC hit route missing: gRPC requests bypass.
     NoHitRoute,
 }
 
 impl Bypass {
     /// Every reason, each with its own counter (`metric_names::bypass_counter`).
-    pub const ALL: [Bypass; 19] = [
+    pub const ALL: [Bypass; 21] = [
         Bypass::Method,
         Bypass::Path,
         Bypass::GrpcWeb,
@@ -126,6 +132,8 @@ impl Bypass {
         Bypass::BinaryLength,
         Bypass::Unparsable,
         Bypass::Nondeterministic,
+        Bypass::MultipleChoices,
+        Bypass::ToolCalls,
         Bypass::NoHitRoute,
     ];
 
@@ -149,6 +157,8 @@ impl Bypass {
             Bypass::BinaryLength => "binary-length",
             Bypass::Unparsable => "unparsable",
             Bypass::Nondeterministic => "nondeterministic",
+            Bypass::MultipleChoices => "multiple-choices",
+            Bypass::ToolCalls => "tool-calls",
             Bypass::NoHitRoute => "no-hit-route",
         }
     }

@@ -67,7 +67,8 @@ pub struct JsonRules<'p> {
     pub request_id: bool,
     /// Top-level fields left out of the key.
     pub ignore_fields: &'p [String],
-    /// Bypass sampled answers: `temperature` > 0 (absent means the OpenAI default, 1) without `seed`.
+    /// Bypass sampled answers: `temperature` > 0 (absent means the OpenAI default, 1) without
+    /// `seed`; several choices (`n` other than 1); tools offered (`tools`, `functions`).
     pub deterministic_only: bool,
 }
 
@@ -112,6 +113,12 @@ fn is_fixed_seed(raw: &[u8]) -> bool {
     !raw.is_empty() && raw.iter().all(u8::is_ascii_digit) && raw != RANDOM_SEED_SENTINEL
 }
 
+/// `[]`, with any JSON whitespace inside.
+fn is_empty_array(raw: &[u8]) -> bool {
+    let inner: Vec<u8> = raw.iter().copied().filter(|b| !b" \t\r\n".contains(b)).collect();
+    inner == b"[]"
+}
+
 /// The key body of a JSON request under `rules`, with the top-level members already scanned
 /// (the caller may have read the model from them).
 pub fn shape_json<'a>(
@@ -128,6 +135,10 @@ pub fn shape_json<'a>(
     let mut temperature: Option<&[u8]> = None;
     let mut seeded = false;
     let mut seen_seed = false;
+    let mut seen_n = false;
+    let mut several = false;
+    let mut seen_tools = [false, false];
+    let mut tools = false;
     for (i, m) in members.iter().enumerate() {
         if rules.ignore_fields.iter().any(|f| m.key_is(json, f)) {
             drop[i] = true;
@@ -166,8 +177,31 @@ pub fn shape_json<'a>(
                 seen_seed = true;
                 // Only a non-negative integer fixes the sampler (false, "x", {}, 1.5, -1 do not).
                 seeded = is_fixed_seed(m.value_raw(json));
+            } else if m.key_is(json, "n") {
+                if seen_n {
+                    return Err(Bypass::Unparsable);
+                }
+                seen_n = true;
+                // Absent, null and 1 are one choice; anything else (2, "2", 1.5) is not one.
+                several = !matches!(m.value_raw(json), b"null" | b"1");
+            } else if let Some(t) = ["tools", "functions"].iter().position(|f| m.key_is(json, f)) {
+                if seen_tools[t] {
+                    return Err(Bypass::Unparsable);
+                }
+                seen_tools[t] = true;
+                // Only null or an empty list offers nothing.
+                let raw = m.value_raw(json);
+                if raw != b"null" && !is_empty_array(raw) {
+                    tools = true;
+                }
             }
         }
+    }
+    if several {
+        return Err(Bypass::MultipleChoices);
+    }
+    if tools {
+        return Err(Bypass::ToolCalls);
     }
     if rules.deterministic_only && !seeded {
         let sampled = match temperature {
@@ -477,6 +511,26 @@ mod tests {
                 assert_eq!(got.unwrap_err(), Bypass::Nondeterministic);
             }
         }
+        // Several choices and offered tools bypass even at temperature 0 (each with its reason).
+        for (body, why) in [
+            (&br#"{"model":"m","temperature":0,"n":1}"#[..], None),
+            (br#"{"model":"m","temperature":0,"n":null}"#, None),
+            (br#"{"model":"m","temperature":0,"tools":[]}"#, None),
+            (br#"{"model":"m","temperature":0,"tools":[ ],"functions":null}"#, None),
+            (br#"{"model":"m","temperature":0,"tool_choice":"none"}"#, None),
+            (br#"{"model":"m","temperature":0,"n":2}"#, Some(Bypass::MultipleChoices)),
+            (br#"{"model":"m","temperature":0,"n":1.0}"#, Some(Bypass::MultipleChoices)),
+            (br#"{"model":"m","temperature":0.7,"seed":3,"n":"2"}"#, Some(Bypass::MultipleChoices)),
+            (br#"{"model":"m","temperature":0,"tools":[{"type":"function","function":{"name":"f"}}]}"#, Some(Bypass::ToolCalls)),
+            (br#"{"model":"m","temperature":0,"functions":[{"name":"f"}]}"#, Some(Bypass::ToolCalls)),
+            (br#"{"model":"m","temperature":0,"tools":{}}"#, Some(Bypass::ToolCalls)),
+            (br#"{"model":"m","temperature":0,"n":1,"n":2}"#, Some(Bypass::Unparsable)),
+            (br#"{"model":"m","temperature":0,"tools":[],"tools":[1]}"#, Some(Bypass::Unparsable)),
+        ] {
+            assert_eq!(key_of(body, &det).err(), why, "{}", String::from_utf8_lossy(body));
+        }
+        // Without deterministic_only they are keyed like any field.
+        assert!(key_of(br#"{"model":"m","n":2,"tools":[1]}"#, &rules).is_ok());
         assert_eq!(key_of(br#"{"temperature":"hot"}"#, &det), Err(Bypass::Unparsable));
         assert_eq!(key_of(br#"{"temperature":0,"temperature":1}"#, &det), Err(Bypass::Unparsable));
         assert_eq!(key_of(br#"{"temperature":1,"seed":1,"seed":null}"#, &det), Err(Bypass::Unparsable), "repeated seed");

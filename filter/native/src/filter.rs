@@ -574,6 +574,7 @@ impl Stream {
 
     fn not_stored(&mut self, host: &mut dyn Host, refresh: bool, why: NotStored, headers_open: bool) -> Flow {
         self.release(Release::not_stored(why));
+        host.count(metric_names::not_stored_counter(why), 1);
         if headers_open {
             host.set_response_header(names::CACHE_STATUS, names::cache_status_not_stored(refresh, why).as_bytes());
         }

@@ -6,9 +6,10 @@
 use std::collections::HashMap;
 
 use meshcache_core::config::Config;
+use meshcache_core::cache_control::NotStored;
 use meshcache_core::names::Bypass;
 use meshcache_core::metric_names::{
-    bypass_counter, policy_metric, BYTES, COUNTERS, ENTRIES, POLICY_COUNTERS, POLICY_GAUGES_OF, UNATTRIBUTED_BYTES, UNATTRIBUTED_ENTRIES,
+    bypass_counter, not_stored_counter, policy_metric, BYTES, COUNTERS, ENTRIES, POLICY_COUNTERS, POLICY_GAUGES_OF, UNATTRIBUTED_BYTES, UNATTRIBUTED_ENTRIES,
 };
 
 use crate::abi::*;
@@ -29,6 +30,7 @@ impl Metrics {
         let mut m = Metrics::default();
         let mut counters: Vec<String> = COUNTERS.iter().map(|n| n.to_string()).collect();
         counters.extend(Bypass::ALL.iter().map(|w| bypass_counter(*w).to_string()));
+        counters.extend(NotStored::ALL.iter().map(|w| not_stored_counter(*w).to_string()));
         let mut gauges: Vec<String> =
             [ENTRIES, BYTES, UNATTRIBUTED_ENTRIES, UNATTRIBUTED_BYTES].iter().map(|n| n.to_string()).collect();
         for p in &config.policies {

@@ -98,6 +98,9 @@ pub fn define_all<'a, I: Iterator<Item = &'a str>>(prefixes: I) {
     for why in meshcache_core::names::Bypass::ALL.iter() {
         metric(MetricKind::Counter, bypass_counter(*why));
     }
+    for why in meshcache_core::cache_control::NotStored::ALL.iter() {
+        metric(MetricKind::Counter, meshcache_core::metric_names::not_stored_counter(*why));
+    }
     for name in [ENTRIES, BYTES, UNATTRIBUTED_ENTRIES, UNATTRIBUTED_BYTES].iter() {
         metric(MetricKind::Gauge, name);
     }

@@ -797,6 +797,7 @@ impl Stream {
     /// they are held until the body is complete).
     fn not_stored<H: Host>(&mut self, h: &mut H, refresh: bool, why: NotStored, headers_open: bool) -> u32 {
         self.release(h, Release::not_stored(why));
+        h.count(m::not_stored_counter(why), 1);
         if headers_open {
             h.set_header(Map::ResponseHeaders, names::CACHE_STATUS, &names::cache_status_not_stored(refresh, why));
         }
