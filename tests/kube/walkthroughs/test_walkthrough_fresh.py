@@ -34,92 +34,22 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import yaml
 
 from meshcache.contract import oci
 from meshcache.ctl.istio import render
-from meshcache.ctl.kube import istiod as kube_istiod
-from meshcache.ctl.kube import kubelet as test_kubelet
-from meshcache.ctl.kube import registry
-from meshcache.ctl.kube.cluster import LocalCluster, start_cluster
-from meshcache.ctl.kube.kubelet import RunningPod
-from meshcache.ctl.kube.netns import NodeNetwork
-from meshcache.ctl.kube.services import ServiceProxy
 from tests.helpers.kserve import mlp_json
 from tests.helpers.wait import eventually
-from tests.kube.mesh.helpers import ecds_filters, http_call, proxy_status
+from tests.kube.mesh.helpers import ecds_filters, http_call
+from tests.kube.walkthroughs.node import WalkNode
 from tests.kube.walkthroughs.walk import Replaced, Shell, code_blocks, commands, section
 
 NS = "ml"
-CALLER_SA = "my-app"  # "callers run as `ml/my-app`"
 CP = "meshcache-control-plane"
 
 
-class FreshMesh:
-    """The cluster, node and registry of an empty cluster; istiod as the walk-through installs it."""
-
-    def __init__(self, work: Path, module: Path) -> None:
-        self.work = work
-        self.module = module
-        self.cluster: LocalCluster | None = None
-        self.network: NodeNetwork | None = None
-        self.kubelet: test_kubelet.TestKubelet | None = None
-        self.istiod: kube_istiod.KubeIstiod | None = None
-        self.cp_service: ServiceProxy | None = None
-        self.procs: list = []
-        self.operators: list[str] = []
-
-    def start(self) -> None:
-        self.cluster = start_cluster(self.work / "cluster")
-        self.network = NodeNetwork.create()
-        self.procs.append(registry.start_registry(self.network.node_ip, self.module, self.work / "registry"))
-        self.kubelet = test_kubelet.TestKubelet(self.cluster, self.network, self.work / "kubelet",
-                                   hosts={registry.HOST: self.network.node_ip})
-        self.kubelet.start()
-
-    def istioctl_install(self, shell: Shell, command: str) -> None:
-        """`istioctl install -y -f FILE`: istiod (re)started from FILE (module docstring)."""
-        assert self.cluster is not None and self.network is not None
-        path = re.search(r"-f\s+(\S+)", command)
-        assert path, command
-        operator = yaml.safe_load((shell.work / path.group(1)).read_text())
-        self.operators.append(path.group(1))
-        if self.istiod is not None:
-            self.istiod.stop()
-            self.istiod = None
-        sources = [s["address"].removeprefix("xds://").rsplit(":", 1)
-                   for s in operator["spec"].get("meshConfig", {}).get("configSources", [])
-                   if s["address"].startswith("xds://")]
-        for host, _ in sources:  # the control plane's Service as cluster DNS + kube-proxy would reach it
-            name, namespace = host.split(".")[:2]
-            if self.cp_service is None:
-                self.cp_service = ServiceProxy(self.cluster, namespace, name, self.network.node_ip)
-                self.cp_service.start()
-        self.istiod = kube_istiod.start(
-            self.cluster, operator, None, None, self.work / f"istiod-{len(self.operators)}",
-            pod_facing_host=self.network.node_ip,
-            proxy_metadata={"WASM_INSECURE_REGISTRIES": registry.HOST},
-            hosts={host: self.network.node_ip for host, _ in sources})
-
-    def control_plane_api(self) -> str:
-        """The control plane's Service, port 8080, as its proxy on the node address serves it."""
-        assert self.cp_service is not None and self.network is not None
-        return f"{self.network.node_ip}:8080"
-
-    def stop(self) -> None:
-        for part in (self.kubelet, self.istiod, self.cp_service, *reversed(self.procs), self.cluster):
-            if part is not None:
-                try:
-                    part.stop()
-                except Exception:  # noqa: BLE001 - stop the rest regardless
-                    pass
-        if self.network is not None:
-            self.network.delete()
-
-
 @pytest.fixture(scope="module")
-def fresh(tmp_path_factory: pytest.TempPathFactory, filter_wasm: Path) -> Iterator[FreshMesh]:
-    mesh = FreshMesh(tmp_path_factory.mktemp("walkthrough-1"), filter_wasm)
+def fresh(tmp_path_factory: pytest.TempPathFactory, filter_wasm: Path) -> Iterator[WalkNode]:
+    mesh = WalkNode(tmp_path_factory.mktemp("walkthrough-1"), filter_wasm)
     try:
         mesh.start()
         yield mesh
@@ -127,26 +57,7 @@ def fresh(tmp_path_factory: pytest.TempPathFactory, filter_wasm: Path) -> Iterat
         mesh.stop()
 
 
-def caller(mesh: FreshMesh, shell: Shell) -> RunningPod:
-    """A pod of the app `ml/my-app`, injected like any pod of the namespace; its app is this test
-    (a process in the pod's network namespace, not UID 1337: its outbound traffic is captured)."""
-    shell.run(f"kubectl -n {NS} create serviceaccount {CALLER_SA}")
-    pod = {"apiVersion": "v1", "kind": "Pod",
-           "metadata": {"name": "my-app", "namespace": NS, "labels": {"app": "my-app"}},
-           "spec": {"serviceAccountName": CALLER_SA,
-                    "containers": [{"name": "app", "image": "example.invalid/my-app:1"}]}}
-    shell.run(f"kubectl apply --server-side -f - <<'EOF'\n{json.dumps(pod)}\nEOF")
-
-    def ready() -> RunningPod:
-        assert mesh.cluster is not None and mesh.kubelet is not None
-        got = mesh.cluster.get(f"/api/v1/namespaces/{NS}/pods/my-app")
-        assert got is not None and (proxy_status(got) or {}).get("ready"), got and got["status"]
-        return mesh.kubelet.pods[f"{NS}/my-app"]
-
-    return eventually(ready, timeout=120, interval=0.5)
-
-
-def test_walkthrough_1_fresh_mesh_top_to_bottom(fresh: FreshMesh, tmp_path: Path) -> None:
+def test_walkthrough_1_fresh_mesh_top_to_bottom(fresh: WalkNode, tmp_path: Path) -> None:
     blocks = [body for info, body in code_blocks(section("Walk-through 1: a fresh mesh")) if info in ("", "sh")]
     assert len(blocks) == 1, "walk-through 1 is one command block"
     steps = commands(blocks[0])
@@ -185,7 +96,7 @@ def test_walkthrough_1_fresh_mesh_top_to_bottom(fresh: FreshMesh, tmp_path: Path
     assert fresh.cluster is not None
     service = fresh.cluster.get(f"/api/v1/namespaces/{NS}/services/{render.ENGINE_APP}")
     assert service is not None
-    app = caller(fresh, shell)
+    app = fresh.app_pod(shell, NS)
 
     def filter_has_the_policy() -> bool:
         """Every engine sidecar runs the Wasm module (not the agent's fail-open stand-in) with the
