@@ -81,14 +81,15 @@ class WalkNode:
             proxy_metadata={"WASM_INSECURE_REGISTRIES": registry.HOST},
             hosts={host: self.network.node_ip for host, _ in sources})
 
-    def app_pod(self, shell: Shell, namespace: str, name: str = "my-app") -> RunningPod:
+    def app_pod(self, shell: Shell, namespace: str, name: str = "my-app",
+                labels: dict[str, str] | None = None) -> RunningPod:
         """The app `<namespace>/<name>` the walk-throughs call from: a Deployment of one pod,
         ServiceAccount `name`, injected like any pod of the namespace. Its app is the test (a
         process in the pod's network namespace, not UID 1337: its outbound traffic is captured)."""
         shell.run(f"kubectl -n {namespace} create serviceaccount {name}")
         deployment = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": name, "namespace": namespace},
                       "spec": {"replicas": 1, "selector": {"matchLabels": {"app": name}},
-                               "template": {"metadata": {"labels": {"app": name}},
+                               "template": {"metadata": {"labels": {"app": name, **(labels or {})}},
                                             "spec": {"serviceAccountName": name, "containers": [
                                                 {"name": "app", "image": f"example.invalid/{name}:1"}]}}}}
         shell.run(f"kubectl apply --server-side -f - <<'EOF'\n{json.dumps(deployment)}\nEOF")

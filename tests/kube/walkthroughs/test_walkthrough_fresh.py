@@ -36,6 +36,7 @@ from pathlib import Path
 import pytest
 
 from meshcache.contract import oci
+from meshcache.contract.extensions import AFFINITY_LABEL
 from meshcache.ctl.istio import render
 from tests.helpers.kserve import mlp_json
 from tests.helpers.wait import eventually
@@ -92,11 +93,21 @@ def test_walkthrough_1_fresh_mesh_top_to_bottom(fresh: WalkNode, tmp_path: Path)
     assert digests and digests[0] in (shell.work / "rendered" / "mcp-preview.yaml").read_text(), digests
     assert digests[0] == f"sha256:{oci.image_for(fresh.module).digest}"  # the image the registry holds
 
+    # The applies above went through istiod's validation webhook: it is on and refuses a broken
+    # EnvoyFilter (schema-valid for the CRD, a patch without a value for Istio).
+    broken = {"apiVersion": "networking.istio.io/v1alpha3", "kind": "EnvoyFilter",
+              "metadata": {"name": "broken", "namespace": NS},
+              "spec": {"configPatches": [{"applyTo": "HTTP_FILTER", "match": {"context": "SIDECAR_INBOUND"},
+                                          "patch": {"operation": "INSERT_BEFORE"}}]}}
+    err = shell.refused(f"kubectl apply --server-side --dry-run=server -f - <<'EOF'\n{json.dumps(broken)}\nEOF")
+    assert 'admission webhook "validation.istio.io" denied the request' in err and "missing patch value" in err, err
+
     # "Verify": the same request twice from a caller's pod, through its sidecar to the engine's.
     assert fresh.cluster is not None
     service = fresh.cluster.get(f"/api/v1/namespaces/{NS}/services/{render.ENGINE_APP}")
     assert service is not None
-    app = fresh.app_pod(shell, NS)
+    # The app's pods carry the cache-affinity label the walk-through asks for (two engine replicas).
+    app = fresh.app_pod(shell, NS, labels={AFFINITY_LABEL: "true"})
 
     def filter_has_the_policy() -> bool:
         """Every engine sidecar runs the Wasm module (not the agent's fail-open stand-in) with the
@@ -108,6 +119,9 @@ def test_walkthrough_1_fresh_mesh_top_to_bottom(fresh: WalkNode, tmp_path: Path)
             config = ecds_filters(pod).get("meshcache", {}).get("typed_config", {})
             assert config.get("@type", "").endswith("wasm.v3.Wasm"), config
             assert "mlp-classifier" in json.dumps(config), config
+        # The caller's client-role filter, which sets the route key the replicas are hashed by.
+        client = ecds_filters(app).get("meshcache-client", {}).get("typed_config", {})
+        assert client.get("@type", "").endswith("wasm.v3.Wasm") and "mlp-classifier" in json.dumps(client), client
         return True
 
     eventually(filter_has_the_policy, timeout=90, interval=1)

@@ -109,6 +109,13 @@ class Shell:
         self.ran.append(command)
         return out.stdout
 
+    def refused(self, command: str, timeout: float = COMMAND_TIMEOUT_S) -> str:
+        """A command that must fail: its stderr."""
+        out = subprocess.run(["bash", "-euo", "pipefail", "-c", command], cwd=self.work, env=self.env(),
+                             capture_output=True, text=True, timeout=timeout)
+        assert out.returncode != 0, f"`{command}` succeeded:\n{out.stdout[-1500:]}"
+        return out.stderr
+
     def walk(self, steps: list[str], replaced: list[Replaced]) -> None:
         """Each step in order: the project's equivalent where one is listed, else verbatim."""
         for command in steps:
