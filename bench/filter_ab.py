@@ -4,7 +4,8 @@ bench.filter compares the filter with plain proxying; its absolute numbers move 
 percent between machines and runs, so two of its runs cannot tell whether a change made the
 filter slower. This one can: two Envoys with the same config (one worker each), one running the
 module built from `--baseline-rev` (a git worktree built by filter/build.sh, like `make filter`),
-the other the current `filter/dist/meshcache_filter.wasm`, behind one nginx origin, driven by the
+the other the current `filter/dist/meshcache_filter.wasm` (`--host native`: the dynamic module,
+`filter/dist/libmeshcache_native.so`, built by `filter/build.sh native`), behind one nginx origin, driven by the
 same wrk script shape as bench.filter (HTTP/1.1, 16 connections, one thread). Per answer size,
 misses (every body new) and hits (one body), builds alternating in order from round to round.
 Besides req/s it records each Envoy's CPU time per request (user + system), which moves less
@@ -24,7 +25,7 @@ from bench import filter as bf
 from bench.loadgen import LoadResult, wrk
 from bench.report import publish, table
 from bench.stats import cpu_seconds
-from meshcache.contract.paths import REPO_ROOT, require_filter_wasm
+from meshcache.contract.paths import REPO_ROOT, require_filter_native, require_filter_wasm
 from meshcache.ctl import launchers, procs
 from meshcache.ctl.envoy_config import CacheProxy, write
 
@@ -35,15 +36,20 @@ POLICY = {"version": "bench", "max_entry_bytes": 9 * 1_048_576, "max_total_bytes
           "policies": [{"model_prefix": "bench", "ttl_s": 3600}]}
 
 
-def build_baseline(rev: str, workdir: Path) -> Path:
-    """The module as `rev` builds it (a detached worktree, removed again by the caller's tempdir)."""
+HOSTS = {"wasm": ("release", "meshcache_filter.wasm"), "native": ("native", "libmeshcache_native.so")}
+
+
+def build_baseline(rev: str, workdir: Path, host: str = "wasm") -> Path:
+    """The module as `rev` builds it for `host` (a detached worktree, removed again by the caller's
+    tempdir)."""
     tree = workdir / "baseline-tree"
+    mode, name = HOSTS[host]
     subprocess.run(["git", "-C", str(REPO_ROOT), "worktree", "add", "--detach", "-q", str(tree), rev], check=True)
     try:
-        subprocess.run([str(tree / "filter" / "build.sh"), "release"], check=True, timeout=900)
-        wasm = workdir / f"meshcache_filter-{rev}.wasm"
-        shutil.copy(tree / "filter" / "dist" / "meshcache_filter.wasm", wasm)
-        return wasm
+        subprocess.run([str(tree / "filter" / "build.sh"), mode], check=True, timeout=900)
+        module = workdir / f"{rev}-{name}"
+        shutil.copy(tree / "filter" / "dist" / name, module)
+        return module
     finally:
         subprocess.run(["git", "-C", str(REPO_ROOT), "worktree", "remove", "--force", str(tree)], check=False)
 
@@ -51,7 +57,7 @@ def build_baseline(rev: str, workdir: Path) -> Path:
 Results = dict[tuple[str, str], list[tuple[LoadResult, float]]]  # (build, mode) -> (load, CPU µs/request) per round
 
 
-def run_size(size: int, wasm: dict[str, Path], seconds: int, rounds: int, d: Path) -> Results:
+def run_size(size: int, wasm: dict[str, Path], seconds: int, rounds: int, d: Path, host: str = "wasm") -> Results:
     d.mkdir(parents=True)
     (d / "fixed.lua").write_text(bf.REQUEST_LUA.format(body=bf.REQUEST_JSON, vary="0"))
     for n in range(rounds):
@@ -66,8 +72,9 @@ def run_size(size: int, wasm: dict[str, Path], seconds: int, rounds: int, d: Pat
         pid: dict[str, int] = {}
         for build in BUILDS:
             listen[build], admin = procs.free_port(), procs.free_port()
+            module = {"native_module": wasm[build]} if host == "native" else {"wasm_path": wasm[build]}
             cfg = CacheProxy(listen_port=listen[build], admin_port=admin, http_upstream_port=ports["http_port"],
-                             grpc_upstream_port=ports["grpc_port"], wasm_path=wasm[build], plugin_config=POLICY)
+                             grpc_upstream_port=ports["grpc_port"], plugin_config=POLICY, **module)
             config = write(cfg, d / f"envoy-{build}.yaml")
             envoy = launchers.start_envoy(config, admin, d, name=f"envoy-{build}")
             started.append(envoy)
@@ -90,13 +97,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--sizes", default="1024,65536", help="answer sizes in bytes")
     parser.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
+    parser.add_argument("--host", choices=sorted(HOSTS), default="wasm", help="which host of the cache core")
     args = parser.parse_args(argv)
     rows, stored = [], []
     with tempfile.TemporaryDirectory(prefix="meshcache-bench-filter-ab-") as tmp:
-        wasm = {"baseline": build_baseline(args.baseline_rev, Path(tmp)), "current": require_filter_wasm()}
+        current = require_filter_native() if args.host == "native" else require_filter_wasm()
+        wasm = {"baseline": build_baseline(args.baseline_rev, Path(tmp), args.host), "current": current}
         for size in (int(s) for s in args.sizes.split(",")):
             label = f"{size // 1024} KiB"
-            results = run_size(size, wasm, args.seconds, args.rounds, Path(tmp) / f"s{size}")
+            results = run_size(size, wasm, args.seconds, args.rounds, Path(tmp) / f"s{size}", args.host)
             for mode in MODES:
                 rps = {b: [r.rps for r, _ in results[(b, mode)]] for b in BUILDS}
                 cpu = {b: [c for _, c in results[(b, mode)]] for b in BUILDS}

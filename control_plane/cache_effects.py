@@ -1,7 +1,7 @@
 """What a change does to the entries the sidecars already cache, derived from its diff
 (history.diff), so a write and its dry run say the same thing.
 
-The filter's rules (filter/core/src/store.rs `reconcile`, storing.rs, docs/filter.md "Store"):
+The filter's rules (filter/core/src/store.rs `reconcile`, insert.rs, docs/filter.md "Store"):
 - a new `max_entries` (up or down) changes the slot layout: every slot is emptied, the whole
   cache is lost on every proxy;
 - a lower `max_total_bytes` evicts entries (slot order) until the cache fits the new budget;

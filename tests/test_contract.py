@@ -120,6 +120,7 @@ def test_field_names_are_the_ones_the_filter_reads() -> None:
     missing = [f for f in fields if f'"{f}"' not in CONFIG_RS]
     assert not missing, f"config.rs does not read {missing}"
     assert f'Some("{fc.ROLE_SERVER}") => Role::Server' in CONFIG_RS
+    assert 'Some("cache")' not in CONFIG_RS, "the old spelling of the server role is gone"
     assert f'Some("{fc.ROLE_CLIENT}") => Role::Client' in CONFIG_RS
 
 

@@ -97,14 +97,16 @@ def filter_stack(tmp: Path, config: dict[str, Any], concurrency: int = 1,
                  upstream: tuple[int, int] | None = None,
                  without_grpc_hit_route: bool = False,
                  route_timeout_s: float | None = None,
-                 host: str = "wasm", access_log: list[dict[str, Any]] | None = None) -> Iterator[Stack]:
+                 host: str = "wasm", access_log: list[dict[str, Any]] | None = None,
+                 envoy_args: list[str] | None = None) -> Iterator[Stack]:
     """`host`: which host of the cache core runs it, `wasm` (the proxy-wasm filter), `native`
     (the Envoy dynamic module, filter/native/; see conftest.py) or `native-1.39` (the module's
     Envoy 1.39 build on Envoy 1.39.3). `upstream`: (HTTP, gRPC) ports
     of a server the caller runs (the engine) instead of the test origin.
     `without_grpc_hit_route`: a misconfigured Envoy lacking the single-pass hit route and Lua
     filter. `route_timeout_s`: the routes' upstream timeout (Envoy answers 504, gRPC UNAVAILABLE,
-    past it). `access_log`: Envoy `access_log` entries for the listener's HTTP connection manager."""
+    past it). `access_log`: Envoy `access_log` entries for the listener's HTTP connection manager.
+    `envoy_args`: more Envoy command-line arguments (e.g. `--component-log-level`)."""
     if host not in HOST_ENVOYS:
         raise ValueError(f"host: one of {', '.join(HOST_ENVOYS)}, not {host!r}")
     envoy = HOST_ENVOYS[host]
@@ -132,7 +134,8 @@ def filter_stack(tmp: Path, config: dict[str, Any], concurrency: int = 1,
         config_path = write(proxy, tmp / "envoy.yaml")
         if access_log:
             _add_access_log(config_path, access_log)
-        started.append(launchers.start_envoy(config_path, admin_port, tmp, concurrency=concurrency, envoy=envoy))
+        started.append(launchers.start_envoy(config_path, admin_port, tmp, concurrency=concurrency, envoy=envoy,
+                                             extra_args=envoy_args))
         yield Stack(listen_port, admin_port, http_port, grpc_port, tmp, origin)
 
 

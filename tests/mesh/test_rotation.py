@@ -3,7 +3,7 @@
 - A forced rotation: both sidecars load the new certificates without a restart, an open mTLS
   connection keeps working, new handshakes see the new certificate, the cache survives (a hit).
 - An expired certificate from the mesh CA is refused.
-- 15-second certificates under `meshcache up`: the supervisor rotates them, and the mesh keeps
+- 30-second certificates under `meshcache up`: the supervisor rotates them, and the mesh keeps
   answering (right, and from the same cache) after the first certificates have expired.
 """
 
@@ -167,14 +167,14 @@ def test_an_expired_certificate_is_refused(own_mesh: Mesh, tmp_path: Path) -> No
 
 
 def test_short_certificates_are_rotated_by_the_running_mesh(tmp_path: Path) -> None:
-    """`meshcache up` with 15 s certificates renewed 10 s before expiry (a rotation every ~5 s,
+    """`meshcache up` with 30 s certificates renewed 20 s before expiry (a rotation every ~10 s,
     checked every second): traffic keeps working (every answer checked) past the first
     certificates' expiry, with the same cache, no restart."""
     state_dir, ports = tmp_path / "state", Ports.free()
     config = tmp_path / "mesh.json"
     config.write_text(json.dumps({
         "ports": asdict(ports), "policies": {"mlp-classifier": {"ttl_s": 600, "max_ttl_s": 1800}},
-        "cert_hours": 15 / 3600, "renew_before_hours": 10 / 3600, "cert_check_s": 1}))
+        "cert_hours": 30 / 3600, "renew_before_hours": 20 / 3600, "cert_check_s": 1}))
     try:
         up = subprocess.run([*CLI, "up", "--detach", "--config", str(config), "--state-dir", str(state_dir)],
                             capture_output=True, text=True, timeout=240)

@@ -14,15 +14,12 @@
 
 use sha2::{Digest, Sha256};
 
-/// The bucket of entries that name no policy: entries stored before per-policy accounting
-/// (older filter builds sharing this VM's data) and entries stored while the table was full.
+/// The bucket of entries stored while the table was full (and what an unreadable slot held).
 pub const UNATTRIBUTED: u64 = 0;
 pub const MAX_BUCKETS: usize = 256;
 const MAGIC: &[u8; 3] = b"MA2";
 const HEADER: usize = 3 + 4 + 4 + 2;
 const BUCKET: usize = 8 + 4 + 8;
-/// The record before per-policy accounting: total bytes, entries, hand, slots.
-const LEGACY_LEN: usize = 20;
 
 /// A policy's tag: 64 bits of sha256 over its model prefix (never `UNATTRIBUTED`).
 pub fn policy_tag(model_prefix: &str) -> u64 {
@@ -126,16 +123,6 @@ impl Meta {
             t.copy_from_slice(&b[i..i + 8]);
             u64::from_be_bytes(t)
         };
-        if b.len() == LEGACY_LEN && &b[..3] != MAGIC {
-            // Written by a build before per-policy accounting: its entries name no policy.
-            let (bytes, entries) = (u64_at(0), u32_at(8));
-            let buckets = if entries == 0 && bytes == 0 {
-                vec![]
-            } else {
-                vec![Bucket { tag: UNATTRIBUTED, entries: entries as i32, bytes: bytes as i64 }]
-            };
-            return Some(Meta { hand: u32_at(12), slots: u32_at(16), buckets });
-        }
         if b.len() < HEADER || &b[..3] != MAGIC {
             return None;
         }
@@ -161,7 +148,7 @@ impl Meta {
 
 /// Entries and bytes as the gauges report them: per configured policy's stat name (policies
 /// whose names collide are summed), and `unattributed`: what no configured policy claims
-/// (removed policies, entries of older builds, entries stored while the table was full).
+/// (removed policies, entries stored while the table was full).
 #[derive(Debug, Default, PartialEq, Eq)]
 pub struct Attributed {
     pub per_name: std::collections::BTreeMap<String, (u64, u64)>,
@@ -224,18 +211,6 @@ mod tests {
         let mut one = Meta::default();
         one.add(7, 1);
         assert_eq!(Meta::decode(&one.encode()[..20]), None);
-    }
-
-    #[test]
-    fn legacy_record_counts_as_unattributed() {
-        let mut old = Vec::new();
-        old.extend_from_slice(&1234u64.to_be_bytes());
-        old.extend_from_slice(&3u32.to_be_bytes());
-        old.extend_from_slice(&7u32.to_be_bytes());
-        old.extend_from_slice(&64u32.to_be_bytes());
-        let m = Meta::decode(&old).unwrap();
-        assert_eq!((m.hand, m.slots, m.entries(), m.total_bytes()), (7, 64, 3, 1234));
-        assert_eq!(m.of(UNATTRIBUTED), (3, 1234));
     }
 
     #[test]

@@ -17,7 +17,11 @@ use crate::cache_control::NotStored;
 use crate::config::Policy;
 use crate::hashing::KeyDigest;
 use crate::stale::{self, StaleUse};
-use crate::store::{Lookup, SharedData};
+use crate::entry::Entry;
+use crate::metric_names as m;
+use crate::names;
+use crate::request::Cacheable;
+use crate::store::{Cache, Lifetime, Lookup, Outcome, SharedData};
 use std::collections::HashMap;
 
 pub const LOCK_SLOTS: u32 = 1024;
@@ -135,6 +139,49 @@ pub fn after_wait(found: &Lookup, policy: &Policy, release: Option<Release>, now
     } else {
         AfterWait::Upstream
     }
+}
+
+/// What a waiter does when it leaves the wait (both hosts' `resume_waiter`).
+pub enum Woken {
+    /// Answer from `entry` with this `Cache-Status` (the leader's entry, `collapsed`; or an
+    /// expired one standing in for the leader's origin error).
+    Answer { entry: Entry, cache_status: String },
+    /// Go upstream: after `again` lead or wait once more first (within the deadline);
+    /// `expired`, the entry the lookup found past its TTL, stands by for stale-if-error.
+    Upstream { again: bool, expired: Option<Entry> },
+}
+
+/// Waiter `c` leaves the wait (`release`: its leader's outcome; None: it timed out at
+/// `deadline_ms`): looks its key up again, keeping what stale-if-error may still use (a woken
+/// waiter must not free it), and says what it does; `c.seen` is what the lookup saw. `count`
+/// gets the coalescing counters it moves.
+#[allow(clippy::too_many_arguments)]
+pub fn wake<S: SharedData>(cache: &Cache<S>, c: &mut Cacheable, release: Option<Release>, now_ms: u64, deadline_ms: u64,
+                           out: &mut Outcome, count: &mut dyn FnMut(&'static str)) -> Woken {
+    let found = cache.lookup_keeping(&c.key, now_ms, Lifetime::of(&c.policy), out);
+    let after = after_wait(&found, &c.policy, release, now_ms, deadline_ms);
+    let (expired, seen) = match found {
+        Lookup::Hit(entry) => {
+            count(m::COALESCE_SERVED);
+            return Woken::Answer { entry, cache_status: names::CACHE_STATUS_COLLAPSED.to_string() };
+        }
+        Lookup::Stale(entry, seen) => {
+            if let AfterWait::AnswerStale(u) = after {
+                // Every waiter is answered with the expired entry at once.
+                count(m::COALESCE_SERVED);
+                count(m::STALE_IF_ERROR);
+                let cache_status = names::cache_status_collapsed(&names::cache_status_stale_if_error(u.past_s(), None));
+                return Woken::Answer { entry, cache_status };
+            }
+            (Some(entry), Some(seen))
+        }
+        Lookup::Miss(seen) => (None, seen),
+    };
+    if release.is_some() {
+        count(m::COALESCE_RELEASED);
+    }
+    c.seen = seen;
+    Woken::Upstream { again: after == AfterWait::TryAgain, expired }
 }
 
 /// A wake message: `(key, outcome)`.
@@ -595,5 +642,33 @@ mod tests {
         b.pop();
         assert_eq!(Record::decode(&b), None);
         assert_eq!(Record::decode(b""), None);
+    }
+
+    #[test]
+    fn a_woken_waiter_answers_from_the_leaders_entry_or_goes_on() {
+        let (mut c, limits) = crate::insert::tests::cacheable(4096);
+        let data = MemShared::default();
+        let cache = Cache { data: &data, limits: &limits };
+        cache.reconcile(&mut Outcome::default());
+        let mut counted = Vec::new();
+        let wake_at = |c: &mut Cacheable, release: Option<Release>, now: u64, counted: &mut Vec<&'static str>| {
+            wake(&cache, c, release, now, 1_000, &mut Outcome::default(), &mut |n| counted.push(n))
+        };
+        // No entry: a leader that may be retried is, within the deadline; past it, upstream.
+        assert!(matches!(wake_at(&mut c, Some(Release::Retry), 10, &mut counted), Woken::Upstream { again: true, expired: None }));
+        assert!(matches!(wake_at(&mut c, Some(Release::Retry), 1_000, &mut counted), Woken::Upstream { again: false, .. }));
+        assert!(matches!(wake_at(&mut c, None, 10, &mut counted), Woken::Upstream { again: false, .. }));
+        assert_eq!(counted, vec![m::COALESCE_RELEASED, m::COALESCE_RELEASED], "a timeout is no release");
+        // The leader stored its answer: the waiter is answered from it, `collapsed`.
+        let headers = vec![(":status".to_string(), "200".to_string())];
+        let ttl = crate::cache_control::Ttl { s: 5, from_policy: true };
+        crate::insert::store_answer(&cache, &c, &headers, 200, b"{}".to_vec(), ttl, &mut Outcome::default()).unwrap();
+        counted.clear();
+        let now = c.request_ms;
+        match wake_at(&mut c, Some(Release::Stored), now, &mut counted) {
+            Woken::Answer { cache_status, .. } => assert_eq!(cache_status, names::CACHE_STATUS_COLLAPSED),
+            Woken::Upstream { .. } => panic!("the stored entry answers"),
+        }
+        assert_eq!(counted, vec![m::COALESCE_SERVED]);
     }
 }

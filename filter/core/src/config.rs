@@ -69,7 +69,7 @@ pub struct Policy {
 /// Which side of the mesh the filter runs on. `role` in the plugin configuration.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Role {
-    /// The engine's sidecar: the cache ("server"; "cache" is the older spelling).
+    /// The engine's sidecar: the cache ("server").
     Server,
     /// A caller's sidecar: only computes the routing key (`names::ROUTE_KEY_HEADER`) that
     /// sends identical requests to one replica; never answers or stores.
@@ -146,12 +146,9 @@ pub fn parse_plugin_config(bytes: &[u8]) -> Result<Config, ConfigError> {
     let role = match obj.get("role") {
         None | Some(Value::Null) => Role::Server,
         Some(role) => match role.as_str() {
-            // The internal-listener responder is gone: gRPC hits are answered in one pass.
-            Some("stub") => return Err(err("role", "\"stub\" was removed (gRPC hits are answered in one pass); drop the stub listener")),
-            Some("cache") => Role::Server,
             Some("server") => Role::Server,
             Some("client") => Role::Client,
-            _ => return Err(err("role", "must be \"server\" (or \"cache\") or \"client\"")),
+            _ => return Err(err("role", "must be \"server\" or \"client\"")),
         },
     };
     let mut cfg = parse_config(obj)?;
@@ -477,7 +474,7 @@ mod tests {
         assert_eq!(c.policies.len(), 1);
         assert_eq!(error(r#"{"role": "stub"}"#).field, "role");
         assert_eq!(parse_plugin_config(b"").unwrap(), Config::empty());
-        assert_eq!(parse_plugin_config(br#"{"role": "cache"}"#).unwrap(), Config::empty());
+        assert_eq!(error(r#"{"role": "cache"}"#).field, "role");
         assert_eq!(error(r#"{"role": "x"}"#).field, "role");
         assert_eq!(error(r#"{"role": 1}"#).field, "role");
         assert_eq!(cache(r#"{"role": "server"}"#).role, Role::Server);

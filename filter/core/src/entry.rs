@@ -4,17 +4,11 @@ use crate::accounting::UNATTRIBUTED;
 use crate::hashing::KeyDigest;
 use crate::shaping::Splice;
 
-/// MC5 adds one byte at the end: whether the TTL came from the policy's `ttl_s`. MC4 adds the
-/// stale windows (RFC 5861) at the end; MC3 the policy tag after the key. MC4 (TTL from the
-/// origin, as far as a later `ttl_s` is concerned), MC3 (no stale windows), MC2 (where the
-/// answer's request id goes back) and MC1 entries still decode, MC2 and MC1 with the
-/// `UNATTRIBUTED` tag.
+/// The one layout an entry has. Entries live in shared data only as long as the Envoy process:
+/// a filter build that changes the layout changes the magic, and an entry with another magic
+/// (left by the build a config update replaced) is unreadable, a miss whose slot is emptied.
 const MAGIC: &[u8; 3] = b"MC5";
-const MAGIC_V4: &[u8; 3] = b"MC4";
-const MAGIC_V3: &[u8; 3] = b"MC3";
-const MAGIC_V2: &[u8; 3] = b"MC2";
-const MAGIC_V1: &[u8; 3] = b"MC1";
-/// Where the policy tag sits in an MC3 entry (after magic and key).
+/// Where the policy tag sits (after magic and key).
 const TAG_AT: usize = 3 + 32;
 
 #[derive(Clone, Debug, PartialEq)]
@@ -42,11 +36,6 @@ pub struct Entry {
     /// one request refreshes it. The entry is kept until the longer one ends.
     pub stale_if_error_s: u32,
     pub stale_while_revalidate_s: u32,
-}
-
-/// Whether an encoded entry's magic says it carries a policy tag (MC3 and later).
-fn tagged(magic: &[u8]) -> bool {
-    magic == MAGIC || magic == MAGIC_V4 || magic == MAGIC_V3
 }
 
 impl Entry {
@@ -105,17 +94,12 @@ impl Entry {
 
     pub fn decode(buf: &[u8]) -> Option<Entry> {
         let mut r = Reader { buf };
-        let magic = r.take(3)?;
-        let v1 = magic == MAGIC_V1;
-        let v5 = magic == MAGIC;
-        let v4 = v5 || magic == MAGIC_V4;
-        let v3 = tagged(magic);
-        if !v1 && !v3 && magic != MAGIC_V2 {
+        if r.take(3)? != MAGIC {
             return None;
         }
         let mut key = [0u8; 32];
         key.copy_from_slice(r.take(32)?);
-        let policy = if v3 { r.u64()? } else { UNATTRIBUTED };
+        let policy = r.u64()?;
         let stored_at_ms = r.u64()?;
         let expires_at_ms = r.u64()?;
         let status = r.u16()?;
@@ -132,30 +116,26 @@ impl Entry {
         }
         let bl = r.u32()? as usize;
         let body = r.take(bl)?.to_vec();
-        let splice = if v1 {
-            None
-        } else {
-            match r.take(1)?[0] {
-                0 => None,
-                1 => Some(Splice::Proto { at: r.u32()? }),
-                2 => {
-                    let at = r.u32()?;
-                    let json_len_header = r.take(1)?[0] != 0;
-                    let bl = r.u16()? as usize;
-                    let before = r.take(bl)?.to_vec();
-                    let al = r.u16()? as usize;
-                    let after = r.take(al)?.to_vec();
-                    Some(Splice::Json { at, before, after, json_len_header })
-                }
-                _ => return None,
+        let splice = match r.take(1)?[0] {
+            0 => None,
+            1 => Some(Splice::Proto { at: r.u32()? }),
+            2 => {
+                let at = r.u32()?;
+                let json_len_header = r.take(1)?[0] != 0;
+                let bl = r.u16()? as usize;
+                let before = r.take(bl)?.to_vec();
+                let al = r.u16()? as usize;
+                let after = r.take(al)?.to_vec();
+                Some(Splice::Json { at, before, after, json_len_header })
             }
+            _ => return None,
         };
         let at = match &splice {
             Some(Splice::Proto { at }) | Some(Splice::Json { at, .. }) => *at as usize,
             None => 0,
         };
-        let (stale_if_error_s, stale_while_revalidate_s) = if v4 { (r.u32()?, r.u32()?) } else { (0, 0) };
-        let ttl_from_policy = if v5 { r.take(1)?[0] != 0 } else { false };
+        let (stale_if_error_s, stale_while_revalidate_s) = (r.u32()?, r.u32()?);
+        let ttl_from_policy = r.take(1)?[0] != 0;
         if !r.buf.is_empty() || at > body.len() {
             return None;
         }
@@ -167,16 +147,16 @@ impl Entry {
 
     /// The key digest without decoding the rest: a slot is checked before it is unpacked.
     pub fn peek_key(buf: &[u8]) -> Option<&[u8]> {
-        if buf.len() < 35 || !(tagged(&buf[..3]) || &buf[..3] == MAGIC_V2 || &buf[..3] == MAGIC_V1) {
+        if buf.len() < 35 || &buf[..3] != MAGIC {
             return None;
         }
         Some(&buf[3..35])
     }
 
-    /// The policy tag of an encoded entry without decoding it (`UNATTRIBUTED` for entries
-    /// without one, and for anything unreadable: what emptying the slot takes it out of).
+    /// The policy tag of an encoded entry without decoding it (`UNATTRIBUTED` for anything
+    /// unreadable: what emptying the slot takes it out of).
     pub fn peek_policy(buf: &[u8]) -> u64 {
-        if buf.len() < TAG_AT + 8 || !tagged(&buf[..3]) {
+        if buf.len() < TAG_AT + 8 || &buf[..3] != MAGIC {
             return UNATTRIBUTED;
         }
         let mut t = [0u8; 8];
@@ -184,9 +164,9 @@ impl Entry {
         u64::from_be_bytes(t)
     }
 
-    /// Rewrites the policy tag of an encoded MC3, MC4 or MC5 entry in place.
+    /// Rewrites the policy tag of an encoded entry in place.
     pub fn set_policy(buf: &mut [u8], tag: u64) {
-        if buf.len() >= TAG_AT + 8 && tagged(&buf[..3]) {
+        if buf.len() >= TAG_AT + 8 && &buf[..3] == MAGIC {
             buf[TAG_AT..TAG_AT + 8].copy_from_slice(&tag.to_be_bytes());
         }
     }
@@ -276,33 +256,14 @@ mod tests {
                 assert_eq!(Entry::decode(&buf[..n]), None);
             }
         }
-        // An MC4 entry is the MC5 layout without the TTL-source byte (decoded as the origin's
-        // TTL); MC3 also lacks the stale windows; MC2 also the policy tag, MC1 also the splice
-        // byte. MC2 and MC1 decode as unattributed (they were stored before per-policy
-        // accounting); none has stale windows.
         let from_policy = Entry { ttl_from_policy: true, ..sample(4, b"{}", 9) };
         assert_eq!(Entry::decode(&from_policy.encode()), Some(from_policy.clone()));
-        let mut v4 = from_policy.encode();
-        v4.pop();
-        v4[..3].copy_from_slice(MAGIC_V4);
-        assert_eq!(Entry::decode(&v4), Some(Entry { ttl_from_policy: false, ..from_policy }));
         let e = sample(4, b"{}", 9);
-        let mut v3 = e.encode();
-        v3.truncate(v3.len() - 9);
-        v3[..3].copy_from_slice(MAGIC_V3);
-        assert_eq!(Entry::decode(&v3), Some(e.clone()));
-        assert_eq!(Entry::peek_policy(&v3), e.policy);
-        let mut v2 = v3.clone();
-        v2.drain(TAG_AT..TAG_AT + 8);
-        v2[..3].copy_from_slice(MAGIC_V2);
-        let old = Entry { policy: UNATTRIBUTED, ..e.clone() };
-        assert_eq!(Entry::decode(&v2), Some(old.clone()));
-        assert_eq!(Entry::peek_policy(&v2), UNATTRIBUTED);
-        let mut v1 = v2.clone();
-        assert_eq!(v1.pop(), Some(0));
-        v1[..3].copy_from_slice(MAGIC_V1);
-        assert_eq!(Entry::decode(&v1), Some(old));
-        assert!(Entry::peek_key(&v1).is_some());
+        assert_eq!(Entry::peek_policy(&e.encode()), e.policy);
+        // Another build's layout (another magic) is unreadable: a miss, its slot emptied.
+        let mut other = e.encode();
+        other[..3].copy_from_slice(b"MC4");
+        assert_eq!((Entry::decode(&other), Entry::peek_key(&other), Entry::peek_policy(&other)), (None, None, UNATTRIBUTED));
         let mut retagged = e.encode();
         Entry::set_policy(&mut retagged, 42);
         assert_eq!(Entry::decode(&retagged).map(|d| d.policy), Some(42));

@@ -1,15 +1,15 @@
 //! meshcache's cache core: everything about caching that does not depend on the proxy that runs
 //! it — request reading and keys (`shaping`, `model`, `hashing`, `json`), policy (`config`),
-//! HTTP semantics (`cache_control`, `decide`, `answer`, `names`, `grpc`, `headermap`,
-//! `route_key`), entries (`entry`), store logic over a host's shared data (`store`,
-//! `accounting`), coalescing (`coalesce`) and stale rules (`stale`, `refresh`).
+//! HTTP semantics (`cache_control`, `request`, `response`, `hit`, `names`, `grpc`,
+//! `headermap`, `route_key`), entries (`entry`), the store over a host's shared data (`store`,
+//! `insert`, `accounting`), coalescing (`coalesce`), stale answers (`stale`: when an expired
+//! entry may answer; `revalidate`: one refresh per key) and log lines (`logs`).
 //!
 //! No `extern "C"`, no thread-locals, no I/O: `cargo test -p meshcache-core` checks it on the
 //! build machine. The hosts (`filter/wasm`: proxy-wasm; `filter/native`: Envoy dynamic module)
 //! read the proxy's headers and bodies, call into this crate, and write its answers back.
 
 pub mod accounting;
-pub mod answer;
 pub mod cache_control;
 pub mod coalesce;
 pub mod config;
@@ -17,17 +17,19 @@ pub mod entry;
 pub mod grpc;
 pub mod hashing;
 pub mod headermap;
+pub mod hit;
+pub mod insert;
 pub mod json;
+pub mod logs;
 pub mod metric_names;
 pub mod model;
 pub mod names;
-pub mod refresh;
 pub mod request;
 pub mod response;
+pub mod revalidate;
 pub mod route_key;
 pub mod shaping;
 pub mod stale;
 pub mod store;
-pub mod storing;
 #[cfg(test)]
 mod test_rng;

@@ -306,7 +306,7 @@ mod tests {
     use crate::cache_control::NotStored;
     use crate::headermap::header;
     use crate::response::{build_entry, check_storable, should_hold};
-    use crate::answer::not_modified;
+    use crate::hit::not_modified;
     use crate::config::parse_plugin_config;
 
     fn config(json: &str) -> Config {
@@ -612,7 +612,7 @@ mod tests {
         assert_eq!(names, vec!["content-type", "x-custom", "etag"]);
         assert_eq!(s.added_etag, Some(format!("\"{}\"", s.entry.response_hash)));
         assert!(not_modified(Some(&format!("\"{}\"", s.entry.response_hash)), &s.entry));
-        assert_eq!(crate::answer::freshness(&s.entry, 12_500), (3, 2));
+        assert_eq!(crate::hit::freshness(&s.entry, 12_500), (3, 2));
         let with_etag = hs(&[("etag", "\"v1\"")]);
         let s2 = build_entry(&c, &with_etag, 200, b"{}".to_vec(), TTL5, None).unwrap();
         assert_eq!(s2.added_etag, None);
@@ -643,7 +643,7 @@ mod tests {
         assert_eq!(stored.entry.response_hash, from_b.entry.response_hash, "the hash is id-independent");
         assert_eq!(stored.added_etag, from_b.added_etag);
         let none_h: Vec<(String, String)> = vec![];
-        let hit = crate::answer::http_hit(&stored.entry, &crate::answer::HitRequest { headers: &none_h, body: b"", id: &b.request_id }, 1000);
+        let hit = crate::hit::http_hit(&stored.entry, &crate::hit::HitRequest { headers: &none_h, body: b"", id: &b.request_id }, 1000);
         assert_eq!(hit.body, answer("b-2"));
         // An answer that echoes some other id is not stored.
         let wrong = build_entry(&a, &json, 200, answer("zzz"), TTL5, None);
@@ -672,7 +672,7 @@ mod tests {
         let none_h: Vec<(String, String)> = vec![];
         let hit = |id: &[u8]| {
             let id = RequestId::Spliced(id.to_vec());
-            let a = crate::answer::http_hit(&s.entry, &crate::answer::HitRequest { headers: &none_h, body: b"", id: &id }, 1000);
+            let a = crate::hit::http_hit(&s.entry, &crate::hit::HitRequest { headers: &none_h, body: b"", id: &id }, 1000);
             (a.body, a.headers)
         };
         let (body, headers) = hit(b"r1");

@@ -1019,7 +1019,7 @@ pub mod per_policy_tests {
     }
 
     #[test]
-    fn entries_of_older_builds_and_a_full_table_count_as_unattributed() {
+    fn entries_past_a_full_policy_table_count_as_unattributed() {
         let shared = MemShared::default();
         let lim = Limits { max_entry_bytes: 1 << 20, max_total_bytes: 1 << 30, max_entries: 1024 };
         let cache = Cache { data: &shared, limits: &lim };
@@ -1034,27 +1034,6 @@ pub mod per_policy_tests {
         assert_eq!(m.buckets.len(), crate::accounting::MAX_BUCKETS);
         assert_eq!(m.of(UNATTRIBUTED).0, 300 - 255);
         assert_exact(&cache, &slot_values(&shared, 1024), "a full table");
-        // An MC2 entry (older build, no tag) replaced by a tagged one: the unattributed bucket
-        // gives it up, the policy's bucket takes the new one.
-        let i = slot_of(&key(5000), 1024);
-        let (old, c) = shared.get(&slot_key(i)).unwrap();
-        let e = Entry { policy: policy_tag("model-0"), ..entry_of(&mut rng, 5000) };
-        let mut v2 = e.encode();
-        v2.drain(35..43);
-        v2[..3].copy_from_slice(b"MC2");
-        if !old.is_empty() {
-            cache.clear_slot(i, &old, c);
-        }
-        let (_, c) = shared.get(&slot_key(i)).unwrap();
-        shared.set(&slot_key(i), &v2, c);
-        cache.update_meta(|m| m.add(UNATTRIBUTED, stored_size(v2.len())));
-        assert_exact(&cache, &slot_values(&shared, 1024), "an untagged entry");
-        let before = cache.meta().0;
-        cache.insert(&e, None, &mut Outcome::default()).unwrap();
-        assert_exact(&cache, &slot_values(&shared, 1024), "replacing an untagged entry");
-        let after = cache.meta().0;
-        assert_eq!(after.of(policy_tag("model-0")).0, before.of(policy_tag("model-0")).0 + 1);
-        assert_eq!(after.of(UNATTRIBUTED).0, before.of(UNATTRIBUTED).0 - 1);
     }
 
     #[test]

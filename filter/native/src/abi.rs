@@ -152,6 +152,7 @@ pub const METRICS_SUCCESS: u32 = 0;
 
 // envoy_dynamic_module_type_log_level: Trace, Debug, Info, Warn, Error, Critical (both ABIs
 // switch over 0..=5).
+pub const LOG_DEBUG: u32 = 1;
 pub const LOG_ERROR: u32 = 4;
 
 extern "C" {
@@ -160,6 +161,9 @@ extern "C" {
 
     /// A line in Envoy's log under the `dynamic_modules` id (same shape in 1.39 and 1.40).
     pub fn envoy_dynamic_module_callback_log(level: u32, message: ModuleBuffer);
+
+    /// Whether Envoy's `dynamic_modules` logger writes lines at `level` (both ABIs).
+    pub fn envoy_dynamic_module_callback_log_enabled(level: u32) -> bool;
 
     /// The `index`-th value of header `key` (lower case) into `result`; `optional_size`, when not
     /// null, receives how many values the header has. False when there is no such value.

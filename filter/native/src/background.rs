@@ -17,7 +17,7 @@ use std::sync::{Arc, Mutex};
 use meshcache_core::config::Config;
 use meshcache_core::headermap::Headers;
 use meshcache_core::metric_names;
-use meshcache_core::refresh::{self, REFRESH_LOCKS, REFRESH_TIMEOUT_MS};
+use meshcache_core::revalidate::{self, REFRESH_LOCKS, REFRESH_TIMEOUT_MS};
 use meshcache_core::request::Cacheable;
 
 use crate::abi::*;
@@ -151,7 +151,7 @@ impl Background {
                 filter::record_gauges(&self.shared, &self.config, &mut |name, value| {
                     metrics.set_gauge_config(config_envoy, name, value)
                 });
-                refresh::release(&*self.shared, &p.c.key);
+                revalidate::release(&*self.shared, &p.c.key);
             }
             Err(_) => self.failed(&p.c, now_ms),
         }
@@ -161,6 +161,6 @@ impl Background {
     /// key is forwarded instead.
     unsafe fn failed(&self, c: &Cacheable, now_ms: u64) {
         self.metrics.count_config(self.config_envoy, metric_names::REFRESH_FAILURES, 1);
-        refresh::failed(&*self.shared, &c.key, now_ms);
+        revalidate::failed(&*self.shared, &c.key, now_ms);
     }
 }

@@ -6,33 +6,34 @@
 //! ABI; the tests below over a fake). gRPC hits are answered in one pass with headers, the
 //! framed message and a `grpc-status: 0` trailer (no hit route or Lua step, unlike the Wasm
 //! host); stale-if-error answers an origin error (HTTP or gRPC) with the expired entry.
-//! Identical misses are coalesced by the core's rules (`coalesce::LockTable`): waiters park
-//! (`park.rs`) and are woken by their leader's outcome or their timeout through Envoy's
-//! scheduler. What this host does not do yet answers as the Wasm host does when the feature is
-//! off: the client role passes untouched (no routing key), stale-while-revalidate is not served
-//! (the request is forwarded and its answer replaces the entry).
+//! Identical misses are coalesced by the core's rules (`coalesce::LockTable`, `coalesce::wake`):
+//! waiters park (`park.rs`) and are woken by their leader's outcome or their timeout through
+//! Envoy's scheduler. Stale-while-revalidate refreshes go out as config-level callouts
+//! (`background.rs`); the client role puts the routing key on the held request headers.
 
 use std::sync::Arc;
 
-use meshcache_core::answer::{self, HitRequest};
+use meshcache_core::hit::{self, HitRequest};
 use meshcache_core::cache_control::{NotStored, Ttl};
 use meshcache_core::config::{Config, Policy, Role};
 use meshcache_core::entry::Entry;
 use meshcache_core::shaping::RequestId;
 use meshcache_core::stale;
 use meshcache_core::grpc;
+use meshcache_core::logs;
 use meshcache_core::request::{self, BodyDecision, Cacheable, HeadDecision, RequestHead};
 use meshcache_core::accounting::{attribute, policy_tag};
 use meshcache_core::headermap::{self, Headers};
 use meshcache_core::metric_names;
-use meshcache_core::response;
+use meshcache_core::response::{self, Collect};
+use meshcache_core::hashing::AnswerHasher;
 use meshcache_core::model::ModelSource;
 use meshcache_core::names::{self, Bypass};
 use meshcache_core::route_key;
 use meshcache_core::store::{Cache, Lifetime, Lookup, Outcome};
-use meshcache_core::storing;
-use meshcache_core::coalesce::{self, AfterWait, Join, LockTable, Release, Ticket};
-use meshcache_core::refresh::{self, Claim};
+use meshcache_core::insert;
+use meshcache_core::coalesce::{self, Join, LockTable, Release, Ticket, Woken};
+use meshcache_core::revalidate::{self, Claim};
 
 use crate::park::{self, Parking, Wake};
 use crate::store::Shared;
@@ -63,13 +64,16 @@ pub trait Host {
     /// Adds to a counter (`meshcache_core::metric_names`).
     fn count(&mut self, name: &str, n: u64);
     fn set_gauge(&mut self, name: &str, value: u64);
+    /// A line for Envoy's log at debug level (`meshcache_core::logs`), formatted only when that
+    /// level is on.
+    fn log_debug(&mut self, line: &dyn Fn() -> String);
     /// What wakes this stream once it is parked (coalescing); None: it cannot wait.
     fn waker(&mut self) -> Option<Box<dyn Wake>>;
     /// Resumes the held request (outside the request hooks: a parked stream going upstream).
     fn resume_request(&mut self);
     /// Sends `c`'s request again in the background to refresh its entry
-    /// (stale-while-revalidate): the answer goes to `store_refresh`, then `refresh::release`
-    /// (stored) or `refresh::failed`. False: it cannot be sent (this request refreshes instead).
+    /// (stale-while-revalidate): the answer goes to `store_refresh`, then `revalidate::release`
+    /// (stored) or `revalidate::failed`. False: it cannot be sent (this request refreshes instead).
     fn refresh(&mut self, c: &Cacheable, headers: &[(String, String)], body: &[u8]) -> bool;
 }
 
@@ -109,7 +113,7 @@ pub fn store_refresh(shared: &Shared, limits: &meshcache_core::config::Limits, c
     c.request_ms = now_ms;
     let cache = Cache { data: shared, limits };
     let mut out = Outcome::default();
-    storing::store_answer(&cache, &c, &response.pairs, 200, body, ttl, &mut out)?;
+    insert::store_answer(&cache, &c, &response.pairs, 200, body, ttl, &mut out)?;
     Ok(out)
 }
 
@@ -141,6 +145,10 @@ struct Collecting {
     seen: usize,
     /// Response headers not yet sent: they can still say `stored` and carry the hash.
     held: bool,
+    /// What the answer may grow to and still be stored.
+    limit: usize,
+    /// The answer's hash, fed each chunk as it arrives (None: hashed whole when stored).
+    hasher: Option<AnswerHasher>,
 }
 
 enum State {
@@ -207,7 +215,7 @@ impl Drop for Stream {
         }
         self.release(Release::Retry);
         if let Some(key) = self.refreshing.take() {
-            refresh::release(&*self.shared, &key);
+            revalidate::release(&*self.shared, &key);
         }
     }
 }
@@ -223,7 +231,7 @@ impl Stream {
         self
     }
 
-    fn bypass(&mut self, host: &mut dyn Host, why: Bypass) -> Flow {
+    fn bypass(&mut self, host: &mut dyn Host, why: Bypass, request: &[(String, String)]) -> Flow {
         if self.config.role == Role::Client {
             // The client role only routes: no routing key, the request balances normally.
             self.state = State::Done;
@@ -231,6 +239,7 @@ impl Stream {
         }
         host.count(metric_names::BYPASSES, 1);
         host.count(metric_names::bypass_counter(why), 1);
+        host.log_debug(&|| logs::bypass_line(why, request));
         self.state = State::Bypass(why);
         Flow::Continue
     }
@@ -268,7 +277,7 @@ impl Stream {
         };
         match decision {
             HeadDecision::Ignore => Flow::Continue,
-            HeadDecision::Bypass(why) => self.bypass(host, why),
+            HeadDecision::Bypass(why) => self.bypass(host, why, &headers.pairs),
             HeadDecision::Buffer { source, refresh } => {
                 if end_of_stream {
                     return self.decide_request(host, &headers, &source, refresh, &[]);
@@ -278,7 +287,7 @@ impl Stream {
                     return Flow::Continue;
                 }
                 if request::request_declared_too_big(headermap::header(&headers.pairs, "content-length")) {
-                    return self.bypass(host, Bypass::TooBig);
+                    return self.bypass(host, Bypass::TooBig, &headers.pairs);
                 }
                 self.state = State::Buffering { source, refresh, headers, seen: 0 };
                 Flow::Hold
@@ -291,9 +300,10 @@ impl Stream {
             State::Buffering { seen, .. } => host.received_body(false, &mut |chunk| *seen += chunk.len()),
             _ => return Flow::Continue,
         }
-        if let State::Buffering { seen, .. } = self.state {
-            if seen > request::MAX_REQUEST_BYTES {
-                return self.bypass(host, Bypass::TooBig);
+        if let State::Buffering { seen, headers, .. } = &self.state {
+            if *seen > request::MAX_REQUEST_BYTES {
+                let request = headers.pairs.clone();
+                return self.bypass(host, Bypass::TooBig, &request);
             }
             if !end_of_stream {
                 return Flow::Hold;
@@ -334,7 +344,7 @@ impl Stream {
         // The peer identity is asked for only when the matched policy scopes by it.
         let principal = || host.peer_identity();
         let mut c = match request::key_request(&self.config, &head, source, refresh, body, principal) {
-            BodyDecision::Bypass(why) => return self.bypass(host, why),
+            BodyDecision::Bypass(why) => return self.bypass(host, why, headers),
             BodyDecision::Cacheable(c) => c,
         };
         let now = host.now_ms();
@@ -358,7 +368,7 @@ impl Stream {
             Lookup::Stale(e, seen) => {
                 c.seen = Some(seen);
                 if let Some(u) = stale::stale_use(&e, &c.policy, now).filter(|u| u.while_revalidate) {
-                    match refresh::claim(&*self.shared, &c.key, now) {
+                    match revalidate::claim(&*self.shared, &c.key, now) {
                         Claim::Busy => return self.answer_stale_while_revalidate(host, &c, &e, headers, body, u, now),
                         Claim::Background => {
                             if host.refresh(&c, headers, body) {
@@ -422,18 +432,18 @@ impl Stream {
                     cache_status: Option<String>) {
         self.state = State::Done;
         if c.grpc {
-            let mut reply = answer::grpc_hit(entry, request, now);
+            let mut reply = hit::grpc_hit(entry, request, now);
             if let Some(status) = cache_status {
-                answer::set_cache_status(&mut reply, status);
+                hit::set_cache_status(&mut reply, status);
             }
             let mut h: Vec<(&str, &[u8])> = vec![(":status", b"200")];
             h.extend(reply.headers.iter().map(|(n, v)| (n.as_str(), v.as_bytes())));
             host.send_response_with_trailers(&h, &grpc::frame(&reply.body), &[("grpc-status", b"0")]);
             return;
         }
-        let mut reply = answer::http_hit(entry, request, now);
+        let mut reply = hit::http_hit(entry, request, now);
         if let Some(status) = cache_status {
-            answer::set_cache_status(&mut reply, status);
+            hit::set_cache_status(&mut reply, status);
         }
         let h: Vec<(&str, &[u8])> = reply.headers.iter().map(|(n, v)| (n.as_str(), v.as_bytes())).collect();
         host.send_response(reply.status as u32, &h, &reply.body);
@@ -534,47 +544,24 @@ impl Stream {
         let now = host.now_ms();
         let cache = Cache { data: &*self.shared, limits: &self.config.limits };
         let mut out = Outcome::default();
-        // Keeping what stale-if-error may still use: a woken waiter must not free it.
-        let found = cache.lookup_keeping(&c.key, now, Lifetime::of(&c.policy), &mut out);
+        let woken = coalesce::wake(&cache, &mut c, release, now, deadline, &mut out, &mut |name| host.count(name, 1));
         self.record_outcome(host, &out);
-        let request = HitRequest { headers: &headers, body: &[], id: &c.request_id };
-        let after = coalesce::after_wait(&found, &c.policy, release, now, deadline);
-        let (expired, seen) = match found {
-            Lookup::Hit(entry) => {
-                host.count(metric_names::COALESCE_SERVED, 1);
-                self.answer_hit(host, &c, &request, &entry, now, Some(names::CACHE_STATUS_COLLAPSED.to_string()));
+        let (again, expired) = match woken {
+            Woken::Answer { entry, cache_status } => {
+                let request = HitRequest { headers: &headers, body: &[], id: &c.request_id };
+                self.answer_hit(host, &c, &request, &entry, now, Some(cache_status));
                 return;
             }
-            Lookup::Stale(entry, seen) => {
-                // The leader's origin failed and the expired entry may stand in for it
-                // (stale-if-error): every waiter is answered with it at once.
-                if let AfterWait::AnswerStale(u) = after {
-                    host.count(metric_names::COALESCE_SERVED, 1);
-                    host.count(metric_names::STALE_IF_ERROR, 1);
-                    let status = names::cache_status_collapsed(&names::cache_status_stale_if_error(u.past_s(), None));
-                    self.answer_hit(host, &c, &request, &entry, now, Some(status));
-                    return;
-                }
-                (Some(entry), Some(seen))
-            }
-            Lookup::Miss(seen) => (None, seen),
+            Woken::Upstream { again, expired } => (again, expired),
         };
-        if release.is_some() {
-            host.count(metric_names::COALESCE_RELEASED, 1);
-        }
-        c.seen = seen;
-        if after == AfterWait::TryAgain && self.lead_or_wait(host, &c, now, deadline) {
+        if again && self.lead_or_wait(host, &c, now, deadline) {
             self.state = State::Waiting(Box::new(Waiting { c, headers, deadline }));
             return;
         }
         match expired {
-            Some(entry) => {
-                self.forward_expired(host, c, entry, &headers, now);
-            }
-            None => {
-                self.miss(host, c);
-            }
-        }
+            Some(entry) => self.forward_expired(host, c, entry, &headers, now),
+            None => self.miss(host, c),
+        };
         host.resume_request();
     }
 
@@ -633,8 +620,8 @@ impl Stream {
             None => return false,
         };
         let request = HitRequest { headers: &f.headers, body: b"", id: &f.id };
-        let mut reply = answer::http_hit(&f.entry, &request, now);
-        answer::set_cache_status(&mut reply, names::cache_status_stale_if_error(u.past_s(), Some(status)));
+        let mut reply = hit::http_hit(&f.entry, &request, now);
+        hit::set_cache_status(&mut reply, names::cache_status_stale_if_error(u.past_s(), Some(status)));
         let h: Vec<(&str, &[u8])> = reply.headers.iter().map(|(n, v)| (n.as_str(), v.as_bytes())).collect();
         host.count(metric_names::STALE_IF_ERROR, 1);
         host.send_response(reply.status as u32, &h, &reply.body);
@@ -653,8 +640,8 @@ impl Stream {
             None => return false,
         };
         let request = HitRequest { headers: &f.headers, body: b"", id: &f.id };
-        let mut reply = answer::grpc_hit(&f.entry, &request, now);
-        answer::set_cache_status(&mut reply, names::cache_status_stale_if_error(u.past_s(), None));
+        let mut reply = hit::grpc_hit(&f.entry, &request, now);
+        hit::set_cache_status(&mut reply, names::cache_status_stale_if_error(u.past_s(), None));
         let framed = grpc::frame(&reply.body);
         host.count(metric_names::STALE_IF_ERROR, 1);
         let mut h: Vec<(&str, &[u8])> = vec![(":status", b"200")];
@@ -665,42 +652,28 @@ impl Stream {
 
     fn start_collect(&mut self, host: &mut dyn Host, c: Cacheable, end_of_stream: bool) -> Flow {
         let response = host.response_headers();
+        let (status, plan) = response::begin_collect(&c, &response, end_of_stream, host.now_ms(),
+                                                     self.config.limits.max_entry_bytes, self.config.hold_headers);
         let headers = response.pairs;
-        let status: u16 = headermap::header(&headers, ":status").and_then(|s| s.parse().ok()).unwrap_or(0);
-        let grpc_status = headermap::header(&headers, "grpc-status");
-        if status != 200 {
-            self.release(Release::for_status(status, stale::is_origin_error(status, grpc_status)));
-            return self.not_stored(host, c.refresh, NotStored::Status, true);
-        }
-        if c.grpc && (end_of_stream || grpc_status.is_some()) {
-            // Trailers-only gRPC responses are errors (or empty): nothing to store.
-            if stale::is_origin_error(status, grpc_status) {
-                self.release(Release::OriginError);
+        match plan {
+            Collect::Skip { why, release } => {
+                self.release(release);
+                self.not_stored(host, c.refresh, why, true)
             }
-            return self.not_stored(host, c.refresh, NotStored::GrpcStatus, true);
-        }
-        let ttl = match response::check_storable(&c.policy, &headers, &response.not_utf8, host.now_ms()) {
-            Ok(t) => t,
-            Err(why) => return self.not_stored(host, c.refresh, why, true),
-        };
-        let limit = self.limit(&c);
-        let declared = headermap::header(&headers, "content-length");
-        if declared.and_then(|v| v.trim().parse::<usize>().ok()).map_or(false, |n| n > limit) {
-            return self.not_stored(host, c.refresh, NotStored::TooBig, true);
-        }
-        if end_of_stream {
-            return self.finish_store(host, c, ttl, status, headers, Vec::new(), Open::Headers);
-        }
-        let held = self.config.hold_headers && response::should_hold(c.grpc, headermap::header(&headers, "content-type"), declared);
-        if !held {
-            // The answer streams: say what is known now; it is copied and stored at its end.
-            host.set_response_header(names::CACHE_STATUS, names::cache_status_forwarded(c.refresh).as_bytes());
-        }
-        self.state = State::Collect(Box::new(Collecting { c, ttl, status, headers, copy: Vec::new(), seen: 0, held }));
-        if held {
-            Flow::Hold
-        } else {
-            Flow::Continue
+            Collect::StoreNow(ttl) => self.finish_store(host, c, ttl, status, headers, Vec::new(), None, Open::Headers),
+            Collect::Start { ttl, limit, held, hasher, .. } => {
+                if !held {
+                    // The answer streams: say what is known now; it is copied and stored at its end.
+                    host.set_response_header(names::CACHE_STATUS, names::cache_status_forwarded(c.refresh).as_bytes());
+                }
+                let k = Collecting { c, ttl, status, headers, copy: Vec::new(), seen: 0, held, limit, hasher };
+                self.state = State::Collect(Box::new(k));
+                if held {
+                    Flow::Hold
+                } else {
+                    Flow::Continue
+                }
+            }
         }
     }
 
@@ -714,19 +687,23 @@ impl Stream {
                 return Flow::Continue;
             }
         };
-        let limit = self.limit(&k.c);
         {
-            let Collecting { copy, seen, held, .. } = &mut *k;
+            let Collecting { copy, seen, held, limit, hasher, .. } = &mut *k;
             let mut arrived = 0;
             host.received_body(true, &mut |chunk| {
                 arrived += chunk.len();
-                if !*held && copy.len() + chunk.len() <= limit {
-                    copy.extend_from_slice(chunk);
+                if *seen + arrived <= *limit {
+                    if let Some(h) = hasher.as_mut() {
+                        h.update(chunk);
+                    }
+                    if !*held {
+                        copy.extend_from_slice(chunk);
+                    }
                 }
             });
             *seen += arrived;
         }
-        if k.seen > limit {
+        if k.seen > k.limit {
             return self.not_stored(host, k.c.refresh, NotStored::TooBig, k.held);
         }
         if end_of_stream {
@@ -736,8 +713,8 @@ impl Stream {
             }
             let open = if k.held { Open::Headers } else { Open::Closed };
             let body = self.take_body(host, &mut k);
-            let Collecting { c, ttl, status, headers, .. } = *k;
-            return self.finish_store(host, c, ttl, status, headers, body, open);
+            let Collecting { c, ttl, status, headers, hasher, .. } = *k;
+            return self.finish_store(host, c, ttl, status, headers, body, hasher, open);
         }
         if k.held && k.seen <= response::HOLD_BYTES {
             self.state = State::Collect(k);
@@ -751,11 +728,6 @@ impl Stream {
         }
         self.state = State::Collect(k);
         Flow::Continue
-    }
-
-    /// What a miss's answer may grow to and still be stored (a gRPC message's frame on top).
-    fn limit(&self, c: &Cacheable) -> usize {
-        self.config.limits.max_entry_bytes as usize + if c.grpc { 5 } else { 0 }
     }
 
     /// The answer so far: Envoy's held buffer while held, the copy once it streamed.
@@ -776,8 +748,8 @@ impl Stream {
                     return self.not_stored(host, k.c.refresh, NotStored::GrpcStatus, k.held);
                 }
                 let body = self.take_body(host, &mut k);
-                let Collecting { c, ttl, status, headers, .. } = *k;
-                self.finish_store(host, c, ttl, status, headers, body, open)
+                let Collecting { c, ttl, status, headers, hasher, .. } = *k;
+                self.finish_store(host, c, ttl, status, headers, body, hasher, open)
             }
             other => {
                 self.state = other;
@@ -788,11 +760,11 @@ impl Stream {
 
     #[allow(clippy::too_many_arguments)]
     fn finish_store(&mut self, host: &mut dyn Host, c: Cacheable, ttl: Ttl, status: u16, headers: Vec<(String, String)>,
-                    body: Vec<u8>, open: Open) -> Flow {
+                    body: Vec<u8>, hashed: Option<AnswerHasher>, open: Open) -> Flow {
         let cache = Cache { data: &*self.shared, limits: &self.config.limits };
         let refresh = c.refresh;
         let mut out = Outcome::default();
-        let result = storing::store_answer(&cache, &c, &headers, status, body, ttl, &mut out);
+        let result = insert::store_streamed(&cache, &c, &headers, status, body, ttl, hashed, &mut out);
         self.record_outcome(host, &out);
         match result {
             Ok(stored) => {
@@ -863,6 +835,7 @@ mod tests {
         refresh_ok: bool,
         refreshes: Vec<Cacheable>,
         routes_cleared: u32,
+        logged: Vec<String>,
     }
 
     struct FakeWake(Arc<std::sync::Mutex<Vec<u64>>>);
@@ -934,6 +907,9 @@ mod tests {
         }
         fn set_gauge(&mut self, name: &str, value: u64) {
             self.gauges.insert(name.to_string(), value);
+        }
+        fn log_debug(&mut self, line: &dyn Fn() -> String) {
+            self.logged.push(line());
         }
         fn waker(&mut self) -> Option<Box<dyn Wake>> {
             Some(Box::new(FakeWake(self.woken.clone())))
@@ -1116,8 +1092,10 @@ mod tests {
     #[test]
     fn bypasses_say_why_and_ignored_requests_get_no_header() {
         let e = env(r#"{"policies": [{"model_prefix": "m", "ttl_s": 60}]}"#);
-        assert_eq!(status(&exchange(&e, "/v2/models/zz/infer", &[], &[BODY], &[ANSWER], &[])),
-                   "meshcache; fwd=bypass; detail=no-policy");
+        let no_policy = exchange(&e, "/v2/models/zz/infer", &[], &[BODY], &[ANSWER], &[]);
+        assert_eq!(status(&no_policy), "meshcache; fwd=bypass; detail=no-policy");
+        assert_eq!(no_policy.logged, vec!["meshcache: bypass detail=no-policy model=zz path=/v2/models/zz/infer".to_string()]);
+        assert_eq!(no_policy.counts.get("meshcache.bypass.no-policy"), Some(&1));
         assert_eq!(status(&exchange(&e, INFER, &[("cache-control", "no-store")], &[BODY], &[ANSWER], &[])),
                    "meshcache; fwd=bypass; detail=no-store");
         assert_eq!(status(&exchange(&e, INFER, &[], &[b"{not json"], &[ANSWER], &[])),
@@ -1499,7 +1477,7 @@ mod tests {
         let limits = e.config.limits.clone();
         let newer = br#"{"id":"a","outputs":[{"name":"y","data":[3]}]}"#.to_vec();
         store_refresh(&e.shared, &limits, &a.refreshes[0], &refreshed_answer(), newer.clone(), e.now + 10).unwrap();
-        refresh::release(&*e.shared, &a.refreshes[0].key);
+        revalidate::release(&*e.shared, &a.refreshes[0].key);
         let (_c, c, _) = stale_request(&e, true);
         assert!(sent_status(&c).starts_with("meshcache; hit; ttl="), "{}", sent_status(&c));
         assert_eq!(c.sent.borrow().as_ref().unwrap().2, newer);
@@ -1523,7 +1501,7 @@ mod tests {
         let mut failed = refreshed_answer();
         failed.pairs[0].1 = "503".into();
         assert!(store_refresh(&e.shared, &limits, &c.refreshes[0], &failed, b"x".to_vec(), e.now).is_err());
-        refresh::failed(&*e.shared, &c.refreshes[0].key, e.now);
+        revalidate::failed(&*e.shared, &c.refreshes[0].key, e.now);
         let (_d, d, flow) = stale_request(&e, true);
         assert_eq!(flow, Flow::Continue);
         assert!(d.refreshes.is_empty(), "forwarded, not sent in the background");

@@ -296,6 +296,15 @@ impl Host for EnvoyHost<'_> {
         unsafe { self.metrics.set_gauge(self.ptr, name, value) }
     }
 
+    fn log_debug(&mut self, line: &dyn Fn() -> String) {
+        // SAFETY: plain calls; Envoy copies the message before returning.
+        unsafe {
+            if envoy_dynamic_module_callback_log_enabled(LOG_DEBUG) {
+                envoy_dynamic_module_callback_log(LOG_DEBUG, ModuleBuffer::of(line().as_bytes()));
+            }
+        }
+    }
+
     fn now_ms(&self) -> u64 {
         now_ms()
     }
@@ -323,7 +332,7 @@ impl Host for EnvoyHost<'_> {
         if cluster.is_empty() {
             return false;
         }
-        let headers = headers.iter().filter(|(n, _)| meshcache_core::refresh::repeats_header(n)).cloned().collect();
+        let headers = headers.iter().filter(|(n, _)| meshcache_core::revalidate::repeats_header(n)).cloned().collect();
         self.background.submit(Job { c: c.clone(), cluster, headers, body: body.to_vec() })
     }
 }

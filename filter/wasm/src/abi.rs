@@ -1,17 +1,18 @@
 //! proxy-wasm ABI v0.2.1: raw host imports and safe wrappers. Nothing here knows about caching.
 
-use crate::headermap::{decode_headers, Headers};
-use crate::store::SharedData;
+use meshcache_core::headermap::{decode_headers, Headers};
+use meshcache_core::store::SharedData;
 
 pub use crate::host::{Buffer, Map};
 
-pub use crate::headermap::serialize_map;
+pub use meshcache_core::headermap::serialize_map;
 
 pub const STATUS_OK: u32 = 0;
 
 #[derive(Clone, Copy)]
 #[repr(u32)]
 pub enum LogLevel {
+    Debug = 1,
     Info = 2,
     Warn = 3,
     Error = 4,
@@ -26,6 +27,7 @@ pub enum MetricKind {
 
 extern "C" {
     fn proxy_log(level: u32, ptr: *const u8, len: usize) -> u32;
+    fn proxy_get_log_level(out: *mut u32) -> u32;
     fn proxy_get_current_time_nanoseconds(out: *mut u64) -> u32;
     fn proxy_get_buffer_bytes(kind: u32, start: usize, max: usize, out_ptr: *mut *mut u8, out_len: *mut usize) -> u32;
     fn proxy_get_buffer_status(kind: u32, out_len: *mut usize, out_flags: *mut u32) -> u32;
@@ -77,6 +79,13 @@ pub fn log(level: LogLevel, msg: &str) {
     unsafe {
         proxy_log(level as u32, msg.as_ptr(), msg.len());
     }
+}
+
+/// Whether Envoy's `wasm` logger writes lines at `level` (so a line is formatted only then).
+pub fn log_enabled(level: LogLevel) -> bool {
+    let mut current: u32 = LogLevel::Info as u32;
+    let rc = unsafe { proxy_get_log_level(&mut current) };
+    rc == STATUS_OK && current <= level as u32
 }
 
 pub fn now_ms() -> u64 {
@@ -344,92 +353,5 @@ impl SharedData for HostShared {
     fn set(&self, key: &str, value: &[u8], cas: u32) -> bool {
         let rc = unsafe { proxy_set_shared_data(key.as_ptr(), key.len(), value.as_ptr(), value.len(), cas) };
         rc == STATUS_OK
-    }
-}
-
-/// The flow's host (`host::Host`) in a proxy-wasm VM: each method one ABI call (or the VM's own
-/// metric sums, flushed on the tick).
-pub struct Abi;
-
-impl crate::host::Host for Abi {
-    type Shared = HostShared;
-    fn shared(&self) -> HostShared {
-        HostShared
-    }
-    fn headers(&mut self, map: Map) -> Headers {
-        headers(map)
-    }
-    fn header(&mut self, map: Map, name: &str) -> Option<String> {
-        header(map, name)
-    }
-    fn set_header(&mut self, map: Map, name: &str, value: &str) {
-        set_header(map, name, value)
-    }
-    fn set_headers(&mut self, map: Map, pairs: &[(&str, &str)]) -> bool {
-        set_headers(map, pairs)
-    }
-    fn add_header(&mut self, map: Map, name: &str, value: &str) -> bool {
-        add_header(map, name, value)
-    }
-    fn remove_header(&mut self, map: Map, name: &str) {
-        remove_header(map, name)
-    }
-    fn body(&mut self, kind: Buffer, start: usize, max: usize) -> Option<Vec<u8>> {
-        buffer(kind, start, max)
-    }
-    fn body_into(&mut self, kind: Buffer, start: usize, max: usize, out: &mut Vec<u8>) -> Option<usize> {
-        buffer_into(kind, start, max, out)
-    }
-    fn set_body(&mut self, kind: Buffer, start: usize, len: usize, data: &[u8]) -> bool {
-        set_buffer(kind, start, len, data)
-    }
-    fn send_local_response(&mut self, status: u32, details: &str, body: &[u8], headers: &[(&str, &str)], grpc_status: i32) -> bool {
-        send_local_response(status, details, body, headers, grpc_status)
-    }
-    fn continue_request(&mut self) -> bool {
-        continue_request()
-    }
-    fn set_effective_context(&mut self, id: u32) -> bool {
-        set_effective_context(id)
-    }
-    fn now_ms(&self) -> u64 {
-        now_ms()
-    }
-    fn now_ns(&self) -> u64 {
-        now_ns()
-    }
-    fn peer_identity(&self) -> Option<String> {
-        property(&["connection", "uri_san_peer_certificate"]).and_then(|b| String::from_utf8(b).ok())
-    }
-    fn upstream_cluster(&self) -> Option<String> {
-        crate::background::cluster_name()
-    }
-    fn set_property(&mut self, name: &str, value: &[u8]) -> bool {
-        set_property(name, value)
-    }
-    fn clear_route_cache(&mut self) -> bool {
-        call_foreign("clear_route_cache", b"")
-    }
-    fn count(&mut self, name: &str, n: u64) {
-        crate::metrics::count(name, n)
-    }
-    fn count_policy(&mut self, prefix: &str, what: &str) {
-        crate::metrics::count_policy(prefix, what)
-    }
-    fn error(&mut self, msg: &str) {
-        crate::metrics::error(msg)
-    }
-    fn register_queue(&mut self, name: &str) -> Option<u32> {
-        register_queue(name)
-    }
-    fn enqueue(&mut self, queue: u32, message: &[u8]) -> bool {
-        enqueue(queue, message)
-    }
-    fn dequeue(&mut self, queue: u32) -> Option<Vec<u8>> {
-        dequeue(queue)
-    }
-    fn refresh(&mut self, root: u32, stream: u32, c: &crate::request::Cacheable, headers: &[(String, String)], body: &[u8],
-               limits: &crate::config::Limits, now: u64) -> bool {
-        crate::background::start(root, stream, c, headers, body, limits, now)
     }
 }

@@ -3,14 +3,14 @@
 //! client's stream (answered at once from the stale entry), and what its answer does.
 
 use crate::abi::{self, Buffer, Map};
-use crate::config::Limits;
-use crate::headermap;
-use crate::request::Cacheable;
-use crate::response;
+use meshcache_core::config::Limits;
+use meshcache_core::headermap;
+use meshcache_core::request::Cacheable;
+use meshcache_core::response;
 use crate::metrics::{self, count};
-use crate::refresh;
-use crate::store::{Cache, Outcome};
-use crate::storing;
+use meshcache_core::revalidate;
+use meshcache_core::store::{Cache, Outcome};
+use meshcache_core::insert;
 use std::cell::RefCell;
 use std::collections::HashMap;
 
@@ -36,21 +36,20 @@ pub fn cluster_name() -> Option<String> {
 pub fn start(root: u32, stream: u32, c: &Cacheable, request: &[(String, String)], body: &[u8], limits: &Limits, now: u64) -> bool {
     let full = PENDING.with(|p| {
         let mut p = p.borrow_mut();
-        p.retain(|_, v| now < v.sent_ms + 2 * refresh::REFRESH_TIMEOUT_MS);
-        p.len() >= refresh::REFRESH_LOCKS as usize
+        p.retain(|_, v| now < v.sent_ms + 2 * revalidate::REFRESH_TIMEOUT_MS);
+        p.len() >= revalidate::REFRESH_LOCKS as usize
     });
     let cluster = match cluster_name() {
         Some(c) if !full => c,
         _ => return false,
     };
     let headers: Vec<(&str, &str)> =
-        request.iter().filter(|(n, _)| refresh::repeats_header(n)).map(|(n, v)| (n.as_str(), v.as_str())).collect();
-    match abi::http_call(root, stream, &cluster, &headers, body, refresh::REFRESH_TIMEOUT_MS as u32) {
+        request.iter().filter(|(n, _)| revalidate::repeats_header(n)).map(|(n, v)| (n.as_str(), v.as_str())).collect();
+    match abi::http_call(root, stream, &cluster, &headers, body, revalidate::REFRESH_TIMEOUT_MS as u32) {
         Some(token) => {
             let mut c = c.clone();
             c.request_ms = now;
             PENDING.with(|p| p.borrow_mut().insert(token, Pending { c, limits: limits.clone(), sent_ms: now }));
-            count(metrics::REFRESHES, 1);
             true
         }
         None => false,
@@ -65,10 +64,10 @@ pub fn on_response(token: u32, body_size: usize) {
     };
     let now = abi::now_ms();
     if store(&p, body_size, now) {
-        refresh::release(&abi::HostShared, &p.c.key);
+        revalidate::release(&abi::HostShared, &p.c.key);
     } else {
         count(metrics::REFRESH_FAILURES, 1);
-        refresh::failed(&abi::HostShared, &p.c.key, now);
+        revalidate::failed(&abi::HostShared, &p.c.key, now);
     }
 }
 
@@ -99,7 +98,7 @@ fn store(p: &Pending, body_size: usize, now: u64) -> bool {
     }
     let cache = Cache { data: &abi::HostShared, limits: &p.limits };
     let mut out = Outcome::default();
-    let result = storing::store_answer(&cache, &p.c, &response.pairs, 200, body, ttl, &mut out);
+    let result = insert::store_answer(&cache, &p.c, &response.pairs, 200, body, ttl, &mut out);
     metrics::record_outcome(&out);
     if result.is_ok() {
         count(metrics::STORES, 1);

@@ -2,7 +2,8 @@
 //! contexts. `proxy_on_done` and `proxy_on_log` are deliberately not exported: the host skips
 //! callbacks a module does not export, which saves two VM crossings per request.
 
-use crate::abi::{self, Abi, Buffer};
+use crate::abi::{self, Buffer};
+use crate::abi_host::Abi;
 use crate::{background, root, stream};
 
 /// The host allocates returned data through this export; we own it afterwards.

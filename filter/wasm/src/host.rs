@@ -3,11 +3,11 @@
 //! the flow's held, streamed, coalesced and stale cases run as `cargo test`s on the build
 //! machine. Not compiled for wasm32 only: nothing here calls the ABI.
 
-use crate::config::Limits;
-use crate::headermap::Headers;
-use crate::metric_names::{ERRORS, EVICTIONS};
-use crate::request::Cacheable;
-use crate::store::{Outcome, SharedData};
+use meshcache_core::config::Limits;
+use meshcache_core::headermap::Headers;
+use meshcache_core::metric_names::{ERRORS, EVICTIONS};
+use meshcache_core::request::Cacheable;
+use meshcache_core::store::{Outcome, SharedData};
 
 /// The proxy-wasm buffers the filter reads or writes (their ABI numbers).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -77,6 +77,8 @@ pub trait Host {
     fn count_policy(&mut self, prefix: &str, what: &str);
     /// An internal surprise: counted and logged; the caller fails open.
     fn error(&mut self, msg: &str);
+    /// A line for Envoy's log at debug level (`meshcache_core::logs`), formatted only when that level is on.
+    fn log_debug(&mut self, line: &dyn Fn() -> String);
     fn record_outcome(&mut self, out: &Outcome) {
         self.count(EVICTIONS, out.evicted as u64);
         self.count(ERRORS, out.corrupt as u64);

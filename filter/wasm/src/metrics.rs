@@ -2,10 +2,10 @@
 //! cache logic itself, so counters are summed in the VM and handed to Envoy once per tick.
 
 use crate::abi::{self, LogLevel, MetricKind};
-use crate::accounting::{attribute, policy_tag};
-use crate::config::LIMIT_POLICIES;
-pub use crate::metric_names::*;
-use crate::store::{Meta, Outcome};
+use meshcache_core::accounting::{attribute, policy_tag};
+use meshcache_core::config::LIMIT_POLICIES;
+pub use meshcache_core::metric_names::*;
+use meshcache_core::store::{Meta, Outcome};
 use std::cell::RefCell;
 use std::collections::{BTreeSet, HashMap};
 
@@ -95,7 +95,7 @@ pub fn define_all<'a, I: Iterator<Item = &'a str>>(prefixes: I) {
     for name in COUNTERS.iter() {
         metric(MetricKind::Counter, name);
     }
-    for why in crate::names::Bypass::ALL.iter() {
+    for why in meshcache_core::names::Bypass::ALL.iter() {
         metric(MetricKind::Counter, bypass_counter(*why));
     }
     for name in [ENTRIES, BYTES, UNATTRIBUTED_ENTRIES, UNATTRIBUTED_BYTES].iter() {

@@ -2,9 +2,10 @@
 //! the cache within its limits after a change, and reports metrics on the tick.
 
 use crate::abi::{self, Buffer, LogLevel};
-use crate::config::{parse_plugin_config, Config, Role};
+use crate::abi_host::Abi;
+use meshcache_core::config::{parse_plugin_config, Config, Role};
 use crate::metrics;
-use crate::store::{Cache, Outcome};
+use meshcache_core::store::{Cache, Outcome};
 use crate::stream;
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
@@ -50,7 +51,7 @@ pub fn on_configure(root: u32, size: usize) -> bool {
             let cfg_role_is_server = cfg.role == Role::Server;
             ROOTS.with(|r| r.borrow_mut().insert(root, Some(Rc::new(cfg))));
             if cfg_role_is_server {
-                stream::setup_coalescing(&mut abi::Abi);
+                stream::setup_coalescing(&mut Abi);
             }
             abi::set_tick_period_ms(TICK_MS);
             true
@@ -64,7 +65,7 @@ pub fn on_configure(root: u32, size: usize) -> bool {
 }
 
 pub fn on_tick(root: u32) {
-    stream::expire_waiters(&mut abi::Abi);
+    stream::expire_waiters(&mut Abi);
     let ticks = TICKS.with(|t| {
         t.set(t.get().wrapping_add(1));
         t.get()

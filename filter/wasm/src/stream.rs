@@ -3,22 +3,23 @@
 //! surprise the request continues and `errors` counts it. Thread-locals here are per VM/worker.
 
 use crate::host::{Buffer, Host, Map};
-use crate::answer::{self, HitRequest};
-use crate::cache_control::NotStored;
-use crate::coalesce::{self, AfterWait, Join, LockTable, Release, Ticket, Waiters};
-use crate::config::{Config, Limits, Role};
-use crate::request::{self, BodyDecision, Cacheable, HeadDecision, RequestHead};
-use crate::grpc;
-use crate::headermap::{self, Headers};
-use crate::response;
-use crate::metric_names as m;
-use crate::model::ModelSource;
-use crate::names::{self, Bypass};
-use crate::route_key;
-use crate::refresh::{self, Claim};
-use crate::stale;
-use crate::store::{Cache, Lifetime, Lookup, Outcome};
-use crate::storing;
+use meshcache_core::hit::{self, HitRequest};
+use meshcache_core::cache_control::NotStored;
+use meshcache_core::coalesce::{self, Join, LockTable, Release, Ticket, Waiters, Woken};
+use meshcache_core::config::{Config, Limits, Role};
+use meshcache_core::request::{self, BodyDecision, Cacheable, HeadDecision, RequestHead};
+use meshcache_core::grpc;
+use meshcache_core::logs;
+use meshcache_core::headermap::{self, Headers};
+use meshcache_core::response::{self, Collect};
+use meshcache_core::metric_names as m;
+use meshcache_core::model::ModelSource;
+use meshcache_core::names::{self, Bypass};
+use meshcache_core::route_key;
+use meshcache_core::revalidate::{self, Claim};
+use meshcache_core::stale;
+use meshcache_core::store::{Cache, Lifetime, Lookup, Outcome};
+use meshcache_core::insert;
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::rc::Rc;
@@ -40,7 +41,7 @@ pub fn delete<H: Host>(h: &mut H, id: u32) {
     let gone = STREAMS.with(|s| s.borrow_mut().remove(&id));
     if let Some(key) = gone.as_ref().and_then(|s| s.refreshing) {
         // This forwarded request was the key's refresh: done, stored or not.
-        refresh::release(&h.shared(), &key);
+        revalidate::release(&h.shared(), &key);
     }
     GRPC_REPLIES.with(|r| r.borrow_mut().remove(&id));
     WAITERS.with(|w| w.borrow_mut().remove(id));
@@ -228,13 +229,13 @@ pub struct Waiting {
 
 pub struct Collecting {
     c: Cacheable,
-    ttl: crate::cache_control::Ttl,
+    ttl: meshcache_core::cache_control::Ttl,
     status: u16,
     headers: Vec<(String, String)>,
     /// The answer so far (absolute body offsets), while it may still be stored.
     copy: Vec<u8>,
     /// The answer's hash, fed each chunk as it arrives (None: hashed whole when stored).
-    hasher: Option<crate::hashing::AnswerHasher>,
+    hasher: Option<meshcache_core::hashing::AnswerHasher>,
     /// Response headers not yet sent (paused): they can still say `stored` and the hash.
     held: bool,
     /// Body bytes already passed on before the host's current buffer starts.
@@ -267,15 +268,15 @@ pub struct Stream {
     lock: Option<Ticket>,
     /// This forwarded request refreshes the key (stale-while-revalidate without a background
     /// request): its lock is released when the stream ends.
-    refreshing: Option<crate::hashing::KeyDigest>,
+    refreshing: Option<meshcache_core::hashing::KeyDigest>,
 }
 
 struct Fallback {
-    entry: crate::entry::Entry,
-    policy: crate::config::Policy,
+    entry: meshcache_core::entry::Entry,
+    policy: meshcache_core::config::Policy,
     /// Request headers and id, for the answer (If-None-Match, the caller's id).
     headers: Vec<(String, String)>,
-    id: crate::shaping::RequestId,
+    id: meshcache_core::shaping::RequestId,
     grpc: bool,
 }
 
@@ -285,7 +286,7 @@ impl Stream {
     }
 
     /// The cache stays out of this request: counted, and its answer says `fwd=bypass` and why.
-    fn bypass<H: Host>(&mut self, h: &mut H, why: Bypass) -> u32 {
+    fn bypass<H: Host>(&mut self, h: &mut H, why: Bypass, request: &[(String, String)]) -> u32 {
         if self.is_client() {
             // The client role only routes: no routing key, the request balances normally.
             self.phase = Phase::Done;
@@ -294,6 +295,7 @@ impl Stream {
         self.phase = Phase::Bypass(why);
         h.count(m::BYPASSES, 1);
         h.count(m::bypass_counter(why), 1);
+        h.log_debug(&|| logs::bypass_line(why, request));
         CONTINUE
     }
 
@@ -316,7 +318,7 @@ impl Stream {
         let head = RequestHead { method, path, headers: &headers.pairs, not_utf8: &headers.not_utf8 };
         match request::classify_head(&head) {
             HeadDecision::Ignore => CONTINUE,
-            HeadDecision::Bypass(why) => self.bypass(h, why),
+            HeadDecision::Bypass(why) => self.bypass(h, why, &headers.pairs),
             HeadDecision::Buffer { source, refresh } => {
                 if eos {
                     return self.decide_request(h, cfg, &headers, &source, refresh, &[]);
@@ -326,10 +328,10 @@ impl Stream {
                     return CONTINUE;
                 }
                 if cfg.role == Role::Server && source == ModelSource::GrpcBody && GRPC_HITS_BROKEN.with(|b| b.get()) {
-                    return self.bypass(h, Bypass::NoHitRoute);
+                    return self.bypass(h, Bypass::NoHitRoute, &headers.pairs);
                 }
                 if request::request_declared_too_big(headermap::header(&headers.pairs, "content-length")) {
-                    return self.bypass(h, Bypass::TooBig);
+                    return self.bypass(h, Bypass::TooBig, &headers.pairs);
                 }
                 self.phase = Phase::Buffering { source, refresh, headers };
                 // Held headers: routing waits for the decision. Otherwise the body alone waits.
@@ -343,12 +345,13 @@ impl Stream {
     }
 
     pub fn on_request_body<H: Host>(&mut self, h: &mut H, size: usize, eos: bool) -> u32 {
-        match &self.phase {
-            Phase::Buffering { .. } => {}
+        let request = match &self.phase {
+            Phase::Buffering { headers, .. } if size > request::MAX_REQUEST_BYTES => headers.pairs.clone(),
+            Phase::Buffering { .. } => Vec::new(),
             _ => return CONTINUE,
-        }
+        };
         if size > request::MAX_REQUEST_BYTES {
-            return self.bypass(h, Bypass::TooBig);
+            return self.bypass(h, Bypass::TooBig, &request);
         }
         if !eos {
             return PAUSE;
@@ -389,7 +392,7 @@ impl Stream {
         }
         let principal = || h.peer_identity();
         let mut c = match request::key_request(cfg, &head, source, refresh, body, principal) {
-            BodyDecision::Bypass(why) => return self.bypass(h, why),
+            BodyDecision::Bypass(why) => return self.bypass(h, why, headers),
             BodyDecision::Cacheable(c) => c,
         };
         let now = h.now_ms();
@@ -415,10 +418,11 @@ impl Stream {
                 c.seen = Some(seen);
                 let u = stale::stale_use(&e, &c.policy, now);
                 if let Some(u) = u.filter(|u| u.while_revalidate) {
-                    match refresh::claim(&h.shared(), &c.key, now) {
+                    match revalidate::claim(&h.shared(), &c.key, now) {
                         Claim::Busy => return self.answer_stale_while_revalidate(h, &c, &e, headers, body, u, now),
                         Claim::Background => {
                             if h.refresh(self.root, self.id, &c, headers, body, &cfg.limits, now) {
+                                h.count(m::REFRESHES, 1);
                                 return self.answer_stale_while_revalidate(h, &c, &e, headers, body, u, now);
                             }
                             // No background request here: this request refreshes the entry.
@@ -433,7 +437,7 @@ impl Stream {
                 if self.refreshing.is_none() && self.joins_in_flight(h, &c, now) {
                     return self.wait(h, c, headers);
                 }
-                return self.forward_expired(h, cfg, c, e, seen, headers, now);
+                return self.forward_expired(h, cfg, c, e, headers, now);
             }
         };
         self.answer_hit(h, &c, &HitRequest { headers, body, id: &c.request_id }, &entry, now, None)
@@ -441,7 +445,7 @@ impl Stream {
 
     /// Answers from a stored entry (PAUSE), or CONTINUE when the local reply failed.
     /// `cache_status`: other than the hit's (a request that waited for an identical one).
-    fn answer_hit<H: Host>(&mut self, h: &mut H, c: &Cacheable, request: &HitRequest, entry: &crate::entry::Entry, now: u64,
+    fn answer_hit<H: Host>(&mut self, h: &mut H, c: &Cacheable, request: &HitRequest, entry: &meshcache_core::entry::Entry, now: u64,
                   cache_status: Option<String>) -> u32 {
         h.count(m::HITS, 1);
         h.count_policy(&c.policy.model_prefix, "hits");
@@ -453,7 +457,7 @@ impl Stream {
     fn answer_entry<H: Host>(&mut self, h: &mut H,
         c: &Cacheable,
         request: &HitRequest,
-        entry: &crate::entry::Entry,
+        entry: &meshcache_core::entry::Entry,
         now: u64,
         cache_status: Option<String>,
     ) -> u32 {
@@ -461,9 +465,9 @@ impl Stream {
         if c.grpc {
             return self.answer_grpc_hit(h, entry, request, now, cache_status);
         }
-        let mut reply = answer::http_hit(entry, request, now);
+        let mut reply = hit::http_hit(entry, request, now);
         if let Some(status) = cache_status {
-            answer::set_cache_status(&mut reply, status);
+            hit::set_cache_status(&mut reply, status);
         }
         let hdrs: Vec<(&str, &str)> = reply.headers.iter().map(|(n, v)| (n.as_str(), v.as_str())).collect();
         if !h.send_local_response(reply.status as u32, "meshcache_hit", &reply.body, &hdrs, -1) {
@@ -476,7 +480,7 @@ impl Stream {
     /// Stale-while-revalidate: the expired entry answers at once; its refresh is under way.
     fn answer_stale_while_revalidate<H: Host>(&mut self, h: &mut H,
         c: &Cacheable,
-        entry: &crate::entry::Entry,
+        entry: &meshcache_core::entry::Entry,
         headers: &[(String, String)],
         body: &[u8],
         u: stale::StaleUse,
@@ -489,9 +493,8 @@ impl Stream {
 
     /// A request whose entry expired is forwarded (a fresh answer replaces the entry where it
     /// is); if stale-if-error may use the entry, it stands by for an origin failure.
-    fn forward_expired<H: Host>(&mut self, h: &mut H, cfg: &Config, mut c: Cacheable, e: crate::entry::Entry, seen: crate::store::SlotSeen,
+    fn forward_expired<H: Host>(&mut self, h: &mut H, cfg: &Config, c: Cacheable, e: meshcache_core::entry::Entry,
                        headers: &[(String, String)], now: u64) -> u32 {
-        c.seen = Some(seen);
         let if_error = stale::stale_use(&e, &c.policy, now).map_or(false, |u| u.if_error);
         if if_error && (!c.grpc || self.take_stale_route(h, cfg.hold_headers)) {
             let (id, grpc, policy) = (c.request_id.clone(), c.grpc, c.policy.clone());
@@ -518,10 +521,10 @@ impl Stream {
     /// Marks the request (filter state, so the local reply selects the hit route whose Lua step
     /// gives it a body), then sends the empty local reply; `grpc_reply_*` fill it. The entry was
     /// read whole at lookup, so eviction meanwhile cannot fail the answer.
-    fn answer_grpc_hit<H: Host>(&mut self, h: &mut H, entry: &crate::entry::Entry, request: &HitRequest, now: u64, cache_status: Option<String>) -> u32 {
-        let mut reply = answer::grpc_hit(entry, request, now);
+    fn answer_grpc_hit<H: Host>(&mut self, h: &mut H, entry: &meshcache_core::entry::Entry, request: &HitRequest, now: u64, cache_status: Option<String>) -> u32 {
+        let mut reply = hit::grpc_hit(entry, request, now);
         if let Some(status) = cache_status {
-            answer::set_cache_status(&mut reply, status);
+            hit::set_cache_status(&mut reply, status);
         }
         if !h.set_property(LOCAL_MARKER, b"1") || !h.clear_route_cache() {
             h.error("gRPC hit: could not mark the request; forwarding it");
@@ -651,52 +654,30 @@ impl Stream {
         };
         let now = h.now_ms();
         let mut out = Outcome::default();
-        // Keeping what stale-if-error may still use: a woken waiter must not free it.
         let cache = Cache { data: &h.shared(), limits: &cfg.limits };
-        let found = cache.lookup_keeping(&c.key, now, Lifetime::of(&c.policy), &mut out);
+        let woken = coalesce::wake(&cache, &mut c, release, now, deadline, &mut out, &mut |name| h.count(name, 1));
         h.record_outcome(&out);
-        let request = HitRequest { headers: &headers, body: &[], id: &c.request_id };
-        let after = coalesce::after_wait(&found, &c.policy, release, now, deadline);
-        let (expired, seen) = match found {
-            Lookup::Hit(entry) => {
-                h.count(m::COALESCE_SERVED, 1);
-                return self.answer_waiter(h, &c, &request, &entry, now, names::CACHE_STATUS_COLLAPSED.to_string());
+        let (again, expired) = match woken {
+            Woken::Answer { entry, cache_status } => {
+                let request = HitRequest { headers: &headers, body: &[], id: &c.request_id };
+                return self.answer_waiter(h, &c, &request, &entry, now, cache_status);
             }
-            Lookup::Stale(entry, seen) => {
-                // The leader's origin failed and the expired entry may stand in for it
-                // (stale-if-error): every waiter is answered with it at once.
-                if let AfterWait::AnswerStale(u) = after {
-                    h.count(m::COALESCE_SERVED, 1);
-                    h.count(m::STALE_IF_ERROR, 1);
-                    let status = names::cache_status_collapsed(&names::cache_status_stale_if_error(u.past_s(), None));
-                    return self.answer_waiter(h, &c, &request, &entry, now, status);
-                }
-                (Some(entry), Some(seen))
-            }
-            Lookup::Miss(seen) => (None, seen),
+            Woken::Upstream { again, expired } => (again, expired),
         };
-        if release.is_some() {
-            h.count(m::COALESCE_RELEASED, 1);
-        }
-        c.seen = seen;
-        if after == AfterWait::TryAgain && self.lead_or_wait(h, &c, now, deadline) {
+        if again && self.lead_or_wait(h, &c, now, deadline) {
             self.phase = Phase::Waiting(Box::new(Waiting { c, headers }));
             return PAUSE;
         }
-        match (expired, seen) {
-            (Some(entry), Some(seen)) => {
-                self.forward_expired(h, &cfg, c, entry, seen, &headers, now);
-            }
-            _ => {
-                self.miss(h, c);
-            }
-        }
+        match expired {
+            Some(entry) => self.forward_expired(h, &cfg, c, entry, &headers, now),
+            None => self.miss(h, c),
+        };
         continue_now(h)
     }
 
     /// Answers a waiter from an entry, `Cache-Status` set to `status`; a failed local reply
     /// sends it upstream uncached.
-    fn answer_waiter<H: Host>(&mut self, h: &mut H, c: &Cacheable, request: &HitRequest, entry: &crate::entry::Entry, now: u64,
+    fn answer_waiter<H: Host>(&mut self, h: &mut H, c: &Cacheable, request: &HitRequest, entry: &meshcache_core::entry::Entry, now: u64,
                      status: String) -> u32 {
         if self.answer_hit(h, c, request, entry, now, Some(status)) == CONTINUE {
             self.phase = Phase::Pass;
@@ -770,8 +751,8 @@ impl Stream {
                 h.error("stale-if-error: a gRPC error arrived without the stale route's body; passing it through");
                 return None;
             }
-            let mut reply = answer::grpc_hit(&f.entry, &request, now);
-            answer::set_cache_status(&mut reply, names::cache_status_stale_if_error(u.past_s(), None));
+            let mut reply = hit::grpc_hit(&f.entry, &request, now);
+            hit::set_cache_status(&mut reply, names::cache_status_stale_if_error(u.past_s(), None));
             let mut all: Vec<(&str, &str)> = vec![(":status", "200")];
             all.extend(reply.headers.iter().map(|(n, v)| (n.as_str(), v.as_str())));
             if !h.set_headers(Map::ResponseHeaders, &all) {
@@ -784,8 +765,8 @@ impl Stream {
             h.count(m::STALE_IF_ERROR, 1);
             return Some(CONTINUE);
         }
-        let mut reply = answer::http_hit(&f.entry, &request, now);
-        answer::set_cache_status(&mut reply, names::cache_status_stale_if_error(u.past_s(), Some(status)));
+        let mut reply = hit::http_hit(&f.entry, &request, now);
+        hit::set_cache_status(&mut reply, names::cache_status_stale_if_error(u.past_s(), Some(status)));
         let hdrs: Vec<(&str, &str)> = reply.headers.iter().map(|(n, v)| (n.as_str(), v.as_str())).collect();
         // In the response phase Envoy sends a local reply straight to the client (the error
         // answer is dropped).
@@ -800,7 +781,7 @@ impl Stream {
     fn limits(&self) -> Limits {
         match self.config().as_deref() {
             Some(cfg) => cfg.limits.clone(),
-            _ => crate::config::Config::empty().limits,
+            _ => meshcache_core::config::Config::empty().limits,
         }
     }
 
@@ -825,53 +806,29 @@ impl Stream {
 
     fn start_collect<H: Host>(&mut self, h: &mut H, c: Cacheable, eos: bool) -> u32 {
         let response = h.headers(Map::ResponseHeaders);
+        let max_entry_bytes = self.limits().max_entry_bytes;
+        let (status, plan) = response::begin_collect(&c, &response, eos, h.now_ms(), max_entry_bytes, self.holds_headers());
         let headers = response.pairs;
-        let status: u16 = headermap::header(&headers, ":status").and_then(|s| s.parse().ok()).unwrap_or(0);
-        let grpc_status = headermap::header(&headers, "grpc-status");
-        if status != 200 {
-            self.release(h, Release::for_status(status, stale::is_origin_error(status, grpc_status)));
-            return self.not_stored(h, c.refresh, NotStored::Status, true);
-        }
-        if c.grpc && (eos || grpc_status.is_some()) {
-            // Trailers-only gRPC responses are errors (or empty): nothing to store.
-            if stale::is_origin_error(status, grpc_status) {
-                self.release(h, Release::OriginError);
+        match plan {
+            Collect::Skip { why, release } => {
+                self.release(h, release);
+                self.not_stored(h, c.refresh, why, true)
             }
-            return self.not_stored(h, c.refresh, NotStored::GrpcStatus, true);
-        }
-        let ttl = match response::check_storable(&c.policy, &headers, &response.not_utf8, h.now_ms()) {
-            Ok(t) => t,
-            Err(why) => return self.not_stored(h, c.refresh, why, true),
-        };
-        let limit = self.limits().max_entry_bytes as usize + if c.grpc { 5 } else { 0 };
-        let declared = headermap::header(&headers, "content-length");
-        if declared.and_then(|v| v.trim().parse::<usize>().ok()).map_or(false, |n| n > limit) {
-            return self.not_stored(h, c.refresh, NotStored::TooBig, true);
-        }
-        if eos {
-            return self.finish_store(h, c, ttl, status, headers, Vec::new(), None, Open::Headers);
-        }
-        let held = self.holds_headers() && response::should_hold(c.grpc, headermap::header(&headers, "content-type"), declared);
-        if !held {
-            // The answer streams: say what is known now; it is copied and stored at its end.
-            h.set_header(Map::ResponseHeaders, names::CACHE_STATUS, names::cache_status_forwarded(c.refresh));
-        }
-        let declared = declared.and_then(|v| v.trim().parse::<usize>().ok());
-        // Hashed as it arrives when the hash's leading length is known now and the stored body
-        // is the body as received (an echoed request id is taken out first: hashed at the end).
-        let hasher = match (&c.request_id, c.grpc, declared) {
-            (crate::shaping::RequestId::Spliced(_), _, _) => None,
-            (_, true, _) => Some(crate::hashing::AnswerHasher::grpc()),
-            (_, false, Some(n)) => Some(crate::hashing::AnswerHasher::http(n as u64)),
-            (_, false, None) => None,
-        };
-        // Room for the whole declared answer up front: chunks land in it without regrowing.
-        let copy = Vec::with_capacity(declared.unwrap_or(0).min(limit));
-        self.phase = Phase::Collect(Box::new(Collecting { c, ttl, status, headers, copy, hasher, held, base: 0 }));
-        if held {
-            PAUSE
-        } else {
-            CONTINUE
+            Collect::StoreNow(ttl) => self.finish_store(h, c, ttl, status, headers, Vec::new(), None, Open::Headers),
+            Collect::Start { ttl, held, hasher, declared, .. } => {
+                if !held {
+                    // The answer streams: say what is known now; it is copied and stored at its end.
+                    h.set_header(Map::ResponseHeaders, names::CACHE_STATUS, names::cache_status_forwarded(c.refresh));
+                }
+                // Room for the whole declared answer up front: chunks land in it without regrowing.
+                let copy = Vec::with_capacity(declared);
+                self.phase = Phase::Collect(Box::new(Collecting { c, ttl, status, headers, copy, hasher, held, base: 0 }));
+                if held {
+                    PAUSE
+                } else {
+                    CONTINUE
+                }
+            }
         }
     }
 
@@ -958,11 +915,11 @@ impl Stream {
 
     fn finish_store<H: Host>(&mut self, h: &mut H,
         c: Cacheable,
-        ttl: crate::cache_control::Ttl,
+        ttl: meshcache_core::cache_control::Ttl,
         status: u16,
         headers: Vec<(String, String)>,
         body: Vec<u8>,
-        hashed: Option<crate::hashing::AnswerHasher>,
+        hashed: Option<meshcache_core::hashing::AnswerHasher>,
         open: Open,
     ) -> u32 {
         let headers_open = open == Open::Headers;
@@ -970,7 +927,7 @@ impl Stream {
         let refresh = c.refresh;
         let cache = Cache { data: &h.shared(), limits: &limits };
         let mut out = Outcome::default();
-        let result = storing::store_streamed(&cache, &c, &headers, status, body, ttl, hashed, &mut out);
+        let result = insert::store_streamed(&cache, &c, &headers, status, body, ttl, hashed, &mut out);
         h.record_outcome(&out);
         match result {
             Ok(stored) => {

@@ -4,8 +4,8 @@
 //! (tests/filter) checks the same cases against the real host.
 
 use super::*;
-use crate::config::parse_plugin_config;
-use crate::store::SharedData;
+use meshcache_core::config::parse_plugin_config;
+use meshcache_core::store::SharedData;
 use std::collections::VecDeque;
 
 /// Envoy's shared data for one VM: cas 0 writes unconditionally, each write a fresh cas.
@@ -55,7 +55,8 @@ struct Fake {
     errors: Vec<String>,
     queues: HashMap<u32, VecDeque<Vec<u8>>>,
     refresh_ok: bool,
-    refreshes: Vec<(u32, u32, crate::hashing::KeyDigest)>,
+    refreshes: Vec<(u32, u32, meshcache_core::hashing::KeyDigest)>,
+    logged: Vec<String>,
 }
 
 fn set(h: &mut Vec<(String, String)>, name: &str, value: &str) {
@@ -166,11 +167,14 @@ impl Host for Fake {
         *self.counts.entry(name.to_string()).or_default() += n;
     }
     fn count_policy(&mut self, prefix: &str, what: &str) {
-        self.count(&crate::metric_names::policy_metric(prefix, what), 1);
+        self.count(&meshcache_core::metric_names::policy_metric(prefix, what), 1);
     }
     fn error(&mut self, msg: &str) {
         self.count(m::ERRORS, 1);
         self.errors.push(msg.to_string());
+    }
+    fn log_debug(&mut self, line: &dyn Fn() -> String) {
+        self.logged.push(line());
     }
     fn register_queue(&mut self, _name: &str) -> Option<u32> {
         self.queues.insert(7, VecDeque::new());
@@ -407,6 +411,7 @@ fn stale_while_revalidate_answers_at_once_and_refreshes_once() {
     assert_eq!(f.refreshes.len(), 1, "one background refresh for the key");
     assert_eq!(f.refreshes[0].0, ROOT, "owned by the root context");
     assert_eq!(f.counted(m::STALE_WHILE_REVALIDATE), 3);
+    assert_eq!(f.counted(m::REFRESHES), 1, "counted where it is sent, as on the native host");
 }
 
 #[test]
@@ -432,7 +437,7 @@ fn a_grpc_answer_is_stored_at_its_trailers_and_hit_in_one_pass() {
         create(id, ROOT, Some(cfg.clone()));
         f.current = id;
         let x = f.x();
-        for (n, v) in [(":method", "POST"), (":path", crate::model::GRPC_MODEL_INFER_PATH), ("content-type", "application/grpc")] {
+        for (n, v) in [(":method", "POST"), (":path", meshcache_core::model::GRPC_MODEL_INFER_PATH), ("content-type", "application/grpc")] {
             set(&mut x.req, n, v);
         }
         x.req_body = ask_grpc.clone();
@@ -475,4 +480,12 @@ fn the_client_role_puts_a_routing_key_on_the_request() {
     assert_eq!(f.counted(m::ROUTED), 1);
     ask(&mut f, &cfg, 3, ASK);
     assert_eq!(get(&f.x[&3].req, names::ROUTE_KEY_HEADER), Some(key.as_str()), "identical requests, one key");
+}
+
+#[test]
+fn a_bypass_is_counted_by_reason_and_logged_at_debug() {
+    let (mut f, cfg) = setup(r#""ttl_s": 60"#);
+    assert_eq!(ask(&mut f, &cfg, 2, br#"{"model": "other"}"#), CONTINUE);
+    assert_eq!(f.counted(m::bypass_counter(Bypass::NoPolicy)), 1);
+    assert_eq!(f.logged, vec!["meshcache: bypass detail=no-policy model=- path=/v1/chat/completions".to_string()]);
 }

@@ -53,7 +53,7 @@ pub fn store_streamed<S: SharedData>(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::cache_control::Ttl;
     use crate::config::{parse_plugin_config, Limits};
@@ -61,7 +61,8 @@ mod tests {
     use crate::store::tests::MemShared;
     use crate::store::Lookup;
 
-    fn cacheable(max_entry: u64) -> (Cacheable, Limits) {
+    /// A miss under policy `m` (`ttl_s` 5), with limits of `max_entry` bytes per entry.
+    pub(crate) fn cacheable(max_entry: u64) -> (Cacheable, Limits) {
         let cfg = parse_plugin_config(br#"{"policies": [{"model_prefix": "m", "ttl_s": 5}]}"#).unwrap();
         let head = RequestHead { method: "POST", path: "/v2/models/m/infer", headers: &[], not_utf8: &[] };
         let c = match classify_head(&head) {
