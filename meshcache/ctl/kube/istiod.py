@@ -70,6 +70,7 @@ def localize_operator(operator: Obj, xds_address: str | None, proxy_metadata: di
     no default metrics provider: the profile's `prometheus` makes istiod add `istio.stats`, an
     istio-proxy-only extension upstream Envoy rejects (as PILOT_ENABLE_METADATA_EXCHANGE)."""
     out = copy.deepcopy(operator)
+    out["spec"].setdefault("meshConfig", {})  # absent in a plain `profile: default` operator
     out["spec"]["meshConfig"].setdefault("defaultProviders", {})["metrics"] = []
     if proxy_metadata:  # mesh-wide agent settings (meshConfig.defaultConfig.proxyMetadata)
         default = out["spec"]["meshConfig"].setdefault("defaultConfig", {})
@@ -205,30 +206,34 @@ def set_default_tag(cluster: LocalCluster, webhook_port: int) -> None:
                         json=config).raise_for_status()
 
 
-def apply(cluster: LocalCluster, objects: list[Obj], field_manager: str = "meshcache") -> None:
-    """Server-side apply, CRDs first (established before anything else is applied)."""
+def apply(cluster: LocalCluster, objects: list[Obj], field_manager: str = "meshcache", force: bool = False) -> None:
+    """Server-side apply, CRDs first (established before anything else is applied). `force`: take
+    over fields another manager set, as `istioctl install` does (a second install over the
+    webhooks `istioctl tag set` changed)."""
     crds = [o for o in objects if o["kind"] == "CustomResourceDefinition"]
     rest = [o for o in objects if o["kind"] != "CustomResourceDefinition"]
+    flags = ("--force-conflicts",) if force else ()
     if crds:
-        cluster.kubectl("apply", "--server-side", f"--field-manager={field_manager}", "-f", "-",
+        cluster.kubectl("apply", "--server-side", *flags, f"--field-manager={field_manager}", "-f", "-",
                         input=yaml.safe_dump_all(crds))
         cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s",
                         *(f"crd/{o['metadata']['name']}" for o in crds))
     if rest:
-        cluster.kubectl("apply", "--server-side", f"--field-manager={field_manager}", "-f", "-",
+        cluster.kubectl("apply", "--server-side", *flags, f"--field-manager={field_manager}", "-f", "-",
                         input=yaml.safe_dump_all(rest))
 
 
 POD_FACING_PORT = 15012  # the CA and xDS port injected pods dial (mesh defaultConfig.discoveryAddress)
 
 
-def start(cluster: LocalCluster, operator: Obj, xds_address: str | None, xds_ca_pem: str, work: Path,
+def start(cluster: LocalCluster, operator: Obj, xds_address: str | None, xds_ca_pem: str | None, work: Path,
           pod_facing_host: str | None = None, proxy_metadata: dict[str, str] | None = None,
           hosts: dict[str, str] | None = None, timeout: float = START_TIMEOUT_S) -> KubeIstiod:
     """Istio's cluster objects applied, then istiod as a supervised child; ready once /ready
     answers (every config source synced, the MCP control plane included) and its webhooks carry
     its CA. `xds_ca_pem`: the CA of the control plane's xDS certificate (the operator's
-    `credentialName` Secret). `pod_facing_host`: the node address pods reach istiod's CA and xDS
+    `credentialName` Secret; None: that Secret exists already, as the docs' walk-throughs create it).
+    `pod_facing_host`: the node address pods reach istiod's CA and xDS
     on (port 15012, as injected pods dial `istiod.istio-system.svc:15012`)."""
     ports = KubeIstiodPorts.free()
     secure_grpc = f"127.0.0.1:{ports.secure_grpc}"
@@ -242,8 +247,8 @@ def start(cluster: LocalCluster, operator: Obj, xds_address: str | None, xds_ca_
                 "metadata": {"name": source["tlsSettings"]["credentialName"], "namespace": NAMESPACE},
                 "stringData": {"ca.crt": xds_ca_pem}}
                for source in operator["spec"]["meshConfig"].get("configSources", [])
-               if source.get("tlsSettings", {}).get("credentialName")]
-    apply(cluster, [namespace, *objects, *secrets])
+               if xds_ca_pem is not None and source.get("tlsSettings", {}).get("credentialName")]
+    apply(cluster, [namespace, *objects, *secrets], force=True)
     set_default_tag(cluster, ports.webhook)
     kubeconfig = cluster.kubeconfig_for(
         "istiod", f"system:serviceaccount:{NAMESPACE}:{SERVICE_ACCOUNT}",
