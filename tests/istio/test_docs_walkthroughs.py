@@ -82,9 +82,9 @@ def test_walkthrough_runs_top_to_bottom(title: str, tmp_path: Path, monkeypatch:
     def first(pattern: str) -> int:
         return next(i for i, c in enumerate(commands) if re.search(pattern, c))
 
-    namespace = first(r"kubectl apply -f rendered/namespace\.yaml")
+    namespace = first(r"kubectl apply (--server-side )?-f rendered/namespace\.yaml")
     secrets = [i for i, c in enumerate(commands) if "create secret" in c]
-    manifests = first(r"kubectl apply -f rendered/meshcache-istio\.yaml")
+    manifests = first(r"kubectl apply (--server-side )?-f rendered/meshcache-istio\.yaml")
     if any("--delivery kube" in c for c in commands):  # istiod is not touched at all
         assert not [c for c in commands if re.search(r"istioctl|helm|istio-operator|istiod-values|istio-system", c)]
         assert namespace < min(secrets) and max(secrets) < manifests, commands
