@@ -29,11 +29,17 @@ What it does, per pod bound to its Node (by the scheduler):
   go through the agent's rewrite (`/app-health/...` on 15020); exec probes in the pod's namespace;
 - PersistentVolumeClaims without a class get a hostPath PV under the pods directory (storage.py),
   and every pod's /etc/hosts names the cluster's Services (dns.py: cluster DNS as hosts files).
+- in-cluster API access: KUBERNETES_SERVICE_HOST/PORT (the `kubernetes` Service's ClusterIP) in
+  every app container; in a pod without Istio's capture, kube-proxy's DNAT for that ClusterIP
+  (in the pod's namespace) to a relay on the node address in front of the API server (which
+  listens on 127.0.0.1 only); the ServiceAccount volume bind-mounted at SERVICE_ACCOUNT_DIR in
+  the container's own mount namespace (clients read it there by convention).
 
 What it does not do (yet): containers of other images (reported `waiting`, reason
 `NotRunByTestKubelet`: the pod then stays Pending), restarts of istio-proxy (the native sidecar
-is started once), resource limits, mounts in a mount namespace for app containers, network
-policies. It acts with the cluster-admin identity, not a Node identity.
+is started once), resource limits, mounts in a mount namespace for app containers (but the ServiceAccount's),
+the API server for injected pods (through their sidecar), network policies. It acts with the
+cluster-admin identity, not a Node identity.
 """
 
 from __future__ import annotations

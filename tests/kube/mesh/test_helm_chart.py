@@ -24,7 +24,7 @@ import pytest
 from meshcache.contract.extensions import AFFINITY_LABEL, MANAGED_BY
 from meshcache.ctl.istio import render, xds_tls
 from meshcache.ctl.kube.mesh import KubeMesh
-from tests.helpers.kserve import mlp_json
+from tests.helpers.kserve import MODEL_INFER, mlp_json, mlp_request
 from tests.helpers.wait import eventually
 from tests.istio.helpers import CHART, HELM
 from tests.kube.mesh.helpers import (
@@ -32,6 +32,7 @@ from tests.kube.mesh.helpers import (
     ecds_filters,
     engine_calls,
     engine_pods,
+    grpc_call,
     http_call,
     proxy_status,
     ready_engine_pods,
@@ -42,9 +43,10 @@ from tests.kube.mesh.helpers import (
 Obj = dict[str, Any]
 MODEL = "mlp-classifier"
 TTL_S = 321
-# One replica each (the shared node's CPU); the PriorityClass is the shared mesh's (a second release).
-VALUES = {"delivery": "kube", "engine": {"replicas": 1},
-          "controlPlane": {"replicas": 1, "priorityClass": {"create": False}}}
+NEW_TTL_S = 654
+# One engine replica (the shared node's CPU; the control plane's minimum is 2); the PriorityClass
+# is the shared mesh's (a second release).
+VALUES = {"delivery": "kube", "engine": {"replicas": 1}, "controlPlane": {"priorityClass": {"create": False}}}
 LABELS = ",".join(f"{k}%3D{v}" for k, v in MANAGED_BY.items())
 
 
@@ -106,11 +108,12 @@ def test_helm_install_runs_on_the_kube_mesh(kube_mesh: KubeMesh, release: tuple[
     helm(env, "install", "meshcache", str(CHART), "--namespace", ns, "-f", str(values))
 
     # Every pod of the chart Ready on the test kubelet.
-    [cp] = _ready(kube_mesh, ns, "meshcache-control-plane", 1)
+    cps = _ready(kube_mesh, ns, "meshcache-control-plane", 2)
+    cp = cps[0]
     [redis] = _ready(kube_mesh, ns, "meshcache-redis", 1)
     [engine] = _ready(kube_mesh, ns, render.ENGINE_APP, 1)
     assert (proxy_status(engine) or {}).get("ready"), engine["status"]
-    assert proxy_status(cp) is None and proxy_status(redis) is None  # not injected
+    assert all(proxy_status(p) is None for p in [*cps, redis])  # not injected
     claims = kube_mesh.cluster.get(f"/api/v1/namespaces/{ns}/persistentvolumeclaims")
     assert claims is not None and [c["status"]["phase"] for c in claims["items"]] == ["Bound"]
 
@@ -130,14 +133,14 @@ def test_helm_install_runs_on_the_kube_mesh(kube_mesh: KubeMesh, release: tuple[
     filters = eventually(written, timeout=90, interval=1.0)
     assert all(o["metadata"]["name"].startswith("meshcache") for o in filters)
 
-    def in_sidecar() -> Obj:
-        plugin = ecds_filters(running(kube_mesh, engine))["meshcache"]
+    def in_sidecar(pod: Obj, version: int, ttl: int) -> Obj:
+        plugin = ecds_filters(running(kube_mesh, pod))["meshcache"]
         config = json.loads(plugin["typed_config"]["config"]["configuration"]["value"])
         assert int(config["version"]) >= version, config
-        assert any(p.get("model_prefix") == MODEL and p.get("ttl_s") == TTL_S for p in config["policies"]), config
+        assert any(p.get("model_prefix") == MODEL and p.get("ttl_s") == ttl for p in config["policies"]), config
         return config
 
-    eventually(in_sidecar, timeout=120, interval=1.0)
+    eventually(lambda: in_sidecar(engine, version, TTL_S), timeout=120, interval=1.0)
 
     # REST from a client pod of the release's namespace, through its sidecar: MISS, then HIT.
     client = caller_pod(kube_mesh, "helm-caller", "meshcache-client", {AFFINITY_LABEL: "true"}, namespace=ns)
@@ -156,6 +159,33 @@ def test_helm_install_runs_on_the_kube_mesh(kube_mesh: KubeMesh, release: tuple[
     assert second["headers"]["cache-status"].startswith("meshcache; hit; ttl="), second["headers"]
     assert second["body"] == first["body"]
     assert engine_calls(kube_mesh, MODEL, [engine]) == calls  # the hit did not reach the engine
+    request = mlp_request(seed=3536).SerializeToString()
+    g1 = grpc_call(client, MODEL_INFER, request, render.ENGINE_APP, ip)
+    g2 = grpc_call(client, MODEL_INFER, request, render.ENGINE_APP, ip)
+    assert g1["cache_status"] == "meshcache; fwd=miss; stored", g1
+    assert g2["cache_status"].startswith("meshcache; hit; ttl=") and g2["response"] == g1["response"], g2
+
+    # helm upgrade with another live colour: the control plane rolls (a new replica, the policy
+    # kept in Redis on its claim), writes the green EnvoyFilter next to blue's, and drives the
+    # sidecars: a TTL change through the new replica reaches the engine's sidecar.
+    values.write_text(json.dumps({**VALUES, "engine": {"replicas": 1, "alsoColors": ["green"]}}))
+    helm(env, "upgrade", "meshcache", str(CHART), "--namespace", ns, "-f", str(values))
+
+    def rolled() -> Obj:
+        new = _ready(kube_mesh, ns, "meshcache-control-plane", 2)
+        assert not {p["metadata"]["name"] for p in new} & {p["metadata"]["name"] for p in cps}, new
+        return new[0]
+
+    new_cp = eventually(rolled, timeout=300, interval=1.0)
+    names = {o["metadata"]["name"] for o in eventually(written, timeout=90, interval=1.0)}
+    assert names == {o["metadata"]["name"] for o in filters} | {"meshcache-green"}, names
+    in_sidecar(engine, version, TTL_S)  # the rollout took nothing away
+    with httpx.Client(base_url=f"http://{new_cp['status']['podIP']}:8080", timeout=10,
+                      headers={"Authorization": f"Bearer {token}"}) as api:
+        changed = int(api.put(f"/v1/policies/{MODEL}", json={"ttl_s": NEW_TTL_S}).raise_for_status()
+                      .json()["version"])
+    assert changed > version
+    eventually(lambda: in_sidecar(engine, changed, NEW_TTL_S), timeout=120, interval=1.0)
 
     # The client pod's sidecar has the client role's filter from the same EnvoyFilters.
     assert [n for n in ecds_filters(client) if n.startswith("meshcache")], ecds_filters(client)
@@ -170,7 +200,7 @@ def test_helm_install_runs_on_the_kube_mesh(kube_mesh: KubeMesh, release: tuple[
         assert left == [], left
 
     eventually(gone, timeout=120, interval=1.0)
-    assert [o["metadata"]["name"] for o in _envoyfilters(kube_mesh, ns)] == [o["metadata"]["name"] for o in filters]
+    assert {o["metadata"]["name"] for o in _envoyfilters(kube_mesh, ns)} == names
     kube_mesh.cluster.kubectl("-n", ns, "delete", "envoyfilters", "-l",
                               ",".join(f"{k}={v}" for k, v in MANAGED_BY.items()))
 
