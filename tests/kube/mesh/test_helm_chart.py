@@ -195,17 +195,19 @@ def test_helm_install_runs_on_the_kube_mesh(kube_mesh: KubeMesh, release: tuple[
     # namespace's remaining sidecars have no meshcache filter.
     helm(env, "uninstall", "meshcache", "--namespace", ns, "--wait", "--timeout", "180s")
 
-    def gone() -> None:
+    def gone() -> bool:
         left = [p["metadata"]["name"] for p in _pods(kube_mesh, ns)]
         assert left == [], left
+        return True
 
     eventually(gone, timeout=120, interval=1.0)
     assert {o["metadata"]["name"] for o in _envoyfilters(kube_mesh, ns)} == names
     kube_mesh.cluster.kubectl("-n", ns, "delete", "envoyfilters", "-l",
                               ",".join(f"{k}={v}" for k, v in MANAGED_BY.items()))
 
-    def unfiltered() -> None:
+    def unfiltered() -> bool:
         left = [n for n in ecds_filters(client) if n.startswith("meshcache")]
         assert left == [], left
+        return True
 
     eventually(unfiltered, timeout=120, interval=1.0)
