@@ -29,11 +29,17 @@ What it does, per pod bound to its Node (by the scheduler):
   go through the agent's rewrite (`/app-health/...` on 15020); exec probes in the pod's namespace;
 - PersistentVolumeClaims without a class get a hostPath PV under the pods directory (storage.py),
   and every pod's /etc/hosts names the cluster's Services (dns.py: cluster DNS as hosts files).
+- in-cluster API access: KUBERNETES_SERVICE_HOST/PORT (the `kubernetes` Service's ClusterIP) in
+  every app container; in a pod without Istio's capture, kube-proxy's DNAT for that ClusterIP
+  (in the pod's namespace) to a relay on the node address in front of the API server (which
+  listens on 127.0.0.1 only); the ServiceAccount volume bind-mounted at SERVICE_ACCOUNT_DIR in
+  the container's own mount namespace (clients read it there by convention).
 
 What it does not do (yet): containers of other images (reported `waiting`, reason
 `NotRunByTestKubelet`: the pod then stays Pending), restarts of istio-proxy (the native sidecar
-is started once), resource limits, mounts in a mount namespace for app containers, network
-policies. It acts with the cluster-admin identity, not a Node identity.
+is started once), resource limits, mounts in a mount namespace for app containers (but the ServiceAccount's),
+the API server for injected pods (through their sidecar), network policies. It acts with the
+cluster-admin identity, not a Node identity.
 """
 
 from __future__ import annotations
@@ -68,6 +74,7 @@ from .binary import versions
 from .cluster import LocalCluster
 from .containers import ContainerRunner
 from .netns import NodeNetwork, PodNetns
+from .pki import KUBERNETES_SERVICE_IP
 
 Obj = dict[str, Any]
 NODE_NAME = "meshcache-node"
@@ -90,6 +97,10 @@ RUNNABLE_IMAGES: dict[str, tuple[Path, list[str]]] = {
     "registry.example.com/meshcache/control-plane": (VENV_BIN, []),
     "redis": (Path("/usr/bin"), ["redis-server", "--protected-mode", "no"]),
 }
+# Where in-cluster clients find the ServiceAccount token and CA (the ServiceAccount admission
+# plugin mounts its kube-api-access volume here), and the `kubernetes` Service's port.
+SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
+KUBERNETES_SERVICE_PORT = 443
 MERGE_PATCH = {"Content-Type": "application/merge-patch+json"}
 LEASES = "/apis/coordination.k8s.io/v1/namespaces/kube-node-lease/leases"
 
@@ -191,6 +202,10 @@ class TestKubelet:
         # (the agent's Unix sockets live there); removed at stop.
         self.pods_dir = Path(tempfile.mkdtemp(prefix="meshcache-pods-"))
         self.pods_dir.chmod(0o711)
+        # The `kubernetes` Service for pods: the API server listens on 127.0.0.1 only, so a relay on
+        # the node address reaches it (kube-proxy's part for this one Service: api_relay_rules).
+        self.api_relay_port = procs.free_port()
+        self._api_relay: procs.Proc | None = None
 
     # ---- node ------------------------------------------------------------------------------
 
@@ -201,6 +216,11 @@ class TestKubelet:
                                                            "kubernetes.io/os": "linux"}},
                 "spec": {"podCIDR": self.network.cidr, "podCIDRs": [self.network.cidr]}}
         self._api.post("/api/v1/nodes", json=node).raise_for_status()
+        relay = f"{self.network.node_ip}:{self.api_relay_port}=127.0.0.1:{self.cluster.ports.apiserver}"
+        self._api_relay = procs.start("kubelet-apiserver-relay", [sys.executable, "-m", "meshcache.ctl.kube.forward",
+                                                                  relay], self.work / "logs")
+        procs.wait_until(self._api_relay, lambda: procs.port_open(self.api_relay_port, self.network.node_ip),
+                         what="the API server relay listening")
         self._node_status()
         self._renew_lease()
         self._thread = threading.Thread(target=self._run, name=f"kubelet-{self.node}", daemon=True)
@@ -301,6 +321,8 @@ class TestKubelet:
         # Istio's containers only (module docstring): istio-init first, then istio-proxy, a native
         # sidecar (init container) or, before Kubernetes 1.29 nodes, a regular container.
         containers = spec.get("initContainers", []) + spec.get("containers", [])
+        if not any(c["name"] == "istio-init" for c in containers):
+            self._api_route(running)
         for name, run in (("istio-init", self._istio_init), ("istio-proxy", self._istio_proxy)):
             container = next((c for c in containers if c["name"] == name), None)
             if container is not None:
@@ -309,6 +331,15 @@ class TestKubelet:
                                           name=f"pod-{running.net.name}")
         running.worker.start()
         return running
+
+    def _api_route(self, running: RunningPod) -> None:
+        """The `kubernetes` Service's ClusterIP:443 DNAT-ed to the node's API server relay, in the
+        pod's own namespace (kube-proxy's rule, for this Service only). Pods without Istio's
+        capture only: in an injected pod the sidecar owns outbound traffic."""
+        rule = ["iptables", "-t", "nat", "-A", "OUTPUT", "-p", "tcp", "-d", f"{KUBERNETES_SERVICE_IP}/32",
+                "--dport", str(KUBERNETES_SERVICE_PORT), "-j", "DNAT",
+                "--to-destination", f"{self.network.node_ip}:{self.api_relay_port}"]
+        subprocess.run(running.net.exec_argv(*rule), check=True, capture_output=True, timeout=30)
 
     @staticmethod
     def _image(container: Obj) -> tuple[Path, list[str]] | None:
@@ -366,7 +397,10 @@ class TestKubelet:
         image = self._image(container)
         assert image is not None
         bin_dir, entrypoint = image
-        env = container_env(container, pod, running.net.ip, self.network.node_ip)
+        # The `kubernetes` Service's variables, as kubelet sets them in every container.
+        env = {"KUBERNETES_SERVICE_HOST": KUBERNETES_SERVICE_IP,
+               "KUBERNETES_SERVICE_PORT": str(KUBERNETES_SERVICE_PORT),
+               **container_env(container, pod, running.net.ip, self.network.node_ip)}
         local = self._local_paths(running, container)
         env = {k: local(v) for k, v in env.items()}  # e.g. a tokens file under a mounted Secret
         command = [*(container.get("command") or entrypoint), *(container.get("args") or [])]
@@ -375,10 +409,8 @@ class TestKubelet:
         self._own(running, container, user, group)
         for claim in self._claim_dirs(running, pod, container):  # fsGroup ownership, as kubelet sets it
             subprocess.run(["chown", "-R", f"{user}:{group}", str(claim)], check=True)
-        if bin_dir == VENV_BIN:
-            argv = [*self._interpreter_visible(running), *self._as_user(user, group), *argv]
-        else:
-            argv = [*self._as_user(user, group), *argv]
+        prefix = [*self._interpreter_visible(running)] if bin_dir == VENV_BIN else []
+        argv = [*prefix, *self._service_account_mount(running, container), *self._as_user(user, group), *argv]
         return procs.start(f"{running.net.name}-{container['name']}", running.net.exec_argv(*argv),
                            self.work / "logs", env=env, cwd=running.root)
 
@@ -398,6 +430,19 @@ class TestKubelet:
         script = ('mkdir -p "$1" && mount --bind "$0" "$1" && mount -t tmpfs -o mode=0755 tmpfs "$2" '
                   '&& mkdir -p "$0" && mount --bind "$1" "$0" && shift 3 && exec "$@"')
         return ["sh", "-c", script, str(prefix), str(keep), str(hidden), "--"]
+
+    @staticmethod
+    def _service_account_mount(running: RunningPod, container: Obj) -> list[str]:
+        """A prefix that mounts the container's ServiceAccount volume at SERVICE_ACCOUNT_DIR, the
+        path in-cluster clients read by convention (no argument to rewrite): in the process's own
+        mount namespace (`ip netns exec` makes one), over an empty tmpfs on /run (/var/run's target;
+        the host's /run has no secrets/)."""
+        if not any(m["mountPath"] == SERVICE_ACCOUNT_DIR for m in container.get("volumeMounts", [])):
+            return []
+        target = "/run/" + SERVICE_ACCOUNT_DIR.removeprefix("/var/run/")
+        script = ('mount -t tmpfs -o mode=0755 tmpfs /run && mkdir -p "$1" && mount --bind "$0" "$1" '
+                  '&& shift 2 && exec "$@"')
+        return ["sh", "-c", script, str(running.root / SERVICE_ACCOUNT_DIR.lstrip("/")), target, "--"]
 
     @staticmethod
     def _user(pod: Obj, container: Obj) -> tuple[int, int]:
@@ -681,6 +726,8 @@ class TestKubelet:
             for key in list(self.pods):
                 pool.submit(self._remove, key)
         self._probe.close()
+        if self._api_relay is not None:
+            self._api_relay.stop()
         shutil.rmtree(self.pods_dir, ignore_errors=True)
         if self._api is not None:
             self._api.close()

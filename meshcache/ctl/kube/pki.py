@@ -14,6 +14,9 @@ from cryptography.hazmat.primitives.asymmetric import ec
 
 from meshcache.ctl.pki import CertificateAuthority, write_private
 
+# The `kubernetes` Service's ClusterIP (the first of cluster.SERVICE_CIDR): in-cluster clients'
+# KUBERNETES_SERVICE_HOST (kubelet.py), in the certificate as a real cluster's API server has it.
+KUBERNETES_SERVICE_IP = "10.96.0.1"
 # The API server's names: the kubernetes Service's in-cluster DNS names, and the loopback address
 # it listens on (istiod and the test kubelet reach it as 127.0.0.1).
 APISERVER_NAMES = ("localhost", "kubernetes", "kubernetes.default", "kubernetes.default.svc",
@@ -79,5 +82,6 @@ def create(directory: Path) -> ClusterPKI:
                                                     serialization.PublicFormat.SubjectPublicKeyInfo))
     pki = ClusterPKI(directory, ca_pair, KeyPair(directory / "apiserver.crt", directory / "apiserver.key"),
                      sa_key, sa_pub)
-    pki.issue("apiserver", "kube-apiserver", dns_names=APISERVER_NAMES, ip_addresses=("127.0.0.1",))
+    pki.issue("apiserver", "kube-apiserver", dns_names=APISERVER_NAMES,
+              ip_addresses=("127.0.0.1", KUBERNETES_SERVICE_IP))
     return pki

@@ -23,9 +23,9 @@ CACHE_CALLER = "cache-caller"  # the affinity-labelled caller pod the cache test
 ENGINE_METRICS_PORT = 8002  # the engine container's `metrics` port (istio/base/engine.yaml)
 
 
-def engine_pods(mesh: KubeMesh, selector: str = f"app={render.ENGINE_APP}") -> list[Obj]:
+def engine_pods(mesh: KubeMesh, selector: str = f"app={render.ENGINE_APP}", namespace: str = NS) -> list[Obj]:
     assert mesh.cluster is not None
-    pods = mesh.cluster.get(f"/api/v1/namespaces/{NS}/pods?labelSelector={selector.replace('=', '%3D')}")
+    pods = mesh.cluster.get(f"/api/v1/namespaces/{namespace}/pods?labelSelector={selector.replace('=', '%3D')}")
     return [p for p in (pods["items"] if pods else []) if not p["metadata"].get("deletionTimestamp")]
 
 
@@ -38,10 +38,10 @@ def ready_sidecars(mesh: KubeMesh) -> list[Obj]:
 
 
 def ready_engine_pods(mesh: KubeMesh, count: int | None = None, selector: str = f"app={render.ENGINE_APP}",
-                      timeout: float = 180) -> list[Obj]:
+                      timeout: float = 180, namespace: str = NS) -> list[Obj]:
     """The engine pods (of `selector`), once every one is Running and Ready (and `count` of them)."""
     def ready() -> list[Obj]:
-        pods = engine_pods(mesh, selector)
+        pods = engine_pods(mesh, selector, namespace)
         conditions = [{c["type"]: c["status"] for c in p["status"].get("conditions", [])} for p in pods]
         ok = pods and all(p["status"].get("phase") == "Running" and c.get("Ready") == "True"
                           for p, c in zip(pods, conditions, strict=True))
@@ -55,7 +55,7 @@ def ready_engine_pods(mesh: KubeMesh, count: int | None = None, selector: str = 
 
 def running(mesh: KubeMesh, pod: Obj) -> RunningPod:
     assert mesh.kubelet is not None
-    return mesh.kubelet.pods[f"{NS}/{pod['metadata']['name']}"]
+    return mesh.kubelet.pods[f"{pod['metadata']['namespace']}/{pod['metadata']['name']}"]
 
 
 def in_pod(pod: RunningPod, script: str, *args: str, as_app: bool = False, timeout: float = 60) -> str:
@@ -67,29 +67,30 @@ def in_pod(pod: RunningPod, script: str, *args: str, as_app: bool = False, timeo
     return out.stdout
 
 
-def caller_pod(mesh: KubeMesh, name: str, account: str, labels: dict[str, str] | None = None) -> RunningPod:
+def caller_pod(mesh: KubeMesh, name: str, account: str, labels: dict[str, str] | None = None,
+               namespace: str = NS) -> RunningPod:
     """An injected pod whose app is this test (its container's image is not one the kubelet runs)."""
     assert mesh.cluster is not None and mesh.kubelet is not None
-    if mesh.cluster.get(f"/api/v1/namespaces/{NS}/serviceaccounts/{account}") is None:
-        mesh.cluster.kubectl("create", "serviceaccount", account, "-n", NS)
+    if mesh.cluster.get(f"/api/v1/namespaces/{namespace}/serviceaccounts/{account}") is None:
+        mesh.cluster.kubectl("create", "serviceaccount", account, "-n", namespace)
     pod = {"apiVersion": "v1", "kind": "Pod",
-           "metadata": {"name": name, "namespace": NS, "labels": {"app": name, **(labels or {})}},
+           "metadata": {"name": name, "namespace": namespace, "labels": {"app": name, **(labels or {})}},
            "spec": {"serviceAccountName": account,
                     "containers": [{"name": "app", "image": "example.invalid/caller:1"}]}}
     mesh.cluster.kubectl("apply", "--server-side", "-f", "-", input=json.dumps(pod))
 
     def proxy_ready() -> RunningPod:
-        got = mesh.cluster.get(f"/api/v1/namespaces/{NS}/pods/{name}")  # type: ignore[union-attr]
+        got = mesh.cluster.get(f"/api/v1/namespaces/{namespace}/pods/{name}")  # type: ignore[union-attr]
         assert got is not None and (proxy_status(got) or {}).get("ready"), got and got["status"]
-        return mesh.kubelet.pods[f"{NS}/{name}"]  # type: ignore[union-attr]
+        return mesh.kubelet.pods[f"{namespace}/{name}"]  # type: ignore[union-attr]
 
     return eventually(proxy_ready, timeout=90, interval=0.5)
 
 
-def service_ip(mesh: KubeMesh) -> str:
+def service_ip(mesh: KubeMesh, namespace: str = NS) -> str:
     """The engine Service's ClusterIP (no kube-proxy: only the caller's capture routes it)."""
     assert mesh.cluster is not None
-    service = mesh.cluster.get(f"/api/v1/namespaces/{NS}/services/{render.ENGINE_APP}")
+    service = mesh.cluster.get(f"/api/v1/namespaces/{namespace}/services/{render.ENGINE_APP}")
     assert service is not None
     return str(service["spec"]["clusterIP"])
 
