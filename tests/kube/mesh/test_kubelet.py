@@ -97,7 +97,7 @@ def test_the_agent_rotates_the_workload_certificate_before_it_expires(kube_mesh:
     def serials() -> set[str]:
         return {cert["serial_number"] for c in _workload_certs(running) for cert in c["cert_chain"]}
 
-    ttl_s = int(kube_mesh.config.workload_cert_ttl.removesuffix("s"))  # short: tests/kube/mesh/conftest.py
+    ttl_s = int(kube_mesh.config.workload_cert_ttl.removesuffix("s"))  # short: tests/kube/conftest.py
     first = eventually(serials, timeout=30)
     # A new certificate from istiod's CA for the same identity, on the agent's own schedule.
     rotated = eventually(lambda: serials() - first, timeout=ttl_s * 1.5, interval=1.0)

@@ -1,5 +1,6 @@
-"""One Kubernetes-mode mesh for every module here (tests/conftest.py SHARED_STACK_DIRS keeps them on
-one worker, so it starts once per run): the local cluster, istiod with its webhooks and CA, the
+"""One Kubernetes-mode mesh per worker for the modules of tests/kube/mesh/ and
+tests/kube/mesh_rollouts/ (tests/conftest.py SHARED_STACK_DIRS keeps each directory on one worker:
+the two run side by side, each on its own mesh, or share one): the local cluster, istiod with its webhooks and CA, the
 meshcache control plane as its MCP source, the test kubelet running the rendered istio/ objects
 applied with `kubectl apply --server-side`, and the demo policies. Tests use their own names for
 what they add, and leave the rendered objects as they found them."""
