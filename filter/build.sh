@@ -34,8 +34,9 @@ case "$mode" in
     exit 0
     ;;
   native-test)
+    # Once, for Envoy 1.40's ABI: the envoy-1-39 feature changes only the ABI version string and the
+    # load check, which the Envoy tests check on the built 1.39 module (tests/filter, native-1.39).
     native_cargo test --quiet --locked -p meshcache-native -p meshcache-core
-    native_cargo test --quiet --locked -p meshcache-native --features envoy-1-39 --target-dir target/envoy-1.39
     exit 0
     ;;
 esac

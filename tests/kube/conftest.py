@@ -17,7 +17,7 @@ from meshcache.ctl.kube.mesh import KubeMesh, KubeMeshConfig
 CERT_TTL_S = 40  # short workload certificates: the agents rotate them every ~20 s
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def kube_mesh(tmp_path_factory: pytest.TempPathFactory, filter_wasm: Path) -> Iterator[KubeMesh]:
     config = KubeMeshConfig(tmp_path_factory.mktemp("kube-mesh"), module=filter_wasm, kubelet=True,
                             seed_policies=True, workload_cert_ttl=f"{CERT_TTL_S}s")

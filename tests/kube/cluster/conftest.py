@@ -14,13 +14,13 @@ from meshcache.ctl.kube.cluster import LocalCluster, local_cluster
 from tests.helpers.wait import eventually
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def kube_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     with local_cluster(tmp_path_factory.mktemp("kube")) as cluster:
         yield cluster
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def istio_cluster(kube_cluster: LocalCluster) -> LocalCluster:
     """The cluster with Istio's CRDs, applied as istio installs do here (the field manager
     meshcache.ctl.kube.istiod re-applies them with) and served."""
