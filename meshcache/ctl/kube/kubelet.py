@@ -563,27 +563,24 @@ class TestKubelet:
                 (directory / item["path"]).write_text(_downward(pod, item["fieldRef"]["fieldPath"]))
 
     def _config_map(self, directory: Path, namespace: str, ref: Obj) -> None:
-        assert self._api is not None
-        r = self._api.get(f"/api/v1/namespaces/{namespace}/configmaps/{ref['name']}")
-        if r.status_code == 404 and ref.get("optional"):
-            return
-        r.raise_for_status()
-        data = r.json().get("data", {})
-        items = ref.get("items") or [{"key": k, "path": k} for k in data]
-        for item in items:
-            (directory / item["path"]).write_text(data[item["key"]])
+        self._key_files(directory, f"/api/v1/namespaces/{namespace}/configmaps/{ref['name']}", ref, str.encode)
 
     def _secret(self, directory: Path, namespace: str, ref: Obj) -> None:
-        assert self._api is not None
         name = ref.get("secretName") or ref["name"]
-        r = self._api.get(f"/api/v1/namespaces/{namespace}/secrets/{name}")
+        self._key_files(directory, f"/api/v1/namespaces/{namespace}/secrets/{name}", ref, base64.b64decode)
+
+    def _key_files(self, directory: Path, path: str, ref: Obj, decode: Callable[[str], bytes]) -> None:
+        """A ConfigMap's or Secret's keys (all, or the `items` asked for) as files, as kubelet
+        writes them; an optional one that does not exist writes nothing."""
+        assert self._api is not None
+        r = self._api.get(path)
         if r.status_code == 404 and ref.get("optional"):
             return
         r.raise_for_status()
         data = r.json().get("data", {})
         items = ref.get("items") or [{"key": k, "path": k} for k in data]
         for item in items:
-            (directory / item["path"]).write_bytes(base64.b64decode(data[item["key"]]))
+            (directory / item["path"]).write_bytes(decode(data[item["key"]]))
 
     def _token(self, directory: Path, pod: Obj, ref: Obj) -> None:
         """A service-account token bound to the pod (TokenRequest), as kubelet projects it."""
