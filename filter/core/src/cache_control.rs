@@ -263,6 +263,7 @@ mod tests {
             vary_headers: vec![], scope: Scope::Shared, enabled: true, ignore_fields: vec![], deterministic_only: false,
             coalesce_timeout_ms: 0, stale_if_error_s: 0, stale_while_revalidate_s: 0,
             client_no_cache: ClientNoCache::Revalidate,
+            semantic: None,
         }
     }
 

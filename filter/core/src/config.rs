@@ -64,6 +64,32 @@ pub struct Policy {
     /// RFC 5861: an expired entry may answer at once for this long while one request refreshes it.
     pub stale_while_revalidate_s: u64,
     pub client_no_cache: ClientNoCache,
+    /// The opt-in semantic layer (`semantic`; None: off). Needs `Config::semantic_service` too.
+    pub semantic: Option<SemanticPolicy>,
+}
+
+/// A policy's `semantic`: on an exact miss, the index service may name a stored answer whose
+/// scope matches exactly and whose last user message is this similar (issue 38, docs/llm.md).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SemanticPolicy {
+    /// Cosine similarity at or above which an answer is served (0 < t <= 1).
+    pub threshold: f64,
+    /// Look up and report, never serve (the would-be hit goes upstream and is compared).
+    pub shadow: bool,
+}
+
+pub const DEFAULT_SEMANTIC_THRESHOLD: f64 = 0.999;
+pub const DEFAULT_SEMANTIC_TIMEOUT_MS: u64 = 200;
+pub const LIMIT_SEMANTIC_TIMEOUT_MS: u64 = 5000;
+
+/// `semantic_service`: where the semantic index service is (an Envoy cluster the filter calls).
+#[derive(Clone, Debug, PartialEq)]
+pub struct SemanticService {
+    pub cluster: String,
+    /// The `:authority` of the calls (`host[:port]`).
+    pub authority: String,
+    /// Each call's bound; a lookup that takes longer goes upstream (fails open).
+    pub timeout_ms: u64,
 }
 
 /// Which side of the mesh the filter runs on. `role` in the plugin configuration.
@@ -96,6 +122,8 @@ pub struct Config {
     pub limits: Limits,
     /// Sorted by descending prefix length so the first match is the longest.
     pub policies: Vec<Policy>,
+    /// None: the semantic layer is off everywhere (whatever the policies say).
+    pub semantic_service: Option<SemanticService>,
 }
 
 #[derive(Debug, PartialEq)]
@@ -127,6 +155,7 @@ impl Config {
                 max_entries: DEFAULT_MAX_ENTRIES as u32,
             },
             policies: Vec::new(),
+            semantic_service: None,
         }
     }
 
@@ -201,7 +230,47 @@ fn parse_config(obj: &Map<String, Value>) -> Result<Config, ConfigError> {
         role: Role::Server,
         limits: Limits { max_entry_bytes, max_total_bytes, max_entries: max_entries as u32 },
         policies,
+        semantic_service: parse_semantic_service(obj)?,
     })
+}
+
+fn parse_semantic_service(obj: &Map<String, Value>) -> Result<Option<SemanticService>, ConfigError> {
+    let s = match obj.get("semantic_service") {
+        None | Some(Value::Null) => return Ok(None),
+        Some(Value::Object(s)) => s,
+        Some(_) => return Err(err("semantic_service", "must be an object")),
+    };
+    let cluster = opt_string(s, "cluster", "semantic_service.cluster")?.unwrap_or_default();
+    if cluster.is_empty() || cluster.len() > LIMIT_FIELD_LEN {
+        return Err(err("semantic_service.cluster", &format!("is required: an Envoy cluster name of 1 to {} bytes", LIMIT_FIELD_LEN)));
+    }
+    let authority = opt_string(s, "authority", "semantic_service.authority")?.unwrap_or_default();
+    if authority.is_empty() || authority.len() > LIMIT_FIELD_LEN || !authority.bytes().all(|b| b.is_ascii_graphic() && b != b'/' && b != b'@') {
+        return Err(err("semantic_service.authority", "is required: host[:port]"));
+    }
+    let timeout_ms = opt_uint(s, "timeout_ms", "semantic_service.timeout_ms")?.unwrap_or(DEFAULT_SEMANTIC_TIMEOUT_MS);
+    if timeout_ms == 0 || timeout_ms > LIMIT_SEMANTIC_TIMEOUT_MS {
+        return Err(err("semantic_service.timeout_ms", &format!("must be between 1 and {}", LIMIT_SEMANTIC_TIMEOUT_MS)));
+    }
+    Ok(Some(SemanticService { cluster, authority, timeout_ms }))
+}
+
+fn parse_semantic_policy(p: &Map<String, Value>, field: &str) -> Result<Option<SemanticPolicy>, ConfigError> {
+    let s = match p.get("semantic") {
+        None | Some(Value::Null) => return Ok(None),
+        Some(Value::Object(s)) => s,
+        Some(_) => return Err(err(field, "must be an object (or null: off)")),
+    };
+    let threshold = match s.get("threshold") {
+        None | Some(Value::Null) => DEFAULT_SEMANTIC_THRESHOLD,
+        Some(Value::Number(n)) => n.as_f64().unwrap_or(-1.0),
+        Some(_) => -1.0,
+    };
+    if !(threshold > 0.0 && threshold <= 1.0) {
+        return Err(err(&format!("{}.threshold", field), "must be a number with 0 < threshold <= 1"));
+    }
+    let shadow = opt_bool(s, "shadow", &format!("{}.shadow", field))?.unwrap_or(false);
+    Ok(Some(SemanticPolicy { threshold, shadow }))
 }
 
 fn parse_policy(p: &Map<String, Value>, field: &str) -> Result<Policy, ConfigError> {
@@ -252,9 +321,10 @@ fn parse_policy(p: &Map<String, Value>, field: &str) -> Result<Policy, ConfigErr
             return Err(err(&f(name), &format!("must be at most {}", LIMIT_STALE_S)));
         }
     }
+    let semantic = parse_semantic_policy(p, &f("semantic"))?;
     Ok(Policy {
         model_prefix, ttl_s, max_ttl_s, generation, hash_headers, vary_headers, scope, enabled, ignore_fields,
-        deterministic_only, coalesce_timeout_ms, stale_if_error_s, stale_while_revalidate_s, client_no_cache,
+        deterministic_only, coalesce_timeout_ms, stale_if_error_s, stale_while_revalidate_s, client_no_cache, semantic,
     })
 }
 
@@ -480,5 +550,34 @@ mod tests {
         assert_eq!(cache(r#"{"role": "server"}"#).role, Role::Server);
         let client = cache(r#"{"role": "client", "policies": [{"model_prefix": "m", "ttl_s": 1}]}"#);
         assert_eq!((client.role, client.policies.len()), (Role::Client, 1));
+    }
+
+    #[test]
+    fn semantic_is_off_unless_configured_and_validated() {
+        let c = cache(r#"{"policies": [{"model_prefix": "m", "ttl_s": 1}]}"#);
+        assert_eq!((c.semantic_service.clone(), c.policies[0].semantic), (None, None));
+        let c = cache(r#"{"semantic_service": {"cluster": "semantic", "authority": "127.0.0.1:8090"},
+            "policies": [{"model_prefix": "m", "ttl_s": 1, "semantic": {}}, {"model_prefix": "n", "ttl_s": 1,
+            "semantic": {"threshold": 0.9, "shadow": true}}, {"model_prefix": "o", "ttl_s": 1, "semantic": null}]}"#);
+        assert_eq!(c.semantic_service, Some(SemanticService { cluster: "semantic".into(), authority: "127.0.0.1:8090".into(), timeout_ms: 200 }));
+        let by = |p: &str| c.policies.iter().find(|x| x.model_prefix == p).unwrap().semantic;
+        assert_eq!(by("m"), Some(SemanticPolicy { threshold: 0.999, shadow: false }));
+        assert_eq!(by("n"), Some(SemanticPolicy { threshold: 0.9, shadow: true }));
+        assert_eq!(by("o"), None);
+        let p = |semantic: &str| format!(r#"{{"policies": [{{"model_prefix": "m", "ttl_s": 1, "semantic": {}}}]}}"#, semantic);
+        assert_eq!(error(&p(r#"{"threshold": 0}"#)).field, "policies[0].semantic.threshold");
+        assert_eq!(error(&p(r#"{"threshold": 1.5}"#)).field, "policies[0].semantic.threshold");
+        assert_eq!(error(&p(r#"{"threshold": "0.9"}"#)).field, "policies[0].semantic.threshold");
+        assert_eq!(error(&p(r#"{"shadow": 1}"#)).field, "policies[0].semantic.shadow");
+        assert_eq!(error(&p("true")).field, "policies[0].semantic");
+        assert_eq!(cache(&p(r#"{"threshold": 1}"#)).policies[0].semantic.unwrap().threshold, 1.0);
+        let s = |service: &str| format!(r#"{{"semantic_service": {}}}"#, service);
+        assert_eq!(error(&s(r#"{"authority": "a:1"}"#)).field, "semantic_service.cluster");
+        assert_eq!(error(&s(r#"{"cluster": "c"}"#)).field, "semantic_service.authority");
+        assert_eq!(error(&s(r#"{"cluster": "c", "authority": "a/b"}"#)).field, "semantic_service.authority");
+        assert_eq!(error(&s(r#"{"cluster": "c", "authority": "a", "timeout_ms": 0}"#)).field, "semantic_service.timeout_ms");
+        assert_eq!(error(&s(r#"{"cluster": "c", "authority": "a", "timeout_ms": 5001}"#)).field, "semantic_service.timeout_ms");
+        assert_eq!(error(&s("[]")).field, "semantic_service");
+        assert_eq!(cache(&s(r#"{"cluster": "c", "authority": "a", "timeout_ms": 5000}"#)).semantic_service.unwrap().timeout_ms, 5000);
     }
 }

@@ -7,7 +7,7 @@ use crate::shaping::Splice;
 /// The one layout an entry has. Entries live in shared data only as long as the Envoy process:
 /// a filter build that changes the layout changes the magic, and an entry with another magic
 /// (left by the build a config update replaced) is unreadable, a miss whose slot is emptied.
-const MAGIC: &[u8; 3] = b"MC5";
+const MAGIC: &[u8; 3] = b"MC6";
 /// Where the policy tag sits (after magic and key).
 const TAG_AT: usize = 3 + 32;
 
@@ -36,6 +36,8 @@ pub struct Entry {
     /// one request refreshes it. The entry is kept until the longer one ends.
     pub stale_if_error_s: u32,
     pub stale_while_revalidate_s: u32,
+    /// The answer's OpenAI `usage` (0 when it had none): what each hit from it saves.
+    pub usage: crate::usage::Usage,
 }
 
 impl Entry {
@@ -47,7 +49,7 @@ impl Entry {
             Some(Splice::Proto { at }) => 1 + std::mem::size_of_val(at),
             Some(Splice::Json { at, before, after, .. }) => 1 + std::mem::size_of_val(at) + 1 + 4 + before.len() + after.len(),
         };
-        3 + 32 + 8 + 8 + 8 + 2 + 1 + 1 + self.response_hash.len() + 2 + header_bytes + 4 + self.body.len() + splice + 8 + 1
+        3 + 32 + 8 + 8 + 8 + 2 + 1 + 1 + self.response_hash.len() + 2 + header_bytes + 4 + self.body.len() + splice + 8 + 1 + 8
     }
 
     pub fn encode(&self) -> Vec<u8> {
@@ -89,6 +91,8 @@ impl Entry {
         out.extend_from_slice(&self.stale_if_error_s.to_be_bytes());
         out.extend_from_slice(&self.stale_while_revalidate_s.to_be_bytes());
         out.push(self.ttl_from_policy as u8);
+        out.extend_from_slice(&self.usage.prompt_tokens.to_be_bytes());
+        out.extend_from_slice(&self.usage.completion_tokens.to_be_bytes());
         out
     }
 
@@ -136,12 +140,13 @@ impl Entry {
         };
         let (stale_if_error_s, stale_while_revalidate_s) = (r.u32()?, r.u32()?);
         let ttl_from_policy = r.take(1)?[0] != 0;
+        let usage = crate::usage::Usage { prompt_tokens: r.u32()?, completion_tokens: r.u32()? };
         if !r.buf.is_empty() || at > body.len() {
             return None;
         }
         Some(Entry {
             key, policy, stored_at_ms, expires_at_ms, ttl_from_policy, status, grpc, response_hash, headers, body, splice, stale_if_error_s,
-            stale_while_revalidate_s,
+            stale_while_revalidate_s, usage,
         })
     }
 
@@ -219,6 +224,7 @@ pub fn sample(key_byte: u8, body: &[u8], expires_at_ms: u64) -> Entry {
         splice: None,
         stale_if_error_s: 0,
         stale_while_revalidate_s: 0,
+        usage: crate::usage::Usage::default(),
     }
 }
 
@@ -262,13 +268,15 @@ mod tests {
         assert_eq!(Entry::peek_policy(&e.encode()), e.policy);
         // Another build's layout (another magic) is unreadable: a miss, its slot emptied.
         let mut other = e.encode();
-        other[..3].copy_from_slice(b"MC4");
+        other[..3].copy_from_slice(b"MC5");
         assert_eq!((Entry::decode(&other), Entry::peek_key(&other), Entry::peek_policy(&other)), (None, None, UNATTRIBUTED));
         let mut retagged = e.encode();
         Entry::set_policy(&mut retagged, 42);
         assert_eq!(Entry::decode(&retagged).map(|d| d.policy), Some(42));
         let windows = Entry { stale_if_error_s: 600, stale_while_revalidate_s: 7, ..sample(6, b"{}", 9) };
         assert_eq!(Entry::decode(&windows.encode()), Some(windows));
+        let used = Entry { usage: crate::usage::Usage { prompt_tokens: 27, completion_tokens: 70_000 }, ..sample(6, b"{}", 9) };
+        assert_eq!(Entry::decode(&used.encode()), Some(used));
         // A splice point past the body is a corrupt entry.
         let bad = Entry { splice: Some(Splice::Proto { at: 3 }), ..sample(5, b"{}", 9) };
         assert_eq!(Entry::decode(&bad.encode()), None);

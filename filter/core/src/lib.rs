@@ -28,9 +28,11 @@ pub mod request;
 pub mod response;
 pub mod revalidate;
 pub mod route_key;
+pub mod semantic;
 pub mod shaping;
 pub mod sse;
 pub mod stale;
 pub mod store;
+pub mod usage;
 #[cfg(test)]
 mod test_rng;

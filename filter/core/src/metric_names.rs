@@ -95,7 +95,10 @@ pub const COUNTERS: [&str; 16] = [
     REFRESH_FAILURES, COALESCE_WAITS, COALESCE_SERVED, COALESCE_TIMEOUTS, COALESCE_RELEASED, COALESCE_OVERFLOW,
 ];
 /// Per policy: counters and gauges (`meshcache.policy.<prefix>.<what>`).
-pub const POLICY_COUNTERS: [&str; 2] = ["hits", "misses"];
+/// `tokens_saved_*`: the stored OpenAI `usage` of every hit's entry, summed (issue 38).
+pub const POLICY_COUNTERS: [&str; 4] = ["hits", "misses", TOKENS_SAVED_PROMPT, TOKENS_SAVED_COMPLETION];
+pub const TOKENS_SAVED_PROMPT: &str = "tokens_saved_prompt";
+pub const TOKENS_SAVED_COMPLETION: &str = "tokens_saved_completion";
 pub const POLICY_GAUGES_OF: [&str; 2] = ["entries", "bytes"];
 
 /// The prefix reduced to characters safe in a stat name.

@@ -192,6 +192,7 @@ pub fn build_entry(
     };
     let (stale_if_error_s, stale_while_revalidate_s) =
         cache_control::stale_windows(&c.policy, joined(response_headers, "cache-control").as_deref());
+    let usage = if c.grpc { crate::usage::Usage::default() } else { crate::usage::of_answer(header(&headers, "content-type"), &body) };
     let entry = Entry {
         key: c.key,
         policy: crate::accounting::policy_tag(&c.policy.model_prefix),
@@ -206,6 +207,7 @@ pub fn build_entry(
         splice,
         stale_if_error_s,
         stale_while_revalidate_s,
+        usage,
     };
     Ok(Stored { entry, added_etag })
 }

@@ -80,6 +80,39 @@ pub fn check_complete(body: &[u8]) -> Result<(), NotStored> {
     Ok(())
 }
 
+/// Calls `f` with each dispatched event's data (its `data` lines joined with LF), in order; an
+/// event not ended by a blank line is not dispatched (the same reading as `check_complete`).
+pub fn for_each_data<F: FnMut(&[u8])>(body: &[u8], mut f: F) {
+    let mut data: Vec<u8> = Vec::new();
+    let mut has_data = false;
+    let mut at = 0;
+    while at < body.len() {
+        let rest = &body[at..];
+        let end = match rest.iter().position(|b| *b == b'\n' || *b == b'\r') {
+            Some(e) => e,
+            None => return,
+        };
+        let line = &rest[..end];
+        at += end + if rest[end] == b'\r' && rest.get(end + 1) == Some(&b'\n') { 2 } else { 1 };
+        if line.is_empty() {
+            if has_data {
+                f(&data);
+            }
+            data.clear();
+            has_data = false;
+        } else if let Some(value) = line.strip_prefix(b"data") {
+            if value.is_empty() || value[0] == b':' {
+                let v = value.get(1..).unwrap_or(b"");
+                if has_data {
+                    data.push(b'\n');
+                }
+                data.extend_from_slice(v.strip_prefix(b" ").unwrap_or(v));
+                has_data = true;
+            }
+        }
+    }
+}
+
 /// The error shape OpenAI-compatible servers send in a stream: a JSON object with `error`.
 fn is_error_event(data: &[u8]) -> bool {
     let trimmed = trim(data);

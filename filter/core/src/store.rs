@@ -933,7 +933,7 @@ pub mod per_policy_tests {
                         let i = rng.below(lim.max_entries as u64) as u32;
                         if let Some((mut v, c)) = shared.get(&slot_key(i)) {
                             if !v.is_empty() {
-                                let splice_at = v.len() - 10; // the splice byte, before the stale windows (8) and the TTL source (1)
+                                let splice_at = v.len() - 18; // the splice byte, before the stale windows (8), the TTL source (1) and the usage (8)
                                 v[splice_at] = 9; // no such splice form
                                 assert!(Entry::decode(&v).is_none());
                                 shared.set(&slot_key(i), &v, c);

@@ -413,6 +413,13 @@ impl Stream {
                   cache_status: Option<String>) {
         host.count(metric_names::HITS, 1);
         host.count(&metric_names::policy_metric(&c.policy.model_prefix, "hits"), 1);
+        // A hit saves what its entry's answer cost (its stored OpenAI `usage`).
+        for (what, n) in [(metric_names::TOKENS_SAVED_PROMPT, entry.usage.prompt_tokens),
+                          (metric_names::TOKENS_SAVED_COMPLETION, entry.usage.completion_tokens)] {
+            if n > 0 {
+                host.count(&metric_names::policy_metric(&c.policy.model_prefix, what), n as u64);
+            }
+        }
         self.answer_entry(host, c, request, entry, now, cache_status);
     }
 

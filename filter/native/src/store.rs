@@ -121,6 +121,7 @@ mod tests {
             splice: None,
             stale_if_error_s: 0,
             stale_while_revalidate_s: 0,
+            usage: Default::default(),
         }
     }
 

@@ -71,8 +71,8 @@ impl crate::host::Host for Abi {
     fn count(&mut self, name: &str, n: u64) {
         crate::metrics::count(name, n)
     }
-    fn count_policy(&mut self, prefix: &str, what: &str) {
-        crate::metrics::count_policy(prefix, what)
+    fn count_policy(&mut self, prefix: &str, what: &str, n: u64) {
+        crate::metrics::count_policy(prefix, what, n)
     }
     fn error(&mut self, msg: &str) {
         crate::metrics::error(msg)

@@ -74,7 +74,7 @@ pub trait Host {
     /// Adds to a counter (`metric_names`).
     fn count(&mut self, name: &str, n: u64);
     /// Counts a per-policy event (`metric_names::POLICY_COUNTERS`).
-    fn count_policy(&mut self, prefix: &str, what: &str);
+    fn count_policy(&mut self, prefix: &str, what: &str, n: u64);
     /// An internal surprise: counted and logged; the caller fails open.
     fn error(&mut self, msg: &str);
     /// A line for Envoy's log at debug level (`meshcache_core::logs`), formatted only when that level is on.

@@ -67,7 +67,7 @@ fn tag_of(prefix: &str) -> u64 {
 
 /// Counts a per-policy event (`what`: one of `POLICY_COUNTERS`). Runs on every request, so the
 /// stat names are built once per policy rather than formatted each time.
-pub fn count_policy(prefix: &str, what: &str) {
+pub fn count_policy(prefix: &str, what: &str, n: u64) {
     POLICY_NAMES.with(|m| {
         let mut m = m.borrow_mut();
         if !m.contains_key(prefix) {
@@ -78,10 +78,10 @@ pub fn count_policy(prefix: &str, what: &str) {
         }
         if let Some(names) = m.get_mut(prefix) {
             match names.iter().find(|(w, _)| w == what) {
-                Some((_, name)) => count(name, 1),
+                Some((_, name)) => count(name, n),
                 None => {
                     let name = policy_metric(prefix, what);
-                    count(&name, 1);
+                    count(&name, n);
                     names.push((what.to_string(), name));
                 }
             }

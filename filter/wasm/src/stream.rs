@@ -65,6 +65,15 @@ thread_local! {
     static WAKE_NAME: RefCell<String> = RefCell::new(String::new());
 }
 
+/// A hit saves what its entry's answer cost (its stored OpenAI `usage`).
+fn count_tokens_saved<H: Host>(h: &mut H, prefix: &str, entry: &meshcache_core::entry::Entry) {
+    for (what, n) in [(m::TOKENS_SAVED_PROMPT, entry.usage.prompt_tokens), (m::TOKENS_SAVED_COMPLETION, entry.usage.completion_tokens)] {
+        if n > 0 {
+            h.count_policy(prefix, what, n as u64);
+        }
+    }
+}
+
 /// Resumes the effective stream's request (a waiter that goes upstream after all).
 fn continue_now<H: Host>(h: &mut H) -> u32 {
     if !h.continue_request() {
@@ -448,7 +457,8 @@ impl Stream {
     fn answer_hit<H: Host>(&mut self, h: &mut H, c: &Cacheable, request: &HitRequest, entry: &meshcache_core::entry::Entry, now: u64,
                   cache_status: Option<String>) -> u32 {
         h.count(m::HITS, 1);
-        h.count_policy(&c.policy.model_prefix, "hits");
+        h.count_policy(&c.policy.model_prefix, "hits", 1);
+        count_tokens_saved(h, &c.policy.model_prefix, entry);
         self.answer_entry(h, c, request, entry, now, cache_status)
     }
 
@@ -689,7 +699,7 @@ impl Stream {
     /// The request goes to the origin; its answer may be stored.
     fn miss<H: Host>(&mut self, h: &mut H, c: Cacheable) -> u32 {
         h.count(m::MISSES, 1);
-        h.count_policy(&c.policy.model_prefix, "misses");
+        h.count_policy(&c.policy.model_prefix, "misses", 1);
         self.phase = Phase::Miss(c);
         CONTINUE
     }

@@ -166,8 +166,8 @@ impl Host for Fake {
     fn count(&mut self, name: &str, n: u64) {
         *self.counts.entry(name.to_string()).or_default() += n;
     }
-    fn count_policy(&mut self, prefix: &str, what: &str) {
-        self.count(&meshcache_core::metric_names::policy_metric(prefix, what), 1);
+    fn count_policy(&mut self, prefix: &str, what: &str, n: u64) {
+        self.count(&meshcache_core::metric_names::policy_metric(prefix, what), n);
     }
     fn error(&mut self, msg: &str) {
         self.count(m::ERRORS, 1);
