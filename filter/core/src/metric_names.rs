@@ -90,9 +90,18 @@ pub const COALESCE_TIMEOUTS: &str = "meshcache.coalesce.timeouts";
 pub const COALESCE_RELEASED: &str = "meshcache.coalesce.released";
 pub const COALESCE_OVERFLOW: &str = "meshcache.coalesce.overflow";
 
-pub const COUNTERS: [&str; 16] = [
+/// The semantic layer (issue 38): lookups sent on an exact miss; answers served from a similar
+/// prompt's entry; would-be hits of shadow mode (or whose entry this sidecar no longer holds);
+/// lookups that failed (unreachable, timed out, a bad answer: the request went upstream).
+pub const SEMANTIC_LOOKUPS: &str = "meshcache.semantic.lookups";
+pub const SEMANTIC_HITS: &str = "meshcache.semantic.hits";
+pub const SEMANTIC_WOULD_HIT: &str = "meshcache.semantic.would_hit";
+pub const SEMANTIC_ERRORS: &str = "meshcache.semantic.errors";
+
+pub const COUNTERS: [&str; 20] = [
     HITS, MISSES, BYPASSES, STORES, EVICTIONS, ERRORS, ROUTED, STALE_IF_ERROR, STALE_WHILE_REVALIDATE, REFRESHES,
     REFRESH_FAILURES, COALESCE_WAITS, COALESCE_SERVED, COALESCE_TIMEOUTS, COALESCE_RELEASED, COALESCE_OVERFLOW,
+    SEMANTIC_LOOKUPS, SEMANTIC_HITS, SEMANTIC_WOULD_HIT, SEMANTIC_ERRORS,
 ];
 /// Per policy: counters and gauges (`meshcache.policy.<prefix>.<what>`).
 /// `tokens_saved_*`: the stored OpenAI `usage` of every hit's entry, summed (issue 38).

@@ -206,13 +206,48 @@ pub fn lookup_body(p: &Plan) -> Vec<u8> {
 
 /// The body of `POST /v1/semantic/store` for the answer just stored (None: nothing to index,
 /// e.g. an entry that lives under a second).
-pub fn store_body(p: &Plan, entry: &Entry) -> Option<Vec<u8>> {
+pub fn store_body(p: &Plan, entry: &Entry, answer_digest: &str) -> Option<Vec<u8>> {
     let ttl_s = entry.expires_at_ms.saturating_sub(entry.stored_at_ms) / 1000;
     if ttl_s == 0 {
         return None;
     }
     Some(json!({"policy": p.policy, "scope": p.scope, "text": p.text, "key": hashing::hex(&entry.key),
-                "ttl_s": ttl_s.min(MAX_TTL_S), "response_hash": entry.response_hash}).to_string().into_bytes())
+                "ttl_s": ttl_s.min(MAX_TTL_S), "response_hash": answer_digest}).to_string().into_bytes())
+}
+
+/// What shadow mode compares (the index's `response_hash`): a SHA-256 of the answer's text, the
+/// choices' `message.content` (JSON) or their `delta.content` joined (SSE), each choice's text
+/// after its index. Not the entry's `x-response-hash`: two answers of the same text differ in
+/// `id` and `created`. An answer without choices is hashed whole.
+pub fn answer_digest(content_type: Option<&str>, body: &[u8]) -> String {
+    let mut texts: std::collections::BTreeMap<u64, String> = std::collections::BTreeMap::new();
+    let mut add = |doc: &Value, member: &str| {
+        for choice in doc.get("choices").and_then(Value::as_array).map(|a| a.as_slice()).unwrap_or(&[]) {
+            let index = choice.get("index").and_then(Value::as_u64).unwrap_or(0);
+            if let Some(t) = choice.get(member).and_then(|m| m.get("content")).and_then(Value::as_str) {
+                texts.entry(index).or_default().push_str(t);
+            }
+        }
+    };
+    if crate::sse::is_event_stream(content_type) {
+        crate::sse::for_each_data(body, |data| {
+            if let Ok(doc) = serde_json::from_slice::<Value>(data) {
+                add(&doc, "delta");
+            }
+        });
+    } else if let Ok(doc) = serde_json::from_slice::<Value>(body) {
+        add(&doc, "message");
+    }
+    let mut h = Sha256::new();
+    if texts.is_empty() {
+        h.update(body);
+    }
+    for (index, text) in texts.iter() {
+        h.update(index.to_be_bytes());
+        h.update((text.len() as u64).to_be_bytes());
+        h.update(text.as_bytes());
+    }
+    hashing::hex(&h.finalize())
 }
 
 /// The body of `POST /v1/semantic/shadow`: a would-be hit's answer against the upstream one.
@@ -341,13 +376,33 @@ mod tests {
     }
 
     #[test]
+    fn answers_with_the_same_text_have_the_same_digest() {
+        let json = |id: &str, text: &str| format!(r#"{{"id":"{}","created":1,"choices":[{{"index":0,"message":{{"role":"assistant","content":"{}"}}}}]}}"#, id, text);
+        let ct = Some("application/json");
+        assert_eq!(answer_digest(ct, json("a", "Paris").as_bytes()), answer_digest(ct, json("b", "Paris").as_bytes()));
+        assert_ne!(answer_digest(ct, json("a", "Paris").as_bytes()), answer_digest(ct, json("a", "Lyon").as_bytes()));
+        let sse = |id: &str, parts: &[&str]| {
+            let mut s = String::new();
+            for p in parts {
+                s.push_str(&format!("data: {{\"id\":\"{}\",\"choices\":[{{\"index\":0,\"delta\":{{\"content\":\"{}\"}}}}]}}\n\n", id, p));
+            }
+            s + "data: [DONE]\n\n"
+        };
+        let ct = Some("text/event-stream");
+        assert_eq!(answer_digest(ct, sse("a", &["Par", "is"]).as_bytes()), answer_digest(ct, sse("b", &["P", "aris"]).as_bytes()));
+        assert_ne!(answer_digest(ct, sse("a", &["Paris"]).as_bytes()), answer_digest(ct, sse("a", &["Lyon"]).as_bytes()));
+        // No choices: the whole body.
+        assert_ne!(answer_digest(None, b"x"), answer_digest(None, b"y"));
+    }
+
+    #[test]
     fn store_and_shadow_bodies() {
         let p = Plan { scope: "0".repeat(64), text: "hi".into(), policy: "m".into(), threshold: 0.9, shadow: false };
         let e = crate::entry::sample(1, b"{}", 1000 + 600_000);
-        let body: Value = serde_json::from_slice(&store_body(&p, &e).unwrap()).unwrap();
+        let body: Value = serde_json::from_slice(&store_body(&p, &e, &"ab".repeat(32)).unwrap()).unwrap();
         assert_eq!(body, json!({"policy": "m", "scope": "0".repeat(64), "text": "hi", "key": "01".repeat(32), "ttl_s": 600,
                                 "response_hash": "ab".repeat(32)}));
-        assert_eq!(store_body(&p, &crate::entry::sample(1, b"{}", 1500)), None);
+        assert_eq!(store_body(&p, &crate::entry::sample(1, b"{}", 1500), ""), None);
         let lookup: Value = serde_json::from_slice(&lookup_body(&p)).unwrap();
         assert_eq!(lookup, json!({"scope": "0".repeat(64), "text": "hi", "threshold": 0.9, "shadow": false}));
         let shadow: Value = serde_json::from_slice(&shadow_body("m", 0.5, true)).unwrap();

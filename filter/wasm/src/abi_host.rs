@@ -95,4 +95,11 @@ impl crate::host::Host for Abi {
                limits: &meshcache_core::config::Limits, now: u64) -> bool {
         crate::background::start(root, stream, c, headers, body, limits, now)
     }
+    fn semantic_instance(&mut self) -> String {
+        crate::semantic::instance()
+    }
+    fn semantic_call(&mut self, root: u32, stream: u32, service: &meshcache_core::config::SemanticService, path: &str, body: &[u8],
+                     reply: bool) -> bool {
+        crate::semantic::call(root, stream, service, path, body, reply)
+    }
 }

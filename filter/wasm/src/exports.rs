@@ -4,7 +4,7 @@
 
 use crate::abi::{self, Buffer};
 use crate::abi_host::Abi;
-use crate::{background, root, stream};
+use crate::{background, root, semantic, stream};
 
 /// The host allocates returned data through this export; we own it afterwards.
 #[no_mangle]
@@ -89,7 +89,9 @@ pub extern "C" fn proxy_on_response_body(id: u32, size: usize, eos: u32) -> u32 
 
 #[no_mangle]
 pub extern "C" fn proxy_on_http_call_response(_root: u32, token: u32, _headers: usize, body_size: usize, _trailers: usize) {
-    background::on_response(token, body_size);
+    if !semantic::on_response(token, body_size) {
+        background::on_response(token, body_size);
+    }
 }
 
 #[no_mangle]

@@ -95,4 +95,13 @@ pub trait Host {
     #[allow(clippy::too_many_arguments)]
     fn refresh(&mut self, root: u32, stream: u32, c: &Cacheable, headers: &[(String, String)], body: &[u8], limits: &Limits,
                now: u64) -> bool;
+
+    /// This Envoy process's cache instance: part of every semantic scope (docs/llm.md).
+    fn semantic_instance(&mut self) -> String;
+    /// POSTs `body` to the semantic index service's `path`, owned by root context `root`;
+    /// `reply`: the answer goes to stream `stream`'s `on_semantic_answer` (false: fire and
+    /// forget). False: not sent.
+    #[allow(clippy::too_many_arguments)]
+    fn semantic_call(&mut self, root: u32, stream: u32, service: &meshcache_core::config::SemanticService, path: &str, body: &[u8],
+                     reply: bool) -> bool;
 }

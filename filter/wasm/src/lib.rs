@@ -2,7 +2,7 @@
 //! (`filter/dist/meshcache_filter.wasm`). The cache itself is `meshcache-core`; this crate is
 //! the proxy-wasm glue, compiled for wasm32 only: `abi` (host imports, written against the
 //! proxy-wasm ABI directly; docs/filter.md says why), `abi_host` (`impl Host for Abi`), `exports` (the exported callbacks), `root`
-//! (root context), `stream` (stream context), `background` (stale-while-revalidate refreshes),
+//! (root context), `stream` (stream context), `background` (stale-while-revalidate refreshes), `semantic` (the semantic index service's calls),
 //! `metrics`.
 
 #[cfg(target_arch = "wasm32")]
@@ -18,4 +18,6 @@ pub mod host;
 mod metrics;
 #[cfg(target_arch = "wasm32")]
 mod root;
+#[cfg(target_arch = "wasm32")]
+mod semantic;
 pub mod stream;

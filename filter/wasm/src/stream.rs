@@ -17,6 +17,7 @@ use meshcache_core::model::ModelSource;
 use meshcache_core::names::{self, Bypass};
 use meshcache_core::route_key;
 use meshcache_core::revalidate::{self, Claim};
+use meshcache_core::semantic::{self, Plan, Verdict};
 use meshcache_core::stale;
 use meshcache_core::store::{Cache, Lifetime, Lookup, Outcome};
 use meshcache_core::insert;
@@ -33,7 +34,7 @@ thread_local! {
 
 pub fn create(id: u32, root: u32, plugin: Option<Rc<Config>>) {
     let stream =
-        Stream { id, root, plugin, phase: Phase::Pass, fallback: None, stale_route: false, lock: None, refreshing: None };
+        Stream { id, root, plugin, phase: Phase::Pass, fallback: None, stale_route: false, lock: None, refreshing: None, semantic: None };
     STREAMS.with(|s| s.borrow_mut().insert(id, stream));
 }
 
@@ -221,6 +222,8 @@ enum Phase {
     Miss(Cacheable),
     /// Paused while an identical request is in flight (request coalescing).
     Waiting(Box<Waiting>),
+    /// An exact miss paused for its semantic lookup (`on_semantic_answer` resumes it).
+    SemanticLookup(Box<SemanticLookup>),
     /// A storable miss whose answer is passing: copied for the store while it streams (or
     /// while held, see `response::should_hold`).
     Collect(Box<Collecting>),
@@ -234,6 +237,20 @@ pub struct Waiting {
     c: Cacheable,
     /// Request headers, for the answer (If-None-Match).
     headers: Vec<(String, String)>,
+}
+
+pub struct SemanticLookup {
+    c: Cacheable,
+    /// Request headers and body, for a semantic hit's answer (If-None-Match, the caller's id).
+    headers: Vec<(String, String)>,
+    body: Vec<u8>,
+}
+
+/// A request of a semantic policy after its lookup: its stored answer is indexed; in shadow
+/// mode, the would-be hit's answer digest and similarity, compared with the upstream answer's.
+pub struct SemanticAfter {
+    plan: Plan,
+    shadow: Option<(String, f64)>,
 }
 
 pub struct Collecting {
@@ -278,6 +295,8 @@ pub struct Stream {
     /// This forwarded request refreshes the key (stale-while-revalidate without a background
     /// request): its lock is released when the stream ends.
     refreshing: Option<meshcache_core::hashing::KeyDigest>,
+    /// The semantic layer's part in this request (issue 38): set by a lookup on an exact miss.
+    semantic: Option<Box<SemanticAfter>>,
 }
 
 struct Fallback {
@@ -417,6 +436,11 @@ impl Stream {
             Lookup::Hit(e) => e,
             Lookup::Miss(seen) => {
                 c.seen = seen;
+                // ---- semantic layer (issue 38): look the prompt up by meaning first.
+                if self.semantic_lookup(h, cfg, &c, path, body) {
+                    self.phase = Phase::SemanticLookup(Box::new(SemanticLookup { c, headers: headers.to_vec(), body: body.to_vec() }));
+                    return PAUSE;
+                }
                 if self.joins_in_flight(h, &c, now) {
                     return self.wait(h, c, headers);
                 }
@@ -450,6 +474,133 @@ impl Stream {
             }
         };
         self.answer_hit(h, &c, &HitRequest { headers, body, id: &c.request_id }, &entry, now, None)
+    }
+
+    // ------------------------------------------------------------ semantic layer (issue 38)
+    //
+    // Three calls into the flow: `semantic_lookup` on an exact miss, `on_semantic_answer` when
+    // the service answered, `semantic_stored` after an answer is stored. The decisions are
+    // `meshcache_core::semantic`'s; these only send, pause and resume.
+
+    /// Sends the lookup of an exact miss of a semantic policy: true when the request now waits
+    /// for its answer. A lookup that cannot be sent counts an error and the request goes on.
+    fn semantic_lookup<H: Host>(&mut self, h: &mut H, cfg: &Config, c: &Cacheable, path: &str, body: &[u8]) -> bool {
+        let service = match cfg.semantic_service.as_ref() {
+            Some(s) if c.policy.semantic.is_some() => s,
+            _ => return false,
+        };
+        let principal = if c.policy.scope == meshcache_core::config::Scope::Principal { h.peer_identity() } else { None };
+        let instance = h.semantic_instance();
+        let plan = match semantic::plan(Some(service), &c.policy, path, body, principal.as_deref(), &instance) {
+            Some(p) => p,
+            None => return false,
+        };
+        h.count(m::SEMANTIC_LOOKUPS, 1);
+        let sent = h.semantic_call(self.root, self.id, service, semantic::LOOKUP_PATH, &semantic::lookup_body(&plan), true);
+        // Whatever the lookup says, the answer this request stores is indexed.
+        self.semantic = Some(Box::new(SemanticAfter { plan, shadow: None }));
+        if !sent {
+            h.count(m::SEMANTIC_ERRORS, 1);
+        }
+        sent
+    }
+
+    /// The service answered the paused request's lookup (Err: it failed; fail open): a hit
+    /// this sidecar holds fresh is answered with it; anything else goes on as an exact miss.
+    pub fn on_semantic_answer<H: Host>(&mut self, h: &mut H, verdict: Result<Verdict, &str>) -> u32 {
+        let SemanticLookup { c, headers, body } = match std::mem::replace(&mut self.phase, Phase::Done) {
+            Phase::SemanticLookup(w) => *w,
+            other => {
+                self.phase = other;
+                return CONTINUE;
+            }
+        };
+        let now = h.now_ms();
+        match verdict {
+            Err(why) => {
+                h.count(m::SEMANTIC_ERRORS, 1);
+                h.log_debug(&|| format!("semantic lookup failed ({}); going upstream", why));
+            }
+            Ok(Verdict::Upstream) => {}
+            Ok(Verdict::Shadow { response_hash, similarity }) => {
+                h.count(m::SEMANTIC_WOULD_HIT, 1);
+                if let Some(s) = self.semantic.as_mut() {
+                    s.shadow = Some((response_hash, similarity));
+                }
+            }
+            Ok(Verdict::Serve { key, similarity }) => {
+                if let Some(cfg) = self.config() {
+                    let cache = Cache { data: &h.shared(), limits: &cfg.limits };
+                    let mut out = Outcome::default();
+                    let found = cache.lookup_keeping(&key, now, Lifetime::of(&c.policy), &mut out);
+                    h.record_outcome(&out);
+                    // Only an entry of the same policy (the scope has it; the tag checks the store agrees).
+                    match found {
+                        Lookup::Hit(entry) if entry.policy == meshcache_core::accounting::policy_tag(&c.policy.model_prefix) && !c.grpc => {
+                            let request = HitRequest { headers: &headers, body: &body, id: &c.request_id };
+                            if self.answer_semantic_hit(h, &c, &request, &entry, now, similarity) {
+                                return PAUSE;
+                            }
+                        }
+                        // The entry is gone (evicted, expired, this sidecar restarted): upstream.
+                        _ => h.count(m::SEMANTIC_WOULD_HIT, 1),
+                    }
+                }
+            }
+        }
+        if self.joins_in_flight(h, &c, now) {
+            self.wait(h, c, &headers);
+            return PAUSE;
+        }
+        self.miss(h, c);
+        continue_now(h)
+    }
+
+    /// Answers from a similar prompt's entry: `Cache-Status: meshcache; hit; detail=semantic`
+    /// and the similarity. False: the local reply failed.
+    fn answer_semantic_hit<H: Host>(&mut self, h: &mut H, c: &Cacheable, request: &HitRequest, entry: &meshcache_core::entry::Entry,
+                                    now: u64, similarity: f64) -> bool {
+        let mut reply = hit::http_hit(entry, request, now);
+        hit::set_cache_status(&mut reply, semantic::CACHE_STATUS_SEMANTIC_HIT.to_string());
+        let similarity = semantic::similarity_header(similarity);
+        let mut hdrs: Vec<(&str, &str)> = reply.headers.iter().map(|(n, v)| (n.as_str(), v.as_str())).collect();
+        hdrs.push((semantic::SIMILARITY_HEADER, &similarity));
+        if !h.send_local_response(reply.status as u32, "meshcache_semantic_hit", &reply.body, &hdrs, -1) {
+            h.error("local reply failed; passing through");
+            return false;
+        }
+        self.phase = Phase::Done;
+        self.semantic = None;
+        h.count(m::HITS, 1);
+        h.count(m::SEMANTIC_HITS, 1);
+        h.count_policy(&c.policy.model_prefix, "hits", 1);
+        count_tokens_saved(h, &c.policy.model_prefix, entry);
+        true
+    }
+
+    /// An answer of a semantic policy was stored: index it (fire and forget) and, in shadow
+    /// mode, report whether it equals the would-be hit's.
+    fn semantic_stored<H: Host>(&mut self, h: &mut H, entry: &meshcache_core::entry::Entry) {
+        let after = match self.semantic.take() {
+            Some(a) => a,
+            None => return,
+        };
+        let service = match self.config().and_then(|c| c.semantic_service.clone()) {
+            Some(s) => s,
+            None => return,
+        };
+        let digest = semantic::answer_digest(headermap::header(&entry.headers, "content-type"), &entry.body);
+        if let Some(body) = semantic::store_body(&after.plan, entry, &digest) {
+            if !h.semantic_call(self.root, self.id, &service, semantic::STORE_PATH, &body, false) {
+                h.count(m::SEMANTIC_ERRORS, 1);
+            }
+        }
+        if let Some((would_be, similarity)) = after.shadow {
+            let report = semantic::shadow_body(&after.plan.policy, similarity, would_be == digest);
+            if !h.semantic_call(self.root, self.id, &service, semantic::SHADOW_PATH, &report, false) {
+                h.count(m::SEMANTIC_ERRORS, 1);
+            }
+        }
     }
 
     /// Answers from a stored entry (PAUSE), or CONTINUE when the local reply failed.
@@ -943,6 +1094,7 @@ impl Stream {
         match result {
             Ok(stored) => {
                 h.count(m::STORES, 1);
+                self.semantic_stored(h, &stored.entry);
                 self.release(h, Release::Stored);
                 self.phase = Phase::Done;
                 match open {

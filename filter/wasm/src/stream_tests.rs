@@ -57,6 +57,9 @@ struct Fake {
     refresh_ok: bool,
     refreshes: Vec<(u32, u32, meshcache_core::hashing::KeyDigest)>,
     logged: Vec<String>,
+    /// The semantic service's calls: (path, body, reply); `semantic_down`: none can be sent.
+    semantic_calls: Vec<(String, Vec<u8>, bool)>,
+    semantic_down: bool,
 }
 
 fn set(h: &mut Vec<(String, String)>, name: &str, value: &str) {
@@ -165,6 +168,14 @@ impl Host for Fake {
     }
     fn count(&mut self, name: &str, n: u64) {
         *self.counts.entry(name.to_string()).or_default() += n;
+    }
+    fn semantic_instance(&mut self) -> String {
+        "test-instance".to_string()
+    }
+    fn semantic_call(&mut self, _root: u32, _stream: u32, _service: &meshcache_core::config::SemanticService, path: &str, body: &[u8],
+                     reply: bool) -> bool {
+        self.semantic_calls.push((path.to_string(), body.to_vec(), reply));
+        !self.semantic_down
     }
     fn count_policy(&mut self, prefix: &str, what: &str, n: u64) {
         self.count(&meshcache_core::metric_names::policy_metric(prefix, what), n);
@@ -488,4 +499,107 @@ fn a_bypass_is_counted_by_reason_and_logged_at_debug() {
     assert_eq!(ask(&mut f, &cfg, 2, br#"{"model": "other"}"#), CONTINUE);
     assert_eq!(f.counted(m::bypass_counter(Bypass::NoPolicy)), 1);
     assert_eq!(f.logged, vec!["meshcache: bypass detail=no-policy model=- path=/v1/chat/completions".to_string()]);
+}
+
+// ---------------------------------------------------------------- semantic layer, tokens saved
+
+const CHAT_ANSWER: &[u8] = br#"{"id":"a","choices":[{"index":0,"message":{"role":"assistant","content":"Paris"}}],"usage":{"prompt_tokens":27,"completion_tokens":12}}"#;
+
+fn semantic_setup(semantic: &str) -> (Fake, Rc<Config>) {
+    let json = format!(r#"{{"semantic_service": {{"cluster": "semantic", "authority": "127.0.0.1:9"}},
+        "policies": [{{"model_prefix": "m", "ttl_s": 60, "semantic": {}}}]}}"#, semantic);
+    let cfg = parse_plugin_config(json.as_bytes()).unwrap();
+    let mut f = Fake { now: T0, ..Fake::default() };
+    Cache { data: &f.shared(), limits: &cfg.limits }.reconcile(&mut Outcome::default());
+    setup_coalescing(&mut f);
+    (f, Rc::new(cfg))
+}
+
+fn json_of(body: &[u8]) -> serde_json::Value {
+    serde_json::from_slice(body).unwrap()
+}
+
+#[test]
+fn a_hit_counts_the_tokens_its_entry_saved() {
+    let (mut f, cfg) = setup(r#""ttl_s": 60"#);
+    assert_eq!(ask(&mut f, &cfg, 2, ASK), CONTINUE);
+    answer(&mut f, 2, 200, CHAT_ANSWER, 1);
+    for id in [3, 4] {
+        assert_eq!(ask(&mut f, &cfg, id, ASK), PAUSE);
+    }
+    assert_eq!(f.counted(&m::policy_metric("m", m::TOKENS_SAVED_PROMPT)), 54);
+    assert_eq!(f.counted(&m::policy_metric("m", m::TOKENS_SAVED_COMPLETION)), 24);
+}
+
+#[test]
+fn an_exact_miss_is_looked_up_indexed_once_stored_and_a_similar_prompt_served() {
+    let (mut f, cfg) = semantic_setup(r#"{"threshold": 0.9}"#);
+    assert_eq!(ask(&mut f, &cfg, 2, ASK), PAUSE, "paused for the lookup");
+    let (path, body, reply_to) = f.semantic_calls[0].clone();
+    assert_eq!((path.as_str(), reply_to), (semantic::LOOKUP_PATH, true));
+    let lookup = json_of(&body);
+    assert_eq!((lookup["text"].as_str(), lookup["threshold"].as_f64(), lookup["shadow"].as_bool()), (Some("hi"), Some(0.9), Some(false)));
+    f.current = 2;
+    with(2, |s| s.on_semantic_answer(&mut f, Ok(Verdict::Upstream)));
+    assert!(f.x[&2].resumed, "nothing similar: upstream");
+    answer(&mut f, 2, 200, CHAT_ANSWER, 1);
+    let (path, body, reply_to) = f.semantic_calls[1].clone();
+    assert_eq!((path.as_str(), reply_to), (semantic::STORE_PATH, false));
+    let stored = json_of(&body);
+    assert_eq!((stored["scope"].clone(), stored["ttl_s"].as_u64()), (lookup["scope"].clone(), Some(60)));
+    let key = meshcache_core::hashing::unhex(stored["key"].as_str().unwrap()).unwrap();
+
+    let similar = br#"{"model": "m1", "messages": [{"role": "user", "content": "hello"}]}"#;
+    assert_eq!(ask(&mut f, &cfg, 3, similar), PAUSE);
+    assert_eq!(json_of(&f.semantic_calls[2].1)["scope"], lookup["scope"], "same scope, another text");
+    let mut digest = [0u8; 32];
+    digest.copy_from_slice(&key);
+    f.current = 3;
+    assert_eq!(with(3, |s| s.on_semantic_answer(&mut f, Ok(Verdict::Serve { key: digest, similarity: 0.93456 }))), PAUSE);
+    let (status, headers, got) = reply(&f, 3);
+    assert_eq!((status, got), (200, CHAT_ANSWER.to_vec()));
+    assert_eq!(status_of(&headers), "meshcache; hit; detail=semantic");
+    assert_eq!(get(&headers, "x-meshcache-similarity"), Some("0.9346"));
+    assert_eq!((f.counted(m::SEMANTIC_LOOKUPS), f.counted(m::SEMANTIC_HITS), f.counted(m::HITS)), (2, 1, 1));
+    assert_eq!(f.counted(&m::policy_metric("m", m::TOKENS_SAVED_COMPLETION)), 12);
+    assert_eq!(f.semantic_calls.len(), 3, "a hit stores nothing");
+
+    // A key this sidecar does not hold: upstream (would_hit), its answer indexed.
+    assert_eq!(ask(&mut f, &cfg, 4, br#"{"model": "m1", "messages": [{"role": "user", "content": "hey"}]}"#), PAUSE);
+    f.current = 4;
+    with(4, |s| s.on_semantic_answer(&mut f, Ok(Verdict::Serve { key: [9; 32], similarity: 0.95 })));
+    assert!(f.x[&4].resumed);
+    assert_eq!(f.counted(m::SEMANTIC_WOULD_HIT), 1);
+    assert!(f.errors.is_empty(), "{:?}", f.errors);
+}
+
+#[test]
+fn shadow_mode_goes_upstream_and_reports_whether_the_answers_matched() {
+    let (mut f, cfg) = semantic_setup(r#"{"shadow": true}"#);
+    let same = semantic::answer_digest(Some("application/json"), CHAT_ANSWER);
+    for (id, hash, matched) in [(2, same.clone(), true), (3, "0".repeat(64), false)] {
+        let body = format!(r#"{{"model": "m1", "messages": [{{"role": "user", "content": "q{}"}}]}}"#, id);
+        assert_eq!(ask(&mut f, &cfg, id, body.as_bytes()), PAUSE);
+        f.current = id;
+        with(id, |s| s.on_semantic_answer(&mut f, Ok(Verdict::Shadow { response_hash: hash, similarity: 0.97 })));
+        assert!(f.x[&id].resumed, "shadow mode never serves");
+        answer(&mut f, id, 200, CHAT_ANSWER, 1);
+        let (path, report, _) = f.semantic_calls.last().unwrap().clone();
+        assert_eq!(path, semantic::SHADOW_PATH);
+        assert_eq!(json_of(&report), serde_json::json!({"policy": "m", "similarity": 0.97, "matched": matched}));
+    }
+    assert_eq!(f.counted(m::SEMANTIC_WOULD_HIT), 2);
+}
+
+#[test]
+fn a_failed_lookup_goes_upstream() {
+    let (mut f, cfg) = semantic_setup("{}");
+    f.semantic_down = true;
+    assert_eq!(ask(&mut f, &cfg, 2, ASK), CONTINUE, "not sent: upstream at once");
+    f.semantic_down = false;
+    assert_eq!(ask(&mut f, &cfg, 3, br#"{"model": "m1", "messages": [{"role": "user", "content": "x"}]}"#), PAUSE);
+    f.current = 3;
+    with(3, |s| s.on_semantic_answer(&mut f, Err("timeout")));
+    assert!(f.x[&3].resumed);
+    assert_eq!((f.counted(m::SEMANTIC_ERRORS), f.counted(m::MISSES)), (2, 2));
 }
