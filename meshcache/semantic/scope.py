@@ -2,7 +2,8 @@
 text compared by embedding (the last user message). The reference for the filter (issue 38).
 
 The scope is a SHA-256 over: the cache instance that stores the answers (a sidecar's own Envoy
-process: the index then only hands a sidecar keys its own store may hold), the policy and its generation (a purge moves to new scopes), the
+process: the index then only hands a sidecar keys its own store may hold), the policy and its
+generation (a purge moves to new scopes), the
 caller's principal when the policy is principal-scoped, every request field except `messages`
 and the policy's `ignore_fields` (so the model, tools, response_format, sampling parameters,
 `stream` and `stream_options` are in it), and every message but the last (system prompt and

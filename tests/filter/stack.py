@@ -98,7 +98,7 @@ def filter_stack(tmp: Path, config: dict[str, Any], concurrency: int = 1,
                  without_grpc_hit_route: bool = False,
                  route_timeout_s: float | None = None,
                  host: str = "wasm", access_log: list[dict[str, Any]] | None = None,
-                 envoy_args: list[str] | None = None) -> Iterator[Stack]:
+                 envoy_args: list[str] | None = None, semantic_port: int | None = None) -> Iterator[Stack]:
     """`host`: which host of the cache core runs it, `wasm` (the proxy-wasm filter), `native`
     (the Envoy dynamic module, filter/native/; see conftest.py) or `native-1.39` (the module's
     Envoy 1.39 build on Envoy 1.39.3). `upstream`: (HTTP, gRPC) ports
@@ -106,7 +106,8 @@ def filter_stack(tmp: Path, config: dict[str, Any], concurrency: int = 1,
     `without_grpc_hit_route`: a misconfigured Envoy lacking the single-pass hit route and Lua
     filter. `route_timeout_s`: the routes' upstream timeout (Envoy answers 504, gRPC UNAVAILABLE,
     past it). `access_log`: Envoy `access_log` entries for the listener's HTTP connection manager.
-    `envoy_args`: more Envoy command-line arguments (e.g. `--component-log-level`)."""
+    `envoy_args`: more Envoy command-line arguments (e.g. `--component-log-level`).
+    `semantic_port`: a semantic index service's port, Envoy cluster `SEMANTIC_CLUSTER`."""
     if host not in HOST_ENVOYS:
         raise ValueError(f"host: one of {', '.join(HOST_ENVOYS)}, not {host!r}")
     envoy = HOST_ENVOYS[host]
@@ -129,7 +130,7 @@ def filter_stack(tmp: Path, config: dict[str, Any], concurrency: int = 1,
                            allow_on_headers_stop_iteration=allow_on_headers_stop_iteration,
                            buffer_limit_bytes=buffer_limit_bytes,
                            native_module=filter_native(envoy) if host != "wasm" else None,
-                           grpc_hit_route=not without_grpc_hit_route,
+                           grpc_hit_route=not without_grpc_hit_route, semantic_port=semantic_port,
                            **({"route_timeout_s": route_timeout_s} if route_timeout_s is not None else {}))
         config_path = write(proxy, tmp / "envoy.yaml")
         if access_log:

@@ -14,20 +14,29 @@ from meshcache.semantic.scope import NotEligible, semantic_scope
 PATH = Path(__file__).with_name("scope_vectors.json")
 
 _SYSTEM = {"role": "system", "content": "You are a support agent.\n\"Be brief\"\t\u00e9\u4e2d\U0001f600\x01"}
+_FRANCE = "What is the capital of France?"
+_TOOL = {"type": "function",
+         "function": {"name": "f", "parameters": {"type": "object", "properties": {"z": {}, "a": {}}}}}
+_TWO_PARTS = {"role": "user", "name": "bob",
+              "content": [{"type": "text", "text": "two "}, {"type": "text", "text": "parts"}]}
 _CASES: list[tuple[str, dict[str, Any]]] = [
-    ('{"model":"llama3-70b-demo","messages":[{"role":"user","content":"What is the capital of France?"}],"temperature":0}', {}),
+    ('{"model":"llama3-70b-demo","messages":[{"role":"user","content":"' + _FRANCE + '"}],"temperature":0}', {}),
     # Key order, spaces and escapes as sent do not matter (canonical JSON).
-    ('{ "temperature" : 0 , "messages" : [ {"content":"What is the capital of France?","role":"user"} ], "model" : "llama3-70b-demo" }', {}),
-    ('{"model":"llama3-70b-demo","messages":[{"role":"user","content":"\\u0057hat is the capital of France?"}],"temperature":0}', {}),
-    (json.dumps({"model": "gemma2-27b-demo", "messages": [_SYSTEM, {"role": "user", "content": "hi"}], "temperature": 0.7,
-                 "seed": 42, "top_p": 1e-05, "max_tokens": 17, "frequency_penalty": 1.5e16, "presence_penalty": -0.0}), {}),
-    (json.dumps({"model": "m", "messages": [_SYSTEM, {"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
-                                            {"role": "user", "name": "bob", "content": [{"type": "text", "text": "two "},
-                                                                                        {"type": "text", "text": "parts"}]}],
-                 "stream": True, "stream_options": {"include_usage": True}, "user": "alice", "metadata": {"x": [1, 2.5, None]}}),
+    ('{ "temperature" : 0 , "messages" : [ {"content":"' + _FRANCE + '","role":"user"} ],'
+     ' "model" : "llama3-70b-demo" }',
+     {}),
+    ('{"model":"llama3-70b-demo","messages":[{"role":"user","content":"\\u0057' + _FRANCE[1:] + '"}],"temperature":0}',
+     {}),
+    (json.dumps({"model": "gemma2-27b-demo", "messages": [_SYSTEM, {"role": "user", "content": "hi"}],
+                 "temperature": 0.7, "seed": 42, "top_p": 1e-05, "max_tokens": 17, "frequency_penalty": 1.5e16,
+                 "presence_penalty": -0.0}), {}),
+    (json.dumps({"model": "m", "messages": [_SYSTEM, {"role": "user", "content": "a"},
+                                            {"role": "assistant", "content": "b"}, _TWO_PARTS],
+                 "stream": True, "stream_options": {"include_usage": True}, "user": "alice",
+                 "metadata": {"x": [1, 2.5, None]}}),
      {"ignore_fields": ["user", "metadata"]}),
-    (json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {
-        "name": "f", "parameters": {"type": "object", "properties": {"z": {}, "a": {}}}}}], "response_format": {"type": "json_object"}}),
+    (json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": [_TOOL],
+                 "response_format": {"type": "json_object"}}),
      {"principal": "spiffe://cluster.local/ns/a/sa/web", "generation": 3}),
     ('{"model":"m","messages":[{"role":"user","content":"hi"}],"n":12345678901234,"logit_bias":{"50256":-100}}',
      {"instance": "another-sidecar"}),
@@ -41,7 +50,8 @@ _CASES: list[tuple[str, dict[str, Any]]] = [
 def vectors() -> list[dict[str, Any]]:
     out = []
     for body, args in _CASES:
-        inputs = {"policy": "llama3-", "generation": 0, "principal": None, "ignore_fields": [], "instance": "0f" * 16} | args
+        inputs = {"policy": "llama3-", "generation": 0, "principal": None, "ignore_fields": [],
+                  "instance": "0f" * 16} | args
         try:
             scope, text = semantic_scope(json.loads(body), inputs["policy"], inputs["generation"], inputs["principal"],
                                          tuple(inputs["ignore_fields"]), inputs["instance"])
