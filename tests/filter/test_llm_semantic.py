@@ -4,7 +4,8 @@ docs/llm.md "The semantic layer"). Tokens saved: every hit adds its entry's stor
 `meshcache.policy.<prefix>.tokens_saved_*` (both hosts). Semantic (the Wasm host; the native
 host has no semantic calls yet): a paraphrase in the same exact scope is answered from the stored
 answer (`Cache-Status: meshcache; hit; detail=semantic`, `x-meshcache-similarity`); a differing
-model, system prompt, history, stream flag or sampling parameter never matches; shadow mode goes
+caller (principal-scoped policy), model, system prompt, history, stream flag or sampling
+parameter never matches; shadow mode goes
 upstream and reports whether the answers matched; a service that is down costs nothing but
 `meshcache.semantic.errors`."""
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import ssl
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,6 +26,7 @@ from meshcache.ctl import launchers, procs
 from meshcache.ctl.envoy_config import SEMANTIC_CLUSTER
 from meshcache.ctl.launchers import Engine, Semantic
 from meshcache.ctl.mesh.demo_llm import CHAT_PATH
+from meshcache.ctl.pki import CertificateAuthority, Identity, spiffe_id
 from tests.engine.helpers import running_engine
 from tests.filter.stack import Stack, config, filter_stack
 from tests.helpers.wait import eventually
@@ -58,8 +61,8 @@ def index(service: Semantic) -> Iterator[httpx.Client]:
         yield c
 
 
-def _config(semantic: dict[str, Any] | None, semantic_port: int | None) -> dict[str, Any]:
-    policies = ({"model_prefix": prefix, **spec, **({"semantic": semantic} if semantic is not None else {})}
+def _config(semantic: dict[str, Any] | None, semantic_port: int | None, **fields: Any) -> dict[str, Any]:
+    policies = ({"model_prefix": prefix, **spec, **({"semantic": semantic} if semantic is not None else {}), **fields}
                 for prefix, spec in LLM_DEMO_POLICIES.items())
     service = {} if semantic_port is None else {"semantic_service": {
         "cluster": SEMANTIC_CLUSTER, "authority": f"127.0.0.1:{semantic_port}",
@@ -172,6 +175,34 @@ def test_a_paraphrase_in_another_scope_never_matches(tmp_path: Path, engine: Eng
         # Each was indexed in its own scope: the same paraphrase again is an exact hit in each.
         _indexed(index, 1 + n)
         assert index.get("/v1/semantic/stats").json()["scopes"] == 1 + n
+
+
+def test_a_principal_scoped_policy_never_serves_one_callers_answer_to_another(
+        tmp_path: Path, engine: Engine, service: Semantic, index: httpx.Client) -> None:
+    ca = CertificateAuthority.create()
+    server = ca.issue(spiffe_id("ml", "engine"), tmp_path / "pki", "server")
+    alice, bob = (ca.issue(spiffe_id(f"team-{who}", "app"), tmp_path / "pki", who) for who in ("a", "b"))
+    cfg = _config({"threshold": THRESHOLD}, service.port, scope="principal")
+    with filter_stack(tmp_path, cfg, upstream=(engine.http_port, engine.grpc_port), host="wasm",
+                      semantic_port=service.port, tls=server) as s, _tls_client(alice) as a, _tls_client(bob) as b:
+        url = f"https://localhost:{s.listen_port}{CHAT_PATH}"
+
+        def post(client: httpx.Client, question: str) -> str:
+            r = client.post(url, json=_body(question))
+            assert r.status_code == 200, r.text
+            return r.headers["cache-status"]
+
+        assert post(a, QUESTION) == STORED
+        _indexed(index, 1)
+        assert post(a, PARAPHRASE) == SEMANTIC_HIT, "the same caller: its own answer"
+        assert post(b, PARAPHRASE) == STORED, "another caller: never alice's answer"
+        s.stats_reaching({"meshcache.semantic.lookups": 3, "meshcache.semantic.hits": 1, "meshcache.stores": 2})
+
+
+def _tls_client(identity: Identity) -> httpx.Client:
+    ctx = ssl.create_default_context(cafile=str(identity.ca))
+    ctx.load_cert_chain(str(identity.cert), str(identity.key))
+    return httpx.Client(verify=ctx, timeout=30)
 
 
 def test_shadow_mode_goes_upstream_and_reports_the_comparison(tmp_path: Path, engine: Engine, service: Semantic,
