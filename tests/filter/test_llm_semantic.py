@@ -1,13 +1,13 @@
 """The semantic layer and tokens saved through a real Envoy, the real engine (llama3-tiny behind
 the LLM demo names, all-minilm-l6-v2 embeddings) and the real semantic index service (issue 38,
 docs/llm.md "The semantic layer"). Tokens saved: every hit adds its entry's stored `usage` to
-`meshcache.policy.<prefix>.tokens_saved_*` (both hosts). Semantic (the Wasm host; the native
-host has no semantic calls yet): a paraphrase in the same exact scope is answered from the stored
+`meshcache.policy.<prefix>.tokens_saved_*`. Semantic: a paraphrase in the same exact scope is answered from the stored
 answer (`Cache-Status: meshcache; hit; detail=semantic`, `x-meshcache-similarity`); a differing
 caller (principal-scoped policy), model, system prompt, history, stream flag or sampling
 parameter never matches; shadow mode goes
 upstream and reports whether the answers matched; a service that is down costs nothing but
-`meshcache.semantic.errors`."""
+`meshcache.semantic.errors`. Every test runs on both hosts (the Wasm filter's HTTP calls, the
+native module's stream callout and config-level posts)."""
 
 from __future__ import annotations
 
@@ -118,15 +118,15 @@ def test_hits_count_the_tokens_their_entries_saved(tmp_path: Path, engine: Engin
         })
 
 
-def _semantic_stack(tmp_path: Path, engine: Engine, semantic: dict[str, Any],
-                    port: int) -> contextlib.AbstractContextManager[Stack]:
+def _semantic_stack(tmp_path: Path, engine: Engine, semantic: dict[str, Any], port: int,
+                    host: str) -> contextlib.AbstractContextManager[Stack]:
     return filter_stack(tmp_path, _config(semantic, port), upstream=(engine.http_port, engine.grpc_port),
-                        host="wasm", semantic_port=port)
+                        host=host, semantic_port=port)
 
 
 def test_a_paraphrase_is_served_from_the_stored_answer(tmp_path: Path, engine: Engine, service: Semantic,
-                                                      index: httpx.Client) -> None:
-    with _semantic_stack(tmp_path, engine, {"threshold": THRESHOLD}, service.port) as s, \
+                                                      index: httpx.Client, host: str) -> None:
+    with _semantic_stack(tmp_path, engine, {"threshold": THRESHOLD}, service.port, host) as s, \
             httpx.Client(base_url=s.url(""), timeout=30) as http:
         first = _post(http, _body())
         assert first.headers["cache-status"] == STORED
@@ -148,8 +148,8 @@ def test_a_paraphrase_is_served_from_the_stored_answer(tmp_path: Path, engine: E
 
 
 def test_a_paraphrase_in_another_scope_never_matches(tmp_path: Path, engine: Engine, service: Semantic,
-                                                    index: httpx.Client) -> None:
-    with _semantic_stack(tmp_path, engine, {"threshold": THRESHOLD}, service.port) as s, \
+                                                    index: httpx.Client, host: str) -> None:
+    with _semantic_stack(tmp_path, engine, {"threshold": THRESHOLD}, service.port, host) as s, \
             httpx.Client(base_url=s.url(""), timeout=30) as http:
         assert _post(http, _body()).headers["cache-status"] == STORED
         _indexed(index, 1)
@@ -178,12 +178,12 @@ def test_a_paraphrase_in_another_scope_never_matches(tmp_path: Path, engine: Eng
 
 
 def test_a_principal_scoped_policy_never_serves_one_callers_answer_to_another(
-        tmp_path: Path, engine: Engine, service: Semantic, index: httpx.Client) -> None:
+        tmp_path: Path, engine: Engine, service: Semantic, index: httpx.Client, host: str) -> None:
     ca = CertificateAuthority.create()
     server = ca.issue(spiffe_id("ml", "engine"), tmp_path / "pki", "server")
     alice, bob = (ca.issue(spiffe_id(f"team-{who}", "app"), tmp_path / "pki", who) for who in ("a", "b"))
     cfg = _config({"threshold": THRESHOLD}, service.port, scope="principal")
-    with filter_stack(tmp_path, cfg, upstream=(engine.http_port, engine.grpc_port), host="wasm",
+    with filter_stack(tmp_path, cfg, upstream=(engine.http_port, engine.grpc_port), host=host,
                       semantic_port=service.port, tls=server) as s, _tls_client(alice) as a, _tls_client(bob) as b:
         url = f"https://localhost:{s.listen_port}{CHAT_PATH}"
 
@@ -206,9 +206,9 @@ def _tls_client(identity: Identity) -> httpx.Client:
 
 
 def test_shadow_mode_goes_upstream_and_reports_the_comparison(tmp_path: Path, engine: Engine, service: Semantic,
-                                                             index: httpx.Client) -> None:
+                                                             index: httpx.Client, host: str) -> None:
     before = index.get("/v1/semantic/stats").json()["shadow"].get("llama3-", {"would_hit": 0})["would_hit"]
-    with _semantic_stack(tmp_path, engine, {"threshold": THRESHOLD, "shadow": True}, service.port) as s, \
+    with _semantic_stack(tmp_path, engine, {"threshold": THRESHOLD, "shadow": True}, service.port, host) as s, \
             httpx.Client(base_url=s.url(""), timeout=30) as http:
         first = _post(http, _body())
         _indexed(index, 1)
@@ -229,9 +229,9 @@ def test_shadow_mode_goes_upstream_and_reports_the_comparison(tmp_path: Path, en
         assert counts["matched" if same else "mismatched"] >= 1
 
 
-def test_a_service_that_is_down_costs_only_an_error_count(tmp_path: Path, engine: Engine) -> None:
+def test_a_service_that_is_down_costs_only_an_error_count(tmp_path: Path, engine: Engine, host: str) -> None:
     nobody = procs.free_port()
-    with _semantic_stack(tmp_path, engine, {"threshold": THRESHOLD}, nobody) as s, \
+    with _semantic_stack(tmp_path, engine, {"threshold": THRESHOLD}, nobody, host) as s, \
             httpx.Client(base_url=s.url(""), timeout=30) as http:
         assert _post(http, _body()).headers["cache-status"] == STORED
         assert _post(http, _body(PARAPHRASE)).headers["cache-status"] == STORED

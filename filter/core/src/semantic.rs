@@ -290,6 +290,43 @@ pub fn verdict(status: Option<&str>, body: &[u8]) -> Result<Verdict, &'static st
     Ok(Verdict::Shadow { response_hash, similarity })
 }
 
+/// The entry a `Verdict::Serve` names, if this store holds it fresh under the request's policy
+/// (None: evicted, expired, or never this store's; the request goes upstream).
+pub fn served<S: crate::store::SharedData>(cache: &crate::store::Cache<S>, c: &crate::request::Cacheable, key: &KeyDigest,
+                                           now: u64, out: &mut crate::store::Outcome) -> Option<Entry> {
+    if c.grpc {
+        return None;
+    }
+    match cache.lookup_keeping(key, now, crate::store::Lifetime::of(&c.policy), out) {
+        crate::store::Lookup::Hit(e) if e.policy == crate::accounting::policy_tag(&c.policy.model_prefix) => Some(e),
+        _ => None,
+    }
+}
+
+/// A semantic hit's answer: the entry's, with `Cache-Status: meshcache; hit; detail=semantic`
+/// and `x-meshcache-similarity`.
+pub fn hit_answer<'e>(entry: &'e Entry, request: &crate::hit::HitRequest, now: u64, similarity: f64) -> crate::hit::HitAnswer<'e> {
+    let mut reply = crate::hit::http_hit(entry, request, now);
+    crate::hit::set_cache_status(&mut reply, CACHE_STATUS_SEMANTIC_HIT.to_string());
+    reply.headers.push((SIMILARITY_HEADER.to_string(), similarity_header(similarity)));
+    reply
+}
+
+/// What a request of a semantic policy sends once its answer is stored: the index store and,
+/// after a shadow-mode would-be hit (`shadow`: its answer digest and similarity), the report.
+/// (path, body) pairs, fire and forget.
+pub fn after_store(plan: &Plan, shadow: Option<&(String, f64)>, entry: &Entry) -> Vec<(&'static str, Vec<u8>)> {
+    let digest = answer_digest(crate::headermap::header(&entry.headers, "content-type"), &entry.body);
+    let mut calls = Vec::new();
+    if let Some(body) = store_body(plan, entry, &digest) {
+        calls.push((STORE_PATH, body));
+    }
+    if let Some((would_be, similarity)) = shadow {
+        calls.push((SHADOW_PATH, shadow_body(&plan.policy, *similarity, *would_be == digest)));
+    }
+    calls
+}
+
 /// The `x-meshcache-similarity` value: four decimals.
 pub fn similarity_header(similarity: f64) -> String {
     format!("{:.4}", similarity)

@@ -318,6 +318,20 @@ extern "C" {
         timeout_ms: u64,
     ) -> u32;
 
+    /// The same request sent on behalf of a stream (its worker's dispatcher), answered by
+    /// `on_http_filter_http_callout_done` on that stream; Envoy cancels it when the stream ends.
+    /// 1.39.3 and 1.40.0: the same argument handling as the config-level callout (their
+    /// disassembly: identical prologue, registers and stack reads).
+    pub fn envoy_dynamic_module_callback_http_filter_http_callout(
+        filter: FilterEnvoyPtr,
+        callout_id: *mut u64,
+        cluster: ModuleBuffer,
+        headers: *const ModuleHttpHeader,
+        headers_size: usize,
+        body: ModuleBuffer,
+        timeout_ms: u64,
+    ) -> u32;
+
     /// Adds to a defined counter from config context (the main thread).
     pub fn envoy_dynamic_module_callback_http_filter_config_increment_counter(
         config: ConfigEnvoyPtr,

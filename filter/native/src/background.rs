@@ -33,6 +33,20 @@ pub struct Job {
     pub body: Vec<u8>,
 }
 
+/// A fire-and-forget POST to the semantic index service (issue 38): the index store and shadow
+/// reports a stream sends once its answer is stored, which must outlive the stream (a stream's
+/// own callouts end with it).
+pub struct Post {
+    pub cluster: String,
+    pub authority: String,
+    pub path: &'static str,
+    pub body: Vec<u8>,
+    pub timeout_ms: u64,
+}
+
+/// Posts queued for the main thread at most (more are dropped: the index misses an entry).
+const MAX_POSTS: usize = 256;
+
 struct Pending {
     c: Cacheable,
     sent_ms: u64,
@@ -42,6 +56,7 @@ pub struct Background {
     config_envoy: ConfigEnvoyPtr,
     scheduler: *mut c_void,
     queue: Mutex<Vec<Job>>,
+    posts: Mutex<Vec<Post>>,
     pending: Mutex<HashMap<u64, Pending>>,
     shared: Arc<Shared>,
     config: Arc<Config>,
@@ -68,7 +83,10 @@ impl Background {
     pub unsafe fn new(config_envoy: ConfigEnvoyPtr, shared: Arc<Shared>, config: Arc<Config>, metrics: Arc<Metrics>)
         -> Background {
         let scheduler = envoy_dynamic_module_callback_http_filter_config_scheduler_new(config_envoy);
-        Background { config_envoy, scheduler, queue: Mutex::default(), pending: Mutex::default(), shared, config, metrics }
+        Background {
+            config_envoy, scheduler, queue: Mutex::default(), posts: Mutex::default(), pending: Mutex::default(), shared, config,
+            metrics,
+        }
     }
 
     /// Queues a refresh for the main thread (any worker). False: none can be sent now.
@@ -88,11 +106,39 @@ impl Background {
         true
     }
 
+    /// Queues a semantic service POST for the main thread (any worker). False: not sent.
+    pub fn post(&self, post: Post) -> bool {
+        if self.scheduler.is_null() {
+            return false;
+        }
+        let mut posts = self.posts.lock().unwrap_or_else(|p| p.into_inner());
+        if posts.len() >= MAX_POSTS {
+            return false;
+        }
+        posts.push(post);
+        drop(posts);
+        // SAFETY: a live handle (deleted only with `self`).
+        unsafe { envoy_dynamic_module_callback_http_filter_config_scheduler_commit(self.scheduler, 1) };
+        true
+    }
+
     /// Main thread: sends what the workers queued.
     ///
     /// # Safety
     /// In `on_http_filter_config_scheduled` for this config.
     pub unsafe fn on_scheduled(&self, now_ms: u64) {
+        let posts = std::mem::take(&mut *self.posts.lock().unwrap_or_else(|p| p.into_inner()));
+        for post in posts {
+            // Envoy sets content-length.
+            let hs = [ModuleHttpHeader::of(b":method", b"POST"), ModuleHttpHeader::of(b":path", post.path.as_bytes()),
+                      ModuleHttpHeader::of(b":authority", post.authority.as_bytes()),
+                      ModuleHttpHeader::of(b"content-type", b"application/json")];
+            let mut id = 0u64;
+            // Its answer is not read (`on_done` finds no refresh under its id).
+            envoy_dynamic_module_callback_http_filter_config_http_callout(
+                self.config_envoy, &mut id, ModuleBuffer::of(post.cluster.as_bytes()), hs.as_ptr(), hs.len(),
+                ModuleBuffer::of(&post.body), post.timeout_ms);
+        }
         let jobs = std::mem::take(&mut *self.queue.lock().unwrap_or_else(|p| p.into_inner()));
         let mut pending = self.pending.lock().unwrap_or_else(|p| p.into_inner());
         // Answers that can never come (lost callouts) do not hold a place for ever.

@@ -15,7 +15,8 @@ use std::sync::Arc;
 
 use meshcache_core::hit::{self, HitRequest};
 use meshcache_core::cache_control::{NotStored, Ttl};
-use meshcache_core::config::{Config, Policy, Role};
+use meshcache_core::config::{Config, Policy, Role, Scope as PolicyScope, SemanticService};
+use meshcache_core::semantic::{self, Plan, Verdict};
 use meshcache_core::entry::Entry;
 use meshcache_core::shaping::RequestId;
 use meshcache_core::stale;
@@ -75,6 +76,13 @@ pub trait Host {
     /// (stale-while-revalidate): the answer goes to `store_refresh`, then `revalidate::release`
     /// (stored) or `revalidate::failed`. False: it cannot be sent (this request refreshes instead).
     fn refresh(&mut self, c: &Cacheable, headers: &[(String, String)], body: &[u8]) -> bool;
+    /// This Envoy process's cache instance: part of every semantic scope (docs/llm.md).
+    fn semantic_instance(&mut self) -> String;
+    /// Sends the semantic lookup as this stream's callout; its answer arrives in
+    /// `Stream::on_semantic_answer`. False: not sent.
+    fn semantic_lookup(&mut self, service: &SemanticService, body: &[u8]) -> bool;
+    /// A fire-and-forget POST to the semantic service that outlives the stream. False: not sent.
+    fn semantic_post(&mut self, service: &SemanticService, path: &'static str, body: Vec<u8>) -> bool;
 }
 
 /// Entries and bytes, cache-wide and per policy of `config`, from the accounting record, each
@@ -160,8 +168,24 @@ enum State {
     Miss(Box<Cacheable>),
     /// Parked while an identical request is in flight (request coalescing).
     Waiting(Box<Waiting>),
+    /// An exact miss stopped for its semantic lookup (`on_semantic_answer` resumes it).
+    SemanticLookup(Box<SemanticLookup>),
     Collect(Box<Collecting>),
     Done,
+}
+
+struct SemanticLookup {
+    c: Cacheable,
+    /// Request headers and body, for a semantic hit's answer (If-None-Match, the caller's id).
+    headers: Vec<(String, String)>,
+    body: Vec<u8>,
+}
+
+/// A request of a semantic policy after its lookup: its stored answer is indexed; in shadow
+/// mode, the would-be hit's answer digest and similarity, compared with the upstream answer's.
+struct SemanticAfter {
+    plan: Plan,
+    shadow: Option<(String, f64)>,
 }
 
 struct Waiting {
@@ -204,6 +228,8 @@ pub struct Stream {
     /// This forwarded request refreshes the key (stale-while-revalidate without a background
     /// request): its refresh lock is released when the stream ends.
     refreshing: Option<meshcache_core::hashing::KeyDigest>,
+    /// The semantic layer's part in this request (issue 38): set by a lookup on an exact miss.
+    semantic: Option<Box<SemanticAfter>>,
 }
 
 impl Drop for Stream {
@@ -222,7 +248,7 @@ impl Drop for Stream {
 
 impl Stream {
     pub fn new(config: Arc<Config>, shared: Arc<Shared>) -> Stream {
-        Stream { config, shared, state: State::Pass, fallback: None, place: None, lock: None, refreshing: None }
+        Stream { config, shared, state: State::Pass, fallback: None, place: None, lock: None, refreshing: None, semantic: None }
     }
 
     /// This stream coalesces identical misses, waiting at `place`.
@@ -360,6 +386,11 @@ impl Stream {
             Lookup::Hit(e) => e,
             Lookup::Miss(seen) => {
                 c.seen = seen;
+                // ---- semantic layer (issue 38): look the prompt up by meaning first.
+                if self.semantic_lookup(host, &c, path, body) {
+                    self.state = State::SemanticLookup(Box::new(SemanticLookup { c, headers: headers.to_vec(), body: body.to_vec() }));
+                    return Flow::Hold;
+                }
                 if self.joins_in_flight(host, &c, now) {
                     return self.wait(host, c, headers);
                 }
@@ -395,6 +426,106 @@ impl Stream {
         Flow::Stop
     }
 
+    // ------------------------------------------------------------ semantic layer (issue 38)
+    //
+    // Three calls into the flow, as in the Wasm host: `semantic_lookup` on an exact miss,
+    // `on_semantic_answer` when the service answered, `semantic_stored` after an answer is
+    // stored. The decisions are `meshcache_core::semantic`'s.
+
+    /// Sends the lookup of an exact miss of a semantic policy: true when the request now waits
+    /// for its answer. A lookup that cannot be sent counts an error and the request goes on.
+    fn semantic_lookup(&mut self, host: &mut dyn Host, c: &Cacheable, path: &str, body: &[u8]) -> bool {
+        let service = match self.config.semantic_service.as_ref() {
+            Some(s) if c.policy.semantic.is_some() => s,
+            _ => return false,
+        };
+        let principal = if c.policy.scope == PolicyScope::Principal { host.peer_identity() } else { None };
+        let instance = host.semantic_instance();
+        let plan = match semantic::plan(Some(service), &c.policy, path, body, principal.as_deref(), &instance) {
+            Some(p) => p,
+            None => return false,
+        };
+        host.count(metric_names::SEMANTIC_LOOKUPS, 1);
+        let sent = host.semantic_lookup(service, &semantic::lookup_body(&plan));
+        // Whatever the lookup says, the answer this request stores is indexed.
+        self.semantic = Some(Box::new(SemanticAfter { plan, shadow: None }));
+        if !sent {
+            host.count(metric_names::SEMANTIC_ERRORS, 1);
+        }
+        sent
+    }
+
+    /// The service answered the stopped request's lookup (Err: it failed; fail open): a hit
+    /// this sidecar holds fresh is answered with it; anything else goes on as an exact miss.
+    pub fn on_semantic_answer(&mut self, host: &mut dyn Host, verdict: Result<Verdict, &str>) {
+        let SemanticLookup { c, headers, body } = match std::mem::replace(&mut self.state, State::Done) {
+            State::SemanticLookup(w) => *w,
+            other => {
+                self.state = other;
+                return;
+            }
+        };
+        let now = host.now_ms();
+        match verdict {
+            Err(why) => {
+                host.count(metric_names::SEMANTIC_ERRORS, 1);
+                host.log_debug(&|| format!("semantic lookup failed ({}); going upstream", why));
+            }
+            Ok(Verdict::Upstream) => {}
+            Ok(Verdict::Shadow { response_hash, similarity }) => {
+                host.count(metric_names::SEMANTIC_WOULD_HIT, 1);
+                if let Some(s) = self.semantic.as_mut() {
+                    s.shadow = Some((response_hash, similarity));
+                }
+            }
+            Ok(Verdict::Serve { key, similarity }) => {
+                let cache = Cache { data: &*self.shared, limits: &self.config.limits };
+                let mut out = Outcome::default();
+                let found = semantic::served(&cache, &c, &key, now, &mut out);
+                self.record_outcome(host, &out);
+                match found {
+                    Some(entry) => {
+                        let request = HitRequest { headers: &headers, body: &body, id: &c.request_id };
+                        let reply = semantic::hit_answer(&entry, &request, now, similarity);
+                        let hdrs: Vec<(&str, &[u8])> = reply.headers.iter().map(|(n, v)| (n.as_str(), v.as_bytes())).collect();
+                        self.state = State::Done;
+                        self.semantic = None;
+                        host.count(metric_names::SEMANTIC_HITS, 1);
+                        self.count_hit(host, &c, &entry);
+                        host.send_response(reply.status as u32, &hdrs, &reply.body);
+                        return;
+                    }
+                    // The entry is gone (evicted, expired, this sidecar restarted): upstream.
+                    None => host.count(metric_names::SEMANTIC_WOULD_HIT, 1),
+                }
+            }
+        }
+        if self.joins_in_flight(host, &c, now) {
+            self.wait(host, c, &headers);
+            return;
+        }
+        self.miss(host, c);
+        host.resume_request();
+    }
+
+    /// An answer of a semantic policy was stored: index it and, in shadow mode, report whether
+    /// it equals the would-be hit's (fire and forget).
+    fn semantic_stored(&mut self, host: &mut dyn Host, entry: &Entry) {
+        let after = match self.semantic.take() {
+            Some(a) => a,
+            None => return,
+        };
+        let service = match self.config.semantic_service.clone() {
+            Some(s) => s,
+            None => return,
+        };
+        for (path, body) in semantic::after_store(&after.plan, after.shadow.as_ref(), entry) {
+            if !host.semantic_post(&service, path, body) {
+                host.count(metric_names::SEMANTIC_ERRORS, 1);
+            }
+        }
+    }
+
     /// Client role: the routing key goes on the held request headers (and the route is chosen
     /// again, as Envoy does after a Wasm filter's header change), so the router's consistent hash
     /// sends identical requests to one replica; nothing is looked up or stored.
@@ -411,16 +542,20 @@ impl Stream {
     /// Answers from an entry (a hit; `cache_status`, when given, replaces the hit's).
     fn answer_hit(&mut self, host: &mut dyn Host, c: &Cacheable, request: &HitRequest, entry: &Entry, now: u64,
                   cache_status: Option<String>) {
+        self.count_hit(host, c, entry);
+        self.answer_entry(host, c, request, entry, now, cache_status);
+    }
+
+    /// A hit, and what its entry's answer cost (its stored OpenAI `usage`): tokens saved.
+    fn count_hit(&self, host: &mut dyn Host, c: &Cacheable, entry: &Entry) {
         host.count(metric_names::HITS, 1);
         host.count(&metric_names::policy_metric(&c.policy.model_prefix, "hits"), 1);
-        // A hit saves what its entry's answer cost (its stored OpenAI `usage`).
         for (what, n) in [(metric_names::TOKENS_SAVED_PROMPT, entry.usage.prompt_tokens),
                           (metric_names::TOKENS_SAVED_COMPLETION, entry.usage.completion_tokens)] {
             if n > 0 {
                 host.count(&metric_names::policy_metric(&c.policy.model_prefix, what), n as u64);
             }
         }
-        self.answer_entry(host, c, request, entry, now, cache_status);
     }
 
     /// Stale-while-revalidate: the expired entry answers at once; its refresh is under way.
@@ -777,6 +912,7 @@ impl Stream {
         match result {
             Ok(stored) => {
                 host.count(metric_names::STORES, 1);
+                self.semantic_stored(host, &stored.entry);
                 self.release(Release::Stored);
                 self.record_gauges(host);
                 self.state = State::Done;
@@ -924,6 +1060,15 @@ mod tests {
         }
         fn resume_request(&mut self) {
             self.resumed = true;
+        }
+        fn semantic_instance(&mut self) -> String {
+            "test-instance".to_string()
+        }
+        fn semantic_lookup(&mut self, _service: &SemanticService, _body: &[u8]) -> bool {
+            false
+        }
+        fn semantic_post(&mut self, _service: &SemanticService, _path: &'static str, _body: Vec<u8>) -> bool {
+            false
         }
         fn refresh(&mut self, c: &Cacheable, _headers: &[(String, String)], _body: &[u8]) -> bool {
             if self.refresh_ok {

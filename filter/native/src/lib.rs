@@ -26,10 +26,11 @@ use std::sync::{Arc, OnceLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use abi::*;
-use background::{Background, Job};
+use background::{Background, Job, Post};
 use filter::{Flow, Host, Place, Stream};
 use meshcache_core::coalesce::LockTable;
-use meshcache_core::config::{parse_plugin_config, Config};
+use meshcache_core::config::{parse_plugin_config, Config, SemanticService};
+use meshcache_core::semantic;
 use meshcache_core::headermap::Headers;
 use meshcache_core::store::{Cache, Outcome};
 use metrics::Metrics;
@@ -335,6 +336,37 @@ impl Host for EnvoyHost<'_> {
         let headers = headers.iter().filter(|(n, _)| meshcache_core::revalidate::repeats_header(n)).cloned().collect();
         self.background.submit(Job { c: c.clone(), cluster, headers, body: body.to_vec() })
     }
+
+    fn semantic_instance(&mut self) -> String {
+        semantic_instance().to_string()
+    }
+
+    fn semantic_lookup(&mut self, service: &SemanticService, body: &[u8]) -> bool {
+        let hs = [ModuleHttpHeader::of(b":method", b"POST"), ModuleHttpHeader::of(b":path", semantic::LOOKUP_PATH.as_bytes()),
+                  ModuleHttpHeader::of(b":authority", service.authority.as_bytes()),
+                  ModuleHttpHeader::of(b"content-type", b"application/json")];
+        let mut id = 0u64;
+        // SAFETY: as in `headers`; Envoy copies cluster, headers and body during the call.
+        unsafe {
+            envoy_dynamic_module_callback_http_filter_http_callout(self.ptr, &mut id, ModuleBuffer::of(service.cluster.as_bytes()),
+                hs.as_ptr(), hs.len(), ModuleBuffer::of(body), service.timeout_ms) == CALLOUT_SUCCESS
+        }
+    }
+
+    fn semantic_post(&mut self, service: &SemanticService, path: &'static str, body: Vec<u8>) -> bool {
+        self.background.post(Post { cluster: service.cluster.clone(), authority: service.authority.clone(), path, body,
+                                    timeout_ms: service.timeout_ms })
+    }
+}
+
+/// This Envoy process's cache instance id (the store lives in process memory: one per process),
+/// made once from the clock and the process id.
+fn semantic_instance() -> &'static str {
+    static INSTANCE: OnceLock<String> = OnceLock::new();
+    INSTANCE.get_or_init(|| {
+        let nanos = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
+        format!("{:016x}{:08x}", nanos, std::process::id())
+    })
 }
 
 /// Runs a stream hook; a panic fails the stream open.
@@ -517,9 +549,38 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_stream_complete(
 /// Called by Envoy.
 #[no_mangle]
 pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_http_callout_done(
-    _envoy: FilterEnvoyPtr, _module: FilterModulePtr, _callout_id: u64, _result: u32, _headers: *const c_void,
-    _headers_size: usize, _chunks: *const EnvoyBuffer, _chunks_size: usize) {
+    envoy: FilterEnvoyPtr, module: FilterModulePtr, _callout_id: u64, result: u32, headers: *const EnvoyHttpHeader,
+    headers_size: usize, chunks: *const EnvoyBuffer, chunks_size: usize) {
+    // The stream's one callout: its semantic lookup (issue 38).
+    let headers = if headers.is_null() { &[][..] } else { std::slice::from_raw_parts(headers, headers_size) };
+    let chunks = if chunks.is_null() { &[][..] } else { std::slice::from_raw_parts(chunks, chunks_size) };
+    let ctx = enter_hook(module);
+    let stream = &mut (*ctx).stream;
+    let mut host = EnvoyHost { ptr: envoy, metrics: &(*ctx).metrics, background: &(*ctx).background };
+    let answered = catch_unwind(AssertUnwindSafe(|| {
+        let status = headers.iter().find(|h| h.key.as_slice() == b":status").map(|h| String::from_utf8_lossy(h.value.as_slice()).into_owned());
+        let size: usize = chunks.iter().map(|c| c.length).sum();
+        let mut body = Vec::with_capacity(size.min(SEMANTIC_ANSWER_BYTES));
+        if size <= SEMANTIC_ANSWER_BYTES {
+            chunks.iter().for_each(|c| body.extend_from_slice(c.as_slice()));
+        }
+        let verdict = if result == CALLOUT_SUCCESS {
+            semantic::verdict(status.as_deref(), &body)
+        } else {
+            Err("the semantic lookup failed (reset or timed out)")
+        };
+        stream.on_semantic_answer(&mut host, verdict);
+    }));
+    if answered.is_err() {
+        // Fail open: a stopped request must not stay stopped.
+        stream.fail_open();
+        envoy_dynamic_module_callback_http_filter_continue_decoding(envoy);
+    }
+    leave_hook(ctx);
 }
+
+/// The semantic service's answers are small; a bigger one is not read (an error: upstream).
+const SEMANTIC_ANSWER_BYTES: usize = 64 * 1024;
 
 /// # Safety
 /// Called by Envoy.

@@ -530,20 +530,18 @@ impl Stream {
             }
             Ok(Verdict::Serve { key, similarity }) => {
                 if let Some(cfg) = self.config() {
-                    let cache = Cache { data: &h.shared(), limits: &cfg.limits };
                     let mut out = Outcome::default();
-                    let found = cache.lookup_keeping(&key, now, Lifetime::of(&c.policy), &mut out);
+                    let found = semantic::served(&Cache { data: &h.shared(), limits: &cfg.limits }, &c, &key, now, &mut out);
                     h.record_outcome(&out);
-                    // Only an entry of the same policy (the scope has it; the tag checks the store agrees).
                     match found {
-                        Lookup::Hit(entry) if entry.policy == meshcache_core::accounting::policy_tag(&c.policy.model_prefix) && !c.grpc => {
+                        Some(entry) => {
                             let request = HitRequest { headers: &headers, body: &body, id: &c.request_id };
                             if self.answer_semantic_hit(h, &c, &request, &entry, now, similarity) {
                                 return PAUSE;
                             }
                         }
                         // The entry is gone (evicted, expired, this sidecar restarted): upstream.
-                        _ => h.count(m::SEMANTIC_WOULD_HIT, 1),
+                        None => h.count(m::SEMANTIC_WOULD_HIT, 1),
                     }
                 }
             }
@@ -560,11 +558,8 @@ impl Stream {
     /// and the similarity. False: the local reply failed.
     fn answer_semantic_hit<H: Host>(&mut self, h: &mut H, c: &Cacheable, request: &HitRequest, entry: &meshcache_core::entry::Entry,
                                     now: u64, similarity: f64) -> bool {
-        let mut reply = hit::http_hit(entry, request, now);
-        hit::set_cache_status(&mut reply, semantic::CACHE_STATUS_SEMANTIC_HIT.to_string());
-        let similarity = semantic::similarity_header(similarity);
-        let mut hdrs: Vec<(&str, &str)> = reply.headers.iter().map(|(n, v)| (n.as_str(), v.as_str())).collect();
-        hdrs.push((semantic::SIMILARITY_HEADER, &similarity));
+        let reply = semantic::hit_answer(entry, request, now, similarity);
+        let hdrs: Vec<(&str, &str)> = reply.headers.iter().map(|(n, v)| (n.as_str(), v.as_str())).collect();
         if !h.send_local_response(reply.status as u32, "meshcache_semantic_hit", &reply.body, &hdrs, -1) {
             h.error("local reply failed; passing through");
             return false;
@@ -589,15 +584,8 @@ impl Stream {
             Some(s) => s,
             None => return,
         };
-        let digest = semantic::answer_digest(headermap::header(&entry.headers, "content-type"), &entry.body);
-        if let Some(body) = semantic::store_body(&after.plan, entry, &digest) {
-            if !h.semantic_call(self.root, self.id, &service, semantic::STORE_PATH, &body, false) {
-                h.count(m::SEMANTIC_ERRORS, 1);
-            }
-        }
-        if let Some((would_be, similarity)) = after.shadow {
-            let report = semantic::shadow_body(&after.plan.policy, similarity, would_be == digest);
-            if !h.semantic_call(self.root, self.id, &service, semantic::SHADOW_PATH, &report, false) {
+        for (path, body) in semantic::after_store(&after.plan, after.shadow.as_ref(), entry) {
+            if !h.semantic_call(self.root, self.id, &service, path, &body, false) {
                 h.count(m::SEMANTIC_ERRORS, 1);
             }
         }
