@@ -7,7 +7,8 @@ caller (principal-scoped policy), model, system prompt, history, stream flag or 
 parameter never matches; shadow mode goes
 upstream and reports whether the answers matched; a service that is down costs nothing but
 `meshcache.semantic.errors`. Every test runs on both hosts (the Wasm filter's HTTP calls, the
-native module's stream callout and config-level posts)."""
+native module's stream callout and config-level posts); the paraphrase test also on the module's
+Envoy 1.39 build."""
 
 from __future__ import annotations
 
@@ -124,6 +125,7 @@ def _semantic_stack(tmp_path: Path, engine: Engine, semantic: dict[str, Any], po
                         host=host, semantic_port=port)
 
 
+@pytest.mark.envoy_1_39
 def test_a_paraphrase_is_served_from_the_stored_answer(tmp_path: Path, engine: Engine, service: Semantic,
                                                       index: httpx.Client, host: str) -> None:
     with _semantic_stack(tmp_path, engine, {"threshold": THRESHOLD}, service.port, host) as s, \
