@@ -35,6 +35,7 @@ from meshcache.contract.filter_config import (
     Limits,
     Policy,
     Scope,
+    SemanticPolicy,
     StaleSeconds,
     TtlSeconds,
 )
@@ -81,6 +82,7 @@ class PolicySpec(BaseModel):
     stale_if_error_s: StaleSeconds = Field(0, description=H["stale_if_error_s"])
     stale_while_revalidate_s: StaleSeconds = Field(0, description=H["stale_while_revalidate_s"])
     client_no_cache: ClientNoCache = Field(DEFAULT_CLIENT_NO_CACHE, description=H["client_no_cache"])
+    semantic: SemanticPolicy | None = Field(None, description=H["semantic"])
 
     @field_validator("max_ttl_s")
     @classmethod
@@ -120,7 +122,17 @@ class PolicySpec(BaseModel):
             stale_if_error_s=self.stale_if_error_s,
             stale_while_revalidate_s=self.stale_while_revalidate_s,
             client_no_cache=self.client_no_cache,
+            semantic=self.semantic,
         )
+
+
+class SemanticPatch(BaseModel):
+    """`semantic` in a merge patch: the members to change (null resets one to its default)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    threshold: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    shadow: bool | None = None
 
 
 class PolicyPatch(BaseModel):
@@ -145,6 +157,8 @@ class PolicyPatch(BaseModel):
     stale_if_error_s: StaleSeconds | None = Field(None, description=H["stale_if_error_s"])
     stale_while_revalidate_s: StaleSeconds | None = Field(None, description=H["stale_while_revalidate_s"])
     client_no_cache: ClientNoCache | None = Field(None, description=H["client_no_cache"])
+    # A merge patch merges into the object: {"semantic": {"shadow": false}} keeps the threshold.
+    semantic: SemanticPatch | None = Field(None, description=H["semantic"])
 
 
 class PurgeRequest(BaseModel):
