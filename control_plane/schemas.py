@@ -313,6 +313,10 @@ class ModelStats(BaseModel):
     entries: int | None = Field(None, description="Entries of this policy in the readable proxies' caches; null if "
                                 "no proxy was read or one's filter does not report entries per policy")
     bytes: int | None = Field(None, description="Bytes of this policy's entries (same rule as entries)")
+    tokens_saved_prompt: int | None = Field(None, description="Prompt tokens of the LLM answers served from the "
+                                            "cache (their stored `usage`); null if no proxy read counts tokens")
+    tokens_saved_completion: int | None = Field(None, description="Completion tokens of the LLM answers served "
+                                                "from the cache (same rule)")
     ambiguous_with: list[str] = Field(description="Other prefixes whose stat names are identical")
 
 
@@ -350,6 +354,16 @@ class ReadyOut(BaseModel):
     serving: ServingOut
 
 
+class SemanticStats(BaseModel):
+    """The filter's semantic-layer counters, summed over the proxies read (docs/llm.md)."""
+
+    lookups: int = Field(description="Semantic lookups made on exact misses")
+    hits: int = Field(description="Answered from the cache by similarity (Cache-Status detail=semantic)")
+    would_hit: int = Field(description="Shadow mode: a stored answer was similar enough, but the request went "
+                                       "upstream")
+    errors: int = Field(description="Lookups that failed or timed out (the request went upstream)")
+
+
 class StatsOut(BaseModel):
     version: int
     serving: ServingOut
@@ -361,6 +375,8 @@ class StatsOut(BaseModel):
     unattributed_entries: int | None = Field(None, description="Entries no configured policy claims (a removed "
                                              "policy's, until evicted); models + this = the proxies' entries")
     unattributed_bytes: int | None = Field(None, description="Bytes of the unattributed entries")
+    semantic: SemanticStats | None = Field(None, description="The semantic layer's counters; null if no proxy "
+                                           "read has them")
     proxies: list[ProxyStats]
 
 
