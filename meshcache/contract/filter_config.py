@@ -226,10 +226,13 @@ DEMO_POLICIES: dict[str, dict[str, int]] = {
 # llama3/gemma2 prefixes (the engine serves llama3-tiny also as llama3-70b-demo and
 # gemma2-27b-demo). Only deterministic requests (temperature 0, or an integer seed) are cached;
 # `user` and `metadata` do not shape the answer.
-LLM_DEMO_POLICIES: dict[str, dict[str, Any]] = {
-    "llama3-": {"ttl_s": 600, "max_ttl_s": 3600, "deterministic_only": True, "ignore_fields": ["user", "metadata"]},
-    "gemma2-": {"ttl_s": 600, "max_ttl_s": 3600, "deterministic_only": True, "ignore_fields": ["user", "metadata"]},
+# Both turn the semantic layer on at the shipped threshold (a mesh with the semantic index
+# service: `meshcache demo --llm`; elsewhere the filter has no `semantic_service` and ignores it).
+_LLM_DEMO_POLICY: dict[str, Any] = {
+    "ttl_s": 600, "max_ttl_s": 3600, "deterministic_only": True, "ignore_fields": ["user", "metadata"],
+    "semantic": {"threshold": DEFAULT_SEMANTIC_THRESHOLD, "shadow": False},
 }
+LLM_DEMO_POLICIES: dict[str, dict[str, Any]] = {p: dict(_LLM_DEMO_POLICY) for p in ("llama3-", "gemma2-")}
 
 
 def demo_policies(generation: int = 0) -> list[Policy]:
