@@ -93,3 +93,26 @@ def test_semantic_service_is_rendered_when_configured(start_cp: Callable[..., Co
     assert config["semantic_service"] == {"cluster": "meshcache_semantic", "authority": "semantic.meshcache:8090",
                                           "timeout_ms": 150}
     assert config["policies"][0]["semantic"] == {"threshold": DEFAULT_THRESHOLD, "shadow": True}
+
+
+def test_cli_policy_set_turns_the_layer_on_and_off(cp: ControlPlaneProc) -> None:
+    """`meshcache policy set --semantic-threshold/--semantic-shadow` patch the members of `semantic`
+    (the other member kept), `--unset semantic` turns it off, a bad value changes nothing."""
+    from tests.control_plane.test_cli_day2 import cli
+
+    def row() -> dict[str, Any]:
+        return _rows(cp.client())["llama3-"]
+
+    done = cli(cp, "policy", "set", "llama3-", "--ttl", "60", "--semantic-shadow")
+    assert done.returncode == 0, done.stderr
+    assert row()["semantic"] == {"threshold": DEFAULT_THRESHOLD, "shadow": True}
+    assert cli(cp, "policy", "set", "llama3-", "--semantic-threshold", "0.95").returncode == 0
+    assert row()["semantic"] == {"threshold": 0.95, "shadow": True}
+    done = cli(cp, "policy", "set", "llama3-", "--no-semantic-shadow")
+    assert done.returncode == 0 and "semantic" in done.stdout, done.stdout
+    assert row()["semantic"] == {"threshold": 0.95, "shadow": False}
+    bad = cli(cp, "policy", "set", "llama3-", "--semantic-threshold", "1.5")
+    assert bad.returncode == 1 and "semantic.threshold" in bad.stderr, bad.stderr
+    assert row()["semantic"] == {"threshold": 0.95, "shadow": False}
+    assert cli(cp, "policy", "set", "llama3-", "--unset", "semantic").returncode == 0
+    assert "semantic" not in row()
