@@ -68,6 +68,11 @@ def test_a_policy_purge_purges_its_semantic_index(service: Semantic,
         assert c.post("/v1/purge", json={"all": True}).status_code == 200
         eventually(lambda: http.get("/v1/semantic/stats").json()["entries"] == 0)
         assert eventually(lambda: _purges(cp, "ok") == 2)
+        # Deleting a policy drops its entries too (a re-created one starts a new generation).
+        _store(http, "gemma2-", 2, "How do I reset my password?")
+        assert c.delete("/v1/policies/gemma2-").status_code == 200
+        eventually(lambda: http.get("/v1/semantic/stats").json()["entries"] == 0)
+        assert eventually(lambda: _purges(cp, "ok") == 3)
         assert _purges(cp, "error") == 0
 
 

@@ -126,6 +126,8 @@ async def delete_policy(model_prefix: PrefixPath, cp: CP, who: Writer, response:
                         if_match: IfMatch = None, dry_run: DryRun = False) -> WriteResult:
     w = await write(cp, lambda cur, v: changes.delete_policy(cur, v, who.name, model_prefix),
                     who.name, model_prefix, if_match_version(if_match), dry_run)
+    if not dry_run:
+        cp.semantic.policy(model_prefix)  # its entries can never be served again (as for a purge)
     return result(response, w)
 
 
