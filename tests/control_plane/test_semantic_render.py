@@ -16,11 +16,17 @@ from google.protobuf import wrappers_pb2
 from pydantic import ValidationError
 
 from meshcache.contract import extensions
-from meshcache.contract.filter_config import SemanticPolicy, SemanticService, demo_policies
+from meshcache.contract.filter_config import (
+    DEFAULT_SEMANTIC_THRESHOLD,
+    SemanticPolicy,
+    SemanticService,
+    demo_policies,
+)
 from meshcache.contract.wasm_filter import CLIENT_FILTER_NAME, FILTER_NAME
 from meshcache.control_plane.renderers import EcdsRenderer
 from meshcache.control_plane.settings import Settings
 from meshcache.control_plane.snapshots import Snapshot, SnapshotCache
+from meshcache.semantic import DEFAULT_THRESHOLD
 
 SERVICE = SemanticService(cluster="outbound|8090||semantic.meshcache.svc.cluster.local",
                           authority="semantic.meshcache.svc.cluster.local:8090")
@@ -122,3 +128,7 @@ def test_settings_make_the_block_and_the_purge_url() -> None:
     assert Settings(semantic_cluster="c", semantic_authority="h:1", semantic_url="https://x:9/").semantic_base_url() \
         == "https://x:9"
     assert Settings().semantic_service() is None and Settings().semantic_base_url() == ""
+
+
+def test_the_policy_default_is_the_services_shipped_threshold() -> None:
+    assert DEFAULT_SEMANTIC_THRESHOLD == DEFAULT_THRESHOLD == SemanticPolicy().threshold
