@@ -62,6 +62,12 @@ def parse_args(argv: Sequence[str] | None) -> dict[str, Any]:
                                           "no model in their repository index gets a warning")
     p.add_argument("--istiod-debug", help="istiod's debug URL (e.g. http://istiod.istio-system:15014/debug): the "
                                           "sidecars it configures and their ACKs, from its /debug/syncz")
+    p.add_argument("--semantic-cluster", help="the proxies' Envoy cluster for the semantic index service "
+                                              "(with --semantic-authority; unset: semantic lookups off)")
+    p.add_argument("--semantic-authority", help="host[:port] the proxies call the semantic index service with")
+    p.add_argument("--semantic-timeout-ms", type=int, help="the filter's lookup timeout (1..5000, default 200)")
+    p.add_argument("--semantic-url", help="where the control plane calls the semantic index service to purge a "
+                                          "policy's entries (default http://<semantic-authority>)")
     p.add_argument("--xds-workers", type=int,
                    help="xDS processes behind the xDS port (SO_REUSEPORT), this one included; default 1")
     p.add_argument("--log-level", default="info")

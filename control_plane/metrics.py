@@ -31,6 +31,9 @@ class Metrics:
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
             registry=r,
         )
+        self.semantic_purges = Counter(
+            "meshcache_cp_semantic_purges", "Purges sent to the semantic index service by outcome: ok, error "
+            "(logged; the entries expire with their TTL), dropped (too many in flight)", ["outcome"], registry=r)
 
         # delivery kube (kube_writer.py)
         self.kube_applied_version = Gauge(

@@ -46,7 +46,13 @@ NATIVE_PROM_PREFIX = "envoy_wasmcustom_"  # before PROM_PREFIX in an Envoy runni
 # The filter's cache-wide counters and gauges (docs/filter.md, "Metrics").
 COUNTERS = ("hits", "misses", "bypasses", "stores", "evictions", "errors")
 GAUGES = ("entries", "bytes")
-_POLICY = re.compile(r"^policy_(.+)_(hits|misses|entries|bytes)$")
+# Per policy: counters, gauges, and the tokens served from cache (the stored answers' `usage`).
+TOKENS = ("tokens_saved_prompt", "tokens_saved_completion")
+_POLICY = re.compile(r"^policy_(.+)_(hits|misses|entries|bytes|tokens_saved_prompt|tokens_saved_completion)$")
+# The semantic layer's counters (docs/llm.md): lookups on exact misses, hits served, would-be hits
+# in shadow mode, failed lookups (the filter went upstream).
+SEMANTIC = ("lookups", "hits", "would_hit", "errors")
+_SEMANTIC = re.compile(r"^semantic_(lookups|hits|would_hit|errors)$")
 _UNATTRIBUTED = re.compile(r"^unattributed_(entries|bytes)$")
 _ISTIO_NODE = re.compile(r"^[a-z]+~([0-9a-fA-F.:]+)~")
 _SOURCE = re.compile(r"^([^=\s]{1,256})=(\S+)$")
@@ -103,6 +109,13 @@ class ProxyCounters:
     policies: dict[str, dict[str, int]] = field(default_factory=dict)
     # Entries and bytes no configured policy claims; empty if the filter predates per-policy gauges.
     unattributed: dict[str, int] = field(default_factory=dict)
+    # meshcache.semantic.* counters; empty if the filter has no semantic layer.
+    semantic: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def tokens_known(self) -> bool:
+        """Whether this filter counts tokens saved (any policy's series present)."""
+        return any(TOKENS[0] in per for per in self.policies.values())
 
     @property
     def per_policy_gauges(self) -> bool:
@@ -121,7 +134,10 @@ def parse_prometheus(text: str) -> ProxyCounters:
             value = int(sample.value)
             m = _POLICY.match(rest)
             u = _UNATTRIBUTED.match(rest)
-            if m:
+            sem = _SEMANTIC.match(rest)
+            if sem:
+                out.semantic[sem.group(1)] = out.semantic.get(sem.group(1), 0) + value
+            elif m:
                 per = out.policies.setdefault(m.group(1), {"hits": 0, "misses": 0})
                 per[m.group(2)] = per.get(m.group(2), 0) + value
             elif u:
@@ -276,6 +292,9 @@ class ModelRow:
     # None when a readable proxy's filter does not report entries and bytes per policy.
     entries: int | None = None
     bytes: int | None = None
+    # Prompt and completion tokens answered from the cache; None when no proxy read counts them.
+    tokens_saved_prompt: int | None = None
+    tokens_saved_completion: int | None = None
 
     @property
     def hit_ratio(self) -> float | None:
@@ -296,7 +315,7 @@ def per_model(readings: list[ProxyReading], prefixes: list[str]) -> list[ModelRo
     by_name: dict[str, list[str]] = {}
     for p in prefixes:
         by_name.setdefault(prom_name(p), []).append(p)
-    zero = {"hits": 0, "misses": 0, "entries": 0, "bytes": 0}
+    zero = {"hits": 0, "misses": 0, "entries": 0, "bytes": 0, TOKENS[0]: 0, TOKENS[1]: 0}
     sums: dict[str, dict[str, int]] = {}
     for r in readings:
         if r.ok and r.counters is not None:
@@ -305,17 +324,31 @@ def per_model(readings: list[ProxyReading], prefixes: list[str]) -> list[ModelRo
                 for what in zero:
                     s[what] += c.get(what, 0)
     known = _gauges_known(readings)
+    # Tokens: a filter that counts them has the series for every policy it has; one that does not
+    # (older build) leaves them unknown, never 0.
+    tokens = any(r.counters.tokens_known for r in readings if r.ok and r.counters is not None)
+
+    def row(prefix: str, in_policy: bool, s: dict[str, int], ambiguous: list[str]) -> ModelRow:
+        return ModelRow(prefix, in_policy, s["hits"], s["misses"], ambiguous,
+                        s["entries"] if known else None, s["bytes"] if known else None,
+                        s[TOKENS[0]] if tokens else None, s[TOKENS[1]] if tokens else None)
+
     rows = []
     for p in prefixes:
         name = prom_name(p)
-        s = sums.get(name, zero)
-        rows.append(ModelRow(p, True, s["hits"], s["misses"], [o for o in by_name[name] if o != p],
-                             s["entries"] if known else None, s["bytes"] if known else None))
+        rows.append(row(p, True, sums.get(name, zero), [o for o in by_name[name] if o != p]))
     for name, s in sorted(sums.items()):
         if name not in by_name:  # counters of a policy no longer in the snapshot
-            rows.append(ModelRow(name, False, s["hits"], s["misses"], [],
-                                 s["entries"] if known else None, s["bytes"] if known else None))
+            rows.append(row(name, False, s, []))
     return rows
+
+
+def semantic_totals(readings: list[ProxyReading]) -> dict[str, int] | None:
+    """The semantic layer's counters summed over the readable proxies; None if none has them."""
+    read = [r.counters for r in readings if r.ok and r.counters is not None and r.counters.semantic]
+    if not read:
+        return None
+    return {what: sum(c.semantic.get(what, 0) for c in read) for what in SEMANTIC}
 
 
 def unattributed(readings: list[ProxyReading]) -> tuple[int | None, int | None]:

@@ -35,6 +35,7 @@ from meshcache.contract.filter_config import (
     Limits,
     Policy,
     Scope,
+    SemanticPolicy,
     StaleSeconds,
     TtlSeconds,
 )
@@ -81,6 +82,7 @@ class PolicySpec(BaseModel):
     stale_if_error_s: StaleSeconds = Field(0, description=H["stale_if_error_s"])
     stale_while_revalidate_s: StaleSeconds = Field(0, description=H["stale_while_revalidate_s"])
     client_no_cache: ClientNoCache = Field(DEFAULT_CLIENT_NO_CACHE, description=H["client_no_cache"])
+    semantic: SemanticPolicy | None = Field(None, description=H["semantic"])
 
     @field_validator("max_ttl_s")
     @classmethod
@@ -120,7 +122,17 @@ class PolicySpec(BaseModel):
             stale_if_error_s=self.stale_if_error_s,
             stale_while_revalidate_s=self.stale_while_revalidate_s,
             client_no_cache=self.client_no_cache,
+            semantic=self.semantic,
         )
+
+
+class SemanticPatch(BaseModel):
+    """`semantic` in a merge patch: the members to change (null resets one to its default)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    threshold: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    shadow: bool | None = None
 
 
 class PolicyPatch(BaseModel):
@@ -145,6 +157,8 @@ class PolicyPatch(BaseModel):
     stale_if_error_s: StaleSeconds | None = Field(None, description=H["stale_if_error_s"])
     stale_while_revalidate_s: StaleSeconds | None = Field(None, description=H["stale_while_revalidate_s"])
     client_no_cache: ClientNoCache | None = Field(None, description=H["client_no_cache"])
+    # A merge patch merges into the object: {"semantic": {"shadow": false}} keeps the threshold.
+    semantic: SemanticPatch | None = Field(None, description=H["semantic"])
 
 
 class PurgeRequest(BaseModel):
@@ -299,6 +313,10 @@ class ModelStats(BaseModel):
     entries: int | None = Field(None, description="Entries of this policy in the readable proxies' caches; null if "
                                 "no proxy was read or one's filter does not report entries per policy")
     bytes: int | None = Field(None, description="Bytes of this policy's entries (same rule as entries)")
+    tokens_saved_prompt: int | None = Field(None, description="Prompt tokens of the LLM answers served from the "
+                                            "cache (their stored `usage`); null if no proxy read counts tokens")
+    tokens_saved_completion: int | None = Field(None, description="Completion tokens of the LLM answers served "
+                                                "from the cache (same rule)")
     ambiguous_with: list[str] = Field(description="Other prefixes whose stat names are identical")
 
 
@@ -336,6 +354,16 @@ class ReadyOut(BaseModel):
     serving: ServingOut
 
 
+class SemanticStats(BaseModel):
+    """The filter's semantic-layer counters, summed over the proxies read (docs/llm.md)."""
+
+    lookups: int = Field(description="Semantic lookups made on exact misses")
+    hits: int = Field(description="Answered from the cache by similarity (Cache-Status detail=semantic)")
+    would_hit: int = Field(description="Shadow mode: a stored answer was similar enough, but the request went "
+                                       "upstream")
+    errors: int = Field(description="Lookups that failed or timed out (the request went upstream)")
+
+
 class StatsOut(BaseModel):
     version: int
     serving: ServingOut
@@ -347,6 +375,8 @@ class StatsOut(BaseModel):
     unattributed_entries: int | None = Field(None, description="Entries no configured policy claims (a removed "
                                              "policy's, until evicted); models + this = the proxies' entries")
     unattributed_bytes: int | None = Field(None, description="Bytes of the unattributed entries")
+    semantic: SemanticStats | None = Field(None, description="The semantic layer's counters; null if no proxy "
+                                           "read has them")
     proxies: list[ProxyStats]
 
 

@@ -10,7 +10,12 @@ from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from meshcache.contract.extensions import GRPC_PORT, HTTP_PORT, Workloads, parse_ports, parse_selector
-from meshcache.contract.filter_config import LIMIT_POLICIES
+from meshcache.contract.filter_config import (
+    DEFAULT_SEMANTIC_TIMEOUT_MS,
+    LIMIT_POLICIES,
+    LIMIT_SEMANTIC_TIMEOUT_MS,
+    SemanticService,
+)
 from meshcache.contract.paths import FILTER_NATIVE, FILTER_WASM
 
 
@@ -101,6 +106,16 @@ class Settings(BaseSettings):
     # istiod's debug base URL (its monitoring port, e.g. http://istiod.istio-system:15014/debug):
     # the sidecars it configures and what they ACKed, from its /debug/syncz (control_plane/istiod_sync.py).
     istiod_debug: str = ""
+    # The semantic index service (meshcache.semantic, docs/llm.md): the Envoy cluster through which
+    # the proxies reach it and the authority (host[:port]) they call it with; both or neither
+    # (neither: no `semantic_service` in the filter config, semantic lookups off everywhere).
+    semantic_cluster: str = ""
+    semantic_authority: str = ""
+    semantic_timeout_ms: int = Field(DEFAULT_SEMANTIC_TIMEOUT_MS, ge=1, le=LIMIT_SEMANTIC_TIMEOUT_MS)
+    # Where this control plane reaches the service itself to drop a purged policy's index entries
+    # (POST /v1/semantic/purge); empty: http://<semantic_authority>. Bounded by the timeout.
+    semantic_url: str = Field("", pattern=r"^(https?://[^/?#\s]+/?)?$")
+    semantic_purge_timeout_s: float = Field(2.0, gt=0, le=30)
 
     @model_validator(mode="after")
     def _tls_pair(self) -> Settings:
@@ -109,7 +124,25 @@ class Settings(BaseSettings):
         if self.xds_tls_client_ca is not None and self.xds_tls_cert is None:
             raise ValueError("xds_tls_client_ca needs xds_tls_cert and xds_tls_key")
         self.istio_workloads()  # a bad selector or port fails at startup
+        if bool(self.semantic_cluster) != bool(self.semantic_authority):
+            raise ValueError("semantic_cluster and semantic_authority go together")
+        if self.semantic_url and not self.semantic_cluster:
+            raise ValueError("semantic_url needs semantic_cluster and semantic_authority")
+        self.semantic_service()  # a bad cluster name or authority fails at startup
         return self
+
+    def semantic_service(self) -> SemanticService | None:
+        """The filter config's `semantic_service`, or None when not configured."""
+        if not self.semantic_cluster:
+            return None
+        return SemanticService(cluster=self.semantic_cluster, authority=self.semantic_authority,
+                               timeout_ms=self.semantic_timeout_ms)
+
+    def semantic_base_url(self) -> str:
+        """Where the control plane calls the service (purges); empty when not configured."""
+        if not self.semantic_cluster:
+            return ""
+        return (self.semantic_url or f"http://{self.semantic_authority}").rstrip("/")
 
     def istio_workloads(self) -> Workloads:
         """The cached pods and ports, from istio_selector and the istio_*_ports."""

@@ -9,6 +9,7 @@ grows, and entries cached under an older generation are never served again.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections.abc import Callable
@@ -17,7 +18,14 @@ from typing import Any, Generic, TypeVar
 
 from pydantic import ValidationError
 
-from meshcache.contract.filter_config import Limits, Policy, plugin_config, plugin_config_json, policy_spec
+from meshcache.contract.filter_config import (
+    Limits,
+    Policy,
+    SemanticService,
+    plugin_config,
+    plugin_config_json,
+    policy_spec,
+)
 
 
 class ChangeError(Exception):
@@ -52,6 +60,10 @@ class Snapshot:
     created_at: float = 0.0
     author: str = ""
     action: str = ""
+    # Deployment, not content: where this control plane's proxies reach the semantic index
+    # (Settings.semantic_service). Set by the SnapshotCache on every snapshot it installs; not
+    # stored, not compared, but rendered into the plugin configuration.
+    semantic_service: SemanticService | None = None
 
     def __post_init__(self) -> None:
         # Sorted by prefix: equal contents render to identical bytes.
@@ -60,7 +72,8 @@ class Snapshot:
 
     def plugin_config(self) -> dict[str, Any]:
         """The filter's plugin configuration (see the filter's config.rs for the schema)."""
-        return plugin_config(str(self.version), self.policies, self.limits)
+        return plugin_config(str(self.version), self.policies, self.limits,
+                             semantic_service=self.semantic_service)
 
     @property
     def plugin_config_json(self) -> str:
@@ -229,7 +242,10 @@ class SnapshotCache:
     than the last good snapshot"). `origin` says where the current one came from: `redis` (read
     from or committed to the store) or `disk` (the state file, at start)."""
 
-    def __init__(self, initial: Snapshot | None = EMPTY) -> None:
+    def __init__(self, initial: Snapshot | None = EMPTY, semantic_service: SemanticService | None = None) -> None:
+        # Every snapshot installed renders with this deployment's semantic service (or none).
+        self.semantic_service = semantic_service
+        initial = self._deployed(initial) if initial is not None else None
         self._current = initial if initial is not None else EMPTY
         self.known = initial is not None
         self.origin = "redis" if initial is not None else ""
@@ -245,6 +261,7 @@ class SnapshotCache:
         """Install `snapshot` if it is newer, or the first one known."""
         if self.known and snapshot.version <= self._current.version:
             return False
+        snapshot = self._deployed(snapshot)
         self._current = snapshot
         self.known = True
         self.origin = origin
@@ -252,6 +269,11 @@ class SnapshotCache:
         for notify in list(self._watchers.values()):
             notify(snapshot)
         return True
+
+    def _deployed(self, snapshot: Snapshot) -> Snapshot:
+        if snapshot.semantic_service == self.semantic_service:
+            return snapshot
+        return dataclasses.replace(snapshot, semantic_service=self.semantic_service)
 
     def watch(self, notify: Callable[[Snapshot], None]) -> int:
         self._next_id += 1

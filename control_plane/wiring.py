@@ -20,6 +20,7 @@ from .model_index import ModelIndex, parse_engine_urls
 from .policy_service import PolicyService
 from .proxy_stats import ProxyStatsReader, parse_dns_names, parse_sources
 from .renderers import EcdsRenderer
+from .semantic_purge import SemanticPurger
 from .settings import Settings
 from .snapshots import SnapshotCache
 from .state_file import Persister, StateFile
@@ -74,7 +75,7 @@ class ControlPlane:
         self.tokens = tokens if tokens is not None else TokenTable.from_settings(settings)
         self.metrics = Metrics()
         # Nothing is known (nor served) until Redis or the state file says what is current.
-        self.cache = SnapshotCache(None)
+        self.cache = SnapshotCache(None, semantic_service=settings.semantic_service())
         self.state_file = StateFile(settings.state_dir, settings.key_prefix) if settings.state_dir else None
         self.store = Store(settings)
         self.service = PolicyService(self.store, self.cache, self.metrics)
@@ -102,6 +103,7 @@ class ControlPlane:
                                             dns_names=parse_dns_names(settings.proxy_stats_dns))
         self.istiod_sync = IstiodSync(settings.istiod_debug, settings.proxy_stats_timeout_s)
         self.model_index = ModelIndex(parse_engine_urls(settings.engine_index), settings.engine_index_timeout_s)
+        self.semantic = SemanticPurger(settings.semantic_base_url(), settings.semantic_purge_timeout_s, self.metrics)
         self.fleet = FleetView(self.store, self.xds.registry, replica_id(settings.instance_id),
                                settings.resync_interval_s)
         self._tasks: list[asyncio.Task[None]] = []
@@ -161,6 +163,7 @@ class ControlPlane:
         await self.fleet.withdraw()
         await self.proxy_stats.close()
         await self.istiod_sync.close()
+        await self.semantic.close()
         await self.store.close()
         if self.kube_writer is not None:
             await self.kube_writer.stop()

@@ -115,7 +115,7 @@ def test_header_name_characters_match_the_filter() -> None:
 
 
 def test_field_names_are_the_ones_the_filter_reads() -> None:
-    top = [fc.VERSION, fc.COLOR, fc.HOLD_HEADERS, fc.POLICIES, fc.ROLE]
+    top = [fc.VERSION, fc.COLOR, fc.HOLD_HEADERS, fc.POLICIES, fc.ROLE, fc.SEMANTIC_SERVICE]
     fields = [*top, *fc.Policy.model_fields, *fc.Limits.model_fields]
     missing = [f for f in fields if f'"{f}"' not in CONFIG_RS]
     assert not missing, f"config.rs does not read {missing}"

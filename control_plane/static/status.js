@@ -107,8 +107,15 @@ function renderStats(stats) {
       el("td", { class: "num" }, fmtInt(m.hits)), el("td", { class: "num" }, fmtInt(m.misses)),
       el("td", { class: "num hit-ratio" }, ratio, bar),
       el("td", { class: "num entries" }, fmtInt(m.entries)),
-      el("td", { class: "num bytes" }, fmtBytes(m.bytes)));
-  }) : [emptyRow(6, "no policies and no counters yet")]);
+      el("td", { class: "num bytes" }, fmtBytes(m.bytes)),
+      el("td", { class: "num tokens-prompt" }, fmtInt(m.tokens_saved_prompt)),
+      el("td", { class: "num tokens-completion" }, fmtInt(m.tokens_saved_completion)));
+  }) : [emptyRow(8, "no policies and no counters yet")]);
+  const s = stats.semantic;
+  $("semantic").textContent = s
+    ? "Semantic layer: " + fmtInt(s.lookups) + " lookups on exact misses, " + fmtInt(s.hits) + " hits served by "
+      + "similarity, " + fmtInt(s.would_hit) + " would-be hits in shadow mode, " + fmtInt(s.errors) + " failed lookups."
+    : "";
 }
 
 function renderProxies(proxies, stats, version) {
@@ -155,7 +162,9 @@ function renderSnapshot(snap) {
     el("td", { class: "mono" }, p.vary_headers.join(", ") || "—"),
     el("td", { class: "num coalesce" }, p.coalesce_timeout_ms || "off"),
     el("td", { class: "num stale-if-error" }, p.stale_if_error_s),
-    el("td", { class: "num stale-while-revalidate" }, p.stale_while_revalidate_s))) : [emptyRow(11, "no policies")]);
+    el("td", { class: "num stale-while-revalidate" }, p.stale_while_revalidate_s),
+    el("td", { class: "semantic" }, p.semantic ? "≥ " + p.semantic.threshold + (p.semantic.shadow ? " (shadow)" : "")
+      : "off"))) : [emptyRow(12, "no policies")]);
   const l = snap.limits;
   $("limits").textContent = "Limits: max_entry_bytes " + fmtBytes(l.max_entry_bytes) + ", max_total_bytes "
     + fmtBytes(l.max_total_bytes) + ", max_entries " + fmtInt(l.max_entries) + ".";

@@ -48,6 +48,7 @@ POLICIES = "policies"
 ROLE = "role"  # optional: "server" (default) or "client"
 ROLE_SERVER = "server"
 ROLE_CLIENT = "client"  # the caller's sidecar: only sets the routing key (headers.ROUTE_KEY_HEADER)
+SEMANTIC_SERVICE = "semantic_service"  # optional: where the filter looks up semantic hits (absent: off)
 
 Scope = Literal["shared", "principal"]
 # What a client's `Cache-Control: no-cache` / `max-age=0` does (docs/filter.md): revalidate (go
@@ -56,6 +57,36 @@ ClientNoCache = Literal["revalidate", "ignore"]
 DEFAULT_CLIENT_NO_CACHE: ClientNoCache = "revalidate"
 CoalesceTimeoutMs = Annotated[int, Field(ge=0, le=LIMIT_COALESCE_TIMEOUT_MS)]
 StaleSeconds = Annotated[int, Field(ge=0, le=LIMIT_STALE_S)]
+# meshcache.semantic.DEFAULT_THRESHOLD (the contract imports nothing of the project; a test
+# checks the two are equal): the lowest threshold with no wrong match on the shipped pairs.
+DEFAULT_SEMANTIC_THRESHOLD = 0.999
+DEFAULT_SEMANTIC_TIMEOUT_MS = 200
+LIMIT_SEMANTIC_TIMEOUT_MS = 5000
+# An Envoy cluster name (any printable text) and an HTTP authority (host[:port], no path).
+SEMANTIC_CLUSTER_PATTERN = r"^[A-Za-z0-9_.:|-]+$"
+AUTHORITY_PATTERN = r"^[A-Za-z0-9.-]+(:[0-9]{1,5})?$|^\[[0-9A-Fa-f:.]+\](:[0-9]{1,5})?$"
+
+
+class SemanticPolicy(BaseModel):
+    """A policy's opt-in semantic layer (docs/llm.md): on an exact miss, a stored answer whose
+    prompt differs only in the last user message, by embedding similarity >= threshold. shadow:
+    look up and record what would have been served, but always go upstream."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+    threshold: float = Field(DEFAULT_SEMANTIC_THRESHOLD, gt=0.0, le=1.0)
+    shadow: bool = False
+
+
+class SemanticService(BaseModel):
+    """Top-level `semantic_service`: the index service the filter calls (an Envoy cluster of the
+    sidecar, the Host it is called with, the call's timeout). Absent: no semantic lookups."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+    cluster: str = Field(min_length=1, max_length=256, pattern=SEMANTIC_CLUSTER_PATTERN)
+    authority: str = Field(min_length=1, max_length=261, pattern=AUTHORITY_PATTERN)
+    timeout_ms: int = Field(DEFAULT_SEMANTIC_TIMEOUT_MS, ge=1, le=LIMIT_SEMANTIC_TIMEOUT_MS)
 
 
 class Policy(BaseModel):
@@ -85,6 +116,16 @@ class Policy(BaseModel):
     stale_while_revalidate_s: StaleSeconds = 0
     # A client's Cache-Control no-cache / max-age=0: revalidate (upstream, refreshes the entry) or ignore.
     client_no_cache: ClientNoCache = DEFAULT_CLIENT_NO_CACHE
+    # The opt-in semantic layer (None: off). Left out of the plugin configuration when off, so a
+    # policy without it renders exactly as before.
+    semantic: SemanticPolicy | None = None
+
+    def filter_row(self) -> dict[str, Any]:
+        """This policy as a row of the plugin configuration's `policies`."""
+        row = self.model_dump(mode="json")
+        if row["semantic"] is None:
+            del row["semantic"]
+        return row
 
 
 # What each policy field does, in one place: the API's OpenAPI descriptions and the CLI's help.
@@ -113,6 +154,10 @@ POLICY_FIELD_HELP: dict[str, str] = {
     "client_no_cache": "A client's Cache-Control: no-cache or max-age=0. revalidate (default): the request "
                        "goes to the engine and its answer refreshes the entry (Cache-Status fwd=request); "
                        "ignore: looked up like any other request",
+    "semantic": "Opt-in semantic layer (LLM chat; docs/llm.md), null = off: {threshold (0 < t <= 1, default "
+                f"{DEFAULT_SEMANTIC_THRESHOLD}), shadow (default false)}}. On an exact miss, an answer whose prompt "
+                "differs only in the last user message is served when its embedding similarity is >= threshold; "
+                "shadow: only recorded (GET /v1/semantic/stats on the service), the request still goes upstream",
 }
 
 
@@ -144,14 +189,17 @@ TtlSeconds = Annotated[int, Field(ge=0, le=MAX_TTL_S)]
 
 
 def plugin_config(version: str, policies: Iterable[Policy], limits: Limits | None = None,
-                  color: str = "") -> dict[str, Any]:
+                  color: str = "", semantic_service: SemanticService | None = None) -> dict[str, Any]:
     """The plugin configuration for these policies (sorted by prefix: equal contents, equal bytes)."""
-    return {
+    config: dict[str, Any] = {
         VERSION: version,
         COLOR: color,
         **(limits if limits is not None else Limits()).model_dump(),
-        POLICIES: [p.model_dump(mode="json") for p in sorted(policies, key=lambda p: p.model_prefix)],
+        POLICIES: [p.filter_row() for p in sorted(policies, key=lambda p: p.model_prefix)],
     }
+    if semantic_service is not None:
+        config[SEMANTIC_SERVICE] = semantic_service.model_dump()
+    return config
 
 
 def client_plugin_config(config: dict[str, Any]) -> dict[str, Any]:
@@ -179,10 +227,13 @@ DEMO_POLICIES: dict[str, dict[str, int]] = {
 # llama3/gemma2 prefixes (the engine serves llama3-tiny also as llama3-70b-demo and
 # gemma2-27b-demo). Only deterministic requests (temperature 0, or an integer seed) are cached;
 # `user` and `metadata` do not shape the answer.
-LLM_DEMO_POLICIES: dict[str, dict[str, Any]] = {
-    "llama3-": {"ttl_s": 600, "max_ttl_s": 3600, "deterministic_only": True, "ignore_fields": ["user", "metadata"]},
-    "gemma2-": {"ttl_s": 600, "max_ttl_s": 3600, "deterministic_only": True, "ignore_fields": ["user", "metadata"]},
+# Both turn the semantic layer on at the shipped threshold (a mesh with the semantic index
+# service: `meshcache demo --llm`; elsewhere the filter has no `semantic_service` and ignores it).
+_LLM_DEMO_POLICY: dict[str, Any] = {
+    "ttl_s": 600, "max_ttl_s": 3600, "deterministic_only": True, "ignore_fields": ["user", "metadata"],
+    "semantic": {"threshold": DEFAULT_SEMANTIC_THRESHOLD, "shadow": False},
 }
+LLM_DEMO_POLICIES: dict[str, dict[str, Any]] = {p: dict(_LLM_DEMO_POLICY) for p in ("llama3-", "gemma2-")}
 
 
 def demo_policies(generation: int = 0) -> list[Policy]:

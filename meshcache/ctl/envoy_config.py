@@ -101,8 +101,8 @@ class CacheProxy:
     grpc_hit_route: bool = True
     # The routes' upstream timeout (past it Envoy answers 504, gRPC UNAVAILABLE).
     route_timeout_s: float = 60.0
-    # The semantic index service (python -m meshcache.semantic) the filter calls on an exact
-    # miss: cluster SEMANTIC_CLUSTER, which the plugin config's `semantic_service` names.
+    # The semantic index service on loopback (docs/llm.md): a cluster SEMANTIC_CLUSTER the filter
+    # calls on an exact miss (the control plane names it in the config's `semantic_service`).
     semantic_port: int | None = None
 
 
@@ -366,7 +366,7 @@ def render(p: CacheProxy) -> dict[str, Any]:
     if p.ecds_port is not None:
         clusters.append(_xds_cluster(p.ecds_port, p.xds_tls, p.xds_peers))
     if p.semantic_port is not None:
-        clusters.append(_cluster(SEMANTIC_CLUSTER, p.semantic_port, http2=False))
+        clusters.append(_cluster(SEMANTIC_CLUSTER, p.semantic_port, http2=False, buffer_limit=limit))
     bootstrap: dict[str, Any] = {
         "node": {"id": p.node_id, "cluster": p.cluster},
         "admin": {"address": _socket("127.0.0.1", p.admin_port)},

@@ -172,8 +172,8 @@ class Semantic:
 
 
 def start_semantic(embedder_url: str, log_dir: Path, max_entries: int = 100_000, max_per_scope: int = 1_000,
-                   name: str = "semantic") -> Semantic:
-    port = procs.free_port()
+                   name: str = "semantic", port: int | None = None) -> Semantic:
+    port = port if port is not None else procs.free_port()
     argv = [sys.executable, "-m", "meshcache.semantic", "--port", str(port), "--embedder-url", embedder_url,
             "--max-entries", str(max_entries), "--max-per-scope", str(max_per_scope)]
     proc = procs.start_ready(name, argv, log_dir, [(procs.http_ok(f"http://127.0.0.1:{port}/healthz"), 30, "ready")])

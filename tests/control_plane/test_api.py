@@ -41,7 +41,7 @@ def test_put_get_list_delete(cp: ControlPlaneProc) -> None:
                       "hash_headers": ["content-type", "x-model-id"], "vary_headers": [],
                       "scope": "shared", "enabled": True, "ignore_fields": [], "deterministic_only": False,
                       "coalesce_timeout_ms": 5000, "stale_if_error_s": 0, "stale_while_revalidate_s": 0,
-                      "client_no_cache": "revalidate"}
+                      "client_no_cache": "revalidate", "semantic": None}
     # An identical PUT is not a change: no new snapshot.
     again = c.put("/v1/policies/llama3-70b", json={"ttl_s": 300, "max_ttl_s": 1800}).json()
     assert (again["version"], again["changed"]) == (1, False)

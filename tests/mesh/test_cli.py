@@ -369,6 +369,16 @@ def test_demo_llm_shows_chat_completions_cached_stream_and_not(tmp_path: Path) -
     assert "last '[DONE]'; deltas joined equal the non-streamed answer" in out.stdout
     assert kinds[6][2] == "meshcache; fwd=bypass; detail=nondeterministic"
     assert "4/9 answered by the cache" in out.stdout and "stopped the mesh." in out.stdout
+    # The semantic layer's section (issue 38): it says "semantic hit" exactly where the filter
+    # answered one (Cache-Status detail=semantic), and a changed number is never one.
+    section = out.stdout[out.stdout.index("== semantic layer (chat)"):].splitlines()
+    semantic_rows = [line for line in section if "meshcache; " in line]
+    assert len(semantic_rows) == 6, section
+    for line in semantic_rows:
+        assert ("semantic hit, similarity" in line) == ("detail=semantic" in line), line
+    assert all("a changed number: not answered by similarity" in semantic_rows[i] for i in (2, 5)), semantic_rows
+    assert any(line.endswith("reworded requests answered by similarity") or "reworded requests answered by "
+               "similarity (similarity" in line for line in section), section
     # Not with istiod (yet): said at once, nothing started.
     refused = run("demo", "--llm", "--istiod", "--state-dir", str(tmp_path / "none"), timeout=30)
     assert refused.returncode == 1 and "--llm runs on the local mesh" in refused.stderr

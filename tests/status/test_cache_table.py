@@ -42,3 +42,21 @@ def test_a_degraded_control_plane_is_the_first_line() -> None:
     healthy = format_cache_table(_stats(serving={"source": "redis", "version": 7, "degraded": False,
                                                  "store_reachable": True, "detail": "..."}))
     assert "DEGRADED" not in healthy and healthy.startswith("cache (policy version 7")
+
+
+def test_tokens_saved_and_semantic_counters() -> None:
+    """Models that saved tokens get a line each (prompt, completion); the semantic layer's counters
+    one line; neither appears for a filter without them."""
+    stats = _stats(semantic={"lookups": 12, "hits": 3, "would_hit": 2, "errors": 1})
+    stats["models"][0].update(tokens_saved_prompt=0, tokens_saved_completion=0)
+    stats["models"].append({"model_prefix": "llama3-", "in_policy": True, "hits": 4, "misses": 2,
+                            "hit_ratio": 4 / 6, "entries": 2, "bytes": 900, "ambiguous_with": [],
+                            "tokens_saved_prompt": 1208, "tokens_saved_completion": 480})
+    out = format_cache_table(stats).splitlines()
+    start = out.index("  tokens saved (LLM answers served from the cache)")
+    assert out[start + 1].split() == ["model", "prefix", "prompt", "completion"]
+    assert out[start + 2].split() == ["llama3-", "1,208", "480"]
+    assert not any(line.split()[:1] == ["resnet"] for line in out[start:])  # saved nothing: not listed
+    assert "  semantic: 12 lookups, 3 hits, 2 would-be hits (shadow), 1 errors" in out
+    plain = format_cache_table(_stats())
+    assert "tokens saved" not in plain and "semantic" not in plain

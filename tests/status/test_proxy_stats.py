@@ -16,6 +16,7 @@ from meshcache.control_plane.proxy_stats import (
     parse_sources,
     per_model,
     prom_name,
+    semantic_totals,
     unattributed,
 )
 from meshcache.control_plane.snapshots import Snapshot
@@ -59,6 +60,31 @@ meshcache_policy_a_hits_entries{} 0
 meshcache_unattributed_entries{} 1
 # TYPE meshcache_unattributed_bytes gauge
 meshcache_unattributed_bytes{} 236
+"""
+
+# The same proxy with a filter that counts LLM tokens served from the cache per policy and has the
+# semantic layer (issue 38): `meshcache.policy.llama3-.tokens_saved_prompt` in the filter, `-` as
+# `_` in Envoy's Prometheus output (so the prefix `llama3-` ends in `__`).
+LLM_PAGE = PER_POLICY_GAUGES + """# TYPE meshcache_policy_llama3__hits counter
+meshcache_policy_llama3__hits{} 6
+# TYPE meshcache_policy_llama3__misses counter
+meshcache_policy_llama3__misses{} 2
+# TYPE meshcache_policy_llama3__tokens_saved_prompt counter
+meshcache_policy_llama3__tokens_saved_prompt{} 162
+# TYPE meshcache_policy_llama3__tokens_saved_completion counter
+meshcache_policy_llama3__tokens_saved_completion{} 72
+# TYPE meshcache_policy_resnet_mini_tokens_saved_prompt counter
+meshcache_policy_resnet_mini_tokens_saved_prompt{} 0
+# TYPE meshcache_policy_resnet_mini_tokens_saved_completion counter
+meshcache_policy_resnet_mini_tokens_saved_completion{} 0
+# TYPE meshcache_semantic_lookups counter
+meshcache_semantic_lookups{} 9
+# TYPE meshcache_semantic_hits counter
+meshcache_semantic_hits{} 2
+# TYPE meshcache_semantic_would_hit counter
+meshcache_semantic_would_hit{} 3
+# TYPE meshcache_semantic_errors counter
+meshcache_semantic_errors{} 1
 """
 
 
@@ -115,6 +141,27 @@ def test_per_model_sums_readable_proxies_and_flags_collisions() -> None:
     assert rows["bert.v2"].ambiguous_with == ["bert_v2"] and rows["bert_v2"].ambiguous_with == ["bert.v2"]
     assert rows["idle"].hit_ratio is None and rows["idle"].hits == 0
     assert not rows["old_model"].in_policy and rows["old_model"].misses == 4
+
+
+def test_tokens_saved_and_semantic_counters_parse_and_sum() -> None:
+    c = parse_prometheus(LLM_PAGE)
+    assert c.policies["llama3_"] == {"hits": 6, "misses": 2, "tokens_saved_prompt": 162,
+                                     "tokens_saved_completion": 72}
+    assert c.tokens_known and not parse_prometheus(PER_POLICY_GAUGES).tokens_known
+    assert c.semantic == {"lookups": 9, "hits": 2, "would_hit": 3, "errors": 1}
+    # The semantic counters are not cache-wide hits: the totals are the filter's own.
+    assert c.totals["hits"] == 7
+    native = "\n".join(line.replace("meshcache_", "envoy_wasmcustom_meshcache_", 1) for line in LLM_PAGE.splitlines())
+    assert parse_prometheus(native).policies == c.policies and parse_prometheus(native).semantic == c.semantic
+    a, b = (ProxyReading(n, f"http://{n}", True, None, 0.0, parse_prometheus(LLM_PAGE)) for n in "ab")
+    old = ProxyReading("c", "http://c", True, None, 0.0, parse_prometheus(PER_POLICY_GAUGES))
+    rows = {r.model_prefix: r for r in per_model([a, b, old], ["llama3-", "resnet-mini", "idle"])}
+    assert (rows["llama3-"].tokens_saved_prompt, rows["llama3-"].tokens_saved_completion) == (324, 144)
+    assert (rows["resnet-mini"].tokens_saved_prompt, rows["idle"].tokens_saved_completion) == (0, 0)
+    assert semantic_totals([a, b, old]) == {"lookups": 18, "hits": 4, "would_hit": 6, "errors": 2}
+    # A filter without them: unknown, never zero.
+    rows = {r.model_prefix: r for r in per_model([old], ["llama3-"])}
+    assert rows["llama3-"].tokens_saved_prompt is None and semantic_totals([old]) is None
 
 
 def test_prom_name_matches_envoys_sanitising() -> None:

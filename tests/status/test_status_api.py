@@ -102,7 +102,9 @@ def test_unreadable_proxy_stats_are_reported_not_zeroed(lone_cp: tuple[ControlPl
     assert ghost["node_id"] == "ghost-proxy" and not ghost["ok"] and dead in ghost["error"]
     assert ghost["entries"] is None and ghost["hits"] is None
     assert _model(stats, "m1") == {"model_prefix": "m1", "in_policy": True, "hits": 0, "misses": 0,
-                                   "hit_ratio": None, "entries": None, "bytes": None, "ambiguous_with": []}
+                                   "hit_ratio": None, "entries": None, "bytes": None, "tokens_saved_prompt": None,
+                                   "tokens_saved_completion": None, "ambiguous_with": []}
+    assert stats["semantic"] is None  # no proxy read: unknown, not zeros
 
 
 def test_history_lists_diffs_and_rollbacks(lone_cp: tuple[ControlPlaneProc, str]) -> None:

@@ -5,6 +5,7 @@ A screenshot of the page is written to build/test-output/status-page.png (and th
 
 from __future__ import annotations
 
+import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -93,6 +94,11 @@ def test_page_shows_policies_stats_history_and_rolls_back(running_mesh: RunningM
     assert int(_text(driver, f'#models tr[data-model="{MODEL}"] td.entries').replace(",", "")) >= 1
     assert _text(driver, f'#models tr[data-model="{MODEL}"] td.bytes').endswith(("B", "KiB", "MiB"))
     assert "what each policy holds" in _text(driver, "#stats-note")
+    # Tokens saved (LLM answers served from the cache): a count where the filter reports one,
+    # else "—" (unknown, never a made-up 0); the policy's semantic layer is off.
+    for cell in ("tokens-prompt", "tokens-completion"):
+        assert re.fullmatch(r"—|[0-9,]+", _text(driver, f'#models tr[data-model="{MODEL}"] td.{cell}')), cell
+    assert _text(driver, f"{policy_row} td.semantic") == "off"
 
     # Roll back to the version before the change: two clicks (arm, confirm).
     button = driver.find_element(By.CSS_SELECTOR, f'#history tr[data-version="{before}"] button.rollback')

@@ -7,7 +7,7 @@ compares the output with render's. Each helper prints a YAML list (Prometheus sp
 verdicts as meshcache_config_fail|reload{filter}, the policy's model prefix as `policy` and
 `model`, each bypass counter's reason as `reason` (spelt as the Cache-Status detail). */}}
 {{- define "meshcache.filterRules" -}}
-{{- $policy := "meshcache_policy_(.+)_(hits|misses|entries|bytes)" -}}
+{{- $policy := "meshcache_policy_(.+)_(hits|misses|entries|bytes|tokens_saved_prompt|tokens_saved_completion)" -}}
 {{- $ecds := "envoy_extension_config_discovery_http_filter_(.*meshcache.*)_config_(fail|reload)" -}}
 {{- $bypass := "meshcache_bypass_(.+)" -}}
 {{- $rules := list

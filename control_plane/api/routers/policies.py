@@ -126,6 +126,8 @@ async def delete_policy(model_prefix: PrefixPath, cp: CP, who: Writer, response:
                         if_match: IfMatch = None, dry_run: DryRun = False) -> WriteResult:
     w = await write(cp, lambda cur, v: changes.delete_policy(cur, v, who.name, model_prefix),
                     who.name, model_prefix, if_match_version(if_match), dry_run)
+    if not dry_run:
+        cp.semantic.policy(model_prefix)  # its entries can never be served again (as for a purge)
     return result(response, w)
 
 
@@ -133,14 +135,20 @@ async def delete_policy(model_prefix: PrefixPath, cp: CP, who: Writer, response:
 async def purge(body: PurgeRequest, cp: CP, who: Writer, response: Response,
                 if_match: IfMatch = None, dry_run: DryRun = False) -> WriteResult:
     """Stop serving one model's cached entries (`model_prefix`) or every model's (`all`: true):
-    the policies get a new generation, so new keys. cache_effects lists what is dropped."""
+    the policies get a new generation, so new keys. cache_effects lists what is dropped. With a
+    semantic index service configured, its entries for the purged policies are dropped too (in
+    the background: a failure there never fails the purge)."""
     prefix = body.model_prefix
     if prefix is None:
         w = await write(cp, lambda cur, v: changes.purge_all(cur, v, who.name), who.name, "all",
                         if_match_version(if_match), dry_run)
+        if not dry_run:
+            cp.semantic.every_policy()
         return result(response, w)
     w = await write(cp, lambda cur, v: changes.purge(cur, v, who.name, prefix), who.name, prefix,
                     if_match_version(if_match), dry_run)
+    if not dry_run:
+        cp.semantic.policy(prefix)
     return result(response, w, prefix)
 
 

@@ -7,8 +7,8 @@ import time
 from fastapi import APIRouter
 
 from ...istiod_sync import TRANSPORT
-from ...proxy_stats import ProxyReading, per_model, unattributed
-from ...schemas import ModelStats, ProxyStats, StatsOut, WhoAmI
+from ...proxy_stats import ProxyReading, per_model, semantic_totals, unattributed
+from ...schemas import ModelStats, ProxyStats, SemanticStats, StatsOut, WhoAmI
 from ..dependencies import CP, Reader, serving_out
 from ..errors import ERRORS
 
@@ -34,13 +34,17 @@ async def stats(cp: CP, _p: Reader) -> StatsOut:
              and (e["transport"] != TRANSPORT or cp.proxy_stats.source_of(e["node_id"]) is not None)]
     readings = await cp.proxy_stats.read(nodes)
     models = [ModelStats(model_prefix=m.model_prefix, in_policy=m.in_policy, hits=m.hits, misses=m.misses,
-                         hit_ratio=m.hit_ratio, entries=m.entries, bytes=m.bytes, ambiguous_with=m.ambiguous_with)
+                         hit_ratio=m.hit_ratio, entries=m.entries, bytes=m.bytes,
+                         tokens_saved_prompt=m.tokens_saved_prompt, tokens_saved_completion=m.tokens_saved_completion,
+                         ambiguous_with=m.ambiguous_with)
               for m in per_model(readings, [p.model_prefix for p in snap.policies])]
     read = sum(1 for r in readings if r.ok)
     other_entries, other_bytes = unattributed(readings)
+    semantic = semantic_totals(readings)
     return StatsOut(version=snap.version, serving=serving_out(cp), read_at=time.time(), complete=read == len(readings),
                     proxies_read=read, proxies_unread=len(readings) - read, models=models,
                     unattributed_entries=other_entries, unattributed_bytes=other_bytes,
+                    semantic=SemanticStats(**semantic) if semantic is not None else None,
                     proxies=[_proxy_stats(r) for r in readings])
 
 

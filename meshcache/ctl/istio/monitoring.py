@@ -32,7 +32,7 @@ Obj = dict[str, Any]
 SANITIZE_STEPS = 8
 # Istio's injected istio-proxy container declares Envoy's Prometheus listener under this name.
 SIDECAR_STATS_PORT = SIDECAR_STATS_PORT_NAME
-_POLICY_STAT = r"meshcache_policy_(.+)_(hits|misses|entries|bytes)"
+_POLICY_STAT = r"meshcache_policy_(.+)_(hits|misses|entries|bytes|tokens_saved_prompt|tokens_saved_completion)"
 # The filter's per-reason bypass counters (`meshcache.bypass.<detail>`, Envoy's Prometheus output
 # `meshcache_bypass_<detail with - as _>`) become `meshcache_bypasses_by_reason{reason="<detail>"}`,
 # the reason spelled as in `Cache-Status: ...; detail=<detail>`. No detail has more than

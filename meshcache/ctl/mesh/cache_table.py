@@ -27,6 +27,24 @@ def _ratio(hits: int | None, misses: int | None) -> str:
     return f"{hits / (hits + misses) * 100:.1f} %"
 
 
+def _tokens_and_semantic(stats: dict[str, Any], width: int) -> list[str]:
+    """LLM tokens answered from the cache per model (only models that saved any) and the semantic
+    layer's counters (only when a proxy's filter has them)."""
+    saved = [m for m in stats["models"]
+             if (m.get("tokens_saved_prompt") or 0) + (m.get("tokens_saved_completion") or 0) > 0]
+    lines = []
+    if saved:
+        lines.append(f"  tokens saved (LLM answers served from the cache)\n"
+                     f"  {'model prefix':<{width}}{'prompt':>12}{'completion':>12}")
+        lines += [f"  {m['model_prefix']:<{width}}{_count(m['tokens_saved_prompt']):>12}"
+                  f"{_count(m['tokens_saved_completion']):>12}" for m in saved]
+    sem = stats.get("semantic")
+    if sem:
+        lines.append(f"  semantic: {_count(sem['lookups'])} lookups, {_count(sem['hits'])} hits, "
+                     f"{_count(sem['would_hit'])} would-be hits (shadow), {_count(sem['errors'])} errors")
+    return lines
+
+
 def format_cache_table(stats: dict[str, Any]) -> str:
     """`stats` is the control plane's GET /v1/stats answer."""
     total = stats["proxies_read"] + stats["proxies_unread"]
@@ -50,6 +68,7 @@ def format_cache_table(stats: dict[str, Any]) -> str:
         lines.append(f"  {'(no current policy)':<{width}}{'':>31}{other}   (a removed policy's entries, until evicted)")
     if stats["proxies_read"] and stats.get("unattributed_entries") is None:
         lines.append("  entries and bytes per model unknown: a proxy's filter reports them per proxy only")
+    lines += _tokens_and_semantic(stats, width)
     for p in stats["proxies"]:
         if p["ok"]:
             lines.append(f"  proxy {p['node_id']}: {_count(p['entries'])} entries, {human_bytes(p['bytes'])}, "

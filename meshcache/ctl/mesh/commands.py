@@ -411,6 +411,8 @@ _SET_FLAGS = {"ttl": "ttl_s", "max_ttl": "max_ttl_s", "scope": "scope", "enabled
               "deterministic_only": "deterministic_only", "coalesce_timeout_ms": "coalesce_timeout_ms",
               "stale_if_error": "stale_if_error_s", "stale_while_revalidate": "stale_while_revalidate_s",
               "client_no_cache": "client_no_cache"}
+# `policy set --semantic-threshold T --semantic-shadow`: the members of the policy's `semantic`.
+_SEMANTIC_MEMBERS = ("threshold", "shadow")
 
 
 def _format_changes(result: dict[str, Any]) -> list[str]:
@@ -440,6 +442,11 @@ def _policy_set(api: PolicyApi, args: argparse.Namespace) -> int:
     """Changes only the fields whose flags are given (PATCH; a missing policy is created from the
     defaults), or, with --replace, sets the whole policy (PUT: fields not given take defaults)."""
     fields = {field: getattr(args, flag) for flag, field in _SET_FLAGS.items() if getattr(args, flag) is not None}
+    # The semantic layer is one object: its flags set its members (a patch merges them into it).
+    semantic = {member: getattr(args, f"semantic_{member}") for member in _SEMANTIC_MEMBERS
+                if getattr(args, f"semantic_{member}") is not None}
+    if semantic:
+        fields["semantic"] = semantic
     if args.replace:
         if args.unset:
             return _err("--unset resets fields of a patch; with --replace every field not given is reset")
@@ -525,7 +532,16 @@ def _add_set_flags(a: argparse.ArgumentParser) -> None:
                    help=f"stale_while_revalidate_s: {h['stale_while_revalidate_s']}")
     a.add_argument("--client-no-cache", choices=get_args(ClientNoCache),
                    help=f"client_no_cache: {h['client_no_cache']}")
-    a.add_argument("--unset", action="append", metavar="FIELD", choices=sorted(set(_SET_FLAGS.values()) - {"ttl_s"}),
+    a.add_argument("--semantic-threshold", type=float, metavar="T",
+                   help=f"semantic.threshold (turns the layer on; 0 < T <= 1, default 0.999): {h['semantic']}")
+    shadow = a.add_mutually_exclusive_group()
+    shadow.add_argument("--semantic-shadow", dest="semantic_shadow", action="store_const", const=True,
+                        help="semantic.shadow: true (turns the layer on in shadow mode: look up and record, serve "
+                             "nothing from it)")
+    shadow.add_argument("--no-semantic-shadow", dest="semantic_shadow", action="store_const", const=False,
+                        help="semantic.shadow: false (serve semantic hits)")
+    a.add_argument("--unset", action="append", metavar="FIELD",
+                   choices=sorted((set(_SET_FLAGS.values()) - {"ttl_s"}) | {"semantic"}),
                    help="reset a field to its default (repeat)")
     a.add_argument("--replace", action="store_true",
                    help="set the whole policy: every field not given takes its default (PUT)")

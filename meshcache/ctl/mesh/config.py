@@ -60,6 +60,7 @@ class Ports:
     canary_http: int = 18110
     canary_grpc: int = 18111
     canary_metrics: int = 18112
+    semantic: int = 18120  # the semantic index service (with `llm`)
     replica_base: int = 18200  # replicas 2..N: REPLICA_STRIDE ports each from here
 
     def replica(self, k: int) -> ReplicaPorts:
@@ -81,7 +82,7 @@ class Ports:
             "cp_http": "control-plane API", "cp_xds": "control-plane xDS", "redis": "redis-server",
             "engine_http": "engine HTTP", "engine_grpc": "engine gRPC", "engine_metrics": "engine metrics",
             "canary_http": "canary engine HTTP", "canary_grpc": "canary engine gRPC",
-            "canary_metrics": "canary engine metrics",
+            "canary_metrics": "canary engine metrics", "semantic": "semantic index service",
             "replica_base": "first port of replicas 2..N",
         }[name]
 

@@ -205,7 +205,11 @@ def _llm(endpoints: dict[str, Any], api: PolicyApi) -> None:
         demo_llm.check_models(http)
         for version in demo_llm.ensure_policies(api.policies()["policies"], api.put):
             api.wait_acked(SERVER_NODE, version)
-        demo_llm.scenario(http, time.time_ns() // 1000)
+        seed = time.time_ns() // 1000
+        demo_llm.scenario(http, seed)
+        url = endpoints.get("semantic")
+        with httpx.Client(base_url=url, timeout=5) if url else contextlib.nullcontext() as semantic:
+            demo_llm.semantic_scenario(http, semantic, seed)
 
 
 Waiter = tuple[Callable[[int], None], str]

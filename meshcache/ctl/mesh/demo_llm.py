@@ -1,10 +1,13 @@
 """`meshcache demo --llm`: OpenAI-compatible chat completions through the local mesh's cache.
 
-Shows what the cache does today with LLM traffic (docs/llm.md): a deterministic chat is keyed on
+Shows what the cache does with LLM traffic (docs/llm.md): a deterministic chat is keyed on
 its whole body (model, messages, sampling fields, `stream`; `user`/`metadata` left out by the
 policy's `ignore_fields`), stored, and answered from the cache the second time; a sampled one
 (`temperature` > 0 without a seed) bypasses under `deterministic_only`; a streamed answer is
-stored whole and replayed byte for byte.
+stored whole and replayed byte for byte. Then the semantic layer (the demo policies turn it on at
+the shipped threshold): the same question written differently is an exact miss that a semantic
+lookup may answer. It prints the Cache-Status each request got, and says a semantic hit only
+when the filter answered one (`detail=semantic`).
 """
 
 from __future__ import annotations
@@ -21,6 +24,10 @@ from meshcache.contract.headers import CACHE_STATUS_HEADER
 from meshcache.ctl.mesh.errors import MeshError
 
 CHAT_PATH = "/v1/chat/completions"
+# The similarity of a semantic hit's stored prompt to the request's (set with detail=semantic).
+SIMILARITY_HEADER = "x-meshcache-similarity"
+SEMANTIC_DETAIL = "detail=semantic"
+INDEX_WAIT_S = 2.0  # how long the demo waits for the filter to index the first answer
 # Words the demo draws fresh prompts from, so every run's first request is a miss.
 _WORDS = ("river", "lantern", "copper", "meadow", "violin", "harbor", "pepper", "glacier", "orchid", "canyon",
           "falcon", "marble", "cedar", "ember", "quartz", "willow")
@@ -39,10 +46,15 @@ class Chat:
     usage: dict[str, Any] | None
     events: list[str]  # a stream's `data:` payloads, in order ("[DONE]" included)
     body: bytes
+    similarity: str = ""  # x-meshcache-similarity of a semantic hit
 
     @property
     def hit(self) -> bool:
         return "; hit" in self.cache_status
+
+    @property
+    def semantic_hit(self) -> bool:
+        return self.hit and SEMANTIC_DETAIL in self.cache_status
 
 
 def sse_events(body: bytes) -> list[str]:
@@ -81,7 +93,8 @@ def chat(http: httpx.Client, body: dict[str, Any], headers: dict[str, str] | Non
             answer = r.json()
             text, usage = answer["choices"][0]["message"]["content"], answer.get("usage")
     return Chat("stream" if stream else "chat", str(body.get("model", "")), r.status_code,
-                r.headers.get(CACHE_STATUS_HEADER, "-"), ms, text, usage, events, r.content)
+                r.headers.get(CACHE_STATUS_HEADER, "-"), ms, text, usage, events, r.content,
+                r.headers.get(SIMILARITY_HEADER, ""))
 
 
 def _row(c: Chat, note: str = "") -> Chat:
@@ -108,6 +121,67 @@ def ensure_policies(policies: list[dict[str, Any]], put: Any) -> list[int]:
     """Put the LLM demo policies a running mesh lacks; the policy versions written."""
     have = {p["model_prefix"] for p in policies}
     return [put(prefix, spec)["version"] for prefix, spec in LLM_DEMO_POLICIES.items() if prefix not in have]
+
+
+def _index_entries(semantic: httpx.Client | None) -> int | None:
+    if semantic is None:
+        return None
+    try:
+        return int(semantic.get("/v1/semantic/stats").json()["entries"])
+    except (httpx.HTTPError, ValueError, KeyError):
+        return None
+
+
+def _wait_indexed(semantic: httpx.Client | None, before: int | None) -> bool:
+    """Whether the semantic index grew past `before` within INDEX_WAIT_S (the filter indexes a
+    stored answer after answering it)."""
+    deadline = time.monotonic() + INDEX_WAIT_S
+    while before is not None:
+        now = _index_entries(semantic)
+        if now is not None and now > before:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return False
+
+
+def _semantic_note(c: Chat) -> str:
+    if c.semantic_hit:
+        return f"semantic hit, similarity {c.similarity or '?'}"
+    return "exact hit" if c.hit else "not answered by similarity"
+
+
+def semantic_scenario(http: httpx.Client, semantic: httpx.Client | None, seed: int) -> list[Chat]:
+    """The semantic layer: a question, then the same question in other letter case (a different
+    body, so an exact miss). At the shipped threshold (0.999) only near-identical prompts match
+    (docs/llm.md, "Precision"): the embedder is uncased, so case alone scores 1.0; a changed
+    number must not match. Stream and non-stream are separate scopes, shown both."""
+    words = [_WORDS[(seed >> (4 * i + 2)) % len(_WORDS)] for i in range(3)]
+    question = f"what is special about the {words[0]} {words[1]} of {words[2]} ({seed % 100000})?"
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": question}]
+    base = {"model": "llama3-70b-demo", "messages": messages, "temperature": 0, "max_tokens": 12}
+
+    def asked(text: str, **extra: Any) -> dict[str, Any]:
+        return {**base, **extra, "messages": [messages[0], {"role": "user", "content": text}]}
+
+    out: list[Chat] = []
+    for kind, extra in (("chat", {}), ("stream", {"stream": True, "stream_options": {"include_usage": True}})):
+        _header(f"semantic layer ({kind}): a question, then the same question in capitals (an exact miss)")
+        before = _index_entries(semantic)
+        out.append(_row(chat(http, asked(question, **extra))))
+        indexed = _wait_indexed(semantic, before)
+        again = chat(http, asked(question.upper(), **extra))
+        out.append(_row(again, _semantic_note(again)))
+        if not indexed and not again.semantic_hit:
+            print("   (the semantic index did not receive the first answer: this filter build makes no semantic "
+                  "lookups yet, or its store is still in flight)")
+        other = chat(http, asked(question.replace(f"({seed % 100000})", f"({seed % 100000 + 1})"), **extra))
+        out.append(_row(other, "a changed number: " + _semantic_note(other)))
+    hits = [c for c in out if c.semantic_hit]
+    print(f"\n{len(hits)} of {len(out) // 3 * 2} reworded requests answered by similarity"
+          + (f" (similarity {', '.join(c.similarity for c in hits)})" if hits else ""))
+    return out
 
 
 def scenario(http: httpx.Client, seed: int) -> list[Chat]:

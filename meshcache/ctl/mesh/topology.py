@@ -32,7 +32,7 @@ import httpx
 from meshcache.contract.filter_config import client_plugin_config
 from meshcache.contract.paths import FILTER_NATIVE, FILTER_WASM, envoy_binary
 from meshcache.ctl import launchers, procs
-from meshcache.ctl.envoy_config import Affinity, CacheProxy, ClientSidecar, Upstream, write
+from meshcache.ctl.envoy_config import SEMANTIC_CLUSTER, Affinity, CacheProxy, ClientSidecar, Upstream, write
 from meshcache.ctl.istio import render
 from meshcache.ctl.mesh.api_client import ApiError, PolicyApi
 from meshcache.ctl.mesh.certs import CONTROL_PLANE_NAME, MeshCertificates, ensure_certificates
@@ -93,7 +93,8 @@ def check_prerequisites(config: MeshConfig) -> None:
                         f"build it (make filter)")
     ports = config.ports
     for name in vars(ports):
-        if (name.startswith("canary_") and not config.canary_color) or name == "replica_base":
+        if (name.startswith("canary_") and not config.canary_color) or name == "replica_base" \
+                or (name == "semantic" and not config.llm):
             continue
         _check_port_free(getattr(ports, name), Ports.describe(name))
     for k in range(2, config.replicas + 1):
@@ -197,6 +198,9 @@ class Mesh:
         if canary_repo is not None:
             starts.append(("engine-canary", f"the canary engine (traffic colour {cfg.canary_color!r})",
                            lambda: self._start_engine(canary_repo, "engine-canary")))
+        if cfg.llm:
+            starts.append(("semantic", "the semantic index service (embeddings: the engine's all-minilm-l6-v2)",
+                           self._start_semantic))
         for k, rp in replicas.items():
             of = f", replica {k} of {cfg.replicas}" if cfg.replicas > 1 else ""
             name = replica_name("server-sidecar", k)
@@ -227,7 +231,13 @@ class Mesh:
             plugin_config=DEFAULT_PLUGIN_CONFIG, ecds_port=cfg.ports.cp_xds,
             node_id=server_node(k), cluster="meshcache-server", downstream_tls=certs.server,
             allowed_peers=[cfg.client_id], color_routes=color_routes,
-            xds_tls=certs.server, xds_peers=[cfg.control_plane_id])
+            xds_tls=certs.server, xds_peers=[cfg.control_plane_id],
+            semantic_port=cfg.ports.semantic if cfg.llm else None)
+
+    def _start_semantic(self) -> procs.Proc:
+        """The semantic index service, embedding with replica 1's engine (/v1/embeddings)."""
+        embedder = f"http://127.0.0.1:{self.config.ports.engine_http}"
+        return launchers.start_semantic(embedder, self.config.log_dir, port=self.config.ports.semantic).proc
 
     def _start_engine(self, repo: Path, name: str) -> procs.Proc:
         ports = self.config.ports
@@ -291,10 +301,19 @@ class Mesh:
                                            # the status page's cache counters: the sidecars' stats
                                            "--proxy-stats", ",".join(f"{n}={u}" for n, u in self.stats_urls().items()),
                                            # which models exist: a policy prefix matching none is warned about
-                                           "--engine-index", ",".join(self.engine_urls()))
+                                           "--engine-index", ",".join(self.engine_urls()),
+                                           *self._semantic_args())
         env = {"MESHCACHE_CP_TOKENS": f"write:mesh:{self.token}"}
         return launchers.start_control_plane(argv, env, self.config.log_dir, ports.cp_http, ports.cp_xds,
                                             ready_path="/readyz")
+
+    def _semantic_args(self) -> list[str]:
+        """With the LLM models: the sidecars' cluster for the semantic index service, named in the
+        filter config (`semantic_service`), and where the control plane sends purges."""
+        if not self.config.llm:
+            return []
+        return ["--semantic-cluster", SEMANTIC_CLUSTER,
+                "--semantic-authority", f"127.0.0.1:{self.config.ports.semantic}"]
 
     def _envoy_starter(self, name: str, proxy: CacheProxy | ClientSidecar, admin_port: int
                        ) -> Callable[[], procs.Proc]:
@@ -406,6 +425,8 @@ class Mesh:
                                 "engine_http": f"http://127.0.0.1:{rp.engine_http}"}
                                for rp in (ports.replica(k) for k in range(1, cfg.replicas + 1))]
             out["routing"] = f"{cfg.lb_policy} cache affinity" if cfg.affinity else "round robin"
+        if cfg.llm:
+            out["semantic"] = f"http://127.0.0.1:{ports.semantic}"
         if cfg.canary_color:
             out["canary_color"] = cfg.canary_color
             out["canary_engine_metrics"] = f"http://127.0.0.1:{ports.canary_metrics}/metrics"
