@@ -402,6 +402,7 @@ class IstiodMesh:
         assert self.istiod is not None and self.client_pod is not None
         return {
             "mode": "istiod",
+            "filter": self.config.filter,  # the cache's host in the sidecars (native: Envoy 1.39)
             "app_http": self.app_http,
             "app_grpc": self.app_grpc,
             "app_authority": self.service_authority,
