@@ -188,6 +188,8 @@ def test_strict_mtls_and_the_rendered_authorization_policy(istiod_mesh: IstiodMe
 
 
 def test_policy_put_reaches_the_sidecars_through_istiod(mesh: IstiodMesh) -> None:
+    body = mlp_json(seed=2307)
+    assert rest_infer(mesh, "mlp-classifier", body).headers["cache-status"] == "meshcache; fwd=miss; stored"
     before = {sc.pod.name: syncz_of(mesh, sc)["resources"][ECDS_TYPE]["sent"] for sc in mesh.server_sidecars()}
     with mesh.api() as api:
         version = api.put("/v1/policies/resnet-mini", json={"ttl_s": 120, "max_ttl_s": 1800}).json()["version"]
@@ -196,6 +198,8 @@ def test_policy_put_reaches_the_sidecars_through_istiod(mesh: IstiodMesh) -> Non
         res = syncz_of(mesh, sc)["resources"][ECDS_TYPE]
         assert res["sent"] != before[sc.pod.name] and res["acked"] == res["sent"], res
         assert ecds_version(sc) == version
+    # The new filter config keeps the store (Wasm: the same VM; native: the same loaded module).
+    assert rest_infer(mesh, "mlp-classifier", body).headers["cache-status"].startswith("meshcache; hit")
 
 
 def test_purge_through_istiod(mesh: IstiodMesh) -> None:
