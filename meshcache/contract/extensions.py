@@ -276,11 +276,15 @@ def traffic_extension(*, color: str, url: str, sha256: str, plugin_config: Obj,
 # `meshcache-client`), the same position (INSERT_BEFORE the router, after authn/RBAC/istio.stats),
 # the same plugin configuration JSON. No Lua filter and no hit route on the gRPC ports: the module
 # sends a gRPC hit's headers, message and trailers itself (filter/native/DESIGN.md, "Hit"). The
-# module is a file on the sidecar's filesystem (`module_path`, docs/istio.md "The native host");
-# no istio-agent fetch applies to it (the agent only converts Wasm configs), so the ECDS resource
-# is always a DynamicModuleFilter.
+# module is a file on the sidecar's filesystem (`module_path`, docs/istio.md "The native host
+# under Istio 1.31"); no istio-agent fetch applies to it (the agent only converts Wasm configs).
 
 NATIVE_MODULE_DIR = "/var/lib/meshcache/modules"  # where the sidecar sees the module (render mounts it)
+# Until a sidecar has a config the module accepted (the first ECDS answer, or when that first one is
+# refused: a module built for another Envoy ABI, a config it rejects), it runs this pass-through
+# (an RBAC filter without rules enforces nothing): traffic flows uncached instead of Envoy's 500 for
+# a filter without config. What istio-agent hands Envoy for a FAIL_OPEN Wasm filter it cannot fetch.
+FAIL_OPEN_DEFAULT: Obj = {"@type": RBAC_TYPE_URL}
 
 
 def native_extension_config(module_path: str, plugin_config: Obj, name: str = FILTER_NAME) -> Obj:
@@ -294,7 +298,8 @@ def native_envoy_filter(*, color: str, module_path: str, plugin_config: Obj,
                         workloads: Workloads | None = None) -> Obj:
     w = workloads or Workloads()
     ecds = native_extension_config(module_path, {**plugin_config, "color": color})
-    cache_filter = ecds_http_filter(ADS_CONFIG_SOURCE, type_url=DYNAMIC_MODULE_TYPE_URL)
+    cache_filter = ecds_http_filter(ADS_CONFIG_SOURCE, FAIL_OPEN_DEFAULT, extra_type_urls=(RBAC_TYPE_URL,),
+                                    type_url=DYNAMIC_MODULE_TYPE_URL)
     patches: list[Obj] = [{"applyTo": "EXTENSION_CONFIG", "patch": {"operation": "ADD", "value": ecds}}]
     patches += [_inbound_http_filter(port, cache_filter) for port in w.ports]
     return {
@@ -309,7 +314,8 @@ def native_envoy_filter(*, color: str, module_path: str, plugin_config: Obj,
 def native_client_envoy_filter(*, module_path: str, plugin_config: Obj, ports: Iterable[int] = ENGINE_PORTS) -> Obj:
     """The client role in the native host; the callers' sidecars need the module too."""
     ecds = native_extension_config(module_path, client_plugin_config(plugin_config), name=CLIENT_FILTER_NAME)
-    client_filter = ecds_http_filter(ADS_CONFIG_SOURCE, name=CLIENT_FILTER_NAME, type_url=DYNAMIC_MODULE_TYPE_URL)
+    client_filter = ecds_http_filter(ADS_CONFIG_SOURCE, FAIL_OPEN_DEFAULT, extra_type_urls=(RBAC_TYPE_URL,),
+                                     name=CLIENT_FILTER_NAME, type_url=DYNAMIC_MODULE_TYPE_URL)
     patches: list[Obj] = [{"applyTo": "EXTENSION_CONFIG", "patch": {"operation": "ADD", "value": ecds}}]
     for port in ports:
         listener = {"portNumber": port, "filterChain": {"filter": {"name": HCM, "subFilter": {"name": ROUTER}}}}

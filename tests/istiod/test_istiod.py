@@ -212,16 +212,9 @@ def test_purge_through_istiod(mesh: IstiodMesh) -> None:
     assert rest_infer(mesh, "mlp-classifier", body).headers["cache-status"] == "meshcache; fwd=miss; stored"
 
 
-def test_a_config_the_filter_rejects_is_a_nack_istiod_reports_and_the_sidecar_keeps_the_last_good_one(
-        mesh: IstiodMesh) -> None:
-    sc = mesh.engines[0].sidecar
-    assert sc is not None
-    body = mlp_json(seed=2306)
-    rest_infer(mesh, "mlp-classifier", body)
-    good = ecds_version(sc)
-
-    # The API never produces such a config: write it straight into the store (max_ttl_s < ttl_s,
-    # which the filter rejects in on_configure); istiod passes it on, the sidecars NACK.
+def commit_invalid_policy(mesh: IstiodMesh) -> int:
+    """The API never produces such a config: written straight into the store (max_ttl_s < ttl_s,
+    which the filter rejects when it configures); istiod passes it on, the sidecars NACK it."""
     async def inject() -> int:
         store = Store(Settings(redis_url=f"redis://127.0.0.1:{mesh.redis_port}/0"))
         try:
@@ -233,7 +226,18 @@ def test_a_config_the_filter_rejects_is_a_nack_istiod_reports_and_the_sidecar_ke
         finally:
             await store.close()
 
-    bad_version = asyncio.run(inject())
+    return asyncio.run(inject())
+
+
+def test_a_config_the_filter_rejects_is_a_nack_istiod_reports_and_the_sidecar_keeps_the_last_good_one(
+        mesh: IstiodMesh) -> None:
+    sc = mesh.engines[0].sidecar
+    assert sc is not None
+    body = mlp_json(seed=2306)
+    rest_infer(mesh, "mlp-classifier", body)
+    good = ecds_version(sc)
+
+    bad_version = commit_invalid_policy(mesh)
     error = eventually(lambda: syncz_of(mesh, sc)["resources"][ECDS_TYPE].get("lastError"), timeout=15)
     # Envoy's NACK text: the Wasm filter names its plugin; the dynamic-module filter says the
     # module refused the config (Envoy 1.39), the reason being in the sidecar's log (below).
@@ -340,7 +344,7 @@ def test_native_host_through_istiod_in_istios_inbound_order(native_mesh: IstiodM
                 assert "envoy.filters.http.rbac" in istio_part and GRPC_HIT_LUA_FILTER not in names, names
                 assert istio_part == [n for n in ISTIO_INBOUND_ORDER if n in istio_part], names
                 cache = next(f for f in port_hcm["http_filters"] if f["name"] == "meshcache")
-                assert cache["config_discovery"]["type_urls"] == [DYNAMIC_MODULE_TYPE_URL]
+                assert cache["config_discovery"]["type_urls"][0] == DYNAMIC_MODULE_TYPE_URL
                 routes = [r["name"] for r in port_hcm["route_config"]["virtual_hosts"][0]["routes"]]
                 assert GRPC_HIT_ROUTE not in routes and GRPC_STALE_ROUTE not in routes, routes
         typed = next(f["ecds_filter"]["typed_config"] for f in ecds_filters(sc)
@@ -356,3 +360,31 @@ def test_native_host_through_istiod_in_istios_inbound_order(native_mesh: IstiodM
 
 def test_native_cache_affinity_over_three_replicas(native_mesh: IstiodMesh) -> None:
     assert_cache_affinity(native_mesh, seeds=range(2480, 2492), grpc_seeds=range(2500, 2506))
+
+
+def test_native_sidecar_whose_first_config_is_refused_serves_uncached(native_mesh: IstiodMesh) -> None:
+    """A sidecar starting while the only config is one the module refuses (a config it rejects;
+    the same for a module built for another Envoy) runs the fail-open default, a pass-through,
+    instead of Envoy's 500 for a filter without config; the next good config caches again."""
+    mesh = native_mesh
+    engine = mesh.engines[-1]
+    sc = engine.sidecar
+    assert sc is not None
+    commit_invalid_policy(mesh)
+    eventually(lambda: syncz_of(mesh, sc)["resources"][ECDS_TYPE].get("lastError"), timeout=15)
+    mesh.restart(sc.envoy.name)  # waits until LIVE
+    fail = "extension_config_discovery.http_filter.meshcache.config_fail"
+    eventually(lambda: sc.stats(fail).get(fail, 0) >= 1, timeout=15)  # the new process refused its first config
+    before = app_requests(sc, HTTP_PORT)
+    statuses = []
+    for seed in range(2520, 2532):  # spread over the three replicas by the affinity hash
+        r = rest_infer(mesh, "mlp-classifier", mlp_json(seed=seed))
+        assert r.status_code == 200, r.text
+        statuses.append(r.headers.get("cache-status"))
+    served = app_requests(sc, HTTP_PORT) - before
+    assert served >= 1, "some requests reached the restarted sidecar"
+    assert statuses.count(None) == served, statuses  # those passed uncached, the others were cached
+    with mesh.api() as api:
+        version = api.put("/v1/policies/text-embedder", json={"ttl_s": 600, "max_ttl_s": 3600}).json()["version"]
+    mesh.wait_synced(version, timeout=15)
+    assert ecds_version(sc) == version
