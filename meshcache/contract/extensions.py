@@ -2,7 +2,9 @@
 `json_format.ParseDict` read them): one definition for the control plane's MCP resources and
 `meshcache istio render`, so what istiod gets over MCP is what the rendered preview shows.
 
-Two modes (istio-1.30-facts.md: what istiod's source does with each kind):
+Two modes for every Istio, and a third for Istio >= 1.31 (istio-1.30-facts.md: what istiod's
+source does with each kind; **native**: the full mode's EnvoyFilters with the Envoy dynamic module
+instead of the Wasm filter, below):
 - **full** (default): one EnvoyFilter per colour. `EXTENSION_CONFIG` ADD carries the exact Wasm
   filter config (`vm_id`, `allow_on_headers_stop_iteration`, code fetched by istio-agent from
   the OCI image pinned by digest), which istiod serves by ECDS over ADS; `HTTP_FILTER` patches put
