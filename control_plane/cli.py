@@ -37,8 +37,10 @@ def parse_args(argv: Sequence[str] | None) -> dict[str, Any]:
     p.add_argument("--xds-tls-cert", help="PEM certificate for TLS on the xDS port (with --xds-tls-key)")
     p.add_argument("--xds-tls-key", help="PEM private key for --xds-tls-cert")
     p.add_argument("--xds-tls-client-ca", help="PEM CA: xDS clients must present a certificate it signed")
-    p.add_argument("--istio-mode", choices=["full", "basic"],
-                   help="what istiod gets over MCP: EnvoyFilters (full, gRPC cached) or TrafficExtensions")
+    p.add_argument("--istio-mode", choices=["full", "basic", "native"],
+                   help="what istiod gets over MCP: EnvoyFilters (full, gRPC cached), TrafficExtensions (basic) or "
+                        "EnvoyFilters with the Envoy dynamic module (native, Istio >= 1.31; "
+                        "MESHCACHE_CP_ISTIO_NATIVE_MODULE names its path in the sidecars)")
     p.add_argument("--delivery", choices=["mcp", "kube"],
                    help="how istiod gets those objects: served over MCP (default) or written to the Kubernetes API "
                         "server (server-side apply into MESHCACHE_CP_ISTIO_NAMESPACE; docs/istio.md)")

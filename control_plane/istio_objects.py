@@ -30,7 +30,7 @@ def default_sha256(url: str, module_path: Path) -> str:
 
 @dataclass(frozen=True)
 class IstioObjects:
-    mode: str  # full: EnvoyFilters, basic: TrafficExtensions
+    mode: str  # full, native: EnvoyFilters; basic: TrafficExtensions
     namespace: str
     revision: str
     build: Callable[[Obj], list[Obj]]  # plugin config -> the objects (no namespace)
@@ -41,19 +41,23 @@ class IstioObjects:
 
     @classmethod
     def from_settings(cls, settings: Settings) -> IstioObjects | None:
-        """None when no module URL is configured (nothing is given to istiod)."""
-        url = settings.istio_wasm_url
-        if not url:
+        """None when no module is configured (nothing is given to istiod): the Wasm module's URL,
+        or in native mode the dynamic module's path in the sidecars."""
+        mode = settings.istio_mode
+        url, native = settings.istio_wasm_url, settings.istio_native_module
+        if mode == "native" and not native:
+            log.warning("MESHCACHE_CP_ISTIO_NATIVE_MODULE is not set: istiod gets no meshcache filter")
+            return None
+        if mode != "native" and not url:
             log.warning("MESHCACHE_CP_ISTIO_WASM_URL is not set: istiod gets no meshcache filter")
             return None
-        sha = settings.istio_wasm_sha256 or default_sha256(url, settings.istio_module_path)
+        sha = "" if mode == "native" else settings.istio_wasm_sha256 or default_sha256(url, settings.istio_module_path)
         colors = [c.strip() for c in settings.istio_color.split(",") if c.strip()] or [""]
-        mode = settings.istio_mode
         workloads = settings.istio_workloads()
 
         def build(plugin_config: Obj) -> list[Obj]:
             return extensions.objects(mode, colors=colors, url=url, sha256=sha, plugin_config=plugin_config,
-                                      workloads=workloads)
+                                      workloads=workloads, native_module=native)
 
         build({})  # a bad pin or mode fails at startup, not on the first policy change
         return cls(mode, settings.istio_namespace, settings.istio_revision, build)

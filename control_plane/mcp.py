@@ -44,7 +44,7 @@ _BODIES: dict[str, type[message.Message]] = {
     ENVOY_FILTER_TYPE_URL: envoy_filter_pb2.EnvoyFilter,
     TRAFFIC_EXTENSION_TYPE_URL: traffic_extension_pb2.TrafficExtension,
 }
-MODE_TYPE_URL = {"full": ENVOY_FILTER_TYPE_URL, "basic": TRAFFIC_EXTENSION_TYPE_URL}
+MODE_TYPE_URL = {"full": ENVOY_FILTER_TYPE_URL, "basic": TRAFFIC_EXTENSION_TYPE_URL, "native": ENVOY_FILTER_TYPE_URL}
 
 
 class EmptyMcpRenderer(Renderer):

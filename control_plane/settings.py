@@ -59,8 +59,9 @@ class Settings(BaseSettings):
     xds_tls_key: Path | None = None
     xds_tls_client_ca: Path | None = None
     # MCP-over-xDS for istiod (control_plane/mcp.py): full = EnvoyFilters `<ns>/meshcache-<colour>`
-    # (exact Wasm config, gRPC cached), basic = TrafficExtensions (no held headers, gRPC bypasses).
-    istio_mode: Literal["full", "basic"] = "full"
+    # (exact Wasm config, gRPC cached), basic = TrafficExtensions (no held headers, gRPC bypasses),
+    # native = the full mode's EnvoyFilters with the Envoy dynamic module (Istio >= 1.31).
+    istio_mode: Literal["full", "basic", "native"] = "full"
     istio_namespace: str = Field("meshcache", pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", max_length=63)
     # Comma-separated colours: one object per colour (pluginConfig.color, selector label `color`);
     # empty: one object for every engine pod.
@@ -70,6 +71,8 @@ class Settings(BaseSettings):
     # computed from istio_module_path.
     istio_wasm_sha256: str = Field("", pattern=r"^([a-f0-9]{64})?$")
     istio_module_path: Path = FILTER_WASM
+    # native mode: the dynamic module's absolute path in the sidecars (render mounts it there).
+    istio_native_module: str = Field("", pattern=r"^(/[^\x00]*)?$")
     istio_revision: str = ""  # adds the `istio.io/rev` label (istiod only takes its own revision)
     # How istiod gets those objects (docs/istio.md, "Delivery: MCP or Kubernetes objects"): mcp =
     # served over MCP-over-xDS (istiod's configSources lists this control plane); kube = written to

@@ -2,7 +2,9 @@
 `json_format.ParseDict` read them): one definition for the control plane's MCP resources and
 `meshcache istio render`, so what istiod gets over MCP is what the rendered preview shows.
 
-Two modes (istio-1.30-facts.md: what istiod's source does with each kind):
+Two modes for every Istio, and a third for Istio >= 1.31 (istio-1.30-facts.md: what istiod's
+source does with each kind; **native**: the full mode's EnvoyFilters with the Envoy dynamic module
+instead of the Wasm filter, below):
 - **full** (default): one EnvoyFilter per colour. `EXTENSION_CONFIG` ADD carries the exact Wasm
   filter config (`vm_id`, `allow_on_headers_stop_iteration`, code fetched by istio-agent from
   the OCI image pinned by digest), which istiod serves by ECDS over ADS; `HTTP_FILTER` patches put
@@ -49,10 +51,18 @@ from typing import Any
 from meshcache.contract import grpc_hit
 from meshcache.contract.filter_config import client_plugin_config
 from meshcache.contract.headers import ROUTE_KEY_HEADER
-from meshcache.contract.wasm_filter import CLIENT_FILTER_NAME, ROOT_ID, code_for, ecds_http_filter, extension_config
+from meshcache.contract.native_filter import DYNAMIC_MODULE_TYPE_URL, native_filter_config
+from meshcache.contract.wasm_filter import (
+    CLIENT_FILTER_NAME,
+    FILTER_NAME,
+    ROOT_ID,
+    code_for,
+    ecds_http_filter,
+    extension_config,
+)
 
 Obj = dict[str, Any]
-MODES = ("full", "basic")
+MODES = ("full", "basic", "native")
 ENGINE_APP = "meshcache-engine"
 HTTP_PORT, GRPC_PORT = 8000, 8001  # the engine's REST and gRPC container ports; never metrics
 ENGINE_PORTS = (HTTP_PORT, GRPC_PORT)
@@ -262,6 +272,66 @@ def traffic_extension(*, color: str, url: str, sha256: str, plugin_config: Obj,
     }
 
 
+# ---- native mode: the EnvoyFilter for the dynamic module (Istio >= 1.31) ----------------------
+# The full mode's EnvoyFilters with `envoy.filters.http.dynamic_modules` (the native host,
+# filter/native/) in place of the Wasm filter: the same ECDS names (`meshcache`,
+# `meshcache-client`), the same position (INSERT_BEFORE the router, after authn/RBAC/istio.stats),
+# the same plugin configuration JSON. No Lua filter and no hit route on the gRPC ports: the module
+# sends a gRPC hit's headers, message and trailers itself (filter/native/DESIGN.md, "Hit"). The
+# module is a file on the sidecar's filesystem (`module_path`, docs/istio.md "The native host
+# under Istio 1.31"); no istio-agent fetch applies to it (the agent only converts Wasm configs).
+
+NATIVE_MODULE_DIR = "/var/lib/meshcache/modules"  # where the sidecar sees the module (render mounts it)
+# Until a sidecar has a config the module accepted (the first ECDS answer, or when that first one is
+# refused: a module built for another Envoy ABI, a config it rejects), it runs this pass-through
+# (an RBAC filter without rules enforces nothing): traffic flows uncached instead of Envoy's 500 for
+# a filter without config. What istio-agent hands Envoy for a FAIL_OPEN Wasm filter it cannot fetch.
+FAIL_OPEN_DEFAULT: Obj = {"@type": RBAC_TYPE_URL}
+
+
+def native_extension_config(module_path: str, plugin_config: Obj, name: str = FILTER_NAME) -> Obj:
+    if not module_path.startswith("/"):
+        raise ValueError(f"the native module path must be absolute (a file in the sidecar), got {module_path!r}")
+    return {"name": name, "typed_config": {"@type": DYNAMIC_MODULE_TYPE_URL,
+                                           **native_filter_config(module_path, plugin_config)}}
+
+
+def native_envoy_filter(*, color: str, module_path: str, plugin_config: Obj,
+                        workloads: Workloads | None = None) -> Obj:
+    w = workloads or Workloads()
+    ecds = native_extension_config(module_path, {**plugin_config, "color": color})
+    cache_filter = ecds_http_filter(ADS_CONFIG_SOURCE, FAIL_OPEN_DEFAULT, extra_type_urls=(RBAC_TYPE_URL,),
+                                    type_url=DYNAMIC_MODULE_TYPE_URL)
+    patches: list[Obj] = [{"applyTo": "EXTENSION_CONFIG", "patch": {"operation": "ADD", "value": ecds}}]
+    patches += [_inbound_http_filter(port, cache_filter) for port in w.ports]
+    return {
+        "apiVersion": "networking.istio.io/v1alpha3",
+        "kind": "EnvoyFilter",
+        "metadata": {"name": object_name(color)},
+        "spec": {"workloadSelector": {"labels": w.selector(color)}, "configPatches": patches,
+                 "priority": ENVOY_FILTER_PRIORITY},
+    }
+
+
+def native_client_envoy_filter(*, module_path: str, plugin_config: Obj, ports: Iterable[int] = ENGINE_PORTS) -> Obj:
+    """The client role in the native host; the callers' sidecars need the module too."""
+    ecds = native_extension_config(module_path, client_plugin_config(plugin_config), name=CLIENT_FILTER_NAME)
+    client_filter = ecds_http_filter(ADS_CONFIG_SOURCE, FAIL_OPEN_DEFAULT, extra_type_urls=(RBAC_TYPE_URL,),
+                                     name=CLIENT_FILTER_NAME, type_url=DYNAMIC_MODULE_TYPE_URL)
+    patches: list[Obj] = [{"applyTo": "EXTENSION_CONFIG", "patch": {"operation": "ADD", "value": ecds}}]
+    for port in ports:
+        listener = {"portNumber": port, "filterChain": {"filter": {"name": HCM, "subFilter": {"name": ROUTER}}}}
+        patches.append({"applyTo": "HTTP_FILTER", "match": {"context": "SIDECAR_OUTBOUND", "listener": listener},
+                        "patch": {"operation": "INSERT_BEFORE", "value": client_filter}})
+    return {
+        "apiVersion": "networking.istio.io/v1alpha3",
+        "kind": "EnvoyFilter",
+        "metadata": {"name": CLIENT_OBJECT},
+        "spec": {"workloadSelector": {"labels": {AFFINITY_LABEL: "true"}}, "configPatches": patches,
+                 "priority": ENVOY_FILTER_PRIORITY},
+    }
+
+
 # ---- as Kubernetes objects (`--delivery kube`: the control plane writes them to the API server) --
 
 FIELD_MANAGER = "meshcache-control-plane"  # server-side apply's field manager
@@ -269,7 +339,7 @@ MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
 MANAGED_BY = {MANAGED_BY_LABEL: FIELD_MANAGER}  # what the writer lists and prunes by
 SNAPSHOT_ANNOTATION = "meshcache.io/snapshot-version"
 REVISION_LABEL = "istio.io/rev"
-MODE_KIND = {"full": "EnvoyFilter", "basic": "TrafficExtension"}
+MODE_KIND = {"full": "EnvoyFilter", "basic": "TrafficExtension", "native": "EnvoyFilter"}
 
 
 @dataclass(frozen=True)
@@ -307,11 +377,17 @@ def kube_object(obj: Obj, *, namespace: str, version: int, revision: str = "") -
 
 
 def objects(mode: str, *, colors: Iterable[str], url: str, sha256: str, plugin_config: Obj,
-            workloads: Workloads | None = None) -> list[Obj]:
-    """Everything meshcache gives istiod for one policy snapshot, full state."""
+            workloads: Workloads | None = None, native_module: str = "") -> list[Obj]:
+    """Everything meshcache gives istiod for one policy snapshot, full state. `native_module`:
+    the module's path in the sidecars (native mode only; `url`/`sha256` are the Wasm pins)."""
     if mode not in MODES:
         raise ValueError(f"Istio mode {mode!r}: use one of {', '.join(MODES)}")
     w = workloads or Workloads()
+    if mode == "native":
+        out = [native_envoy_filter(color=c, module_path=native_module, plugin_config=plugin_config, workloads=w)
+               for c in colors]
+        return [*out, native_client_envoy_filter(module_path=native_module, plugin_config=plugin_config,
+                                                 ports=w.service_ports)]
     build = envoy_filter if mode == "full" else traffic_extension
     out = [build(color=c, url=url, sha256=sha256, plugin_config=plugin_config, workloads=w) for c in colors]
     if mode == "full":

@@ -32,7 +32,7 @@ NATIVE_CLIENT_FILTER_NAME = "meshcache-native-client"
 METRICS_NAMESPACE = "wasmcustom"
 
 
-def native_filter_config(module_path: Path, plugin_config: dict[str, Any]) -> dict[str, Any]:
+def native_filter_config(module_path: Path | str, plugin_config: dict[str, Any]) -> dict[str, Any]:
     """`DynamicModuleFilter` as proto-JSON (without the @type)."""
     return {
         "dynamic_module_config": {"module": {"local": {"filename": str(module_path)}},

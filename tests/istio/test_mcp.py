@@ -199,19 +199,25 @@ def test_field_numbers_on_the_wire_are_istios() -> None:
 @pytest.mark.parametrize("mode", extensions.MODES)
 def test_every_served_object_decodes_with_istios_numbers(mode: str) -> None:
     """Whole objects: our protos' bytes, read back with the independent tables, give the spec."""
+    module = "/var/lib/meshcache/modules/libmeshcache_native-envoy-1.39.so"
     settings = Settings(istio_wasm_url=URL, istio_wasm_sha256=DIGEST, istio_color="blue", istio_mode=mode,
-                        istio_namespace="ml", istio_revision="1-30")
+                        istio_namespace="ml", istio_revision="1-30", istio_native_module=module)
     renderer = IstioMcpRenderer.from_settings(settings)
     assert renderer is not None
     snap = _snapshot()
     served = renderer.resources(snap)
-    # Full mode adds the callers' client-role EnvoyFilter (cache affinity); basic mode has none.
-    assert list(served) == (["ml/meshcache-blue", "ml/meshcache-client"] if mode == "full" else ["ml/meshcache-blue"])
+    # Full and native modes add the callers' client-role EnvoyFilter (cache affinity); basic has none.
+    assert list(served) == (["ml/meshcache-blue"] if mode == "basic" else ["ml/meshcache-blue", "ml/meshcache-client"])
     assert renderer.resources(snap) is served
-    build = extensions.envoy_filter if mode == "full" else extensions.traffic_extension
-    specs = {"ml/meshcache-blue": build(color="blue", url=URL, sha256=DIGEST, plugin_config=snap.plugin_config()),
-             "ml/meshcache-client": extensions.client_envoy_filter(url=URL, sha256=DIGEST,
-                                                                   plugin_config=snap.plugin_config())}
+    config = snap.plugin_config()
+    if mode == "native":
+        specs = {"ml/meshcache-blue": extensions.native_envoy_filter(color="blue", module_path=module,
+                                                                      plugin_config=config),
+                 "ml/meshcache-client": extensions.native_client_envoy_filter(module_path=module, plugin_config=config)}
+    else:
+        build = extensions.envoy_filter if mode == "full" else extensions.traffic_extension
+        specs = {"ml/meshcache-blue": build(color="blue", url=URL, sha256=DIGEST, plugin_config=config),
+                 "ml/meshcache-client": extensions.client_envoy_filter(url=URL, sha256=DIGEST, plugin_config=config)}
     for name, packed in served.items():
         res = wire.decode("Resource", packed.value)
         meta = res["metadata"]

@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 
 from meshcache.contract import oci
+from meshcache.contract.native_filter import DYNAMIC_MODULE_TYPE_URL
+from meshcache.contract.paths import filter_native
 from meshcache.control_plane.snapshots import Snapshot
 from meshcache.ctl.cli import main
 from meshcache.ctl.istio import crossref, kustomize, render, validate
@@ -147,25 +149,95 @@ def test_namespace_must_be_a_dns_label_and_not_istio_or_kubernetes_own(capsys: p
     assert main(["istio", "render", "--namespace", "a" * 63]) == 0
 
 
+NATIVE_IMAGE = "registry.example.com/meshcache/filter-native@sha256:" + "ab" * 32
+
+
 def test_filter_native_is_refused_for_an_istio_without_dynamic_modules(capsys: pytest.CaptureFixture[str],
                                                                          tmp_path: Path) -> None:
     """`--filter native` (issue 37): istio-proxy links envoy.filters.http.dynamic_modules from 1.31
     on; with an older Istio (the default, 1.30.3, what the manifests target) render refuses and
-    says why, writing nothing. 1.31+ is refused too until the native render exists, saying so."""
+    says why, writing nothing. So does an Istio whose Envoy (so module ABI) is not known here,
+    a native render without its pinned image, and one of a mode or overlay it cannot serve."""
     out = tmp_path / "out"
     for older in ([], ["--istio-version", "1.30.3"], ["--istio-version", "1.29"]):
-        assert main(["istio", "render", "--filter", "native", *older, "--out", str(out)]) == 2, older
+        assert main(["istio", "render", "--filter", "native", *older, "--native-image", NATIVE_IMAGE,
+                     "--out", str(out)]) == 2, older
         err = capsys.readouterr().err
         assert "--filter native needs Istio 1.31 or later" in err, err
         assert "does not link envoy.filters.http.dynamic_modules" in err and "--filter wasm" in err, err
     assert "built on Envoy 1.38" in (main(["istio", "render", "--filter", "native"]), capsys.readouterr().err)[1]
-    assert main(["istio", "render", "--filter", "native", "--istio-version", "1.31.0", "--out", str(out)]) == 2
-    err = capsys.readouterr().err
-    assert "not rendered yet" in err and "libmeshcache_native-envoy-1.39.so for its Envoy 1.39" in err, err
+    refused = {
+        ("--istio-version", "1.32", "--native-image", NATIVE_IMAGE): "is not known here",
+        ("--istio-version", "1.31"): "needs --native-image REPO@sha256:DIGEST",
+        ("--istio-version", "1.31", "--native-image", "registry.example.com/m:latest"): "pinned by digest",
+        ("--istio-version", "1.31", "--native-image", NATIVE_IMAGE, "--overlay", "basic"): "TrafficExtensions are "
+                                                                                            "Wasm only",
+        ("--istio-version", "1.31", "--native-image", NATIVE_IMAGE, "--overlay", "kserve"): "own engine pods only",
+    }
+    for args, says in refused.items():
+        assert main(["istio", "render", "--filter", "native", *args, "--out", str(out)]) == 2, args
+        err = capsys.readouterr().err
+        assert says in err, (args, err)
     assert main(["istio", "render", "--filter", "native", "--istio-version", "one.31"]) == 2
     assert "expected MAJOR.MINOR[.PATCH]" in capsys.readouterr().err
     assert not out.exists()
     assert main(["istio", "render", "--filter", "wasm", "--out", str(out)]) == 0, "the default host renders"
+
+
+def test_render_filter_native_for_istio_1_31(tmp_path: Path, pins: render.Pins, crds: dict) -> None:
+    """The native mode: EnvoyFilters that put the dynamic module where the Wasm filter goes, with
+    the same plugin configuration; the module (the 1.39 build, for istio-proxy 1.31's Envoy)
+    copied by a digest-pinned init container into an emptyDir that istio-proxy mounts, checked
+    against the build's sha256; classic sidecars (a native sidecar would start before the copy).
+    It validates (Istio's CRDs, Kubernetes schemas, the cross-references)."""
+    objects, operator, served = _render(tmp_path, "--filter", "native", "--istio-version", "1.31.0",
+                                        "--native-image", NATIVE_IMAGE, "--color", "green")
+    wasm_objects, _, wasm_served = _render(tmp_path / "wasm", "--color", "green")
+    report = validate.validate_all([*objects, operator, *served])
+    assert report.ok, report.errors
+    assert crossref.check_all(objects + served, pins.image_digest) == []
+    module = filter_native("1.39")
+    path = f"/var/lib/meshcache/modules/{module.name}"
+    env = render.control_plane_env(objects)
+    assert env["MESHCACHE_CP_ISTIO_MODE"] == "native" and env["MESHCACHE_CP_ISTIO_NATIVE_MODULE"] == path
+
+    assert [o["metadata"]["name"] for o in served] == [o["metadata"]["name"] for o in wasm_served]
+    for native, wasm in zip(served, wasm_served, strict=True):
+        n_patches, w_patches = native["spec"]["configPatches"], wasm["spec"]["configPatches"]
+        ext = n_patches[0]["patch"]["value"]
+        assert ext["name"] == w_patches[0]["patch"]["value"]["name"]
+        typed = ext["typed_config"]
+        assert typed["@type"] == DYNAMIC_MODULE_TYPE_URL and typed["filter_name"] == "meshcache"
+        assert typed["dynamic_module_config"]["module"]["local"]["filename"] == path
+        wasm_config = w_patches[0]["patch"]["value"]["typed_config"]["config"]["configuration"]["value"]
+        assert typed["filter_config"]["value"] == wasm_config, "the same plugin configuration JSON"
+        # Where the Wasm filter goes (the same matches and operation); no Lua filter, no hit route.
+        wasm_filters = [(p["match"], p["patch"]["operation"]) for p in w_patches if p["applyTo"] == "HTTP_FILTER"
+                        and p["patch"]["value"]["name"] == ext["name"]]
+        assert [(p["match"], p["patch"]["operation"]) for p in n_patches if p["applyTo"] == "HTTP_FILTER"] \
+            == wasm_filters
+        assert {p["applyTo"] for p in n_patches} == {"EXTENSION_CONFIG", "HTTP_FILTER"}
+        assert native["spec"]["priority"] == wasm["spec"]["priority"]
+
+    engine = next(o for o in objects
+                  if o["kind"] == "Deployment" and o["metadata"]["labels"]["app"] == "meshcache-engine")
+    pod = engine["spec"]["template"]
+    ann = pod["metadata"]["annotations"]
+    assert json.loads(ann["sidecar.istio.io/userVolumeMount"]) == {
+        "meshcache-module": {"mountPath": "/var/lib/meshcache/modules", "readOnly": True}}
+    assert ann["sidecar.istio.io/nativeSidecar"] == "false"
+    assert {"name": "meshcache-module", "emptyDir": {"sizeLimit": "64Mi"}} in pod["spec"]["volumes"]
+    init = next(c for c in pod["spec"]["initContainers"] if c["name"] == "meshcache-module")
+    assert init["image"] == NATIVE_IMAGE
+    assert f"{hashlib.sha256(module.read_bytes()).hexdigest()}  " in init["command"][-1]
+    # What the cross-references catch: a pod the native filter selects that does not mount it.
+    del ann["sidecar.istio.io/userVolumeMount"]
+    ann.pop("sidecar.istio.io/nativeSidecar")
+    errors = crossref.check_all(objects + served, pins.image_digest)
+    assert any("does not mount the native module" in e for e in errors), errors
+    assert any("nativeSidecar" in e for e in errors), errors
+    # The Wasm render is unchanged by any of it.
+    assert not [o for o in wasm_objects if "meshcache-module" in json.dumps(o)]
 
 
 def test_render_the_basic_overlay(tmp_path: Path, pins: render.Pins, crds: dict) -> None:

@@ -15,7 +15,7 @@ from meshcache.ctl.istiod import binary
 from meshcache.ctl.istiod.mesh import IstiodMesh, IstiodMeshConfig
 from meshcache.ctl.istiod.sidecar import Sidecar
 from tests.helpers import kserve
-from tests.helpers.kserve import engine_calls, grpc_call
+from tests.helpers.kserve import engine_calls, grpc_call, mlp_json, mlp_request
 from tests.helpers.load import Load, call, rest_kinds
 
 ROUTER = "envoy.filters.http.router"
@@ -52,6 +52,37 @@ def grpc_infer(mesh: IstiodMesh, request: bytes, color: str = "") -> tuple[bytes
 def rest_infer(mesh: IstiodMesh, model: str, body: dict, color: str = "") -> httpx.Response:
     headers = {"host": mesh.service_authority, **({COLOR_HEADER: color} if color else {})}
     return kserve.rest_infer(mesh.app_http, model, body, headers)
+
+
+def assert_cache_affinity(mesh: IstiodMesh, seeds: range, grpc_seeds: range) -> None:
+    """Through a client pod labelled for cache affinity and several engine replicas of one colour:
+    the client-role filter's key and the DestinationRule's consistent hash send identical
+    requests to the replica that holds the answer, so each is computed once in the mesh."""
+    from meshcache.ctl.istiod.mesh import ecds_filters
+
+    assert mesh.client is not None and len(mesh.engines) > 1
+    assert [f["ecds_filter"]["name"] for f in ecds_filters(mesh.client)] == ["meshcache-client"]
+
+    def per_replica() -> list[float]:
+        return [engine_calls("mlp-classifier", e.engine.metrics_url) for e in mesh.engines]
+
+    before = per_replica()
+    for seed in seeds:
+        first = rest_infer(mesh, "mlp-classifier", mlp_json(seed=seed))
+        assert first.headers["cache-status"] == "meshcache; fwd=miss; stored"
+    for seed in seeds:
+        again = rest_infer(mesh, "mlp-classifier", mlp_json(seed=seed))
+        assert again.headers["cache-status"].startswith("meshcache; hit; ttl="), seed
+    added = [a - b for a, b in zip(per_replica(), before, strict=True)]
+    assert sum(added) == len(seeds), "each answer computed once in the whole mesh"
+    assert sum(1 for a in added if a) >= 2, f"keys spread over the replicas: {added}"
+    before_grpc = sum(per_replica())
+    for seed in grpc_seeds:
+        request = mlp_request(seed=seed).SerializeToString()
+        first_g, s1 = grpc_infer(mesh, request)
+        second_g, s2 = grpc_infer(mesh, request)
+        assert s1 == "meshcache; fwd=miss; stored" and s2.startswith("meshcache; hit; ttl=") and first_g == second_g
+    assert sum(per_replica()) == before_grpc + len(grpc_seeds)
 
 
 def main_engine_calls(mesh: IstiodMesh, model: str) -> float:

@@ -46,3 +46,24 @@ def test_istioctl_analyze_finds_nothing_unexplained(source: Path, tmp_path: Path
     assert not unexplained, json.dumps(unexplained, indent=1)
     if opts.source.name != "basic":
         assert {m["code"] for m in messages} == {"IST0133"}, "the EnvoyFilters were analyzed"
+
+
+def test_istioctl_analyze_the_native_render(tmp_path: Path) -> None:
+    """`render --filter native` for Istio 1.31: istioctl builds the DynamicModuleFilter patches
+    as Envoy protos (its go-control-plane has the type) and finds nothing unexplained."""
+    require_istiod()
+    opts = render.RenderOptions(color="green", also_colors=("blue",), filter_host="native", istio_version="1.31",
+                                native_image="registry.example.com/meshcache/filter-native@sha256:" + "ab" * 32)
+    objects = render.render(opts)
+    operators = render.render_operators(opts)
+    files = render.write(objects, operators, render.mcp_objects(objects, render.demo_plugin_config()), tmp_path)
+    mesh = tmp_path / "mesh.yaml"
+    mesh.write_text(yaml.safe_dump(operators[1]["spec"]["meshConfig"]))
+    manifests = [f for f in files if f.name in ("meshcache-istio.yaml", "mcp-preview.yaml")]
+    done = subprocess.run([str(binary.require("istioctl")), "analyze", "--use-kube=false", "-A", "-o", "json",
+                           f"--meshConfigFile={mesh}", *map(str, manifests)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    messages = json.loads(done.stdout or "[]")
+    assert {m["code"] for m in messages} == {"IST0133"}, json.dumps(messages, indent=1)
+    assert "DynamicModuleFilter" in (tmp_path / "mcp-preview.yaml").read_text()

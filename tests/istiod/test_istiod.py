@@ -3,14 +3,18 @@
 Envoys (bootstrapped like istio-agent's) that serve the hits.
 
 One mesh for the module (tests/istiod/conftest.py): main colour green (default route), canary
-blue, one client pod; every test uses its own inputs.
+blue, one client pod; every test uses its own inputs. The key tests also run on Istio 1.31's
+mesh (`native_mesh`: every sidecar Envoy 1.39, the cache as the dynamic module from the native
+mode's EnvoyFilters, three green replicas with cache affinity), parametrized by `mesh`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import ssl
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -19,11 +23,12 @@ import pytest
 from meshcache.contract.extensions import GRPC_PORT, HTTP_PORT
 from meshcache.contract.filter_config import Policy
 from meshcache.contract.grpc_hit import GRPC_HIT_LUA_FILTER, GRPC_HIT_ROUTE, GRPC_STALE_ROUTE
-from meshcache.contract.paths import FILTER_WASM
+from meshcache.contract.native_filter import DYNAMIC_MODULE_TYPE_URL
+from meshcache.contract.paths import FILTER_WASM, filter_native
 from meshcache.control_plane.settings import Settings
 from meshcache.control_plane.snapshots import Snapshot
 from meshcache.control_plane.store import Store
-from meshcache.ctl.istiod.mesh import IstiodMesh, ecds_filters, ecds_version
+from meshcache.ctl.istiod.mesh import NATIVE_ENVOY, IstiodMesh, ecds_filters, ecds_version
 from meshcache.ctl.istiod.status import ECDS_TYPE_URL as ECDS_TYPE
 from meshcache.ctl.pki import spiffe_id
 from tests.helpers.kserve import mlp_json, mlp_request
@@ -32,6 +37,7 @@ from tests.istiod.helpers import (
     ISTIO_INBOUND_ORDER,
     ROUTER,
     app_requests,
+    assert_cache_affinity,
     canary_engine_calls,
     grpc_infer,
     hcm,
@@ -41,10 +47,23 @@ from tests.istiod.helpers import (
     snake_keys,
     syncz_of,
 )
+from tests.istiod.helpers import istiod_mesh as start_istiod_mesh  # the fixture below is named native_mesh
 
 METRICS_PORT = 8002  # the engine pod's `metrics` container port (istio/base/engine.yaml)
 
 XDS_TYPES = ("Cluster", "Listener", "RouteConfiguration", "ClusterLoadAssignment")
+
+
+@pytest.fixture(scope="module")
+def native_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[IstiodMesh]:
+    with start_istiod_mesh(tmp_path_factory, "istiod-native", filter="native", replicas=3) as m:
+        yield m
+
+
+@pytest.fixture(params=["wasm", "native"])
+def mesh(request: pytest.FixtureRequest) -> IstiodMesh:
+    """The Istio 1.30-style mesh (Wasm filter) or Istio 1.31's (native host): the same tests."""
+    return request.getfixturevalue("istiod_mesh" if request.param == "wasm" else "native_mesh")  # type: ignore[no-any-return]
 
 
 def test_istiod_synced_from_the_control_plane_and_every_proxy_acked(istiod_mesh: IstiodMesh) -> None:
@@ -98,25 +117,21 @@ def test_engine_sidecar_has_the_filter_and_hit_route_in_istios_inbound_order(ist
     assert not [f for f in ecds_filters(mesh.client) if f["ecds_filter"]["name"] == "meshcache-client"]
 
 
-def test_second_grpc_model_infer_is_a_single_pass_hit(istiod_mesh: IstiodMesh) -> None:
-    mesh = istiod_mesh
-    sc = mesh.engines[0].sidecar
-    assert sc is not None
+def test_second_grpc_model_infer_is_a_single_pass_hit(mesh: IstiodMesh) -> None:
     request = mlp_request(seed=2301).SerializeToString()
     calls = main_engine_calls(mesh, "mlp-classifier")
     first, status1 = grpc_infer(mesh, request)
     assert status1 == "meshcache; fwd=miss; stored"
-    upstream = app_requests(sc, GRPC_PORT)
+    upstream = sum(app_requests(e.sidecar, GRPC_PORT) for e in mesh.engines if e.sidecar)
     second, status2 = grpc_infer(mesh, request)
     assert status2.startswith("meshcache; hit; ttl=")
     assert second == first
     assert main_engine_calls(mesh, "mlp-classifier") == calls + 1
-    # Single pass: the hit never left the sidecar (no second request to the app's cluster).
-    assert app_requests(sc, GRPC_PORT) == upstream
+    # Single pass: the hit never left a sidecar (no second request to the app's cluster).
+    assert sum(app_requests(e.sidecar, GRPC_PORT) for e in mesh.engines if e.sidecar) == upstream
 
 
-def test_second_rest_infer_is_a_hit(istiod_mesh: IstiodMesh) -> None:
-    mesh = istiod_mesh
+def test_second_rest_infer_is_a_hit(mesh: IstiodMesh) -> None:
     body = mlp_json(seed=2302)
     calls = main_engine_calls(mesh, "mlp-classifier")
     first = rest_infer(mesh, "mlp-classifier", body)
@@ -127,8 +142,7 @@ def test_second_rest_infer_is_a_hit(istiod_mesh: IstiodMesh) -> None:
     assert main_engine_calls(mesh, "mlp-classifier") == calls + 1
 
 
-def test_blue_reaches_the_canary_through_the_rendered_routes_and_is_cached_apart(istiod_mesh: IstiodMesh) -> None:
-    mesh = istiod_mesh
+def test_blue_reaches_the_canary_through_the_rendered_routes_and_is_cached_apart(mesh: IstiodMesh) -> None:
     body = mlp_json(seed=2303)
     main = rest_infer(mesh, "mlp-classifier", body)
     assert main.json()["model_version"] == "2", "the default route: green, the main engine"
@@ -173,8 +187,9 @@ def test_strict_mtls_and_the_rendered_authorization_policy(istiod_mesh: IstiodMe
     assert metrics.status_code == 200 and "# TYPE" in metrics.text
 
 
-def test_policy_put_reaches_the_sidecars_through_istiod(istiod_mesh: IstiodMesh) -> None:
-    mesh = istiod_mesh
+def test_policy_put_reaches_the_sidecars_through_istiod(mesh: IstiodMesh) -> None:
+    body = mlp_json(seed=2307)
+    assert rest_infer(mesh, "mlp-classifier", body).headers["cache-status"] == "meshcache; fwd=miss; stored"
     before = {sc.pod.name: syncz_of(mesh, sc)["resources"][ECDS_TYPE]["sent"] for sc in mesh.server_sidecars()}
     with mesh.api() as api:
         version = api.put("/v1/policies/resnet-mini", json={"ttl_s": 120, "max_ttl_s": 1800}).json()["version"]
@@ -183,10 +198,11 @@ def test_policy_put_reaches_the_sidecars_through_istiod(istiod_mesh: IstiodMesh)
         res = syncz_of(mesh, sc)["resources"][ECDS_TYPE]
         assert res["sent"] != before[sc.pod.name] and res["acked"] == res["sent"], res
         assert ecds_version(sc) == version
+    # The new filter config keeps the store (Wasm: the same VM; native: the same loaded module).
+    assert rest_infer(mesh, "mlp-classifier", body).headers["cache-status"].startswith("meshcache; hit")
 
 
-def test_purge_through_istiod(istiod_mesh: IstiodMesh) -> None:
-    mesh = istiod_mesh
+def test_purge_through_istiod(mesh: IstiodMesh) -> None:
     body = mlp_json(seed=2305)
     rest_infer(mesh, "mlp-classifier", body)
     assert rest_infer(mesh, "mlp-classifier", body).headers["cache-status"].startswith("meshcache; hit")
@@ -196,17 +212,9 @@ def test_purge_through_istiod(istiod_mesh: IstiodMesh) -> None:
     assert rest_infer(mesh, "mlp-classifier", body).headers["cache-status"] == "meshcache; fwd=miss; stored"
 
 
-def test_a_config_the_filter_rejects_is_a_nack_istiod_reports_and_the_sidecar_keeps_the_last_good_one(
-        istiod_mesh: IstiodMesh) -> None:
-    mesh = istiod_mesh
-    sc = mesh.engines[0].sidecar
-    assert sc is not None
-    body = mlp_json(seed=2306)
-    rest_infer(mesh, "mlp-classifier", body)
-    good = ecds_version(sc)
-
-    # The API never produces such a config: write it straight into the store (max_ttl_s < ttl_s,
-    # which the filter rejects in on_configure); istiod passes it on, the sidecars NACK.
+def commit_invalid_policy(mesh: IstiodMesh) -> int:
+    """The API never produces such a config: written straight into the store (max_ttl_s < ttl_s,
+    which the filter rejects when it configures); istiod passes it on, the sidecars NACK it."""
     async def inject() -> int:
         store = Store(Settings(redis_url=f"redis://127.0.0.1:{mesh.redis_port}/0"))
         try:
@@ -218,9 +226,23 @@ def test_a_config_the_filter_rejects_is_a_nack_istiod_reports_and_the_sidecar_ke
         finally:
             await store.close()
 
-    bad_version = asyncio.run(inject())
+    return asyncio.run(inject())
+
+
+def test_a_config_the_filter_rejects_is_a_nack_istiod_reports_and_the_sidecar_keeps_the_last_good_one(
+        mesh: IstiodMesh) -> None:
+    sc = mesh.engines[0].sidecar
+    assert sc is not None
+    body = mlp_json(seed=2306)
+    rest_infer(mesh, "mlp-classifier", body)
+    good = ecds_version(sc)
+
+    bad_version = commit_invalid_policy(mesh)
     error = eventually(lambda: syncz_of(mesh, sc)["resources"][ECDS_TYPE].get("lastError"), timeout=15)
-    assert "meshcache" in error, error
+    # Envoy's NACK text: the Wasm filter names its plugin; the dynamic-module filter says the
+    # module refused the config (Envoy 1.39), the reason being in the sidecar's log (below).
+    nack_says = {"wasm": "meshcache", "native": "Failed to initialize dynamic module"}[mesh.config.filter]
+    assert nack_says in error, error
     fail = "extension_config_discovery.http_filter.meshcache.config_fail"
     eventually(lambda: sc.stats(fail).get(fail, 0) >= 1, timeout=10)  # syncz may report before Envoy's stat shows
     assert bad_version > good
@@ -231,7 +253,7 @@ def test_a_config_the_filter_rejects_is_a_nack_istiod_reports_and_the_sidecar_ke
             return next(p for p in api.get("/v1/proxies").json()["proxies"] if p["node_id"] == sc.pod.proxy_id)
 
         nacked = eventually(lambda: row() if row()["last_nack"] else None, timeout=10)
-    assert "meshcache" in nacked["last_nack"]["error"] and not nacked["current"], nacked
+    assert nack_says in nacked["last_nack"]["error"] and not nacked["current"], nacked
     assert nacked["acked_version"] != str(bad_version), nacked
     # The last good config (and its cache) keeps serving: had the rejected one been applied, the
     # plugin would have failed open and answered uncached.
@@ -297,3 +319,72 @@ def test_logs_stay_quiet(istiod_mesh: IstiodMesh) -> None:
         assert "Deprecated field" not in log and "max_grpc_timeout" not in log, sc.envoy.log_path
     cp_log = mesh.proc("control-plane").log_path.read_text()
     assert "HTTP Request:" not in cp_log, [line for line in cp_log.splitlines() if "HTTP Request:" in line][:3]
+
+
+def test_native_host_through_istiod_in_istios_inbound_order(native_mesh: IstiodMesh) -> None:
+    """Istio 1.31's mesh: every sidecar is Envoy 1.39 (istio-proxy 1.31's); the native mode's
+    EnvoyFilters put the dynamic module where the Wasm filter goes (INSERT_BEFORE the router,
+    after RBAC), by ECDS over ADS, with no Lua filter and no hit route (the module sends gRPC
+    hits itself); the client role runs in the same host."""
+    mesh = native_mesh
+    assert mesh.istiod is not None
+    for sc in mesh.sidecars():
+        info = httpx.get(f"{sc.admin}/server_info", timeout=5).json()
+        assert info["version"].split("/")[1].startswith(f"{NATIVE_ENVOY}."), info["version"]
+    module = str(filter_native(NATIVE_ENVOY))
+    for e in mesh.engines:
+        sc = e.sidecar
+        assert sc is not None
+        for dump in (sc.config_dump(), snake_keys(mesh.istiod.config_dump(sc.pod.proxy_id))):
+            for port in (HTTP_PORT, GRPC_PORT):
+                port_hcm = hcm(inbound_listener(dump, port))
+                names = [f["name"] for f in port_hcm["http_filters"]]
+                assert names[-2:] == ["meshcache", ROUTER], names
+                istio_part = names[:-2]
+                assert "envoy.filters.http.rbac" in istio_part and GRPC_HIT_LUA_FILTER not in names, names
+                assert istio_part == [n for n in ISTIO_INBOUND_ORDER if n in istio_part], names
+                cache = next(f for f in port_hcm["http_filters"] if f["name"] == "meshcache")
+                assert cache["config_discovery"]["type_urls"][0] == DYNAMIC_MODULE_TYPE_URL
+                routes = [r["name"] for r in port_hcm["route_config"]["virtual_hosts"][0]["routes"]]
+                assert GRPC_HIT_ROUTE not in routes and GRPC_STALE_ROUTE not in routes, routes
+        typed = next(f["ecds_filter"]["typed_config"] for f in ecds_filters(sc)
+                     if f["ecds_filter"]["name"] == "meshcache")
+        assert typed["@type"] == DYNAMIC_MODULE_TYPE_URL
+        assert typed["dynamic_module_config"]["module"]["local"]["filename"] == module
+        assert json.loads(typed["filter_config"]["value"])["color"] == "green"
+    assert mesh.client is not None
+    client = [f["ecds_filter"] for f in ecds_filters(mesh.client)]
+    assert [(f["name"], f["typed_config"]["@type"]) for f in client] == [("meshcache-client", DYNAMIC_MODULE_TYPE_URL)]
+    assert json.loads(client[0]["typed_config"]["filter_config"]["value"])["role"] == "client"
+
+
+def test_native_cache_affinity_over_three_replicas(native_mesh: IstiodMesh) -> None:
+    assert_cache_affinity(native_mesh, seeds=range(2480, 2492), grpc_seeds=range(2500, 2506))
+
+
+def test_native_sidecar_whose_first_config_is_refused_serves_uncached(native_mesh: IstiodMesh) -> None:
+    """A sidecar starting while the only config is one the module refuses (a config it rejects;
+    the same for a module built for another Envoy) runs the fail-open default, a pass-through,
+    instead of Envoy's 500 for a filter without config; the next good config caches again."""
+    mesh = native_mesh
+    engine = mesh.engines[-1]
+    sc = engine.sidecar
+    assert sc is not None
+    commit_invalid_policy(mesh)
+    eventually(lambda: syncz_of(mesh, sc)["resources"][ECDS_TYPE].get("lastError"), timeout=15)
+    mesh.restart(sc.envoy.name)  # waits until LIVE
+    fail = "extension_config_discovery.http_filter.meshcache.config_fail"
+    eventually(lambda: sc.stats(fail).get(fail, 0) >= 1, timeout=15)  # the new process refused its first config
+    before = app_requests(sc, HTTP_PORT)
+    statuses = []
+    for seed in range(2520, 2532):  # spread over the three replicas by the affinity hash
+        r = rest_infer(mesh, "mlp-classifier", mlp_json(seed=seed))
+        assert r.status_code == 200, r.text
+        statuses.append(r.headers.get("cache-status"))
+    served = app_requests(sc, HTTP_PORT) - before
+    assert served >= 1, "some requests reached the restarted sidecar"
+    assert statuses.count(None) == served, statuses  # those passed uncached, the others were cached
+    with mesh.api() as api:
+        version = api.put("/v1/policies/text-embedder", json={"ttl_s": 600, "max_ttl_s": 3600}).json()["version"]
+    mesh.wait_synced(version, timeout=15)
+    assert ecds_version(sc) == version

@@ -324,9 +324,14 @@ def test_missing_native_module_is_named(tmp_path: Path, monkeypatch: pytest.Monk
     with pytest.raises(MeshError, match=r"libmeshcache_native\.so is missing .*build it \(make filter\)"):
         topology.check_prerequisites(config)
     topology.check_prerequisites(MeshConfig(state_dir=tmp_path / "state").with_free_ports())  # wasm: not needed
-    # Istio 1.30's proxy has no dynamic modules: said before anything starts.
-    out = run("up", "--filter", "native", "--istiod", "--state-dir", str(tmp_path / "state"))
-    assert out.returncode == 1 and "istio-proxy 1.30 has no dynamic modules" in out.stderr, out.stderr
+    # With istiod the sidecars are Istio 1.31's Envoy (1.39) and need the module's 1.39 build.
+    from meshcache.ctl.istiod import mesh as istiod_mesh
+
+    istiod_mesh.check_prerequisites("native")
+    monkeypatch.setattr(istiod_mesh, "filter_native", lambda envoy: tmp_path / f"libmeshcache_native-envoy-{envoy}.so")
+    with pytest.raises(MeshError, match=r"libmeshcache_native-envoy-1\.39\.so is missing"):
+        istiod_mesh.check_prerequisites("native")
+    istiod_mesh.check_prerequisites("wasm")
 
 
 def test_a_failing_component_reports_its_log_and_leaves_nothing(tmp_path: Path) -> None:

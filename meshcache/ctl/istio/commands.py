@@ -47,6 +47,9 @@ def register(subparsers: Any) -> None:
                         "(the Envoy dynamic module; istio-proxy links it from Istio 1.31)")
     r.add_argument("--istio-version", default=filter_host.ISTIO_VERSION,
                    help=f"the mesh's Istio version (default {filter_host.ISTIO_VERSION}, what the manifests target)")
+    r.add_argument("--native-image", metavar="REPO@sha256:DIGEST",
+                   help="--filter native: the image an init container copies the module from (pinned by digest; "
+                        "holds /meshcache/modules/<module> and sh, cp, sha256sum)")
     r.add_argument("--engine-image", help="image of meshcache's engine (default the manifests' placeholder)")
     r.add_argument("--control-plane-image", help="image of the control plane (default the manifests' placeholder)")
     r.add_argument("--allow-principal", action="append", default=[], metavar="PRINCIPAL",
@@ -164,7 +167,8 @@ def _render(args: argparse.Namespace) -> int:
             authz=args.authz,
             engine_selector=render.parse_engine_selector(args.engine_selector) if args.engine_selector else None,
             engine_ports=render.parse_engine_ports(args.engine_port), engine_service=args.engine_service,
-            mesh_tls13=args.mesh_tls13, delivery=args.delivery)
+            mesh_tls13=args.mesh_tls13, delivery=args.delivery, filter_host=args.filter,
+            istio_version=args.istio_version, native_image=args.native_image)
         objects = render.render(opts)
         mcp = render.mcp_objects(objects, plugin_config)
     except (ValueError, FileNotFoundError, kustomize.KustomizeError) as exc:

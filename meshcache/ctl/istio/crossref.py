@@ -18,6 +18,7 @@ import yaml
 from meshcache.contract import extensions, grpc_hit
 from meshcache.contract.filter_config import ROLE, ROLE_CLIENT
 from meshcache.contract.headers import ROUTE_KEY_HEADER
+from meshcache.contract.native_filter import DYNAMIC_MODULE_TYPE_URL
 from meshcache.contract.wasm_filter import CLIENT_FILTER_NAME, FILTER_NAME, ROOT_ID
 
 Obj = dict[str, Any]
@@ -352,11 +353,10 @@ def _client_filter_errors(objects: list[Obj], ef: Obj) -> list[str]:
         if name not in ecds:
             errors.append(f"{where}: filter {name!r} takes its config by ECDS but no EXTENSION_CONFIG of that name")
             continue
-        wasm = ecds[name]["typed_config"]["config"]
-        config = json.loads(wasm["configuration"]["value"])
+        config, holds = _plugin_config(ecds[name])
         if name != CLIENT_FILTER_NAME or config.get(ROLE) != ROLE_CLIENT:
             errors.append(f"{where}: the outbound filter must be {CLIENT_FILTER_NAME!r} with role {ROLE_CLIENT!r}")
-        if not (wasm.get("allow_on_headers_stop_iteration") and config.get("hold_headers") is not False):
+        if not (holds and config.get("hold_headers") is not False):
             errors.append(f"{where}: the client role needs held request headers (allow_on_headers_stop_iteration, "
                           "hold_headers): the routing key must exist before Envoy picks a replica")
     for dr in _of(objects, "DestinationRule"):
@@ -376,6 +376,43 @@ def _client_filter_errors(objects: list[Obj], ef: Obj) -> list[str]:
     return errors
 
 
+def _plugin_config(extension_config: Obj) -> tuple[Obj, bool]:
+    """An ECDS resource's plugin configuration, and whether its host can hold request headers:
+    the Wasm filter when allow_on_headers_stop_iteration is set, the dynamic module always."""
+    typed = extension_config["typed_config"]
+    if typed.get("@type") == DYNAMIC_MODULE_TYPE_URL:
+        return json.loads(typed["filter_config"]["value"]), True
+    wasm = typed["config"]
+    return json.loads(wasm["configuration"]["value"]), bool(wasm.get("allow_on_headers_stop_iteration"))
+
+
+def _native_module_errors(objects: list[Obj], ef: Obj, where: str) -> list[str]:
+    """A DynamicModuleFilter loads a file from the sidecar's filesystem: every selected pod must
+    have it mounted where the filter names it (render's init container, emptyDir and
+    userVolumeMount; meshcache/ctl/istio/native_module.py)."""
+    from . import native_module  # imported here: render imports this module
+
+    errors = []
+    paths = {p["patch"]["value"]["typed_config"]["dynamic_module_config"]["module"]["local"]["filename"]
+             for p in ef["spec"]["configPatches"] if p["applyTo"] == "EXTENSION_CONFIG"
+             and p["patch"]["value"]["typed_config"].get("@type") == DYNAMIC_MODULE_TYPE_URL}
+    for w in _selected(objects, ef["spec"].get("workloadSelector", {}).get("labels", {})):
+        _, mounts = _annotation_volumes(w)
+        mount = mounts.get(native_module.VOLUME, {}).get("mountPath")
+        init = [c for c in w["spec"]["template"]["spec"].get("initContainers", [])
+                if c["name"] == native_module.INIT_CONTAINER]
+        ann = w["spec"]["template"]["metadata"].get("annotations", {})
+        for path in paths:
+            if mount is None or path.rsplit("/", 1)[0] != mount or not init \
+                    or path.rsplit("/", 1)[1] not in " ".join(init[0].get("command", [])):
+                errors.append(f"{where}: {w['kind']}/{_name(w)} does not mount the native module {path} into its "
+                              "sidecar (render --filter native's init container and userVolumeMount)")
+        if paths and ann.get("sidecar.istio.io/nativeSidecar") != "false":
+            errors.append(f"{where}: {w['kind']}/{_name(w)} needs sidecar.istio.io/nativeSidecar: \"false\" (a "
+                          "native sidecar starts before the init container that copies the module)")
+    return errors
+
+
 def _envoy_filter_errors(objects: list[Obj], ef: Obj) -> list[str]:
     where, spec, errors = f"EnvoyFilter/{_name(ef)}", ef["spec"], []
     ports = _selected_ports(objects, spec.get("workloadSelector", {}).get("labels", {}), where, errors)
@@ -384,6 +421,7 @@ def _envoy_filter_errors(objects: list[Obj], ef: Obj) -> list[str]:
             and not spec.get("priority"):
         errors.append(f"{where}: relative patch operations need spec.priority (istioctl analyze IST0151)")
     ecds_names = {p["patch"]["value"]["name"] for p in patches if p["applyTo"] == "EXTENSION_CONFIG"}
+    errors += _native_module_errors(objects, ef, where)
     filters_by_port: dict[int, list[str]] = {}
     for p in patches:
         match, value = p.get("match", {}), p["patch"].get("value", {})

@@ -30,14 +30,10 @@ def minor(istio_version: str) -> tuple[int, int]:
     return int(m.group(1)), int(m.group(2))
 
 
-def check(filter_host: str, istio_version: str) -> None:
-    """ValueError, saying why, when `filter_host` cannot run in Istio `istio_version`'s sidecars
-    or cannot be rendered yet."""
-    if filter_host not in FILTERS:
-        raise ValueError(f"--filter {filter_host!r}: use one of {', '.join(FILTERS)}")
+def native_module_file(istio_version: str) -> str:
+    """The module build (a file name in filter/dist/) whose dynamic-module ABI is that of Istio
+    `istio_version`'s Envoy; ValueError, saying why, when there is none."""
     version = minor(istio_version)
-    if filter_host == "wasm":
-        return
     if version < NATIVE_SINCE:
         envoy = ISTIO_ENVOY.get(version)
         built_on = f" (built on Envoy {envoy})" if envoy else ""
@@ -47,9 +43,19 @@ def check(filter_host: str, istio_version: str) -> None:
             f"cannot load the module; use --filter wasm (the default) with this Istio, or give "
             f"--istio-version {NATIVE_SINCE[0]}.{NATIVE_SINCE[1]} or later")
     envoy = ISTIO_ENVOY.get(version)
-    module = f" ({NATIVE_MODULE_FOR_ENVOY[envoy]} for its Envoy {envoy})" if envoy in NATIVE_MODULE_FOR_ENVOY else ""
-    raise ValueError(
-        f"--filter native for Istio {istio_version}{module}: not rendered yet. Delivering the module to "
-        "the sidecars (an image volume, or an init container copying it into an emptyDir mounted "
-        "through sidecar.istio.io/userVolume) and the EnvoyFilters that insert it are still to do "
-        "(issue 37); use --filter wasm for now")
+    if envoy not in NATIVE_MODULE_FOR_ENVOY:
+        known = ", ".join(f"{m}.{n}" for (m, n), e in sorted(ISTIO_ENVOY.items()) if e in NATIVE_MODULE_FOR_ENVOY)
+        raise ValueError(
+            f"--filter native for Istio {istio_version}: which Envoy its istio-proxy is built on is not known "
+            f"here, and a module only loads in the Envoy whose dynamic-module ABI it was built for "
+            f"(filter/native/DESIGN.md); native is rendered for Istio {known}")
+    return NATIVE_MODULE_FOR_ENVOY[envoy]
+
+
+def check(filter_host: str, istio_version: str) -> None:
+    """ValueError, saying why, when `filter_host` cannot run in Istio `istio_version`'s sidecars."""
+    if filter_host not in FILTERS:
+        raise ValueError(f"--filter {filter_host!r}: use one of {', '.join(FILTERS)}")
+    minor(istio_version)
+    if filter_host == "native":
+        native_module_file(istio_version)

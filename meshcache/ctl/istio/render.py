@@ -25,7 +25,8 @@ from meshcache.contract.filter_config import Limits, Policy, demo_policies, plug
 from meshcache.contract.headers import COLOR_HEADER
 from meshcache.contract.paths import FILTER_WASM, REPO_ROOT
 
-from . import kustomize, monitoring
+from . import filter_host as hosts
+from . import kustomize, monitoring, native_module
 
 ISTIO_DIR = REPO_ROOT / "istio"
 BASE_DIR = ISTIO_DIR / "base"
@@ -174,6 +175,9 @@ class RenderOptions:
     engine_service: str | None = None  # the Service callers use; None: the build's DestinationRule host
     mesh_tls13: bool = False  # IstioOperator/Helm values: meshMTLS.minProtocolVersion TLSV1_3
     delivery: str = "mcp"  # mcp: istiod reads the control plane (configSources); kube: it writes the objects
+    filter_host: str = "wasm"  # hosts.FILTERS: the cache's host in the sidecars
+    istio_version: str = hosts.ISTIO_VERSION  # the mesh's Istio (which hosts it can run)
+    native_image: str | None = None  # --filter native: the module's image, pinned by digest
 
     def colors(self, own_engine: bool = True) -> list[str]:
         if not own_engine:
@@ -198,6 +202,32 @@ def pins_for(opts: RenderOptions) -> Pins:
     if not re.match(r"^[a-f0-9]{64}$", digest):
         raise ValueError(f"--image-digest must be 64 lowercase hex characters (no 'sha256:'), got {digest!r}")
     return Pins(digest, image.module_sha256, oci_url(opts.filter_repository, digest))
+
+
+@dataclass(frozen=True)
+class NativePins:
+    """`--filter native`: the module build for the mesh's Envoy, its sha256 and its image."""
+
+    module_file: str
+    sha256: str
+    image: str
+
+    @property
+    def sidecar_path(self) -> str:
+        return native_module.sidecar_path(self.module_file)
+
+
+def native_pins_for(opts: RenderOptions) -> NativePins | None:
+    """None for the Wasm host; ValueError when the mesh's Istio cannot run the native one."""
+    hosts.check(opts.filter_host, opts.istio_version)
+    if opts.filter_host != "native":
+        return None
+    module_file = hosts.native_module_file(opts.istio_version)
+    image = native_module.check_image(opts.native_image)
+    path = opts.module_path.parent / module_file
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing: build the module for this Istio's Envoy (make filter)")
+    return NativePins(module_file, oci.sha256_hex(path.read_bytes()), image)
 
 
 def own_engine(objects: list[Obj]) -> bool:
@@ -278,7 +308,17 @@ def render(opts: RenderOptions) -> list[Obj]:
     if opts.delivery == "kube" and opts.mesh_tls13:
         raise ValueError("--mesh-tls13 changes istiod's mesh config, which --delivery kube leaves alone: set "
                          "meshMTLS.minProtocolVersion in your Istio install instead")
-    customize(objects, opts, pins_for(opts), workloads, own, principals, ingress)
+    native = native_pins_for(opts)
+    if native is not None:
+        mode = control_plane_env(objects).get("MESHCACHE_CP_ISTIO_MODE", "full")
+        if mode != "full":
+            raise ValueError(f"--filter native replaces the full mode's Wasm filter; {opts.source} renders the "
+                             f"{mode} mode (TrafficExtensions are Wasm only): render the base")
+        if not own:
+            raise ValueError(f"--filter native with {opts.source}: render mounts the module into meshcache's own "
+                             "engine pods only; for your own workloads use --filter wasm (docs/istio.md, "
+                             "\"The native host under Istio 1.31\")")
+    customize(objects, opts, pins_for(opts), workloads, own, principals, ingress, native)
     if opts.authz == "none":  # the user's own policies decide who reaches the cached pods
         objects = [o for o in objects if not (o["kind"] == "AuthorizationPolicy" and o["metadata"]["name"] == AUTHZ)]
     if opts.delivery == "kube":
@@ -358,7 +398,8 @@ def mcp_objects(objects: list[Obj], plugin_config: dict[str, Any]) -> list[Obj]:
     colors = [c for c in env.get("MESHCACHE_CP_ISTIO_COLOR", "").split(",") if c] or [""]
     out = extensions.objects(env.get("MESHCACHE_CP_ISTIO_MODE", "full"), colors=colors,
                              url=env["MESHCACHE_CP_ISTIO_WASM_URL"], sha256=env["MESHCACHE_CP_ISTIO_WASM_SHA256"],
-                             plugin_config=plugin_config, workloads=workloads_from_env(env))
+                             plugin_config=plugin_config, workloads=workloads_from_env(env),
+                             native_module=env.get("MESHCACHE_CP_ISTIO_NATIVE_MODULE", ""))
     if env.get("MESHCACHE_CP_DELIVERY") == "kube":
         version = int(plugin_config.get("version") or 0)
         return [extensions.kube_object(o, namespace=namespace, version=version,
@@ -374,15 +415,23 @@ def mcp_objects(objects: list[Obj], plugin_config: dict[str, Any]) -> list[Obj]:
 
 
 def customize(objects: list[Obj], opts: RenderOptions, pins: Pins, workloads: Workloads, own: bool,
-              principals: tuple[str, ...] = (), ingress: tuple[str, ...] = ()) -> None:
+              principals: tuple[str, ...] = (), ingress: tuple[str, ...] = (), native: NativePins | None = None
+              ) -> None:
     colors = opts.colors(own)
     for obj in objects:
         _rename_namespace(obj, opts.namespace)
         kind, name = obj["kind"], obj["metadata"]["name"]
         if kind == "Deployment" and obj["metadata"].get("labels", {}).get("app") == ENGINE_APP:
             _engine_deployment(obj, opts.default_color(), workloads, opts.engine_image)
+            if native is not None:
+                native_module.add_to_pod_template(obj["spec"]["template"], image=native.image,
+                                                  module_file=native.module_file, sha256=native.sha256)
         elif kind == "Deployment" and name == CONTROL_PLANE:
             _control_plane(obj, colors, pins, workloads, opts.control_plane_image)
+            if native is not None:
+                for c in obj["spec"]["template"]["spec"]["containers"]:
+                    _set_env(c, "MESHCACHE_CP_ISTIO_MODE", "native")
+                    _upsert_env(c, "MESHCACHE_CP_ISTIO_NATIVE_MODULE", native.sidecar_path)
         elif kind == "DestinationRule" and name == DESTINATION_RULE:
             _destination_rule(obj, colors, opts.engine_service)
         elif kind == "VirtualService" and obj["spec"].get("gateways"):
@@ -488,6 +537,13 @@ def _set_env(container: Obj, name: str, value: str) -> None:
     for e in container.get("env", []):
         if e["name"] == name:
             e["value"] = value
+
+
+def _upsert_env(container: Obj, name: str, value: str) -> None:
+    env = container.setdefault("env", [])
+    if not any(e["name"] == name for e in env):
+        env.append({"name": name, "value": value})
+    _set_env(container, name, value)
 
 
 def _control_plane(obj: Obj, colors: list[str], pins: Pins, workloads: Workloads, image: str | None) -> None:

@@ -33,7 +33,7 @@ import httpx
 
 from meshcache.contract.extensions import AFFINITY_LABEL, GRPC_PORT, HTTP_PORT
 from meshcache.contract.filter_config import DEMO_POLICIES
-from meshcache.contract.paths import FILTER_WASM, envoy_binary
+from meshcache.contract.paths import FILTER_WASM, envoy_binary, filter_native
 from meshcache.ctl import launchers, procs
 from meshcache.ctl.istio import render, xds_tls
 from meshcache.ctl.mesh.errors import MeshError
@@ -50,6 +50,7 @@ from .translate import Pod
 CLIENT_APP = "meshcache-client"
 CLIENT_SA = "meshcache-client"
 CANARY_SERVE_VERSIONS = {"mlp-classifier": "1"}  # as the local mesh's canary: visibly different answers
+NATIVE_ENVOY = "1.39"  # the Envoy of istio-proxy 1.31, the first Istio that links dynamic modules
 
 
 @dataclass
@@ -64,6 +65,20 @@ class IstiodMeshConfig:
     policies: dict[str, dict[str, Any]] = field(default_factory=lambda: dict(DEMO_POLICIES))
     seed_policies: bool = True
     module: Path = FILTER_WASM
+    # The cache's host in the sidecars: wasm, or native = the Envoy dynamic module, as under Istio
+    # 1.31: every sidecar runs Envoy 1.39 (istio-proxy 1.31's) and the module's 1.39 build, from
+    # the native mode's EnvoyFilters (docs/istio.md, "The native host under Istio 1.31").
+    filter: str = "wasm"
+
+    @property
+    def envoy(self) -> str:
+        return NATIVE_ENVOY if self.filter == "native" else "1.40"
+
+    def __post_init__(self) -> None:
+        if self.filter not in ("wasm", "native"):
+            raise ValueError(f"filter {self.filter!r}: wasm or native")
+        if self.filter == "native" and self.mode != "full":
+            raise ValueError(f"filter native replaces the full mode's Wasm filter, not the {self.mode} mode's")
 
 
 @dataclass
@@ -73,10 +88,10 @@ class Engine:
     sidecar: Sidecar | None = None
 
 
-def check_prerequisites() -> None:
+def check_prerequisites(filter_host: str = "wasm") -> None:
     """Binaries and the built filter, before anything starts (every port is picked free)."""
     try:
-        envoy_binary()
+        envoy_binary(NATIVE_ENVOY if filter_host == "native" else "1.40")
         require("pilot-discovery")
     except FileNotFoundError as exc:
         raise MeshError(str(exc)) from exc
@@ -84,6 +99,8 @@ def check_prerequisites() -> None:
         raise MeshError("redis-server not found on PATH: install the Debian package redis-server (make setup)")
     if not FILTER_WASM.exists():
         raise MeshError(f"{FILTER_WASM} is missing: build the filter (make filter)")
+    if filter_host == "native" and not filter_native(NATIVE_ENVOY).exists():
+        raise MeshError(f"{filter_native(NATIVE_ENVOY)} is missing: build the filter (make filter)")
 
 
 class IstiodMesh:
@@ -254,7 +271,8 @@ class IstiodMesh:
         assert self._socket_dir is not None
         socket = self._socket_dir / f"{len(self._starters)}.sock"
         sc = start_sidecar(pod, identity, istiod_port=self.istiod.ports.grpc, work_dir=work, log_dir=self.log_dir,
-                           socket=socket, proxy_metadata=proxy_metadata, admin_port=self._admin_ports.get(pod.name))
+                           socket=socket, proxy_metadata=proxy_metadata, admin_port=self._admin_ports.get(pod.name),
+                           envoy=self.config.envoy)
         self.procs += [sc.sds, sc.envoy]
 
         def start_sds() -> procs.Proc:
@@ -293,6 +311,9 @@ class IstiodMesh:
                 "MESHCACHE_CP_ISTIO_WASM_SHA256": hashlib.sha256(cfg.module.read_bytes()).hexdigest(),
                 "MESHCACHE_CP_TOKENS": f"write:mesh:{self.token}",
                 "MESHCACHE_CP_RESYNC_INTERVAL_S": "0.5"}
+        if cfg.filter == "native":  # the module's 1.39 build, a local file as the Wasm module is
+            env |= {"MESHCACHE_CP_ISTIO_MODE": "native",
+                    "MESHCACHE_CP_ISTIO_NATIVE_MODULE": str(filter_native(NATIVE_ENVOY))}
         self._run("control-plane", lambda: launchers.start_control_plane(argv, env, self.log_dir, self.cp_http,
                                                                          self.cp_xds))
 
@@ -381,6 +402,7 @@ class IstiodMesh:
         assert self.istiod is not None and self.client_pod is not None
         return {
             "mode": "istiod",
+            "filter": self.config.filter,  # the cache's host in the sidecars (native: Envoy 1.39)
             "app_http": self.app_http,
             "app_grpc": self.app_grpc,
             "app_authority": self.service_authority,

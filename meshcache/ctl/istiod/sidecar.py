@@ -114,6 +114,7 @@ class Sidecar:
     config_path: Path
     sds_argv: list[str]
     log_dir: Path
+    envoy_version: str = "1.40"  # paths.ENVOYS: 1.39 is istio-proxy 1.31's Envoy (the native host's mesh)
 
     @property
     def admin(self) -> str:
@@ -132,7 +133,7 @@ class Sidecar:
 
     def restart_envoy(self) -> None:
         self.envoy.stop()
-        self.envoy = _start_envoy(self.pod, self.config_path, self.admin_port, self.log_dir)
+        self.envoy = _start_envoy(self.pod, self.config_path, self.admin_port, self.log_dir, self.envoy_version)
 
     def start_sds(self) -> procs.Proc:
         return _start_sds(self.pod, self.sds_argv, self.log_dir)
@@ -142,14 +143,14 @@ class Sidecar:
         self.sds.stop()
 
 
-def _start_envoy(pod: Pod, config_path: Path, admin_port: int, log_dir: Path) -> procs.Proc:
+def _start_envoy(pod: Pod, config_path: Path, admin_port: int, log_dir: Path, envoy: str = "1.40") -> procs.Proc:
     # LIVE = the initial LDS/CDS from istiod arrived and every listener warmed (certificates from SDS).
     return launchers.start_envoy(config_path, admin_port, log_dir, name=f"sidecar-{pod.name}", log_level="warning",
                                  # misc:error as istio-agent's default proxyComponentLogLevel: istiod's
                                  # configs use fields Envoy warns are deprecated (max_grpc_timeout,
                                  # match_subject_alt_names), ~15 lines a start otherwise.
                                  extra_args=["--drain-time-s", "1", "--component-log-level", "misc:error"],
-                                 timeout=60, what="LIVE (config from istiod)")
+                                 timeout=60, what="LIVE (config from istiod)", envoy=envoy)
 
 
 def _start_sds(pod: Pod, argv: list[str], log_dir: Path) -> procs.Proc:
@@ -160,8 +161,9 @@ def _start_sds(pod: Pod, argv: list[str], log_dir: Path) -> procs.Proc:
 
 def start_sidecar(pod: Pod, identity: Identity, *, istiod_port: int, work_dir: Path, log_dir: Path,
                   socket: Path, proxy_metadata: dict[str, str] | None = None,
-                  admin_port: int | None = None) -> Sidecar:
-    """`socket`: the SDS server's Unix socket (a short path: at most 107 bytes)."""
+                  admin_port: int | None = None, envoy: str = "1.40") -> Sidecar:
+    """`socket`: the SDS server's Unix socket (a short path: at most 107 bytes). `envoy`: which
+    Envoy (paths.ENVOYS) plays istio-proxy."""
     admin_port = admin_port or procs.free_port()
     work_dir.mkdir(parents=True, exist_ok=True)
     sds_argv = [sys.executable, "-m", "meshcache.ctl.istiod.sds", "--socket", str(socket),
@@ -172,8 +174,8 @@ def start_sidecar(pod: Pod, identity: Identity, *, istiod_port: int, work_dir: P
     config_path = work_dir / "envoy.yaml"
     config_path.write_text(yaml.safe_dump(config, sort_keys=False))
     try:
-        envoy = _start_envoy(pod, config_path, admin_port, log_dir)
+        proc = _start_envoy(pod, config_path, admin_port, log_dir, envoy)
     except BaseException:
         sds.stop()
         raise
-    return Sidecar(pod, envoy, sds, admin_port, config_path, sds_argv, log_dir)
+    return Sidecar(pod, proc, sds, admin_port, config_path, sds_argv, log_dir, envoy)

@@ -62,7 +62,9 @@ def policy_version(filters: list[dict[str, Any]]) -> int:
         name = ecds.get("name", "")
         if not (name == FILTER_NAME or name.startswith(TRAFFIC_EXTENSION_ECDS_PREFIX)):
             continue
-        value = ecds.get("typed_config", {}).get("config", {}).get("configuration", {}).get("value", "")
+        typed = ecds.get("typed_config", {})
+        # The Wasm filter's `config.configuration`, or the dynamic module's `filter_config` (native).
+        value = (typed.get("config", {}).get("configuration") or typed.get("filter_config") or {}).get("value", "")
         with contextlib.suppress(ValueError):
             v = json.loads(value).get("version", "0")
             return int(v) if str(v).isdigit() else 0

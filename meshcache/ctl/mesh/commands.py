@@ -168,7 +168,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         elif config.istiod:
             from meshcache.ctl.istiod.mesh import check_prerequisites as check_istiod_prerequisites
 
-            check_istiod_prerequisites()  # missing binary: say so at once (ports are picked free)
+            check_istiod_prerequisites(config.filter)  # missing binary: say so at once (ports are picked free)
         else:
             check_prerequisites(config)  # port in use / missing binary: say so at once
         config.log_dir.mkdir(parents=True, exist_ok=True)

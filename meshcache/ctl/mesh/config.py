@@ -220,9 +220,6 @@ class MeshConfig:
             raise ValueError(f"replicas must be 1 to {MAX_REPLICAS}; got {self.replicas}")
         if self.filter not in FILTER_HOSTS:
             raise ValueError(f"filter must be one of {', '.join(FILTER_HOSTS)}; got {self.filter!r}")
-        if self.filter == "native" and self.istiod:
-            raise ValueError("filter native with istiod: istio-proxy 1.30 has no dynamic modules "
-                             "(docs/istio.md), so the mesh with istiod runs the Wasm filter")
         if self.kube and (self.istiod or self.filter != "wasm" or self.replicas != 1):
             raise ValueError("kube: runs istio/ as rendered (the Wasm filter, istiod in Kubernetes mode); not with "
                              "istiod or filter, and its engine pods are kube_replicas (--replicas with --kube)")

@@ -152,13 +152,11 @@ def _mesh_for_demo(state_dir: Path | None, istiod: bool = False, host: str | Non
     if istiod:
         from meshcache.ctl.istiod.mesh import IstiodMesh, IstiodMeshConfig
 
-        if host == "native":
-            raise MeshError("--filter native with --istiod: istio-proxy 1.30 has no dynamic modules "
-                            "(docs/istio.md), so the mesh with istiod runs the Wasm filter")
         with tempfile.TemporaryDirectory(prefix="meshcache-demo-istiod-") as tmp:
             print("starting a local mesh with a real istiod in the middle (redis, control plane, istiod, "
                   "engines, sidecars configured by istiod) ...")
-            with IstiodMesh(IstiodMeshConfig(work_dir=Path(tmp)), log=lambda m: print(f"  {m}")) as imesh:
+            with IstiodMesh(IstiodMeshConfig(work_dir=Path(tmp), filter=host or "wasm"),
+                            log=lambda m: print(f"  {m}")) as imesh:
                 yield imesh.endpoints(), imesh.token, True
             print("stopped the mesh.")
         return

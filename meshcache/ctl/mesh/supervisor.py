@@ -128,7 +128,8 @@ def build_mesh(config: MeshConfig, log: Callable[[str], None]) -> Any:
     from meshcache.ctl.istiod.mesh import IstiodMesh, IstiodMeshConfig
 
     return IstiodMesh(IstiodMeshConfig(work_dir=config.state_dir, replicas=config.replicas, affinity=config.affinity,
-                                       canary_color=config.canary_color, policies=config.policies), log=log)
+                                       canary_color=config.canary_color, policies=config.policies,
+                                       filter=config.filter), log=log)
 
 
 def _say(message: str) -> None:
