@@ -7,8 +7,8 @@ Node,RBAC authorization, admission webhooks on. `--endpoint-reconciler-type=none
 `kubernetes` Service would otherwise get 127.0.0.1 as its endpoint, which EndpointSlice validation
 refuses (the API server then logs about it forever).
 
-The controller manager is needed for ReplicaSets and Pods from Deployments, the `default`
-ServiceAccount (without it the API server refuses Pods), and namespace deletion; the scheduler
+The controller manager (CONTROLLERS only) is needed for ReplicaSets and Pods from Deployments, the
+`default` ServiceAccount (without it the API server refuses Pods), and namespace deletion; the scheduler
 binds Pods to Nodes. There is no kubelet here: Nodes are registered by whoever runs pods.
 
     with local_cluster(tmp_dir) as cluster:
@@ -37,6 +37,22 @@ SERVICE_CIDR = "10.96.0.0/16"  # ClusterIPs: allocated, never served (no kube-pr
 SA_ISSUER = "https://kubernetes.default.svc.cluster.local"
 # istio-ca: the audience istio-agent asks for (JWT_POLICY=third-party-jwt) and istiod's CA checks.
 API_AUDIENCES = (SA_ISSUER, "istio-ca")
+# The controllers whose work the project's pods and tests rely on, not all of them (`*`): each runs
+# informers on what it manages (the resource-quota one on every kind, the CRDs' too) that cost the
+# API server and the controller manager CPU for the cluster's whole life. No cloud, no node IPAM
+# (the test kubelet owns its pod CIDR), no taint eviction (one node), no Jobs, DaemonSets,
+# autoscalers, quotas or certificate requests (nothing here makes them).
+CONTROLLERS = (
+    "serviceaccount-controller", "serviceaccount-token-controller",  # `default` SA, token Secrets
+    "root-ca-certificate-publisher-controller",  # kube-root-ca.crt: every pod's kube-api-access volume
+    "namespace-controller", "garbage-collector-controller",  # deletion: namespaces, owned objects
+    "deployment-controller", "replicaset-controller", "statefulset-controller", "disruption-controller",
+    "endpointslice-controller", "endpoints-controller", "pod-garbage-collector-controller",
+    "persistentvolume-binder-controller", "persistentvolume-protection-controller",
+    "persistentvolumeclaim-protection-controller", "service-cidr-controller",
+    # A new Node has the not-ready taint until this controller sees it Ready and lifts it.
+    "node-lifecycle-controller",
+)
 START_TIMEOUT_S = 180.0  # the API server's first start on a loaded 2-core machine (~10-30 s idle)
 
 
@@ -192,8 +208,7 @@ def start_cluster(directory: Path, controllers: bool = True, scheduler: bool = T
                 "kube-controller-manager", kcm_kubeconfig, serving, ports.controller_manager,
                 [f"--service-account-private-key-file={pki.sa_key}", f"--root-ca-file={pki.ca.cert}",
                  "--use-service-account-credentials=true",
-                 # No cloud, no node IPAM (the test kubelet owns its pod CIDR).
-                 "--controllers=*,-cloud-node-lifecycle,-service-lb-controller,-node-route-controller"]), logs)
+                 f"--controllers={','.join(CONTROLLERS)}"]), logs)
             cluster.procs.append(proc)
             started.append((proc, lambda: cluster.get("/api/v1/namespaces/default/serviceaccounts/default"),
                             "creating the default ServiceAccount"))
