@@ -16,6 +16,8 @@ What it does, per pod bound to its Node (by the scheduler):
 - its readiness probe run as kubelet runs it (HTTP GET from the node to the pod IP), and the
   pod's status (IPs, init container states, conditions) patched back to the API server;
 - a deleted pod's processes stopped, its namespace removed, the pod object then deleted.
+- all of it driven by watches (its pods; Services, EndpointSlices, claims), as kubelet's informers
+  are, not by polling lists (a relist every RESYNC_S catches what a broken watch missed).
 
 - the images it knows (`RUNNABLE_IMAGES`): the project's engine and control plane as their
   entrypoints, processes of this virtualenv (its interpreter made reachable for the pod's user:
