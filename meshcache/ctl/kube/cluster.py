@@ -7,8 +7,8 @@ Node,RBAC authorization, admission webhooks on. `--endpoint-reconciler-type=none
 `kubernetes` Service would otherwise get 127.0.0.1 as its endpoint, which EndpointSlice validation
 refuses (the API server then logs about it forever).
 
-The controller manager is needed for ReplicaSets and Pods from Deployments, the `default`
-ServiceAccount (without it the API server refuses Pods), and namespace deletion; the scheduler
+The controller manager (CONTROLLERS only) is needed for ReplicaSets and Pods from Deployments, the
+`default` ServiceAccount (without it the API server refuses Pods), and namespace deletion; the scheduler
 binds Pods to Nodes. There is no kubelet here: Nodes are registered by whoever runs pods.
 
     with local_cluster(tmp_dir) as cluster:
@@ -19,8 +19,10 @@ binds Pods to Nodes. There is no kubelet here: Nodes are registered by whoever r
 from __future__ import annotations
 
 import contextlib
+import functools
 import ssl
 import subprocess
+import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +39,22 @@ SERVICE_CIDR = "10.96.0.0/16"  # ClusterIPs: allocated, never served (no kube-pr
 SA_ISSUER = "https://kubernetes.default.svc.cluster.local"
 # istio-ca: the audience istio-agent asks for (JWT_POLICY=third-party-jwt) and istiod's CA checks.
 API_AUDIENCES = (SA_ISSUER, "istio-ca")
+# The controllers whose work the project's pods and tests rely on, not all of them (`*`): each runs
+# informers on what it manages (the resource-quota one on every kind, the CRDs' too) that cost the
+# API server and the controller manager CPU for the cluster's whole life. No cloud, no node IPAM
+# (the test kubelet owns its pod CIDR), no taint eviction (one node), no Jobs, DaemonSets,
+# autoscalers, quotas or certificate requests (nothing here makes them).
+CONTROLLERS = (
+    "serviceaccount-controller", "serviceaccount-token-controller",  # `default` SA, token Secrets
+    "root-ca-certificate-publisher-controller",  # kube-root-ca.crt: every pod's kube-api-access volume
+    "namespace-controller", "garbage-collector-controller",  # deletion: namespaces, owned objects
+    "deployment-controller", "replicaset-controller", "statefulset-controller", "disruption-controller",
+    "endpointslice-controller", "endpoints-controller", "pod-garbage-collector-controller",
+    "persistentvolume-binder-controller", "persistentvolume-protection-controller",
+    "persistentvolumeclaim-protection-controller", "service-cidr-controller",
+    # A new Node has the not-ready taint until this controller sees it Ready and lifts it.
+    "node-lifecycle-controller",
+)
 START_TIMEOUT_S = 180.0  # the API server's first start on a loaded 2-core machine (~10-30 s idle)
 
 
@@ -61,14 +79,23 @@ class LocalCluster:
     kubeconfig: Path  # cluster-admin (O=system:masters)
     admin: cluster_pki.KeyPair
     procs: list[procs.Proc] = field(default_factory=list)
+    # `get`'s one client (kept-alive connections), made on first use: a client per call cost a TLS
+    # context and handshake on both sides each time, and waits call `get` many times a second.
+    _client: httpx.Client | None = field(default=None, repr=False)
+    _client_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
     def server(self) -> str:
         return f"https://127.0.0.1:{self.ports.apiserver}"
 
-    def api(self, timeout: float = 30.0) -> httpx.Client:
+    @functools.cached_property
+    def admin_tls(self) -> ssl.SSLContext:
+        """The cluster CA and the admin certificate, loaded once (contexts are safe to share)."""
+        return tls_context(self.pki.ca.cert, self.admin)
+
+    def api(self, timeout: float | httpx.Timeout = 30.0) -> httpx.Client:
         """An HTTP client for the API server as cluster-admin (close it, or use it in `with`)."""
-        return httpx.Client(base_url=self.server, verify=tls_context(self.pki.ca.cert, self.admin), timeout=timeout)
+        return httpx.Client(base_url=self.server, verify=self.admin_tls, timeout=timeout)
 
     def kubectl(self, *args: str, input: str | None = None, check: bool = True,
                 timeout: float = 120.0) -> subprocess.CompletedProcess[str]:
@@ -82,8 +109,11 @@ class LocalCluster:
 
     def get(self, path: str) -> dict[str, Any] | None:
         """GET an API path as cluster-admin: the object, or None when it does not exist (404)."""
-        with self.api() as client:
-            r = client.get(path)
+        with self._client_lock:
+            if self._client is None:
+                self._client = self.api()
+            client = self._client
+        r = client.get(path)
         if r.status_code == 404:
             return None
         r.raise_for_status()
@@ -95,6 +125,10 @@ class LocalCluster:
         return self.pki.kubeconfig(self.dir / f"{name}.kubeconfig", self.server, user, pair)
 
     def stop(self) -> None:
+        with self._client_lock:
+            if self._client is not None:
+                self._client.close()
+                self._client = None
         for p in reversed(self.procs):
             with contextlib.suppress(Exception):
                 p.stop()
@@ -113,8 +147,9 @@ def tls_context(ca: Path, client: cluster_pki.KeyPair | None = None) -> ssl.SSLC
     return context
 
 
-def _https_ok(url: str, ca: Path, client: cluster_pki.KeyPair | None = None) -> bool:
-    with httpx.Client(verify=tls_context(ca, client), timeout=2.0) as c:
+def _https_ok(url: str, context: ssl.SSLContext) -> bool:
+    """One readiness check (polled 20 times a second: the TLS context is made once by the caller)."""
+    with httpx.Client(verify=context, timeout=2.0) as c:
         return c.get(url).status_code == 200
 
 
@@ -183,7 +218,7 @@ def start_cluster(directory: Path, controllers: bool = True, scheduler: bool = T
             [(procs.http_ok(f"http://127.0.0.1:{ports.etcd_client}/health"), timeout, "healthy")]))
         cluster.procs.append(procs.start_ready(
             "kube-apiserver", apiserver_argv(pki, ports), logs,
-            [(lambda: _https_ok(f"{cluster.server}/readyz", pki.ca.cert, admin), timeout, "ready (/readyz)")]))
+            [(lambda: _https_ok(f"{cluster.server}/readyz", cluster.admin_tls), timeout, "ready (/readyz)")]))
         started: list[tuple[procs.Proc, Any, str]] = []
         if controllers:
             kcm_kubeconfig = cluster.kubeconfig_for("kube-controller-manager", "system:kube-controller-manager")
@@ -192,8 +227,7 @@ def start_cluster(directory: Path, controllers: bool = True, scheduler: bool = T
                 "kube-controller-manager", kcm_kubeconfig, serving, ports.controller_manager,
                 [f"--service-account-private-key-file={pki.sa_key}", f"--root-ca-file={pki.ca.cert}",
                  "--use-service-account-credentials=true",
-                 # No cloud, no node IPAM (the test kubelet owns its pod CIDR).
-                 "--controllers=*,-cloud-node-lifecycle,-service-lb-controller,-node-route-controller"]), logs)
+                 f"--controllers={','.join(CONTROLLERS)}"]), logs)
             cluster.procs.append(proc)
             started.append((proc, lambda: cluster.get("/api/v1/namespaces/default/serviceaccounts/default"),
                             "creating the default ServiceAccount"))
@@ -203,7 +237,8 @@ def start_cluster(directory: Path, controllers: bool = True, scheduler: bool = T
             proc = procs.start("kube-scheduler", _component_argv(
                 "kube-scheduler", sched_kubeconfig, serving, ports.scheduler, []), logs)
             cluster.procs.append(proc)
-            started.append((proc, lambda: _https_ok(f"https://127.0.0.1:{ports.scheduler}/healthz", pki.ca.cert),
+            ca_only = tls_context(pki.ca.cert)
+            started.append((proc, lambda: _https_ok(f"https://127.0.0.1:{ports.scheduler}/healthz", ca_only),
                             "healthy (/healthz)"))
         for proc, check, what in started:
             procs.wait_until(proc, check, timeout=timeout, what=what)

@@ -16,6 +16,8 @@ What it does, per pod bound to its Node (by the scheduler):
 - its readiness probe run as kubelet runs it (HTTP GET from the node to the pod IP), and the
   pod's status (IPs, init container states, conditions) patched back to the API server;
 - a deleted pod's processes stopped, its namespace removed, the pod object then deleted.
+- all of it driven by watches (its pods; Services, EndpointSlices, claims), as kubelet's informers
+  are, not by polling lists (a relist every RESYNC_S catches what a broken watch missed).
 
 - the images it knows (`RUNNABLE_IMAGES`): the project's engine and control plane as their
   entrypoints, processes of this virtualenv (its interpreter made reachable for the pod's user:
@@ -84,8 +86,15 @@ PROXY_UID = 1337  # istio-proxy's runAsUser; istio-iptables exempts its traffic 
 # callers, the control plane and Redis), not the machine's cores.
 ALLOCATABLE = {"cpu": "16", "memory": "32Gi", "pods": "110"}
 LEASE_S = 40
+# The loop is woken by watches (pods on this node; Services, EndpointSlices and claims for volumes
+# and cluster DNS) and relists only what changed; between events it ticks every SYNC_INTERVAL_S
+# for the sidecars' probes (every PROBE_INTERVAL_S). A full relist every RESYNC_S catches anything
+# a broken watch missed. Polling lists instead cost the API server and this process a list of every
+# pod twice a second and of every Service and EndpointSlice once a second, per node, all run long.
 SYNC_INTERVAL_S = 0.5
-CLUSTER_INTERVAL_S = 1.0
+PROBE_INTERVAL_S = 1.0
+RESYNC_S = 10.0
+WATCH_TIMEOUT_S = 300  # the API server ends a watch after this; it is then started again
 NOT_RUN = "NotRunByTestKubelet"
 # Image (without tag) -> where its executables are, and its entrypoint (used when the container
 # has no `command`). The project's images: this virtualenv's console scripts. Redis's official
@@ -197,7 +206,13 @@ class TestKubelet:
         self._api: httpx.Client | None = None
         self._probe = httpx.Client(timeout=3.0)
         self._lease_due = 0.0
-        self._cluster_due = 0.0  # the next volume provisioning and cluster-DNS pass
+        self._cluster_due = 0.0  # the next full volume-provisioning and cluster-DNS pass
+        self._pods_due = 0.0  # the next full relist of this node's pods
+        self._wake = threading.Event()  # set by a watch: something changed
+        self._pods_changed = threading.Event()
+        self._cluster_changed = threading.Event()
+        self._listed: list[Obj] = []  # this node's pods as last listed
+        self._watches: list[httpx.Client] = []
         # Pod roots where UID 1337 can reach them (test temp dirs are 0700) and with short paths
         # (the agent's Unix sockets live there); removed at stop.
         self.pods_dir = Path(tempfile.mkdtemp(prefix="meshcache-pods-"))
@@ -223,8 +238,33 @@ class TestKubelet:
                          what="the API server relay listening")
         self._node_status()
         self._renew_lease()
+        for path, params, changed in (
+                ("/api/v1/pods", {"fieldSelector": f"spec.nodeName={self.node}"}, self._pods_changed),
+                ("/api/v1/services", {}, self._cluster_changed),
+                ("/apis/discovery.k8s.io/v1/endpointslices", {}, self._cluster_changed),
+                ("/api/v1/persistentvolumeclaims", {}, self._cluster_changed)):
+            client = self.cluster.api(timeout=httpx.Timeout(10.0, read=WATCH_TIMEOUT_S + 30.0))
+            self._watches.append(client)
+            threading.Thread(target=self._watch, args=(client, path, params, changed), daemon=True,
+                             name=f"kubelet-watch-{path.rsplit('/', 1)[1]}").start()
         self._thread = threading.Thread(target=self._run, name=f"kubelet-{self.node}", daemon=True)
         self._thread.start()
+
+    def _watch(self, client: httpx.Client, path: str, params: dict[str, str], changed: threading.Event) -> None:
+        """Flags `changed` and wakes the loop on every event of a watch of `path` (started again
+        when it ends or breaks; the loop relists, so a gap loses nothing)."""
+        while not self._stop.is_set():
+            # Any failure (the API server restarting, the client closed at stop) starts it again.
+            with contextlib.suppress(Exception):
+                with client.stream("GET", path, params={**params, "watch": "true",
+                                                        "timeoutSeconds": str(WATCH_TIMEOUT_S)}) as r:
+                    r.raise_for_status()
+                    for _ in r.iter_lines():
+                        changed.set()
+                        self._wake.set()
+            changed.set()
+            self._wake.set()
+            self._stop.wait(1.0)
 
     def _node_status(self) -> None:
         assert self._api is not None
@@ -263,27 +303,41 @@ class TestKubelet:
             try:
                 if time.monotonic() >= self._lease_due:
                     self._renew_lease()
-                if time.monotonic() >= self._cluster_due:
-                    self._cluster_due = time.monotonic() + CLUSTER_INTERVAL_S
+                if self._cluster_changed.is_set() or time.monotonic() >= self._cluster_due:
+                    self._cluster_changed.clear()  # before the lists: a change during them wakes again
+                    self._cluster_due = time.monotonic() + RESYNC_S
                     self._provision_and_dns()
+                if self._pods_changed.is_set() or time.monotonic() >= self._pods_due:
+                    self._pods_changed.clear()
+                    self._pods_due = time.monotonic() + RESYNC_S
+                    self._list_pods()
                 self._sync()
             except Exception as exc:  # noqa: BLE001 - one failed sync must not end the kubelet
                 self.errors = [*self.errors[-19:], f"{type(exc).__name__}: {exc}"]
                 self.log(f"kubelet: {exc}")
-            self._stop.wait(SYNC_INTERVAL_S)
+                self._pods_due = self._cluster_due = 0.0  # relist both on the next pass
+            self._wake.wait(SYNC_INTERVAL_S)
+            self._wake.clear()
 
-    def _sync(self) -> None:
+    def _list_pods(self) -> None:
         assert self._api is not None
         listed = self._api.get("/api/v1/pods", params={"fieldSelector": f"spec.nodeName={self.node}"})
         listed.raise_for_status()
+        self._listed = listed.json()["items"]
+
+    def _sync(self) -> None:
+        """This node's pods as last listed: started, removed, probed and reported."""
+        assert self._api is not None
         seen = set()
-        for pod in listed.json()["items"]:
+        deleted = False
+        for pod in self._listed:
             key = f"{pod['metadata']['namespace']}/{pod['metadata']['name']}"
             seen.add(key)
             if pod["metadata"].get("deletionTimestamp"):
                 self._remove(key)
                 self._api.delete(f"/api/v1/namespaces/{pod['metadata']['namespace']}/pods/{pod['metadata']['name']}",
                                  params={"gracePeriodSeconds": 0})
+                deleted = True
                 continue
             running = self.pods.get(key)
             if running is None or running.uid != pod["metadata"]["uid"]:
@@ -293,6 +347,8 @@ class TestKubelet:
             self._probe_and_report(running, pod)
         for key in set(self.pods) - seen:
             self._remove(key)
+        if deleted:  # gone from the API now: not to be deleted again from the old list
+            self._listed = [p for p in self._listed if not p["metadata"].get("deletionTimestamp")]
 
     def _provision_and_dns(self) -> None:
         """Volumes for pending claims (storage.py), and every pod's hosts file (dns.py)."""
@@ -636,7 +692,7 @@ class TestKubelet:
 
     def _probe_and_report(self, running: RunningPod, pod: Obj) -> None:
         if time.monotonic() >= running.next_probe:
-            running.next_probe = time.monotonic() + 1.0
+            running.next_probe = time.monotonic() + PROBE_INTERVAL_S
             spec = pod["spec"]
             # The native sidecar here (the app's containers probe themselves: containers.py).
             for container in spec.get("initContainers", []) + spec["containers"]:
@@ -716,8 +772,12 @@ class TestKubelet:
 
     def stop(self) -> None:
         self._stop.set()
+        self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=10)
+        for client in self._watches:  # ends the watches' streams
+            with contextlib.suppress(Exception):
+                client.close()
         # Concurrently: each agent drains for its terminationDrainDuration before it exits.
         with ThreadPoolExecutor(max_workers=max(1, len(self.pods))) as pool:
             for key in list(self.pods):
