@@ -85,9 +85,29 @@ async def put_policy(model_prefix: PrefixPath, spec: PolicySpec, cp: CP, who: Wr
                                if_match, response, dry_run)
 
 
+def _inline_defs(schema: dict[str, Any]) -> dict[str, Any]:
+    """The schema with its `#/$defs/...` references replaced by the definitions: an operation's
+    schema given through `openapi_extra` is not hoisted into `components`, and OpenAPI viewers
+    (ReDoc) cannot resolve a `$defs` reference there."""
+    defs = schema.get("$defs", {})
+
+    def resolve(node: Any) -> Any:
+        if isinstance(node, dict):
+            ref = node.get("$ref", "")
+            if ref.startswith("#/$defs/"):
+                return resolve(defs[ref.removeprefix("#/$defs/")])
+            return {k: resolve(v) for k, v in node.items() if k != "$defs"}
+        if isinstance(node, list):
+            return [resolve(v) for v in node]
+        return node
+
+    return resolve(schema)
+
+
+_PATCH_SCHEMA = _inline_defs(PolicyPatch.model_json_schema())
 _PATCH_BODY: dict[str, Any] = {
     "requestBody": {"required": True, "content": {
-        media: {"schema": PolicyPatch.model_json_schema()} for media in (MERGE_PATCH, "application/json")}}}
+        media: {"schema": _PATCH_SCHEMA} for media in (MERGE_PATCH, "application/json")}}}
 
 
 @router.patch("/v1/policies/{model_prefix:path}", responses={**WRITE_ERRORS, 415: {"model": ErrorOut}},
