@@ -2,7 +2,7 @@
 //! (`filter/dist/meshcache_filter.wasm`). The cache itself is `meshcache-core`; this crate is
 //! the proxy-wasm glue, compiled for wasm32 only: `abi` (host imports, written against the
 //! proxy-wasm ABI directly; docs/filter.md says why), `abi_host` (`impl Host for Abi`), `exports` (the exported callbacks), `root`
-//! (root context), `stream` (stream context), `background` (stale-while-revalidate refreshes),
+//! (root context), `stream` (stream contexts: each runs the core's `flow`), `background` (stale-while-revalidate refreshes),
 //! `metrics`.
 
 #[cfg(target_arch = "wasm32")]
@@ -13,9 +13,11 @@ mod abi_host;
 mod background;
 #[cfg(target_arch = "wasm32")]
 mod exports;
-pub mod host;
+#[cfg(target_arch = "wasm32")]
+mod host;
 #[cfg(target_arch = "wasm32")]
 mod metrics;
 #[cfg(target_arch = "wasm32")]
 mod root;
-pub mod stream;
+#[cfg(target_arch = "wasm32")]
+mod stream;
