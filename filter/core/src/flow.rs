@@ -173,7 +173,7 @@ impl Flow {
                 }
                 self.phase = Phase::Buffering { source, refresh, headers };
                 // Held headers: routing waits for the decision. Otherwise the body alone waits.
-                if cfg.hold_headers {
+                if cfg.hold_headers || h.always_holds_request_headers() {
                     Pause
                 } else {
                     Continue

@@ -223,6 +223,9 @@ impl Host for Fake {
             Abi::Native => StaleRoute::NotNeeded,
         }
     }
+    fn always_holds_request_headers(&self) -> bool {
+        self.abi() == Abi::Native
+    }
     fn reroute(&mut self) {
         self.rerouted += 1;
     }
@@ -534,6 +537,24 @@ fn a_request_ending_with_trailers_is_decided_at_the_trailers() {
     // A stream not buffering (ignored or bypassed) lets its trailers through.
     let (mut other, mut oh) = e.stream(0, 3);
     assert_eq!(other.on_request_trailers(&mut oh), Continue);
+}
+
+#[test]
+fn without_held_headers_the_body_alone_waits_and_answers_still_store_and_hit() {
+    for abi in [Abi::Wasm, Abi::Native] {
+        let mut e = env(r#"{"hold_headers": false, "policies": [{"model_prefix": "m", "ttl_s": 60}]}"#);
+        e.abi = abi;
+        let (mut flow, mut h) = e.stream(0, 1);
+        h.req = pairs(&[(":method", "POST"), (":path", INFER), ("content-type", "application/json")]);
+        let expected = if abi == Abi::Wasm { Continue } else { Pause };
+        assert_eq!(flow.on_request_headers(&mut h, false), expected, "{:?}: the native host always holds them", abi);
+        h.req_body = BODY.to_vec();
+        assert_eq!(flow.on_request_body(&mut h, true), Continue);
+        assert_eq!(json_answer(&mut flow, &mut h, "200", ANSWER, &[]), Continue, "the answer's headers are not held");
+        assert_eq!(h.status(), "meshcache; fwd=miss", "{:?}", abi);
+        assert_eq!(h.counted(m::STORES), 1);
+        assert_eq!(exchange(&e, &[], BODY, b"").sent_body(), ANSWER);
+    }
 }
 
 // ------------------------------------------------------------ gRPC

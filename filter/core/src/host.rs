@@ -111,6 +111,11 @@ pub trait Host {
         let _ = hold_headers;
         StaleRoute::NotNeeded
     }
+    /// True: request headers wait for the body's decision even with `hold_headers: false` (the
+    /// native host: its filter chain has no `allow_on_headers_stop_iteration` to lack).
+    fn always_holds_request_headers(&self) -> bool {
+        false
+    }
     /// The routing key went on the request headers: the route is chosen again (Envoy does it
     /// itself after a Wasm filter changes headers; the native host asks for it).
     fn reroute(&mut self) {}

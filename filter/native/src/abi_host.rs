@@ -100,6 +100,21 @@ impl EnvoyHost<'_> {
     }
 }
 
+/// `Host::read_body` over the held body's chunks: their total size; the bytes from `skip` on
+/// appended to `out` when they are at most `room`.
+fn append_held(chunks: &[&[u8]], skip: usize, room: usize, out: &mut Vec<u8>) -> usize {
+    let size: usize = chunks.iter().map(|c| c.len()).sum();
+    if size.saturating_sub(skip) <= room {
+        let mut skip = skip;
+        for bytes in chunks {
+            let from = skip.min(bytes.len());
+            out.extend_from_slice(&bytes[from..]);
+            skip -= from;
+        }
+    }
+    size
+}
+
 impl Host for EnvoyHost<'_> {
     type Shared = Shared;
     fn shared(&self) -> &Shared {
@@ -163,18 +178,9 @@ impl Host for EnvoyHost<'_> {
             self.chunks(if response { BUFFERED_RESPONSE_BODY } else { BUFFERED_REQUEST_BODY }, &mut chunks);
         }
         self.chunks(if response { RECEIVED_RESPONSE_BODY } else { RECEIVED_REQUEST_BODY }, &mut chunks);
-        let size: usize = chunks.iter().map(|c| c.length).sum();
-        if size.saturating_sub(skip) <= room {
-            let mut skip = skip;
-            for c in &chunks {
-                // SAFETY: chunks Envoy gave this hook.
-                let bytes = unsafe { c.as_slice() };
-                let from = skip.min(bytes.len());
-                out.extend_from_slice(&bytes[from..]);
-                skip -= from;
-            }
-        }
-        Some(size)
+        // SAFETY: chunks Envoy gave this hook.
+        let slices: Vec<&[u8]> = chunks.iter().map(|c| unsafe { c.as_slice() }).collect();
+        Some(append_held(&slices, skip, room, out))
     }
 
     fn send_reply(&mut self, status: u32, details: &str, headers: &[(&str, &str)], body: &[u8]) -> bool {
@@ -203,6 +209,10 @@ impl Host for EnvoyHost<'_> {
             envoy_dynamic_module_callback_http_send_response_trailers(self.ptr, ts.as_ptr(), ts.len());
         }
         Some(if at == GrpcAt::Request { Action::Stop } else { Action::Pause })
+    }
+
+    fn always_holds_request_headers(&self) -> bool {
+        true
     }
 
     fn reroute(&mut self) {
@@ -303,5 +313,22 @@ impl Host for EnvoyHost<'_> {
         }
         let headers = headers.iter().filter(|(n, _)| meshcache_core::revalidate::repeats_header(n)).cloned().collect();
         self.background.submit(Job { c: c.clone(), cluster, headers, body: body.to_vec() })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::append_held;
+
+    #[test]
+    fn the_held_body_is_read_past_what_was_copied_across_chunks_and_only_when_it_fits() {
+        let chunks: [&[u8]; 3] = [b"abc", b"", b"defg"];
+        let mut out = b"ab".to_vec();
+        assert_eq!(append_held(&chunks, 2, 5, &mut out), 7);
+        assert_eq!(out, b"abcdefg", "from the third byte on, across the chunks");
+        let mut out = Vec::new();
+        assert_eq!(append_held(&chunks, 0, 6, &mut out), 7, "the size, always");
+        assert!(out.is_empty(), "past the room: nothing copied");
+        assert_eq!(append_held(&[], 0, 0, &mut out), 0);
     }
 }

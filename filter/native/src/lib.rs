@@ -419,3 +419,19 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_downstream_above_wr
 pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_downstream_below_write_buffer_low_watermark(
     _envoy: FilterEnvoyPtr, _module: FilterModulePtr) {
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_flows_actions_map_to_each_hooks_status() {
+        assert_eq!([Action::Continue, Action::Pause, Action::Stop].map(headers_status),
+                   [HEADERS_CONTINUE, HEADERS_STOP_ITERATION, HEADERS_STOP_ITERATION]);
+        assert_eq!([Action::Continue, Action::Pause, Action::Stop].map(body_status),
+                   [BODY_CONTINUE, BODY_STOP_ITERATION_AND_BUFFER, BODY_STOP_ITERATION_NO_BUFFER],
+                   "a paused body keeps buffering; after a local reply what arrived is dropped");
+        assert_eq!([Action::Continue, Action::Pause, Action::Stop].map(trailers_status),
+                   [TRAILERS_CONTINUE, TRAILERS_STOP_ITERATION, TRAILERS_STOP_ITERATION]);
+    }
+}
