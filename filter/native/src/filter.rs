@@ -1007,7 +1007,7 @@ mod tests {
         assert_eq!(miss.gauges["meshcache.bytes"], miss.gauges["meshcache.policy.m.bytes"]);
         assert!(miss.gauges["meshcache.bytes"] > ANSWER.len() as u64);
         let hash = get(&miss.resp, "x-response-hash").unwrap();
-        assert_eq!(hash.len(), 64);
+        assert_eq!(hash.len(), "xxh3-128:".len() + 32);
         assert_eq!(get(&miss.resp, "etag").unwrap(), format!("\"{}\"", hash));
 
         e.now += 2_500;
@@ -1130,7 +1130,7 @@ mod tests {
         let hit = exchange(&e, INFER, &[], &[BODY], &[], &[]);
         let sent = hit.sent.borrow().clone().unwrap();
         assert_eq!(sent.2, whole);
-        assert_eq!(get(&sent.1, "x-response-hash").unwrap().len(), 64);
+        assert_eq!(get(&sent.1, "x-response-hash").unwrap().len(), "xxh3-128:".len() + 32);
     }
 
     #[test]
