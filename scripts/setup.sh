@@ -6,7 +6,7 @@ cd "$(dirname "$0")/.."
 
 APT_PACKAGES=(
   # Rust wasm toolchain from Debian (no rustup downloads here); rust-lld needs lld-14.
-  rustc cargo libstd-rust-dev-wasm32 lld-14 librust-sha2-dev librust-serde-json-dev
+  rustc cargo libstd-rust-dev-wasm32 lld-14 librust-sha2-dev librust-serde-json-dev librust-xxhash-rust-dev
   # Real services and load tools for tests and benchmarks.
   redis-server wrk nghttp2-client nginx-light
   # scripts/build_istiod.sh applies its patches to the istio.io/istio module with patch(1).

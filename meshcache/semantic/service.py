@@ -54,7 +54,7 @@ class StoreRequest(_Strict):
     text: Text
     key: Annotated[str, Field(min_length=1, max_length=512, description="the exact cache key of the answer")]
     ttl_s: Annotated[int, Field(ge=1, le=MAX_TTL_S)]
-    response_hash: Annotated[str, Field(pattern=r"^([0-9a-f]{64})?$")] = ""
+    response_hash: Annotated[str, Field(pattern=r"^((xxh3-128:[0-9a-f]{32})|[0-9a-f]{64})?$")] = ""
 
 
 class PurgeRequest(_Strict):

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import json
 import sys
 from collections.abc import Callable, Iterator
@@ -16,6 +15,7 @@ from typing import Any
 import grpc
 import httpx
 import pytest
+import xxhash
 import yaml
 
 from meshcache.contract.paths import FILTER_WASM, filter_native
@@ -180,13 +180,15 @@ class SharedStacks:
 def expected_hash(
     body: bytes, headers: httpx.Headers | dict[str, str], names: tuple[str, ...] = DEFAULT_HASH_HEADERS
 ) -> str:
-    """The response hash computed independently of the filter, from its definition."""
-    h = hashlib.sha256(len(body).to_bytes(8, "big") + body)
+    """The response hash computed independently of the filter, from its definition (docs/filter.md):
+    `xxh3-128:` and the XXH3-128 (reference implementation, Python `xxhash`) of the body length,
+    the body and the hashed headers."""
+    h = xxhash.xxh3_128(len(body).to_bytes(8, "big") + body)
     lower = {k.lower(): v for k, v in headers.items()}
     for name in sorted(names):
         if name in lower:
             h.update(f"{name}:{lower[name]}\n".encode())
-    return h.hexdigest()
+    return "xxh3-128:" + h.hexdigest()
 
 
 def policy(prefix: str = "m", **fields: Any) -> dict[str, Any]:

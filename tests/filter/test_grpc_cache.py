@@ -3,7 +3,6 @@ pass through Envoy (no internal listener), under Envoy's default buffer limits a
 
 from __future__ import annotations
 
-import hashlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -11,7 +10,7 @@ import grpc
 import pytest
 
 from meshcache.ctl.procs import local_http
-from tests.filter.stack import LIMITS, SharedStacks, Stack, config, filter_stack, infer_request, policy
+from tests.filter.stack import LIMITS, SharedStacks, Stack, config, expected_hash, filter_stack, infer_request, policy
 from tests.helpers.filter_stats import filter_stats
 from tests.helpers.kserve import MODEL_INFER
 from tests.helpers.wait import eventually
@@ -20,9 +19,7 @@ from tests.helpers.wait import eventually
 def _message_hash(message: bytes) -> str:
     # gRPC: the hashed body is the message without its 5-byte frame; the origin sends no
     # content-type... except application/grpc, which is in the default hash_headers.
-    h = hashlib.sha256(len(message).to_bytes(8, "big") + message)
-    h.update(b"content-type:application/grpc\n")
-    return h.hexdigest()
+    return expected_hash(message, {"content-type": "application/grpc"})
 
 
 def _envoy_clusters(s: Stack) -> str:

@@ -4,7 +4,6 @@ answers, gzip, SSE streams (first event before the last is sent, replayed byte f
 
 from __future__ import annotations
 
-import hashlib
 import json
 import time
 from pathlib import Path
@@ -109,7 +108,7 @@ def test_grpc_streamed_miss_carries_the_hash_in_trailers(tmp_path: Path, limits:
         first, call = s.grpc_infer(infer_request("resnet-mini"), meta)
         assert call.code() == grpc.StatusCode.OK
         assert dict(call.initial_metadata())["cache-status"] == MISS
-        h = hashlib.sha256(len(first).to_bytes(8, "big") + first + b"content-type:application/grpc\n").hexdigest()
+        h = expected_hash(first, {"content-type": "application/grpc"})
         assert dict(call.trailing_metadata())["x-response-hash"] == h
         second, call2 = s.grpc_infer(infer_request("resnet-mini"), meta)
         assert second == first

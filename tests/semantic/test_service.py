@@ -77,6 +77,22 @@ def test_paraphrase_in_scope_hits_and_shadow_only_reports(http: httpx.Client) ->
     assert r.json()["mismatched"] == 1 and r.json()["min_mismatched_similarity"] == 0.97
 
 
+def test_response_hash_takes_the_filters_forms(http: httpx.Client) -> None:
+    """The filter's `x-response-hash` (`xxh3-128:` and 32 hex; bare sha256 hex from filters
+    before it) is stored and returned as given; anything else is refused."""
+    scope, text = semantic_scope(_chat(), POLICY)
+    for n, h in enumerate(("xxh3-128:" + "0f" * 16, "ab" * 32)):
+        r = http.post("/v1/semantic/store", json={"policy": POLICY, "scope": scope, "text": f"{text} {n}",
+                                                  "key": f"h{n}", "ttl_s": 60, "response_hash": h})
+        assert r.status_code == 200, r.text
+        got = _lookup(http, scope, f"{text} {n}", threshold=0.999)
+        assert (got["key"], got["response_hash"]) == (f"h{n}", h), got
+    for bad in ("xxh3-128:" + "0f" * 15, "blake3:" + "0f" * 16, "XXH3-128:" + "0f" * 16, "xxh3-128:" + "0F" * 16):
+        r = http.post("/v1/semantic/store", json={"policy": POLICY, "scope": scope, "text": text, "key": "k",
+                                                  "ttl_s": 60, "response_hash": bad})
+        assert r.status_code == 422, bad
+
+
 def test_nothing_matches_across_scopes(http: httpx.Client) -> None:
     base_scope, text = semantic_scope(_chat(), POLICY)
     _store(http, base_scope, text, "base")

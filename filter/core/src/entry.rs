@@ -3,6 +3,7 @@
 use crate::accounting::UNATTRIBUTED;
 use crate::hashing::KeyDigest;
 use crate::shaping::Splice;
+use std::ops::{Deref, Range};
 
 /// The one layout an entry has. Entries live in shared data only as long as the Envoy process:
 /// a filter build that changes the layout changes the magic, and an entry with another magic
@@ -28,7 +29,7 @@ pub struct Entry {
     /// Response headers replayed on a hit (hop-by-hop and per-response headers removed).
     pub headers: Vec<(String, String)>,
     /// The body without the request id it was answered with.
-    pub body: Vec<u8>,
+    pub body: Body,
     /// Where a hit puts the requester's id back (None: the answer carried no id).
     pub splice: Option<Splice>,
     /// How long past expiry this answer may still be served (RFC 5861; the policy's windows,
@@ -38,6 +39,47 @@ pub struct Entry {
     pub stale_while_revalidate_s: u32,
     /// The answer's OpenAI `usage` (0 when it had none): what each hit from it saves.
     pub usage: crate::usage::Usage,
+}
+
+/// An entry's body: bytes of its own, or (`Entry::decode_owned`) a range of the encoded entry
+/// it was read from, so a hit does not copy its answer out of what the shared-data read put in
+/// the VM's memory (docs/filter.md, "Cost": the copies a Wasm hit makes).
+#[derive(Clone, Debug)]
+pub struct Body {
+    buf: Vec<u8>,
+    range: Range<usize>,
+}
+
+impl Deref for Body {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        &self.buf[self.range.clone()]
+    }
+}
+
+impl AsRef<[u8]> for Body {
+    fn as_ref(&self) -> &[u8] {
+        self
+    }
+}
+
+impl From<Vec<u8>> for Body {
+    fn from(buf: Vec<u8>) -> Body {
+        let range = 0..buf.len();
+        Body { buf, range }
+    }
+}
+
+impl PartialEq for Body {
+    fn eq(&self, other: &Body) -> bool {
+        self[..] == other[..]
+    }
+}
+
+impl PartialEq<Vec<u8>> for Body {
+    fn eq(&self, other: &Vec<u8>) -> bool {
+        self[..] == other[..]
+    }
 }
 
 impl Entry {
@@ -96,7 +138,22 @@ impl Entry {
         out
     }
 
+    /// Decodes a copy of `buf`'s bytes.
     pub fn decode(buf: &[u8]) -> Option<Entry> {
+        let (mut entry, body) = Entry::decode_head(buf)?;
+        entry.body = buf[body].to_vec().into();
+        Some(entry)
+    }
+
+    /// Decodes `buf`, keeping it as the body's storage (no copy of the body).
+    pub fn decode_owned(buf: Vec<u8>) -> Option<Entry> {
+        let (mut entry, body) = Entry::decode_head(&buf)?;
+        entry.body = Body { buf, range: body };
+        Some(entry)
+    }
+
+    /// Everything but the body, and where the body lies in `buf`.
+    fn decode_head(buf: &[u8]) -> Option<(Entry, Range<usize>)> {
         let mut r = Reader { buf };
         if r.take(3)? != MAGIC {
             return None;
@@ -119,7 +176,8 @@ impl Entry {
             headers.push((name, r.string(vl)?));
         }
         let bl = r.u32()? as usize;
-        let body = r.take(bl)?.to_vec();
+        let body_at = buf.len() - r.buf.len();
+        r.take(bl)?;
         let splice = match r.take(1)?[0] {
             0 => None,
             1 => Some(Splice::Proto { at: r.u32()? }),
@@ -141,13 +199,15 @@ impl Entry {
         let (stale_if_error_s, stale_while_revalidate_s) = (r.u32()?, r.u32()?);
         let ttl_from_policy = r.take(1)?[0] != 0;
         let usage = crate::usage::Usage { prompt_tokens: r.u32()?, completion_tokens: r.u32()? };
-        if !r.buf.is_empty() || at > body.len() {
+        if !r.buf.is_empty() || at > bl {
             return None;
         }
-        Some(Entry {
+        let body = Body::from(Vec::new());
+        let entry = Entry {
             key, policy, stored_at_ms, expires_at_ms, ttl_from_policy, status, grpc, response_hash, headers, body, splice, stale_if_error_s,
             stale_while_revalidate_s, usage,
-        })
+        };
+        Some((entry, body_at..body_at + bl))
     }
 
     /// The key digest without decoding the rest: a slot is checked before it is unpacked.
@@ -220,7 +280,7 @@ pub fn sample(key_byte: u8, body: &[u8], expires_at_ms: u64) -> Entry {
         grpc: false,
         response_hash: "ab".repeat(32),
         headers: vec![("content-type".into(), "application/json".into())],
-        body: body.to_vec(),
+        body: body.to_vec().into(),
         splice: None,
         stale_if_error_s: 0,
         stale_while_revalidate_s: 0,
@@ -245,6 +305,24 @@ mod tests {
         assert_eq!(Entry::decode(&longer), None);
         assert_eq!(Entry::decode(b"garbage"), None);
         assert_eq!(Entry::peek_key(b""), None);
+    }
+
+    #[test]
+    fn decoding_in_place_keeps_the_read_buffer_as_the_body() {
+        let e = Entry { splice: Some(Splice::Proto { at: 2 }), ..sample(8, b"answer", 5000) };
+        let buf = e.encode();
+        let owned = Entry::decode_owned(buf.clone()).unwrap();
+        assert_eq!(owned, e);
+        assert_eq!(&owned.body[..], b"answer");
+        assert_eq!(owned.body, b"answer".to_vec());
+        // The body points into the buffer that was read (no copy), not at a new allocation.
+        let moved = buf;
+        let range = moved.as_ptr() as usize..moved.as_ptr() as usize + moved.len();
+        let kept = Entry::decode_owned(moved).unwrap();
+        assert!(range.contains(&(kept.body.as_ptr() as usize)), "body outside the read buffer");
+        for n in 0..e.encoded_len() {
+            assert_eq!(Entry::decode_owned(e.encode()[..n].to_vec()), None);
+        }
     }
 
     #[test]

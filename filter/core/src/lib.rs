@@ -1,7 +1,7 @@
 //! meshcache's cache core: everything about caching that does not depend on the proxy that runs
 //! it — request reading and keys (`shaping`, `model`, `hashing`, `json`), policy (`config`),
 //! HTTP semantics (`cache_control`, `request`, `response`, `hit`, `names`, `grpc`,
-//! `headermap`, `route_key`), entries (`entry`), the store over a host's shared data (`store`,
+//! `headermap`, `route_key`), entries (`entry`), the per-stream flow over a host (`flow`, `host`), the store over a host's shared data (`store`,
 //! `insert`, `accounting`), coalescing (`coalesce`), stale answers (`stale`: when an expired
 //! entry may answer; `revalidate`: one refresh per key) and log lines (`logs`).
 //!
@@ -14,10 +14,12 @@ pub mod cache_control;
 pub mod coalesce;
 pub mod config;
 pub mod entry;
+pub mod flow;
 pub mod grpc;
 pub mod hashing;
 pub mod headermap;
 pub mod hit;
+pub mod host;
 pub mod insert;
 pub mod json;
 pub mod logs;

@@ -203,7 +203,7 @@ pub fn build_entry(
         grpc: c.grpc,
         response_hash: hash,
         headers,
-        body,
+        body: body.into(),
         splice,
         stale_if_error_s,
         stale_while_revalidate_s,

@@ -7,8 +7,13 @@
 //! (after a background request could not be made or failed: Envoy's async client cannot reach
 //! every upstream, e.g. an original-destination cluster).
 
+use crate::cache_control::NotStored;
 use crate::hashing::KeyDigest;
-use crate::store::SharedData;
+use crate::headermap::{header, Headers};
+use crate::insert;
+use crate::request::Cacheable;
+use crate::response;
+use crate::store::{Cache, Outcome, SharedData};
 
 /// Locks in the table: also the most refreshes in flight at once (all workers together).
 pub const REFRESH_LOCKS: u32 = 64;
@@ -122,6 +127,32 @@ pub fn failed<S: SharedData>(data: &S, key: &KeyDigest, now_ms: u64) {
             data.set(&lk, &encode(key, now_ms + FORWARD_WINDOW_MS, Mode::ForwardNext), cas);
         }
     }
+}
+
+/// A background refresh's answer into the store, in place of the stale entry, under a miss's
+/// rules (both hosts): status 200; for gRPC, `grpc-status` 0 from the trailers, or from the
+/// headers for a trailers-only answer (`trailers` None: the host's callouts do not deliver
+/// trailers, so only a status in the headers can refuse it); storable per policy; within
+/// `max_entry_bytes`. Ok: stored.
+pub fn store_refresh<S: SharedData>(cache: &Cache<S>, c: &Cacheable, response: &Headers, trailers: Option<&Headers>,
+                                    body: Vec<u8>, now_ms: u64, out: &mut Outcome) -> Result<(), NotStored> {
+    if header(&response.pairs, ":status") != Some("200") {
+        return Err(NotStored::Status);
+    }
+    if c.grpc {
+        let status = trailers.and_then(|t| header(&t.pairs, "grpc-status")).or_else(|| header(&response.pairs, "grpc-status"));
+        let unseen = status.is_none() && trailers.is_none();
+        if !unseen && status.map(str::trim) != Some("0") {
+            return Err(NotStored::GrpcStatus);
+        }
+    }
+    let ttl = response::check_storable(&c.policy, &response.pairs, &response.not_utf8, now_ms)?;
+    if body.len() > cache.limits.max_entry_bytes as usize + if c.grpc { 5 } else { 0 } {
+        return Err(NotStored::TooBig);
+    }
+    let mut c = c.clone();
+    c.request_ms = now_ms;
+    insert::store_answer(cache, &c, &response.pairs, 200, body, ttl, out).map(|_| ())
 }
 
 #[cfg(test)]

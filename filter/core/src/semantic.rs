@@ -327,6 +327,11 @@ pub fn after_store(plan: &Plan, shadow: Option<&(String, f64)>, entry: &Entry) -
     calls
 }
 
+/// The headers of a POST to the index service's `path` (hosts add `content-length` as they must).
+pub fn call_headers<'s>(service: &'s SemanticService, path: &'s str) -> [(&'static str, &'s str); 4] {
+    [(":method", "POST"), (":path", path), (":authority", service.authority.as_str()), ("content-type", "application/json")]
+}
+
 /// The `x-meshcache-similarity` value: four decimals.
 pub fn similarity_header(similarity: f64) -> String {
     format!("{:.4}", similarity)

@@ -161,11 +161,15 @@ impl<'a, S: SharedData> Cache<'a, S> {
     /// Empties slot `i` if it still holds exactly `value` (by cas), releasing its bytes from
     /// the bucket its tag names.
     fn clear_slot(&self, i: u32, value: &[u8], cas: u32) -> bool {
-        if value.is_empty() || !self.data.set(&slot_key(i), b"", cas) {
+        self.clear_seen_slot(i, value.len(), Entry::peek_policy(value), cas)
+    }
+
+    /// `clear_slot` for a value of `len` bytes tagged `tag` (read before it was consumed).
+    fn clear_seen_slot(&self, i: u32, len: usize, tag: u64, cas: u32) -> bool {
+        if len == 0 || !self.data.set(&slot_key(i), b"", cas) {
             return false;
         }
-        let (size, tag) = (stored_size(value.len()), Entry::peek_policy(value));
-        self.update_meta(|m| m.remove(tag, size));
+        self.update_meta(|m| m.remove(tag, stored_size(len)));
         true
     }
 
@@ -203,23 +207,25 @@ impl<'a, S: SharedData> Cache<'a, S> {
                 return Lookup::Miss(None);
             }
         }
-        let decoded = Entry::decode(&value).map(|e| Entry { expires_at_ms: life.expires_at(&e), ..e });
+        // The value read is the entry's storage from here on: the body is not copied again.
+        let (len, tag) = (value.len(), Entry::peek_policy(&value));
+        let decoded = Entry::decode_owned(value).map(|e| Entry { expires_at_ms: life.expires_at(&e), ..e });
         match decoded {
             Some(e) if e.expires_at_ms > now_ms => Lookup::Hit(e),
             Some(e) if now_ms - e.expires_at_ms < keep_ms.min(stale_keep_ms(&e)) => {
                 let policy = e.policy;
-                Lookup::Stale(e, SlotSeen { len: value.len(), cas, policy })
+                Lookup::Stale(e, SlotSeen { len, cas, policy })
             }
             Some(_) => {
                 // Expired past what may still be served: free the space right away.
-                if self.clear_slot(i, &value, cas) {
+                if self.clear_seen_slot(i, len, tag, cas) {
                     out.evicted += 1;
                 }
                 Lookup::Miss(None)
             }
             None => {
                 out.corrupt += 1;
-                self.clear_slot(i, &value, cas);
+                self.clear_seen_slot(i, len, tag, cas);
                 Lookup::Miss(None)
             }
         }

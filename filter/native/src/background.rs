@@ -4,7 +4,7 @@
 //! A stream hands its refresh to its config (`submit`, any worker); the config's scheduler
 //! moves it to Envoy's main thread (`on_scheduled`), which sends it as a config-level HTTP
 //! callout (Envoy keeps those in an unlocked per-config map: one thread only); the answer
-//! (`on_done`, main thread) is stored by `filter::store_refresh` and frees the key's refresh
+//! (`on_done`, main thread) is stored by `revalidate::store_refresh` and frees the key's refresh
 //! lock, or marks the refresh failed so the next request for the key is forwarded instead
 //! (the core's `refresh` rules, as in the Wasm host). Bounded: queued and in-flight refreshes
 //! together at most `REFRESH_LOCKS` per config; a config that goes away cancels its callouts
@@ -18,11 +18,11 @@ use meshcache_core::config::Config;
 use meshcache_core::headermap::Headers;
 use meshcache_core::metric_names;
 use meshcache_core::revalidate::{self, REFRESH_LOCKS, REFRESH_TIMEOUT_MS};
+use meshcache_core::store::{Cache, Outcome};
 use meshcache_core::request::Cacheable;
 
 use crate::abi::*;
-use crate::filter;
-use crate::metrics::Metrics;
+use crate::metrics::{record_gauges, Metrics};
 use crate::store::Shared;
 
 /// A refresh handed over by a stream: the request to repeat, to the cluster its route chose.
@@ -33,13 +33,12 @@ pub struct Job {
     pub body: Vec<u8>,
 }
 
-/// A fire-and-forget POST to the semantic index service (issue 38): the index store and shadow
-/// reports a stream sends once its answer is stored, which must outlive the stream (a stream's
-/// own callouts end with it).
+/// A fire-and-forget request (`Host::post`: the semantic index store and shadow reports a
+/// stream sends once its answer is stored), which must outlive the stream (a stream's own
+/// callouts end with it).
 pub struct Post {
     pub cluster: String,
-    pub authority: String,
-    pub path: &'static str,
+    pub headers: Vec<(String, String)>,
     pub body: Vec<u8>,
     pub timeout_ms: u64,
 }
@@ -106,7 +105,7 @@ impl Background {
         true
     }
 
-    /// Queues a semantic service POST for the main thread (any worker). False: not sent.
+    /// Queues a fire-and-forget request for the main thread (any worker). False: not sent.
     pub fn post(&self, post: Post) -> bool {
         if self.scheduler.is_null() {
             return false;
@@ -130,9 +129,8 @@ impl Background {
         let posts = std::mem::take(&mut *self.posts.lock().unwrap_or_else(|p| p.into_inner()));
         for post in posts {
             // Envoy sets content-length.
-            let hs = [ModuleHttpHeader::of(b":method", b"POST"), ModuleHttpHeader::of(b":path", post.path.as_bytes()),
-                      ModuleHttpHeader::of(b":authority", post.authority.as_bytes()),
-                      ModuleHttpHeader::of(b"content-type", b"application/json")];
+            let hs: Vec<ModuleHttpHeader> =
+                post.headers.iter().map(|(k, v)| ModuleHttpHeader::of(k.as_bytes(), v.as_bytes())).collect();
             let mut id = 0u64;
             // Its answer is not read (`on_done` finds no refresh under its id).
             envoy_dynamic_module_callback_http_filter_config_http_callout(
@@ -187,16 +185,17 @@ impl Background {
         }
         let mut body = Vec::with_capacity(size);
         chunks.iter().for_each(|c| body.extend_from_slice(c.as_slice()));
-        match filter::store_refresh(&self.shared, &self.config.limits, &p.c, &response, body, now_ms) {
-            Ok(out) => {
+        let cache = Cache { data: &*self.shared, limits: &self.config.limits };
+        let mut out = Outcome::default();
+        // The callout's answer comes without its trailers (`None`): see `store_refresh`.
+        match revalidate::store_refresh(&cache, &p.c, &response, None, body, now_ms, &mut out) {
+            Ok(()) => {
                 self.metrics.count_config(self.config_envoy, metric_names::STORES, 1);
                 if out.evicted > 0 {
                     self.metrics.count_config(self.config_envoy, metric_names::EVICTIONS, out.evicted as u64);
                 }
                 let (metrics, config_envoy) = (&self.metrics, self.config_envoy);
-                filter::record_gauges(&self.shared, &self.config, &mut |name, value| {
-                    metrics.set_gauge_config(config_envoy, name, value)
-                });
+                record_gauges(&self.shared, &self.config, &mut |name, value| metrics.set_gauge_config(config_envoy, name, value));
                 revalidate::release(&*self.shared, &p.c.key);
             }
             Err(_) => self.failed(&p.c, now_ms),

@@ -1,9 +1,10 @@
 //! meshcache as an Envoy dynamic module (`envoy.filters.http.dynamic_modules`): the second host
-//! of the cache core (`meshcache-core`; the first is the proxy-wasm filter, filter/wasm).
+//! of the cache core (`meshcache-core`; the first is the proxy-wasm filter, filter/wasm). Each
+//! stream runs the core's flow (`meshcache_core::flow::Flow`); this crate is its adapter.
 //!
-//! This file is the host: the `envoy_dynamic_module_on_*` hooks Envoy calls, and `EnvoyHost`,
-//! the `filter::Host` over Envoy's callbacks (abi.rs). Every hook catches panics: a bug fails
-//! open (the request passes through), it never unwinds into Envoy.
+//! This file holds the `envoy_dynamic_module_on_*` hooks Envoy calls and each stream's context;
+//! `abi_host.rs` is the flow's `Host` over Envoy's callbacks (abi.rs). Every hook catches
+//! panics: a bug fails open (the request passes through), it never unwinds into Envoy.
 //!
 //! The store is process-wide: one per Envoy process, shared by every worker and every filter
 //! config (an ECDS update replaces the config, not the cached entries); each new config
@@ -12,8 +13,8 @@
 //! the filter config that sent them (background.rs).
 
 pub mod abi;
+pub mod abi_host;
 pub mod background;
-pub mod filter;
 pub mod metrics;
 pub mod park;
 pub mod store;
@@ -26,15 +27,16 @@ use std::sync::{Arc, OnceLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use abi::*;
-use background::{Background, Job, Post};
-use filter::{Flow, Host, Place, Stream};
+use abi_host::{EnvoyHost, Place};
+use background::Background;
 use meshcache_core::coalesce::LockTable;
-use meshcache_core::config::{parse_plugin_config, Config, SemanticService};
-use meshcache_core::semantic;
+use meshcache_core::config::{parse_plugin_config, Config};
+use meshcache_core::flow::Flow;
 use meshcache_core::headermap::Headers;
+use meshcache_core::host::{Action, CalloutAnswer};
 use meshcache_core::store::{Cache, Outcome};
 use metrics::Metrics;
-use park::{Parking, Wake};
+use park::Parking;
 use store::Shared;
 
 static SHARED: OnceLock<Arc<Shared>> = OnceLock::new();
@@ -43,7 +45,7 @@ static PARKING: OnceLock<Arc<Parking>> = OnceLock::new();
 /// Stream ids within a worker's table (unique per process; 0 is never used).
 static NEXT_STREAM: AtomicU32 = AtomicU32::new(1);
 
-fn now_ms() -> u64 {
+pub(crate) fn now_ms() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
 }
 
@@ -69,27 +71,6 @@ fn parking() -> Arc<Parking> {
         .clone()
 }
 
-/// A parked stream's scheduler handle (owned; deleted when dropped, from any thread).
-struct Scheduler(*mut c_void);
-
-// SAFETY: Envoy's scheduler handle is made to be committed and deleted from any thread (it
-// holds a weak reference to the stream and posts to the stream's dispatcher).
-unsafe impl Send for Scheduler {}
-
-impl Wake for Scheduler {
-    fn wake(&self, event: u64) {
-        // SAFETY: a live handle from `scheduler_new` (deleted only in `drop`).
-        unsafe { envoy_dynamic_module_callback_http_filter_scheduler_commit(self.0, event) }
-    }
-}
-
-impl Drop for Scheduler {
-    fn drop(&mut self) {
-        // SAFETY: as in `wake`; dropped once.
-        unsafe { envoy_dynamic_module_callback_http_filter_scheduler_delete(self.0) }
-    }
-}
-
 struct FilterConfig {
     config: Arc<Config>,
     shared: Arc<Shared>,
@@ -97,13 +78,33 @@ struct FilterConfig {
     background: Arc<Background>,
 }
 
-/// What Envoy's module pointer for a stream points at: the flow, the stats it counts into and
-/// its config's background refreshes.
+/// What Envoy's module pointer for a stream points at: the core's flow for it, and what its
+/// host (`abi_host::EnvoyHost`) reaches: the store, its config, its place to wait, the stats
+/// it counts into and its config's background refreshes.
 struct StreamContext {
-    stream: Stream,
+    flow: Flow,
+    shared: Arc<Shared>,
+    config: Arc<Config>,
+    place: Place,
     metrics: Arc<Metrics>,
     background: Arc<Background>,
     hooks: HookGuard,
+}
+
+impl StreamContext {
+    fn host(&self, ptr: FilterEnvoyPtr) -> EnvoyHost<'_> {
+        EnvoyHost { ptr, shared: &self.shared, config: &self.config, place: &self.place, metrics: &self.metrics,
+                    background: &self.background }
+    }
+}
+
+impl Drop for StreamContext {
+    /// A stream that ends leaves its wait, hands on a key it leads (its waiters try again) and
+    /// frees a refresh lock it carried (`Flow::end`: store and parking only, no Envoy call).
+    fn drop(&mut self) {
+        let mut flow = std::mem::replace(&mut self.flow, Flow::new(self.config.clone()));
+        flow.end(&mut self.host(std::ptr::null_mut()));
+    }
 }
 
 /// Envoy 1.39 can destroy a stream from inside one of its hooks: a local reply sent from the
@@ -135,278 +136,45 @@ unsafe fn leave_hook(ctx: *mut StreamContext) {
     }
 }
 
-struct EnvoyHost<'m> {
-    ptr: FilterEnvoyPtr,
-    metrics: &'m Metrics,
-    background: &'m Background,
-}
-
-const INLINE_CHUNKS: usize = 16;
-
-impl EnvoyHost<'_> {
-    fn headers(&self, kind: u32) -> Headers {
-        let mut out = Headers::default();
-        // SAFETY: `ptr` is the stream Envoy passed to the running hook; the entries stay valid
-        // for the rest of that hook and are copied out before it returns; `all` has room for
-        // the count Envoy reported just before.
-        unsafe {
-            let n = envoy_dynamic_module_callback_http_get_headers_size(self.ptr, kind);
-            if n == 0 {
-                return out;
-            }
-            let mut all = vec![EnvoyHttpHeader::EMPTY; n];
-            if !envoy_dynamic_module_callback_http_get_headers(self.ptr, kind, all.as_mut_ptr()) {
-                return out;
-            }
-            out.pairs.reserve(n);
-            for h in &all {
-                let (k, v) = (h.key.as_slice(), h.value.as_slice());
-                // As the Wasm host's header map: text, lossy for bytes that are not UTF-8, whose
-                // names are listed so nothing trusts their text (keys bypass, answers not stored).
-                let name = String::from_utf8_lossy(k).to_ascii_lowercase();
-                if std::str::from_utf8(k).is_err() || std::str::from_utf8(v).is_err() {
-                    out.not_utf8.push(name.clone());
-                }
-                out.pairs.push((name, String::from_utf8_lossy(v).into_owned()));
-            }
-        }
-        out
-    }
-
-    fn set(&mut self, kind: u32, name: &str, value: Option<&[u8]>) {
-        let value = value.map_or(ModuleBuffer { ptr: std::ptr::null(), length: 0 }, ModuleBuffer::of);
-        // SAFETY: as in `headers`.
-        unsafe {
-            envoy_dynamic_module_callback_http_set_header(self.ptr, kind, ModuleBuffer::of(name.as_bytes()), value);
-        }
-    }
-
-    fn visit(&self, body_type: u32, f: &mut dyn FnMut(&[u8])) {
-        // SAFETY: as in `headers`; `chunks` has room for the count Envoy reported just before.
-        unsafe {
-            let n = envoy_dynamic_module_callback_http_get_body_chunks_size(self.ptr, body_type);
-            if n == 0 {
-                return;
-            }
-            let mut inline = [EnvoyBuffer::EMPTY; INLINE_CHUNKS];
-            let mut heap = Vec::new();
-            let chunks: &mut [EnvoyBuffer] = if n <= INLINE_CHUNKS {
-                &mut inline[..n]
-            } else {
-                heap.resize(n, EnvoyBuffer::EMPTY);
-                &mut heap[..]
-            };
-            if envoy_dynamic_module_callback_http_get_body_chunks(self.ptr, body_type, chunks.as_mut_ptr()) {
-                chunks.iter().for_each(|c| f(c.as_slice()));
-            }
-        }
-    }
-}
-
-impl Host for EnvoyHost<'_> {
-    fn request_headers(&self) -> Headers {
-        self.headers(REQUEST_HEADER)
-    }
-
-    fn response_headers(&self) -> Headers {
-        self.headers(RESPONSE_HEADER)
-    }
-
-    fn remove_request_header(&mut self, name: &str) {
-        self.set(REQUEST_HEADER, name, None);
-    }
-
-    fn set_request_header(&mut self, name: &str, value: &[u8]) {
-        self.set(REQUEST_HEADER, name, Some(value));
-    }
-
-    fn clear_route_cache(&mut self) {
-        // SAFETY: as in `headers`.
-        unsafe { envoy_dynamic_module_callback_http_clear_route_cache(self.ptr) }
-    }
-
-    fn set_response_header(&mut self, name: &str, value: &[u8]) {
-        self.set(RESPONSE_HEADER, name, Some(value));
-    }
-
-    fn set_response_trailer(&mut self, name: &str, value: &[u8]) {
-        self.set(RESPONSE_TRAILER, name, Some(value));
-    }
-
-    fn received_body(&self, response: bool, f: &mut dyn FnMut(&[u8])) {
-        self.visit(if response { RECEIVED_RESPONSE_BODY } else { RECEIVED_REQUEST_BODY }, f);
-    }
-
-    fn whole_body(&self, response: bool, f: &mut dyn FnMut(&[u8])) {
-        // SAFETY: as in `headers`.
-        let received_is_held = unsafe {
-            if response {
-                envoy_dynamic_module_callback_http_received_buffered_response_body(self.ptr)
-            } else {
-                envoy_dynamic_module_callback_http_received_buffered_request_body(self.ptr)
-            }
-        };
-        if !received_is_held {
-            self.visit(if response { BUFFERED_RESPONSE_BODY } else { BUFFERED_REQUEST_BODY }, f);
-        }
-        self.received_body(response, f);
-    }
-
-    fn send_response(&mut self, status: u32, headers: &[(&str, &[u8])], body: &[u8]) {
-        let hs: Vec<ModuleHttpHeader> = headers.iter().map(|(k, v)| ModuleHttpHeader::of(k.as_bytes(), v)).collect();
-        // SAFETY: as in `headers`; Envoy copies headers and body before returning.
-        unsafe {
-            envoy_dynamic_module_callback_http_send_response(self.ptr, status, hs.as_ptr(), hs.len(), ModuleBuffer::of(body),
-                                                             ModuleBuffer::of(b"meshcache_hit"));
-        }
-    }
-
-    fn send_response_with_trailers(&mut self, headers: &[(&str, &[u8])], body: &[u8], trailers: &[(&str, &[u8])]) {
-        let hs: Vec<ModuleHttpHeader> = headers.iter().map(|(k, v)| ModuleHttpHeader::of(k.as_bytes(), v)).collect();
-        let ts: Vec<ModuleHttpHeader> = trailers.iter().map(|(k, v)| ModuleHttpHeader::of(k.as_bytes(), v)).collect();
-        // SAFETY: as in `headers`; Envoy copies headers, body and trailers before returning.
-        unsafe {
-            envoy_dynamic_module_callback_http_send_response_headers(self.ptr, hs.as_ptr(), hs.len(), false);
-            envoy_dynamic_module_callback_http_send_response_data(self.ptr, ModuleBuffer::of(body), false);
-            envoy_dynamic_module_callback_http_send_response_trailers(self.ptr, ts.as_ptr(), ts.len());
-        }
-    }
-
-    fn response_trailers(&self) -> Headers {
-        self.headers(RESPONSE_TRAILER)
-    }
-
-    fn peer_identity(&self) -> Option<String> {
-        let mut out = EnvoyBuffer::EMPTY;
-        // SAFETY: as in `headers`; the value is copied out before the hook returns.
-        unsafe {
-            envoy_dynamic_module_callback_http_filter_get_attribute_string(
-                self.ptr, ATTRIBUTE_CONNECTION_URI_SAN_PEER_CERTIFICATE, &mut out)
-                .then(|| String::from_utf8(out.as_slice().to_vec()).ok())
-                .flatten()
-        }
-    }
-
-    fn count(&mut self, name: &str, n: u64) {
-        // SAFETY: as in `headers`.
-        unsafe { self.metrics.count(self.ptr, name, n) }
-    }
-
-    fn set_gauge(&mut self, name: &str, value: u64) {
-        // SAFETY: as in `headers`.
-        unsafe { self.metrics.set_gauge(self.ptr, name, value) }
-    }
-
-    fn log_debug(&mut self, line: &dyn Fn() -> String) {
-        // SAFETY: plain calls; Envoy copies the message before returning.
-        unsafe {
-            if envoy_dynamic_module_callback_log_enabled(LOG_DEBUG) {
-                envoy_dynamic_module_callback_log(LOG_DEBUG, ModuleBuffer::of(line().as_bytes()));
-            }
-        }
-    }
-
-    fn now_ms(&self) -> u64 {
-        now_ms()
-    }
-
-    fn waker(&mut self) -> Option<Box<dyn Wake>> {
-        // SAFETY: as in `headers` (the handle is created on the stream's worker, in its hook).
-        let s = unsafe { envoy_dynamic_module_callback_http_filter_scheduler_new(self.ptr) };
-        (!s.is_null()).then(|| Box::new(Scheduler(s)) as Box<dyn Wake>)
-    }
-
-    fn resume_request(&mut self) {
-        // SAFETY: as in `headers`.
-        unsafe { envoy_dynamic_module_callback_http_filter_continue_decoding(self.ptr) }
-    }
-
-    fn refresh(&mut self, c: &meshcache_core::request::Cacheable, headers: &[(String, String)], body: &[u8]) -> bool {
-        let mut cluster = EnvoyBuffer::EMPTY;
-        // SAFETY: as in `headers`; the name is copied out before the hook returns.
-        let cluster = unsafe {
-            if !envoy_dynamic_module_callback_http_get_cluster_name(self.ptr, &mut cluster) {
-                return false;
-            }
-            String::from_utf8_lossy(cluster.as_slice()).into_owned()
-        };
-        if cluster.is_empty() {
-            return false;
-        }
-        let headers = headers.iter().filter(|(n, _)| meshcache_core::revalidate::repeats_header(n)).cloned().collect();
-        self.background.submit(Job { c: c.clone(), cluster, headers, body: body.to_vec() })
-    }
-
-    fn semantic_instance(&mut self) -> String {
-        semantic_instance().to_string()
-    }
-
-    fn semantic_lookup(&mut self, service: &SemanticService, body: &[u8]) -> bool {
-        let hs = [ModuleHttpHeader::of(b":method", b"POST"), ModuleHttpHeader::of(b":path", semantic::LOOKUP_PATH.as_bytes()),
-                  ModuleHttpHeader::of(b":authority", service.authority.as_bytes()),
-                  ModuleHttpHeader::of(b"content-type", b"application/json")];
-        let mut id = 0u64;
-        // SAFETY: as in `headers`; Envoy copies cluster, headers and body during the call.
-        unsafe {
-            envoy_dynamic_module_callback_http_filter_http_callout(self.ptr, &mut id, ModuleBuffer::of(service.cluster.as_bytes()),
-                hs.as_ptr(), hs.len(), ModuleBuffer::of(body), service.timeout_ms) == CALLOUT_SUCCESS
-        }
-    }
-
-    fn semantic_post(&mut self, service: &SemanticService, path: &'static str, body: Vec<u8>) -> bool {
-        self.background.post(Post { cluster: service.cluster.clone(), authority: service.authority.clone(), path, body,
-                                    timeout_ms: service.timeout_ms })
-    }
-}
-
-/// This Envoy process's cache instance id (the store lives in process memory: one per process),
-/// made once from the clock and the process id.
-fn semantic_instance() -> &'static str {
-    static INSTANCE: OnceLock<String> = OnceLock::new();
-    INSTANCE.get_or_init(|| {
-        let nanos = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
-        format!("{:016x}{:08x}", nanos, std::process::id())
-    })
-}
-
 /// Runs a stream hook; a panic fails the stream open.
-unsafe fn with_stream(envoy: FilterEnvoyPtr, module: FilterModulePtr, f: impl FnOnce(&mut Stream, &mut EnvoyHost) -> Flow)
-    -> Flow {
+unsafe fn with_stream(envoy: FilterEnvoyPtr, module: FilterModulePtr, f: impl FnOnce(&mut Flow, &mut EnvoyHost) -> Action)
+    -> Action {
     let ctx = enter_hook(module);
-    // Field by field, so the destroy hook may reach `hooks` while the stream is borrowed.
-    let stream = &mut (*ctx).stream;
-    let mut host = EnvoyHost { ptr: envoy, metrics: &(*ctx).metrics, background: &(*ctx).background };
-    let flow = match catch_unwind(AssertUnwindSafe(|| f(stream, &mut host))) {
-        Ok(flow) => flow,
+    // Field by field, so the destroy hook may reach `hooks` while the flow is borrowed.
+    let mut host = EnvoyHost { ptr: envoy, shared: &(*ctx).shared, config: &(*ctx).config, place: &(*ctx).place,
+                               metrics: &(*ctx).metrics, background: &(*ctx).background };
+    let flow = &mut (*ctx).flow;
+    let action = match catch_unwind(AssertUnwindSafe(|| f(flow, &mut host))) {
+        Ok(action) => action,
         Err(_) => {
-            stream.fail_open();
-            Flow::Continue
+            flow.fail_open();
+            Action::Continue
         }
     };
     leave_hook(ctx);
-    flow
+    action
 }
 
-fn headers_status(flow: Flow) -> u32 {
-    match flow {
-        Flow::Continue => HEADERS_CONTINUE,
-        Flow::Hold | Flow::Stop => HEADERS_STOP_ITERATION,
+fn headers_status(action: Action) -> u32 {
+    match action {
+        Action::Continue => HEADERS_CONTINUE,
+        Action::Pause | Action::Stop => HEADERS_STOP_ITERATION,
     }
 }
 
-fn trailers_status(flow: Flow) -> u32 {
-    match flow {
-        Flow::Continue => TRAILERS_CONTINUE,
+fn trailers_status(action: Action) -> u32 {
+    match action {
+        Action::Continue => TRAILERS_CONTINUE,
         // Parked (coalescing) or answered locally: the request stops here.
-        Flow::Hold | Flow::Stop => TRAILERS_STOP_ITERATION,
+        Action::Pause | Action::Stop => TRAILERS_STOP_ITERATION,
     }
 }
 
-fn body_status(flow: Flow) -> u32 {
-    match flow {
-        Flow::Continue => BODY_CONTINUE,
-        Flow::Hold => BODY_STOP_ITERATION_AND_BUFFER,
-        Flow::Stop => BODY_STOP_ITERATION_NO_BUFFER,
+fn body_status(action: Action) -> u32 {
+    match action {
+        Action::Continue => BODY_CONTINUE,
+        Action::Pause => BODY_STOP_ITERATION_AND_BUFFER,
+        Action::Stop => BODY_STOP_ITERATION_NO_BUFFER,
     }
 }
 
@@ -463,9 +231,9 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_new(config: ConfigM
         queue: envoy_dynamic_module_callback_http_filter_get_worker_index(envoy),
         id: NEXT_STREAM.fetch_add(1, Ordering::Relaxed).max(1),
     };
-    let stream = Stream::new(c.config.clone(), c.shared.clone()).coalescing(place);
     Box::into_raw(Box::new(StreamContext {
-        stream, metrics: c.metrics.clone(), background: c.background.clone(), hooks: HookGuard::default(),
+        flow: Flow::new(c.config.clone()), shared: c.shared.clone(), config: c.config.clone(), place,
+        metrics: c.metrics.clone(), background: c.background.clone(), hooks: HookGuard::default(),
     }))
         as FilterModulePtr
 }
@@ -474,7 +242,7 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_new(config: ConfigM
 /// `module` is a pointer returned by `envoy_dynamic_module_on_http_filter_new`.
 #[no_mangle]
 pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_destroy(module: FilterModulePtr) {
-    // Dropping the stream unparks it and hands on a key it leads (filter.rs). Inside one of the
+    // Dropping the stream unparks it and hands on a key it leads (`StreamContext::drop`). Inside one of the
     // stream's hooks (Envoy 1.39, HookGuard), that hook drops it when it returns.
     let ctx = module as *mut StreamContext;
     if (*ctx).hooks.depth.get() > 0 {
@@ -541,46 +309,50 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_stream_complete(
 }
 
 
-// Hooks Envoy 1.40 resolves for every HTTP filter module. `scheduled` delivers coalescing wakes;
-// the stream-level callouts, streams and watermarks are unused, so those do nothing (arguments
-// after the pointers ignored).
-
+/// The stream's one callout, its semantic lookup (`Host::callout`), answered: to the flow
+/// (`result` not success: no answer; the request goes upstream).
+///
 /// # Safety
-/// Called by Envoy.
+/// Called by Envoy with arrays valid during the call.
 #[no_mangle]
+#[allow(clippy::too_many_arguments)]
 pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_http_callout_done(
     envoy: FilterEnvoyPtr, module: FilterModulePtr, _callout_id: u64, result: u32, headers: *const EnvoyHttpHeader,
     headers_size: usize, chunks: *const EnvoyBuffer, chunks_size: usize) {
-    // The stream's one callout: its semantic lookup (issue 38).
     let headers = if headers.is_null() { &[][..] } else { std::slice::from_raw_parts(headers, headers_size) };
     let chunks = if chunks.is_null() { &[][..] } else { std::slice::from_raw_parts(chunks, chunks_size) };
     let ctx = enter_hook(module);
-    let stream = &mut (*ctx).stream;
-    let mut host = EnvoyHost { ptr: envoy, metrics: &(*ctx).metrics, background: &(*ctx).background };
+    // Field by field, so the destroy hook may reach `hooks` while the flow is borrowed.
+    let mut host = EnvoyHost { ptr: envoy, shared: &(*ctx).shared, config: &(*ctx).config, place: &(*ctx).place,
+                               metrics: &(*ctx).metrics, background: &(*ctx).background };
+    let flow = &mut (*ctx).flow;
     let answered = catch_unwind(AssertUnwindSafe(|| {
-        let status = headers.iter().find(|h| h.key.as_slice() == b":status").map(|h| String::from_utf8_lossy(h.value.as_slice()).into_owned());
-        let size: usize = chunks.iter().map(|c| c.length).sum();
-        let mut body = Vec::with_capacity(size.min(SEMANTIC_ANSWER_BYTES));
-        if size <= SEMANTIC_ANSWER_BYTES {
-            chunks.iter().for_each(|c| body.extend_from_slice(c.as_slice()));
-        }
-        let verdict = if result == CALLOUT_SUCCESS {
-            semantic::verdict(status.as_deref(), &body)
-        } else {
-            Err("the semantic lookup failed (reset or timed out)")
-        };
-        stream.on_semantic_answer(&mut host, verdict);
+        let answer = (result == CALLOUT_SUCCESS).then(|| {
+            let pairs = headers.iter().map(|h| (String::from_utf8_lossy(h.key.as_slice()).into_owned(),
+                                                String::from_utf8_lossy(h.value.as_slice()).into_owned())).collect();
+            let size: usize = chunks.iter().map(|c| c.length).sum();
+            let mut body = Vec::with_capacity(size.min(CALLOUT_ANSWER_BYTES));
+            if size <= CALLOUT_ANSWER_BYTES {
+                chunks.iter().for_each(|c| body.extend_from_slice(c.as_slice()));
+            }
+            CalloutAnswer { headers: Headers { pairs, not_utf8: Vec::new() }, body }
+        });
+        flow.on_callout(&mut host, answer);
     }));
     if answered.is_err() {
         // Fail open: a stopped request must not stay stopped.
-        stream.fail_open();
+        flow.fail_open();
         envoy_dynamic_module_callback_http_filter_continue_decoding(envoy);
     }
     leave_hook(ctx);
 }
 
 /// The semantic service's answers are small; a bigger one is not read (an error: upstream).
-const SEMANTIC_ANSWER_BYTES: usize = 64 * 1024;
+const CALLOUT_ANSWER_BYTES: usize = 64 * 1024;
+
+// Hooks Envoy 1.40 resolves for every HTTP filter module. `scheduled` delivers coalescing wakes;
+// the streams and watermarks are unused, so those do nothing (arguments after the pointers
+// ignored).
 
 /// # Safety
 /// Called by Envoy.
@@ -625,11 +397,13 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_http_stream_reset(
 pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_scheduled(
     envoy: FilterEnvoyPtr, module: FilterModulePtr, event_id: u64) {
     let ctx = enter_hook(module);
-    let stream = &mut (*ctx).stream;
-    let mut host = EnvoyHost { ptr: envoy, metrics: &(*ctx).metrics, background: &(*ctx).background };
-    if catch_unwind(AssertUnwindSafe(|| stream.on_scheduled(&mut host, event_id))).is_err() {
+    // Field by field, so the destroy hook may reach `hooks` while the flow is borrowed.
+    let mut host = EnvoyHost { ptr: envoy, shared: &(*ctx).shared, config: &(*ctx).config, place: &(*ctx).place,
+                               metrics: &(*ctx).metrics, background: &(*ctx).background };
+    let flow = &mut (*ctx).flow;
+    if catch_unwind(AssertUnwindSafe(|| flow.resume(&mut host, park::release_of(event_id)))).is_err() {
         // Fail open: a parked request must not stay stopped.
-        stream.fail_open();
+        flow.fail_open();
         envoy_dynamic_module_callback_http_filter_continue_decoding(envoy);
     }
     leave_hook(ctx);
@@ -678,4 +452,20 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_downstream_above_wr
 #[no_mangle]
 pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_downstream_below_write_buffer_low_watermark(
     _envoy: FilterEnvoyPtr, _module: FilterModulePtr) {
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_flows_actions_map_to_each_hooks_status() {
+        assert_eq!([Action::Continue, Action::Pause, Action::Stop].map(headers_status),
+                   [HEADERS_CONTINUE, HEADERS_STOP_ITERATION, HEADERS_STOP_ITERATION]);
+        assert_eq!([Action::Continue, Action::Pause, Action::Stop].map(body_status),
+                   [BODY_CONTINUE, BODY_STOP_ITERATION_AND_BUFFER, BODY_STOP_ITERATION_NO_BUFFER],
+                   "a paused body keeps buffering; after a local reply what arrived is dropped");
+        assert_eq!([Action::Continue, Action::Pause, Action::Stop].map(trailers_status),
+                   [TRAILERS_CONTINUE, TRAILERS_STOP_ITERATION, TRAILERS_STOP_ITERATION]);
+    }
 }

@@ -13,6 +13,10 @@ use meshcache_core::metric_names::{
 };
 
 use crate::abi::*;
+use crate::store::Shared;
+use meshcache_core::accounting::{attribute, policy_tag};
+use meshcache_core::metric_names;
+use meshcache_core::store::Cache;
 
 #[derive(Default)]
 pub struct Metrics {
@@ -88,5 +92,24 @@ impl Metrics {
         if let Some(id) = self.gauges.get(name) {
             envoy_dynamic_module_callback_http_filter_set_gauge(filter, *id, std::ptr::null(), 0, value);
         }
+    }
+}
+
+/// Entries and bytes, cache-wide and per policy of `config`, from the accounting record, each
+/// given to `set`. Under one lock per process: the last writer reads the newest record, so the
+/// gauges end at its value.
+pub fn record_gauges(shared: &Shared, config: &Config, set: &mut dyn FnMut(&str, u64)) {
+    let _one_at_a_time = shared.gauges.lock().unwrap_or_else(|p| p.into_inner());
+    let (meta, _) = Cache::read_only(shared).meta();
+    set(metric_names::ENTRIES, meta.entries());
+    set(metric_names::BYTES, meta.total_bytes());
+    let named: Vec<(u64, String)> =
+        config.policies.iter().map(|p| (policy_tag(&p.model_prefix), metric_names::safe_name(&p.model_prefix))).collect();
+    let got = attribute(&meta, &named);
+    set(metric_names::UNATTRIBUTED_ENTRIES, got.unattributed.0);
+    set(metric_names::UNATTRIBUTED_BYTES, got.unattributed.1);
+    for (name, (entries, bytes)) in &got.per_name {
+        set(&format!("meshcache.policy.{}.entries", name), *entries);
+        set(&format!("meshcache.policy.{}.bytes", name), *bytes);
     }
 }

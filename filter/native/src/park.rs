@@ -1,5 +1,5 @@
 //! Where coalesced requests wait in the native host: the wake mechanism only (who leads, who
-//! waits, what a woken waiter does are the core's `coalesce` rules and `filter.rs`).
+//! waits, what a woken waiter does are the core's `coalesce` rules and `flow`).
 //!
 //! One `Parking` per Envoy process. Each worker (the lock table's "queue": Envoy's worker
 //! index) has its own table of waiters (the core's `Waiters`: bounded per key and in all) and,

@@ -117,7 +117,7 @@ mod tests {
             grpc: false,
             response_hash: "ab".repeat(32),
             headers: vec![("content-type".into(), "application/json".into())],
-            body: vec![b'x'; body_len],
+            body: vec![b'x'; body_len].into(),
             splice: None,
             stale_if_error_s: 0,
             stale_while_revalidate_s: 0,

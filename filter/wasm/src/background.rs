@@ -4,13 +4,10 @@
 
 use crate::abi::{self, Buffer, Map};
 use meshcache_core::config::Limits;
-use meshcache_core::headermap;
 use meshcache_core::request::Cacheable;
-use meshcache_core::response;
 use crate::metrics::{self, count};
 use meshcache_core::revalidate;
 use meshcache_core::store::{Cache, Outcome};
-use meshcache_core::insert;
 use std::cell::RefCell;
 use std::collections::HashMap;
 
@@ -71,23 +68,11 @@ pub fn on_response(token: u32, body_size: usize) {
     }
 }
 
-/// Stores a good answer in place of the stale entry, under the same rules as a miss's.
+/// Stores a good answer in place of the stale entry, under the rules of a miss's
+/// (`revalidate::store_refresh`, with the answer's trailers).
 fn store(p: &Pending, body_size: usize, now: u64) -> bool {
     let response = abi::headers(Map::HttpCallResponseHeaders);
-    if headermap::header(&response.pairs, ":status") != Some("200") {
-        return false;
-    }
-    if p.c.grpc {
-        let trailers = abi::headers(Map::HttpCallResponseTrailers);
-        let status = headermap::header(&trailers.pairs, "grpc-status").or_else(|| headermap::header(&response.pairs, "grpc-status"));
-        if status != Some("0") {
-            return false;
-        }
-    }
-    let ttl = match response::check_storable(&p.c.policy, &response.pairs, &response.not_utf8, now) {
-        Ok(t) => t,
-        Err(_) => return false,
-    };
+    let trailers = abi::headers(Map::HttpCallResponseTrailers);
     let limit = p.limits.max_entry_bytes as usize + if p.c.grpc { 5 } else { 0 };
     if body_size > limit {
         return false;
@@ -98,7 +83,7 @@ fn store(p: &Pending, body_size: usize, now: u64) -> bool {
     }
     let cache = Cache { data: &abi::HostShared, limits: &p.limits };
     let mut out = Outcome::default();
-    let result = insert::store_answer(&cache, &p.c, &response.pairs, 200, body, ttl, &mut out);
+    let result = revalidate::store_refresh(&cache, &p.c, &response, Some(&trailers), body, now, &mut out);
     metrics::record_outcome(&out);
     if result.is_ok() {
         count(metrics::STORES, 1);

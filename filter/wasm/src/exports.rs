@@ -3,7 +3,6 @@
 //! callbacks a module does not export, which saves two VM crossings per request.
 
 use crate::abi::{self, Buffer};
-use crate::abi_host::Abi;
 use crate::{background, root, semantic, stream};
 
 /// The host allocates returned data through this export; we own it afterwards.
@@ -42,7 +41,7 @@ pub extern "C" fn proxy_on_tick(root_id: u32) {
 /// A leader released a key this worker's requests wait on (request coalescing).
 #[no_mangle]
 pub extern "C" fn proxy_on_queue_ready(_root: u32, queue: u32) {
-    stream::on_queue_ready(&mut Abi, queue);
+    stream::on_queue_ready(queue);
 }
 
 #[no_mangle]
@@ -50,41 +49,41 @@ pub extern "C" fn proxy_on_delete(id: u32) {
     if root::is_root(id) {
         root::delete(id);
     } else {
-        stream::delete(&mut Abi, id);
+        stream::delete(id);
     }
 }
 
 #[no_mangle]
 pub extern "C" fn proxy_on_request_headers(id: u32, _n: usize, eos: u32) -> u32 {
-    stream::with(id, |s| s.on_request_headers(&mut Abi, eos != 0))
+    stream::with(id, 0, |f, h| f.on_request_headers(h, eos != 0))
 }
 
 #[no_mangle]
 pub extern "C" fn proxy_on_request_body(id: u32, size: usize, eos: u32) -> u32 {
-    stream::with(id, |s| s.on_request_body(&mut Abi, size, eos != 0))
+    stream::with(id, size, |f, h| f.on_request_body(h, eos != 0))
 }
 
 #[no_mangle]
 pub extern "C" fn proxy_on_request_trailers(id: u32, _n: usize) -> u32 {
     // Trailers end the request: decide on whatever body was buffered.
     let size = abi::buffer_size(Buffer::RequestBody).unwrap_or(0);
-    stream::with(id, |s| s.on_request_body(&mut Abi, size, true))
+    stream::with(id, size, |f, h| f.on_request_trailers(h))
 }
 
 #[no_mangle]
 pub extern "C" fn proxy_on_response_headers(id: u32, _n: usize, eos: u32) -> u32 {
-    if let Some(action) = stream::grpc_reply_headers(&mut Abi, id, eos != 0) {
+    if let Some(action) = stream::grpc_reply_headers(id, eos != 0) {
         return action;
     }
-    stream::with(id, |s| s.on_response_headers(&mut Abi, eos != 0))
+    stream::with(id, 0, |f, h| f.on_response_headers(h, eos != 0))
 }
 
 #[no_mangle]
 pub extern "C" fn proxy_on_response_body(id: u32, size: usize, eos: u32) -> u32 {
-    if let Some(action) = stream::grpc_reply_body(&mut Abi, id, size, eos != 0) {
+    if let Some(action) = stream::grpc_reply_body(id, size, eos != 0) {
         return action;
     }
-    stream::with(id, |s| s.on_response_body(&mut Abi, size, eos != 0))
+    stream::with(id, size, |f, h| f.on_response_body(h, eos != 0))
 }
 
 #[no_mangle]
@@ -96,6 +95,6 @@ pub extern "C" fn proxy_on_http_call_response(_root: u32, token: u32, _headers: 
 
 #[no_mangle]
 pub extern "C" fn proxy_on_response_trailers(id: u32, _n: usize) -> u32 {
-    stream::with(id, |s| s.on_response_trailers(&mut Abi))
+    stream::with(id, 0, |f, h| f.on_response_trailers(h))
 }
 

@@ -2,7 +2,8 @@
 //! (`filter/dist/meshcache_filter.wasm`). The cache itself is `meshcache-core`; this crate is
 //! the proxy-wasm glue, compiled for wasm32 only: `abi` (host imports, written against the
 //! proxy-wasm ABI directly; docs/filter.md says why), `abi_host` (`impl Host for Abi`), `exports` (the exported callbacks), `root`
-//! (root context), `stream` (stream context), `background` (stale-while-revalidate refreshes), `semantic` (the semantic index service's calls),
+//! (root context), `stream` (stream contexts: each runs the core's `flow`), `background` (stale-while-revalidate refreshes),
+//! `semantic` (the flow's callouts and posts to the semantic index service),
 //! `metrics`.
 
 #[cfg(target_arch = "wasm32")]
@@ -13,11 +14,13 @@ mod abi_host;
 mod background;
 #[cfg(target_arch = "wasm32")]
 mod exports;
-pub mod host;
+#[cfg(target_arch = "wasm32")]
+mod host;
 #[cfg(target_arch = "wasm32")]
 mod metrics;
 #[cfg(target_arch = "wasm32")]
 mod root;
 #[cfg(target_arch = "wasm32")]
 mod semantic;
-pub mod stream;
+#[cfg(target_arch = "wasm32")]
+mod stream;

@@ -2,21 +2,20 @@
 //! the cache within its limits after a change, and reports metrics on the tick.
 
 use crate::abi::{self, Buffer, LogLevel};
-use crate::abi_host::Abi;
 use meshcache_core::config::{parse_plugin_config, Config, Role};
 use crate::metrics;
 use meshcache_core::store::{Cache, Outcome};
 use crate::stream;
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
-use std::rc::Rc;
+use std::sync::Arc;
 
 /// The tick resumes coalesced requests whose timeout passed: its period is their precision.
 const TICK_MS: u32 = 25;
 
 thread_local! {
     /// Root id -> its configuration (None until `on_configure` accepted one).
-    static ROOTS: RefCell<HashMap<u32, Option<Rc<Config>>>> = RefCell::new(HashMap::new());
+    static ROOTS: RefCell<HashMap<u32, Option<Arc<Config>>>> = RefCell::new(HashMap::new());
     static TICKS: Cell<u32> = Cell::new(0);
 }
 
@@ -33,7 +32,7 @@ pub fn is_root(id: u32) -> bool {
 }
 
 /// The configuration a new stream of this root runs with.
-pub fn config_of(root: u32) -> Option<Rc<Config>> {
+pub fn config_of(root: u32) -> Option<Arc<Config>> {
     ROOTS.with(|r| r.borrow().get(&root).cloned().flatten())
 }
 
@@ -49,9 +48,9 @@ pub fn on_configure(root: u32, size: usize) -> bool {
             abi::log(LogLevel::Info, &format!("configuration version {:?} with {} policies", cfg.version, cfg.policies.len()));
             // Only the server role caches (and so coalesces).
             let cfg_role_is_server = cfg.role == Role::Server;
-            ROOTS.with(|r| r.borrow_mut().insert(root, Some(Rc::new(cfg))));
+            ROOTS.with(|r| r.borrow_mut().insert(root, Some(Arc::new(cfg))));
             if cfg_role_is_server {
-                stream::setup_coalescing(&mut Abi);
+                stream::setup_coalescing();
             }
             abi::set_tick_period_ms(TICK_MS);
             true
@@ -65,7 +64,7 @@ pub fn on_configure(root: u32, size: usize) -> bool {
 }
 
 pub fn on_tick(root: u32) {
-    stream::expire_waiters(&mut Abi);
+    stream::expire_waiters();
     let ticks = TICKS.with(|t| {
         t.set(t.get().wrapping_add(1));
         t.get()

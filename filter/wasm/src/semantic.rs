@@ -1,14 +1,12 @@
-//! The semantic index service's calls (proxy-wasm glue, issue 38): a lookup on an exact miss
-//! (its answer resumes the paused stream) and the fire-and-forget store and shadow reports, each
-//! an HTTP call to the configured cluster bounded by `semantic_service.timeout_ms`, owned by the
-//! root context (the stream may end first).
+//! The flow's HTTP calls to the semantic index service (issue 38) on the proxy-wasm ABI:
+//! `Host::callout` (the lookup on an exact miss; its answer goes to the paused stream's
+//! `Flow::on_callout`) and `Host::post` (the fire-and-forget store and shadow reports). Each is
+//! dispatched by the root context (the stream may end first) and bounded by its timeout; the
+//! process's cache instance id lives in shared data (`instance`).
 
 use crate::abi::{self, Buffer, Map};
-use crate::abi_host::Abi;
 use crate::stream;
-use meshcache_core::config::SemanticService;
-use meshcache_core::headermap;
-use meshcache_core::semantic;
+use meshcache_core::host::CalloutAnswer;
 use std::cell::RefCell;
 use std::collections::HashMap;
 
@@ -56,8 +54,9 @@ pub fn instance() -> String {
     })
 }
 
-/// POSTs `body` to `path` of the service; `reply`: its answer resumes stream `stream`.
-pub fn call(root: u32, stream: u32, service: &SemanticService, path: &str, body: &[u8], reply: bool) -> bool {
+/// Sends `body` to `cluster` from root context `root`; `reply`: its answer goes to stream
+/// `stream`'s flow (false: fire and forget). False: not sent.
+pub fn call(root: u32, stream: u32, cluster: &str, headers: &[(&str, &str)], body: &[u8], timeout_ms: u64, reply: bool) -> bool {
     let now = abi::now_ms();
     let full = CALLS.with(|c| {
         let mut c = c.borrow_mut();
@@ -68,11 +67,11 @@ pub fn call(root: u32, stream: u32, service: &SemanticService, path: &str, body:
         return false;
     }
     let length = body.len().to_string();
-    let headers = [(":method", "POST"), (":path", path), (":authority", service.authority.as_str()),
-                   ("content-type", "application/json"), ("content-length", length.as_str())];
-    match abi::http_call(root, stream, &service.cluster, &headers, body, service.timeout_ms as u32) {
+    let mut all = headers.to_vec();
+    all.push(("content-length", length.as_str()));
+    match abi::http_call(root, stream, cluster, &all, body, timeout_ms as u32) {
         Some(token) => {
-            let call = Call { stream: if reply { Some(stream) } else { None }, forget_at_ms: now + 2 * service.timeout_ms + 1000 };
+            let call = Call { stream: if reply { Some(stream) } else { None }, forget_at_ms: now + 2 * timeout_ms + 1000 };
             CALLS.with(|c| c.borrow_mut().insert(token, call));
             true
         }
@@ -90,15 +89,23 @@ pub fn on_response(token: u32, body_size: usize) -> bool {
         Some(id) => id,
         None => return true,
     };
-    let response = abi::headers(Map::HttpCallResponseHeaders);
-    let body = if body_size == 0 || body_size > MAX_ANSWER_BYTES {
-        Vec::new()
+    let headers = abi::headers(Map::HttpCallResponseHeaders);
+    // A failed call (reset, timed out) has no `:status`.
+    let answer = if headers.pairs.iter().any(|(n, _)| n == ":status") {
+        let body = if body_size == 0 || body_size > MAX_ANSWER_BYTES {
+            Vec::new()
+        } else {
+            abi::buffer(Buffer::HttpCallResponseBody, 0, body_size).unwrap_or_default()
+        };
+        Some(CalloutAnswer { headers, body })
     } else {
-        abi::buffer(Buffer::HttpCallResponseBody, 0, body_size).unwrap_or_default()
+        None
     };
-    let verdict = semantic::verdict(headermap::header(&response.pairs, ":status"), &body);
     if abi::set_effective_context(stream_id) {
-        stream::with(stream_id, |s| s.on_semantic_answer(&mut Abi, verdict));
+        stream::with(stream_id, 0, |flow, h| {
+            flow.on_callout(h, answer);
+            meshcache_core::host::Action::Continue
+        });
     }
     true
 }
