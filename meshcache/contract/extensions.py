@@ -213,12 +213,9 @@ def envoy_filter(*, color: str, url: str, sha256: str, plugin_config: Obj,
     }
 
 
-def client_envoy_filter(*, url: str, sha256: str, plugin_config: Obj, ports: Iterable[int] = ENGINE_PORTS) -> Obj:
-    """The full mode's client-role EnvoyFilter (cache affinity, see the module docstring). `ports`:
-    the cached workloads' Service ports (a caller's outbound listener is per Service port)."""
-    _check_pin(sha256)
-    ecds = extension_config(code_for(url, sha256), client_plugin_config(plugin_config), name=CLIENT_FILTER_NAME)
-    client_filter = ecds_http_filter(ADS_CONFIG_SOURCE, extra_type_urls=(RBAC_TYPE_URL,), name=CLIENT_FILTER_NAME)
+def _client_object(ecds: Obj, client_filter: Obj, ports: Iterable[int]) -> Obj:
+    """The client-role EnvoyFilter (either host): the ECDS config, and the filter before the
+    router of each cached Service port's outbound listener on the callers labelled for affinity."""
     patches: list[Obj] = [{"applyTo": "EXTENSION_CONFIG", "patch": {"operation": "ADD", "value": ecds}}]
     for port in ports:
         listener = {"portNumber": port, "filterChain": {"filter": {"name": HCM, "subFilter": {"name": ROUTER}}}}
@@ -231,6 +228,15 @@ def client_envoy_filter(*, url: str, sha256: str, plugin_config: Obj, ports: Ite
         "spec": {"workloadSelector": {"labels": {AFFINITY_LABEL: "true"}}, "configPatches": patches,
                  "priority": ENVOY_FILTER_PRIORITY},
     }
+
+
+def client_envoy_filter(*, url: str, sha256: str, plugin_config: Obj, ports: Iterable[int] = ENGINE_PORTS) -> Obj:
+    """The full mode's client-role EnvoyFilter (cache affinity, see the module docstring). `ports`:
+    the cached workloads' Service ports (a caller's outbound listener is per Service port)."""
+    _check_pin(sha256)
+    ecds = extension_config(code_for(url, sha256), client_plugin_config(plugin_config), name=CLIENT_FILTER_NAME)
+    client_filter = ecds_http_filter(ADS_CONFIG_SOURCE, extra_type_urls=(RBAC_TYPE_URL,), name=CLIENT_FILTER_NAME)
+    return _client_object(ecds, client_filter, ports)
 
 
 def consistent_hash() -> Obj:
@@ -318,18 +324,7 @@ def native_client_envoy_filter(*, module_path: str, plugin_config: Obj, ports: I
     ecds = native_extension_config(module_path, client_plugin_config(plugin_config), name=CLIENT_FILTER_NAME)
     client_filter = ecds_http_filter(ADS_CONFIG_SOURCE, FAIL_OPEN_DEFAULT, extra_type_urls=(RBAC_TYPE_URL,),
                                      name=CLIENT_FILTER_NAME, type_url=DYNAMIC_MODULE_TYPE_URL)
-    patches: list[Obj] = [{"applyTo": "EXTENSION_CONFIG", "patch": {"operation": "ADD", "value": ecds}}]
-    for port in ports:
-        listener = {"portNumber": port, "filterChain": {"filter": {"name": HCM, "subFilter": {"name": ROUTER}}}}
-        patches.append({"applyTo": "HTTP_FILTER", "match": {"context": "SIDECAR_OUTBOUND", "listener": listener},
-                        "patch": {"operation": "INSERT_BEFORE", "value": client_filter}})
-    return {
-        "apiVersion": "networking.istio.io/v1alpha3",
-        "kind": "EnvoyFilter",
-        "metadata": {"name": CLIENT_OBJECT},
-        "spec": {"workloadSelector": {"labels": {AFFINITY_LABEL: "true"}}, "configPatches": patches,
-                 "priority": ENVOY_FILTER_PRIORITY},
-    }
+    return _client_object(ecds, client_filter, ports)
 
 
 # ---- as Kubernetes objects (`--delivery kube`: the control plane writes them to the API server) --

@@ -24,13 +24,8 @@ EXPLAINED = {
 }
 
 
-@pytest.mark.parametrize("source", KUSTOMIZATIONS, ids=[p.name for p in KUSTOMIZATIONS])
-def test_istioctl_analyze_finds_nothing_unexplained(source: Path, tmp_path: Path) -> None:
-    require_istiod()
-    # Colours are meshcache's own engine's; the overlays in front of the user's servers have none.
-    own = render.own_engine(kustomize.build(source))
-    opts = (render.RenderOptions(source=source, color="green", also_colors=("blue",)) if own
-            else render.RenderOptions(source=source))
+def _analyze(opts: render.RenderOptions, tmp_path: Path) -> list[dict]:
+    """`istioctl analyze` (offline) over what render writes for `opts`: its messages."""
     objects = render.render(opts)
     operators = render.render_operators(opts)
     files = render.write(objects, operators, render.mcp_objects(objects, render.demo_plugin_config()), tmp_path)
@@ -41,7 +36,17 @@ def test_istioctl_analyze_finds_nothing_unexplained(source: Path, tmp_path: Path
                            f"--meshConfigFile={mesh}", *map(str, manifests)],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
-    messages = json.loads(done.stdout or "[]")
+    return json.loads(done.stdout or "[]")
+
+
+@pytest.mark.parametrize("source", KUSTOMIZATIONS, ids=[p.name for p in KUSTOMIZATIONS])
+def test_istioctl_analyze_finds_nothing_unexplained(source: Path, tmp_path: Path) -> None:
+    require_istiod()
+    # Colours are meshcache's own engine's; the overlays in front of the user's servers have none.
+    own = render.own_engine(kustomize.build(source))
+    opts = (render.RenderOptions(source=source, color="green", also_colors=("blue",)) if own
+            else render.RenderOptions(source=source))
+    messages = _analyze(opts, tmp_path)
     unexplained = [m for m in messages if not EXPLAINED.get(m["code"], lambda _: False)(m)]
     assert not unexplained, json.dumps(unexplained, indent=1)
     if opts.source.name != "basic":
@@ -54,16 +59,6 @@ def test_istioctl_analyze_the_native_render(tmp_path: Path) -> None:
     require_istiod()
     opts = render.RenderOptions(color="green", also_colors=("blue",), filter_host="native", istio_version="1.31",
                                 native_image="registry.example.com/meshcache/filter-native@sha256:" + "ab" * 32)
-    objects = render.render(opts)
-    operators = render.render_operators(opts)
-    files = render.write(objects, operators, render.mcp_objects(objects, render.demo_plugin_config()), tmp_path)
-    mesh = tmp_path / "mesh.yaml"
-    mesh.write_text(yaml.safe_dump(operators[1]["spec"]["meshConfig"]))
-    manifests = [f for f in files if f.name in ("meshcache-istio.yaml", "mcp-preview.yaml")]
-    done = subprocess.run([str(binary.require("istioctl")), "analyze", "--use-kube=false", "-A", "-o", "json",
-                           f"--meshConfigFile={mesh}", *map(str, manifests)],
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-2000:]
-    messages = json.loads(done.stdout or "[]")
+    messages = _analyze(opts, tmp_path)
     assert {m["code"] for m in messages} == {"IST0133"}, json.dumps(messages, indent=1)
     assert "DynamicModuleFilter" in (tmp_path / "mcp-preview.yaml").read_text()
