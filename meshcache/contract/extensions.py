@@ -183,6 +183,17 @@ def _inbound_http_filter(port: int, value: Obj) -> Obj:
             "patch": {"operation": "INSERT_BEFORE", "value": value}}
 
 
+def _envoy_filter_object(name: str, labels: Mapping[str, str], patches: list[Obj]) -> Obj:
+    """An EnvoyFilter of ours (no namespace: MCP names it `<ns>/<name>`, kustomize sets it)."""
+    return {
+        "apiVersion": "networking.istio.io/v1alpha3",
+        "kind": "EnvoyFilter",
+        "metadata": {"name": name},
+        "spec": {"workloadSelector": {"labels": dict(labels)}, "configPatches": patches,
+                 "priority": ENVOY_FILTER_PRIORITY},
+    }
+
+
 def envoy_filter(*, color: str, url: str, sha256: str, plugin_config: Obj,
                  workloads: Workloads | None = None) -> Obj:
     """The full mode's EnvoyFilter (no namespace: MCP names it `<ns>/<name>`, kustomize sets it)."""
@@ -204,13 +215,7 @@ def envoy_filter(*, color: str, url: str, sha256: str, plugin_config: Obj,
             patches.append({"applyTo": "HTTP_ROUTE",
                             "match": {"context": "SIDECAR_INBOUND", "routeConfiguration": {"portNumber": port}},
                             "patch": {"operation": "INSERT_FIRST", "value": route}})
-    return {
-        "apiVersion": "networking.istio.io/v1alpha3",
-        "kind": "EnvoyFilter",
-        "metadata": {"name": object_name(color)},
-        "spec": {"workloadSelector": {"labels": w.selector(color)}, "configPatches": patches,
-                 "priority": ENVOY_FILTER_PRIORITY},
-    }
+    return _envoy_filter_object(object_name(color), w.selector(color), patches)
 
 
 def _client_object(ecds: Obj, client_filter: Obj, ports: Iterable[int]) -> Obj:
@@ -221,13 +226,7 @@ def _client_object(ecds: Obj, client_filter: Obj, ports: Iterable[int]) -> Obj:
         listener = {"portNumber": port, "filterChain": {"filter": {"name": HCM, "subFilter": {"name": ROUTER}}}}
         patches.append({"applyTo": "HTTP_FILTER", "match": {"context": "SIDECAR_OUTBOUND", "listener": listener},
                         "patch": {"operation": "INSERT_BEFORE", "value": client_filter}})
-    return {
-        "apiVersion": "networking.istio.io/v1alpha3",
-        "kind": "EnvoyFilter",
-        "metadata": {"name": CLIENT_OBJECT},
-        "spec": {"workloadSelector": {"labels": {AFFINITY_LABEL: "true"}}, "configPatches": patches,
-                 "priority": ENVOY_FILTER_PRIORITY},
-    }
+    return _envoy_filter_object(CLIENT_OBJECT, {AFFINITY_LABEL: "true"}, patches)
 
 
 def client_envoy_filter(*, url: str, sha256: str, plugin_config: Obj, ports: Iterable[int] = ENGINE_PORTS) -> Obj:
@@ -310,13 +309,7 @@ def native_envoy_filter(*, color: str, module_path: str, plugin_config: Obj,
                                     type_url=DYNAMIC_MODULE_TYPE_URL)
     patches: list[Obj] = [{"applyTo": "EXTENSION_CONFIG", "patch": {"operation": "ADD", "value": ecds}}]
     patches += [_inbound_http_filter(port, cache_filter) for port in w.ports]
-    return {
-        "apiVersion": "networking.istio.io/v1alpha3",
-        "kind": "EnvoyFilter",
-        "metadata": {"name": object_name(color)},
-        "spec": {"workloadSelector": {"labels": w.selector(color)}, "configPatches": patches,
-                 "priority": ENVOY_FILTER_PRIORITY},
-    }
+    return _envoy_filter_object(object_name(color), w.selector(color), patches)
 
 
 def native_client_envoy_filter(*, module_path: str, plugin_config: Obj, ports: Iterable[int] = ENGINE_PORTS) -> Obj:
