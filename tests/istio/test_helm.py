@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 from meshcache.ctl.istio import crossref, render, validate
+from meshcache.ctl.istio import filter_host as hosts
 from meshcache.ctl.istiod import binary as istiod_binary
 from tests.istio.helpers import CHART, HELM, HELM_VERSION, ISTIO_DIR
 from tests.istio.test_existing_servers import kserve_predictor, triton_deployment
@@ -24,6 +25,24 @@ Obj = dict[str, Any]
 DEFAULTS = yaml.safe_load((CHART / "values.yaml").read_text())
 DIGEST = DEFAULTS["filter"]["digest"]
 SCRAPE_CONFIGMAP = "meshcache-prometheus-scrape"
+NATIVE_IMAGE = "registry.example.com/meshcache/filter-native@sha256:" + "ab" * 32
+# The module's sha256 is whatever render computes from this checkout's build (filter/dist/): the
+# chart is given the same value (`make images` prints it), never a copy of it.
+MODULE_SHA256 = "<module sha256>"
+
+
+def native_values(istio_version: str = "1.31.0", **native: str) -> Obj:
+    return {"istio": {"version": istio_version},
+            "filter": {"host": "native", "native": {"image": NATIVE_IMAGE, "sha256": MODULE_SHA256, **native}}}
+
+
+def _with_module_sha256(values: Obj, istio_version: str = "1.31.0") -> Obj:
+    if MODULE_SHA256 not in json.dumps(values):
+        return values
+    pins = render.native_pins_for(render.RenderOptions(filter_host="native", istio_version=istio_version,
+                                                       native_image=NATIVE_IMAGE))
+    assert pins is not None
+    return json.loads(json.dumps(values).replace(MODULE_SHA256, pins.sha256))
 
 
 def helm(*args: str) -> subprocess.CompletedProcess[str]:
@@ -32,7 +51,7 @@ def helm(*args: str) -> subprocess.CompletedProcess[str]:
 
 def template(tmp_path: Path, namespace: str, values: Obj) -> list[Obj]:
     path = tmp_path / "values.json"
-    path.write_text(json.dumps(values))  # JSON is YAML: exact types, no quoting surprises
+    path.write_text(json.dumps(_with_module_sha256(values)))  # JSON is YAML: exact types, no quoting surprises
     r = helm("template", "meshcache", str(CHART), "--namespace", namespace, "-f", str(path))
     assert r.returncode == 0, r.stderr
     return [o for o in yaml.safe_load_all(r.stdout) if o]
@@ -100,6 +119,14 @@ CASES: list[tuple[str, render.RenderOptions, Obj]] = [
                                           allow_principals=("apps/frontend",)),
      {"cache": {"ingressPrincipals": ["gateways/public-gw"], "allowPrincipals": ["apps/frontend"]}}),
     ("authz-none", render.RenderOptions(image_digest=DIGEST, authz="none"), {"cache": {"authz": "none"}}),
+    # The native host (issue 37): the engine pods' init container, emptyDir and sidecar
+    # annotations and the control plane's native mode, exactly as render gives them.
+    ("native", render.RenderOptions(image_digest=DIGEST, filter_host="native", istio_version="1.31.0",
+                                    native_image=NATIVE_IMAGE), native_values()),
+    ("native-kube", render.RenderOptions(
+        image_digest=DIGEST, filter_host="native", istio_version="1.31.2", native_image=NATIVE_IMAGE, delivery="kube",
+        color="green", also_colors=("blue",)),
+     {**native_values("1.31.2"), "delivery": "kube", "engine": {"color": "green", "alsoColors": ["blue"]}}),
 ]
 
 
@@ -142,7 +169,8 @@ def test_helm_template_equals_render(tmp_path: Path, opts: render.RenderOptions,
 def test_helm_lint_strict(tmp_path: Path) -> None:
     for i, (_, _, values) in enumerate(CASES):
         path = tmp_path / f"values-{i}.json"
-        path.write_text(json.dumps({**values, "monitoring": {"podMonitors": i % 2 == 0, "scrapeConfig": i % 3 == 0}}))
+        path.write_text(json.dumps(_with_module_sha256(
+            {**values, "monitoring": {"podMonitors": i % 2 == 0, "scrapeConfig": i % 3 == 0}})))
         r = helm("lint", "--strict", str(CHART), "-f", str(path))
         assert r.returncode == 0, r.stdout + r.stderr
         assert "1 chart(s) linted, 0 chart(s) failed" in r.stdout
@@ -166,14 +194,54 @@ def test_chart_pins_the_base_module() -> None:
     ("meshcache", {"cache": {"ingressPrincipals": ["Gateway"]}}, 'cache.ingressPrincipals "Gateway"'),
     ("meshcache", {"cache": {"authz": "off"}}, "/cache/authz"),
     ("meshcache", {"cache": {"authz": "none", "allowPrincipals": ["apps/frontend"]}}, "cache.authz none renders no"),
+    ("meshcache", {"filter": {"host": "native"}}, "filter.host native needs Istio 1.31 or later"),
+    ("meshcache", native_values(image=""), "filter.host native needs filter.native.image REPO@sha256:DIGEST"),
+    ("meshcache", native_values(image="registry.example.com/m:latest"), "/filter/native/image"),
+    ("meshcache", native_values(sha256=""), "filter.host native needs filter.native.sha256"),
+    ("meshcache", {**native_values(), "mode": "basic"}, "TrafficExtensions, which are Wasm only"),
+    ("meshcache", {**native_values(), "engine": {"enabled": False}, "cache": {"selector": {"app": "x"}}},
+     "meshcache's own engine pods only"),
+    ("meshcache", {"istio": {"version": "latest"}}, "/istio/version"),
+    ("meshcache", {"filter": {"host": "lua"}}, "/filter/host"),
 ], ids=["reserved-namespace", "no-selector", "digest-prefix", "delivery", "mode", "principal", "one-replica", "typo",
-        "ingress-principal", "authz-mode", "authz-none-with-callers"])
+        "ingress-principal", "authz-mode", "authz-none-with-callers", "native-istio-1.30", "native-no-image",
+        "native-tag", "native-no-sha256", "native-basic", "native-no-engine", "istio-version", "host"])
 def test_helm_refuses_bad_values(tmp_path: Path, namespace: str, values: Obj, message: str) -> None:
     path = tmp_path / "values.json"
-    path.write_text(json.dumps(values))
+    path.write_text(json.dumps(_with_module_sha256(values)))
     r = helm("template", "meshcache", str(CHART), "--namespace", namespace, "-f", str(path))
     assert r.returncode != 0
     assert message in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("istio_version", [
+    *[f"{m}.{n}.0" for m, n in sorted(hosts.ISTIO_ENVOY)], "1.29", "1.31", "1.31.0-beta.1", "1.32.0", "2.0.0"])
+def test_helm_native_gate_is_renders(tmp_path: Path, istio_version: str) -> None:
+    """filter.host native per Istio release: the chart takes the module build render takes (the
+    Envoy ABI table in _helpers.tpl is filter_host's), or refuses with render's reason."""
+    try:
+        module: str | None = hosts.native_module_file(istio_version)
+        reason = ""
+    except ValueError as e:
+        module, reason = None, str(e)
+    path = tmp_path / "values.json"
+    values = native_values(istio_version, sha256="ef" * 32)
+    path.write_text(json.dumps(values))
+    r = helm("template", "meshcache", str(CHART), "--namespace", "meshcache", "-f", str(path))
+    if module is None:
+        assert r.returncode != 0
+        # render's flags are the chart's values
+        want = reason.replace("--filter ", "filter.host ").replace("give --istio-version", "set istio.version")
+        assert want in r.stderr, r.stderr
+        return
+    assert r.returncode == 0, r.stderr
+    objects = [o for o in yaml.safe_load_all(r.stdout) if o]
+    env = render.control_plane_env(objects)
+    assert (env["MESHCACHE_CP_ISTIO_MODE"], env["MESHCACHE_CP_ISTIO_NATIVE_MODULE"]) == (
+        "native", f"/var/lib/meshcache/modules/{module}")
+    engine = next(o for o in objects if o["kind"] == "Deployment" and o["metadata"]["name"] == "meshcache-engine-blue")
+    init = engine["spec"]["template"]["spec"]["initContainers"][-1]
+    assert init["command"] == render.native_module.copy_command(module, "ef" * 32)
 
 
 def test_docs_values_example_equals_render(tmp_path: Path) -> None:

@@ -72,3 +72,25 @@ loadBalancer:
     ringHash:
       minimumRingSize: 4096
 {{- end -}}
+
+{{/* filter.host native: the module build for istio.version's Envoy (render filter_host.native_module_file;
+tests/istio/test_helm.py checks both give the same answer for every Istio release), or fail saying why. */}}
+{{- define "meshcache.nativeModule" -}}
+{{- $v := toString .Values.istio.version -}}
+{{- $m := regexFind "^[0-9]+\\.[0-9]+" $v | splitList "." -}}
+{{- $minor := list (atoi (index $m 0)) (atoi (index $m 1)) -}}
+{{- /* the Envoy each istio-proxy release is built on, and the module build for its dynamic-module ABI */ -}}
+{{- $envoy := dict "1.30" "1.38" "1.31" "1.39" -}}
+{{- $modules := dict "1.39" "libmeshcache_native-envoy-1.39.so" "1.40" "libmeshcache_native.so" -}}
+{{- $key := join "." $minor -}}
+{{- if or (lt (index $minor 0) 1) (and (eq (index $minor 0) 1) (lt (index $minor 1) 31)) -}}
+{{- $builtOn := "" -}}
+{{- with get $envoy $key }}{{ $builtOn = printf " (built on Envoy %s)" . }}{{ end -}}
+{{- fail (printf "filter.host native needs Istio 1.31 or later: the istio-proxy of Istio %s%s does not link envoy.filters.http.dynamic_modules, so its sidecars cannot load the module; use filter.host wasm (the default) with this Istio, or set istio.version 1.31 or later" $v $builtOn) -}}
+{{- end -}}
+{{- $file := get $modules (get $envoy $key) -}}
+{{- if not $file -}}
+{{- fail (printf "filter.host native for Istio %s: which Envoy its istio-proxy is built on is not known here, and a module only loads in the Envoy whose dynamic-module ABI it was built for (filter/native/DESIGN.md); native is rendered for Istio 1.31" $v) -}}
+{{- end -}}
+{{- $file -}}
+{{- end -}}
