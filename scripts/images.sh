@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # `make images`: the engine and control-plane images (engine/Dockerfile, control_plane/Dockerfile)
-# from the project's wheel, on a Debian 12 base pinned by digest.
+# from the project's wheel, and the native module image (filter/native/Dockerfile: the dynamic
+# module builds in filter/dist/, for render --filter native), on a Debian 12 base pinned by digest.
+#
+#   scripts/images.sh [IMAGE...]   IMAGE: engine, control-plane, filter-native (default: all three)
 #
 #   MESHCACHE_BASE_IMAGE   the base, `REPO@sha256:DIGEST` (e.g. a Debian 12 slim image you verified);
 #                          default: a Debian 12 minbase built here with debootstrap from Debian's
 #                          mirror and pinned by its own digest (no registry needed).
-#   MESHCACHE_IMAGE_TAG    tag of the two images (default: the project version)
+#   MESHCACHE_IMAGE_TAG    tag of the images (default: the project version)
 #   MESHCACHE_BUILDER      buildah, podman or docker (default: the first found)
 #
 # `scripts/images.sh --prepare` builds only what changes with the machine and the pins, not with the
@@ -14,8 +17,26 @@
 # happen once per machine, with the other per-machine builds; `make images` then adds the project.
 set -euo pipefail
 prepare=false
-[ "${1:-}" = --prepare ] && prepare=true
+[ "${1:-}" = --prepare ] && { prepare=true; shift; }
 cd "$(dirname "$0")/.."
+wanted=("$@")
+[ ${#wanted[@]} -eq 0 ] && wanted=(engine control-plane filter-native)
+python_images=()
+native=false
+for image in "${wanted[@]}"; do
+  case "$image" in
+    engine|control-plane) python_images+=("$image") ;;
+    filter-native) native=true ;;
+    *) echo "images: unknown image $image (engine, control-plane, filter-native)" >&2; exit 2 ;;
+  esac
+done
+# The native module image carries both dynamic-module builds; render pins their sha256 from the same files.
+native_modules=(filter/dist/libmeshcache_native-envoy-1.39.so filter/dist/libmeshcache_native.so)
+if $native && ! $prepare; then
+  for f in "${native_modules[@]}"; do
+    [ -f "$f" ] || { echo "images: $f is missing: build the modules first (make filter)" >&2; exit 2; }
+  done
+fi
 
 builder=${MESHCACHE_BUILDER:-}
 if [ -z "$builder" ]; then
@@ -85,21 +106,23 @@ fi
 # wheels only). pip evaluates python_full_version markers with this interpreter's version, so
 # redis's `async-timeout; python_full_version < "3.11.3"` is named explicitly.
 # The project's wheel in dist/wheel/self, each image's dependencies in dist/wheel/deps-IMAGE (their own layer).
-rm -rf dist/wheel
-# Zip timestamps from the last commit: the same sources give the same wheel, so the builder's
-# layer cache (buildah --layers) skips the install when nothing changed.
-SOURCE_DATE_EPOCH=$(git log -1 --format=%ct 2>/dev/null || echo 315532800) \
-  .venv/bin/pip wheel -q --no-deps -w dist/wheel/self . 2>/dev/null
-platforms=(--platform any --platform manylinux2014_x86_64 --platform manylinux2010_x86_64 --platform manylinux1_x86_64)
-for minor in $(seq 17 36); do platforms+=(--platform "manylinux_2_${minor}_x86_64"); done
-# Each image gets its component's extra only (pyproject.toml): the control plane no Envoy,
-# onnxruntime or numpy, the engine no Envoy.
-for extra in engine control-plane; do
-  .venv/bin/pip download -q --dest "dist/wheel/deps-$extra" --only-binary=:all: --python-version 3.11.2 \
-    --implementation cp --abi cp311 --abi abi3 --abi none "${platforms[@]}" \
-    "$(echo dist/wheel/self/meshcache-*.whl)[$extra]" "async-timeout==5.0.1"
-  rm -f dist/wheel/deps-"$extra"/meshcache-*.whl
-done
+if $prepare || [ ${#python_images[@]} -gt 0 ]; then
+  rm -rf dist/wheel
+  # Zip timestamps from the last commit: the same sources give the same wheel, so the builder's
+  # layer cache (buildah --layers) skips the install when nothing changed.
+  SOURCE_DATE_EPOCH=$(git log -1 --format=%ct 2>/dev/null || echo 315532800) \
+    .venv/bin/pip wheel -q --no-deps -w dist/wheel/self . 2>/dev/null
+  platforms=(--platform any --platform manylinux2014_x86_64 --platform manylinux2010_x86_64 --platform manylinux1_x86_64)
+  for minor in $(seq 17 36); do platforms+=(--platform "manylinux_2_${minor}_x86_64"); done
+  # Each image gets its component's extra only (pyproject.toml): the control plane no Envoy,
+  # onnxruntime or numpy, the engine no Envoy.
+  for extra in engine control-plane; do
+    .venv/bin/pip download -q --dest "dist/wheel/deps-$extra" --only-binary=:all: --python-version 3.11.2 \
+      --implementation cp --abi cp311 --abi abi3 --abi none "${platforms[@]}" \
+      "$(echo dist/wheel/self/meshcache-*.whl)[$extra]" "async-timeout==5.0.1"
+    rm -f dist/wheel/deps-"$extra"/meshcache-*.whl
+  done
+fi
 case "$builder" in
   # chroot isolation: no nested container runtime needed (works inside an unprivileged container).
   buildah) build=(buildah bud --layers --isolation chroot --network host --ulimit "nofile=$(ulimit -Hn):$(ulimit -Hn)") ;;
@@ -120,9 +143,12 @@ if $prepare; then
   echo "images: base $base; the deps and runtime stages are built"
   exit 0
 fi
-for image in engine control-plane; do
-  dockerfile=engine/Dockerfile
-  [ "$image" = control-plane ] && dockerfile=control_plane/Dockerfile
+for image in "${wanted[@]}"; do
+  case "$image" in
+    engine) dockerfile=engine/Dockerfile ;;
+    control-plane) dockerfile=control_plane/Dockerfile ;;
+    filter-native) dockerfile=filter/native/Dockerfile ;;
+  esac
   echo "images: meshcache/$image:$tag (base $base)"
   previous=$("$builder" images -q "meshcache/$image:$tag" 2>/dev/null | head -1 || true)
   "${build[@]}" --build-arg "BASE=$base" "${labels[@]}" -f "$dockerfile" -t "meshcache/$image:$tag" .
@@ -130,5 +156,31 @@ for image in engine control-plane; do
   current=$("$builder" images -q "meshcache/$image:$tag" | head -1)
   if [ -n "$previous" ] && [ "$previous" != "$current" ]; then "$builder" rmi "$previous" >/dev/null 2>&1 || true; fi
 done
-echo "images: built meshcache/engine:$tag and meshcache/control-plane:$tag; push them and render with"
-echo "  meshcache istio render --engine-image REGISTRY/meshcache/engine:$tag --control-plane-image REGISTRY/meshcache/control-plane:$tag"
+if [ ${#python_images[@]} -gt 0 ]; then
+  echo "images: built $(printf 'meshcache/%s:'"$tag"' ' "${python_images[@]}"); push them and render with"
+  echo "  meshcache istio render --engine-image REGISTRY/meshcache/engine:$tag --control-plane-image REGISTRY/meshcache/control-plane:$tag"
+fi
+if $native; then
+  # The manifest digest in local storage (what a pod on this node pins); a push may re-compress the
+  # layers and change it, so pin the pushed one: buildah push --digestfile prints it.
+  # (the whole listing read, then its first line: `| head -1` would end the lister with SIGPIPE,
+  # which pipefail makes this script's failure, when the image carries more than one tag)
+  digest=$("$builder" images --format '{{.Digest}}' "meshcache/filter-native:$tag")
+  digest=${digest%%$'\n'*}
+  case "$digest" in sha256:*) ;; *) digest="" ;; esac
+  mkdir -p dist/images
+  {
+    printf '{"image": "localhost/meshcache/filter-native:%s", "digest": "%s", "modules": {' "$tag" "$digest"
+    sep=""
+    for f in "${native_modules[@]}"; do
+      printf '%s"%s": "%s"' "$sep" "$(basename "$f")" "$(sha256sum "$f" | cut -d' ' -f1)"
+      sep=", "
+    done
+    printf '}}\n'
+  } >dist/images/filter-native.json
+  echo "images: built meshcache/filter-native:$tag${digest:+ (local digest $digest)}; recorded in dist/images/filter-native.json"
+  for f in "${native_modules[@]}"; do echo "  $(basename "$f") sha256 $(sha256sum "$f" | cut -d' ' -f1)"; done
+  echo "push it, then render (or set the chart's filter.native.image and filter.native.sha256) with the pushed digest:"
+  echo "  buildah push --digestfile dist/images/filter-native.pushed meshcache/filter-native:$tag docker://REGISTRY/meshcache/filter-native:$tag"
+  echo "  meshcache istio render --filter native --istio-version 1.31 --native-image REGISTRY/meshcache/filter-native@\$(cat dist/images/filter-native.pushed)"
+fi

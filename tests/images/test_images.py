@@ -18,7 +18,6 @@ import socket
 import ssl
 import subprocess
 import tomllib
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -138,13 +137,6 @@ def _unmap(value: str, run: PodRun) -> str:
     for path, local in run.mounts.items():
         value = value.replace(str(local), path)
     return value
-
-
-@pytest.fixture
-def containers() -> Iterator[Containers]:
-    c = Containers()
-    yield c
-    c.remove()
 
 
 def _volumes(tmp_path: Path, names: list[str]) -> dict[str, Path]:
