@@ -265,6 +265,23 @@ def test_docs_values_example_equals_render(tmp_path: Path) -> None:
     assert not crossref.check_all(objects + served, DIGEST)
 
 
+def test_docs_native_values_equal_render(tmp_path: Path) -> None:
+    """docs/istio.md "The native host under Istio 1.31": its Helm values, with a pushed digest and
+    the module's sha256 filled in, make what `render --filter native` makes for them."""
+    doc = (render.REPO_ROOT / "docs" / "istio.md").read_text()
+    section = doc[doc.index("## The native host under Istio 1.31"):]
+    body = section[section.index("```yaml\n") + len("```yaml\n"):]
+    body = body[:body.index("```")]
+    values = yaml.safe_load(body.replace("<pushed digest>", "ab" * 32)
+                            .replace("<the libmeshcache_native-envoy-1.39.so sha256 `make images` printed>",
+                                     MODULE_SHA256))
+    assert values["filter"]["native"]["image"] == NATIVE_IMAGE
+    opts = render.RenderOptions(image_digest=DIGEST, filter_host="native", istio_version=values["istio"]["version"],
+                                native_image=NATIVE_IMAGE)
+    templated = template(tmp_path, opts.namespace, values)
+    assert _by_id(templated) == {k: v for k, v in _by_id(render.render(opts)).items() if k[0] != "Namespace"}
+
+
 def _istiod_chart() -> Path:
     """The istiod chart of the pinned istio.io/istio module (the one scripts/build_istiod.sh builds
     istiod from), from Go's module cache."""

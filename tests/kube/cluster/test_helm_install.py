@@ -25,6 +25,11 @@ KSERVE = {"delivery": "kube", "engine": {"enabled": False},
           "cache": {"selector": {"serving.kserve.io/inferenceservice": "sklearn", "component": "predictor"},
                     "httpPorts": [8080], "grpcPorts": [], "servicePorts": [80], "service": "sklearn-predictor"}}
 
+# filter.host native (nothing runs here: any sha256 the init container would check)
+NATIVE = {"istio": {"version": "1.31.0"},
+          "filter": {"host": "native", "native": {
+              "image": "registry.example.com/meshcache/filter-native@sha256:" + "ab" * 32, "sha256": "ef" * 32}}}
+
 
 @pytest.fixture
 def namespace() -> str:
@@ -126,6 +131,34 @@ def test_helm_install_upgrade_uninstall(istio_cluster: LocalCluster, helm_env: d
     helm(helm_env, "uninstall", "meshcache", "--namespace", namespace)
     for obj in upgraded:
         assert _live(istio_cluster, obj) is None, _ref(obj)
+
+
+
+def test_helm_install_native(istio_cluster: LocalCluster, helm_env: dict[str, str], namespace: str,
+                             tmp_path: Path) -> None:
+    """filter.host native: the API server keeps the engine's pod template as the chart writes it
+    (the module's init container, its emptyDir and the sidecar annotations; the same as render's,
+    tests/istio/test_helm.py) and the control plane's native mode."""
+    values = tmp_path / "native.json"
+    values.write_text(json.dumps(NATIVE))
+    helm(helm_env, "install", "meshcache", str(CHART), "--namespace", namespace, "-f", str(values))
+    deployments = {o["metadata"]["name"]: o for o in _manifest(helm_env, namespace) if o["kind"] == "Deployment"}
+    engine = deployments["meshcache-engine-blue"]
+    live = _live(istio_cluster, engine)
+    assert live is not None
+    want, got = engine["spec"]["template"], live["spec"]["template"]
+    assert got["metadata"]["annotations"] == want["metadata"]["annotations"]
+    assert json.loads(got["metadata"]["annotations"]["sidecar.istio.io/userVolumeMount"]) == {
+        "meshcache-module": {"mountPath": "/var/lib/meshcache/modules", "readOnly": True}}
+    init = {c["name"]: c for c in got["spec"]["initContainers"]}["meshcache-module"]
+    assert (init["image"], init["command"]) == (NATIVE["filter"]["native"]["image"],
+                                                 want["spec"]["initContainers"][-1]["command"])
+    assert {v["name"]: v for v in got["spec"]["volumes"]}["meshcache-module"]["emptyDir"] == {"sizeLimit": "64Mi"}
+    cp = _live(istio_cluster, deployments["meshcache-control-plane"])
+    assert cp is not None
+    env = _env(cp["spec"]["template"]["spec"]["containers"][0])
+    assert (env["MESHCACHE_CP_ISTIO_MODE"], env["MESHCACHE_CP_ISTIO_NATIVE_MODULE"]) == (
+        "native", "/var/lib/meshcache/modules/libmeshcache_native-envoy-1.39.so")
 
 
 def test_helm_install_refused_in_istio_system(istio_cluster: LocalCluster, helm_env: dict[str, str]) -> None:
