@@ -180,6 +180,9 @@ def test_chart_pins_the_base_module() -> None:
     """The chart's default filter digest is the one istio/base pins (`render --update-base` moves both)."""
     env = render.control_plane_env(render.kustomize.build(render.BASE_DIR))
     assert env["MESHCACHE_CP_ISTIO_WASM_SHA256"] == DIGEST
+    # and its default Istio is render's (--istio-version's default), with render's default host
+    assert (DEFAULTS["istio"]["version"], DEFAULTS["filter"]["host"]) == (
+        hosts.ISTIO_VERSION, render.RenderOptions().filter_host)
 
 
 @pytest.mark.parametrize(("namespace", "values", "message"), [
@@ -216,7 +219,7 @@ def test_helm_refuses_bad_values(tmp_path: Path, namespace: str, values: Obj, me
 
 @pytest.mark.parametrize("istio_version", [
     *[f"{m}.{n}.0" for m, n in sorted(hosts.ISTIO_ENVOY)], "1.29", "1.31", "1.31.0-beta.1", "1.32.0", "2.0.0"])
-def test_helm_native_gate_is_renders(tmp_path: Path, istio_version: str) -> None:
+def test_helm_native_gate_matches_render(tmp_path: Path, istio_version: str) -> None:
     """filter.host native per Istio release: the chart takes the module build render takes (the
     Envoy ABI table in _helpers.tpl is filter_host's), or refuses with render's reason."""
     try:
