@@ -33,7 +33,7 @@ test: setup filter
 demo: setup filter
 	$(PY) -m meshcache.ctl.cli demo
 
-# The engine and control-plane images (scripts/images.sh: buildah, podman or docker; base pinned by digest).
+# The engine, control-plane and native module images (scripts/images.sh: buildah, podman or docker; base pinned by digest).
 images: setup
 	@scripts/images.sh
 
