@@ -202,7 +202,8 @@ def plot_filter(results: Results, out: Path) -> list[Path]:
     shown = [r for r in rows if r.get("quantiles_ms") and r["answer"] == "1 KiB"
              and r["mode"] in ("no filter", "Wasm, misses", "Wasm, hits", "Wasm, misses (no-cache)",
                                "Wasm, hits (single pass)", "native, misses", "native, hits",
-                               "native, misses (no-cache)", "native, hits (single pass)")]
+                               "native, misses (no-cache)", "native, hits (single pass)",
+                               "no filter (Envoy 1.39)", "native-1.39, hits", "native-1.39, hits (single pass)")]
     if shown:
         fig, ax = _figure("Filter latency, 1 KiB answers (16 connections, one load-generator thread)", results)
         _cdf(ax, shown, lambda r: f"{r['protocol']} {r['mode']}")
