@@ -169,6 +169,23 @@ def plot_mesh(results: Results, out: Path) -> list[Path]:
     return [throughput, latency]
 
 
+def plot_mesh_hosts(results: Results, out: Path) -> list[Path]:
+    hits = [r for r in results["rows"] if r["case"] == "hit"]
+    shapes = list(dict.fromkeys((r["client"], r["concurrency"]) for r in hits))
+    hosts = list(dict.fromkeys(r["host"] for r in hits))
+
+    def value(host: str, shape: tuple[str, int]) -> float | None:
+        return next((r["rps"] for r in hits if r["host"] == host and (r["client"], r["concurrency"]) == shape), None)
+
+    fig, ax = _figure("Istio meshes: gRPC hits per second, Wasm vs native sidecars", results)
+    _grouped_bars(ax, [f"{c}, c={n}" for c, n in shapes], {h: [value(h, s) for s in shapes] for h in hosts})
+    ax.set_ylabel("requests/s")
+    throughput = _save(fig, out / "mesh-hosts-throughput.png")
+    latency = _latency(results, hits, "Istio meshes: gRPC hit latency, Wasm vs native sidecars",
+                       lambda r: f"{r['host']}, {r['client']}, c={r['concurrency']}", out / "mesh-hosts-latency.png")
+    return [throughput, latency]
+
+
 def plot_propagation(results: Results, out: Path) -> list[Path]:
     rows = results["rows"]
     return [_latency(results, rows, "Policy propagation: PUT answered to ECDS ACK", lambda r: r["setup"],
@@ -275,7 +292,7 @@ def plot_filter_ab(results: Results, out: Path) -> list[Path]:
 PLOTTERS: dict[str, Callable[[Results, Path], list[Path]]] = {
     "engine": plot_engine, "mesh": plot_mesh, "propagation": plot_propagation, "filter": plot_filter,
     "replicas": plot_replicas, "coalesce": plot_coalesce, "affinity": plot_affinity, "stale": plot_stale,
-    "filter-ab": plot_filter_ab,
+    "filter-ab": plot_filter_ab, "mesh-hosts": plot_mesh_hosts,
 }
 
 
