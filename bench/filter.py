@@ -5,7 +5,10 @@ filter, the same Envoy config with the cache on misses and on hits in both hosts
 filter Istio loads, `filter/dist/meshcache_filter.wasm`, and the Envoy dynamic module,
 `filter/dist/libmeshcache_native.so`), and two anchors: nginx `proxy_cache` POST hits (outside
 Envoy) and Envoy's own C++ cache filter (simple_http_cache) serving GET hits of the same answer
-(inside Envoy: what a cache in Envoy can reach without POST keying; 1 KiB and 64 KiB). HTTP/1.1
+(inside Envoy: what a cache in Envoy can reach without POST keying; 1 KiB and 64 KiB). The
+native host also runs as Istio 1.31 users get it (issue 37): the module's Envoy 1.39 build
+(`libmeshcache_native-envoy-1.39.so`) on Envoy 1.39.3, with its own no-filter Envoy 1.39, so
+its ratios are to plain proxying by the same Envoy (the two Envoys' plain speeds differ). HTTP/1.1
 with wrk, gRPC with h2load. Every HTTP mode uses the same wrk script shape (a Lua `request()`
 that builds each body; only whether the body changes per request differs), since a per-request
 script is itself slower than a fixed body. gRPC hits are the single-pass design, with held
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import tempfile
 import time
@@ -51,7 +55,13 @@ from meshcache.ctl.envoy_config import CacheProxy, write
 from tests.helpers.kserve import MODEL_INFER
 
 PIDS: dict[tuple[str, str], int] = {}  # (answer size, envoy name) -> pid, for profiling
-CACHE_HOSTS = ("Wasm", "native")  # the mode prefixes whose rows show the cache's counters
+# The mode prefixes of the cache's hosts (each also the name of its Envoy): the Wasm filter and the
+# dynamic module on Envoy 1.40, and the module's 1.39 build on Envoy 1.39 (istio-proxy 1.31's).
+CACHE_HOSTS = ("Wasm", "native", "native-1.39")
+NO_FILTER = "no filter"
+NO_FILTER_1_39 = "no filter (Envoy 1.39)"
+# The Envoy (paths.ENVOYS) each bench Envoy runs: the 1.39 ones are measured against plain 1.39.
+ENVOY_OF = {"plain-1.39": "1.39", "native-1.39": "1.39"}
 REQUEST_JSON = json.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 32], "data": list(range(32))}]})
 
 FIXED_BODY = '{"n": 0, "x": [[' + REQUEST_JSON + ']]}'  # what REQUEST_LUA sends with vary=0
@@ -244,8 +254,10 @@ def run_size(size: int, seconds: int, workdir: Path, rounds: int) -> list[Row]:
         envoys = {}
         # "Wasm": the Wasm host holding request headers (the project's Envoy configs); "nohold":
         # the Wasm host as Istio's WasmPlugin runs it (no allow_on_headers_stop_iteration);
-        # "native": the dynamic-module host; "envoy-cache": Envoy's own cache filter, no meshcache.
-        setups = [("plain", False, True), ("Wasm", True, True), ("nohold", True, False), ("native", True, True)]
+        # "native": the dynamic-module host; "envoy-cache": Envoy's own cache filter, no meshcache;
+        # "native-1.39" and its baseline "plain-1.39": Envoy 1.39.3 with the module's 1.39 build.
+        setups = [("plain", False, True), ("Wasm", True, True), ("nohold", True, False), ("native", True, True),
+                  ("plain-1.39", False, True), ("native-1.39", True, True)]
         if anchor_port is not None:
             setups.append(("envoy-cache", False, True))
         for name, with_filter, hold in setups:
@@ -255,11 +267,12 @@ def run_size(size: int, seconds: int, workdir: Path, rounds: int) -> list[Row]:
                              grpc_upstream_port=ports["grpc_port"], wasm_path=require_filter_wasm(),
                              plugin_config={**policy, "hold_headers": hold}, with_filter=with_filter,
                              allow_on_headers_stop_iteration=hold,
-                             native_module=require_filter_native() if name == "native" else None)
+                             native_module=require_filter_native(ENVOY_OF.get(name, "1.40"))
+                             if name.startswith("native") else None)
             path = write(cfg, d / f"envoy-{name}.yaml")
             if name == "envoy-cache":
                 with_envoy_cache_filter(path)
-            proc = launchers.start_envoy(path, admin, d, name=f"envoy-{name}")
+            proc = launchers.start_envoy(path, admin, d, name=f"envoy-{name}", envoy=ENVOY_OF.get(name, "1.40"))
             started.append(proc)
             envoys[name] = (listen, admin)
             PIDS[(label, name)] = proc.popen.pid
@@ -273,7 +286,7 @@ def run_size(size: int, seconds: int, workdir: Path, rounds: int) -> list[Row]:
 
         def measure(protocol: str, mode: str, run: object, envoy: str | None = None) -> None:
             """One row: `run()` against Envoy `envoy` (None: not an Envoy, e.g. nginx)."""
-            counted = envoy in ("Wasm", "nohold", "native")
+            counted = envoy in ("nohold", *CACHE_HOSTS)
             before = stats(envoy) if counted else {}  # type: ignore[arg-type]
             cpu_before = cpu_seconds(PIDS[(label, envoy)]) if envoy else 0.0
             result: LoadResult = run()  # type: ignore[operator]
@@ -298,7 +311,8 @@ def measure_round(measure: Any, url: Any, n: int, d: Path, ports: dict[str, int]
     `measure(protocol, mode, run, envoy)`."""
     infer = "/v2/models/bench-model/infer"
     fixed, unique = d / "fixed.lua", d / f"unique-{n}.lua"
-    measure("HTTP/1.1", "no filter", lambda: wrk(url("plain", infer), fixed, seconds), "plain")
+    measure("HTTP/1.1", NO_FILTER, lambda: wrk(url("plain", infer), fixed, seconds), "plain")
+    measure("HTTP/1.1", NO_FILTER_1_39, lambda: wrk(url("plain-1.39", infer), fixed, seconds), "plain-1.39")
     for host in CACHE_HOSTS:
         if not large:
             # The floor: the filter loaded but the request not an inference request (only the
@@ -332,7 +346,9 @@ def measure_round(measure: Any, url: Any, n: int, d: Path, ports: dict[str, int]
 
     grpc_headers = ["content-type: application/grpc", "te: trailers"]
     req = d / "grpc-request.bin"
-    measure("gRPC", "no filter", lambda: h2load(url("plain", MODEL_INFER), req, grpc_headers, seconds), "plain")
+    measure("gRPC", NO_FILTER, lambda: h2load(url("plain", MODEL_INFER), req, grpc_headers, seconds), "plain")
+    measure("gRPC", NO_FILTER_1_39, lambda: h2load(url("plain-1.39", MODEL_INFER), req, grpc_headers, seconds),
+            "plain-1.39")
     for host in CACHE_HOSTS:
         # h2load repeats one request body: `no-cache` makes each one skip the lookup and store
         # the answer again, which is the miss path's full cost (copy, hash, store).
@@ -385,61 +401,103 @@ def average_rounds(rows: list[Row]) -> list[Row]:
     return merged
 
 
-# Targets, from the filter issues: (host, protocol or answer, kind) -> target ratio.
-TARGETS = {
-    ("Wasm", "HTTP/1.1", "hits"): "≥ 1.5x", ("Wasm", "gRPC", "hits"): "≥ 1.2x",
-    ("Wasm", "1 KiB", "misses"): "≥ 0.6x", ("Wasm", "64 KiB", "misses"): "≥ 0.4x",
-    ("native", "HTTP/1.1", "hits"): "≥ 2.0x", ("native", "gRPC", "hits"): "≥ 2.0x",
-    ("native", "1 KiB", "misses"): "≥ 0.85x", ("native", "64 KiB", "misses"): "≥ 0.6x",
-    ("native", "", "nginx"): "≥ 0.7x",
+def baseline_mode(mode: str) -> str:
+    """The no-filter row a mode's ratios are to: plain proxying by the same Envoy (the Envoy 1.39
+    rows to Envoy 1.39's), and Envoy 1.39's own no-filter row to Envoy 1.40's."""
+    return NO_FILTER_1_39 if mode.startswith("native-1.39") else NO_FILTER
+
+
+PROTOCOLS = ("HTTP/1.1", "gRPC")
+SMALL = ("1 KiB", "64 KiB")
+# The hosts of the summary table: (host, its hit rows' modes, its miss rows' mode prefix or None).
+SUMMARY_HOSTS = [
+    ("Wasm", ("Wasm, hits", "Wasm, hits (single pass)"), "Wasm, misses"),
+    ("Wasm without held headers", ("Wasm without held headers, hits (single pass)",), None),
+    ("native", ("native, hits", "native, hits (single pass)"), "native, misses"),
+    ("native-1.39", ("native-1.39, hits", "native-1.39, hits (single pass)"), "native-1.39, misses"),
+]
+# Issue 37's targets (quiet machine): (host, measure, protocol, answer) -> target ratio. Hits and
+# misses are to plain proxying by the same Envoy; "Envoy cache filter" is hits to its GET hits.
+TARGETS: dict[tuple[str, str, str, str], str] = {
+    **{(h, "hits", p, a): "≥ 2.0x" for h in ("native", "native-1.39") for p in PROTOCOLS for a in SMALL},
+    **{(h, "Envoy cache filter", "HTTP/1.1", a): "≥ 1.0x" for h in ("native", "native-1.39") for a in SMALL},
+    **{(h, "hits", p, a): "≥ 1.0x" for h in ("Wasm", "Wasm without held headers") for p in PROTOCOLS
+       for a in (*SMALL, "1 MiB")},
+    ("Wasm", "hits", "HTTP/1.1", "1 KiB"): "≥ 1.3x",
+    **{("Wasm", "misses", p, "1 KiB"): "≥ 0.55x" for p in PROTOCOLS},
+    **{("Wasm", "misses", p, "64 KiB"): "≥ 0.35x" for p in PROTOCOLS},
 }
 
 
-def render(rows: list[Row], seconds: int) -> str:
+def target(host: str, measure: str, protocol: str, answer: str) -> str:
+    return TARGETS.get((host, measure, protocol, answer), "-")
+
+
+def render(rows: list[Row], seconds: int, load: tuple[float, float] | None = None) -> str:
+    """The section's tables. `load`: the 1-minute load average when the run started and ended."""
     def fmt(v: float | None) -> str:
         return "-" if v is None else f"{v:.2f}"
 
     def cpu(r: Row | None) -> str:
         return "-" if r is None or r.cpu_us is None else f"{r.cpu_us:.0f}"
 
-    base = {(r.protocol, r.size): r.result.rps for r in rows if r.mode == "no filter"}
+    by_mode = {(r.protocol, r.size, r.mode): r for r in rows}
+
+    def base(r: Row) -> Row:
+        return by_mode[(r.protocol, r.size, baseline_mode(r.mode))]
+
     lines = []
     for r in rows:
-        ratio = r.result.rps / base[(r.protocol, r.size)]
         lines.append([r.protocol, r.size, r.mode, f"{r.result.rps:,.0f}", fmt(r.result.p50_ms), fmt(r.result.p99_ms),
-                      fmt(r.result.mean_ms), f"{ratio:.2f}x", cpu(r), r.result.errors, r.check])
-    summary = []
-    for (protocol, size), rps in base.items():
+                      fmt(r.result.mean_ms), f"{r.result.rps / base(r).result.rps:.2f}x", cpu(r), r.result.errors,
+                      r.check])
+    summary, envoys = [], []
+    for (protocol, size) in dict.fromkeys((r.protocol, r.size) for r in rows):
         same = {r.mode: r for r in rows if (r.protocol, r.size) == (protocol, size)}
         nginx, anchor = same.get("nginx proxy_cache, hits"), same.get("Envoy cache filter, GET hits")
-        for host in CACHE_HOSTS:
-            hit = next(r for m, r in same.items() if m in (f"{host}, hits", f"{host}, hits (single pass)"))
-            miss = next(r for m, r in same.items() if m.startswith(f"{host}, misses"))
+        plain = same[NO_FILTER]
+        if NO_FILTER_1_39 in same:
+            old = same[NO_FILTER_1_39]
+            envoys.append(f"{protocol} {size} {old.result.rps / plain.result.rps:.2f}x ({cpu(old)} / {cpu(plain)})")
+        for host, hit_modes, miss_prefix in SUMMARY_HOSTS:
+            hit = next((same[m] for m in hit_modes if m in same), None)
+            if hit is None:
+                continue
+            miss = next((r for m, r in same.items() if miss_prefix and m.startswith(miss_prefix)), None)
+            rps = base(hit).result.rps
             summary.append([
                 protocol, size, host,
-                f"{hit.result.rps / rps:.2f}x", TARGETS.get((host, protocol, "hits"), "-"),
-                f"{miss.result.rps / rps:.2f}x", TARGETS.get((host, size, "misses"), "-"),
+                f"{hit.result.rps / rps:.2f}x", target(host, "hits", protocol, size),
+                f"{miss.result.rps / rps:.2f}x" if miss else "-", target(host, "misses", protocol, size),
                 f"{hit.result.rps / nginx.result.rps:.2f}x" if nginx else "-",
-                TARGETS.get((host, "", "nginx"), "-") if nginx else "-",
                 f"{hit.result.rps / anchor.result.rps:.2f}x" if anchor else "-",
-                f"{anchor.result.rps / rps:.2f}x" if anchor else "-",
-                f"{cpu(hit)} / {cpu(miss)} / {cpu(same['no filter'])}"])
+                target(host, "Envoy cache filter", protocol, size) if anchor else "-",
+                f"{anchor.result.rps / plain.result.rps:.2f}x" if anchor else "-",
+                f"{cpu(hit)} / {cpu(miss)} / {cpu(base(hit))}"])
+    load_line = (f" 1-minute load average {load[0]:.2f} when the run started, {load[1]:.2f} when it ended, on "
+                 f"{os.cpu_count()} cores (other work on the machine moves req/s more than CPU µs/req)."
+                 if load else "")
     return (
         f"Each run: {seconds} s per mode and round, modes interleaved, mean of the rounds; 16 connections, one "
-        "load-generator thread; Envoy `--concurrency 1` with the project's buffer limits; nginx 1 worker.\n"
+        "load-generator thread; Envoy `--concurrency 1` with the project's buffer limits; nginx 1 worker."
+        + load_line + "\n"
         "Request body ~300 B JSON (HTTP) or a small ModelInferRequest (gRPC); answers of the size shown. "
         "On this VM, absolute numbers of two runs of the same build differ by up to ~20%: read the ratios "
         "within one run. 'Wasm' is the proxy-wasm filter (the one Istio loads), 'native' the Envoy dynamic "
-        "module, both the same cache core and config; 'loaded, request ignored' is the floor each host "
-        "costs here (Envoy's per-request callbacks into it). CPU: the Envoy process's user + system µs per "
-        "request during the row.\n\n"
+        "module, both the same cache core and config, on Envoy 1.40; 'native-1.39' is the module's Envoy 1.39 "
+        "build on Envoy 1.39.3 (istio-proxy 1.31's Envoy), and its 'vs no filter' is to 'no filter (Envoy "
+        "1.39)', plain proxying by that same Envoy (that row's own ratio is Envoy 1.39's plain speed over "
+        "1.40's); 'loaded, request ignored' is the floor each host costs here (Envoy's per-request callbacks "
+        "into it). CPU: the Envoy process's user + system µs per request during the row.\n\n"
         + table(["protocol", "answer", "mode", "req/s", "p50 ms", "p99 ms", "mean ms", "vs no filter",
                  "Envoy CPU µs/req", "errors", "cache counters during run"], lines)
-        + "\n\nRatios (targets from the filter issues; Envoy's own cache filter serves GET hits of the same "
-        "answer, HTTP only):\n\n"
+        + "\n\nRatios (targets from issue 37; hits and misses to plain proxying by the host's own Envoy; "
+        "Envoy's own cache filter, on Envoy 1.40, serves GET hits of the same answer, HTTP only):\n\n"
         + table(["protocol", "answer", "host", "hits / no filter", "target", "misses / no filter", "target",
-                 "hits / nginx hits", "target", "hits / Envoy cache filter hits", "Envoy cache filter / no filter",
+                 "hits / nginx hits", "hits / Envoy cache filter hits", "target", "Envoy cache filter / no filter",
                  "CPU µs/req: hits / misses / no filter"], summary)
+        + ("\n\nPlain proxying, Envoy 1.39 over Envoy 1.40 in this run (req/s; CPU µs/req 1.39 / 1.40): "
+           + ", ".join(envoys) + "." if envoys else "")
     )
 
 
@@ -450,27 +508,32 @@ def main() -> None:
     parser.add_argument("--sizes", default="1024,65536,1048576,8388608", help="answer sizes in bytes")
     parser.add_argument("--no-write", action="store_true", help="print only; do not update docs/benchmarks.md")
     args = parser.parse_args()
+    load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="meshcache-bench-") as tmp:
         sizes = [int(x) for x in args.sizes.split(",")]
         rows = [row for size in sizes for row in run_size(size, args.seconds, Path(tmp), args.rounds)]
-    text = render(rows, args.seconds)
+    text = render(rows, args.seconds, (load_before, os.getloadavg()[0]))
     print(text)
     if not args.no_write:
-        base = {(r.protocol, r.size): r for r in rows if r.mode == "no filter"}
+        base = {(r.protocol, r.size, r.mode): r for r in rows if r.mode in (NO_FILTER, NO_FILTER_1_39)}
+
+        def baseline(r: Row) -> Row:
+            return base[(r.protocol, r.size, baseline_mode(r.mode))]
 
         def round_ratios(r: Row) -> list[float]:
             """Each round's req/s over the same round's no-filter req/s (modes run interleaved)."""
-            b = base[(r.protocol, r.size)].rounds_rps or []
+            b = baseline(r).rounds_rps or []
             return [round(x / y, 3) for x, y in zip(r.rounds_rps or [], b, strict=False) if y]
 
         stored = [{"protocol": r.protocol, "answer": r.size, "mode": r.mode, "rps": round(r.result.rps, 1),
                    "p50_ms": r.result.p50_ms, "p99_ms": r.result.p99_ms, "mean_ms": r.result.mean_ms,
-                   "vs_no_filter": round(r.result.rps / base[(r.protocol, r.size)].result.rps, 3),
+                   "vs_no_filter": round(r.result.rps / baseline(r).result.rps, 3),
+                   "baseline": baseline_mode(r.mode),
                    "rounds_rps": [round(x, 1) for x in r.rounds_rps or []], "rounds_vs_no_filter": round_ratios(r),
                    "errors": r.result.errors, "counters": r.check, "envoy_cpu_us": r.cpu_us,
                    **({"quantiles_ms": r.result.quantiles_ms} if r.result.quantiles_ms else {})} for r in rows]
         publish("filter", "Filter: proxy throughput with and without the cache (`python -m bench.filter`)", text,
-                {"seconds": args.seconds, "rows": stored})
+                {"seconds": args.seconds, "rows": stored, "load_average_1m_before": load_before})
 
 
 if __name__ == "__main__":

@@ -43,7 +43,7 @@ from tests.helpers.kserve import MODEL_INFER, RESNET, resnet_request
 TARGET_RATIO = 0.1
 
 
-def _request(base: pb.ModelInferRequest, request_id: str, first_value: float | None = None) -> bytes:
+def request_with(base: pb.ModelInferRequest, request_id: str, first_value: float | None = None) -> bytes:
     """`base` with this request id and, if given, its tensor's first element replaced (a new key)."""
     request = pb.ModelInferRequest()
     request.CopyFrom(base)
@@ -63,14 +63,16 @@ def _status_kind(cache_status: str) -> str:
     return "bypass" if "fwd=bypass" in cache_status else cache_status or "none"
 
 
-async def _load(target: str, payload: Callable[[int], bytes], concurrency: int, warmup: float,
-                duration: float, statuses: collections.Counter[str]) -> LatencyResult:
-    """Closed loop of `concurrency` callers; counts the measured answers' Cache-Status kinds."""
+async def closed_loop(target: str, payload: Callable[[int], bytes], concurrency: int, warmup: float,
+                      duration: float, statuses: collections.Counter[str], authority: str = "") -> LatencyResult:
+    """Closed loop of `concurrency` callers; counts the measured answers' Cache-Status kinds.
+    `authority`: the `:authority` to send (the Service name a sidecar's egress routes on)."""
     latencies: list[float] = []
     errors = 0
     kinds: collections.Counter[str] = collections.Counter()
     counter = itertools.count()
-    async with grpc.aio.insecure_channel(target) as channel:
+    options = [("grpc.default_authority", authority)] if authority else []
+    async with grpc.aio.insecure_channel(target, options=options) as channel:
         call = channel.unary_unary(MODEL_INFER)  # bytes in and out: no client-side protobuf work
         start = time.perf_counter()
         measure_from, stop_at = start + warmup, start + warmup + duration
@@ -127,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     load_before = os.getloadavg()[0]
     base = resnet_request(7)
     run_tag = str(time.time_ns())  # ids never seen by a previous run's cache
-    stored = [_request(base, f"hit-{run_tag}-{i}") for i in range(64)]
+    stored = [request_with(base, f"hit-{run_tag}-{i}") for i in range(64)]
     results: dict[tuple[str, int], LatencyResult] = {}
     seen: dict[tuple[str, int], collections.Counter[str]] = collections.defaultdict(collections.Counter)
     with tempfile.TemporaryDirectory(prefix="meshcache-bench-mesh-") as tmp:
@@ -135,24 +137,25 @@ def main(argv: list[str] | None = None) -> int:
         with Mesh(config, log=lambda m: print(f"  {m}", flush=True)) as mesh:
             app = mesh.endpoints()["app"]
             _set_enabled(mesh, True)
-            asyncio.run(_load(app, lambda i: stored[i % len(stored)], 1, 0, 0.5, collections.Counter()))  # store it
+            store_it = closed_loop(app, lambda i: stored[i % len(stored)], 1, 0, 0.5, collections.Counter())  # warm
+            asyncio.run(store_it)
             first = float(time.time_ns() % 1_000_000)  # inputs no previous run's cache holds
             cases: dict[str, Callable[[int], bytes]] = {
-                "miss": lambda i: _request(base, f"miss-{run_tag}-{i}", first + i),
+                "miss": lambda i: request_with(base, f"miss-{run_tag}-{i}", first + i),
                 "hit": lambda i: stored[i % len(stored)],
             }
             for case, payload in cases.items():
                 for c in levels:
                     print(f"{case}, concurrency {c} ...", flush=True)
                     results[(case, c)] = asyncio.run(
-                        _load(app, payload, c, args.warmup, args.duration, seen[(case, c)]))
+                        closed_loop(app, payload, c, args.warmup, args.duration, seen[(case, c)]))
             data = Path(tmp) / "request.bin"
             data.write_bytes(b"\0" + len(stored[0]).to_bytes(4, "big") + stored[0])  # one gRPC frame
             h2_cases = {"hit": _h2load_levels("hit", app, data, Path(tmp), int(args.duration))}
             _set_enabled(mesh, False)
             for c in levels:
                 print(f"cache disabled, concurrency {c} ...", flush=True)
-                results[("cache disabled", c)] = asyncio.run(_load(
+                results[("cache disabled", c)] = asyncio.run(closed_loop(
                     app, lambda i: stored[i % len(stored)], c, args.warmup, args.duration, seen[("cache disabled", c)]))
             h2_cases["cache disabled"] = _h2load_levels("cache disabled", app, data, Path(tmp), int(args.duration))
     rows, stored = [], []

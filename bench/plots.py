@@ -28,7 +28,8 @@ from meshcache.contract.paths import REPO_ROOT  # noqa: E402
 
 RESULTS_DIR = REPO_ROOT / "docs" / "benchmarks"
 Results = dict[str, Any]
-COLORS = ("#2451b7", "#d9822b", "#17803d", "#b42318", "#7a4fb5", "#5b6678")
+COLORS = ("#2451b7", "#d9822b", "#17803d", "#b42318", "#7a4fb5", "#5b6678", "#0f8b8d", "#c2185b", "#8d6e00",
+          "#9aa5b8")
 
 
 def results_path(name: str, directory: Path = RESULTS_DIR) -> Path:
@@ -169,32 +170,69 @@ def plot_mesh(results: Results, out: Path) -> list[Path]:
     return [throughput, latency]
 
 
+def plot_mesh_hosts(results: Results, out: Path) -> list[Path]:
+    hits = [r for r in results["rows"] if r["case"] == "hit"]
+    shapes = list(dict.fromkeys((r["client"], r["concurrency"]) for r in hits))
+    hosts = list(dict.fromkeys(r["host"] for r in hits))
+
+    def value(host: str, shape: tuple[str, int]) -> float | None:
+        return next((r["rps"] for r in hits if r["host"] == host and (r["client"], r["concurrency"]) == shape), None)
+
+    fig, ax = _figure("Istio meshes: gRPC hits per second, Wasm vs native sidecars", results)
+    _grouped_bars(ax, [f"{c}, c={n}" for c, n in shapes], {h: [value(h, s) for s in shapes] for h in hosts})
+    ax.set_ylabel("requests/s")
+    throughput = _save(fig, out / "mesh-hosts-throughput.png")
+    latency = _latency(results, hits, "Istio meshes: gRPC hit latency, Wasm vs native sidecars",
+                       lambda r: f"{r['host']}, {r['client']}, c={r['concurrency']}", out / "mesh-hosts-latency.png")
+    return [throughput, latency]
+
+
 def plot_propagation(results: Results, out: Path) -> list[Path]:
     rows = results["rows"]
     return [_latency(results, rows, "Policy propagation: PUT answered to ECDS ACK", lambda r: r["setup"],
                      out / "propagation-latency.png")]
 
 
+def filter_series(mode: str) -> str | None:
+    """The throughput chart's series a bench.filter mode belongs to (each host's hits and misses,
+    whatever the size's variant of the mode, and the anchors); None: a table-only row."""
+    if mode == "no filter":
+        return None
+    if mode in ("no filter (Envoy 1.39)", "Envoy cache filter, GET hits", "nginx proxy_cache, hits"):
+        return mode
+    if mode == "Wasm without held headers, hits (single pass)":
+        return "Wasm hits, no held headers"
+    host, _, kind = mode.partition(", ")
+    if host in ("Wasm", "native", "native-1.39") and kind.split(" (")[0] in ("hits", "misses"):
+        return f"{host} {kind.split(' (')[0]}"
+    return None
+
+
 def plot_filter(results: Results, out: Path) -> list[Path]:
     rows = results["rows"]
     shapes = list(dict.fromkeys((r["protocol"], r["answer"]) for r in rows))
-    modes = [m for m in dict.fromkeys(r["mode"] for r in rows) if m != "no filter"]
+    series = [s for s in dict.fromkeys(filter_series(r["mode"]) for r in rows) if s]
 
-    def ratio(mode: str, shape: tuple[str, str]) -> float | None:
-        return next((r["vs_no_filter"] for r in rows if r["mode"] == mode and (r["protocol"], r["answer"]) == shape),
+    def row(name: str, shape: tuple[str, str]) -> dict[str, Any] | None:
+        return next((r for r in rows if filter_series(r["mode"]) == name and (r["protocol"], r["answer"]) == shape),
                     None)
 
-    def rounds(mode: str, shape: tuple[str, str]) -> list[float]:
-        return next((list(r.get("rounds_vs_no_filter") or []) for r in rows
-                     if r["mode"] == mode and (r["protocol"], r["answer"]) == shape), [])
+    def ratio(name: str, shape: tuple[str, str]) -> float | None:
+        r = row(name, shape)
+        return r["vs_no_filter"] if r else None
 
-    spread = {m: [rounds(m, s) for s in shapes] for m in modes}
+    def rounds(name: str, shape: tuple[str, str]) -> list[float]:
+        r = row(name, shape)
+        return list(r.get("rounds_vs_no_filter") or []) if r else []
+
+    spread = {m: [rounds(m, s) for s in shapes] for m in series}
     has_rounds = any(v for vs in spread.values() for v in vs)
-    title = "Proxy throughput relative to Envoy without the filter (1.0 = no filter)"
+    title = "Proxy throughput relative to Envoy without the filter (1.0 = no filter, the host's own Envoy)"
     fig, ax = _figure(title + ("\nwhiskers: min-max of the rounds' ratios (each round against its own no-filter run)"
-                               if has_rounds else ""), results, width=10.5)
-    _grouped_bars(ax, [f"{p} {a}" for p, a in shapes], {m: [ratio(m, s) for s in shapes] for m in modes},
+                               if has_rounds else ""), results, width=11.5, height=5.6)
+    _grouped_bars(ax, [f"{p} {a}" for p, a in shapes], {m: [ratio(m, s) for s in shapes] for m in series},
                   fmt="{:.2f}", spread=spread if has_rounds else None)
+    ax.legend(fontsize=8, frameon=False, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.08))
     ax.axhline(1.0, color="#1d2430", linewidth=0.8)
     ax.set_ylabel("requests/s ÷ no filter")
     drawn = [_save(fig, out / "filter-throughput-ratio.png")]
@@ -202,7 +240,8 @@ def plot_filter(results: Results, out: Path) -> list[Path]:
     shown = [r for r in rows if r.get("quantiles_ms") and r["answer"] == "1 KiB"
              and r["mode"] in ("no filter", "Wasm, misses", "Wasm, hits", "Wasm, misses (no-cache)",
                                "Wasm, hits (single pass)", "native, misses", "native, hits",
-                               "native, misses (no-cache)", "native, hits (single pass)")]
+                               "native, misses (no-cache)", "native, hits (single pass)",
+                               "no filter (Envoy 1.39)", "native-1.39, hits", "native-1.39, hits (single pass)")]
     if shown:
         fig, ax = _figure("Filter latency, 1 KiB answers (16 connections, one load-generator thread)", results)
         _cdf(ax, shown, lambda r: f"{r['protocol']} {r['mode']}")
@@ -274,7 +313,7 @@ def plot_filter_ab(results: Results, out: Path) -> list[Path]:
 PLOTTERS: dict[str, Callable[[Results, Path], list[Path]]] = {
     "engine": plot_engine, "mesh": plot_mesh, "propagation": plot_propagation, "filter": plot_filter,
     "replicas": plot_replicas, "coalesce": plot_coalesce, "affinity": plot_affinity, "stale": plot_stale,
-    "filter-ab": plot_filter_ab,
+    "filter-ab": plot_filter_ab, "mesh-hosts": plot_mesh_hosts,
 }
 
 

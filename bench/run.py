@@ -16,6 +16,7 @@ import bench.filter
 import bench.filter_ab
 import bench.llm
 import bench.mesh
+import bench.mesh_hosts
 import bench.propagation
 import bench.replicas
 import bench.semantic_index
@@ -23,6 +24,7 @@ import bench.semantic_precision
 import bench.stale
 
 BENCHMARKS: tuple[ModuleType, ...] = (bench.filter, bench.filter_ab, bench.engine, bench.propagation, bench.mesh,
+                                     bench.mesh_hosts,
                                      bench.replicas, bench.coalesce, bench.affinity, bench.stale, bench.llm,
                                      bench.semantic_precision, bench.semantic_index)
 

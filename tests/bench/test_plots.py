@@ -36,3 +36,14 @@ def test_recorded_quantiles_are_drawn_as_distributions(tmp_path: Path) -> None:
         del r["quantiles_ms"]
     without = plots.plot("propagation", {"rows": rows}, tmp_path / "bars")[0].read_bytes()
     assert with_samples.startswith(PNG) and without.startswith(PNG) and with_samples != without
+
+
+def test_filter_chart_series_are_each_hosts_hits_and_misses_and_the_anchors() -> None:
+    assert plots.filter_series("native-1.39, hits (single pass)") == "native-1.39 hits"
+    assert plots.filter_series("native, misses (no-cache), streamed") == "native misses"
+    assert plots.filter_series("Wasm, hits") == "Wasm hits"
+    assert plots.filter_series("Wasm without held headers, hits (single pass)") == "Wasm hits, no held headers"
+    assert plots.filter_series("no filter (Envoy 1.39)") == "no filter (Envoy 1.39)"
+    for table_only in ("no filter", "Wasm, loaded, request ignored", "Wasm, hits, request ids",
+                       "Wasm, misses, request ids", "Wasm, hits, no request id"):
+        assert plots.filter_series(table_only) is None, table_only
