@@ -56,6 +56,7 @@ from meshcache.contract.wasm_filter import (
     CLIENT_FILTER_NAME,
     FILTER_NAME,
     ROOT_ID,
+    WASM_TYPE_URL,
     code_for,
     ecds_http_filter,
     extension_config,
@@ -82,6 +83,21 @@ ROUTER = "envoy.filters.http.router"
 RBAC_TYPE_URL = "type.googleapis.com/envoy.extensions.filters.http.rbac.v3.RBAC"
 # As istiod configures ECDS for its own extensions: over ADS, and the listener waits for it.
 ADS_CONFIG_SOURCE = {"ads": {}, "resource_api_version": "V3", "initial_fetch_timeout": "0s"}
+# The fail-open default of every filter taken from istiod (either host, either role): an RBAC
+# filter without rules enforces nothing, what istio-agent hands Envoy for a FAIL_OPEN Wasm filter
+# it cannot fetch. It covers a sidecar whose first config is refused (a config the filter rejects,
+# a Wasm module that fails to start, a native module built for another Envoy): without it Envoy
+# leaves the listener serving with a filter that has no config, a 500 for every request; with it
+# that sidecar serves uncached. The listener still waits for the first answer (`warm`, as
+# istiod's own extensions do), so a healthy new sidecar is Ready only with the cache in place
+# (docs/istio.md, "A sidecar whose first config is refused").
+FAIL_OPEN_DEFAULT: Obj = {"@type": RBAC_TYPE_URL}
+
+
+def _istiod_ecds_filter(name: str = FILTER_NAME, type_url: str = WASM_TYPE_URL) -> Obj:
+    """The `HTTP_FILTER` patch value: the filter by ECDS over ADS, the fail-open default, warming."""
+    return ecds_http_filter(ADS_CONFIG_SOURCE, FAIL_OPEN_DEFAULT, extra_type_urls=(RBAC_TYPE_URL,), name=name,
+                            type_url=type_url, warm=True)
 
 
 def oci_url(repository: str, digest: str) -> str:
@@ -202,7 +218,7 @@ def envoy_filter(*, color: str, url: str, sha256: str, plugin_config: Obj,
     http_ports, grpc_ports = w.http_ports, w.grpc_ports
     config = {**plugin_config, "color": color}
     ecds = extension_config(code_for(url, sha256), config)
-    cache_filter = ecds_http_filter(ADS_CONFIG_SOURCE, extra_type_urls=(RBAC_TYPE_URL,))
+    cache_filter = _istiod_ecds_filter()
     patches: list[Obj] = [{"applyTo": "EXTENSION_CONFIG", "patch": {"operation": "ADD", "value": ecds}}]
     for port in http_ports:
         patches.append(_inbound_http_filter(port, cache_filter))
@@ -234,7 +250,7 @@ def client_envoy_filter(*, url: str, sha256: str, plugin_config: Obj, ports: Ite
     the cached workloads' Service ports (a caller's outbound listener is per Service port)."""
     _check_pin(sha256)
     ecds = extension_config(code_for(url, sha256), client_plugin_config(plugin_config), name=CLIENT_FILTER_NAME)
-    client_filter = ecds_http_filter(ADS_CONFIG_SOURCE, extra_type_urls=(RBAC_TYPE_URL,), name=CLIENT_FILTER_NAME)
+    client_filter = _istiod_ecds_filter(CLIENT_FILTER_NAME)
     return _client_object(ecds, client_filter, ports)
 
 
@@ -287,11 +303,6 @@ def traffic_extension(*, color: str, url: str, sha256: str, plugin_config: Obj,
 # under Istio 1.31"); no istio-agent fetch applies to it (the agent only converts Wasm configs).
 
 NATIVE_MODULE_DIR = "/var/lib/meshcache/modules"  # where the sidecar sees the module (render mounts it)
-# Until a sidecar has a config the module accepted (the first ECDS answer, or when that first one is
-# refused: a module built for another Envoy ABI, a config it rejects), it runs this pass-through
-# (an RBAC filter without rules enforces nothing): traffic flows uncached instead of Envoy's 500 for
-# a filter without config. What istio-agent hands Envoy for a FAIL_OPEN Wasm filter it cannot fetch.
-FAIL_OPEN_DEFAULT: Obj = {"@type": RBAC_TYPE_URL}
 
 
 def native_extension_config(module_path: str, plugin_config: Obj, name: str = FILTER_NAME) -> Obj:
@@ -305,8 +316,7 @@ def native_envoy_filter(*, color: str, module_path: str, plugin_config: Obj,
                         workloads: Workloads | None = None) -> Obj:
     w = workloads or Workloads()
     ecds = native_extension_config(module_path, {**plugin_config, "color": color})
-    cache_filter = ecds_http_filter(ADS_CONFIG_SOURCE, FAIL_OPEN_DEFAULT, extra_type_urls=(RBAC_TYPE_URL,),
-                                    type_url=DYNAMIC_MODULE_TYPE_URL)
+    cache_filter = _istiod_ecds_filter(type_url=DYNAMIC_MODULE_TYPE_URL)
     patches: list[Obj] = [{"applyTo": "EXTENSION_CONFIG", "patch": {"operation": "ADD", "value": ecds}}]
     patches += [_inbound_http_filter(port, cache_filter) for port in w.ports]
     return _envoy_filter_object(object_name(color), w.selector(color), patches)
@@ -315,8 +325,7 @@ def native_envoy_filter(*, color: str, module_path: str, plugin_config: Obj,
 def native_client_envoy_filter(*, module_path: str, plugin_config: Obj, ports: Iterable[int] = ENGINE_PORTS) -> Obj:
     """The client role in the native host; the callers' sidecars need the module too."""
     ecds = native_extension_config(module_path, client_plugin_config(plugin_config), name=CLIENT_FILTER_NAME)
-    client_filter = ecds_http_filter(ADS_CONFIG_SOURCE, FAIL_OPEN_DEFAULT, extra_type_urls=(RBAC_TYPE_URL,),
-                                     name=CLIENT_FILTER_NAME, type_url=DYNAMIC_MODULE_TYPE_URL)
+    client_filter = _istiod_ecds_filter(CLIENT_FILTER_NAME, DYNAMIC_MODULE_TYPE_URL)
     return _client_object(ecds, client_filter, ports)
 
 
