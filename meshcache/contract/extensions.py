@@ -8,7 +8,8 @@ instead of the Wasm filter, below):
 - **full** (default): one EnvoyFilter per colour. `EXTENSION_CONFIG` ADD carries the exact Wasm
   filter config (`vm_id`, `allow_on_headers_stop_iteration`, code fetched by istio-agent from
   the OCI image pinned by digest), which istiod serves by ECDS over ADS; `HTTP_FILTER` patches put
-  the filter (`config_discovery` over ADS) and, on the gRPC port, the Lua filter
+  the filter (`config_discovery` over ADS, `FAIL_OPEN_DEFAULT` if its first config is refused)
+  and, on the gRPC port, the Lua filter
   `meshcache.grpc_hit_body` right after it, just before the router; an `HTTP_ROUTE` patch puts the
   single-pass gRPC-hit route first in the gRPC port's inbound route. gRPC is cached.
 - **basic**: one TrafficExtension per colour (what a WasmPlugin turns into inside istiod). istiod
@@ -86,7 +87,7 @@ ADS_CONFIG_SOURCE = {"ads": {}, "resource_api_version": "V3", "initial_fetch_tim
 # The fail-open default of every filter taken from istiod (either host, either role): an RBAC
 # filter without rules enforces nothing, what istio-agent hands Envoy for a FAIL_OPEN Wasm filter
 # it cannot fetch. It covers a sidecar whose first config is refused (a config the filter rejects,
-# a Wasm module that fails to start, a native module built for another Envoy): without it Envoy
+# a module Envoy cannot load, e.g. a native one built for another Envoy): without it Envoy
 # leaves the listener serving with a filter that has no config, a 500 for every request; with it
 # that sidecar serves uncached. The listener still waits for the first answer (`warm`, as
 # istiod's own extensions do), so a healthy new sidecar is Ready only with the cache in place
@@ -359,17 +360,41 @@ KUBE_RESOURCES = {
 # What the writer does with its kind, so all the Role grants (no watch: it re-lists on a timer;
 # no update: server-side apply is a PATCH, and creating through it needs create).
 WRITER_VERBS = ("get", "list", "create", "patch", "delete")
+# The Role that lets the control plane write its kind (render and the chart make it, in the
+# control plane's namespace, with delivery kube). It is also the owner of every object written
+# (`ownerReferences`): Kubernetes' garbage collector deletes them when the Role is deleted
+# (`helm uninstall`, `kubectl delete -f` of the rendered manifests), and nothing else does; a
+# control-plane restart, crash or rollout leaves the Role, so the objects stay. Its name is part
+# of the contract: renaming it would delete the objects of every existing install.
+WRITER_ROLE = "meshcache-control-plane-istio-objects"
+RBAC_GROUP = "rbac.authorization.k8s.io"
+# The writer's second rule: read its own Role (for the owner's uid), that Role only.
+WRITER_OWNER_RULE: Obj = {"apiGroups": [RBAC_GROUP], "resources": ["roles"], "resourceNames": [WRITER_ROLE],
+                          "verbs": ["get"]}
 
 
-def kube_object(obj: Obj, *, namespace: str, version: int, revision: str = "") -> Obj:
+def role_path(namespace: str, name: str = WRITER_ROLE) -> str:
+    return f"/apis/{RBAC_GROUP}/v1/namespaces/{namespace}/roles/{name}"
+
+
+def owner_reference(role: Obj) -> Obj:
+    """A namespaced object may only be owned by one of its own namespace (the writer's Role is)."""
+    return {"apiVersion": f"{RBAC_GROUP}/v1", "kind": "Role", "name": role["metadata"]["name"],
+            "uid": role["metadata"]["uid"]}
+
+
+def kube_object(obj: Obj, *, namespace: str, version: int, revision: str = "", owner: Obj | None = None) -> Obj:
     """`obj` as the control plane writes it: namespaced, labelled as meshcache's (the writer
-    prunes only objects with this label that its field manager owns) and stamped with the
-    snapshot version (a replica never overwrites a newer one)."""
+    prunes only objects with this label that its field manager owns), stamped with the snapshot
+    version (a replica never overwrites a newer one) and, given the writer's Role (`owner`),
+    owned by it (removed with it)."""
     labels = dict(MANAGED_BY)
     if revision:
         labels[REVISION_LABEL] = revision
     meta = {**obj["metadata"], "namespace": namespace, "labels": {**obj["metadata"].get("labels", {}), **labels},
             "annotations": {**obj["metadata"].get("annotations", {}), SNAPSHOT_ANNOTATION: str(version)}}
+    if owner is not None:
+        meta["ownerReferences"] = [owner_reference(owner)]
     return {**obj, "metadata": meta}
 
 
