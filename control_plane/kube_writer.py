@@ -16,6 +16,14 @@ ever taking config away by accident:
 - only our own objects: an object is ours when our field manager applied it. Ours are applied with
   `force` (fields someone edited by hand go back, as with any controller); an object of the same
   name that someone else made is neither overwritten nor deleted: it is reported (log, metric).
+
+Removal with the install: every object is owned (`ownerReferences`) by the writer's Role
+(`extensions.WRITER_ROLE`, read each pass for its uid), so Kubernetes' garbage collector deletes
+them when the install goes (`helm uninstall`, `kubectl delete -f`), the Role with it; nothing this
+process does (a restart, a crash, a rollout) deletes the Role. A Role it may not read (another RBAC
+setup) leaves the objects unowned: they are written as before and stay after an uninstall. A Role
+that does not exist (the install being removed) makes a pass write nothing: an apply without the
+owner would take it off the objects and keep them.
 """
 
 from __future__ import annotations
@@ -41,6 +49,10 @@ SELECTOR = ",".join(f"{k}={v}" for k, v in MANAGED_BY.items())
 Obj = dict[str, Any]
 
 
+class OwnerGone(Exception):
+    """The writer's Role is not there."""
+
+
 def servable(snapshot: Snapshot) -> bool:
     """A snapshot the store really holds. Version 0 is the cache's placeholder before any snapshot
     was loaded (store unreachable at start, or never configured): writing it would empty the mesh."""
@@ -60,9 +72,17 @@ def version_of(obj: Obj) -> int:
 
 def unchanged(current: Obj, desired: Obj) -> bool:
     meta, want = current["metadata"], desired["metadata"]
+    owners = {(o.get("kind"), o.get("name"), o.get("uid")) for o in meta.get("ownerReferences") or []}
     return (current.get("spec") == desired["spec"]
             and all((meta.get("labels") or {}).get(k) == v for k, v in want["labels"].items())
-            and all((meta.get("annotations") or {}).get(k) == v for k, v in want["annotations"].items()))
+            and all((meta.get("annotations") or {}).get(k) == v for k, v in want["annotations"].items())
+            and all((o["kind"], o["name"], o["uid"]) in owners for o in want.get("ownerReferences", [])))
+
+
+def with_owner(obj: Obj, owner: Obj | None) -> Obj:
+    if owner is None:
+        return obj
+    return {**obj, "metadata": {**obj["metadata"], "ownerReferences": [extensions.owner_reference(owner)]}}
 
 
 class KubeWriter:
@@ -77,6 +97,7 @@ class KubeWriter:
         self._wake = asyncio.Event()
         self._desired = SnapshotMemo(self._build)
         self._said = ""  # the last skip message logged (logged once, not every resync)
+        self._said_owner = ""
         self._task: asyncio.Task[None] | None = None
 
     def _build(self, snap: Snapshot) -> dict[str, Obj]:
@@ -89,6 +110,30 @@ class KubeWriter:
             log.warning("%s", message)
             self._said = message
 
+    async def _owner(self) -> Obj | None:
+        """The writer's Role (the owner of every object), None when this process may not read it.
+        Raises OwnerGone when it does not exist: the install is being removed (the objects go with
+        it), so nothing is written, which could otherwise strip their owner and keep them."""
+        try:
+            role = await self.api.get(extensions.role_path(self.namespace))
+        except KubeError as exc:
+            if exc.status != 403:
+                raise
+            self._say_owner(f"may not read Role {self.namespace}/{extensions.WRITER_ROLE}: the {self.istio.kind}s "
+                            "are written without an owner and stay when meshcache is uninstalled (delete them by "
+                            "label)")
+            return None
+        if role is None:
+            raise OwnerGone(f"Role {self.namespace}/{extensions.WRITER_ROLE} does not exist (meshcache being "
+                            f"uninstalled?): not writing; its {self.istio.kind}s go with it")
+        self._say_owner("")
+        return role
+
+    def _say_owner(self, message: str) -> None:
+        if message and message != self._said_owner:
+            log.warning("%s", message)
+        self._said_owner = message
+
     async def reconcile(self) -> bool:
         """One pass for the current snapshot; True when the API server holds it (conflicts aside)."""
         snap = self.cache.current
@@ -96,7 +141,13 @@ class KubeWriter:
             self._say("no snapshot loaded yet: the Istio objects in the API server are left as they are")
             self.metrics.kube_passes.labels("no_snapshot").inc()
             return False
-        desired = self._desired(snap)
+        try:
+            owner = await self._owner()
+        except OwnerGone as exc:
+            self._say(str(exc))
+            self.metrics.kube_passes.labels("no_owner").inc()
+            return False
+        desired = {name: with_owner(o, owner) for name, o in self._desired(snap).items()}
         listed = {o["metadata"]["name"]: o for o in await self.api.list(self.resource.path(self.namespace), SELECTOR)}
         mine = {name: o for name, o in listed.items() if ours(o)}
         newest = max((version_of(o) for o in mine.values()), default=0)

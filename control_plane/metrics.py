@@ -41,7 +41,8 @@ class Metrics:
             "to the Kubernetes API server (0: none yet)", registry=r)
         self.kube_passes = Counter(
             "meshcache_cp_kube_passes", "Reconcile passes by outcome: written (the API server holds this replica's "
-            "snapshot), no_snapshot and behind (nothing written or deleted), error", ["outcome"], registry=r)
+            "snapshot), no_snapshot, behind and no_owner (the writer's Role is gone; nothing written or deleted), "
+            "error", ["outcome"], registry=r)
         self.kube_writes = Counter("meshcache_cp_kube_writes", "Istio objects created, applied or deleted",
                                    ["op"], registry=r)
         self.kube_errors = Counter("meshcache_cp_kube_errors",

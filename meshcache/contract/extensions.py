@@ -8,7 +8,8 @@ instead of the Wasm filter, below):
 - **full** (default): one EnvoyFilter per colour. `EXTENSION_CONFIG` ADD carries the exact Wasm
   filter config (`vm_id`, `allow_on_headers_stop_iteration`, code fetched by istio-agent from
   the OCI image pinned by digest), which istiod serves by ECDS over ADS; `HTTP_FILTER` patches put
-  the filter (`config_discovery` over ADS) and, on the gRPC port, the Lua filter
+  the filter (`config_discovery` over ADS, `FAIL_OPEN_DEFAULT` if its first config is refused)
+  and, on the gRPC port, the Lua filter
   `meshcache.grpc_hit_body` right after it, just before the router; an `HTTP_ROUTE` patch puts the
   single-pass gRPC-hit route first in the gRPC port's inbound route. gRPC is cached.
 - **basic**: one TrafficExtension per colour (what a WasmPlugin turns into inside istiod). istiod
@@ -56,6 +57,7 @@ from meshcache.contract.wasm_filter import (
     CLIENT_FILTER_NAME,
     FILTER_NAME,
     ROOT_ID,
+    WASM_TYPE_URL,
     code_for,
     ecds_http_filter,
     extension_config,
@@ -82,6 +84,21 @@ ROUTER = "envoy.filters.http.router"
 RBAC_TYPE_URL = "type.googleapis.com/envoy.extensions.filters.http.rbac.v3.RBAC"
 # As istiod configures ECDS for its own extensions: over ADS, and the listener waits for it.
 ADS_CONFIG_SOURCE = {"ads": {}, "resource_api_version": "V3", "initial_fetch_timeout": "0s"}
+# The fail-open default of every filter taken from istiod (either host, either role): an RBAC
+# filter without rules enforces nothing, what istio-agent hands Envoy for a FAIL_OPEN Wasm filter
+# it cannot fetch. It covers a sidecar whose first config is refused (a config the filter rejects,
+# a module Envoy cannot load, e.g. a native one built for another Envoy): without it Envoy
+# leaves the listener serving with a filter that has no config, a 500 for every request; with it
+# that sidecar serves uncached. The listener still waits for the first answer (`warm`, as
+# istiod's own extensions do), so a healthy new sidecar is Ready only with the cache in place
+# (docs/istio.md, "A sidecar whose first config is refused").
+FAIL_OPEN_DEFAULT: Obj = {"@type": RBAC_TYPE_URL}
+
+
+def _istiod_ecds_filter(name: str = FILTER_NAME, type_url: str = WASM_TYPE_URL) -> Obj:
+    """The `HTTP_FILTER` patch value: the filter by ECDS over ADS, the fail-open default, warming."""
+    return ecds_http_filter(ADS_CONFIG_SOURCE, FAIL_OPEN_DEFAULT, extra_type_urls=(RBAC_TYPE_URL,), name=name,
+                            type_url=type_url, warm=True)
 
 
 def oci_url(repository: str, digest: str) -> str:
@@ -202,7 +219,7 @@ def envoy_filter(*, color: str, url: str, sha256: str, plugin_config: Obj,
     http_ports, grpc_ports = w.http_ports, w.grpc_ports
     config = {**plugin_config, "color": color}
     ecds = extension_config(code_for(url, sha256), config)
-    cache_filter = ecds_http_filter(ADS_CONFIG_SOURCE, extra_type_urls=(RBAC_TYPE_URL,))
+    cache_filter = _istiod_ecds_filter()
     patches: list[Obj] = [{"applyTo": "EXTENSION_CONFIG", "patch": {"operation": "ADD", "value": ecds}}]
     for port in http_ports:
         patches.append(_inbound_http_filter(port, cache_filter))
@@ -234,7 +251,7 @@ def client_envoy_filter(*, url: str, sha256: str, plugin_config: Obj, ports: Ite
     the cached workloads' Service ports (a caller's outbound listener is per Service port)."""
     _check_pin(sha256)
     ecds = extension_config(code_for(url, sha256), client_plugin_config(plugin_config), name=CLIENT_FILTER_NAME)
-    client_filter = ecds_http_filter(ADS_CONFIG_SOURCE, extra_type_urls=(RBAC_TYPE_URL,), name=CLIENT_FILTER_NAME)
+    client_filter = _istiod_ecds_filter(CLIENT_FILTER_NAME)
     return _client_object(ecds, client_filter, ports)
 
 
@@ -287,11 +304,6 @@ def traffic_extension(*, color: str, url: str, sha256: str, plugin_config: Obj,
 # under Istio 1.31"); no istio-agent fetch applies to it (the agent only converts Wasm configs).
 
 NATIVE_MODULE_DIR = "/var/lib/meshcache/modules"  # where the sidecar sees the module (render mounts it)
-# Until a sidecar has a config the module accepted (the first ECDS answer, or when that first one is
-# refused: a module built for another Envoy ABI, a config it rejects), it runs this pass-through
-# (an RBAC filter without rules enforces nothing): traffic flows uncached instead of Envoy's 500 for
-# a filter without config. What istio-agent hands Envoy for a FAIL_OPEN Wasm filter it cannot fetch.
-FAIL_OPEN_DEFAULT: Obj = {"@type": RBAC_TYPE_URL}
 
 
 def native_extension_config(module_path: str, plugin_config: Obj, name: str = FILTER_NAME) -> Obj:
@@ -305,8 +317,7 @@ def native_envoy_filter(*, color: str, module_path: str, plugin_config: Obj,
                         workloads: Workloads | None = None) -> Obj:
     w = workloads or Workloads()
     ecds = native_extension_config(module_path, {**plugin_config, "color": color})
-    cache_filter = ecds_http_filter(ADS_CONFIG_SOURCE, FAIL_OPEN_DEFAULT, extra_type_urls=(RBAC_TYPE_URL,),
-                                    type_url=DYNAMIC_MODULE_TYPE_URL)
+    cache_filter = _istiod_ecds_filter(type_url=DYNAMIC_MODULE_TYPE_URL)
     patches: list[Obj] = [{"applyTo": "EXTENSION_CONFIG", "patch": {"operation": "ADD", "value": ecds}}]
     patches += [_inbound_http_filter(port, cache_filter) for port in w.ports]
     return _envoy_filter_object(object_name(color), w.selector(color), patches)
@@ -315,8 +326,7 @@ def native_envoy_filter(*, color: str, module_path: str, plugin_config: Obj,
 def native_client_envoy_filter(*, module_path: str, plugin_config: Obj, ports: Iterable[int] = ENGINE_PORTS) -> Obj:
     """The client role in the native host; the callers' sidecars need the module too."""
     ecds = native_extension_config(module_path, client_plugin_config(plugin_config), name=CLIENT_FILTER_NAME)
-    client_filter = ecds_http_filter(ADS_CONFIG_SOURCE, FAIL_OPEN_DEFAULT, extra_type_urls=(RBAC_TYPE_URL,),
-                                     name=CLIENT_FILTER_NAME, type_url=DYNAMIC_MODULE_TYPE_URL)
+    client_filter = _istiod_ecds_filter(CLIENT_FILTER_NAME, DYNAMIC_MODULE_TYPE_URL)
     return _client_object(ecds, client_filter, ports)
 
 
@@ -350,17 +360,41 @@ KUBE_RESOURCES = {
 # What the writer does with its kind, so all the Role grants (no watch: it re-lists on a timer;
 # no update: server-side apply is a PATCH, and creating through it needs create).
 WRITER_VERBS = ("get", "list", "create", "patch", "delete")
+# The Role that lets the control plane write its kind (render and the chart make it, in the
+# control plane's namespace, with delivery kube). It is also the owner of every object written
+# (`ownerReferences`): Kubernetes' garbage collector deletes them when the Role is deleted
+# (`helm uninstall`, `kubectl delete -f` of the rendered manifests), and nothing else does; a
+# control-plane restart, crash or rollout leaves the Role, so the objects stay. Its name is part
+# of the contract: renaming it would delete the objects of every existing install.
+WRITER_ROLE = "meshcache-control-plane-istio-objects"
+RBAC_GROUP = "rbac.authorization.k8s.io"
+# The writer's second rule: read its own Role (for the owner's uid), that Role only.
+WRITER_OWNER_RULE: Obj = {"apiGroups": [RBAC_GROUP], "resources": ["roles"], "resourceNames": [WRITER_ROLE],
+                          "verbs": ["get"]}
 
 
-def kube_object(obj: Obj, *, namespace: str, version: int, revision: str = "") -> Obj:
+def role_path(namespace: str, name: str = WRITER_ROLE) -> str:
+    return f"/apis/{RBAC_GROUP}/v1/namespaces/{namespace}/roles/{name}"
+
+
+def owner_reference(role: Obj) -> Obj:
+    """A namespaced object may only be owned by one of its own namespace (the writer's Role is)."""
+    return {"apiVersion": f"{RBAC_GROUP}/v1", "kind": "Role", "name": role["metadata"]["name"],
+            "uid": role["metadata"]["uid"]}
+
+
+def kube_object(obj: Obj, *, namespace: str, version: int, revision: str = "", owner: Obj | None = None) -> Obj:
     """`obj` as the control plane writes it: namespaced, labelled as meshcache's (the writer
-    prunes only objects with this label that its field manager owns) and stamped with the
-    snapshot version (a replica never overwrites a newer one)."""
+    prunes only objects with this label that its field manager owns), stamped with the snapshot
+    version (a replica never overwrites a newer one) and, given the writer's Role (`owner`),
+    owned by it (removed with it)."""
     labels = dict(MANAGED_BY)
     if revision:
         labels[REVISION_LABEL] = revision
     meta = {**obj["metadata"], "namespace": namespace, "labels": {**obj["metadata"].get("labels", {}), **labels},
             "annotations": {**obj["metadata"].get("annotations", {}), SNAPSHOT_ANNOTATION: str(version)}}
+    if owner is not None:
+        meta["ownerReferences"] = [owner_reference(owner)]
     return {**obj, "metadata": meta}
 
 

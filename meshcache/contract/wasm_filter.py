@@ -96,11 +96,18 @@ def extension_config_json(code: dict[str, Any], config_json: str, name: str = FI
 
 def ecds_http_filter(config_source: dict[str, Any], default_config: dict[str, Any] | None = None,
                      extra_type_urls: tuple[str, ...] = (), name: str = FILTER_NAME,
-                     type_url: str = WASM_TYPE_URL) -> dict[str, Any]:
+                     type_url: str = WASM_TYPE_URL, warm: bool = False) -> dict[str, Any]:
     """The `http_filters` entry that takes the filter from ECDS (`extension_config` by name).
-    With a default config, traffic flows (uncached) before the first push arrives. `type_url`:
-    the filter type Envoy accepts for it (the Wasm filter's, or the dynamic module's)."""
+    `type_url`: the filter type Envoy accepts for it (the Wasm filter's, or the dynamic module's).
+
+    With a default config, Envoy never runs the filter without a config (a 500 for every
+    request): the default applies until a config is accepted, and stays when the first one is
+    refused. `warm=False`: the listener does not wait for the first config (traffic flows with
+    the default before the first push); `warm=True`: it waits for the first answer, accepted or
+    refused, as it does without a default (the default then only covers a refusal)."""
     discovery: dict[str, Any] = {"config_source": config_source, "type_urls": [type_url, *extra_type_urls]}
     if default_config is not None:
-        discovery |= {"default_config": default_config, "apply_default_config_without_warming": True}
+        discovery["default_config"] = default_config
+        if not warm:
+            discovery["apply_default_config_without_warming"] = True
     return {"name": name, "config_discovery": discovery}

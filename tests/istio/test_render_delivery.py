@@ -46,7 +46,11 @@ def test_kube_delivery_renders_a_namespaced_role_and_no_istiod_change(tmp_path: 
     role, binding = _rbac(objects)
     assert role["metadata"]["namespace"] == binding["metadata"]["namespace"] == "ml-prod"
     assert role["rules"] == [{"apiGroups": ["networking.istio.io"], "resources": ["envoyfilters"],
-                              "verbs": ["get", "list", "create", "patch", "delete"]}]
+                              "verbs": ["get", "list", "create", "patch", "delete"]},
+                             # the Role itself, the owner of what the control plane writes
+                             {"apiGroups": ["rbac.authorization.k8s.io"], "resources": ["roles"],
+                              "resourceNames": [role["metadata"]["name"]], "verbs": ["get"]}]
+    assert role["metadata"]["name"] == "meshcache-control-plane-istio-objects"
     assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
                                   "name": role["metadata"]["name"]}
     cp = next(o for o in objects if o["kind"] == "Deployment" and o["metadata"]["name"] == render.CONTROL_PLANE)
@@ -102,6 +106,15 @@ def test_the_rbac_check_names_what_is_wrong(tmp_path: Path, pins: render.Pins) -
     role["rules"][0]["resources"] = ["*"]
     assert any("is not the writer's" in e for e in crossref.check_delivery(objects))
     role["rules"][0]["resources"] = ["envoyfilters"]
+    # The owner rule: that Role only, get only; and it must be there (else uninstall leaves the objects).
+    role["rules"][1]["resourceNames"] = ["another-role"]
+    assert any("is not the writer's" in e for e in crossref.check_delivery(objects))
+    del role["rules"][1]["resourceNames"]
+    assert any("is not the writer's" in e for e in crossref.check_delivery(objects))
+    owner_rule = role["rules"].pop()
+    assert any("grant get on itself" in e for e in crossref.check_delivery(objects))
+    role["rules"].append({**owner_rule, "resourceNames": [role["metadata"]["name"]]})
+    assert crossref.check_delivery(objects) == []
 
     cluster = {**binding, "kind": "ClusterRoleBinding", "metadata": {"name": "x"}}
     assert any("ClusterRole" in e for e in crossref.check_delivery([*objects, cluster]))

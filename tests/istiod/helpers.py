@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import json
 import re
 from collections.abc import Iterator
 from typing import Any
@@ -10,13 +12,20 @@ from typing import Any
 import httpx
 import pytest
 
+from meshcache.contract.filter_config import Policy
 from meshcache.contract.headers import COLOR_HEADER
+from meshcache.contract.wasm_filter import CLIENT_FILTER_NAME
+from meshcache.control_plane.settings import Settings
+from meshcache.control_plane.snapshots import Snapshot
+from meshcache.control_plane.store import Store
 from meshcache.ctl.istiod import binary
-from meshcache.ctl.istiod.mesh import IstiodMesh, IstiodMeshConfig
+from meshcache.ctl.istiod.mesh import IstiodMesh, IstiodMeshConfig, ecds_filters
 from meshcache.ctl.istiod.sidecar import Sidecar
+from meshcache.ctl.istiod.status import ECDS_TYPE_URL
 from tests.helpers import kserve
 from tests.helpers.kserve import engine_calls, grpc_call, mlp_json, mlp_request
 from tests.helpers.load import Load, call, rest_kinds
+from tests.helpers.wait import eventually
 
 ROUTER = "envoy.filters.http.router"
 # Istio's inbound HTTP filter order (listener_builder.go), the ones a stock Envoy runs; the
@@ -154,3 +163,52 @@ def hcm(listener: dict[str, Any]) -> dict[str, Any]:
 def syncz_of(mesh: IstiodMesh, sidecar: Sidecar) -> dict[str, Any]:
     assert mesh.istiod is not None
     return next(s for s in mesh.istiod.syncz() if s["proxy"] == sidecar.pod.proxy_id)
+
+
+def commit_invalid_policy(mesh: IstiodMesh) -> int:
+    """The API never produces such a config: written straight into the store (max_ttl_s < ttl_s,
+    which the filter rejects when it configures); istiod passes it on, the sidecars NACK it."""
+    async def inject() -> int:
+        store = Store(Settings(redis_url=f"redis://127.0.0.1:{mesh.redis_port}/0"))
+        try:
+            cur = await store.load_current()
+            bad = Policy(model_prefix="text-embedder", ttl_s=60, max_ttl_s=5, generation=cur.version + 1)
+            keep = tuple(p for p in cur.policies if p.model_prefix != "text-embedder")
+            return await store.commit(Snapshot(version=cur.version + 1, policies=(*keep, bad), action="bad"),
+                                      cur.version, "test", "invalid on purpose")
+        finally:
+            await store.close()
+
+    return asyncio.run(inject())
+
+
+def client_config_version(mesh: IstiodMesh) -> int:
+    """The policy snapshot version in the client sidecar's `meshcache-client` config (either host)."""
+    assert mesh.client is not None
+    for f in ecds_filters(mesh.client):
+        if f["ecds_filter"]["name"] == CLIENT_FILTER_NAME:
+            typed = f["ecds_filter"]["typed_config"]
+            value = (typed.get("config", {}).get("configuration") or typed.get("filter_config") or {})["value"]
+            return int(json.loads(value)["version"])
+    return 0
+
+
+def assert_client_role_fails_open(mesh: IstiodMesh, seeds: range) -> None:
+    """The client role's fail-open default: a caller's sidecar restarted while its only
+    `meshcache-client` config is one the filter refuses passes the caller's requests (with no
+    routing key: the ring hash spreads them) instead of answering 500; the next good config
+    reaches it."""
+    client = mesh.client
+    assert client is not None
+    commit_invalid_policy(mesh)
+    eventually(lambda: syncz_of(mesh, client)["resources"][ECDS_TYPE_URL].get("lastError"), timeout=15)
+    mesh.restart(client.envoy.name)  # waits until LIVE: the refusal ends the listener's wait
+    fail = f"extension_config_discovery.http_filter.{CLIENT_FILTER_NAME}.config_fail"
+    eventually(lambda: client.stats(fail).get(fail, 0) >= 1, timeout=15)
+    for seed in seeds:
+        r = rest_infer(mesh, "mlp-classifier", mlp_json(seed=seed))
+        assert r.status_code == 200, (r.status_code, r.text)  # without the default: 500 from the client sidecar
+    with mesh.api() as api:
+        version = api.put("/v1/policies/text-embedder", json={"ttl_s": 600, "max_ttl_s": 3600}).json()["version"]
+    eventually(lambda: client_config_version(mesh) == version, timeout=15)
+    mesh.wait_synced(version, timeout=15)

@@ -10,7 +10,6 @@ mode's EnvoyFilters, three green replicas with cache affinity), parametrized by 
 
 from __future__ import annotations
 
-import asyncio
 import json
 import ssl
 import time
@@ -20,14 +19,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from meshcache.contract.extensions import GRPC_PORT, HTTP_PORT
-from meshcache.contract.filter_config import Policy
+from meshcache.contract.extensions import GRPC_PORT, HTTP_PORT, RBAC_TYPE_URL
 from meshcache.contract.grpc_hit import GRPC_HIT_LUA_FILTER, GRPC_HIT_ROUTE, GRPC_STALE_ROUTE
 from meshcache.contract.native_filter import DYNAMIC_MODULE_TYPE_URL
 from meshcache.contract.paths import FILTER_WASM, filter_native
-from meshcache.control_plane.settings import Settings
-from meshcache.control_plane.snapshots import Snapshot
-from meshcache.control_plane.store import Store
 from meshcache.ctl.istiod.mesh import NATIVE_ENVOY, IstiodMesh, ecds_filters, ecds_version
 from meshcache.ctl.istiod.status import ECDS_TYPE_URL as ECDS_TYPE
 from meshcache.ctl.pki import spiffe_id
@@ -38,7 +33,9 @@ from tests.istiod.helpers import (
     ROUTER,
     app_requests,
     assert_cache_affinity,
+    assert_client_role_fails_open,
     canary_engine_calls,
+    commit_invalid_policy,
     grpc_infer,
     hcm,
     inbound_listener,
@@ -212,23 +209,6 @@ def test_purge_through_istiod(mesh: IstiodMesh) -> None:
     assert rest_infer(mesh, "mlp-classifier", body).headers["cache-status"] == "meshcache; fwd=miss; stored"
 
 
-def commit_invalid_policy(mesh: IstiodMesh) -> int:
-    """The API never produces such a config: written straight into the store (max_ttl_s < ttl_s,
-    which the filter rejects when it configures); istiod passes it on, the sidecars NACK it."""
-    async def inject() -> int:
-        store = Store(Settings(redis_url=f"redis://127.0.0.1:{mesh.redis_port}/0"))
-        try:
-            cur = await store.load_current()
-            bad = Policy(model_prefix="text-embedder", ttl_s=60, max_ttl_s=5, generation=cur.version + 1)
-            keep = tuple(p for p in cur.policies if p.model_prefix != "text-embedder")
-            return await store.commit(Snapshot(version=cur.version + 1, policies=(*keep, bad), action="bad"),
-                                      cur.version, "test", "invalid on purpose")
-        finally:
-            await store.close()
-
-    return asyncio.run(inject())
-
-
 def test_a_config_the_filter_rejects_is_a_nack_istiod_reports_and_the_sidecar_keeps_the_last_good_one(
         mesh: IstiodMesh) -> None:
     sc = mesh.engines[0].sidecar
@@ -360,24 +340,33 @@ def test_native_host_through_istiod_in_istios_inbound_order(native_mesh: IstiodM
 
 def test_native_cache_affinity_over_three_replicas(native_mesh: IstiodMesh) -> None:
     assert_cache_affinity(native_mesh, seeds=range(2480, 2492), grpc_seeds=range(2500, 2506))
+    assert_client_role_fails_open(native_mesh, seeds=range(2510, 2516))
 
 
-def test_native_sidecar_whose_first_config_is_refused_serves_uncached(native_mesh: IstiodMesh) -> None:
-    """A sidecar starting while the only config is one the module refuses (a config it rejects;
-    the same for a module built for another Envoy) runs the fail-open default, a pass-through,
-    instead of Envoy's 500 for a filter without config; the next good config caches again."""
-    mesh = native_mesh
+def test_sidecar_whose_first_config_is_refused_serves_uncached(mesh: IstiodMesh) -> None:
+    """A sidecar starting while the only config is one the filter refuses (a config it rejects;
+    the same for a module that cannot load: one built for another Envoy, a Wasm module that fails
+    to start) runs the fail-open default, a pass-through, instead of Envoy's 500 for a filter
+    without config; the next good config caches again. Both hosts."""
     engine = mesh.engines[-1]
     sc = engine.sidecar
     assert sc is not None
+    # As istiod hands it over: the pass-through as the default, and the listener still waits for
+    # the first answer (so a healthy new sidecar is Ready only with the cache in place).
+    for port in (HTTP_PORT, GRPC_PORT):
+        cache = next(f for f in hcm(inbound_listener(sc.config_dump(), port))["http_filters"]
+                     if f["name"] == "meshcache")
+        discovery = cache["config_discovery"]
+        assert discovery["default_config"]["@type"] == RBAC_TYPE_URL and "rules" not in discovery["default_config"]
+        assert not discovery.get("apply_default_config_without_warming"), discovery
     commit_invalid_policy(mesh)
     eventually(lambda: syncz_of(mesh, sc)["resources"][ECDS_TYPE].get("lastError"), timeout=15)
-    mesh.restart(sc.envoy.name)  # waits until LIVE
+    mesh.restart(sc.envoy.name)  # waits until LIVE: the refusal ends the listener's wait
     fail = "extension_config_discovery.http_filter.meshcache.config_fail"
     eventually(lambda: sc.stats(fail).get(fail, 0) >= 1, timeout=15)  # the new process refused its first config
     before = app_requests(sc, HTTP_PORT)
     statuses = []
-    for seed in range(2520, 2532):  # spread over the three replicas by the affinity hash
+    for seed in range(2520, 2532):  # native: spread over the three replicas by the affinity hash
         r = rest_infer(mesh, "mlp-classifier", mlp_json(seed=seed))
         assert r.status_code == 200, r.text
         statuses.append(r.headers.get("cache-status"))

@@ -665,7 +665,8 @@ def check_monitors(objects: list[Obj]) -> list[str]:
 
 def check_delivery(objects: list[Obj]) -> list[str]:
     """delivery kube: the control plane's ServiceAccount may do exactly what its writer does, on
-    exactly its kind, in its own namespace (a Role, never cluster-wide), and has its token. delivery
+    exactly its kind, in its own namespace (a Role, never cluster-wide), read that Role (the
+    owner of what it writes), and has its token. delivery
     mcp (the default): it is granted nothing, since it writes nothing."""
     errors = []
     for w in _control_planes(objects):
@@ -697,10 +698,12 @@ def check_delivery(objects: list[Obj]) -> list[str]:
         if pod.get("automountServiceAccountToken") is False:
             errors.append(f"{where}: delivery kube authenticates with the pod's ServiceAccount token: don't set "
                           "automountServiceAccountToken false")
-        enough = False
+        enough = owned = False
         for role, rule in rules:
             groups, plurals, verbs = rule.get("apiGroups", []), rule.get("resources", []), rule.get("verbs", [])
-            if groups != [resource.group] or plurals != [resource.plural] or rule.get("resourceNames") \
+            if rule == extensions.WRITER_OWNER_RULE and _name(role) == extensions.WRITER_ROLE:
+                owned = role["metadata"].get("namespace") == namespace  # its own Role: the objects' owner
+            elif groups != [resource.group] or plurals != [resource.plural] or rule.get("resourceNames") \
                     or sorted(verbs) != sorted(extensions.WRITER_VERBS):
                 errors.append(f"Role/{_name(role)}: rule {groups} {plurals} {verbs} is not the writer's: exactly "
                               f"{list(extensions.WRITER_VERBS)} on {resource.group} {resource.plural}")
@@ -710,6 +713,10 @@ def check_delivery(objects: list[Obj]) -> list[str]:
             errors.append(f"{where}: delivery kube needs a Role in {namespace} granting "
                           f"{list(extensions.WRITER_VERBS)} on {resource.group} {resource.plural}, bound to "
                           f"ServiceAccount {account}")
+        if not owned:
+            errors.append(f"{where}: delivery kube needs the Role {extensions.WRITER_ROLE} in {namespace} to also "
+                          f"grant get on itself ({extensions.WRITER_OWNER_RULE}): it owns the objects the control "
+                          "plane writes, which are removed with it (uninstall)")
     return errors
 
 

@@ -9,6 +9,7 @@ the committed files and the renderer cannot drift apart unnoticed (tests/istio).
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 from collections.abc import Iterable
@@ -329,13 +330,14 @@ def render(opts: RenderOptions) -> list[Obj]:
 # ---- delivery kube: the control plane writes the objects itself --------------------------------
 
 DELIVERIES = ("mcp", "kube")
-WRITER_ROLE = f"{CONTROL_PLANE}-istio-objects"
+WRITER_ROLE = extensions.WRITER_ROLE
 
 
 def kube_delivery(objects: list[Obj], namespace: str) -> list[Obj]:
     """Sets the control plane's MESHCACHE_CP_DELIVERY=kube and returns its RBAC: in the namespace it
     writes to (its own, MESHCACHE_CP_ISTIO_NAMESPACE), a Role with exactly the verbs the writer uses
-    on exactly its kind (EnvoyFilters in full mode, TrafficExtensions in basic), bound to its
+    on exactly its kind (EnvoyFilters in full mode, TrafficExtensions in basic) and `get` on that
+    Role itself (the owner of what it writes: deleting the Role deletes them), bound to its
     ServiceAccount. Nothing cluster-wide, no other kind, no other namespace."""
     dep = next(o for o in objects if o["kind"] == "Deployment" and o["metadata"]["name"] == CONTROL_PLANE)
     pod = dep["spec"]["template"]["spec"]
@@ -349,7 +351,7 @@ def kube_delivery(objects: list[Obj], namespace: str) -> list[Obj]:
     role = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
             "metadata": {"name": WRITER_ROLE, "namespace": namespace, "labels": labels},
             "rules": [{"apiGroups": [resource.group], "resources": [resource.plural],
-                       "verbs": list(extensions.WRITER_VERBS)}]}
+                       "verbs": list(extensions.WRITER_VERBS)}, copy.deepcopy(extensions.WRITER_OWNER_RULE)]}
     binding = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
                "metadata": {"name": WRITER_ROLE, "namespace": namespace, "labels": labels},
                "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": WRITER_ROLE},

@@ -1,7 +1,9 @@
 """charts/meshcache installed with the real Helm into the real Kubernetes API server (with Istio's
 CRDs): every object `helm template` makes is created and validated server-side (core kinds by the
 API server, Istio kinds by their CRD schemas), a `helm upgrade` to KServe settings with delivery
-kube removes meshcache's engine and adds the writer's Role, and `helm uninstall` removes it all."""
+kube removes meshcache's engine and adds the writer's Role, and `helm uninstall` removes it all,
+the EnvoyFilters a real control plane wrote as the release's ServiceAccount included (owned by
+the release's Role, they go with it)."""
 
 from __future__ import annotations
 
@@ -9,15 +11,19 @@ import json
 import os
 import subprocess
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
+from meshcache.contract import extensions
 from meshcache.ctl.kube.cluster import LocalCluster
+from tests.helpers.control_plane import ControlPlaneProc
+from tests.helpers.wait import eventually
 from tests.istio.helpers import CHART, HELM
+from tests.kube.cluster.helpers import service_account_kubeconfig
 
 Obj = dict[str, Any]
 DIGEST = yaml.safe_load((CHART / "values.yaml").read_text())["filter"]["digest"]
@@ -117,8 +123,11 @@ def test_helm_install_upgrade_uninstall(istio_cluster: LocalCluster, helm_env: d
         "virtualservice.networking.istio.io/meshcache-engine-ingress", "gateway.networking.istio.io/meshcache-ingress"}
     role = _live(istio_cluster, {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": {
         "name": "meshcache-control-plane-istio-objects", "namespace": namespace}})
-    assert role is not None and role["rules"] == [{"apiGroups": ["networking.istio.io"], "resources": ["envoyfilters"],
-                                                   "verbs": ["get", "list", "create", "patch", "delete"]}]
+    assert role is not None and role["rules"] == [
+        {"apiGroups": ["networking.istio.io"], "resources": ["envoyfilters"],
+         "verbs": ["get", "list", "create", "patch", "delete"]},
+        {"apiGroups": ["rbac.authorization.k8s.io"], "resources": ["roles"],
+         "resourceNames": [extensions.WRITER_ROLE], "verbs": ["get"]}]
     # The control plane's ServiceAccount may now write EnvoyFilters here, and nothing else.
     sa = f"system:serviceaccount:{namespace}:meshcache-control-plane"
     can = istio_cluster.kubectl("auth", "can-i", "create", "envoyfilters.networking.istio.io", "-n", namespace,
@@ -159,6 +168,46 @@ def test_helm_install_native(istio_cluster: LocalCluster, helm_env: dict[str, st
     env = _env(cp["spec"]["template"]["spec"]["containers"][0])
     assert (env["MESHCACHE_CP_ISTIO_MODE"], env["MESHCACHE_CP_ISTIO_NATIVE_MODULE"]) == (
         "native", "/var/lib/meshcache/modules/libmeshcache_native-envoy-1.39.so")
+
+
+def test_helm_uninstall_removes_what_the_control_plane_wrote(
+        istio_cluster: LocalCluster, helm_env: dict[str, str], namespace: str, tmp_path: Path,
+        start_cp: Callable[..., ControlPlaneProc]) -> None:
+    """delivery kube: a real control plane, as the release's ServiceAccount with the release's
+    Role, writes the EnvoyFilters; each is owned by that Role, so `helm uninstall` (which deletes
+    the Role) leaves none behind: Kubernetes' garbage collector deletes them. An EnvoyFilter of
+    someone else's, with the same label, stays."""
+    values = tmp_path / "kserve.json"
+    values.write_text(json.dumps(KSERVE))
+    helm(helm_env, "install", "meshcache", str(CHART), "--namespace", namespace, "-f", str(values))
+    kubeconfig = service_account_kubeconfig(istio_cluster, namespace, "meshcache-control-plane",
+                                            tmp_path / "cp.kubeconfig")
+    cp = start_cp(extra_env={
+        "MESHCACHE_CP_DELIVERY": "kube", "MESHCACHE_CP_KUBECONFIG": str(kubeconfig),
+        "MESHCACHE_CP_ISTIO_NAMESPACE": namespace, "MESHCACHE_CP_ISTIO_COLOR": "",
+        "MESHCACHE_CP_ISTIO_SELECTOR": "serving.kserve.io/inferenceservice=sklearn,component=predictor",
+        "MESHCACHE_CP_ISTIO_HTTP_PORTS": "8080", "MESHCACHE_CP_ISTIO_GRPC_PORTS": "",
+        "MESHCACHE_CP_ISTIO_SERVICE_PORTS": "80",
+        "MESHCACHE_CP_ISTIO_WASM_URL": f"oci://registry.example.com/meshcache/filter@sha256:{DIGEST}",
+        "MESHCACHE_CP_ISTIO_WASM_SHA256": DIGEST, "MESHCACHE_CP_KUBE_RESYNC_S": "1"})
+    path = extensions.KUBE_RESOURCES["EnvoyFilter"].path(namespace)
+
+    def names() -> set[str]:
+        return {o["metadata"]["name"] for o in (istio_cluster.get(path) or {}).get("items", [])}
+
+    istio_cluster.kubectl("apply", "--server-side", "-f", "-", input=json.dumps({
+        "apiVersion": "networking.istio.io/v1alpha3", "kind": "EnvoyFilter",
+        "metadata": {"name": "someone-else", "namespace": namespace, "labels": dict(extensions.MANAGED_BY)},
+        "spec": {"workloadSelector": {"labels": {"app": "other"}}, "configPatches": []}}))
+    with cp.client() as c:
+        assert c.put("/v1/policies/sklearn", json={"ttl_s": 60}).status_code == 200
+    eventually(lambda: names() == {"meshcache", "meshcache-client", "someone-else"}, timeout=30)
+    role = _live(istio_cluster, {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": {
+        "name": extensions.WRITER_ROLE, "namespace": namespace}})
+    assert role is not None and role["metadata"]["annotations"]["meta.helm.sh/release-name"] == "meshcache"
+
+    helm(helm_env, "uninstall", "meshcache", "--namespace", namespace)
+    eventually(lambda: names() == {"someone-else"}, timeout=60)
 
 
 def test_helm_install_refused_in_istio_system(istio_cluster: LocalCluster, helm_env: dict[str, str]) -> None:

@@ -4,8 +4,9 @@ Role `meshcache istio render --delivery kube` gives it (a token from `kubectl cr
 
 Policy writes create and update the EnvoyFilters (server-side apply, our field manager); what is no
 longer served is deleted, nothing else; a Redis outage with a control-plane restart, or a replica
-behind the objects' snapshot, deletes and rewrites nothing; the RBAC allows the writer's verbs on
-its kind in its namespace and nothing more."""
+behind the objects' snapshot, deletes and rewrites nothing; every object is owned by the writer's
+Role, so deleting the Role (an uninstall) has the garbage collector delete them, and only them; the
+RBAC allows the writer's verbs on its kind in its namespace, reading its own Role, and nothing more."""
 
 from __future__ import annotations
 
@@ -22,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 from meshcache.contract import extensions
 from meshcache.ctl import procs
@@ -33,6 +33,7 @@ from meshcache.ctl.kube.istiod import KubeIstiod
 from meshcache.ctl.procs import Proc
 from tests.helpers.control_plane import ControlPlaneProc
 from tests.helpers.wait import eventually
+from tests.kube.cluster.helpers import service_account_kubeconfig
 
 DIGEST = "c0ffee" + "0" * 58
 URL = f"oci://registry.example.com/meshcache/filter@sha256:{DIGEST}"
@@ -66,15 +67,8 @@ def _setup(cluster: LocalCluster, tmp_path: Path, overlay: Path = render.BASE_DI
     # What the control plane needs from the manifests: its namespace, ServiceAccount, Role, RoleBinding.
     rbac = [o for o in objects if o["kind"] in ("Namespace", "ServiceAccount", "Role", "RoleBinding")]
     cluster.kubectl("apply", "--server-side", "-f", "-", input=kustomize.dump(rbac))
-    token = cluster.kubectl("create", "token", render.CONTROL_PLANE, "-n", namespace, "--duration=2h").stdout.strip()
-    kubeconfig = tmp_path / f"{namespace}.kubeconfig"
-    kubeconfig.write_text(yaml.safe_dump({
-        "apiVersion": "v1", "kind": "Config", "current-context": "cp",
-        "clusters": [{"name": "local", "cluster": {"server": cluster.server,
-                                                   "certificate-authority": str(cluster.pki.ca.cert)}}],
-        "users": [{"name": "cp", "user": {"token": token}}],
-        "contexts": [{"name": "cp", "context": {"cluster": "local", "user": "cp"}}]}))
-    kubeconfig.chmod(0o600)
+    kubeconfig = service_account_kubeconfig(cluster, namespace, render.CONTROL_PLANE,
+                                            tmp_path / f"{namespace}.kubeconfig")
     return Delivery(cluster, namespace, kubeconfig, overlay)
 
 
@@ -247,6 +241,43 @@ def test_a_redis_outage_and_a_control_plane_restart_delete_nothing(
     assert [p["model_prefix"] for p in _config(objs["meshcache-blue"])["policies"]] == ["bert", "llama"]
 
 
+def test_the_objects_go_with_the_writers_role_and_only_with_it(start_cp: Callable[..., ControlPlaneProc],
+                                                               delivery: Delivery) -> None:
+    """Every object the control plane writes is owned by its Role: a control-plane crash and
+    restart keep them as they are; deleting the Role (what `helm uninstall` and `kubectl delete -f`
+    of the rendered manifests do) makes Kubernetes' garbage collector delete them, and nothing
+    that is not the control plane's; the writer, left without its Role, writes nothing back."""
+    ns = delivery.namespace
+    delivery.apply_as_admin({"apiVersion": "networking.istio.io/v1alpha3", "kind": "EnvoyFilter",
+                             "metadata": {"name": "someone-else", "namespace": ns,
+                                          "labels": dict(extensions.MANAGED_BY)},
+                             "spec": {"workloadSelector": {"labels": {"app": "other"}}, "configPatches": []}})
+    cp = _start(start_cp, delivery)
+    with cp.client() as c:
+        version = c.put("/v1/policies/bert", json={"ttl_s": 42}).json()["version"]
+    objs = eventually(lambda: _at(delivery, version, SERVED), timeout=20)
+    role = delivery.cluster.get(extensions.role_path(ns))
+    assert role is not None
+    for name in SERVED:
+        assert objs[name]["metadata"]["ownerReferences"] == [
+            {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "name": extensions.WRITER_ROLE,
+             "uid": role["metadata"]["uid"]}], name
+    assert "ownerReferences" not in objs["someone-else"]["metadata"]
+
+    before = _resource_versions(delivery)
+    cp.proc.kill()
+    cp.restart()
+    written = _passes(cp, "written")
+    eventually(lambda: _passes(cp, "written") >= written + 3, timeout=20)
+    assert _resource_versions(delivery) == before  # the crash and restart touched nothing
+
+    delivery.cluster.kubectl("delete", "role", extensions.WRITER_ROLE, "-n", ns)
+    eventually(lambda: set(delivery.objects()) == {"someone-else"}, timeout=60)
+    errors = _passes(cp, "error", "no_owner")
+    eventually(lambda: _passes(cp, "error", "no_owner") >= errors + 3, timeout=30)
+    assert set(delivery.objects()) == {"someone-else"}
+
+
 def test_a_replica_behind_the_objects_writes_nothing_and_drift_is_put_back(
         start_cp: Callable[..., ControlPlaneProc], delivery: Delivery) -> None:
     cp = _start(start_cp, delivery)
@@ -346,7 +377,14 @@ def test_the_rendered_rbac_allows_the_writer_and_nothing_else(istio_cluster: Loc
                    else ("trafficextensions.extensions.istio.io", "envoyfilters.networking.istio.io"))
     for verb in extensions.WRITER_VERBS:
         assert _can(istio_cluster, account, verb, mine, d.namespace), verb
-    denied = [("watch", mine, d.namespace), ("update", mine, d.namespace), ("deletecollection", mine, d.namespace),
+    # Its own Role (the owner of what it writes), read only, and no other Role.
+    assert _can(istio_cluster, account, "get", f"roles.rbac.authorization.k8s.io/{extensions.WRITER_ROLE}",
+                d.namespace)
+    denied = [("get", "roles.rbac.authorization.k8s.io/other", d.namespace),
+              ("list", "roles.rbac.authorization.k8s.io", d.namespace),
+              ("patch", f"roles.rbac.authorization.k8s.io/{extensions.WRITER_ROLE}", d.namespace),
+              ("delete", f"roles.rbac.authorization.k8s.io/{extensions.WRITER_ROLE}", d.namespace),
+              ("watch", mine, d.namespace), ("update", mine, d.namespace), ("deletecollection", mine, d.namespace),
               ("get", mine, "default"), ("list", mine, None), ("create", other, d.namespace),
               ("get", "secrets", d.namespace), ("create", "configmaps", d.namespace), ("list", "pods", d.namespace),
               ("create", "destinationrules.networking.istio.io", d.namespace),

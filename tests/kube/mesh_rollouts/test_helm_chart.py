@@ -4,8 +4,8 @@ every pod of the chart Ready (the control plane, Redis with its claim bound, the
 with istio-proxy); a policy PUT to the chart's control plane becomes EnvoyFilters it writes into
 the API server, which istiod reads through its Kubernetes watch and sends to the engine sidecars
 (ECDS in their config dumps); REST through a client pod's sidecar is a MISS then a HIT; `helm
-uninstall` takes the pods away; the EnvoyFilters the control plane wrote stay until deleted by
-their label (docs/istio.md), then the client pod's sidecar has no meshcache filter. The shared
+uninstall` takes the pods away and the EnvoyFilters the control plane wrote with them (owned by
+the release's Role), then the client pod's sidecar has no meshcache filter. The shared
 mesh's own namespace is not touched."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import pytest
 
-from meshcache.contract.extensions import AFFINITY_LABEL, MANAGED_BY
+from meshcache.contract.extensions import AFFINITY_LABEL, MANAGED_BY, WRITER_ROLE
 from meshcache.ctl.istio import render, xds_tls
 from meshcache.ctl.kube.mesh import KubeMesh
 from tests.helpers.kserve import MODEL_INFER, mlp_json, mlp_request
@@ -190,20 +190,20 @@ def test_helm_install_runs_on_the_kube_mesh(kube_mesh: KubeMesh, release: tuple[
     # The client pod's sidecar has the client role's filter from the same EnvoyFilters.
     assert [n for n in ecds_filters(client) if n.startswith("meshcache")], ecds_filters(client)
 
-    # helm uninstall: the chart's pods go. The EnvoyFilters the control plane wrote are not the
-    # release's: they stay until deleted as docs/istio.md says (by their label), and then the
-    # namespace's remaining sidecars have no meshcache filter.
+    # helm uninstall: the chart's pods go, and the EnvoyFilters the control plane wrote with them
+    # (owned by the release's Role: the garbage collector deletes them); then the namespace's
+    # remaining sidecars have no meshcache filter.
+    assert all(o["metadata"]["ownerReferences"][0]["name"] == WRITER_ROLE for o in _envoyfilters(kube_mesh, ns))
     helm(env, "uninstall", "meshcache", "--namespace", ns, "--wait", "--timeout", "180s")
 
     def gone() -> bool:
         left = [p["metadata"]["name"] for p in _pods(kube_mesh, ns)]
         assert left == [], left
+        written = [o["metadata"]["name"] for o in _envoyfilters(kube_mesh, ns)]
+        assert written == [], written
         return True
 
     eventually(gone, timeout=120, interval=1.0)
-    assert {o["metadata"]["name"] for o in _envoyfilters(kube_mesh, ns)} == names
-    kube_mesh.cluster.kubectl("-n", ns, "delete", "envoyfilters", "-l",
-                              ",".join(f"{k}={v}" for k, v in MANAGED_BY.items()))
 
     def unfiltered() -> bool:
         left = [n for n in ecds_filters(client) if n.startswith("meshcache")]
