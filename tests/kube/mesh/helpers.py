@@ -30,7 +30,9 @@ def engine_pods(mesh: KubeMesh, selector: str = f"app={render.ENGINE_APP}", name
 
 
 def proxy_status(pod: Obj) -> Obj | None:
-    return next((c for c in pod["status"].get("initContainerStatuses", []) if c["name"] == "istio-proxy"), None)
+    """istio-proxy's status: a native sidecar's (init container) or a classic one's."""
+    statuses = pod["status"].get("initContainerStatuses", []) + pod["status"].get("containerStatuses", [])
+    return next((c for c in statuses if c["name"] == "istio-proxy"), None)
 
 
 def ready_sidecars(mesh: KubeMesh) -> list[Obj]:
