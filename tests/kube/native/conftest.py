@@ -3,7 +3,8 @@ minimal kube mesh for this directory (tests/conftest.py SHARED_STACK_DIRS keeps 
 rendered with `--filter native --istio-version 1.31`: the control plane in native mode (one
 replica), Redis, one engine pod whose init container `meshcache-module` copies the 1.39 module
 from the module image (module_image.py) into an emptyDir that the classic istio-proxy sidecar
-mounts, every sidecar on Envoy 1.39. Tests use their own names for what they add."""
+mounts, every sidecar on Envoy 1.39, and a caller pod (no affinity label: no client role).
+Tests use their own names for what they add."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest
 
 from meshcache.ctl.kube.mesh import KubeMesh, KubeMeshConfig
 from meshcache.ctl.kube.up import scale_engine
+from tests.kube.mesh.helpers import NATIVE_CALLER, caller_pod
 
 
 @pytest.fixture(scope="package")
@@ -22,4 +24,5 @@ def native_kube_mesh(tmp_path_factory: pytest.TempPathFactory, filter_wasm: Path
                             seed_policies=True, filter="native", control_plane_replicas=1)
     with KubeMesh(config) as mesh:
         mesh.apply_rendered(scale_engine(mesh.objects, 1))  # one engine pod: no affinity needed for hits
+        caller_pod(mesh, NATIVE_CALLER, "meshcache-client")  # started while the engine pod starts
         yield mesh

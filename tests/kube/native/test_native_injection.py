@@ -24,6 +24,7 @@ from tests.helpers.kserve import MODEL_INFER, mlp_json, mlp_request
 from tests.helpers.wait import eventually
 from tests.istiod.helpers import ROUTER
 from tests.kube.mesh.helpers import (
+    NATIVE_CALLER,
     NS,
     caller_pod,
     ecds_filters,
@@ -38,11 +39,10 @@ from tests.kube.mesh.helpers import (
 
 Obj = dict[str, Any]
 MODULE_FILE = NATIVE_MODULE_FOR_ENVOY[NATIVE_ENVOY]  # libmeshcache_native-envoy-1.39.so
-CALLER = "native-caller"  # no affinity label: no client role, so no module needed in the caller
 
 
 def _caller(mesh: KubeMesh) -> Any:
-    return caller_pod(mesh, CALLER, "meshcache-client")
+    return caller_pod(mesh, NATIVE_CALLER, "meshcache-client")
 
 
 def _inbound_http_filters(mesh: KubeMesh, pod: Obj, port: int) -> list[Obj]:
