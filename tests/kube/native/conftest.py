@@ -13,9 +13,13 @@ from pathlib import Path
 
 import pytest
 
+from meshcache.ctl.istio import render
 from meshcache.ctl.kube.mesh import KubeMesh, KubeMeshConfig
 from meshcache.ctl.kube.up import scale_engine
 from tests.kube.mesh.helpers import NATIVE_CALLER, caller_pod
+
+COMPONENT_LOG_LEVEL = "sidecar.istio.io/componentLogLevel"
+MODULE_LOG_LEVEL = "misc:error,dynamic_modules:info"
 
 
 @pytest.fixture(scope="package")
@@ -23,6 +27,10 @@ def native_kube_mesh(tmp_path_factory: pytest.TempPathFactory, filter_wasm: Path
     config = KubeMeshConfig(tmp_path_factory.mktemp("kube-native"), module=filter_wasm, kubelet=True,
                             seed_policies=True, filter="native", control_plane_replicas=1)
     with KubeMesh(config) as mesh:
-        mesh.apply_rendered(scale_engine(mesh.objects, 1))  # one engine pod: no affinity needed for hits
+        objects = scale_engine(mesh.objects, 1)  # one engine pod: no affinity needed for hits
+        for obj in objects:  # docs' "Confirm on a cluster": Envoy logs the module's ABI match
+            if obj["kind"] == "Deployment" and obj["metadata"].get("labels", {}).get("app") == render.ENGINE_APP:
+                obj["spec"]["template"]["metadata"]["annotations"][COMPONENT_LOG_LEVEL] = MODULE_LOG_LEVEL
+        mesh.apply_rendered(objects)
         caller_pod(mesh, NATIVE_CALLER, "meshcache-client")  # started while the engine pod starts
         yield mesh

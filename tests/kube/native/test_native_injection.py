@@ -92,7 +92,9 @@ def test_the_engine_pod_runs_the_module_image_then_a_classic_sidecar_on_envoy_1_
     assert typed["@type"] == DYNAMIC_MODULE_TYPE_URL, typed
     assert typed["dynamic_module_config"]["module"]["local"]["filename"] == native_module.sidecar_path(MODULE_FILE)
     assert json.loads(typed["filter_config"]["value"])["policies"], "the seeded policies"
-    # The agent handed Envoy the config and Envoy loaded the module (no config failure).
+    # Envoy 1.39 loaded the 1.39 build with the ABI it expects (its log, through the agent's).
+    assert "Dynamic module ABI version v0.1.0 matched." in run.procs["istio-proxy"].log_path.read_text()
+    # The agent handed Envoy the config and Envoy took it (no config failure).
     stats = envoy_admin(run, "/stats?filter=extension_config_discovery.http_filter.meshcache")
     assert re.search(r"config_reload: [1-9]", stats) and re.search(r"config_fail: 0\b", stats), stats
 
