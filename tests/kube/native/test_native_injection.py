@@ -223,11 +223,12 @@ def test_a_wrong_module_sha256_or_image_digest_keeps_the_pod_from_starting(nativ
         def state(name: str) -> Obj:
             pod = mesh.cluster.get(f"/api/v1/namespaces/{NS}/pods/{name}")  # type: ignore[union-attr]
             assert pod is not None
-            st = next(s for s in pod["status"].get("initContainerStatuses", [])
-                      if s["name"] == native_module.INIT_CONTAINER)["state"]
+            statuses = {s["name"]: s["state"] for s in pod["status"].get("initContainerStatuses", [])}
+            assert native_module.INIT_CONTAINER in statuses, pod["status"]  # not reported yet
+            st = statuses[native_module.INIT_CONTAINER]
             assert "running" not in st and st.get("waiting", {}).get("reason") != "PodInitializing", st
-            conditions = {c["type"]: c["status"] for c in pod["status"]["conditions"]}
-            assert pod["status"]["phase"] == "Pending" and conditions["Initialized"] == "False", pod["status"]
+            conditions = {c["type"]: c["status"] for c in pod["status"].get("conditions", [])}
+            assert pod["status"].get("phase") == "Pending" and conditions.get("Initialized") == "False", pod["status"]
             return st
 
         wrong_sha = eventually(lambda: state("module-wrong-sha"), timeout=30, interval=0.5)
