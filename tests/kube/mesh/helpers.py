@@ -20,6 +20,7 @@ Obj = dict[str, Any]
 NS = render.BASE_NAMESPACE
 APP_UID = 1000  # the test acts as the app container of a pod: a process in its namespace, not UID 1337
 CACHE_CALLER = "cache-caller"  # the affinity-labelled caller pod the cache tests share (one pod, not one each)
+NATIVE_CALLER = "native-caller"  # the native kube mesh's caller: no affinity label, so no client role
 ENGINE_METRICS_PORT = 8002  # the engine container's `metrics` port (istio/base/engine.yaml)
 
 
@@ -30,7 +31,9 @@ def engine_pods(mesh: KubeMesh, selector: str = f"app={render.ENGINE_APP}", name
 
 
 def proxy_status(pod: Obj) -> Obj | None:
-    return next((c for c in pod["status"].get("initContainerStatuses", []) if c["name"] == "istio-proxy"), None)
+    """istio-proxy's status: a native sidecar's (init container) or a classic one's."""
+    statuses = pod["status"].get("initContainerStatuses", []) + pod["status"].get("containerStatuses", [])
+    return next((c for c in statuses if c["name"] == "istio-proxy"), None)
 
 
 def ready_sidecars(mesh: KubeMesh) -> list[Obj]:
