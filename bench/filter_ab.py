@@ -196,7 +196,9 @@ def main(argv: list[str] | None = None) -> int:
     ])
     print(body)
     if not args.no_write:
-        publish("filter-ab", f"Filter build against an earlier one ({args.baseline_rev})", body,
+        # gRPC runs have their own section: they do not replace the HTTP one.
+        publish("filter-ab-grpc" if grpc else "filter-ab",
+                f"Filter build against an earlier one ({args.baseline_rev}{', gRPC hits' if grpc else ''})", body,
                 {"baseline_rev": args.baseline_rev, "rows": stored})
     return 0
 
