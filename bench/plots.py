@@ -307,13 +307,13 @@ def plot_filter_ab(results: Results, out: Path) -> list[Path]:
     ax.axhline(1.0, color="#555555", linewidth=0.8, linestyle="--")
     ax.set_xticks(range(len(rows)), labels)
     ax.set_ylabel("current / baseline")
-    return [_save(fig, out / "filter-ab-ratio.png")]
+    return [_save(fig, out / f"{results.get('benchmark', 'filter-ab')}-ratio.png")]
 
 
 PLOTTERS: dict[str, Callable[[Results, Path], list[Path]]] = {
     "engine": plot_engine, "mesh": plot_mesh, "propagation": plot_propagation, "filter": plot_filter,
     "replicas": plot_replicas, "coalesce": plot_coalesce, "affinity": plot_affinity, "stale": plot_stale,
-    "filter-ab": plot_filter_ab, "mesh-hosts": plot_mesh_hosts,
+    "filter-ab": plot_filter_ab, "filter-ab-grpc": plot_filter_ab, "mesh-hosts": plot_mesh_hosts,
 }
 
 

@@ -10,7 +10,6 @@ use crate::cache_control::{NotStored, Ttl};
 use crate::coalesce::{self, Join, LockTable, Release, Ticket, Woken};
 use crate::config::{Config, Policy, Role, Scope};
 use crate::entry::Entry;
-use crate::grpc;
 use crate::hashing::{AnswerHasher, KeyDigest};
 use crate::headermap::{self, Headers};
 use crate::hit::{self, HitRequest};
@@ -340,8 +339,7 @@ impl Flow {
             hit::set_cache_status(&mut reply, status);
         }
         if c.grpc {
-            let framed = grpc::frame(&reply.body);
-            return match h.send_grpc(GrpcAt::Request, reply.headers, framed) {
+            return match h.send_grpc(GrpcAt::Request, reply.headers, reply.body.into_wire()) {
                 Some(action) => action,
                 None => {
                     h.error("gRPC hit: local reply failed; forwarding the request");
@@ -669,8 +667,7 @@ impl Flow {
         let action = if f.grpc {
             let mut reply = hit::grpc_hit(&f.entry, &request, now);
             hit::set_cache_status(&mut reply, names::cache_status_stale_if_error(u.past_s(), None));
-            let framed = grpc::frame(&reply.body);
-            h.send_grpc(GrpcAt::ResponseHeaders { eos }, reply.headers, framed)
+            h.send_grpc(GrpcAt::ResponseHeaders { eos }, reply.headers, reply.body.into_wire())
         } else {
             let mut reply = hit::http_hit(&f.entry, &request, now);
             hit::set_cache_status(&mut reply, names::cache_status_stale_if_error(u.past_s(), Some(status)));

@@ -8,6 +8,7 @@
 use super::*;
 use crate::coalesce::{Refused, Waiters, MAX_WAITERS_PER_KEY};
 use crate::config::parse_plugin_config;
+use crate::grpc;
 use crate::host::{CalloutAnswer, StaleRoute};
 use crate::store::SharedData;
 use std::cell::{Cell, RefCell};
@@ -587,6 +588,50 @@ fn grpc_misses_store_on_a_zero_status_and_hits_answer_in_one_pass_with_trailers(
     assert_eq!(get(&headers, names::HASH_HEADER).unwrap(), hash);
     assert!(hit.status().starts_with("meshcache; hit"));
     assert_eq!(hit.sent_trailers, pairs(&[("grpc-status", "0")]));
+}
+
+/// A ModelInferRequest / ModelInferResponse for model `m` with request id `id` (field 3; none
+/// when empty, as proto3 writes it) and `rest` after it.
+fn grpc_with_id(id: &[u8], rest: &[u8]) -> Vec<u8> {
+    let mut m = b"\x0a\x01m".to_vec();
+    if !id.is_empty() {
+        m.push(0x1a);
+        grpc::put_varint(&mut m, id.len() as u64);
+        m.extend_from_slice(id);
+    }
+    m.extend_from_slice(rest);
+    m
+}
+
+/// One gRPC exchange whose origin echoes the request's id; the framed message the client gets.
+fn grpc_id_exchange(e: &Env, id: &[u8], outputs: &[u8]) -> (Fake, Vec<u8>) {
+    let (mut flow, mut h) = e.stream(0, 0);
+    h.place = None;
+    if ask(&mut flow, &mut h, GRPC_INFER, &[], &[&framed(&grpc_with_id(id, b"\x2a\x02in"))], false) == Continue {
+        answer(&mut flow, &mut h, "200", &[("content-type", "application/grpc")], &[&framed(&grpc_with_id(id, outputs))],
+               Some("0"));
+        let passed = h.passed.clone();
+        return (h, passed);
+    }
+    let sent = h.sent_body();
+    (h, sent)
+}
+
+#[test]
+fn grpc_hits_echo_each_callers_request_id_in_the_framed_message() {
+    for abi in [Abi::Native, Abi::Wasm] {
+        let mut e = env(r#"{"policies": [{"model_prefix": "m", "ttl_s": 60}]}"#);
+        e.abi = abi;
+        // Outputs around the 2-byte varint boundary, so the frame length crosses 128 with the id.
+        let outputs = [b"\x32\x7a".to_vec(), vec![7u8; 0x7a]].concat();
+        let (miss, _) = grpc_id_exchange(&e, b"req-1", &outputs);
+        assert_eq!(get(&miss.resp, names::CACHE_STATUS).unwrap(), "meshcache; fwd=miss; stored", "{:?}", abi);
+        for id in [&b"req-2"[..], &[b'x'; 127][..], &[b'y'; 128][..], &[b'z'; 256][..]] {
+            let (hit, sent) = grpc_id_exchange(&e, id, &outputs);
+            assert!(hit.status().starts_with("meshcache; hit"), "{:?} {}", abi, hit.status());
+            assert_eq!(sent, framed(&grpc_with_id(id, &outputs)), "{:?}: id of {} B", abi, id.len());
+        }
+    }
 }
 
 #[test]

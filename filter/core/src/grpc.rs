@@ -12,12 +12,31 @@ pub fn unframe(body: &[u8]) -> Option<&[u8]> {
     Some(&body[5..])
 }
 
+/// Bytes of the frame header (compressed flag, 4-byte big-endian length).
+pub const FRAME_HEADER_LEN: usize = 5;
+
+/// A buffer that starts with room for the frame header and has capacity for a message of
+/// `message_len` bytes after it: the message is written straight in (no second copy to frame
+/// it), then `close_frame` writes the header.
+pub fn frame_buffer(message_len: usize) -> Vec<u8> {
+    let mut out = Vec::with_capacity(FRAME_HEADER_LEN + message_len);
+    out.extend_from_slice(&[0; FRAME_HEADER_LEN]);
+    out
+}
+
+/// Writes the header of an uncompressed frame whose message is everything after the header's
+/// room in `framed` (from `frame_buffer`).
+pub fn close_frame(framed: &mut [u8]) {
+    let len = (framed.len() - FRAME_HEADER_LEN) as u32;
+    framed[0] = 0;
+    framed[1..FRAME_HEADER_LEN].copy_from_slice(&len.to_be_bytes());
+}
+
 /// Frames one uncompressed message.
 pub fn frame(message: &[u8]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(message.len() + 5);
-    out.push(0);
-    out.extend_from_slice(&(message.len() as u32).to_be_bytes());
+    let mut out = frame_buffer(message.len());
     out.extend_from_slice(message);
+    close_frame(&mut out);
     out
 }
 
@@ -28,6 +47,12 @@ pub fn put_varint(out: &mut Vec<u8>, mut v: u64) {
         v >>= 7;
     }
     out.push(v as u8);
+}
+
+/// Bytes `put_varint` writes for `v`.
+pub fn varint_len(v: u64) -> usize {
+    let bits = 64 - (v | 1).leading_zeros() as usize;
+    (bits + 6) / 7
 }
 
 #[derive(Debug, PartialEq)]
@@ -130,6 +155,10 @@ mod tests {
     #[test]
     fn frame_roundtrip() {
         let framed = frame(b"abc");
+        let mut built = frame_buffer(3);
+        built.extend_from_slice(b"abc");
+        close_frame(&mut built);
+        assert_eq!(built, framed, "built in place: the same frame");
         assert_eq!(framed, vec![0, 0, 0, 0, 3, b'a', b'b', b'c']);
         assert_eq!(unframe(&framed), Some(&b"abc"[..]));
         assert_eq!(unframe(&[1, 0, 0, 0, 0]), None, "compressed frames are not parsed");
@@ -147,6 +176,11 @@ mod tests {
         let mut v = vec![];
         put_varint(&mut v, 300);
         assert_eq!(v, vec![0xac, 0x02]);
+        for v in [0u64, 1, 127, 128, 16_383, 16_384, (1 << 21) - 1, 1 << 21, u64::MAX] {
+            let mut w = vec![];
+            put_varint(&mut w, v);
+            assert_eq!(varint_len(v), w.len(), "{}", v);
+        }
         let truncated: Vec<_> = Fields::new(&[0x1a, 5, b'x']).collect();
         assert_eq!(truncated, vec![Err(())]);
     }

@@ -366,44 +366,76 @@ pub fn strip_proto_answer(message: Vec<u8>, id: &[u8]) -> Result<Stripped, Bypas
     Ok(Stripped { body: message, splice: Some(Splice::Proto { at: s as u32 }) })
 }
 
-/// The answer a hit sends: the stored body with the requester's id put back, and by how many
-/// bytes the JSON part grew (for `inference-header-content-length`). A requester without a
-/// spliced id gets the stored bytes (its key form only ever matches such answers).
-pub fn answer_body<'s>(stored: &'s [u8], splice: Option<&Splice>, id: &RequestId) -> Option<(Cow<'s, [u8]>, usize)> {
-    let (splice, id) = match (splice, id) {
-        (Some(s), RequestId::Spliced(id)) => (s, id),
-        _ => return Some((Cow::Borrowed(stored), 0)),
-    };
+/// Where a hit puts an id back and which: None when the stored bytes go out as they are (the
+/// answer carried no id, or the requester has no spliced id: its key form only ever matches
+/// such answers).
+fn insertion<'a>(splice: Option<&'a Splice>, id: &'a RequestId) -> Option<(&'a Splice, &'a [u8])> {
+    match (splice, id) {
+        (Some(s), RequestId::Spliced(id)) => Some((s, id)),
+        _ => None,
+    }
+}
+
+/// Bytes `write_answer` adds to the stored answer for this requester.
+fn inserted_len(splice: &Splice, id: &[u8]) -> usize {
     match splice {
-        Splice::Json { at, before, after, .. } => {
-            let at = *at as usize;
-            if at > stored.len() {
-                return None;
-            }
-            let grown = before.len() + id.len() + after.len();
-            let mut out = Vec::with_capacity(stored.len() + grown);
-            out.extend_from_slice(&stored[..at]);
+        Splice::Json { before, after, .. } => before.len() + id.len() + after.len(),
+        Splice::Proto { .. } => 1 + crate::grpc::varint_len(id.len() as u64) + id.len(),
+    }
+}
+
+/// The length of the answer a hit sends (what `write_answer` appends).
+pub fn answer_len(stored: &[u8], splice: Option<&Splice>, id: &RequestId) -> usize {
+    stored.len() + insertion(splice, id).map_or(0, |(s, id)| inserted_len(s, id))
+}
+
+/// Appends the answer a hit sends to `out`: the stored body with the requester's id put back,
+/// written in one pass (so a caller that reserved room before it, such as a gRPC frame header,
+/// copies the answer once). Returns by how many bytes the JSON part grew (for
+/// `inference-header-content-length`). None: the splice point lies past the stored body (a
+/// corrupt entry); `out` is left as it was.
+pub fn write_answer(out: &mut Vec<u8>, stored: &[u8], splice: Option<&Splice>, id: &RequestId) -> Option<usize> {
+    let (splice, id) = match insertion(splice, id) {
+        Some(x) => x,
+        None => {
+            out.extend_from_slice(stored);
+            return Some(0);
+        }
+    };
+    let at = match splice {
+        Splice::Json { at, .. } | Splice::Proto { at } => *at as usize,
+    };
+    if at > stored.len() {
+        return None;
+    }
+    out.reserve(stored.len() + inserted_len(splice, id));
+    out.extend_from_slice(&stored[..at]);
+    match splice {
+        Splice::Json { before, after, .. } => {
             out.extend_from_slice(before);
             out.extend_from_slice(id);
             out.extend_from_slice(after);
-            out.extend_from_slice(&stored[at..]);
-            Some((Cow::Owned(out), grown))
         }
-        Splice::Proto { at } => {
-            let at = *at as usize;
-            if at > stored.len() {
-                return None;
-            }
-            let mut field = vec![0x1a];
-            crate::grpc::put_varint(&mut field, id.len() as u64);
-            field.extend_from_slice(id);
-            let mut out = Vec::with_capacity(stored.len() + field.len());
-            out.extend_from_slice(&stored[..at]);
-            out.extend_from_slice(&field);
-            out.extend_from_slice(&stored[at..]);
-            Some((Cow::Owned(out), field.len()))
+        Splice::Proto { .. } => {
+            // Field 3, length-delimited: tag, length, id.
+            out.push(0x1a);
+            crate::grpc::put_varint(out, id.len() as u64);
+            out.extend_from_slice(id);
         }
     }
+    out.extend_from_slice(&stored[at..]);
+    Some(inserted_len(splice, id))
+}
+
+/// The answer a hit sends: the stored body with the requester's id put back (borrowed when
+/// nothing goes back), and by how many bytes the JSON part grew (`write_answer`).
+pub fn answer_body<'s>(stored: &'s [u8], splice: Option<&Splice>, id: &RequestId) -> Option<(Cow<'s, [u8]>, usize)> {
+    if insertion(splice, id).is_none() {
+        return Some((Cow::Borrowed(stored), 0));
+    }
+    let mut out = Vec::with_capacity(answer_len(stored, splice, id));
+    let grown = write_answer(&mut out, stored, splice, id)?;
+    Some((Cow::Owned(out), grown))
 }
 
 #[cfg(test)]
