@@ -11,25 +11,17 @@ import httpx
 import pytest
 
 from meshcache.contract.wasm_filter import plugin_config_json
-from meshcache.ctl import launchers, procs
+from meshcache.ctl import procs
 from tests.engine.helpers import init_demo_models, running_engine
-from tests.helpers.control_plane import READ_TOKEN, ControlPlaneProc, start_control_plane
+from tests.helpers.control_plane import READ_TOKEN, ControlPlaneProc, module_control_plane
 
 
 @pytest.fixture(scope="module")
 def shared_cp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlaneProc]:
     """One replica for the tests that only add their own prefixes (field round trips, validation,
-    auth): a replica started per test costs ~0.6 CPU-s, mostly imports."""
-    d = tmp_path_factory.mktemp("shared-cp")
-    redis, port = launchers.start_redis(d / "redis")
-    try:
-        cp = start_control_plane(d / "logs", port, extra_env={"MESHCACHE_CP_MAX_POLICIES": "50"})
-        try:
-            yield cp
-        finally:
-            cp.proc.stop()
-    finally:
-        redis.stop()
+    auth); room for all their policies."""
+    with module_control_plane(tmp_path_factory, extra_env={"MESHCACHE_CP_MAX_POLICIES": "50"}) as cp:
+        yield cp
 
 
 def test_put_get_list_delete(cp: ControlPlaneProc) -> None:

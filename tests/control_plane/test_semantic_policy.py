@@ -70,8 +70,8 @@ BAD = [
 ]
 
 
-def test_bad_semantic_values_are_422_naming_the_field(cp: ControlPlaneProc) -> None:
-    c = cp.client()
+def test_bad_semantic_values_are_422_naming_the_field(module_cp: ControlPlaneProc) -> None:
+    c = module_cp.client()
     assert c.put("/v1/policies/llama3-", json={"ttl_s": 60, "semantic": {"threshold": 0.99}}).status_code == 200
     before = c.get("/v1/snapshot").json()
     for body, field, reason in BAD:
