@@ -133,8 +133,8 @@ def test_history_lists_diffs_and_rollbacks(lone_cp: tuple[ControlPlaneProc, str]
             assert c.get(path).status_code == 401
 
 
-def test_page_is_static_same_origin_and_locked_down(module_cp: ControlPlaneProc) -> None:
-    cp = module_cp
+def test_page_is_static_same_origin_and_locked_down(lone_cp: tuple[ControlPlaneProc, str]) -> None:
+    cp, _ = lone_cp
     page = local_http().get(f"{cp.url}/status")
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
     csp = page.headers["content-security-policy"]
