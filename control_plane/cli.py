@@ -17,7 +17,6 @@ from .api import create_app
 from .auth import TokenConfigError, TokenTable
 from .istiod_sync import IstiodSyncConfigError
 from .istiod_sync import check_url as check_istiod_url
-from .kube_client import KubeConfigError, connect
 from .model_index import IndexConfigError, parse_engine_urls
 from .proxy_stats import ProxyStatsReader, StatsConfigError, parse_dns_names, parse_sources
 from .settings import Settings
@@ -114,6 +113,23 @@ async def serve(settings: Settings, tokens: TokenTable, log_level: str) -> None:
         await stop()
 
 
+def _kube_config_error(settings: Settings) -> Exception | None:
+    """Delivery kube without an API server to write to: the reason (the process refuses to start)."""
+    # Imported here: the Kubernetes client (and yaml) is only needed for delivery kube.
+    from .kube_client import KubeConfigError, connect
+
+    try:
+        connect(settings.kubeconfig)
+    except (KubeConfigError, OSError) as exc:
+        return exc
+    return None
+
+
+def _bad_configuration(exc: Exception) -> int:
+    print(f"meshcache-control-plane: bad configuration: {exc}", file=sys.stderr)
+    return 2
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     log_level = str(args.pop("log_level")).lower()
@@ -130,12 +146,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                          dns_names=parse_dns_names(settings.proxy_stats_dns))
         parse_engine_urls(settings.engine_index)
         check_istiod_url(settings.istiod_debug)
-        if settings.delivery == "kube":
-            connect(settings.kubeconfig)  # no API server to write to: refuse to start, say why
     except (ValidationError, TokenConfigError, StatsConfigError, IndexConfigError, IstiodSyncConfigError,
-            KubeConfigError, OSError) as exc:
-        print(f"meshcache-control-plane: bad configuration: {exc}", file=sys.stderr)
-        return 2
+            OSError) as exc:
+        return _bad_configuration(exc)
+    if settings.delivery == "kube" and (exc := _kube_config_error(settings)) is not None:
+        return _bad_configuration(exc)
     if len(tokens) == 0:
         print("meshcache-control-plane: no API tokens configured "
               "(--tokens-file or MESHCACHE_CP_TOKENS, entries `read|write:name:token`)", file=sys.stderr)

@@ -6,14 +6,12 @@ import asyncio
 import contextlib
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .auth import TokenTable
 from .fleet import FleetView, config_client_entries, replica_id
 from .istio_objects import IstioObjects
 from .istiod_sync import IstiodSync
-from .kube_client import KubeApi, connect
-from .kube_writer import KubeWriter
 from .mcp import IstioMcpRenderer, mcp_fallback
 from .metrics import Metrics
 from .model_index import ModelIndex, parse_engine_urls
@@ -29,6 +27,9 @@ from .sync import RedisSync
 from .xds_probe import XdsProbe
 from .xds_server import XdsServer
 from .xds_tls import xds_credentials
+
+if TYPE_CHECKING:
+    from .kube_writer import KubeWriter
 
 log = logging.getLogger("meshcache.control_plane")
 
@@ -87,6 +88,10 @@ class ControlPlane:
         # istiod still pointed here gets empty answers, never a second copy).
         self.kube_writer: KubeWriter | None = None
         if settings.delivery == "kube":
+            # Imported here: the Kubernetes client (and yaml) is only needed for delivery kube.
+            from .kube_client import KubeApi, connect
+            from .kube_writer import KubeWriter
+
             objects = IstioObjects.from_settings(settings)
             if objects is not None and settings.kube_write:
                 api = KubeApi(connect(settings.kubeconfig), settings.kube_timeout_s)

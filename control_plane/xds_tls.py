@@ -16,8 +16,6 @@ import logging
 from pathlib import Path
 
 import grpc
-from cryptography import x509
-from cryptography.hazmat.primitives import serialization
 
 from .settings import Settings
 
@@ -28,6 +26,10 @@ Files = tuple[bytes, bytes, bytes | None]  # certificate chain, key, client CA (
 
 def _matching_pair(cert_pem: bytes, key_pem: bytes) -> bool:
     """The chain's first certificate is the key's (what gRPC would refuse, or fail on, otherwise)."""
+    # Imported here: cryptography's X.509 modules add ~50 ms to every start, and most run without TLS.
+    from cryptography import x509
+    from cryptography.hazmat.primitives import serialization
+
     try:
         cert = x509.load_pem_x509_certificate(cert_pem)
         key = serialization.load_pem_private_key(key_pem, password=None)

@@ -1,5 +1,6 @@
 """Shared fixtures: the built filter, and a real redis-server and real control-plane processes
-per test (used by the control-plane and Istio tests)."""
+per test, or one per module for tests that only read or write their own prefixes (used by the
+control-plane and Istio tests)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from xdist.scheduler import LoadScopeScheduling
 from meshcache.contract.paths import MissingOutsideFile, require_filter_wasm
 from meshcache.ctl import launchers, procs
 from meshcache.ctl.mesh.config import FREE_PORT_POOL
-from tests.helpers.control_plane import ControlPlaneProc, start_control_plane
+from tests.helpers.control_plane import ControlPlaneProc, module_control_plane, start_control_plane
 
 
 def _own_port_range() -> None:
@@ -148,3 +149,10 @@ def start_cp(tmp_path: Path, redis_server: tuple[procs.Proc, int]
 @pytest.fixture
 def cp(start_cp: Callable[..., ControlPlaneProc]) -> ControlPlaneProc:
     return start_cp()
+
+
+@pytest.fixture(scope="module")
+def module_cp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlaneProc]:
+    """module_control_plane with the default settings."""
+    with module_control_plane(tmp_path_factory) as cp:
+        yield cp

@@ -7,27 +7,21 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from meshcache.contract.wasm_filter import plugin_config_json
-from meshcache.ctl import launchers, procs
+from meshcache.ctl import procs
 from tests.engine.helpers import init_demo_models, running_engine
-from tests.helpers.control_plane import READ_TOKEN, ControlPlaneProc, start_control_plane
+from tests.helpers.control_plane import READ_TOKEN, ControlPlaneProc, module_control_plane
 
 
 @pytest.fixture(scope="module")
 def shared_cp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlaneProc]:
-    """One replica for the tests that only add their own prefixes (validation, auth)."""
-    d = tmp_path_factory.mktemp("shared-cp")
-    redis, port = launchers.start_redis(d / "redis")
-    try:
-        cp = start_control_plane(d / "logs", port, extra_env={"MESHCACHE_CP_MAX_POLICIES": "50"})
-        try:
-            yield cp
-        finally:
-            cp.proc.stop()
-    finally:
-        redis.stop()
+    """One replica for the tests that only add their own prefixes (field round trips, validation,
+    auth); room for all their policies."""
+    with module_control_plane(tmp_path_factory, extra_env={"MESHCACHE_CP_MAX_POLICIES": "50"}) as cp:
+        yield cp
 
 
 def test_put_get_list_delete(cp: ControlPlaneProc) -> None:
@@ -59,49 +53,55 @@ def test_put_get_list_delete(cp: ControlPlaneProc) -> None:
     assert c.get("/v1/snapshot").json()["version"] == 3
 
 
-def test_key_shaping_fields_round_trip_into_the_filter_config(cp: ControlPlaneProc) -> None:
-    c = cp.client()
-    r = c.put("/v1/policies/gpt", json={"ttl_s": 60, "ignore_fields": ["user", "metadata"],
+def served_row(c: httpx.Client, prefix: str) -> dict[str, Any]:
+    """The served filter config's row of one policy (the shared replica serves other tests' too)."""
+    rows = json.loads(c.get("/v1/snapshot").json()["plugin_config"])["policies"]
+    return next(row for row in rows if row["model_prefix"] == prefix)  # type: ignore[no-any-return]
+
+
+def test_key_shaping_fields_round_trip_into_the_filter_config(shared_cp: ControlPlaneProc) -> None:
+    c = shared_cp.client()
+    r = c.put("/v1/policies/shaping-gpt", json={"ttl_s": 60, "ignore_fields": ["user", "metadata"],
                                         "deterministic_only": True})
     assert r.status_code == 200, r.text
-    policy = c.get("/v1/policies/gpt").json()["policy"]
+    policy = c.get("/v1/policies/shaping-gpt").json()["policy"]
     assert (policy["ignore_fields"], policy["deterministic_only"]) == (["user", "metadata"], True)
-    row = json.loads(c.get("/v1/snapshot").json()["plugin_config"])["policies"][0]
+    row = served_row(c, "shaping-gpt")
     assert (row["ignore_fields"], row["deterministic_only"]) == (["user", "metadata"], True)
     # Order is kept (it is the operator's), and a change of either field is a change.
-    again = c.put("/v1/policies/gpt", json={"ttl_s": 60, "ignore_fields": ["metadata", "user"],
+    again = c.put("/v1/policies/shaping-gpt", json={"ttl_s": 60, "ignore_fields": ["metadata", "user"],
                                             "deterministic_only": True}).json()
     assert again["changed"] is True
 
 
-def test_coalescing_and_stale_fields_round_trip_into_the_filter_config(cp: ControlPlaneProc) -> None:
-    c = cp.client()
+def test_coalescing_and_stale_fields_round_trip_into_the_filter_config(shared_cp: ControlPlaneProc) -> None:
+    c = shared_cp.client()
     fields = {"coalesce_timeout_ms": 0, "stale_if_error_s": 600, "stale_while_revalidate_s": 30}
-    r = c.put("/v1/policies/resnet", json={"ttl_s": 60, **fields})
+    r = c.put("/v1/policies/stale-rn", json={"ttl_s": 60, **fields})
     assert r.status_code == 200, r.text
-    policy = c.get("/v1/policies/resnet").json()["policy"]
+    policy = c.get("/v1/policies/stale-rn").json()["policy"]
     assert {k: policy[k] for k in fields} == fields
-    row = json.loads(c.get("/v1/snapshot").json()["plugin_config"])["policies"][0]
+    row = served_row(c, "stale-rn")
     assert {k: row[k] for k in fields} == fields
-    assert c.put("/v1/policies/resnet", json={"ttl_s": 60, **fields, "coalesce_timeout_ms": 250}).json()["changed"]
+    assert c.put("/v1/policies/stale-rn", json={"ttl_s": 60, **fields, "coalesce_timeout_ms": 250}).json()["changed"]
     schema = c.get("/openapi.json").json()["components"]["schemas"]["PolicySpec"]["properties"]
     assert schema["coalesce_timeout_ms"]["maximum"] == 60_000 and schema["coalesce_timeout_ms"]["default"] == 5000
     assert schema["stale_if_error_s"]["maximum"] == schema["stale_while_revalidate_s"]["maximum"] == 86_400
 
 
-def test_client_no_cache_round_trips_into_the_filter_config(cp: ControlPlaneProc) -> None:
+def test_client_no_cache_round_trips_into_the_filter_config(shared_cp: ControlPlaneProc) -> None:
     """`client_no_cache` (issue 32): revalidate by default, ignore when set; PUT and PATCH reach
     the filter's row; any other value is a 422 naming the field, and changes nothing."""
-    c = cp.client()
-    assert c.put("/v1/policies/llm", json={"ttl_s": 60}).status_code == 200
-    assert c.get("/v1/policies/llm").json()["policy"]["client_no_cache"] == "revalidate"
-    r = c.patch("/v1/policies/llm", content=json.dumps({"client_no_cache": "ignore"}), headers=MERGE_PATCH)
+    c = shared_cp.client()
+    assert c.put("/v1/policies/no-cache-llm", json={"ttl_s": 60}).status_code == 200
+    assert c.get("/v1/policies/no-cache-llm").json()["policy"]["client_no_cache"] == "revalidate"
+    r = c.patch("/v1/policies/no-cache-llm", content=json.dumps({"client_no_cache": "ignore"}), headers=MERGE_PATCH)
     assert r.status_code == 200, r.text
-    row = json.loads(c.get("/v1/snapshot").json()["plugin_config"])["policies"][0]
+    row = served_row(c, "no-cache-llm")
     assert row["client_no_cache"] == "ignore"
     version = c.get("/v1/snapshot").json()["version"]
     for bad in ("bypass", True, None, ""):
-        r = c.put("/v1/policies/llm", json={"ttl_s": 60, "client_no_cache": bad})
+        r = c.put("/v1/policies/no-cache-llm", json={"ttl_s": 60, "client_no_cache": bad})
         assert r.status_code == 422 and "client_no_cache" in r.text, (bad, r.text)
     assert c.get("/v1/snapshot").json()["version"] == version
     schema = c.get("/openapi.json").json()["components"]["schemas"]["PolicySpec"]["properties"]

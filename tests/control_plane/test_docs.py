@@ -44,8 +44,9 @@ class _Refs(HTMLParser):
     ("/docs", {"/docs/assets/swagger-ui-bundle.js", "/docs/assets/swagger-ui.css", "/docs/assets/favicon.png"}),
     ("/redoc", {"/docs/assets/redoc.standalone.js", "/docs/assets/favicon.png", "/openapi.json"}),
 ])
-def test_docs_pages_load_only_local_assets(cp: ControlPlaneProc, page: str, expected_assets: set[str]) -> None:
-    with cp.client(None) as c:
+def test_docs_pages_load_only_local_assets(module_cp: ControlPlaneProc, page: str, expected_assets: set[str]
+                                           ) -> None:
+    with module_cp.client(None) as c:
         r = c.get(page)
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
         # The browser may load from this origin only (ReDoc's bundle would fetch a logo elsewhere).
@@ -107,11 +108,11 @@ def _browse(url: str, tmp_path: Path) -> tuple[str, list[str]]:
     ("/redoc", {"/docs/assets/redoc.standalone.js", "/openapi.json"},
      ["meshcache control plane", "/v1/policies/{model_prefix}"]),
 ])
-def test_docs_render_in_a_browser_without_the_internet(cp: ControlPlaneProc, tmp_path: Path, page: str,
+def test_docs_render_in_a_browser_without_the_internet(module_cp: ControlPlaneProc, tmp_path: Path, page: str,
                                                        assets: set[str], rendered: list[str]) -> None:
-    dom, requested = _browse(cp.url + page, tmp_path)
+    dom, requested = _browse(module_cp.url + page, tmp_path)
     hosts = {urlsplit(u).netloc for u in requested}
-    assert hosts == {f"127.0.0.1:{cp.http_port}"}, requested  # nothing from anywhere else
+    assert hosts == {f"127.0.0.1:{module_cp.http_port}"}, requested  # nothing from anywhere else
     assert assets <= {urlsplit(u).path for u in requested}, requested
     for text in rendered:  # the UI ran: it fetched the schema and drew the operations
         assert text in dom, (text, dom[:2000])

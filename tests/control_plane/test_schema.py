@@ -18,24 +18,15 @@ from meshcache.control_plane.api import create_app
 from meshcache.control_plane.auth import TokenTable
 from meshcache.control_plane.settings import Settings
 from meshcache.control_plane.wiring import ControlPlane
-from meshcache.ctl import launchers
-from tests.helpers.control_plane import WRITE_TOKEN, ControlPlaneProc, start_control_plane
+from tests.helpers.control_plane import WRITE_TOKEN, ControlPlaneProc, module_control_plane
 
 
 @pytest.fixture(scope="module")
 def running_cp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlaneProc]:
-    d = tmp_path_factory.mktemp("schema-cp")
-    redis, port = launchers.start_redis(d / "redis")
-    try:
-        cp = start_control_plane(d / "logs", port)
-        try:
-            # Something to read, purge and roll back to.
-            cp.client().put("/v1/policies/seed", json={"ttl_s": 5})
-            yield cp
-        finally:
-            cp.proc.stop()
-    finally:
-        redis.stop()
+    with module_control_plane(tmp_path_factory) as cp:
+        # Something to read, purge and roll back to.
+        cp.client().put("/v1/policies/seed", json={"ttl_s": 5})
+        yield cp
 
 
 def _spec() -> dict:

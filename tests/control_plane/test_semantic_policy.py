@@ -70,13 +70,13 @@ BAD = [
 ]
 
 
-def test_bad_semantic_values_are_422_naming_the_field(cp: ControlPlaneProc) -> None:
-    c = cp.client()
-    assert c.put("/v1/policies/llama3-", json={"ttl_s": 60, "semantic": {"threshold": 0.99}}).status_code == 200
+def test_bad_semantic_values_are_422_naming_the_field(module_cp: ControlPlaneProc) -> None:
+    c = module_cp.client()
+    assert c.put("/v1/policies/bad-llama3-", json={"ttl_s": 60, "semantic": {"threshold": 0.99}}).status_code == 200
     before = c.get("/v1/snapshot").json()
     for body, field, reason in BAD:
-        put = c.put("/v1/policies/llama3-", json={"ttl_s": 60, **body})
-        patch = c.patch("/v1/policies/llama3-", content=json.dumps(body), headers=MERGE_PATCH)
+        put = c.put("/v1/policies/bad-llama3-", json={"ttl_s": 60, **body})
+        patch = c.patch("/v1/policies/bad-llama3-", content=json.dumps(body), headers=MERGE_PATCH)
         for method, r in (("PUT", put), ("PATCH", patch)):
             assert r.status_code == 422, (method, body, r.text)
             errors = {e["field"]: e["reason"] for e in r.json()["errors"]}
@@ -95,10 +95,12 @@ def test_semantic_service_is_rendered_when_configured(start_cp: Callable[..., Co
     assert config["policies"][0]["semantic"] == {"threshold": DEFAULT_THRESHOLD, "shadow": True}
 
 
-def test_cli_policy_set_turns_the_layer_on_and_off(cp: ControlPlaneProc) -> None:
+def test_cli_policy_set_turns_the_layer_on_and_off(module_cp: ControlPlaneProc) -> None:
     """`meshcache policy set --semantic-threshold/--semantic-shadow` patch the members of `semantic`
     (the other member kept), `--unset semantic` turns it off, a bad value changes nothing."""
     from tests.control_plane.test_cli_day2 import cli
+
+    cp = module_cp  # shared with the 422 test, which writes its own prefix
 
     def row() -> dict[str, Any]:
         return _rows(cp.client())["llama3-"]
