@@ -35,7 +35,10 @@ def test_the_access_log_recipe_logs_cache_status(tmp_path: Path, host: str) -> N
     to_file = [{"name": "envoy.access_loggers.file",
                 "typed_config": {"@type": FILE_LOG, "path": str(log_path),
                                  "log_format": entries[0]["typed_config"]["log_format"]}}]
-    with filter_stack(tmp_path, config(policy("m")), host=host, access_log=to_file) as s, httpx.Client() as c:
+    # Envoy writes file access logs out every 10 s by default (--file-flush-interval-msec), which a
+    # wait of 10 s races; flush often so the wait is for the lines, not the timer.
+    with filter_stack(tmp_path, config(policy("m")), host=host, access_log=to_file,
+                      envoy_args=["--file-flush-interval-msec", "100"]) as s, httpx.Client() as c:
         statuses = [c.post(s.url(path), content=BODY, headers=headers).headers.get("cache-status")
                     for path, headers in (("/v2/models/m/infer", {}), ("/v2/models/m/infer", {}),
                                           ("/v2/models/other/infer", {}),
