@@ -119,6 +119,14 @@ def http_call(caller: RunningPod, path: str, host: str, ip: str, body: str | Non
     return json.loads(in_pod(caller, HTTP, json.dumps(spec), as_app=True))  # type: ignore[no-any-return]
 
 
+def http_ok(caller: RunningPod, path: str, ip: str, body: str) -> Obj:
+    """REST to the engine Service answered 200 (a 503 until the caller's sidecar has the engine's
+    endpoints, so callers wait for it with `eventually`): the result."""
+    result = http_call(caller, path, render.ENGINE_APP, ip, body=body)
+    assert result["status"] == 200, result
+    return result
+
+
 GRPC = """import json, sys, grpc
 spec = json.loads(sys.argv[1])
 with grpc.insecure_channel(spec["target"], options=[("grpc.default_authority", spec["authority"])]) as channel:

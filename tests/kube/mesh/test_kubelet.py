@@ -11,6 +11,7 @@ import ipaddress
 import json
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,7 @@ from tests.kube.mesh.helpers import (
     engine_pods,
     grpc_call,
     http_call,
+    http_ok,
     proxy_status,
     ready_engine_pods,
     ready_sidecars,
@@ -211,10 +213,7 @@ def test_the_filter_comes_over_oci_through_istio_agent_and_the_second_rest_infer
     client = caller_pod(kube_mesh, "hit-caller", "meshcache-client", {AFFINITY_LABEL: "true"})
     path, body = "/v2/models/mlp-classifier/infer", json.dumps(mlp_json(seed=3401))
 
-    def post() -> Obj:
-        result = http_call(client, path, render.ENGINE_APP, ip, body=body)
-        assert result["status"] == 200, result  # 503 until the client's sidecar has the engine endpoints
-        return result
+    post = partial(http_ok, client, path, ip, body)
 
     before = sum(engine_calls(kube_mesh, "mlp-classifier", pods).values())
     first = eventually(post, timeout=30)

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import json
 import subprocess
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from meshcache.contract.extensions import AFFINITY_LABEL
-from meshcache.ctl.istio import render
 from meshcache.ctl.istiod.binary import require
 from meshcache.ctl.istiod.status import ECDS_TYPE_URL
 from meshcache.ctl.kube.mesh import KubeMesh
@@ -26,7 +26,7 @@ from tests.kube.mesh.helpers import (
     ecds_filters,
     engine_calls,
     envoy_admin,
-    http_call,
+    http_ok,
     ready_engine_pods,
     running,
     service_ip,
@@ -115,10 +115,7 @@ def test_a_purge_through_istiod_empties_the_cached_entries(kube_mesh: KubeMesh) 
     client = caller_pod(kube_mesh, CACHE_CALLER, "meshcache-client", {AFFINITY_LABEL: "true"})
     path, body = "/v2/models/mlp-classifier/infer", json.dumps(mlp_json(seed=3403))
 
-    def post() -> Obj:
-        result = http_call(client, path, render.ENGINE_APP, ip, body=body)
-        assert result["status"] == 200, result
-        return result
+    post = partial(http_ok, client, path, ip, body)
 
     eventually(post, timeout=30)
     assert post()["headers"]["cache-status"].startswith("meshcache; hit; ttl=")

@@ -15,6 +15,7 @@ import os
 import subprocess
 import uuid
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,7 @@ from tests.kube.mesh.helpers import (
     engine_calls,
     engine_pods,
     grpc_call,
-    http_call,
+    http_ok,
     proxy_status,
     ready_engine_pods,
     running,
@@ -147,10 +148,7 @@ def test_helm_install_runs_on_the_kube_mesh(kube_mesh: KubeMesh, release: tuple[
     ip = service_ip(kube_mesh, ns)
     path, body = f"/v2/models/{MODEL}/infer", json.dumps(mlp_json(seed=3535))
 
-    def post() -> Obj:
-        result = http_call(client, path, render.ENGINE_APP, ip, body=body)
-        assert result["status"] == 200, result
-        return result
+    post = partial(http_ok, client, path, ip, body)
 
     first = eventually(post, timeout=60)
     assert first["headers"]["cache-status"] == "meshcache; fwd=miss; stored", first["headers"]

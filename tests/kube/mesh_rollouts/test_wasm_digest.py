@@ -13,6 +13,7 @@ listeners and routes stay as they are; requests pass uncached."""
 from __future__ import annotations
 
 import json
+from functools import partial
 from typing import Any
 
 from meshcache.contract.extensions import AFFINITY_LABEL
@@ -27,7 +28,7 @@ from tests.kube.mesh.helpers import (
     caller_pod,
     ecds_filters,
     engine_calls,
-    http_call,
+    http_ok,
     ready_engine_pods,
     running,
     service_ip,
@@ -51,10 +52,7 @@ def test_a_wrong_digest_is_refused_by_istio_agent_and_the_sidecars_keep_serving(
     client = caller_pod(kube_mesh, CACHE_CALLER, "meshcache-client", {AFFINITY_LABEL: "true"})
     path, body = "/v2/models/mlp-classifier/infer", json.dumps(mlp_json(seed=3404))
 
-    def post() -> Obj:
-        result = http_call(client, path, render.ENGINE_APP, ip, body=body)
-        assert result["status"] == 200, result
-        return result
+    post = partial(http_ok, client, path, ip, body)
 
     cached = eventually(post, timeout=30)
     assert post()["headers"]["cache-status"].startswith("meshcache; hit; ttl=")

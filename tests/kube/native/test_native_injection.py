@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+from functools import partial
 from typing import Any
 
 from meshcache.contract import oci
@@ -31,7 +32,7 @@ from tests.kube.mesh.helpers import (
     engine_calls,
     envoy_admin,
     grpc_call,
-    http_call,
+    http_ok,
     ready_engine_pods,
     running,
     service_ip,
@@ -137,10 +138,7 @@ def test_the_second_rest_infer_is_a_hit(native_kube_mesh: KubeMesh) -> None:
     ip, client = service_ip(mesh), _caller(mesh)
     path, body = "/v2/models/mlp-classifier/infer", json.dumps(mlp_json(seed=3702))
 
-    def post() -> Obj:
-        result = http_call(client, path, render.ENGINE_APP, ip, body=body)
-        assert result["status"] == 200, result
-        return result
+    post = partial(http_ok, client, path, ip, body)
 
     calls = sum(engine_calls(mesh, "mlp-classifier", [pod]).values())
     first = eventually(post, timeout=30)
@@ -161,10 +159,7 @@ def test_a_policy_put_and_a_purge_reach_the_sidecar_through_istiod_ecds(native_k
     ip, client = service_ip(mesh), _caller(mesh)
     path, body = "/v2/models/mlp-classifier/infer", json.dumps(mlp_json(seed=3703))
 
-    def post() -> Obj:
-        result = http_call(client, path, render.ENGINE_APP, ip, body=body)
-        assert result["status"] == 200, result
-        return result
+    post = partial(http_ok, client, path, ip, body)
 
     eventually(post, timeout=30)
     assert post()["headers"]["cache-status"].startswith("meshcache; hit; ttl=")
