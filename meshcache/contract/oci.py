@@ -51,13 +51,23 @@ class Image:
 
 
 def build_image(module: bytes) -> Image:
+    """The Wasm filter's image: the module as plugin.wasm, its sha256 in the config's labels."""
+    layer, config, manifest = image_parts({WASM_FILE_IN_IMAGE: module}, labels={
+        "org.opencontainers.image.title": "meshcache-filter", "io.meshcache.module.sha256": sha256_hex(module)})
+    return Image(module_sha256=sha256_hex(module), layer=layer, config=config, manifest=manifest)
+
+
+def image_parts(files: dict[str, bytes], labels: dict[str, str] | None = None) -> tuple[bytes, bytes, bytes]:
+    """A deterministic one-layer image holding `files` (path in the image -> content, read-only,
+    root-owned, mtime 0): its gzip'd layer, config and manifest, so equal files give an equal digest."""
     tar_buf = io.BytesIO()
     with tarfile.open(fileobj=tar_buf, mode="w", format=tarfile.USTAR_FORMAT) as tar:
-        info = tarfile.TarInfo(WASM_FILE_IN_IMAGE)
-        info.size, info.mode, info.mtime = len(module), 0o444, 0
-        info.uid = info.gid = 0
-        info.uname = info.gname = ""
-        tar.addfile(info, io.BytesIO(module))
+        for name, data in files.items():
+            info = tarfile.TarInfo(name)
+            info.size, info.mode, info.mtime = len(data), 0o444, 0
+            info.uid = info.gid = 0
+            info.uname = info.gname = ""
+            tar.addfile(info, io.BytesIO(data))
     raw = tar_buf.getvalue()
     gz_buf = io.BytesIO()
     with gzip.GzipFile(filename="", mode="wb", fileobj=gz_buf, mtime=0, compresslevel=9) as gz:
@@ -65,8 +75,7 @@ def build_image(module: bytes) -> Image:
     layer = gz_buf.getvalue()
     config = _canonical({
         "architecture": "amd64", "os": "linux",
-        "config": {"Labels": {"org.opencontainers.image.title": "meshcache-filter",
-                              "io.meshcache.module.sha256": sha256_hex(module)}},
+        **({"config": {"Labels": labels}} if labels else {}),
         "rootfs": {"type": "layers", "diff_ids": [f"sha256:{sha256_hex(raw)}"]},
     })
     manifest = _canonical({
@@ -75,7 +84,7 @@ def build_image(module: bytes) -> Image:
         "config": {"mediaType": CONFIG_MEDIA_TYPE, "digest": f"sha256:{sha256_hex(config)}", "size": len(config)},
         "layers": [{"mediaType": LAYER_MEDIA_TYPE, "digest": f"sha256:{sha256_hex(layer)}", "size": len(layer)}],
     })
-    return Image(module_sha256=sha256_hex(module), layer=layer, config=config, manifest=manifest)
+    return layer, config, manifest
 
 
 def image_for(module_path: Path) -> Image:

@@ -15,11 +15,7 @@ What it does not prove: that a real base image has the tools, or a registry's pu
 
 from __future__ import annotations
 
-import gzip
-import io
-import json
 import shutil
-import tarfile
 from pathlib import Path
 from typing import Any
 
@@ -40,25 +36,8 @@ def _modules() -> list[Path]:
 def digest() -> str:
     """The emulated image's manifest digest: a deterministic image of its content layer (every
     module build under /meshcache/modules), so a new build is a new digest as with a real image."""
-    tar_buf = io.BytesIO()
-    with tarfile.open(fileobj=tar_buf, mode="w", format=tarfile.USTAR_FORMAT) as tar:
-        for module in _modules():
-            data = module.read_bytes()
-            info = tarfile.TarInfo(f"{IMAGE_MODULE_DIR.lstrip('/')}/{module.name}")
-            info.size, info.mode, info.mtime = len(data), 0o444, 0
-            tar.addfile(info, io.BytesIO(data))
-    raw = tar_buf.getvalue()
-    layer = gzip.compress(raw, compresslevel=1, mtime=0)
-    config = json.dumps({"architecture": "amd64", "os": "linux",
-                         "rootfs": {"type": "layers", "diff_ids": [f"sha256:{oci.sha256_hex(raw)}"]}},
-                        sort_keys=True).encode()
-    manifest = json.dumps({"schemaVersion": 2, "mediaType": oci.MANIFEST_MEDIA_TYPE,
-                           "config": {"mediaType": oci.CONFIG_MEDIA_TYPE, "digest": f"sha256:{oci.sha256_hex(config)}",
-                                      "size": len(config)},
-                           "layers": [{"mediaType": oci.LAYER_MEDIA_TYPE,
-                                       "digest": f"sha256:{oci.sha256_hex(layer)}", "size": len(layer)}]},
-                          sort_keys=True).encode()
-    return oci.sha256_hex(manifest)
+    files = {f"{IMAGE_MODULE_DIR.lstrip('/')}/{m.name}": m.read_bytes() for m in _modules()}
+    return oci.sha256_hex(oci.image_parts(files)[2])
 
 
 def reference() -> str:
