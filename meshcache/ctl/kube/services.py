@@ -105,6 +105,10 @@ class ServiceProxy:
     def stop(self) -> None:
         self._stop.set()
         for listener in self._listeners:
+            # shutdown first: close() alone leaves a socket another thread is blocked in accept()
+            # on listening (Linux), holding node_ip:port for a later node that reuses the subnet.
+            with contextlib.suppress(OSError):
+                listener.shutdown(socket.SHUT_RDWR)
             listener.close()
         with self._lock:
             conns = list(self._conns)
